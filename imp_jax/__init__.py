@@ -1,0 +1,1 @@
+"""imp_jax: an LLM inference server in JAX."""

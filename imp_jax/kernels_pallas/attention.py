@@ -1,0 +1,57 @@
+"""The one attention entry point the models call: write new K/V, then attend over the pages."""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from imp_jax.kernels_pallas.metadata import AttentionMetadata
+from imp_jax.kernels_pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
+from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, write_kv
+
+BACKENDS = ("reference", "pallas")
+
+
+def hopper_or_newer() -> bool:
+    """Whether the default device is an NVIDIA GPU of compute capability >= 9.0 (TMA + wgmma)."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return float(jax.devices()[0].compute_capability) >= 9.0
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def attention_backend(q: jax.Array | None = None, k_cache: jax.Array | None = None) -> str:
+    """`IMP_JAX_ATTENTION` if set; else Pallas on a Hopper+ GPU when the kernel takes these shapes.
+
+    Read at trace time: a function already jitted keeps the backend it was traced with.
+    """
+    forced = os.environ.get("IMP_JAX_ATTENTION", "").strip().lower()
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"IMP_JAX_ATTENTION={forced!r}: expected one of {', '.join(BACKENDS)}")
+    if forced:
+        return forced
+    shapes_ok = q is None or k_cache is None or supports(q, k_cache)
+    return "pallas" if hopper_or_newer() and shapes_ok else "reference"
+
+
+def ragged_paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+    meta: AttentionMetadata, layer: jax.Array | int, *, sm_scale: float,
+    sliding_window: int | None = None, soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write k/v [T, KVH, D] at meta.slot_mapping into `layer` of the stacked caches, then attend.
+
+    q: [T, H, D]; caches: [L, num_blocks, block_size, KVH, D]. Returns (out [T, H, D], k_cache, v_cache).
+    Pallas off a Hopper+ GPU (forced by IMP_JAX_ATTENTION=pallas) runs in the Mosaic GPU interpreter.
+    """
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
+    if attention_backend(q, k_cache) == "pallas":
+        out = ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, sm_scale=sm_scale,
+                                            sliding_window=sliding_window, soft_cap=soft_cap,
+                                            interpret=not hopper_or_newer())
+    else:
+        out = ragged_paged_attention_reference(q, k_cache, v_cache, meta, layer, sm_scale=sm_scale,
+                                               sliding_window=sliding_window, soft_cap=soft_cap)
+    return out, k_cache, v_cache
