@@ -1,0 +1,300 @@
+"""KV block pool: which cache blocks each sequence owns, shared by chained prefix hashes.
+
+Host bookkeeping only. The device cache is `[num_blocks, block_size, kv_heads, head_dim]`
+per layer; block 0 is the null block padding points at and is never handed out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+
+NULL_BLOCK = 0
+
+BlockCopy = tuple[int, int]
+"""(src, dst) block ids whose contents the engine must copy on device before the next write."""
+
+
+class OutOfBlocks(RuntimeError):
+    """No block left for an operation that cannot wait (fork, ensure_writable_tail)."""
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+    """Hash of one full block: its tokens, the hash of the block before it and e.g. a LoRA name."""
+    return hash((parent, tuple(token_ids), extra_key))
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks in order, and the hashes of its committed full blocks."""
+
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens reused from the prefix cache at admission
+    pinned_ids: list[int] = field(default_factory=list)  # pins taken via this table; free() keeps them
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens (queries, hits) and blocks (evictions)."""
+
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of those, tokens served from cached blocks
+    evictions: int = 0  # cached blocks reclaimed for new allocations
+
+
+class KVBlockPool:
+    """Ref-counted block ids; idle hashed blocks stay cached until evicted least-recently-used first.
+
+    A block is in exactly one state: held (refs > 0), pinned idle (refs == 0, pins > 0),
+    cached idle (in `_lru`, evictable) or free (in `_free`, no hash).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 2 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refs = [0] * num_blocks
+        self._pins = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks  # set only on the block `_cached` maps to
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._free: deque[int] = deque(range(1, num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can still get: free plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many tables hold `block_id`."""
+        return self._refs[block_id]
+
+    def stats(self) -> PrefixCacheStats:
+        """A snapshot of the prefix-cache counters."""
+        return replace(self._stats)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> tuple[list[int], list[int]]:
+        """Longest chain of cached full blocks for this prompt, as (block_ids, hashes); takes no refs.
+
+        At most (len(token_ids) - 1) // block_size blocks: the last prompt token is always computed.
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        hashes: list[int] = []
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            b = self._cached.get(h)
+            if b is None:
+                break
+            ids.append(b)
+            hashes.append(h)
+            parent = h
+        return ids, hashes
+
+    def blocks_needed(
+        self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, extra_key: Hashable = None
+    ) -> int:
+        """How much of `num_free_blocks` allocate() would consume; it succeeds iff this <= num_free_blocks.
+
+        Prefix hits are free, except a hit on an evictable block, which leaves the evictable set.
+        """
+        return self._plan(table, token_ids, num_tokens, extra_key)[2]
+
+    def allocate(
+        self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, extra_key: Hashable = None
+    ) -> bool:
+        """Make `table` cover `num_tokens` tokens, reusing the cached prefix if the table is empty.
+
+        All or nothing: returns False and changes nothing when the pool is short.
+        """
+        hit_ids, hit_hashes, needed = self._plan(table, token_ids, num_tokens, extra_key)
+        if needed > self.num_free_blocks:
+            return False
+        if not table.block_ids:
+            for b in hit_ids:  # before taking new blocks, so these are not the ones evicted
+                self._acquire(b)
+            table.block_ids = list(hit_ids)
+            table.block_hashes = list(hit_hashes)
+            table.num_cached_tokens = len(hit_ids) * self.block_size
+            self._stats.queries += len(token_ids)
+            self._stats.hits += table.num_cached_tokens
+        while len(table.block_ids) < self.num_blocks_for(num_tokens):
+            table.block_ids.append(self._take())
+        return True
+
+    def _plan(
+        self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, extra_key: Hashable
+    ) -> tuple[list[int], list[int], int]:
+        """Prefix hits (empty table only) and the free-block cost of covering `num_tokens`."""
+        hit_ids, hit_hashes = ([], []) if table.block_ids else self.match_prefix(token_ids, extra_key)
+        have = len(table.block_ids) or len(hit_ids)
+        new = max(0, self.num_blocks_for(num_tokens) - have)
+        return hit_ids, hit_hashes, new + sum(1 for b in hit_ids if b in self._lru)
+
+    # -- running sequences -----------------------------------------------------------------
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], extra_key: Hashable = None) -> None:
+        """Hash the table's blocks made full by `token_ids` (every token whose KV is written).
+
+        A hash already cached on another block is only recorded on the table: blocks in use
+        are never deduplicated.
+        """
+        bs = self.block_size
+        num_full = min(len(token_ids) // bs, len(table.block_ids))
+        parent = table.block_hashes[-1] if table.block_hashes else None
+        for i in range(len(table.block_hashes), num_full):
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            b = table.block_ids[i]
+            if h not in self._cached and self._hash[b] is None:
+                self._cached[h] = b
+                self._hash[b] = h
+            table.block_hashes.append(h)
+            parent = h
+
+    def free(self, table: BlockTable) -> None:
+        """Drop the table's references, tail first so tails are evicted first, and empty it.
+
+        Pins taken through the table survive: release them with unpin(table).
+        """
+        for b in reversed(table.block_ids):
+            self._release(b)
+        table.block_ids = []
+        table.block_hashes = []
+        table.num_cached_tokens = 0
+
+    def fork(self, table: BlockTable, num_tokens: int) -> tuple[BlockTable, BlockCopy | None]:
+        """A sibling table for the first `num_tokens` tokens (n > 1 samples of one prompt).
+
+        Full blocks are shared (refcount + 1); a partial tail gets a fresh block, returned as
+        the (src, dst) copy the engine must do on device. Raises OutOfBlocks if none is free.
+        """
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if self.num_blocks_for(num_tokens) > len(table.block_ids):
+            raise ValueError(f"table covers fewer than {num_tokens} tokens")
+        if partial and self.num_free_blocks == 0:
+            raise OutOfBlocks("fork needs one free block for the partial tail")
+        child = BlockTable(
+            block_ids=table.block_ids[:num_full],
+            block_hashes=table.block_hashes[:num_full],
+            num_cached_tokens=min(table.num_cached_tokens, num_tokens),
+        )
+        for b in child.block_ids:
+            self._acquire(b)
+        if not partial:
+            return child, None
+        dst = self._take()
+        child.block_ids.append(dst)
+        return child, (table.block_ids[num_full], dst)
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> BlockCopy | None:
+        """Shorten the table to `num_tokens` tokens (rewind): free tail blocks, drop stale hashes.
+
+        Then makes the new partial tail writable; see ensure_writable_tail for the result.
+        """
+        keep = self.num_blocks_for(num_tokens)
+        for b in reversed(table.block_ids[keep:]):
+            self._release(b)
+        del table.block_ids[keep:]
+        del table.block_hashes[num_tokens // self.block_size :]
+        table.num_cached_tokens = min(table.num_cached_tokens, num_tokens)
+        return self.ensure_writable_tail(table, num_tokens)
+
+    def ensure_writable_tail(self, table: BlockTable, num_tokens: int) -> BlockCopy | None:
+        """Make the partial block holding token `num_tokens` private before it is written again.
+
+        A block only this table holds just leaves the prefix cache; a shared or pinned one is
+        replaced by a fresh block and the (src, dst) device copy returned. Raises OutOfBlocks.
+        """
+        i, partial = divmod(num_tokens, self.block_size)
+        if not partial or i >= len(table.block_ids):
+            return None  # the next token opens a new block
+        del table.block_hashes[i:]
+        b = table.block_ids[i]
+        if self._refs[b] == 1 and self._pins[b] == 0:
+            if self._hash[b] is not None:
+                self._uncache(b)
+            return None
+        if self.num_free_blocks == 0:
+            raise OutOfBlocks("no free block to copy a shared tail into")
+        dst = self._take()
+        table.block_ids[i] = dst
+        self._release(b)
+        return b, dst
+
+    # -- prompt caching --------------------------------------------------------------------
+
+    def pin(self, table: BlockTable) -> None:
+        """Keep the cached blocks of the table's committed hashes from eviction until unpin(table).
+
+        Pins nest: a block stays pinned while any pin on it is held.
+        """
+        for h in table.block_hashes:
+            b = self._cached.get(h)
+            if b is None:
+                continue
+            if self._refs[b] == 0 and self._pins[b] == 0:
+                del self._lru[b]
+            self._pins[b] += 1
+            table.pinned_ids.append(b)
+
+    def unpin(self, table: BlockTable) -> None:
+        """Release every pin taken through `table`."""
+        for b in reversed(table.pinned_ids):
+            self._pins[b] -= 1
+            self._park_if_idle(b)
+        table.pinned_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block hash; idle cached blocks become free. Live tables keep their blocks."""
+        for b in self._cached.values():
+            self._hash[b] = None
+        self._cached.clear()
+        self._free.extend(self._lru)
+        self._lru.clear()
+
+    # -- block states ----------------------------------------------------------------------
+
+    def _take(self) -> int:
+        """A fresh block with one reference: from the free list, else the LRU cached block."""
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._lru.popitem(last=False)
+            self._uncache(b)
+            self._stats.evictions += 1
+        self._refs[b] = 1
+        return b
+
+    def _acquire(self, b: int) -> None:
+        if self._refs[b] == 0 and self._pins[b] == 0:
+            del self._lru[b]  # an idle cached block is reused
+        self._refs[b] += 1
+
+    def _release(self, b: int) -> None:
+        self._refs[b] -= 1
+        self._park_if_idle(b)
+
+    def _park_if_idle(self, b: int) -> None:
+        """An unheld, unpinned block becomes evictable (most recent) if hashed, else free."""
+        if self._refs[b] == 0 and self._pins[b] == 0:
+            if self._hash[b] is None:
+                self._free.append(b)
+            else:
+                self._lru[b] = None
+
+    def _uncache(self, b: int) -> None:
+        del self._cached[self._hash[b]]
+        self._hash[b] = None
