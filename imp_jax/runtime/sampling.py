@@ -1,0 +1,366 @@
+"""Token sampler: one jitted program turns logits [R, V] into tokens and logprobs.
+
+Every knob is a per-row array (`SamplingTensors`), so one compiled program serves any
+mix of requests. Processing order, each step seeing the output of the one before:
+
+1. penalties over the history window (tokens -1 are padding):
+   repetition (HF/CTRL: seen token's logit l -> l / p if l > 0 else l * p, prompt and
+   output tokens), then frequency and presence (OpenAI: l -= f * count + p * (count > 0),
+   output tokens only);
+2. logit_bias: added to the named ids;
+3. allowed mask (structured output): disallowed tokens -> -inf;
+4. temperature: rows with temperature > 0 divide by it; greedy rows keep their logits;
+5. truncation, removed tokens -> -inf, each step on the distribution left by the last:
+   top_k (k <= 0 or k >= V is off), top_p (smallest prefix by probability whose mass
+   reaches top_p, at least one token), min_p (drop p < min_p * p_max), typical_p
+   (HF TypicalLogitsWarper). Cuts are by value: tokens tied with the last kept one stay;
+6. greedy rows take the argmax; other rows draw by Gumbel-max with key
+   fold_in(key(seed), position) when seeded, else fold_in(step_key, row_index).
+
+Logprobs are log_softmax of the final processed logits (greedy rows: at temperature 1),
+so a greedy token is always top_ids[:, 0] and a removed token reads -inf. Every row
+needs at least one token that survives the mask, or its outputs are NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# top_k rows with k <= this are truncated from lax.top_k candidates, not a full sort.
+FAST_TOP_K = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling knobs for R rows; a pytree, so it passes straight into jit."""
+
+    temperature: jax.Array  # f32[R], <= 0 = greedy
+    top_k: jax.Array  # i32[R], <= 0 = off
+    top_p: jax.Array  # f32[R], >= 1 = off
+    min_p: jax.Array  # f32[R], 0 = off
+    typical_p: jax.Array  # f32[R], >= 1 = off
+    presence_penalty: jax.Array  # f32[R], 0 = off
+    frequency_penalty: jax.Array  # f32[R], 0 = off
+    repetition_penalty: jax.Array  # f32[R], 1 = off
+    seed: jax.Array  # u32[R]
+    has_seed: jax.Array  # bool[R]
+    position: jax.Array  # i32[R], index in its sequence of the token being sampled
+    history: jax.Array  # i32[R, H], prompt + output token ids, -1 = padding
+    history_is_output: jax.Array  # bool[R, H]
+    bias_ids: jax.Array  # i32[R, B], -1 = padding
+    bias_values: jax.Array  # f32[R, B]
+    allowed_mask: jax.Array | None = None  # u32[R, ceil(V/32)], bit i%32 of word i//32
+
+
+class SamplerOutput(NamedTuple):
+    """Sampled tokens, their processed logprobs, and the top-K processed logprobs."""
+
+    tokens: jax.Array  # i32[R]
+    logprob: jax.Array  # f32[R]
+    top_ids: jax.Array  # i32[R, K], K = num_top_logprobs, best first
+    top_logprobs: jax.Array  # f32[R, K]
+
+
+# ---------------------------------------------------------------------------- device
+
+
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs",))
+def sample(
+    logits: jax.Array, t: SamplingTensors, step_key: jax.Array, num_top_logprobs: int = 0
+) -> SamplerOutput:
+    """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`."""
+    processed = process_logits(logits, t)
+    logprobs = jax.nn.log_softmax(processed, axis=-1)
+    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    tokens = lax.cond(
+        jnp.any(t.temperature > 0),
+        lambda: jnp.where(
+            t.temperature > 0, _gumbel_argmax(processed, t, step_key), greedy_tokens
+        ),
+        lambda: greedy_tokens,
+    )
+    logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    rows = logits.shape[0]
+    if num_top_logprobs > 0:
+        top_logprobs, top_ids = lax.top_k(logprobs, num_top_logprobs)
+    else:
+        top_logprobs = jnp.zeros((rows, 0), jnp.float32)
+        top_ids = jnp.zeros((rows, 0), jnp.int32)
+    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Steps 1-5 of the module docstring: the logits each row's token is drawn from."""
+    logits = logits.astype(jnp.float32)
+    penalised = (t.repetition_penalty != 1) | (t.presence_penalty != 0)
+    penalised |= t.frequency_penalty != 0
+    logits = lax.cond(jnp.any(penalised), _apply_penalties, lambda x, _: x, logits, t)
+    logits = _apply_bias(logits, t.bias_ids, t.bias_values)
+    if t.allowed_mask is not None:
+        logits = jnp.where(_unpack_mask(t.allowed_mask, logits.shape[1]), logits, -jnp.inf)
+    scale = jnp.where(t.temperature > 0, t.temperature, 1.0)
+    logits = logits / scale[:, None]
+    return _truncate(logits, t)
+
+
+def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Repetition over the whole history window, then frequency/presence over outputs."""
+    rows, vocab = logits.shape
+    row_idx = jnp.arange(rows)[:, None]
+    ids = jnp.where(t.history >= 0, t.history, vocab)  # out of range = dropped
+    counts = jnp.zeros((rows, vocab), jnp.float32)
+    counts = counts.at[row_idx, ids].add(t.history_is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((rows, vocab), bool).at[row_idx, ids].set(True, mode="drop")
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - t.frequency_penalty[:, None] * counts
+    return logits - t.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def _apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """Add logit_bias values at their ids; padding ids (-1) write nowhere."""
+    rows, vocab = logits.shape
+    ids = jnp.where(ids >= 0, ids, vocab)
+    return logits.at[jnp.arange(rows)[:, None], ids].add(values, mode="drop")
+
+
+def _unpack_mask(words: jax.Array, vocab: int) -> jax.Array:
+    """u32[R, W] bitmask -> bool[R, V]; bit i % 32 of word i // 32 allows token i."""
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (words.astype(jnp.uint32)[:, :, None] >> shifts) & jnp.uint32(1)
+    return bits.reshape(words.shape[0], -1)[:, :vocab].astype(bool)
+
+
+def _truncate(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """top_k, top_p, min_p, typical_p; sorts only when a row needs it, and then as little."""
+    vocab = logits.shape[1]
+    width = min(FAST_TOP_K, vocab)
+    k_on = (t.top_k > 0) & (t.top_k < vocab)
+    p_on = t.top_p < 1
+    typ_on = t.typical_p < 1
+    small_k = k_on & (t.top_k <= width)
+    # A row whose survivors all lie in the top `width` can be handled from those alone.
+    prefix_branch = _branch(k_on | p_on, small_k)
+    typical_branch = _branch(typ_on, small_k)
+
+    # top_k then top_p keep a prefix of the sorted row: one cut value per row.
+    cut = lax.switch(
+        prefix_branch,
+        [
+            lambda x: jnp.full(x.shape[:1], -jnp.inf, x.dtype),
+            lambda x: _prefix_cut(_top_values(x, width), t, k_on, p_on),
+            lambda x: _prefix_cut(-jnp.sort(-x, axis=-1), t, k_on, p_on),
+        ],
+        logits,
+    )
+    # min_p compares to the max, which top_k/top_p never remove: it commutes with them.
+    logits = lax.cond(
+        (prefix_branch > 0) | jnp.any(t.min_p > 0),
+        lambda x: _cut_and_min_p(x, cut, t.min_p),
+        lambda x: x,
+        logits,
+    )
+
+    return lax.switch(
+        typical_branch,
+        [
+            lambda x: x,
+            lambda x: _apply_typical(x, _top_values(x, width), t.typical_p, typ_on),
+            lambda x: _apply_typical(x, x, t.typical_p, typ_on),
+        ],
+        logits,
+    )
+
+
+def _cut_and_min_p(logits: jax.Array, cut: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Remove tokens below the row's cut value or with p < min_p * p_max."""
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    keep = (logits >= cut[:, None]) & (jnp.exp(logits - row_max) >= min_p[:, None])
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _top_values(x: jax.Array, k: int) -> jax.Array:
+    """Each row's k largest values, descending."""
+    # The barrier stops XLA fusing TopK's slice into consumers, which on CPU turned the
+    # TopK custom call back into a full sort (30x slower at V = 49k).
+    return lax.optimization_barrier(lax.top_k(x, k)[0])
+
+
+def _branch(on: jax.Array, small_k: jax.Array) -> jax.Array:
+    """0 = no row needs this, 1 = every such row is within the top-k candidates, 2 = full."""
+    fast = jnp.all(~on | small_k)
+    return jnp.where(jnp.any(on), jnp.where(fast, 1, 2), 0)
+
+
+def _prefix_cut(
+    vals: jax.Array, t: SamplingTensors, k_on: jax.Array, p_on: jax.Array
+) -> jax.Array:
+    """Value of the last token kept by top_k then top_p, from each row sorted descending."""
+    width = vals.shape[1]
+    pos = jnp.arange(width)[None, :]
+    keep = pos < jnp.where(k_on, t.top_k, width)[:, None]
+    weights = jnp.where(keep, jnp.exp(vals - vals[:, :1]), 0.0)
+    probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (mass_before < t.top_p[:, None]) | ~p_on[:, None]
+    last = jnp.maximum(jnp.sum(keep, axis=-1), 1) - 1
+    cut = jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
+    return jnp.where(k_on | p_on, cut, -jnp.inf)
+
+
+def _apply_typical(
+    logits: jax.Array, vals: jax.Array, typical_p: jax.Array, on: jax.Array
+) -> jax.Array:
+    """HF TypicalLogitsWarper; `vals` holds every surviving logit of the row (any order)."""
+    lse = jax.nn.logsumexp(vals, axis=-1, keepdims=True)
+    entropy = _entropy(vals, lse)
+    score = jnp.abs(-(vals - lse) - entropy)  # inf for removed tokens
+    probs = jnp.exp(vals - lse)
+    sorted_score, sorted_probs = lax.sort((score, probs), dimension=-1, num_keys=1)
+    below = jnp.sum(jnp.cumsum(sorted_probs, axis=-1) < typical_p[:, None], axis=-1)
+    last = jnp.minimum(below, vals.shape[1] - 1)
+    cut = jnp.take_along_axis(sorted_score, last[:, None], axis=-1)
+    keep = (jnp.abs(-(logits - lse) - entropy) <= cut) | ~on[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _entropy(vals: jax.Array, lse: jax.Array) -> jax.Array:
+    """Entropy in nats of softmax(vals), keepdims; -inf entries contribute nothing."""
+    logp = vals - lse
+    p = jnp.exp(logp)
+    return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)
+
+
+def _gumbel_argmax(logits: jax.Array, t: SamplingTensors, step_key: jax.Array) -> jax.Array:
+    """One categorical draw per row: argmax(logits + Gumbel noise from the row's key)."""
+    keys = _row_keys(t, step_key)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys)
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+
+
+def _row_keys(t: SamplingTensors, step_key: jax.Array) -> jax.Array:
+    """fold_in(key(seed), position) for seeded rows, fold_in(step_key, row) otherwise."""
+    if not jnp.issubdtype(step_key.dtype, jax.dtypes.prng_key):
+        step_key = jax.random.wrap_key_data(step_key)
+    impl = jax.random.key_impl(step_key)
+    seeded = jax.vmap(
+        lambda s, p: jax.random.fold_in(jax.random.key(s, impl=impl), p)
+    )(t.seed, t.position)
+    rows = jnp.arange(t.seed.shape[0], dtype=jnp.uint32)
+    unseeded = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(rows)
+    return jnp.where(t.has_seed, seeded, unseeded)
+
+
+# ------------------------------------------------------------------------------ host
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row's sampling request as the host knows it; defaults are all neutral."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    position: int = 0
+    history: Sequence[int] = ()  # prompt then output token ids, oldest first
+    num_output_tokens: int = 0  # how many trailing entries of `history` are output
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: Sequence[int] | None = None
+    allowed_bitmask: np.ndarray | None = None  # u32/i32[ceil(V/32)], e.g. from llguidance
+
+
+def pack_allowed_tokens(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Bitmask u32[ceil(V/32)] with bit i % 32 of word i // 32 set for each allowed id."""
+    ids = np.asarray(token_ids, np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError("allowed token id outside the vocabulary")
+    words = np.zeros(-(-vocab_size // 32), np.uint32)
+    np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+    return words
+
+
+def build_sampling_tensors(
+    rows: Sequence[RowSpec],
+    *,
+    num_rows_bucket: int,
+    vocab_size: int,
+    history_len: int,
+    max_bias: int,
+    with_mask: bool,
+) -> SamplingTensors:
+    """Numpy SamplingTensors for `rows`, padded to `num_rows_bucket` with greedy rows.
+
+    History keeps the last `history_len` tokens; seeds are taken modulo 2**32.
+    """
+    if len(rows) > num_rows_bucket:
+        raise ValueError(f"{len(rows)} rows exceed the bucket of {num_rows_bucket}")
+    n = num_rows_bucket
+
+    def column(name: str, pad: float, dtype: type) -> np.ndarray:
+        out = np.full(n, pad, dtype)
+        out[: len(rows)] = [getattr(r, name) for r in rows]
+        return out
+
+    history = np.full((n, history_len), -1, np.int32)
+    is_output = np.zeros((n, history_len), bool)
+    bias_ids = np.full((n, max_bias), -1, np.int32)
+    bias_values = np.zeros((n, max_bias), np.float32)
+    mask = np.full((n, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32) if with_mask else None
+    for i, r in enumerate(rows):
+        tail = list(r.history)[-history_len:] if history_len else []
+        history[i, : len(tail)] = tail
+        outputs = min(r.num_output_tokens, len(tail))
+        is_output[i, len(tail) - outputs : len(tail)] = True
+        if len(r.logit_bias) > max_bias:
+            raise ValueError(f"{len(r.logit_bias)} logit_bias entries exceed {max_bias}")
+        for j, (tok, val) in enumerate(r.logit_bias.items()):
+            if not 0 <= int(tok) < vocab_size:
+                raise ValueError(f"logit_bias token {tok} outside the vocabulary")
+            bias_ids[i, j], bias_values[i, j] = int(tok), val
+        row_mask = _row_mask(r, vocab_size)
+        if row_mask is not None:
+            if mask is None:
+                raise ValueError("a row restricts tokens but with_mask is False")
+            mask[i] = row_mask
+    return SamplingTensors(
+        temperature=column("temperature", 0.0, np.float32),
+        top_k=column("top_k", 0, np.int32),
+        top_p=column("top_p", 1.0, np.float32),
+        min_p=column("min_p", 0.0, np.float32),
+        typical_p=column("typical_p", 1.0, np.float32),
+        presence_penalty=column("presence_penalty", 0.0, np.float32),
+        frequency_penalty=column("frequency_penalty", 0.0, np.float32),
+        repetition_penalty=column("repetition_penalty", 1.0, np.float32),
+        seed=np.array([(r.seed or 0) % 2**32 for r in rows] + [0] * (n - len(rows)), np.uint32),
+        has_seed=np.array([r.seed is not None for r in rows] + [False] * (n - len(rows))),
+        position=column("position", 0, np.int32),
+        history=history,
+        history_is_output=is_output,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        allowed_mask=mask,
+    )
+
+
+def _row_mask(r: RowSpec, vocab_size: int) -> np.ndarray | None:
+    """The row's allowed-token bitmask, or None when it allows everything."""
+    if r.allowed_bitmask is not None:
+        return np.asarray(r.allowed_bitmask).view(np.uint32)
+    if r.allowed_token_ids is not None:
+        return pack_allowed_tokens(r.allowed_token_ids, vocab_size)
+    return None
+

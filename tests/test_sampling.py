@@ -1,0 +1,258 @@
+"""The sampler against a NumPy reference of the same processing, plus its RNG contracts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.runtime.sampling import (
+    FAST_TOP_K,
+    RowSpec,
+    SamplingTensors,
+    _unpack_mask,
+    build_sampling_tensors,
+    pack_allowed_tokens,
+    sample,
+)
+
+V, R, H, B, K = 128, 8, 16, 4, 5
+assert V > FAST_TOP_K  # so both the top_k fast path and the full sort are exercised
+
+
+def _logits(seed: int, rows: int = R, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, V)) * scale).astype(np.float32)
+
+
+def _tensors(specs: list[RowSpec], with_mask: bool = False) -> SamplingTensors:
+    return build_sampling_tensors(
+        specs, num_rows_bucket=R, vocab_size=V, history_len=H, max_bias=B, with_mask=with_mask
+    )
+
+
+def _run(logits: np.ndarray, specs: list[RowSpec], key: int = 0, mask: bool = False):
+    """Two compiled programs in all: unmasked with K top logprobs, masked with none."""
+    k = 0 if mask else K
+    out = sample(jnp.asarray(logits), _tensors(specs, mask), jax.random.key(key), num_top_logprobs=k)
+    return jax.tree.map(np.asarray, out)
+
+
+# ----------------------------------------------------------------------- reference
+
+
+def _softmax(l: np.ndarray) -> np.ndarray:
+    e = np.exp(l - l.max())
+    return e / e.sum()
+
+
+def ref_logprobs(logits: np.ndarray, s: RowSpec) -> np.ndarray:
+    """Sequential, per-row NumPy version of the documented processing (float64)."""
+    l = logits.astype(np.float64).copy()
+    hist = list(s.history)[-H:]
+    outputs = hist[len(hist) - min(s.num_output_tokens, len(hist)) :]
+    for tok in set(hist):
+        l[tok] = l[tok] / s.repetition_penalty if l[tok] > 0 else l[tok] * s.repetition_penalty
+    for tok, count in Counter(outputs).items():
+        l[tok] -= s.frequency_penalty * count + s.presence_penalty
+    for tok, val in s.logit_bias.items():
+        l[tok] += val
+    if s.allowed_token_ids is not None:
+        banned = np.ones(V, bool)
+        banned[list(s.allowed_token_ids)] = False
+        l[banned] = -np.inf
+    if s.temperature > 0:
+        l /= s.temperature
+    if 0 < s.top_k < V:
+        l[l < np.sort(l)[::-1][s.top_k - 1]] = -np.inf
+    if s.top_p < 1:
+        p, total = _softmax(l), 0.0
+        for idx in np.argsort(-l, kind="stable"):
+            cut, total = l[idx], total + p[idx]
+            if total >= s.top_p:
+                break
+        l[l < cut] = -np.inf
+    if s.min_p > 0:
+        p = _softmax(l)
+        l[p < s.min_p * p.max()] = -np.inf
+    if s.typical_p < 1:  # transformers.TypicalLogitsWarper, min_tokens_to_keep=1
+        with np.errstate(invalid="ignore"):
+            logp = l - np.log(np.exp(l - l.max()).sum()) - l.max()
+            ent = -np.nansum(logp * np.exp(logp))
+        shifted = np.abs(-logp - ent)
+        order = np.argsort(shifted, kind="stable")
+        cum = np.cumsum(_softmax(l[order]))
+        last = min(int((cum < s.typical_p).sum()), V - 1)
+        l[shifted > shifted[order][last]] = -np.inf
+    return l - l.max() - np.log(np.exp(l - l.max()).sum())
+
+
+def assert_matches_reference(logits: np.ndarray, specs: list[RowSpec], out) -> None:
+    for i, s in enumerate(specs):
+        ref, k = ref_logprobs(logits[i], s), out.top_ids.shape[1]
+        assert np.isfinite(out.logprob[i]), f"row {i} drew a removed token"
+        np.testing.assert_array_equal(np.isneginf(ref[out.top_ids[i]]), np.isneginf(out.top_logprobs[i]))
+        np.testing.assert_allclose(out.logprob[i], ref[out.tokens[i]], atol=1e-5, err_msg=f"row {i}")
+        ref_top = np.sort(ref)[::-1][:k]
+        np.testing.assert_allclose(out.top_logprobs[i], ref_top, atol=1e-5, err_msg=f"row {i}")
+        if s.temperature <= 0:
+            assert out.tokens[i] == np.argmax(ref), f"greedy row {i}"
+
+
+HIST = [5, 9, 9, 40, 77, 9, 120, 3, 5, 64]
+CASES = {
+    "greedy": RowSpec(temperature=0.0),
+    "temperature": RowSpec(temperature=0.7),
+    "top_k_fast": RowSpec(top_k=10),
+    "top_k_full": RowSpec(top_k=100),
+    "top_p": RowSpec(top_p=0.8),
+    "min_p": RowSpec(min_p=0.1, temperature=1.3),
+    "typical_full": RowSpec(typical_p=0.6),
+    "typical_fast": RowSpec(typical_p=0.7, top_k=20),
+    "top_k_top_p": RowSpec(top_k=12, top_p=0.9, temperature=0.8),
+    "all_truncation": RowSpec(top_k=40, top_p=0.95, min_p=0.02, typical_p=0.9),
+    "repetition": RowSpec(repetition_penalty=1.3, history=HIST, num_output_tokens=4),
+    "presence_frequency": RowSpec(
+        presence_penalty=1.5, frequency_penalty=0.7, history=HIST, num_output_tokens=6
+    ),
+    "bias": RowSpec(logit_bias={7: 4.0, 8: -3.0, 100: 2.5}),
+    "greedy_everything": RowSpec(
+        temperature=0.0, top_k=30, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.5,
+        frequency_penalty=0.3, logit_bias={1: 2.0}, history=HIST, num_output_tokens=3,
+    ),
+    "sampled_everything": RowSpec(
+        temperature=0.9, top_k=50, top_p=0.85, min_p=0.05, repetition_penalty=1.1,
+        frequency_penalty=0.4, logit_bias={2: 1.0, 3: -1.0}, history=HIST, num_output_tokens=5,
+        seed=11, position=4,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_knob_alone_matches_reference(name: str) -> None:
+    logits = _logits(sorted(CASES).index(name))
+    specs = [CASES[name]]
+    assert_matches_reference(logits, specs, _run(logits, specs, key=3))
+
+
+def test_mixed_batches_match_reference() -> None:
+    names = sorted(CASES)
+    for start in range(0, len(names), R):
+        specs = [CASES[n] for n in names[start : start + R]]
+        logits = _logits(100 + start)
+        assert_matches_reference(logits, specs, _run(logits, specs, key=start))
+
+
+def test_sampled_token_is_never_a_removed_one() -> None:
+    specs = [CASES[n] for n in ("top_k_fast", "top_p", "min_p", "typical_full", "all_truncation")]
+    logits = _logits(7)
+    for key in range(20):
+        out = _run(logits, specs, key=key)
+        for i, s in enumerate(specs):
+            assert np.isfinite(ref_logprobs(logits[i], s)[out.tokens[i]])
+
+
+def test_seeded_row_ignores_its_neighbours_and_row_index() -> None:
+    seeded = RowSpec(temperature=1.0, seed=1234, position=17)
+    logits = np.tile(_logits(5, rows=1, scale=0.5), (R, 1))  # flat: the draw decides
+    alone = _run(logits, [seeded], key=0).tokens[0]
+    others = [CASES["typical_full"], CASES["presence_frequency"], CASES["top_p"]]
+    moved = _run(logits, others + [seeded] + others, key=99).tokens[3]
+    assert alone == moved
+    draws = {int(_run(logits, [RowSpec(seed=1234, position=p)]).tokens[0]) for p in range(12)}
+    assert len(draws) > 3  # the position really feeds the key
+
+
+def test_unseeded_rows_differ_by_row_and_step_key() -> None:
+    logits = np.tile(_logits(6, rows=1, scale=0.1), (R, 1))
+    a = _run(logits, [RowSpec()] * R, key=1).tokens
+    b = _run(logits, [RowSpec()] * R, key=2).tokens
+    assert len(set(a.tolist())) > 1 and not np.array_equal(a, b)
+
+
+def test_draws_follow_the_processed_distribution() -> None:
+    spec = RowSpec(top_k=6, temperature=0.8)
+    logits = np.tile(_logits(8, rows=1, scale=1.0), (R, 1))
+    probs = np.exp(ref_logprobs(logits[0], spec))
+    counts = np.zeros(V)
+    for key in range(250):
+        np.add.at(counts, _run(logits, [spec] * R, key=key).tokens, 1)
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    expected = probs[support] * counts.sum()
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum()
+    assert chi2 < 30, (chi2, counts[support], expected)  # 5 dof: p < 1e-5
+
+
+def test_logit_bias_of_100_forces_the_token() -> None:
+    spec = RowSpec(temperature=1.5, logit_bias={17: 100.0})
+    for key in range(5):
+        out = _run(_logits(key), [spec, RowSpec(temperature=0.0, logit_bias={99: 100.0})], key=key)
+        assert out.tokens[:2].tolist() == [17, 99]
+
+
+def test_allowed_mask_restricts_draws_and_logprobs_with_zero_top_logprobs() -> None:
+    allowed = [3, 50, 77, 127]
+    words = pack_allowed_tokens(allowed, V).view(np.int32)  # llguidance hands out int32
+    specs = [
+        RowSpec(allowed_token_ids=allowed),
+        RowSpec(allowed_bitmask=words, temperature=0.0),
+        RowSpec(allowed_token_ids=allowed, top_p=0.9, logit_bias={3: -5.0}),
+        RowSpec(),  # unrestricted row in a masked batch
+    ]
+    for key in range(10):
+        logits = _logits(20 + key)
+        out = _run(logits, specs, key=key, mask=True)
+        assert set(out.tokens[:3].tolist()) <= set(allowed)
+        assert out.top_ids.shape == (R, 0) and out.top_logprobs.shape == (R, 0)
+        assert out.tokens[1] == allowed[np.argmax(logits[1, allowed])]
+        keep = [0, 2, 3]  # the reference knows token lists, not bitmasks
+        picked = jax.tree.map(lambda x: x[keep], out)
+        assert_matches_reference(logits[keep], [specs[i] for i in keep], picked)
+
+
+def test_unpack_mask_handles_a_partial_last_word() -> None:
+    ids = [0, 31, 32, 63, 64, 69]
+    mask = np.asarray(_unpack_mask(jnp.asarray(pack_allowed_tokens(ids, 70)[None]), 70))
+    assert mask.shape == (1, 70) and np.flatnonzero(mask[0]).tolist() == ids
+
+
+def test_top_logprobs_sorted_and_greedy_token_first() -> None:
+    logits = _logits(30)
+    specs = [RowSpec(temperature=0.0), RowSpec(temperature=0.0, top_k=3), RowSpec(top_p=0.5)]
+    out = _run(logits, specs)
+    assert (out.top_logprobs[:, 1:] <= out.top_logprobs[:, :-1]).all()
+    np.testing.assert_array_equal(out.tokens[:2], out.top_ids[:2, 0])
+    np.testing.assert_allclose(out.logprob[:2], out.top_logprobs[:2, 0])
+    assert np.isneginf(out.top_logprobs[1, 3:]).all()
+
+
+def test_padding_rows_are_greedy_and_neutral() -> None:
+    t = _tensors([RowSpec(seed=2**40 + 5, position=9, top_k=7)], with_mask=True)
+    assert t.temperature.tolist() == [1.0] + [0.0] * (R - 1)
+    assert t.seed[0] == 5 and t.has_seed.tolist() == [True] + [False] * (R - 1)
+    assert (t.top_k[1:] == 0).all() and (t.top_p == 1).all() and (t.typical_p == 1).all()
+    assert (t.repetition_penalty == 1).all() and (t.history == -1).all()
+    assert (t.bias_ids == -1).all() and (t.allowed_mask == 0xFFFFFFFF).all()
+
+
+def test_history_keeps_the_tail_and_flags_outputs() -> None:
+    t = _tensors([RowSpec(history=list(range(20)), num_output_tokens=3), RowSpec(history=[4, 5])])
+    assert t.history[0].tolist() == list(range(4, 20))
+    assert np.flatnonzero(t.history_is_output[0]).tolist() == [13, 14, 15]
+    assert t.history[1].tolist() == [4, 5] + [-1] * (H - 2) and not t.history_is_output[1].any()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        RowSpec(logit_bias={i: 1.0 for i in range(B + 1)}),
+        RowSpec(logit_bias={V: 1.0}),
+        RowSpec(allowed_token_ids=[V]),
+    ],
+)
+def test_builder_rejects_what_cannot_be_encoded(spec: RowSpec) -> None:
+    with pytest.raises(ValueError):
+        _tensors([spec], with_mask=True)
