@@ -1,0 +1,172 @@
+"""AsyncEngine: the asyncio face of the engine core, which runs on its own thread.
+
+Requests and cancellations go in through a thread-safe queue; events come back to each
+request's asyncio queue via `call_soon_threadsafe`. A step that raises marks the engine
+faulted and fails every request in flight with an error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator, Callable
+
+from imp_jax.errors import EngineError, ImpError
+from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.defaults import model_defaults
+from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.request import EngineEvent, GenerationRequest
+
+log = logging.getLogger("imp_jax.engine")
+
+
+class AsyncEngine:
+    """Start with `start()`; `generate()` streams EngineEvents; `cancel()` frees a request's blocks."""
+
+    def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None):
+        self.config = config
+        self.state = "loading"          # loading | warming_up | ready | faulted | stopped
+        self.progress = 0.0
+        self.error: str | None = None
+        self._build = build
+        self._core: EngineCore | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="imp-engine", daemon=True)
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Load and warm up on the engine thread; returns at once."""
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+        if self.state != "ready":
+            raise EngineError(f"engine failed to start: {self.error}")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.state = "stopped"
+
+    # ------------------------------------------------------------------- model
+    @property
+    def core(self) -> EngineCore:
+        if self._core is None:
+            raise EngineError("the model is still loading", code="loading", status=503)
+        return self._core
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def served_name(self) -> str:
+        return self.core.loaded.served_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.loaded.config.vocab_size
+
+    @property
+    def model_config(self):
+        return self.core.loaded.config
+
+    @property
+    def default_params(self) -> dict[str, Any]:
+        return model_defaults(self.core.loaded.generation_config)
+
+    def stats(self) -> dict[str, Any]:
+        return {"state": self.state, **(self._core.stats() if self._core else {})}
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        """Submit `req` and stream its events; an ImpError is raised before the first event for bad input."""
+        if self.state != "ready":
+            raise EngineError(f"engine is {self.state}" + (f": {self.error}" if self.error else ""),
+                              code="loading" if self.state in ("loading", "warming_up") else "engine_error",
+                              status=503)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(("add", req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item)))
+        done = False
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.done
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.cancel(req.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        from imp_jax.runtime.builder import build_engine
+
+        def progress(phase: str, frac: float) -> None:
+            self.state = phase if phase != "ready" else self.state
+            self.progress = frac
+
+        try:
+            self._core = (self._build or build_engine)(self.config, progress)
+        except Exception as e:  # a failed load is reported by /ready and wait_ready, not a crash
+            log.exception("engine failed to start")
+            self.error, self.state = str(e), "faulted"
+            self._ready.set()
+            return
+        self.state = "ready"
+        self._ready.set()
+        core = self._core
+        while True:
+            if not self._drain(block=not core.has_work()):
+                return
+            if not core.has_work() or self.state == "faulted":
+                continue
+            try:
+                core.step()
+            except Exception as e:
+                log.exception("engine step failed; failing all requests")
+                self.error, self.state = f"device fault: {e}", "faulted"
+                core.fail_all(self.error)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued submissions and cancellations; False when asked to stop."""
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind = item[0]
+            if kind == "stop":
+                return False
+            if kind == "cancel":
+                self._core.cancel(item[1])
+            elif kind == "add":
+                _, req, emit = item
+                try:
+                    if self.state == "faulted":
+                        raise EngineError(f"engine is faulted: {self.error}")
+                    self._core.add_request(req, emit)
+                except ImpError as e:
+                    emit(e)
+                except Exception as e:  # never leave a caller waiting
+                    log.exception("rejecting request %s", req.request_id)
+                    emit(EngineError(str(e)))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True

@@ -1,0 +1,239 @@
+"""The engine core: one thread's loop of schedule -> build batch -> step -> emit events.
+
+It owns the model, the KV cache and every sequence. Nothing here is thread-safe; the
+AsyncEngine feeds it through queues and runs it on its own thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from imp_jax.errors import InvalidRequestError
+from imp_jax.model.detokenizer import IncrementalDetokenizer
+from imp_jax.model.loader import LoadedModel
+from imp_jax.runtime.batch import SeqChunk, build_step_batch
+from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.defaults import resolve_params
+from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, TokenLogprob, Usage
+from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
+from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
+from imp_jax.runtime.sequence import Sequence, SeqStatus
+from imp_jax.runtime.step import CompiledStep, StepShapes, step_buckets
+from imp_jax.runtime.stop import StopStringMatcher
+
+log = logging.getLogger("imp_jax.engine")
+Emit = Callable[[EngineEvent], None]
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: GenerationRequest
+    seqs: list[Sequence]
+    emit: Emit
+    num_open: int
+
+
+class EngineCore:
+    """Runs requests to completion on a loaded model; `step()` advances every running sequence once."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_cache, num_blocks: int):
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = config.resolved_max_model_len(loaded.config)
+        self.pool = KVBlockPool(num_blocks, config.block_size)
+        self.baseline_free_blocks = self.pool.num_free_blocks
+        self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        max_blocks = -(-self.max_model_len // config.block_size)
+        shapes = StepShapes(max_blocks=max_blocks, vocab_size=loaded.config.vocab_size)
+        self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
+                                    step_buckets(config.max_num_batched_tokens, config.max_num_seqs))
+        self.requests: dict[str, _RequestState] = {}
+        self.num_steps = 0
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: GenerationRequest, emit: Emit) -> None:
+        """Validate and queue `req`; raise InvalidRequestError if it can never run."""
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already running", param="request_id")
+        vocab = self.loaded.config.vocab_size
+        req.params.validate(vocab)
+        n_prompt = len(req.prompt_ids)
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens; this model's context is {self.max_model_len} "
+                f"(max_model_len), leaving no room to generate", param="messages", code="context_length_exceeded")
+        if self.pool.num_blocks_for(n_prompt + 1) > self.baseline_free_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {self.pool.num_blocks_for(n_prompt + 1)} KV blocks but the pool has only "
+                f"{self.baseline_free_blocks}; raise --num-kv-blocks or --kv-cache-memory",
+                code="context_length_exceeded")
+        room = self.max_model_len - n_prompt
+        params = resolve_params(req.params, self.loaded.generation_config)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} + prompt {n_prompt} tokens exceed the context of "
+                f"{self.max_model_len}", param="max_tokens", code="context_length_exceeded")
+        max_tokens = params.max_tokens or room
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            seq = Sequence(
+                request=req, index=i, params=p, max_tokens=max_tokens,
+                detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens),
+                stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
+                prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[req.request_id] = _RequestState(req, seqs, emit, len(seqs))
+
+    def cancel(self, request_id: str) -> None:
+        """Finish every sequence of the request as cancelled, freeing its blocks now."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        for seq in state.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, "cancelled", state)
+
+    def fail_all(self, message: str) -> None:
+        """End every request with an error (a device fault)."""
+        for rid in list(self.requests):
+            state = self.requests[rid]
+            for seq in state.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    self._finish(seq, "error", state, error=message)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> int:
+        """Run one batch; returns the number of sequences that ran (0 when idle)."""
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return 0
+        bs = self.config.block_size
+        seq_chunks = [SeqChunk(c.seq.all_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
+                               c.seq.num_computed, c.seq.table.block_ids) for c in chunks]
+        T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks))
+        batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
+                                 max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
+        rows = [self._row_spec(c.seq) if c.samples else RowSpec(temperature=0.0) for c in chunks]
+        shapes = self.step_fn.shapes
+        sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
+                                          history_len=shapes.history_len, max_bias=shapes.max_bias,
+                                          with_mask=False)
+        t1 = time.perf_counter()
+        out = self.step_fn(batch, sampling, self.num_steps)
+        t2 = time.perf_counter()
+        self.num_steps += 1
+        for i, c in enumerate(chunks):
+            self._advance(c, out, i)
+        self.device_seconds += t2 - t1
+        self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        return len(chunks)
+
+    def _row_spec(self, seq: Sequence) -> RowSpec:
+        p = seq.params
+        return RowSpec(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            typical_p=p.typical_p, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+            seed=p.seed, position=seq.num_tokens,
+            history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
+            num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
+            logit_bias=p.logit_bias)
+
+    def _advance(self, chunk: ScheduledChunk, out, row: int) -> None:
+        seq = chunk.seq
+        if seq.status is not SeqStatus.RUNNING:
+            return
+        state = self.requests[seq.request.request_id]
+        samples = chunk.samples  # read before num_computed moves
+        seq.num_computed += chunk.num_tokens
+        self.pool.commit(seq.table, seq.all_ids[:seq.num_computed])
+        if seq.request.cache_prompt and not seq.pinned and seq.num_computed >= len(seq.prompt_ids):
+            self.pool.pin(seq.table)
+            seq.pinned = True
+        if not samples:
+            return
+        token = int(out.tokens[row])
+        seq.output_ids.append(token)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            top = [(int(t), float(v)) for t, v in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])]
+            logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
+        self._emit_token(seq, token, logprobs, state)
+
+    def _emit_token(self, seq: Sequence, token: int, logprobs, state: _RequestState) -> None:
+        p = seq.params
+        n_out = len(seq.output_ids)
+        is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
+        is_stop_id = token in p.stop_token_ids
+        finish, stop_reason, text = None, None, ""
+        if (is_eos or is_stop_id) and n_out > p.min_tokens:
+            finish, stop_reason = "stop", token
+        elif not (is_eos or is_stop_id):
+            delta = seq.detok.add([token])
+            if n_out <= p.min_tokens:
+                text = delta  # stop strings apply once min_tokens are out
+            else:
+                text, matched = seq.stops.feed(delta)
+                if matched is not None:
+                    finish, stop_reason = "stop", matched
+        if finish is None and n_out >= seq.max_tokens:
+            finish = "length"
+        if finish is not None and not isinstance(stop_reason, str):
+            tail, matched = seq.stops.feed(seq.detok.flush())
+            text += tail + ("" if matched else seq.stops.flush())
+        event = EngineEvent(seq.request.request_id, seq.index, [token], text, logprobs)
+        if finish is None:
+            state.emit(event)
+            return
+        seq.finish_reason = finish
+        event.finish_reason, event.stop_reason = finish, stop_reason
+        self._close(seq, state, event)
+
+    def _finish(self, seq: Sequence, reason: str, state: _RequestState, error: str | None = None) -> None:
+        seq.finish_reason = reason
+        self._close(seq, state, EngineEvent(seq.request.request_id, seq.index, finish_reason=reason, error=error))
+
+    def _close(self, seq: Sequence, state: _RequestState, event: EngineEvent) -> None:
+        """Free the sequence; the request's last sequence carries usage and done=True."""
+        self.scheduler.remove(seq)
+        state.num_open -= 1
+        if state.num_open == 0:
+            first = state.seqs[0]
+            event.usage = Usage(prompt_tokens=len(first.prompt_ids),
+                                completion_tokens=sum(len(s.output_ids) for s in state.seqs),
+                                cached_tokens=first.cached_prompt_tokens or 0)
+            event.done = True
+            del self.requests[seq.request.request_id]
+        state.emit(event)
+
+    def stats(self) -> dict[str, int | float]:
+        pc = self.pool.stats()
+        return dict(num_free_blocks=self.pool.num_free_blocks, baseline_free_blocks=self.baseline_free_blocks,
+                    num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                    num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+                    compilations_after_warmup=self.step_fn.compilations_after_warmup,
+                    prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits)
+
+
+def _has_penalty(p) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

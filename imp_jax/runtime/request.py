@@ -1,0 +1,120 @@
+"""What goes into the engine (GenerationRequest, SamplingParams) and what comes out (EngineEvent)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from imp_jax.errors import InvalidRequestError
+
+MAX_N = 4
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request generation knobs. None means "the model's default" (generation_config.json, else neutral)."""
+
+    temperature: float | None = None      # 0 = greedy
+    top_p: float | None = None            # 1 = off
+    top_k: int | None = None              # <= 0 = off
+    min_p: float | None = None            # 0 = off
+    typical_p: float | None = None        # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # 1 = off
+    seed: int | None = None
+    max_tokens: int | None = None         # None: what is left of the context
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None           # None = off; k = the sampled token plus the top k
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first out-of-range field."""
+        def bad(field: str, why: str) -> None:
+            raise InvalidRequestError(f"'{field}' {why}", param=field)
+        if self.temperature is not None and not 0 <= self.temperature <= 100:
+            bad("temperature", "must be in [0, 100]")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.typical_p is not None and not 0 < self.typical_p <= 1:
+            bad("typical_p", "must be in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be in [0, max_tokens]")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        for tok, val in self.logit_bias.items():
+            if not 0 <= tok < vocab_size:
+                bad("logit_bias", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
+            if not -100 <= val <= 100:
+                bad("logit_bias", f"value {val} for token {tok} must be in [-100, 100]")
+        for tok in self.stop_token_ids:
+            if not 0 <= tok < vocab_size:
+                bad("stop_token_ids", f"token id {tok} is outside the vocabulary")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """A tokenised prompt plus how to continue it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    priority: int = 0             # lower runs first
+    cache_prompt: bool = False    # pin the prompt's full KV blocks until the request ends
+    lora: str | None = None       # adapter name; keys the prefix cache
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives, of the processed distribution."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclasses.dataclass
+class EngineEvent:
+    """One step's news for one sequence (`index` = choice index when n > 1).
+
+    `finish_reason` is set on a sequence's last event (stop, length, cancelled, error);
+    `usage` is set once, on the request's very last event, when `done` is True.
+    """
+
+    request_id: str
+    index: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None   # the stop string or token id that ended it
+    usage: Usage | None = None
+    done: bool = False
+    error: str | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)

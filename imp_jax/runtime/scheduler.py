@@ -1,0 +1,150 @@
+"""Continuous batching: which sequences run this step, and how many tokens each, under a token budget.
+
+Running decodes go first, then running prefills continue, then waiting sequences are
+admitted: by `priority` (lower first), then shortest remaining prompt first, with aging so
+nothing starves. When blocks run out mid-decode the worst-ranked running sequence is
+preempted: it frees its blocks and later recomputes its KV from its tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.sequence import Sequence, SeqStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq` starting at `seq.num_computed` run this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's newest token, so the step samples its next one."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """Holds the waiting and running sequences and picks each step's chunks."""
+
+    def __init__(self, pool: KVBlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 aging_tokens_per_s: float = 256.0):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.aging_tokens_per_s = aging_tokens_per_s
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and free its blocks (and pins)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        self.pool.unpin(seq.table)
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(s.can_start for s in self.waiting)
+
+    def _rank(self, seq: Sequence, now: float) -> tuple[int, float]:
+        remaining = seq.num_tokens - seq.num_computed
+        return seq.request.priority, remaining - self.aging_tokens_per_s * (now - seq.arrival)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks: decodes, then continuing prefills, then admissions."""
+        now = time.monotonic()
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        order = sorted(self.running, key=lambda s: (s.is_prefill, s.request.priority, s.arrival))
+        for seq in order:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            if budget == 0 or len(chunks) == self.max_num_seqs:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self._grow(seq, n, scheduled):
+                chunks.append(ScheduledChunk(seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+        for seq in sorted(self.waiting, key=lambda s: self._rank(s, now)):
+            if budget == 0 or len(chunks) == self.max_num_seqs:
+                break
+            if not seq.can_start or not self._admit(seq):
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.pool.allocate(seq.table, seq.all_ids, seq.num_computed + n):
+                self._release(seq)
+                self._requeue(seq)
+                continue
+            chunks.append(ScheduledChunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        return chunks
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move `seq` to running if its whole prompt fits in the blocks not promised to others."""
+        ids = seq.all_ids
+        needed = self.pool.blocks_needed(seq.table, ids, len(ids))
+        if needed > self.pool.num_free_blocks - self._promised():
+            return False
+        if not self.pool.allocate(seq.table, ids, 0):  # takes the prefix-cache hits
+            return False
+        seq.num_computed = seq.table.num_cached_tokens
+        if seq.cached_prompt_tokens is None:
+            seq.cached_prompt_tokens = seq.num_computed
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def _promised(self) -> int:
+        """Blocks running sequences will need to finish their prefill, plus one per decode."""
+        bs = self.pool.block_size
+        total = 0
+        for s in self.running:
+            have = len(s.table.block_ids)
+            total += max(0, -(-(s.num_tokens + 1) // bs) - have)
+        return total
+
+    def _grow(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
+        """Give `seq` blocks for n more tokens, preempting worse-ranked unscheduled sequences if need be."""
+        while not self.pool.allocate(seq.table, seq.all_ids, seq.num_computed + n):
+            victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
+            victim = max(victims, key=lambda s: (s.request.priority, s.arrival), default=None)
+            if victim is None or (victim.request.priority, victim.arrival) < (seq.request.priority, seq.arrival):
+                self.preempt(seq)
+                return False
+            self.preempt(victim)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks; it waits again and recomputes its KV (output so far kept)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.num_computed = 0
+        if seq not in self.waiting:
+            self.waiting.append(seq)
+        seq.status = SeqStatus.WAITING
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.table)  # pins taken through the table survive until remove()
+        seq.num_computed = 0

@@ -1,0 +1,64 @@
+"""A sequence being generated: its tokens, KV block table, progress, and output bookkeeping."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import time
+
+from imp_jax.model.detokenizer import IncrementalDetokenizer
+from imp_jax.runtime.kv_blocks import BlockTable
+from imp_jax.runtime.request import GenerationRequest, SamplingParams, TokenLogprob
+from imp_jax.runtime.stop import StopStringMatcher
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One choice of a request. `num_computed` tokens of `prompt_ids + output_ids` have KV written."""
+
+    request: GenerationRequest
+    index: int
+    params: SamplingParams            # resolved: no None sampling knobs left
+    max_tokens: int
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    prompt_ids: list[int]
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    table: BlockTable = dataclasses.field(default_factory=BlockTable)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    parent: "Sequence | None" = None   # n > 1: siblings wait until the parent's prompt is in the cache
+    cached_prompt_tokens: int | None = None
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    pinned: bool = False
+    pending_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the one newest token still lacks KV."""
+        return self.num_tokens - self.num_computed > 1
+
+    @property
+    def can_start(self) -> bool:
+        """Siblings start once the parent's prompt KV is written (and so in the prefix cache)."""
+        p = self.parent
+        return p is None or p.status is SeqStatus.FINISHED or p.num_computed >= len(p.prompt_ids)

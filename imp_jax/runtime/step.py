@@ -1,0 +1,109 @@
+"""The compiled step: forward + gather of the rows to sample + sampler, one program per shape bucket.
+
+Every (token-count, sequence-count) bucket is compiled ahead of time at start-up; serving
+looks executables up and never traces. A counter of compilations after warm-up proves it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from imp_jax.kernels_pallas import AttentionMetadata
+from imp_jax.runtime.batch import StepBatch
+from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
+
+log = logging.getLogger("imp_jax.step")
+NUM_TOP_LOGPROBS = 20   # always computed; each request reads as many as it asked for
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """Static sizes shared by every bucket."""
+
+    max_blocks: int
+    vocab_size: int
+    history_len: int = 256
+    max_bias: int = 64
+
+
+class CompiledStep:
+    """Owns the model state and the KV cache; runs one donated, in-place step per call."""
+
+    def __init__(self, model: Any, kv: tuple[jax.Array, jax.Array], shapes: StepShapes,
+                 buckets: list[tuple[int, int]]):
+        self.graphdef, self.state = nnx.split(model)
+        self.kv = kv
+        self.shapes = shapes
+        self.buckets = sorted(buckets)
+        self._exec: dict[tuple[int, int], Any] = {}
+        self.compilations_after_warmup = 0
+        self._warm = False
+        graphdef = self.graphdef
+
+        def step(state, kv, input_ids, positions, meta, rows, sampling, step_no):
+            model = nnx.merge(graphdef, state)
+            hidden, kv = model(input_ids, positions, kv, meta)
+            logits = model.logits(hidden[rows])
+            key = jax.random.fold_in(jax.random.key(0), step_no)
+            return sample(logits, sampling, key, NUM_TOP_LOGPROBS), kv
+
+        self._jit = jax.jit(step, donate_argnums=(1,))
+
+    def warm_up(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> None:
+        """Compile every bucket now (from the persistent cache when it has them)."""
+        for i, bucket in enumerate(self.buckets):
+            t0 = time.perf_counter()
+            self._compile(bucket)
+            if progress:
+                progress(i + 1, len(self.buckets), bucket, time.perf_counter() - t0)
+        self._warm = True
+
+    def _compile(self, bucket: tuple[int, int]) -> Any:
+        T, S = bucket
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        meta = AttentionMetadata(i32(S + 1), i32(S), i32(S, self.shapes.max_blocks), i32(T), i32())
+        sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._dummy_sampling(S))
+        exe = self._jit.lower(self.state, self.kv, i32(T), i32(T), meta, i32(S), sampling, i32()).compile()
+        self._exec[bucket] = exe
+        if self._warm:
+            self.compilations_after_warmup += 1
+            log.warning("compiled bucket T=%d S=%d after warm-up", T, S)
+        return exe
+
+    def _dummy_sampling(self, rows: int) -> SamplingTensors:
+        s = self.shapes
+        return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=s.vocab_size,
+                                      history_len=s.history_len, max_bias=s.max_bias, with_mask=False)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest compiled bucket holding this many tokens and sequences."""
+        for T, S in self.buckets:
+            if T >= num_tokens and S >= num_seqs:
+                return T, S
+        raise ValueError(f"no bucket holds {num_tokens} tokens and {num_seqs} sequences")
+
+    def __call__(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> SamplerOutput:
+        """Run one step on host arrays; returns the sampler output as numpy arrays."""
+        bucket = (len(batch.input_ids), len(batch.seq_lens))
+        exe = self._exec.get(bucket) or self._compile(bucket)
+        meta = AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                 batch.slot_mapping, batch.num_seqs)
+        out, self.kv = exe(self.state, self.kv, batch.input_ids, batch.positions, meta,
+                           batch.last_token_rows, sampling, np.asarray(step_no, np.int32))
+        return SamplerOutput(*(np.asarray(x) for x in out))
+
+
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:
+    """(T, S) pairs: T powers of two from 16 to the token budget, S powers of two up to max_num_seqs, S <= T."""
+    from imp_jax.runtime.batch import pow2_buckets
+
+    ts = pow2_buckets(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+    ss = pow2_buckets(1, max_num_seqs)
+    return [(t, s) for t in ts for s in ss if s <= t]
