@@ -1,9 +1,15 @@
 """Shared pytest fixtures."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Compiled programs persist across runs (set before jax is imported by any test module).
+_home = Path(os.environ.get("IMP_JAX_HOME", Path.home() / ".cache" / "imp_jax"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_home / "jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ mix of requests. Processing order, each step seeing the output of the one before
    top_k (k <= 0 or k >= V is off), top_p (smallest prefix by probability whose mass
    reaches top_p, at least one token), min_p (drop p < min_p * p_max), typical_p
    (HF TypicalLogitsWarper). Cuts are by value: tokens tied with the last kept one stay;
-6. greedy rows take the argmax; other rows draw by Gumbel-max with key
+6. greedy rows take the argmax; other rows draw by inverse CDF (one uniform per row) with key
    fold_in(key(seed), position) when seeded, else fold_in(step_key, row_index).
 
 Logprobs are log_softmax of the final processed logits (greedy rows: at temperature 1),
@@ -83,7 +83,7 @@ def sample(
     tokens = lax.cond(
         jnp.any(t.temperature > 0),
         lambda: jnp.where(
-            t.temperature > 0, _gumbel_argmax(processed, t, step_key), greedy_tokens
+            t.temperature > 0, _draw(processed, t, step_key), greedy_tokens
         ),
         lambda: greedy_tokens,
     )
@@ -239,11 +239,15 @@ def _entropy(vals: jax.Array, lse: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)
 
 
-def _gumbel_argmax(logits: jax.Array, t: SamplingTensors, step_key: jax.Array) -> jax.Array:
-    """One categorical draw per row: argmax(logits + Gumbel noise from the row's key)."""
+def _draw(logits: jax.Array, t: SamplingTensors, step_key: jax.Array) -> jax.Array:
+    """One categorical draw per row by inverse CDF: one uniform per row, not one per vocabulary entry."""
     keys = _row_keys(t, step_key)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys)
-    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # (0, 1]
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    cdf = jnp.cumsum(probs, axis=-1)
+    # the first token whose cdf reaches u * total has probability > 0, since cdf is flat over zeros
+    idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+    return jnp.minimum(idx, logits.shape[1] - 1).astype(jnp.int32)
 
 
 def _row_keys(t: SamplingTensors, step_key: jax.Array) -> jax.Array:
