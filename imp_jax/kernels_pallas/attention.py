@@ -12,18 +12,21 @@ from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, w
 BACKENDS = ("reference", "pallas")
 
 
-def hopper_or_newer() -> bool:
-    """Whether the default device is an NVIDIA GPU of compute capability >= 9.0 (TMA + wgmma)."""
+def hopper_gpu() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x): the kernel's TMA + wgmma.
+
+    Blackwell (10.x+) dropped wgmma for tcgen05, so it stays on the reference for now.
+    """
     if jax.default_backend() != "gpu":
         return False
     try:
-        return float(jax.devices()[0].compute_capability) >= 9.0
+        return 9.0 <= float(jax.devices()[0].compute_capability) < 10.0
     except (AttributeError, TypeError, ValueError):
         return False
 
 
 def attention_backend(q: jax.Array | None = None, k_cache: jax.Array | None = None) -> str:
-    """`IMP_JAX_ATTENTION` if set; else Pallas on a Hopper+ GPU when the kernel takes these shapes.
+    """`IMP_JAX_ATTENTION` if set; else Pallas on a Hopper GPU when the kernel takes these shapes.
 
     Read at trace time: a function already jitted keeps the backend it was traced with.
     """
@@ -33,7 +36,7 @@ def attention_backend(q: jax.Array | None = None, k_cache: jax.Array | None = No
     if forced:
         return forced
     shapes_ok = q is None or k_cache is None or supports(q, k_cache)
-    return "pallas" if hopper_or_newer() and shapes_ok else "reference"
+    return "pallas" if hopper_gpu() and shapes_ok else "reference"
 
 
 def ragged_paged_attention(
@@ -44,13 +47,13 @@ def ragged_paged_attention(
     """Write k/v [T, KVH, D] at meta.slot_mapping into `layer` of the stacked caches, then attend.
 
     q: [T, H, D]; caches: [L, num_blocks, block_size, KVH, D]. Returns (out [T, H, D], k_cache, v_cache).
-    Pallas off a Hopper+ GPU (forced by IMP_JAX_ATTENTION=pallas) runs in the Mosaic GPU interpreter.
+    Pallas off a Hopper GPU (forced by IMP_JAX_ATTENTION=pallas) runs in the Mosaic GPU interpreter.
     """
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
     if attention_backend(q, k_cache) == "pallas":
         out = ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, sm_scale=sm_scale,
                                             sliding_window=sliding_window, soft_cap=soft_cap,
-                                            interpret=not hopper_or_newer())
+                                            interpret=not hopper_gpu())
     else:
         out = ragged_paged_attention_reference(q, k_cache, v_cache, meta, layer, sm_scale=sm_scale,
                                                sliding_window=sliding_window, soft_cap=soft_cap)

@@ -1,0 +1,244 @@
+"""Ragged paged attention as a Pallas Mosaic GPU kernel: prefill chunks and decodes in one call.
+
+Hardware: NVIDIA Hopper (sm_90a: H100/H200). The kernel is written for Mosaic GPU: K/V pages move
+GMEM->SMEM by TMA (`copy_gmem_to_smem`, mbarrier completion, double-buffered) and both matmuls are
+warpgroup MMAs (`wgmma`: M = 64 rows per warpgroup, bf16/f16 operands in swizzled SMEM, f32
+accumulators). TMA and wgmma do not exist before Hopper, and Blackwell (sm_100) replaced wgmma
+with tcgen05 MMAs, so other GPUs stay on the XLA reference until a tcgen05 variant exists. f32
+caches also stay on the reference on GPU (wgmma would run them as tf32, K-major operands only).
+
+Layout of the work: the flat ragged batch is cut, in XLA, into work items of up to `block_q`
+query tokens of one sequence; grid = (work items, kv heads). A work item stacks its tokens x the
+G query heads of its kv head as the 64 MMA rows (GQA: K/V are read once per group), walks its
+sequence's pages through `block_tables` (never a dense context) in steps of `block_kv` keys,
+and keeps an f32 online softmax. Causal, sliding-window and soft-cap masking are per row.
+The new K/V are written right before the kernel by the reference's `write_kv` (an XLA scatter,
+in place when the step donates the caches). On CPU the same kernel runs in JAX's Mosaic GPU
+interpreter (`interpret=True`), which is how CI tests it; two interpreter gaps are bridged there
+only: it has no transposed wgmma operand (K^T is staged in SMEM) and no register layout casts.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from imp_jax.kernels_pallas.metadata import AttentionMetadata
+from imp_jax.kernels_pallas.reference import token_positions
+
+MMA_ROWS = 64            # wgmma M per warpgroup on Hopper
+SWIZZLE = 128            # bytes; SMEM tiles are (8, SWIZZLE // itemsize)
+_MASKED = -1e30          # finite, so fully masked rows never produce inf - inf
+
+
+def interpret_params() -> Any:
+    """The Mosaic GPU interpreter's params (CPU execution); its import path moved across jax versions."""
+    cls = getattr(plgpu, "InterpretGPUParams", None) or getattr(plgpu, "InterpretParams", None)
+    if cls is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
+    return cls()
+
+
+def block_kv_for(block_size: int, block_kv: int = 64) -> int:
+    """Keys per loop step: a multiple of the page size and of the 64-key wgmma K tile."""
+    return block_kv if block_kv % block_size == 0 else block_size * math.ceil(block_kv / block_size)
+
+
+def supports(q: jax.Array, k_cache: jax.Array) -> bool:
+    """Whether the compiled (GPU) kernel handles these shapes: 16-bit caches, TMA/wgmma-friendly tiles."""
+    _, _, bs, kvh, d = k_cache.shape
+    g = q.shape[1] // kvh
+    bk = block_kv_for(bs)
+    return (k_cache.dtype in (jnp.bfloat16, jnp.float16) and d % 64 == 0 and d <= 256
+            and bs % 8 == 0 and bk % 64 == 0 and bk <= 256 and g <= 2 * MMA_ROWS)
+
+
+def _plan(meta: AttentionMetadata, num_tokens: int, block_q: int,
+          num_work: int) -> tuple[jax.Array, ...]:
+    """Cut the ragged batch into work items of <= block_q tokens of one sequence.
+
+    Returns work int32 [W, 3] = (seq, kv position of the first row, rows), each item's first
+    flat token, and per token its (work item, row, valid).
+    """
+    S = meta.seq_lens.shape[0]
+    live = jnp.arange(S) < meta.num_seqs
+    qsl = meta.query_start_loc
+    q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
+    tiles = (q_lens + block_q - 1) // block_q
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    w = jnp.arange(num_work, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(tile_end, w, side="right"), 0, S - 1).astype(jnp.int32)
+    j = w - tile_start[seq]
+    rows = jnp.where(w < tile_end[-1], jnp.clip(q_lens[seq] - j * block_q, 0, block_q), 0)
+    pos0 = meta.seq_lens[seq] - q_lens[seq] + j * block_q
+    tok_seq, _, valid = token_positions(meta, num_tokens)
+    offset = jnp.arange(num_tokens, dtype=jnp.int32) - qsl[tok_seq]
+    tok_work = jnp.clip(tile_start[tok_seq] + offset // block_q, 0, num_work - 1)
+    tok_row = jnp.clip(offset % block_q, 0, block_q - 1)
+    work = jnp.stack([seq, pos0, rows], axis=1).astype(jnp.int32)
+    return work, qsl[seq] + j * block_q, tok_work, tok_row, valid
+
+
+def _kv_steps(work: jax.Array, block_kv: int, sliding_window: int | None) -> jax.Array:
+    """Append each work item's [first, end) kv step: keys from the window start to its last row."""
+    pos0, rows = work[:, 1], work[:, 2]
+    lo = jnp.zeros_like(pos0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+    end = jnp.where(rows > 0, (pos0 + rows + block_kv - 1) // block_kv, 0)
+    lo = jnp.minimum(lo // block_kv, end)
+    return jnp.concatenate([work, lo[:, None], end[:, None]], axis=1)
+
+
+def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An SMEM buffer tiled and swizzled the way TMA and wgmma want 2D operands."""
+    tile = SWIZZLE // jnp.dtype(dtype).itemsize
+    if shape[-1] % tile:  # only reachable in interpret mode (`supports` rejects it), where tiling is moot
+        return plgpu.SMEM(shape, dtype)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, tile)),
+                                                plgpu.SwizzleTransform(SWIZZLE)))
+
+
+def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any,
+            o_ref: Any, *, group: int, block_kv: int, sm_scale: float, sliding_window: int | None,
+            soft_cap: float | None, interpret: bool) -> None:
+    """One (work item, kv head): online-softmax attention of its rows over its sequence's pages."""
+    _, _, bs, _, d = k_ref.shape
+    rows_m = q_ref.shape[2]
+    pages = block_kv // bs
+    max_blocks = tables_ref.shape[1]
+    dtype = k_ref.dtype
+    w, h = lax.axis_index("work"), lax.axis_index("kv_head")
+    seq, pos0, n_rows = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
+    step_lo, step_end = work_ref[w, 3], work_ref[w, 4]
+    layer = layer_ref[0]
+    # register layouts only mean something to the Mosaic GPU compiler; the interpreter has no rule
+    lay = (lambda x, _: x) if interpret else plgpu.layout_cast
+
+    def scoped(q_smem: Any, k_smem: Any, v_smem: Any, p_smem: Any, kt_smem: Any,
+               q_bar: Any, k_bar: Any, v_bar: Any) -> None:
+        plgpu.copy_gmem_to_smem(q_ref.at[w, h], q_smem, q_bar.at[0])
+
+        def fetch(step: jax.Array, slot: jax.Array | int) -> None:
+            for p in range(pages):  # one TMA per page; each barrier expects `pages` arrivals
+                blk = tables_ref[seq, jnp.minimum(step * pages + p, max_blocks - 1)]
+                rows = pl.ds(p * bs, bs)
+                plgpu.copy_gmem_to_smem(k_ref.at[layer, blk, :, h, :], k_smem.at[slot, rows], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, blk, :, h, :], v_smem.at[slot, rows], v_bar.at[slot])
+
+        pl.when(step_lo < step_end)(lambda: fetch(step_lo, 0))
+        plgpu.barrier_wait(q_bar.at[0])
+        row_tok = lax.div(lay(lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 0), plgpu.Layout.WGMMA),
+                          jnp.int32(group))
+        col = lay(lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1), plgpu.Layout.WGMMA)
+        q_pos = pos0 + row_tok
+
+        def qk(slot: jax.Array) -> jax.Array:
+            def mma(acc_ref: Any) -> jax.Array:
+                if interpret:  # the interpreter does not model transposed wgmma operands
+                    kt_smem[...] = k_smem[slot].T
+                    plgpu.wgmma(acc_ref, q_smem, kt_smem)
+                else:
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+            return pl.run_scoped(mma, plgpu.ACC((rows_m, block_kv), jnp.float32))
+
+        def pv(slot: jax.Array) -> jax.Array:
+            def mma(acc_ref: Any) -> jax.Array:
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+            return pl.run_scoped(mma, plgpu.ACC((rows_m, d), jnp.float32))
+
+        def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            m, l, acc = carry
+            step, slot = step_lo + i, lax.rem(i, 2)
+            pl.when(step + 1 < step_end)(lambda: fetch(step + 1, 1 - slot))
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = qk(slot) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            key = step * block_kv + col
+            mask = (key <= q_pos) & (row_tok < n_rows)
+            if sliding_window is not None:
+                mask &= key > q_pos - sliding_window
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv(slot)
+            return m_new, l, acc
+
+        m = lay(jnp.full((rows_m,), _MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = lay(jnp.full((rows_m,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = lay(jnp.full((rows_m, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        _, l, acc = lax.fori_loop(0, step_end - step_lo, body, (m, l, acc))
+        l = jnp.maximum(l, 1e-30)  # rows that saw no key (padding) keep acc == 0
+        q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)  # q is spent
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[w, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(n_rows > 0)  # work items past the batch (padding) touch nothing
+    def _() -> None:
+        pl.run_scoped(
+            scoped,
+            _smem((rows_m, d), dtype), _smem((2, block_kv, d), dtype), _smem((2, block_kv, d), dtype),
+            _smem((rows_m, block_kv), dtype), _smem((d, block_kv), dtype) if interpret else None,
+            plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=pages, num_barriers=2),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=2),
+        )
+
+
+def ragged_paged_attention_pallas(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
+    layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
+    soft_cap: float | None = None, interpret: bool = False, block_kv: int = 64,
+) -> jax.Array:
+    """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
+
+    Same contract as `ragged_paged_attention_reference`; K/V must already be written.
+    """
+    if not interpret and not supports(q, k_cache):
+        raise ValueError(f"the compiled Pallas kernel does not take q {q.shape} {q.dtype}, "
+                         f"caches {k_cache.shape} {k_cache.dtype}; use IMP_JAX_ATTENTION=reference")
+    T, H, D = q.shape
+    _, _, BS, KVH, _ = k_cache.shape
+    G = H // KVH
+    block_q = max(1, MMA_ROWS // G)
+    rows_m = MMA_ROWS * math.ceil(block_q * G / MMA_ROWS)
+    bk = block_kv_for(BS, block_kv)
+    num_work = min(T, -(-T // block_q) + min(meta.seq_lens.shape[0], T))
+    work, first_tok, tok_work, tok_row, valid = _plan(meta, T, block_q, num_work)
+    work = _kv_steps(work, bk, sliding_window)
+
+    # q rows of each work item, stacked (token, group head) -> [W, KVH, rows_m, D]
+    tok = jnp.clip(first_tok[:, None] + jnp.arange(block_q)[None, :], 0, T - 1)
+    live = jnp.arange(block_q)[None, :] < work[:, 2:3]
+    qw = jnp.where(live[..., None, None], q[tok], 0).astype(k_cache.dtype)
+    qw = qw.reshape(num_work, block_q, KVH, G, D).transpose(0, 2, 1, 3, 4)
+    qw = qw.reshape(num_work, KVH, block_q * G, D)
+    qw = jnp.pad(qw, ((0, 0), (0, 0), (0, rows_m - block_q * G), (0, 0)))
+
+    kernel = functools.partial(_kernel, group=G, block_kv=bk, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((num_work, KVH, rows_m, D), k_cache.dtype),
+        grid=(num_work, KVH), grid_names=("work", "kv_head"),
+        compiler_params=plgpu.CompilerParams(),
+        **({"interpret": interpret_params()} if interpret else {}))
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = call(work, meta.block_tables.astype(jnp.int32), layer_arr, qw, k_cache, v_cache)
+
+    out = out[:, :, :block_q * G].reshape(num_work, KVH, block_q, G, D)
+    out = out[tok_work, :, tok_row]                                   # [T, KVH, G, D]
+    return jnp.where(valid[:, None, None, None], out, 0).reshape(T, H, D).astype(q.dtype)
+

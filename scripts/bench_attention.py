@@ -1,0 +1,224 @@
+"""Benchmark ragged paged attention: the Pallas kernel vs the XLA reference (and jax's decode kernel).
+
+Prints time, achieved HBM bandwidth and FLOP/s (as fractions of the device's peak where known)
+per (mode, batch, context) and writes JSON with --out. `--quick` runs small sizes; off a Hopper GPU
+the Pallas kernel runs in the Mosaic GPU interpreter, at the smallest size of each mode only (a
+correctness smoke test against the reference, not a speed figure).
+
+    python scripts/bench_attention.py --quick --out bench.json
+    python scripts/bench_attention.py --modes decode prefill --out h200.json      # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from imp_jax.kernels_pallas import AttentionMetadata
+from imp_jax.kernels_pallas.attention import hopper_gpu
+from imp_jax.kernels_pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
+from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference
+from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
+
+PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12)}  # HBM bytes/s, dense bf16 FLOP/s
+FIELDS = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_seqs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Model attention shape: heads, kv heads, head_dim, page size, dtype."""
+
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: str = "bfloat16"
+
+
+def device_peaks() -> tuple[float | None, float | None]:
+    """(HBM bytes/s, FLOP/s) of the default device when it is one we know, else (None, None)."""
+    kind = jax.devices()[0].device_kind
+    for name, peaks in PEAKS.items():
+        if name in kind:
+            return peaks
+    return None, None
+
+
+def step_chunks(mode: str, batch: int, context: int, block_size: int) -> list[SeqChunk]:
+    """`batch` decodes at `context`, `batch` fresh prefills of `context`, or (mixed) one 512-token
+    prefill chunk ending at `context` plus batch - 1 decodes; every sequence owns its own pages."""
+    pages = -(-context // block_size)
+    chunk = {"decode": 1, "prefill": context, "mixed": min(512, context)}[mode]
+    return [SeqChunk([0] * (chunk if mode != "mixed" or s == 0 else 1),
+                     context - (chunk if mode != "mixed" or s == 0 else 1),
+                     list(range(1 + s * pages, 1 + (s + 1) * pages))) for s in range(batch)]
+
+
+def make_step(chunks: list[SeqChunk], shape: Shape, seed: int = 0) -> tuple[Any, ...]:
+    """Random caches covering every page, q, device metadata and the host batch for `chunks`."""
+    bs = shape.block_size
+    pages = max(len(c.block_table) for c in chunks)
+    tokens = sum(len(c.token_ids) for c in chunks)
+    b = build_step_batch(chunks, num_tokens=tokens, num_seqs=len(chunks), max_blocks=pages, block_size=bs)
+    meta = AttentionMetadata(*(jnp.asarray(getattr(b, f)) for f in FIELDS))
+    key = jax.random.key(seed)
+    cache_shape = (1, 1 + len(chunks) * pages, bs, shape.kv_heads, shape.head_dim)
+    dt = jnp.dtype(shape.dtype)
+    k_cache = jax.random.normal(key, cache_shape, dt)
+    v_cache = jax.random.normal(jax.random.fold_in(key, 1), cache_shape, dt)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (tokens, shape.heads, shape.head_dim), dt)
+    return q, k_cache, v_cache, meta, b
+
+
+def cost(b: StepBatch, shape: Shape) -> tuple[float, float]:
+    """(bytes, flops): every attended K/V byte once + q and out; 4*D FLOPs per (head, query, key)."""
+    n = int(b.num_seqs)
+    q_lens = np.diff(b.query_start_loc)[:n]
+    kv_lens = b.seq_lens[:n].astype(np.int64)
+    item = jnp.dtype(shape.dtype).itemsize
+    kv_bytes = 2 * kv_lens.sum() * shape.kv_heads * shape.head_dim * item
+    q_bytes = 2 * q_lens.sum() * shape.heads * shape.head_dim * item
+    keys = sum(int(((kv - ql) + np.arange(1, ql + 1)).sum()) for kv, ql in zip(kv_lens, q_lens))
+    return float(kv_bytes + q_bytes), 4.0 * shape.heads * shape.head_dim * keys
+
+
+def time_fn(fn: Callable, args: tuple, iters: int) -> float:
+    """Median seconds of `iters` calls of an already compiled and warmed-up `fn`."""
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def jax_decode_kernel() -> Callable | None:
+    """jax's shipped decode-only paged attention (Triton), None if absent. It wants its own cache
+    layout [KVH, NB, BS, D]: the transpose happens outside the timed call (see bench_one)."""
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    except Exception:  # noqa: BLE001 - absent or broken on this jax: just skip it
+        return None
+
+    def run(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        pages = meta.block_tables.shape[1]
+        per_block, splits = min(8, pages), 16  # it needs pages % (splits * per_block) == 0
+        while splits > 1 and pages % (splits * per_block):
+            splits //= 2
+        return paged_attention(q, k_pages, v_pages, meta.block_tables, meta.seq_lens,
+                               pages_per_compute_block=per_block, k_splits=splits)
+    return jax.jit(run)
+
+
+def bench_one(mode: str, batch: int, context: int, shape: Shape, iters: int, interpret: bool,
+              with_pallas: bool = True, max_reference_work: int = 1 << 27) -> list[dict]:
+    """All backends on one step; one result row each (errors recorded, not raised)."""
+    q, k_cache, v_cache, meta, host = make_step(step_chunks(mode, batch, context, shape.block_size), shape)
+    nbytes, flops = cost(host, shape)
+    scale = shape.head_dim ** -0.5
+    args = (q, k_cache, v_cache, meta)
+    backends: dict[str, tuple[Callable, tuple]] = {}
+    if q.shape[0] * context <= max_reference_work:  # its per-step gather is [T, 64 keys, KVH, D]
+        backends["reference"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_reference(
+            q, k, v, meta, 0, sm_scale=scale)), args)
+    if with_pallas and (interpret or supports(q, k_cache)):
+        backends["pallas"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_pallas(
+            q, k, v, meta, 0, sm_scale=scale, interpret=interpret)), args)
+    jax_kernel = jax_decode_kernel() if mode == "decode" and not interpret else None
+    if jax_kernel is not None:
+        pages = tuple(c[0].transpose(2, 0, 1, 3) for c in (k_cache, v_cache))
+        backends["jax_paged_attention"] = (jax_kernel, (q, *pages, meta))
+    peak_bw, peak_flops = device_peaks()
+    rows, ref_out = [], None
+    for name, (fn, fn_args) in backends.items():
+        row = dict(mode=mode, batch=batch, context=context, backend=name, tokens=int(q.shape[0]),
+                   bytes=nbytes, flops=flops, **dataclasses.asdict(shape))
+        try:
+            out = jax.block_until_ready(fn(*fn_args))
+            if name == "reference":
+                ref_out = np.asarray(out, np.float32)
+            elif ref_out is not None:
+                err = np.abs(np.asarray(out, np.float32) - ref_out).max()
+                row["max_abs_err_vs_reference"] = float(err)
+            sec = time_fn(fn, fn_args, iters)
+        except Exception as e:  # noqa: BLE001 - a failing backend is a result, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            continue
+        row.update(seconds=sec, bandwidth=nbytes / sec, flop_rate=flops / sec,
+                   hbm_fraction=nbytes / sec / peak_bw if peak_bw else None,
+                   flop_fraction=flops / sec / peak_flops if peak_flops else None)
+        rows.append(row)
+    return rows
+
+
+def fmt(row: dict) -> str:
+    """One table line."""
+    head = f"{row['mode']:8s} {row['batch']:4d} {row['context']:6d} {row['backend']:20s}"
+    if "error" in row:
+        return f"{head} ERROR {row['error']}"
+    frac = lambda x: f"{100 * x:6.1f}%" if x is not None else "      -"
+    err = row.get("max_abs_err_vs_reference")
+    return (f"{head} {row['seconds'] * 1e3:10.3f} ms {row['bandwidth'] / 1e9:9.2f} GB/s"
+            f" {frac(row['hbm_fraction'])} {row['flop_rate'] / 1e12:8.3f} TFLOP/s"
+            f" {frac(row['flop_fraction'])}"
+            + (f"  err {err:.2e}" if err is not None else ""))
+
+
+def main() -> None:
+    """Parse arguments, run the sweep, print and optionally save it."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    p.add_argument("--modes", nargs="+", default=["decode", "prefill", "mixed"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    p.add_argument("--max-kv-tokens", type=int, default=1 << 22, help="skip steps with more cached tokens")
+    p.add_argument("--max-prefill-tokens", type=int, default=32768)
+    p.add_argument("--max-reference-work", type=int, default=1 << 27,
+                   help="skip the XLA reference when query tokens x context exceeds this")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", help="write the results as JSON here")
+    a = p.parse_args()
+    shape = Shape(a.heads, a.kv_heads, a.head_dim, a.block_size, a.dtype)
+    if a.quick:
+        a.batches, a.contexts, a.iters = [1, 3], [40, 100], 1
+        shape = Shape(4, 2, 64, 16, a.dtype)
+    interpret = not hopper_gpu()
+    mode = "interpreted" if interpret else "compiled"
+    print(f"device {jax.devices()[0].device_kind}; pallas {mode}; {shape}")
+    rows = []
+    for mode in a.modes:
+        for batch in a.batches:
+            for context in a.contexts:
+                q_tokens = sum(len(c.token_ids) for c in step_chunks(mode, batch, context, shape.block_size))
+                if batch * context > a.max_kv_tokens or q_tokens > max(a.max_prefill_tokens, batch):
+                    continue
+                # interpreted, the kernel takes seconds per call: smoke-test it at the smallest size only
+                smallest = batch == min(a.batches) and context == min(a.contexts)
+                for row in bench_one(mode, batch, context, shape, a.iters, interpret,
+                                     with_pallas=not interpret or smallest,
+                                     max_reference_work=a.max_reference_work):
+                    print(fmt(row), flush=True)
+                    rows.append(row)
+    if a.out:
+        meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, peaks=device_peaks(),
+                    interpret=interpret)
+        with open(a.out, "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=1)
+        print(f"wrote {len(rows)} rows to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

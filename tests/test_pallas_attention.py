@@ -1,0 +1,192 @@
+"""The Pallas ragged paged attention kernel (Mosaic GPU interpreter on CPU) against the XLA reference."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
+from imp_jax.kernels_pallas.attention import attention_backend
+from imp_jax.kernels_pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
+from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, write_kv
+from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# bf16: inputs and output are rounded to 8 mantissa bits and P is fed to the PV matmul in bf16.
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+META_FIELDS = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_seqs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A random ragged batch: (tokens already cached, new tokens) per sequence, plus kernel knobs."""
+
+    seqs: tuple[tuple[int, int], ...]
+    group: int                  # query heads per kv head
+    head_dim: int
+    block_size: int
+    dtype: type
+    num_tokens: int             # padded T (>= sum of new tokens: the rest are padding rows)
+    num_slots: int              # padded S
+    kv_heads: int = 1
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+
+CASES = {
+    "decode_only": Case(((0, 1), (16, 1), (299, 1), (63, 1), (44, 1)), group=8, head_dim=64,
+                        block_size=16, dtype=jnp.float32, num_tokens=8, num_slots=8),
+    "prefill_only": Case(((0, 300), (0, 5), (0, 1)), group=1, head_dim=128, block_size=32,
+                         dtype=jnp.bfloat16, num_tokens=320, num_slots=4),
+    "chunked_prefill": Case(((100, 37), (200, 20), (31, 17)), group=3, head_dim=64, block_size=16,
+                            dtype=jnp.float32, num_tokens=80, num_slots=4, kv_heads=2),
+    "mixed_window": Case(((0, 70), (200, 1), (90, 30), (5, 1), (61, 1)), group=3, head_dim=128,
+                         block_size=32, dtype=jnp.bfloat16, num_tokens=112, num_slots=8,
+                         sliding_window=40),
+    "mixed_soft_cap": Case(((0, 23), (150, 1), (33, 9), (0, 1)), group=8, head_dim=64, block_size=32,
+                           dtype=jnp.float32, num_tokens=40, num_slots=6, soft_cap=5.0),
+    "mixed_window_soft_cap": Case(((47, 40), (3, 1), (280, 1), (0, 13)), group=1, head_dim=64,
+                                  block_size=16, dtype=jnp.bfloat16, num_tokens=64, num_slots=4,
+                                  sliding_window=25, soft_cap=3.0),
+}
+
+
+def make_batch(case: Case, seed: int = 0, layers: int = 2) -> tuple[Any, ...]:
+    """Random caches with shuffled block tables, new q/k/v, and metadata from build_step_batch."""
+    rng = np.random.RandomState(seed)
+    bs, kvh, d = case.block_size, case.kv_heads, case.head_dim
+    pages = [-(-(start + n) // bs) for start, n in case.seqs]
+    max_blocks = max(pages) + 1
+    ids = rng.permutation(np.arange(1, sum(pages) + 8))  # block 0 is the null block
+    chunks, used = [], 0
+    for (start, n), p in zip(case.seqs, pages):
+        chunks.append(SeqChunk(rng.randint(0, 100, n).tolist(), start, ids[used:used + p].tolist()))
+        used += p
+    batch = build_step_batch(chunks, num_tokens=case.num_tokens, num_seqs=case.num_slots,
+                             max_blocks=max_blocks, block_size=bs)
+    meta = to_meta(batch)
+    cache_shape = (layers, len(ids) + 1, bs, kvh, d)
+    k_cache = jnp.asarray(rng.randn(*cache_shape), case.dtype)
+    v_cache = jnp.asarray(rng.randn(*cache_shape), case.dtype)
+    t = case.num_tokens
+    q = jnp.asarray(rng.randn(t, kvh * case.group, d), case.dtype)
+    k = jnp.asarray(rng.randn(t, kvh, d), case.dtype)
+    v = jnp.asarray(rng.randn(t, kvh, d), case.dtype)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def to_meta(batch: StepBatch) -> AttentionMetadata:
+    """Device metadata from a host StepBatch."""
+    return AttentionMetadata(*(jnp.asarray(getattr(batch, f)) for f in META_FIELDS))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name: str) -> None:
+    case = CASES[name]
+    q, k, v, k_cache, v_cache, meta = make_batch(case)
+    kw = dict(sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window,
+              soft_cap=case.soft_cap)
+
+    @jax.jit  # one program for both: interpret-mode compiles dominate the test time
+    def both(q, k, v, k_cache, v_cache, meta, layer):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
+        return (ragged_paged_attention_reference(q, k_cache, v_cache, meta, layer, **kw),
+                ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, **kw, interpret=True))
+
+    want, got = both(q, k, v, k_cache, v_cache, meta, jnp.int32(1))
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+    real = int(meta.query_start_loc[meta.num_seqs])
+    assert real < case.num_tokens, "every case carries padding rows"
+    assert not np.asarray(got[real:], np.float32).any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,dtype,window,cap", [
+    (1, 128, 16, jnp.bfloat16, None, None), (3, 64, 32, jnp.float16, 40, 5.0),
+    (8, 128, 16, jnp.bfloat16, None, 30.0), (128, 64, 64, jnp.bfloat16, 100, None)])
+def test_kernel_lowers_to_mosaic_gpu(group: int, head_dim: int, block_size: int, dtype: type,
+                                     window: int | None, cap: float | None) -> None:
+    """Cross-platform lowering runs the whole Pallas -> Mosaic GPU pipeline (layouts, TMA, wgmma
+    shape rules) on CPU; only PTX compilation and the run itself need the GPU."""
+    t, s, kvh = 64, 8, 2
+    q = jax.ShapeDtypeStruct((t, kvh * group, head_dim), dtype)
+    cache = jax.ShapeDtypeStruct((2, 32, block_size, kvh, head_dim), dtype)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    meta = AttentionMetadata(i32(s + 1), i32(s), i32(s, 16), i32(t), i32())
+    fn = jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=0.1, sliding_window=window,
+                                                          soft_cap=cap))
+    text = fn.trace(q, cache, cache, meta, i32()).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "wgmma.mma_async" in text
+
+
+def test_supports_only_what_the_compiled_kernel_takes() -> None:
+    q = jnp.zeros((1, 32, 128), jnp.bfloat16)
+    assert supports(q, jnp.zeros((1, 2, 16, 8, 128), jnp.bfloat16))
+    assert supports(q[..., :64], jnp.zeros((1, 2, 32, 8, 64), jnp.float16))
+    assert not supports(q, jnp.zeros((1, 2, 16, 8, 128), jnp.float32))   # tf32 wgmma: not wired
+    assert not supports(q[..., :80], jnp.zeros((1, 2, 16, 8, 80), jnp.bfloat16))
+    assert not supports(q, jnp.zeros((1, 2, 12, 8, 128), jnp.bfloat16))  # pages off the 8-row tile
+
+
+def test_entry_point_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("IMP_JAX_ATTENTION", raising=False)
+    assert attention_backend() == "reference"  # CPU
+    monkeypatch.setenv("IMP_JAX_ATTENTION", "bogus")
+    with pytest.raises(ValueError):
+        attention_backend()
+    case = CASES["mixed_soft_cap"]
+    q, k, v, k_cache, v_cache, meta = make_batch(case, seed=1)
+    outs = {}
+    for backend in ("reference", "pallas"):
+        monkeypatch.setenv("IMP_JAX_ATTENTION", backend)
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap))
+        outs[backend] = fn(q, k, v, k_cache, v_cache, meta, 0)
+    for want, got in zip(outs["reference"], outs["pallas"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_model_greedy_tokens_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiny_models import write_tiny_hf
+
+    from imp_jax.model.config import ModelConfig
+    from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+    from imp_jax.model.registry import get_model_class
+
+    write_tiny_hf("LlamaForCausalLM", tmp_path)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    model = build_from_tensors(get_model_class(cfg.architecture), cfg, SafetensorsDir(tmp_path),
+                               jnp.float32, "scan", str(tmp_path))
+    prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, size=11).tolist()
+    tokens = {b: greedy(model, prompt, b, monkeypatch) for b in ("reference", "pallas")}
+    assert tokens["pallas"] == tokens["reference"]
+
+
+def greedy(model: Any, prompt: list[int], backend: str, monkeypatch: pytest.MonkeyPatch,
+           steps: int = 8, block_size: int = 16) -> list[int]:
+    """Prefill `prompt` then decode `steps` greedy tokens, with a jit function traced for `backend`."""
+    monkeypatch.setenv("IMP_JAX_ATTENTION", backend)
+
+    @jax.jit  # a fresh function per backend: the env var is read when this traces
+    def step(ids, positions, kv, meta, rows):
+        hidden, kv = model(ids, positions, kv, meta)
+        return jnp.argmax(model.logits(hidden[rows]), axis=-1), kv
+
+    table = [3, 1, 4]  # deliberately not in order
+    kv = tuple(jnp.zeros(model.kv_cache_shape(8, block_size)) for _ in range(2))
+    out, chunk = [], SeqChunk(prompt, 0, table)
+    for _ in range(steps + 1):
+        b = build_step_batch([chunk], num_tokens=16, num_seqs=2, max_blocks=4, block_size=block_size)
+        nxt, kv = step(jnp.asarray(b.input_ids), jnp.asarray(b.positions), kv, to_meta(b),
+                       jnp.asarray(b.last_token_rows))
+        out.append(int(nxt[0]))
+        chunk = SeqChunk([out[-1]], chunk.start + len(chunk.token_ids), table)
+    return out
