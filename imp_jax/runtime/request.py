@@ -8,6 +8,8 @@ from imp_jax.errors import InvalidRequestError
 
 MAX_N = 4
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 64      # entries per request (a static width of the compiled sampler)
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass
@@ -59,6 +61,12 @@ class SamplingParams:
             bad("n", f"must be in [1, {MAX_N}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_k is not None and not -1 <= self.top_k <= INT32_MAX:
+            bad("top_k", "must be -1, 0 (off) or a positive count")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            bad("seed", "must fit in 64 bits")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         for tok, val in self.logit_bias.items():
             if not 0 <= tok < vocab_size:
                 bad("logit_bias", f"token id {tok} is outside the vocabulary [0, {vocab_size})")

@@ -17,6 +17,7 @@ from flax import nnx
 
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch
+from imp_jax.runtime.request import MAX_LOGIT_BIAS
 from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
 
 log = logging.getLogger("imp_jax.step")
@@ -30,7 +31,7 @@ class StepShapes:
     max_blocks: int
     vocab_size: int
     history_len: int = 256
-    max_bias: int = 64
+    max_bias: int = MAX_LOGIT_BIAS
 
 
 class CompiledStep:

@@ -1,0 +1,146 @@
+"""Offline engine throughput and TTFT for SmolLM2 vs HF transformers `generate`, plus the decode roofline.
+
+    python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128] [--out FILE]
+
+Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
+tokens with ignore_eos). The roofline is weight bytes / measured memory read bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: the best of a few full reads of a large array."""
+    a = np.ones(nbytes // 8, np.float64)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of exactly `length` tokens."""
+    base = tokenizer.encode("The history of science is long and full of surprising turns. " * 40,
+                            add_special_tokens=False)
+    return [[(t + i) % 1000 + 100 if j == 0 else t for j, t in enumerate(base[:length])] for i in range(n)]
+
+
+def bench_engine(core, batch: int, prompt_len: int, output_len: int) -> dict:
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
+
+    first: dict[str, float] = {}
+    t0 = time.perf_counter()
+    host0, dev0, steps0 = core.host_seconds, core.device_seconds, core.num_steps
+    for i, ids in enumerate(prompts(core.tokenizer, batch, prompt_len)):
+        rid = f"b{batch}-{i}-{time.time_ns()}"
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        core.add_request(GenerationRequest(rid, ids, params),
+                         lambda ev, rid=rid: first.setdefault(rid, time.perf_counter()))
+    while core.has_work():
+        core.step()
+    wall = time.perf_counter() - t0
+    host, dev = core.host_seconds - host0, core.device_seconds - dev0
+    ttft = sorted(t - t0 for t in first.values())
+    return dict(batch=batch, wall_s=wall, output_tok_s=batch * output_len / wall,
+                ttft_median_s=ttft[len(ttft) // 2], ttft_max_s=ttft[-1], steps=core.num_steps - steps0,
+                host_fraction=host / (host + dev))
+
+
+def decode_step_time(core, prompt_len: int, steps: int = 24) -> float:
+    """Median device time of a batch-1 decode step."""
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
+
+    times: list[float] = []
+    ids = prompts(core.tokenizer, 1, prompt_len)[0]
+    core.add_request(GenerationRequest(f"d{time.time_ns()}", ids,
+                                       SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)),
+                     lambda ev: None)
+    while core.has_work():
+        before = core.device_seconds
+        core.step()
+        times.append(core.device_seconds - before)
+    return float(np.median(times[2:]))
+
+
+def bench_transformers(gguf: Path, batch: int, prompt_len: int, output_len: int, tokenizer) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(tokenizer, batch, prompt_len))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    wall = time.perf_counter() - t0
+    return dict(batch=batch, wall_s=wall, output_tok_s=batch * output_len / wall)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
+    ap.add_argument("--out", default="bench_results/engine.json")
+    args = ap.parse_args()
+
+    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.config import EngineConfig
+
+    max_seqs = max(args.batches)
+    t0 = time.perf_counter()
+    core = build_engine(EngineConfig(model=args.model, max_model_len=args.prompt_len + args.output_len + 16,
+                                     max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
+    startup = time.perf_counter() - t0
+    bw = measure_bandwidth()
+    weight_bytes = sum(x.nbytes for x in jax_leaves(core.step_fn.state))
+    roofline_s = weight_bytes / bw
+    step_s = decode_step_time(core, args.prompt_len)
+    results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
+                   roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
+                   decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
+    print(f"startup (load + compile) {startup:.1f}s; weights {weight_bytes / 1e6:.0f} MB; "
+          f"read bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"batch-1 decode step {step_s * 1e3:.1f} ms; roofline {roofline_s * 1e3:.1f} ms "
+          f"({step_s / roofline_s:.2f}x)")
+    print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
+          f"{'hf tok/s':>9} {'ratio':>6}")
+    for b in args.batches:
+        e = bench_engine(core, b, args.prompt_len, args.output_len)
+        results["engine"].append(e)
+        h = None
+        if not args.no_transformers:
+            h = bench_transformers(core.loaded.path, b, args.prompt_len, args.output_len, core.tokenizer)
+            results["transformers"].append(h)
+        hf = f"{h['output_tok_s']:9.1f} {e['output_tok_s'] / h['output_tok_s']:6.2f}" if h else f"{'-':>9} {'-':>6}"
+        print(f"{b:5d} {e['output_tok_s']:13.1f} {e['ttft_median_s']:9.2f} {e['ttft_max_s']:9.2f} "
+              f"{100 * e['host_fraction']:6.1f}% {hf}")
+    results["compilations_after_warmup"] = core.step_fn.compilations_after_warmup
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree.leaves(tree)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
