@@ -8,21 +8,26 @@ from pathlib import Path
 from imp_jax.model.config import ModelConfig
 
 
+def _field(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Engine settings; the server's flags mirror these fields one to one (`--max-num-seqs` ...)."""
 
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"                        # auto | float32 | bfloat16
-    model_class: str | None = None             # package.module:Class for a user model
-    layer_loop: str | None = None              # scan | unroll (default per backend)
-    max_model_len: int | None = None           # default: the model's max_position_embeddings
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int | None = None           # wins over kv_cache_memory
-    kv_cache_memory: float | None = None       # GPU: fraction of free memory after weights; CPU: bytes
-    compilation_cache_dir: str | None = None   # default: $IMP_JAX_HOME/jax_cache
+    model: str = _field("smollm2-135m-instruct", "path (HF dir, .gguf, converted) or alias")
+    dtype: str = _field("auto", "auto | float32 | bfloat16; auto = bf16 on GPU, f32 on CPU")
+    model_class: str | None = _field(None, "package.module:Class serving a user Flax NNX model")
+    layer_loop: str | None = _field(None, "scan | unroll; default scan (see docs/PERF.md)")
+    max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
+    max_num_seqs: int = _field(32, "sequences in one step at most")
+    max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")
+    block_size: int = _field(16, "tokens per KV block")
+    num_kv_blocks: int | None = _field(None, "KV pool size in blocks; wins over --kv-cache-memory")
+    kv_cache_memory: float | None = _field(
+        None, "GPU: fraction of free device memory after weights (0.9); CPU: bytes (1 GiB)")
+    compilation_cache_dir: str | None = _field(None, "JAX compilation cache; default $IMP_JAX_HOME/jax_cache")
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)

@@ -19,7 +19,7 @@ from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, TokenLogprob, Usage
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
@@ -86,6 +86,10 @@ class EngineCore:
             raise InvalidRequestError(
                 f"max_tokens {params.max_tokens} + prompt {n_prompt} tokens exceed the context of "
                 f"{self.max_model_len}", param="max_tokens", code="context_length_exceeded")
+        if len(self._logit_bias(params, 0)) > self.step_fn.shapes.max_bias:
+            raise InvalidRequestError(
+                f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
+                f"while min_tokens are out)", param="logit_bias")
         max_tokens = params.max_tokens or room
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -156,7 +160,14 @@ class EngineCore:
             seed=p.seed, position=seq.num_tokens,
             history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
             num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
-            logit_bias=p.logit_bias)
+            logit_bias=self._logit_bias(p, len(seq.output_ids)))
+
+    def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
+        """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out."""
+        if num_output >= p.min_tokens:
+            return p.logit_bias
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
+        return {**p.logit_bias, **dict.fromkeys(banned, float("-inf"))}
 
     def _advance(self, chunk: ScheduledChunk, out, row: int) -> None:
         seq = chunk.seq
@@ -196,7 +207,9 @@ class EngineCore:
                 text, matched = seq.stops.feed(delta)
                 if matched is not None:
                     finish, stop_reason = "stop", matched
-        if finish is None and n_out >= seq.max_tokens:
+        # a sequence whose KV would outgrow the whole pool could never be scheduled again
+        too_big = self.pool.num_blocks_for(seq.num_tokens) > self.baseline_free_blocks
+        if finish is None and (n_out >= seq.max_tokens or too_big):
             finish = "length"
         if finish is not None and not isinstance(stop_reason, str):
             tail, matched = seq.stops.feed(seq.detok.flush())

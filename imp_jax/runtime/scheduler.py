@@ -81,33 +81,33 @@ class Scheduler:
         for seq in sorted(self.waiting, key=lambda s: self._rank(s, now)):
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
-            if not seq.can_start or not self._admit(seq):
-                continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.pool.allocate(seq.table, seq.all_ids, seq.num_computed + n):
-                self._release(seq)
-                self._requeue(seq)
-                continue
-            chunks.append(ScheduledChunk(seq, n))
-            scheduled.add(seq.seq_id)
-            budget -= n
+            n = self._admit(seq, budget) if seq.can_start else 0
+            if n:
+                chunks.append(ScheduledChunk(seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
         return chunks
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Move `seq` to running if its whole prompt fits in the blocks not promised to others."""
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move `seq` to running if its whole prompt fits in the blocks not promised to others.
+
+        Returns the token count of its first chunk (after the prefix-cache hits), 0 if it waits.
+        """
         ids = seq.all_ids
         needed = self.pool.blocks_needed(seq.table, ids, len(ids))
         if needed > self.pool.num_free_blocks - self._promised():
-            return False
-        if not self.pool.allocate(seq.table, ids, 0):  # takes the prefix-cache hits
-            return False
+            return 0
+        cached = len(self.pool.match_prefix(ids)[0]) * self.pool.block_size
+        n = min(len(ids) - cached, budget)
+        if not self.pool.allocate(seq.table, ids, cached + n):  # one lookup: takes the hits
+            return 0
         seq.num_computed = seq.table.num_cached_tokens
         if seq.cached_prompt_tokens is None:
             seq.cached_prompt_tokens = seq.num_computed
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
-        return True
+        return n
 
     def _promised(self) -> int:
         """Blocks running sequences will need to finish their prefill, plus one per decode."""

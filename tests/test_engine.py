@@ -1,0 +1,418 @@
+"""EngineCore and AsyncEngine end to end on the real SmolLM2, on CPU.
+
+Engines are built once per session, on the session's shared SmolLM2 load: a token budget of
+16 keeps the step buckets to four (T=16 x S=1..8) and forces chunked prefill on every prompt
+(20-90 tokens). The tiny-pool engine has the KV shape of the big one, so its step programs are
+the same and come from the persistent compilation cache; only its block pool is small.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import pytest
+
+from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.async_engine import AsyncEngine
+from imp_jax.runtime.builder import enable_compilation_cache
+from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
+
+pytestmark = pytest.mark.real_model
+
+MAX_MODEL_LEN = 256
+TOKEN_BUDGET = 16
+MAX_TOKENS = 6
+PROMPT_LENGTHS = (20, 27, 33, 41, 50, 61, 75, 90)
+BIG_POOL_BLOCKS = 96
+TINY_POOL_BLOCKS = 9      # 8 usable blocks: 128 tokens
+SEEDED = dict(temperature=0.8, seed=1234, max_tokens=MAX_TOKENS)
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps "
+    "as his father had taught him. Below, the harbour filled with fishing boats returning from "
+    "the grey northern sea, their decks heavy with nets and their crews singing old songs. "
+    "In the village, the baker was already preparing the dough for the morning bread, while the "
+    "schoolteacher graded essays about the history of the railway that had reached the coast "
+    "a century ago. Nobody remembered exactly when the first lamp was lit, but everyone agreed "
+    "that the light had never failed, not even during the great storm that flooded the lower "
+    "streets and carried away the old wooden pier. Scientists who visited the island measured "
+    "the tides, collected samples of seaweed, and wrote long reports about the migrating birds "
+    "that rested on the cliffs each autumn before crossing the ocean to warmer lands."
+)
+_ids = itertools.count()
+
+
+# ----------------------------------------------------------------------------- helpers
+@dataclasses.dataclass
+class Choice:
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Result:
+    """Everything a request emitted, gathered per choice."""
+
+    choices: dict[int, Choice] = dataclasses.field(default_factory=dict)
+    usage: Usage | None = None
+    events: list[EngineEvent] = dataclasses.field(default_factory=list)
+
+    def on_event(self, ev: EngineEvent) -> None:
+        assert self.usage is None, "an event arrived after the request was done"
+        self.events.append(ev)
+        c = self.choices.setdefault(ev.index, Choice())
+        assert c.finish_reason is None, "an event arrived after its choice finished"
+        c.token_ids += ev.token_ids
+        c.text += ev.text
+        c.logprobs += ev.logprobs or []
+        c.finish_reason, c.stop_reason = ev.finish_reason, ev.stop_reason
+        if ev.done:
+            self.usage = ev.usage
+
+    @property
+    def ids(self) -> list[int]:
+        return self.choices.get(0, Choice()).token_ids
+
+    @property
+    def first(self) -> Choice:
+        return self.choices[0]
+
+
+def req(prompt: list[int], cache_prompt: bool = False, **params: Any) -> GenerationRequest:
+    params.setdefault("temperature", 0.0)
+    return GenerationRequest(f"req-{next(_ids)}", list(prompt), SamplingParams(**params),
+                             cache_prompt=cache_prompt)
+
+
+def run(core: EngineCore, *reqs: GenerationRequest, max_steps: int = 400) -> list[Result]:
+    """Run the requests together to completion; the pool must be back at its baseline after."""
+    results = [Result() for _ in reqs]
+    for r, res in zip(reqs, results):
+        core.add_request(r, res.on_event)
+    for _ in range(max_steps):
+        if not core.has_work():
+            break
+        core.step()
+    else:
+        pytest.fail(f"engine still busy after {max_steps} steps: {core.stats()}")
+    assert not core.requests and not core.scheduler.running and not core.scheduler.waiting
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+    for res in results:
+        assert res.usage is not None and res.events[-1].done
+        assert all(c.finish_reason for c in res.choices.values())
+    return results
+
+
+def step_until(core: EngineCore, cond: Callable[[], bool], max_steps: int = 50) -> None:
+    for _ in range(max_steps):
+        if cond():
+            return
+        core.step()
+    pytest.fail("condition not reached")
+
+
+def spanning_stop(tok, ids: list[int]) -> tuple[str, int, str] | None:
+    """A stop string of the last 2 chars of token k-1's text and the first 2 of token k's,
+    occurring first there: (stop, k, text before the stop)."""
+    full = tok.decode(ids)
+    for k in range(1, len(ids)):
+        before, after = tok.decode(ids[:k]), tok.decode(ids[:k + 1])
+        right = after[len(before):]
+        if not after.startswith(before) or len(before) < 2 or len(right) < 2:
+            continue
+        stop = before[-2:] + right[:2]
+        if full.find(stop) == len(before) - 2:
+            return stop, k, before[:-2]
+    return None
+
+
+# ----------------------------------------------------------------------------- fixtures
+def make_engine(loaded, config: EngineConfig, num_blocks: int) -> EngineCore:
+    """build_engine on a loaded model; the KV cache always has BIG_POOL_BLOCKS (same programs for any pool)."""
+    shape = loaded.model.kv_cache_shape(BIG_POOL_BLOCKS, config.block_size)
+    kv = (jnp.zeros(shape, loaded.dtype), jnp.zeros(shape, loaded.dtype))
+    engine = EngineCore(loaded, config, kv, num_blocks)
+    engine.step_fn.warm_up()
+    return engine
+
+
+@pytest.fixture(scope="session")
+def core(smollm2_loaded, smollm2_gguf_path: Path) -> EngineCore:
+    config = EngineConfig(model=str(smollm2_gguf_path), max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                          max_num_batched_tokens=TOKEN_BUDGET, num_kv_blocks=BIG_POOL_BLOCKS)
+    enable_compilation_cache(config)
+    return make_engine(smollm2_loaded, config, BIG_POOL_BLOCKS)
+
+
+@pytest.fixture(scope="session")
+def tiny_core(core: EngineCore) -> EngineCore:
+    config = dataclasses.replace(core.config, num_kv_blocks=TINY_POOL_BLOCKS)
+    return make_engine(core.loaded, config, TINY_POOL_BLOCKS)
+
+
+@pytest.fixture(scope="session")
+def tok(core: EngineCore):
+    return core.tokenizer
+
+
+@pytest.fixture(scope="session")
+def prompts(tok) -> list[list[int]]:
+    ids = tok.encode(PASSAGE)
+    assert len(ids) >= 9 * 7 + PROMPT_LENGTHS[-1]
+    return [ids[9 * i:9 * i + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="session")
+def greedy_alone(core: EngineCore, prompts) -> list[Result]:
+    """Each prompt on its own, greedy: the reference for batching, preemption and caching."""
+    return [run(core, req(p, max_tokens=MAX_TOKENS))[0] for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def seeded_alone(core: EngineCore, prompts) -> Result:
+    return run(core, req(prompts[1], **SEEDED))[0]
+
+
+@pytest.fixture(scope="session")
+def mixed(core: EngineCore, tok, prompts, greedy_alone) -> dict[str, Result]:
+    """One batch mixing lengths, n, sampling knobs, logprobs, penalties, bias and stops."""
+    stop, _, _ = spanning_stop(tok, greedy_alone[6].ids) or pytest.fail("no spanning stop string")
+    banned = greedy_alone[5].ids[0]
+    reqs = {
+        "seeded": req(prompts[1], **SEEDED),
+        "n4": req(prompts[3], n=4, temperature=1.0, seed=7, max_tokens=MAX_TOKENS),
+        "logprobs": req(prompts[0], logprobs=5, max_tokens=MAX_TOKENS),
+        "knobs": req(prompts[5], temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, typical_p=0.95,
+                     presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                     logit_bias={banned: -100.0, 11: 2.0}, logprobs=2, max_tokens=MAX_TOKENS),
+        "length": req(prompts[2], ignore_eos=True, max_tokens=4),
+        "stop_str": req(prompts[6], stop=[stop], max_tokens=MAX_TOKENS),
+        "stop_str_incl": req(prompts[6], stop=[stop], include_stop_str_in_output=True,
+                             max_tokens=MAX_TOKENS),
+    }
+    return dict(zip(reqs, run(core, *reqs.values())))
+
+
+# ------------------------------------------------------------------- batching and caching
+def test_greedy_outputs_are_batch_invariant_under_chunked_prefill(core, prompts, greedy_alone, tok):
+    assert min(map(len, prompts)) > TOKEN_BUDGET       # every prompt is prefilled in chunks
+    for g in greedy_alone:
+        assert len(g.ids) == MAX_TOKENS or g.first.finish_reason == "stop"
+        assert g.first.text == tok.decode(g.ids)
+    core.pool.reset_prefix_cache()                      # compute every prompt afresh, together
+    together = run(core, *(req(p, max_tokens=MAX_TOKENS) for p in prompts))
+    assert [r.ids for r in together] == [g.ids for g in greedy_alone]
+    assert [r.usage.cached_tokens for r in together] == [0] * len(prompts)
+
+
+def test_seeded_sampling_ignores_its_neighbours(mixed, seeded_alone):
+    assert mixed["seeded"].ids == seeded_alone.ids
+    assert len(seeded_alone.ids) == MAX_TOKENS
+
+
+def test_prefix_reuse_reports_cached_tokens_and_same_output(core, prompts, greedy_alone):
+    core.pool.reset_prefix_cache()
+    shared = prompts[7][:70]
+    first = req(shared + prompts[0][:10], cache_prompt=True, max_tokens=2)
+    res = Result()
+    queries = core.pool.stats().queries
+    core.add_request(first, res.on_event)
+    seq = core.requests[first.request_id].seqs[0]
+    step_until(core, lambda: seq.pinned)                # prompt done: its blocks are pinned
+    assert core.pool.num_free_blocks < core.baseline_free_blocks
+    step_until(core, lambda: not core.has_work())
+    assert res.usage.cached_tokens == 0
+    assert core.pool.stats().queries - queries == len(first.prompt_ids)   # one lookup per admission
+    assert core.pool.num_free_blocks == core.baseline_free_blocks   # pins released at the end
+
+    second = run(core, req(prompts[7], max_tokens=MAX_TOKENS))[0]
+    assert second.usage.cached_tokens == 64             # the 4 full blocks of the shared 70 tokens
+    assert second.ids == greedy_alone[7].ids and greedy_alone[7].usage.cached_tokens == 0
+    assert core.stats()["prefix_cache_hits"] >= 64
+
+
+def test_preemption_recomputes_to_the_same_output(core, tiny_core, tok, seeded_alone, prompts):
+    # prompts of 16k-1 tokens cross into a new block at their second decode step; their
+    # 10 blocks do not fit in 8, so decodes must preempt
+    ids = tok.encode(PASSAGE)
+    workload = [ids[:31], ids[40:71], ids[80:127], ids[110:157]]
+
+    def requests() -> list[GenerationRequest]:
+        return [*(req(p, max_tokens=8) for p in workload), req(prompts[1], **{**SEEDED, "max_tokens": 8})]
+
+    big = run(core, *requests())
+    before = tiny_core.scheduler.num_preemptions
+    small = run(tiny_core, *requests())
+    assert tiny_core.scheduler.num_preemptions > before
+    assert [r.ids for r in small] == [r.ids for r in big]
+    assert [r.first.text for r in small] == [r.first.text for r in big]
+    assert big[-1].ids[:MAX_TOKENS] == seeded_alone.ids   # seeded: position-keyed, whatever the length
+
+
+def test_sequence_outgrowing_the_pool_finishes_with_length(tiny_core, tok):
+    capacity = (TINY_POOL_BLOCKS - 1) * tiny_core.config.block_size
+    prompt = (tok.encode(PASSAGE) * 2)[:capacity - 3]
+    res = run(tiny_core, req(prompt, max_tokens=50, ignore_eos=True))[0]
+    assert res.first.finish_reason == "length"
+    assert len(prompt) + len(res.ids) == capacity + 1   # the last token needs no KV
+
+
+# ----------------------------------------------------------------------------- cancellation
+def test_cancel_mid_generation_frees_blocks_and_pins(core, prompts):
+    a = req(prompts[2], cache_prompt=True, max_tokens=100)
+    b = req(prompts[0], max_tokens=4)
+    c = req(prompts[1], max_tokens=4)
+    ra, rb, rc = Result(), Result(), Result()
+    for r, res in ((a, ra), (b, rb), (c, rc)):
+        core.add_request(r, res.on_event)
+    core.cancel(c.request_id)                            # still waiting
+    assert rc.first.finish_reason == "cancelled" and rc.usage.completion_tokens == 0
+    seq_a = core.requests[a.request_id].seqs[0]
+    step_until(core, lambda: len(ra.ids) >= 3)
+    assert seq_a.pinned
+    core.cancel(a.request_id)
+    assert ra.first.finish_reason == "cancelled" and ra.events[-1].done
+    assert ra.usage.completion_tokens == len(ra.ids) == 3
+    core.cancel(a.request_id)                            # unknown now: a no-op
+    step_until(core, lambda: not core.has_work())
+    assert rb.first.finish_reason == "length" and len(rb.ids) == 4
+    assert not core.requests
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
+def test_async_engine_cancel_and_break_free_blocks(core, prompts, greedy_alone):
+    async def until(cond: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        engine = AsyncEngine(core.config, build=lambda config, progress: core)
+        engine.start()
+        try:
+            await engine.wait_ready()
+            got = 0
+            async for ev in engine.generate(req(prompts[1], max_tokens=100)):
+                got += len(ev.token_ids)
+                if got >= 2:
+                    break                                # the generator's finally cancels it
+            await until(lambda: not core.requests)
+
+            r = req(prompts[2], cache_prompt=True, max_tokens=100)
+            events = []
+            async for ev in engine.generate(r):
+                events.append(ev)
+                if len(events) == 2:
+                    engine.cancel(r.request_id)
+            assert events[-1].finish_reason == "cancelled" and events[-1].done
+            assert events[-1].usage.completion_tokens < 100
+
+            done = Result()
+            async for ev in engine.generate(req(prompts[0], max_tokens=MAX_TOKENS)):
+                done.on_event(ev)
+            assert done.ids == greedy_alone[0].ids
+            await until(lambda: not core.requests)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
+# ------------------------------------------------------------------------ request features
+def test_stop_string_spanning_two_tokens(tok, mixed, greedy_alone):
+    stop, k, before = spanning_stop(tok, greedy_alone[6].ids)
+    res = mixed["stop_str"].first
+    assert res.finish_reason == "stop" and res.stop_reason == stop
+    assert res.text == before and stop not in res.text
+    assert res.token_ids == greedy_alone[6].ids[:k + 1]
+    incl = mixed["stop_str_incl"].first
+    assert incl.text == before + stop and incl.finish_reason == "stop"
+
+
+def test_stop_token_ids(core, tok, prompts, greedy_alone):
+    ids = greedy_alone[4].ids
+    m = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and ids[i] not in tok.eos_ids)
+    res = run(core, req(prompts[4], stop_token_ids=[ids[m]], max_tokens=MAX_TOKENS))[0].first
+    assert res.finish_reason == "stop" and res.stop_reason == ids[m]
+    assert res.token_ids == ids[:m + 1]
+    assert res.text == tok.decode(ids[:m])
+
+
+def test_n_choices_are_distinct_and_usage_sums(mixed, prompts):
+    res = mixed["n4"]
+    assert sorted(res.choices) == [0, 1, 2, 3]
+    outs = [tuple(c.token_ids) for c in res.choices.values()]
+    assert len(set(outs)) == 4
+    assert res.usage.completion_tokens == sum(map(len, outs))
+    assert res.usage.prompt_tokens == len(prompts[3])
+    assert [ev.done for ev in res.events].count(True) == 1
+
+
+def test_max_tokens_finishes_with_length(mixed, greedy_alone):
+    res = mixed["length"]
+    assert res.first.finish_reason == "length" and res.ids == greedy_alone[2].ids[:4]
+    assert res.usage.completion_tokens == 4
+
+
+def test_requests_that_cannot_fit_are_rejected_at_add_request(core, tiny_core, tok):
+    long = (tok.encode(PASSAGE) * 3)[:MAX_MODEL_LEN]
+    bad = [
+        (core, req(long, max_tokens=4), "context_length_exceeded"),
+        (core, req(long[:200], max_tokens=100), "context_length_exceeded"),
+        (tiny_core, req(long[:200], max_tokens=4), "context_length_exceeded"),   # pool too small
+        (core, req(long[:20], max_tokens=4, logit_bias={i: 1.0 for i in range(100)}), None),
+        (core, req([], max_tokens=4), None),
+        (core, req(long[:20], n=5), None),
+    ]
+    for engine, r, code in bad:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(r, lambda ev: pytest.fail("no event expected"))
+        if code:
+            assert info.value.code == code
+        assert not engine.requests and not engine.scheduler.waiting
+
+
+def test_ignore_eos_and_min_tokens(core, tok):
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = tok.encode(chat, add_special_tokens=False)
+    plain, ignore, at_least = run(core, req(prompt, max_tokens=12),
+                                  req(prompt, ignore_eos=True, max_tokens=10),
+                                  req(prompt, min_tokens=10, max_tokens=12))
+    assert plain.first.finish_reason == "stop" and plain.first.stop_reason in tok.eos_ids, plain.first
+    n = len(plain.ids) - 1                                  # tokens before the EOS
+    assert plain.ids[-1] in tok.eos_ids and "Paris" in plain.first.text
+    assert ignore.first.finish_reason == "length" and len(ignore.ids) == 10
+    assert ignore.ids[:n + 1] == plain.ids                  # EOS sampled, then generation goes on
+    assert len(at_least.ids) >= 10 and at_least.ids[:n] == plain.ids[:n]
+    assert not set(at_least.ids[:10]) & tok.eos_ids         # EOS is not sampled before min_tokens
+
+
+def test_logprobs_are_sorted_and_greedy_takes_the_top(mixed, greedy_alone):
+    res = mixed["logprobs"].first
+    assert res.token_ids == greedy_alone[0].ids
+    assert len(res.logprobs) == len(res.token_ids)
+    for tok_id, lp in zip(res.token_ids, res.logprobs):
+        assert lp.token_id == tok_id and len(lp.top) == 5
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        assert lp.top[0][0] == tok_id and lp.logprob == pytest.approx(lp.top[0][1], abs=1e-5)
+    knobs = mixed["knobs"].first
+    assert len(knobs.logprobs) == len(knobs.token_ids) and all(len(lp.top) == 2 for lp in knobs.logprobs)
+    assert all(-1e9 < lp.logprob <= 0 for lp in knobs.logprobs)
+    assert greedy_alone[5].ids[0] not in knobs.token_ids     # logit_bias -100 bans it
+
+
+def test_no_compilation_after_warm_up_over_a_mixed_workload(core, tiny_core, mixed):
+    assert core.step_fn.compilations_after_warmup == 0
+    assert tiny_core.step_fn.compilations_after_warmup == 0
