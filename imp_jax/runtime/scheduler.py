@@ -130,9 +130,15 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks; it waits again and recomputes its KV (output so far kept)."""
+        """Free `seq`'s blocks and pins; it waits again and recomputes its KV (output so far kept).
+
+        Dropping the cache_prompt pins too keeps two pinned requests from starving each other;
+        the engine pins again once the prompt is recomputed.
+        """
         self.running.remove(seq)
         self._release(seq)
+        self.pool.unpin(seq.table)
+        seq.pinned = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue(seq)

@@ -1,0 +1,58 @@
+"""`python -m imp_jax.server`: listen at once, load and warm up the model behind it, exit cleanly on a signal."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
+
+from imp_jax.runtime.config import EngineConfig
+from imp_jax.server.app import create_app
+from imp_jax.server.cli import parse_config
+from imp_jax.server.context import ServerConfig, state_of
+
+log = logging.getLogger("imp_jax.server")
+
+
+async def run(config: ServerConfig) -> None:
+    """Serve until SIGINT or SIGTERM; /ready answers 503 draining while in-flight requests finish."""
+    from imp_jax.runtime.async_engine import AsyncEngine  # the engine (and jax) live behind this import
+
+    engine = AsyncEngine(config.engine)
+    app = create_app(engine, config)
+    hc = HypercornConfig()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = 5.0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        log.info("shutting down: finishing in-flight requests")
+        state_of(app).draining = True
+
+    engine.start()
+    try:
+        await serve(app, hc, shutdown_trigger=shutdown_trigger)
+    finally:
+        engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted; its thread is a daemon
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(argv, EngineConfig)
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Probes and descriptions: `/health`, `/ready`, `/v1/models`, `/props` (llama.cpp), `/info` (TGI)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+from quart import Blueprint, jsonify
+
+from imp_jax.server.context import ready_engine, readiness, server
+from imp_jax.server.openai_common import MAX_STOP
+from imp_jax.server.validation import check_model_name
+
+bp = Blueprint("admin", __name__)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("imp-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def _engine_attr(name: str) -> Any:
+    """An attribute of the engine, or None while it cannot say (a loading engine raises for model facts)."""
+    try:
+        return getattr(server().engine, name, None)
+    except Exception:
+        return None
+
+
+def _engine_setting(name: str, default: Any = None) -> Any:
+    """An engine sizing value: the live engine's if it has one, else its config's."""
+    state = server()
+    value = _engine_attr(name)
+    if value is None and state.config.engine is not None:
+        value = getattr(state.config.engine, name, None)
+    return default if value is None else value
+
+
+def _model_name() -> str:
+    """The served name; before the model is loaded, the basename of what was asked for."""
+    name = _engine_attr("served_name")
+    if name:
+        return name
+    asked = str(_engine_setting("model", "model"))
+    return Path(asked).name.removesuffix(".gguf")
+
+
+def _stats() -> dict[str, Any]:
+    engine = server().engine
+    try:
+        return dict(engine.stats())
+    except Exception:  # stats are best effort: a loading engine may have none yet
+        return {}
+
+
+@bp.get("/health")
+async def health() -> Any:
+    engine_state = getattr(server().engine, "state", "ready")
+    stats = _stats()
+    body: dict[str, Any] = {
+        "status": "ok", "state": engine_state, "model_loaded": engine_state in ("warming_up", "ready"),
+        "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), **stats,
+    }
+    if engine_state == "faulted":
+        body.update(status="unhealthy", code="engine_faulted")
+        return jsonify(body), 503
+    return jsonify(body)
+
+
+@bp.get("/ready")
+async def ready() -> Any:
+    is_ready, code = readiness()
+    engine_state = getattr(server().engine, "state", "ready")
+    if is_ready:
+        return jsonify({"ready": True, "state": engine_state, "model": _model_name()})
+    return jsonify({"ready": False, "code": code, "state": engine_state}), 503
+
+
+def _model_card() -> dict[str, Any]:
+    is_ready, _ = readiness()
+    return {"id": _model_name(), "object": "model", "created": int(server().started_at), "owned_by": "imp_jax",
+            "loaded": is_ready, "max_model_len": _engine_setting("max_model_len")}
+
+
+@bp.get("/v1/models")
+async def models() -> Any:
+    return jsonify({"object": "list", "data": [_model_card()]})
+
+
+@bp.get("/v1/models/<path:model_id>")
+async def model(model_id: str) -> Any:
+    check_model_name(model_id, _model_name())
+    return jsonify(_model_card())
+
+
+@bp.get("/props")
+async def props() -> Any:
+    engine = ready_engine()
+    defaults = _engine_attr("default_params")
+    params = dataclasses.asdict(defaults) if dataclasses.is_dataclass(defaults) else dict(defaults or {})
+    tok = engine.tokenizer
+    return jsonify({
+        "default_generation_settings": {
+            "n_ctx": engine.max_model_len, "model": engine.served_name,
+            "params": {
+                "temperature": params.get("temperature"), "top_k": params.get("top_k"),
+                "top_p": params.get("top_p"), "min_p": params.get("min_p"), "typical_p": params.get("typical_p"),
+                "repeat_penalty": params.get("repetition_penalty"),
+                "presence_penalty": params.get("presence_penalty") or 0.0,
+                "frequency_penalty": params.get("frequency_penalty") or 0.0,
+                "n_predict": -1, "seed": -1, "stop": params.get("stop") or [],
+            },
+        },
+        "total_slots": _engine_setting("max_num_seqs"),
+        "model_path": str(_engine_setting("model_path", _engine_setting("model", ""))),
+        "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "modalities": {"vision": False, "audio": False}, "build_info": f"imp_jax {_version()}",
+    })
+
+
+@bp.get("/info")
+async def info() -> Any:
+    max_len = _engine_setting("max_model_len")
+    return jsonify({
+        "model_id": _model_name(), "model_sha": None, "model_dtype": str(_engine_setting("dtype", "auto")),
+        "model_device_type": str(_engine_setting("device", "unknown")), "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": _engine_setting("max_num_seqs"), "max_best_of": 1,
+        "max_stop_sequences": MAX_STOP, "max_input_tokens": max_len - 1 if max_len else None,
+        "max_total_tokens": max_len, "validation_workers": 1, "max_client_batch_size": 1,
+        "router": "imp_jax", "version": _version(), "sha": None, "docker_label": None,
+    })

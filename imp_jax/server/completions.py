@@ -1,0 +1,155 @@
+"""OpenAI legacy Completions: `POST /v1/completions` (one prompt, echo, legacy logprobs, FIM via suffix)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import field_validator
+from quart import Blueprint, jsonify, request
+
+from imp_jax.errors import ImpError, InvalidRequestError
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
+from imp_jax.server.context import ready_engine, set_response_id
+from imp_jax.server.errors import not_supported, openai_error_body
+from imp_jax.server.generation import Completion, collect, start
+from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy
+from imp_jax.server.openai_common import OpenAISampling, new_id, now, usage_json
+from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.validation import check_context, check_model_name, check_token_ids, parse_json, parse_model
+
+bp = Blueprint("completions", __name__)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[int]
+    suffix: str | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        """A string, a token-id list, or a one-element list of either; a batch is refused."""
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise ValueError("a batch of prompts is not supported; send one prompt per request")
+            v = v[0]
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                raise ValueError("must be a string, a list of token ids, or a one-element list of either")
+            return v
+        raise ValueError("must be a string, a list of token ids, or a one-element list of either")
+
+    def check(self) -> None:
+        self.check_common()
+        if self.prompt_logprobs is not None:
+            raise not_supported("'prompt_logprobs' is not supported yet: the engine computes no prompt logprobs",
+                                param="prompt_logprobs")
+        if self.echo and self.logprobs is not None:
+            raise not_supported("'echo' with 'logprobs' is not supported yet: the engine computes no prompt "
+                                "logprobs", param="echo")
+
+
+def prompt_ids(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[int]:
+    """The prompt as token ids; with `suffix`, a prefix-suffix-middle fill-in-the-middle prompt."""
+    if isinstance(req.prompt, list):
+        check_token_ids(req.prompt, vocab_size, "prompt")
+        prefix = list(req.prompt)
+    else:
+        prefix = tokenizer.encode(req.prompt, add_special_tokens=req.suffix is None)
+        if not prefix and req.suffix is None and tokenizer.bos_id is not None:
+            prefix = [tokenizer.bos_id]
+    if req.suffix is None:
+        return prefix
+    if not tokenizer.has_fim:
+        raise InvalidRequestError("'suffix' needs fill-in-the-middle tokens and this model has none",
+                                  code="fim_not_supported", param="suffix")
+    fim = {k: tokenizer.token_to_id(v) for k, v in tokenizer.fim_tokens.items()}
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    suffix = tokenizer.encode(req.suffix, add_special_tokens=False)
+    return bos + [fim["prefix"]] + prefix + [fim["suffix"]] + suffix + [fim["middle"]]
+
+
+@bp.post("/v1/completions")
+async def completions() -> Any:
+    req = parse_model(CompletionRequest, parse_json(await request.get_data()))
+    engine = ready_engine()
+    check_model_name(req.model, engine.served_name)
+    req.check()
+    tokenizer = engine.tokenizer
+    ids = prompt_ids(req, tokenizer, engine.vocab_size)
+    check_context(len(ids), req.max_tokens, engine.max_model_len, "prompt")
+    params = req.sampling_params(req.max_tokens, req.logprobs, engine.vocab_size)
+    rid = new_id("cmpl")
+    set_response_id(rid)
+    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    echo = ""
+    if req.echo:
+        echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt, skip_special_tokens=False)
+    events = await start(engine, greq)
+    token_text = TokenText(tokenizer)
+    if req.stream:
+        fmt = CompletionStream(rid, engine.served_name, req.include_usage, token_text, echo, req.logprobs is not None)
+        return sse_response(drive(engine, rid, events, fmt))
+    result = await collect(engine, greq, events)
+    return jsonify(completion_response(rid, engine.served_name, result, token_text, echo, req.logprobs is not None))
+
+
+def completion_response(rid: str, model: str, result: Completion, token_text: TokenText, echo: str,
+                        logprobs: bool) -> dict[str, Any]:
+    """The non-streamed `text_completion` object."""
+    choices = []
+    for c in result.choices:
+        lp = merge_legacy([LegacyLogprobs(token_text, len(echo)).chunk(c.logprobs)]) if logprobs else None
+        choices.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
+            "system_fingerprint": None, "choices": choices, "usage": usage_json(result.usage)}
+
+
+class CompletionStream:
+    """`text_completion` chunks: the echoed prompt first (if asked), text deltas, usage, [DONE]."""
+
+    def __init__(self, rid: str, model: str, include_usage: bool, token_text: TokenText, echo: str,
+                 logprobs: bool):
+        self._rid, self._model, self._include_usage = rid, model, include_usage
+        self._token_text, self._echo, self._logprobs = token_text, echo, logprobs
+        self._created = now()
+        self._legacy: dict[int, LegacyLogprobs] = {}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
+        body: dict[str, Any] = {"id": self._rid, "object": "text_completion", "created": self._created,
+                                "model": self._model, "system_fingerprint": None, "choices": choices}
+        if self._include_usage:
+            body["usage"] = usage_json(usage) if usage is not None else None
+        return sse(body)
+
+    def open(self) -> list[str]:
+        return []
+
+    def event(self, ev: EngineEvent) -> list[str]:
+        text = ev.text
+        if ev.index not in self._legacy:
+            self._legacy[ev.index] = LegacyLogprobs(self._token_text, len(self._echo))
+            text = self._echo + text
+        if not (text or ev.logprobs or ev.finish_reason is not None):
+            return []
+        lp = self._legacy[ev.index].chunk(ev.logprobs or []) if self._logprobs else None
+        choice = {"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
+        if ev.finish_reason is not None:
+            choice["stop_reason"] = ev.stop_reason
+        return [self._chunk([choice])]
+
+    def close(self, usage: Usage | None) -> list[str]:
+        frames = [self._chunk([], usage)] if self._include_usage and usage is not None else []
+        return frames + [sse("[DONE]")]
+
+    def error(self, err: ImpError) -> list[str]:
+        return [sse(openai_error_body(err)), sse("[DONE]")]
+
+    def ping(self) -> list[str]:
+        return []

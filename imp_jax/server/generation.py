@@ -1,0 +1,115 @@
+"""Running a GenerationRequest on the engine: start it (errors before the first event), or collect it whole."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from imp_jax.errors import EngineError, ImpError
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, TokenLogprob, Usage
+
+
+class Engine(Protocol):
+    """What the server needs of the AsyncEngine (imp_jax.runtime.async_engine); jax stays behind it."""
+
+    state: str
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
+    def cancel(self, request_id: str) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+async def start(engine: Engine, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    """Submit `req` and wait for its first event, so a rejection surfaces here as an ImpError (a 4xx).
+
+    Returns an iterator over every event, the first included. If the wait is interrupted
+    (client gone), the request is cancelled.
+    """
+    events = aiter(engine.generate(req))
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise EngineError("the engine ended the request without any event") from None
+    except BaseException:
+        engine.cancel(req.request_id)
+        await close_events(events)
+        raise
+    return _prepend(first, events)
+
+
+async def _prepend(first: EngineEvent, rest: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
+    try:
+        yield first
+        async for ev in rest:
+            yield ev
+    finally:
+        await close_events(rest)
+
+
+async def close_events(events: AsyncIterator[EngineEvent]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def event_error(ev: EngineEvent) -> ImpError | None:
+    """The error an engine event reports (a fault mid-request), or None."""
+    if ev.error is None and ev.finish_reason != "error":
+        return None
+    code = (ev.extra or {}).get("code", "engine_faulted")  # the engine reports device faults this way
+    return EngineError(ev.error or "the engine failed while generating", code=code)
+
+
+@dataclasses.dataclass
+class Choice:
+    """One finished sequence (of n) of a non-streamed request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    """A whole non-streamed result: the choices in index order, and usage."""
+
+    choices: list[Choice]
+    usage: Usage
+
+
+async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[EngineEvent]) -> Completion:
+    """Drain `events` into a Completion; an engine fault raises, an interruption cancels the request."""
+    choices = {i: Choice(i) for i in range(req.params.n)}
+    usage: Usage | None = None
+    done = False
+    try:
+        async for ev in events:
+            err = event_error(ev)
+            if err is not None:
+                raise err
+            c = choices.setdefault(ev.index, Choice(ev.index))
+            c.text += ev.text
+            c.token_ids.extend(ev.token_ids)
+            if ev.logprobs:
+                c.logprobs.extend(ev.logprobs)
+            if ev.finish_reason is not None:
+                c.finish_reason, c.stop_reason = ev.finish_reason, ev.stop_reason
+            if ev.usage is not None:
+                usage = ev.usage
+            if ev.done:
+                done = True
+                break
+    finally:
+        if not done:
+            engine.cancel(req.request_id)
+        await close_events(events)
+    if usage is None:
+        raise EngineError("the engine ended the request without usage")
+    return Completion([choices[i] for i in sorted(choices)], usage)

@@ -1,0 +1,129 @@
+"""What OpenAI's Chat and Completions requests share: sampling fields, their checks, usage, ids."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import field_validator
+
+from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.request import SamplingParams, Usage
+from imp_jax.server.validation import WireModel
+
+MAX_STOP = 16
+MAX_LOGIT_BIAS = 64  # the engine's per-row logit_bias slots (runtime/step.py StepShapes.max_bias)
+INT32 = (-(2**31), 2**31 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id: `chatcmpl-…`, `cmpl-…`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class StreamOptions(WireModel):
+    include_usage: bool = False
+
+
+class OpenAISampling(WireModel):
+    """The sampling and scheduling fields common to /v1/chat/completions and /v1/completions."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    priority: int | None = 0
+    cache_prompt: bool | None = False
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"must hold at most {MAX_STOP} strings")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_RANGE[0] <= v <= SEED_RANGE[1]:
+            raise ValueError("must be a 64-bit integer")
+        return v
+
+    def check_common(self) -> None:
+        """The cross-field rules OpenAI enforces (SamplingParams.validate does the ranges)."""
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequestError("'best_of' must be 1: this server generates no candidate set to choose from",
+                                      param="best_of")
+        if self.top_k is not None and not INT32[0] <= self.top_k <= INT32[1]:
+            raise InvalidRequestError("'top_k' must be a 32-bit integer (>= the vocabulary size is off)",
+                                      param="top_k")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true",
+                                      param="stream_options")
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with its token-id keys as ints."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        return out
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """The engine's SamplingParams, range-checked (a 400 naming the field)."""
+        params = SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            typical_p=self.typical_p, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=self.repetition_penalty,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens or 0, stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+            n=1 if self.n is None else self.n, logprobs=logprobs, logit_bias=self.logit_bias_ids(),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+        )
+        params.validate(vocab_size)
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """OpenAI usage, with the prefix-cache hit in prompt_tokens_details.cached_tokens."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }

@@ -1,0 +1,115 @@
+"""The bounded in-memory store behind `store: true` and `previous_response_id` on /v1/responses.
+
+Each entry is a finished response object plus the conversation it continues (previous input
+items and its own output). Entries expire after a TTL; past the entry or byte cap the least
+recently used entry is evicted first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("imp_jax.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLimits:
+    """How long and how much the store keeps; a value <= 0 keeps nothing."""
+
+    ttl_s: float = 24 * 3600.0
+    max_entries: int = 4096
+    max_bytes: int = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class StoredResponse:
+    """One stored response: the object GET returns and the conversation a continuation starts from."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, str]]
+    size: int
+    expires_at: float
+
+
+def entry_size(response: dict[str, Any], conversation: list[dict[str, str]]) -> int:
+    """The bytes an entry is charged: its JSON encoding (conversations shared along a chain count each time)."""
+    return len(json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode())
+
+
+class ResponsesStore:
+    """Response id -> StoredResponse, TTL-expired and LRU-evicted under entry and byte caps."""
+
+    def __init__(self, limits: StoreLimits = StoreLimits(), clock: Callable[[], float] = time.monotonic):
+        self.limits = limits
+        self._clock = clock
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
+        self.evictions = 0
+        self.expirations = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, response_id: object) -> bool:
+        return self.get(response_id) is not None if isinstance(response_id, str) else False
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, str]]) -> bool:
+        """Store an entry (replacing one of the same id); False when it alone exceeds the limits."""
+        size = entry_size(response, conversation)
+        self._remove(response_id)
+        self._expire()
+        lim = self.limits
+        if lim.ttl_s <= 0 or lim.max_entries <= 0 or size > lim.max_bytes:
+            log.warning("response %s (%d bytes) not stored: over the responses store limits %s",
+                        response_id, size, lim)
+            return False
+        while self._entries and (len(self._entries) >= lim.max_entries or self._bytes + size > lim.max_bytes):
+            self._remove(next(iter(self._entries)))
+            self.evictions += 1
+        self._entries[response_id] = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s)
+        self._bytes += size
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The live entry (now the most recently used), or None if unknown, deleted or expired."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        if entry.expires_at <= self._clock():
+            self._remove(response_id)
+            self.expirations += 1
+            return None
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        """Remove an entry; False if there was no live one."""
+        if self.get(response_id) is None:
+            return False
+        self._remove(response_id)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        self._expire()
+        return {"entries": len(self._entries), "bytes": self._bytes, "evictions": self.evictions,
+                "expirations": self.expirations}
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for rid in [rid for rid, e in self._entries.items() if e.expires_at <= now]:
+            self._remove(rid)
+            self.expirations += 1
+
+    def _remove(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._bytes -= entry.size

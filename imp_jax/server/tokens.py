@@ -1,0 +1,67 @@
+"""`POST /tokenize` (llama.cpp `content` or vLLM `prompt` / `messages`) and `POST /detokenize`."""
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, jsonify, request
+
+from imp_jax.errors import InvalidRequestError
+from imp_jax.server.chat_completions import ChatMessage
+from imp_jax.server.context import ready_engine
+from imp_jax.server.validation import WireModel, check_model_name, check_token_ids, parse_json, parse_model
+
+bp = Blueprint("tokens", __name__)
+
+
+class TokenizeRequest(WireModel):
+    model: str | None = None
+    content: str | None = None           # llama.cpp
+    prompt: str | None = None            # vLLM
+    messages: list[ChatMessage] | None = None  # vLLM's chat form: the rendered template is tokenized
+    add_special: bool | None = None      # llama.cpp, default false
+    add_special_tokens: bool | None = None  # vLLM, default true
+    add_generation_prompt: bool = True
+    with_pieces: bool = False            # llama.cpp: [{id, piece}] instead of ids
+
+
+class DetokenizeRequest(WireModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+@bp.post("/tokenize")
+async def tokenize() -> Any:
+    req = parse_model(TokenizeRequest, parse_json(await request.get_data()))
+    engine = ready_engine()
+    if req.model is not None:
+        check_model_name(req.model, engine.served_name)
+    tokenizer = engine.tokenizer
+    given = [name for name in ("content", "prompt", "messages") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise InvalidRequestError("send exactly one of 'content', 'prompt' or 'messages'",
+                                  param=given[1] if len(given) > 1 else "content")
+    if req.messages is not None:
+        text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                             add_generation_prompt=req.add_generation_prompt)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        text = req.content if req.content is not None else req.prompt
+        add = req.add_special if req.add_special is not None else req.add_special_tokens
+        if add is None:
+            add = req.content is None  # llama.cpp's default is false, vLLM's true
+        ids = tokenizer.encode(text, add_special_tokens=add)
+    tokens: list[Any] = ids
+    if req.with_pieces:
+        tokens = [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)} for t in ids]
+    return jsonify({"tokens": tokens, "count": len(ids), "max_model_len": engine.max_model_len})
+
+
+@bp.post("/detokenize")
+async def detokenize() -> Any:
+    req = parse_model(DetokenizeRequest, parse_json(await request.get_data()))
+    engine = ready_engine()
+    if req.model is not None:
+        check_model_name(req.model, engine.served_name)
+    check_token_ids(req.tokens, engine.vocab_size, "tokens")
+    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return jsonify({"content": text, "prompt": text})

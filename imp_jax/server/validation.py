@@ -1,0 +1,67 @@
+"""Request validation shared by every dialect: JSON bodies, pydantic models, model names, context room."""
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from imp_jax.errors import InvalidRequestError, NotFoundError
+from imp_jax.server.errors import from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class WireModel(BaseModel):
+    """Base of every request model: unknown fields are kept (and ignored), types are checked strictly."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 saying what is wrong with it."""
+    if not body.strip():
+        raise InvalidRequestError("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("the request body must be a JSON object", code="invalid_json")
+    return value
+
+
+def parse_model(cls: type[M], data: dict[str, Any]) -> M:
+    """Validate `data` against `cls`; a ValidationError becomes a 400 naming the field path."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def check_model_name(requested: str, served_name: str) -> None:
+    """404 model_not_found unless `requested` is the model this server serves."""
+    if requested != served_name:
+        raise NotFoundError(f"model '{requested}' is not served here; this server serves '{served_name}'",
+                            code="model_not_found", param="model")
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
+    """400 when the prompt, or the prompt plus max_tokens, does not fit the context window."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty", param=prompt_param)
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_len} tokens; this model's context is {max_model_len} tokens "
+            "and at least one must be left to generate", code="context_length_exceeded", param=prompt_param)
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 when a caller-given token id is outside the vocabulary."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param)

@@ -1,0 +1,324 @@
+"""Helpers for the server tests: a live `python -m imp_jax.server`, an in-process app, and a fake engine.
+
+FakeEngine is a development and unit-test stand-in for imp_jax.runtime.async_engine.AsyncEngine,
+not a model: it "generates" a fixed script of tokens. It exists so the server's own logic
+(validation, wire shapes, the streaming driver) can be built and tested in seconds, and so
+faults the real engine cannot produce on demand (an error mid-stream) can be injected. The
+end-to-end tests of the issue run against the real engine on SmolLM2 (see `live_server`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from imp_jax.errors import InvalidRequestError
+from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+FAKE_SCRIPT = "The quick brown fox jumps over the lazy dog. "
+FAULT_MARKER = "FAULT"  # a prompt containing this makes FakeEngine fail after two tokens
+
+
+def fake_tokenizer(fim: bool = True) -> Tokenizer:
+    """A small byte-level BPE with ChatML specials (and FIM tokens unless fim=False), trained here in ms."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (
+        ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"] if fim else [])
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([FAKE_SCRIPT * 3, "hello world, héllo wörld 🙂 def f(x): return x"] * 5,
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fim_tokens = dict(prefix="<fim_prefix>", suffix="<fim_suffix>", middle="<fim_middle>") if fim else None
+    return Tokenizer(tok, bos_token=None, eos_token="<|endoftext|>", add_bos=False, add_eos=False,
+                     chat_template=CHATML, fim_tokens=fim_tokens)
+
+
+class FakeEngine:
+    """The AsyncEngine's interface over a scripted generator; see the module docstring for why it exists."""
+
+    def __init__(self, tokenizer: Tokenizer, *, served_name: str = "fake-model", max_model_len: int = 256,
+                 num_blocks: int = 64, block_size: int = 16, token_delay: float = 0.0, load_delay: float = 0.0):
+        self.tokenizer = tokenizer
+        self.served_name = served_name
+        self.max_model_len = max_model_len
+        self.vocab_size = tokenizer.vocab_size
+        self.default_params = SamplingParams(temperature=0.6, top_p=0.95)
+        self.state = "loading"
+        self.token_delay = token_delay
+        self._load_delay = load_delay
+        self._block_size = block_size
+        self._baseline = num_blocks
+        self._free = num_blocks
+        self._running: dict[str, int] = {}
+        self._cancelled: set[str] = set()
+        self.cancelled_ids: list[str] = []
+        self._script = tokenizer.encode(FAKE_SCRIPT, add_special_tokens=False)
+
+    def start(self) -> None:
+        threading.Timer(self._load_delay, self._loaded).start()
+
+    def _loaded(self) -> None:
+        self.state = "ready"
+
+    async def wait_ready(self) -> None:
+        while self.state != "ready":
+            await asyncio.sleep(0.01)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled_ids.append(request_id)
+        if request_id in self._running:
+            self._cancelled.add(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_free_blocks": self._free, "baseline_free_blocks": self._baseline,
+                "num_running": len(self._running), "num_waiting": 0, "compilations_after_warmup": 0}
+
+    def shutdown(self) -> None:
+        self.state = "stopped"
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        return self._run(req)
+
+    async def _run(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        p = req.params
+        p.validate(self.vocab_size)
+        if len(req.prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt too long", param="prompt")
+        max_tokens = p.max_tokens or self.max_model_len - len(req.prompt_ids)
+        blocks = p.n * math.ceil((len(req.prompt_ids) + max_tokens) / self._block_size)
+        self._free -= blocks
+        self._running[req.request_id] = blocks
+        fault = FAULT_MARKER in self.tokenizer.decode(req.prompt_ids)
+        texts = [""] * p.n
+        sent = [0] * p.n
+        counts = [0] * p.n
+        live = set(range(p.n))
+        try:
+            for step in range(max_tokens):
+                await asyncio.sleep(self.token_delay)
+                if req.request_id in self._cancelled:
+                    return
+                if fault and step == 2:
+                    yield EngineEvent(req.request_id, finish_reason="error", error="injected fault", done=True)
+                    return
+                for i in sorted(live):
+                    tok = self._script[(step + i) % len(self._script)]
+                    texts[i] += self.tokenizer.decode([tok])
+                    counts[i] += 1
+                    ev = EngineEvent(req.request_id, index=i, token_ids=[tok])
+                    if p.logprobs is not None:
+                        top = [(tok, -0.5)] + [((tok + k) % self.vocab_size, -1.5 - k) for k in range(1, p.logprobs)]
+                        ev.logprobs = [TokenLogprob(tok, -0.5, top[:p.logprobs])]
+                    hit = next((s for s in p.stop if s in texts[i]), None)
+                    if hit is not None:
+                        texts[i] = texts[i][:texts[i].index(hit)]
+                        ev.finish_reason, ev.stop_reason = "stop", hit
+                    elif step == max_tokens - 1:
+                        ev.finish_reason = "length"
+                    hold = 0 if ev.finish_reason else max((len(s) - 1 for s in p.stop), default=0)
+                    ev.text = texts[i][sent[i]:max(sent[i], len(texts[i]) - hold)]
+                    sent[i] += len(ev.text)
+                    if ev.finish_reason:
+                        live.discard(i)
+                    if not live:
+                        ev.done = True
+                        ev.usage = Usage(len(req.prompt_ids), sum(counts), 0)
+                    yield ev
+                if not live:
+                    return
+        finally:
+            self._free += self._running.pop(req.request_id, 0)
+            self._cancelled.discard(req.request_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def app_in_thread(app: Any) -> Iterator[str]:
+    """Serve a Quart app with hypercorn on a loopback port in a background thread; yields its base URL."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    port = free_port()
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 1
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete,
+                              args=(serve(app, config, shutdown_trigger=stop.wait),), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_for(url + "/health", 200, timeout=30)
+    try:
+        yield url
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
+
+
+def wait_for(url: str, status: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers `status`; fail early if `proc` died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered {status}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == status:
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} did not answer {status} within {timeout}s")
+
+
+class LiveServer:
+    """A `python -m imp_jax.server` subprocess on a loopback port, with its log file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "imp_jax.server", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int | None = None, timeout: float = 30) -> int:
+        """Signal the server (SIGTERM by default) and wait; kills it if it does not exit."""
+        import signal
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+# --------------------------------------------------------------------------- shared fixtures
+MODEL = "smollm2-135m-instruct"
+# Small sizing (12 step programs), kept identical across runs so warm-up hits the persistent
+# compilation cache; 16 concurrent clients still work, the surplus waits a step or two.
+REAL_ENGINE_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
+                    "--num-kv-blocks", "256"]
+READY_TIMEOUT_S = float(os.environ.get("IMP_JAX_TEST_READY_TIMEOUT", "1200"))  # a cold compile cache is slow
+_live: dict[str, Any] = {}
+
+
+def start_live_server(log_dir: Path) -> LiveServer:
+    """The session's one real server (SmolLM2), started on first use; records what it answered while loading."""
+    if "error" in _live:
+        raise RuntimeError(f"the live server failed to start: {_live['error']}")
+    if "server" in _live:
+        return _live["server"]
+    live = LiveServer([*REAL_ENGINE_ARGS, "--model", MODEL], log_dir / "server.log")
+    _live["server"] = live
+    try:
+        wait_for(live.url + "/health", 200, timeout=60, proc=live.proc)
+        live.early_health = httpx.get(live.url + "/health").json()
+        early_ready = httpx.get(live.url + "/ready")
+        live.early_ready = (early_ready.status_code, early_ready.json())
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+    except Exception as e:
+        _live["error"] = f"{e}; log {live.log_path}:\n{live.log_text()[-3000:]}"
+        raise RuntimeError(_live["error"]) from e
+    return live
+
+
+def stop_live_server() -> int | None:
+    """SIGTERM the session's server once; its exit status (None when it was never started)."""
+    live = _live.pop("server", None)
+    if live is None:
+        return None
+    _live["returncode"] = live.stop()
+    return _live["returncode"]
+
+
+def engine_stats(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/health").json()
+
+
+def wait_idle(url: str, timeout: float = 60) -> dict[str, Any]:
+    """Poll /health until nothing runs or waits and the KV pool is back at its baseline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine_stats(url)
+        if (stats.get("num_running") == 0 and stats.get("num_waiting") == 0
+                and stats.get("num_free_blocks") == stats.get("baseline_free_blocks")):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle after {timeout}s: {stats}")
+        time.sleep(0.1)
+
+
+def parse_sse(raw: str) -> list[tuple[str | None, str]]:
+    """SSE text as (event, data) pairs, checking every frame is well formed."""
+    frames = []
+    assert raw.endswith("\n\n"), f"stream does not end with a complete frame: {raw[-80:]!r}"
+    for block in raw.split("\n\n")[:-1]:
+        event, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: "):
+                data.append(line[len("data: "):])
+            else:
+                assert line.startswith(":"), f"malformed SSE line {line!r}"
+        frames.append((event, "\n".join(data)))
+    return frames
+
+
+@pytest.fixture(scope="session")
+def live_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The real server on SmolLM2, one per session (test modules share it); SIGTERM must end it with 0."""
+    yield start_live_server(tmp_path_factory.mktemp("live_server"))
+    code = stop_live_server()
+    assert code in (None, 0), f"the server exited with {code} on SIGTERM"
+
+
+@pytest.fixture(scope="session")
+def openai_client(live_server: LiveServer) -> Any:
+    import openai
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> Iterator[tuple[str, FakeEngine]]:
+    """The app over a FakeEngine (tokens every 10 ms) on a loopback port: for faults and driver checks."""
+    from imp_jax.server.app import create_app
+
+    engine = FakeEngine(fake_tokenizer(), token_delay=0.01)
+    engine.start()
+    with app_in_thread(create_app(engine)) as url:
+        wait_for(url + "/ready", 200, timeout=30)
+        yield url, engine

@@ -1,0 +1,178 @@
+"""Server behaviour the real engine cannot be made to show on demand, checked over FakeEngine.
+
+Faults mid-stream, the loading state, keepalive pings, and FIM prompts (SmolLM2 has no FIM
+tokens). Everything else is tested end to end on the real engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+from server_fixtures import FAULT_MARKER, FakeEngine, fake_server, fake_tokenizer, parse_sse  # noqa: F401
+
+from imp_jax.errors import ImpError
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
+from imp_jax.server.app import create_app
+from imp_jax.server.completions import CompletionRequest, prompt_ids
+from imp_jax.server.streaming import drive, sse
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+
+
+def test_fault_mid_stream_ends_with_an_error_event(fake_server: tuple[str, FakeEngine]) -> None:
+    url, _ = fake_server
+    body = {**CHAT, "messages": [{"role": "user", "content": f"please {FAULT_MARKER}"}], "stream": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    frames = [data for _, data in parse_sse(r.text)]
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "engine_faulted" and error["type"] == "server_error" and "injected" in error["message"]
+    content = [json.loads(f)["choices"][0]["delta"].get("content", "") for f in frames[:-2]]
+    assert "".join(content) == "The quick"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="injected"):
+        for _ in client.chat.completions.create(**body):
+            pass
+
+
+def test_fault_without_streaming_is_a_500_envelope(fake_server: tuple[str, FakeEngine]) -> None:
+    url, _ = fake_server
+    body = {"model": "fake-model", "prompt": f"{FAULT_MARKER} here", "max_tokens": 6}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "engine_faulted"
+
+
+def test_disconnect_cancels_the_request_and_frees_its_blocks(fake_server: tuple[str, FakeEngine]) -> None:
+    url, engine = fake_server
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        rid = json.loads(first[len("data: "):])["id"]
+        assert engine.stats()["num_running"] == 1
+    deadline = time.monotonic() + 10
+    while engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rid in engine.cancelled_ids
+    assert engine.stats()["num_free_blocks"] == engine.stats()["baseline_free_blocks"]
+
+
+def test_n_choices_stream_each_open_with_a_role(fake_server: tuple[str, FakeEngine]) -> None:
+    url, _ = fake_server
+    r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "n": 3, "stream": True}, timeout=30)
+    chunks = [json.loads(d) for _, d in parse_sse(r.text) if d != "[DONE]"]
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role") == "assistant"]
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(roles) == sorted(finishes) == [0, 1, 2]
+
+
+def test_fim_prompt_is_prefix_suffix_middle() -> None:
+    tok = fake_tokenizer(fim=True)
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "def f(x):", "suffix": "return x"})
+    ids = prompt_ids(req, tok, tok.vocab_size)
+    fim = {k: tok.token_to_id(v) for k, v in tok.fim_tokens.items()}
+    assert ids[0] == fim["prefix"] and ids[-1] == fim["middle"] and fim["suffix"] in ids
+    assert tok.decode(ids, skip_special_tokens=False) == "<fim_prefix>def f(x):<fim_suffix>return x<fim_middle>"
+
+
+def test_loading_engine_answers_503_loading_but_health_200() -> None:
+    async def run() -> None:
+        engine = FakeEngine(fake_tokenizer())  # never started: stays "loading"
+        client = create_app(engine).test_client()
+        assert (await client.get("/health")).status_code == 200
+        ready = await client.get("/ready")
+        assert ready.status_code == 503 and (await ready.get_json())["code"] == "loading"
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and (await r.get_json())["error"]["code"] == "loading"
+        models = await (await client.get("/v1/models")).get_json()
+        assert models["data"][0]["loaded"] is False
+    asyncio.run(run())
+
+
+class _Fmt:
+    """A formatter that records what the driver asked of it."""
+
+    def open(self) -> list[str]:
+        return [sse({"open": True})]
+
+    def event(self, ev: EngineEvent) -> list[str]:
+        return [sse({"text": ev.text})]
+
+    def close(self, usage: Usage | None) -> list[str]:
+        return [sse({"usage": usage.completion_tokens if usage else None})]
+
+    def error(self, err: ImpError) -> list[str]:
+        return [sse({"error": err.code}, event="error")]
+
+    def ping(self) -> list[str]:
+        return [": ping\n\n"]
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+async def _slow_events(raise_after: int | None = None) -> AsyncIterator[EngineEvent]:
+    yield EngineEvent("r", text="a")
+    await asyncio.sleep(0.25)
+    if raise_after is not None:
+        raise RuntimeError("engine bug")
+    yield EngineEvent("r", text="b", finish_reason="stop", usage=Usage(1, 2, 0), done=True)
+
+
+def test_driver_sends_keepalives_while_waiting() -> None:
+    async def run() -> list[str]:
+        engine = _Engine()
+        frames = [f async for f in drive(engine, "r", _slow_events(), _Fmt(), keepalive_s=0.05)]  # type: ignore[arg-type]
+        assert engine.cancelled == []
+        return frames
+    frames = asyncio.run(run())
+    assert frames[0] == sse({"open": True}) and frames[1] == sse({"text": "a"})
+    assert ": ping\n\n" in frames[2:-2] and frames[-2:] == [sse({"text": "b"}), sse({"usage": 2})]
+
+
+def test_driver_turns_an_exception_into_the_error_event_and_cancels() -> None:
+    async def run() -> tuple[list[str], list[str]]:
+        engine = _Engine()
+        frames = [f async for f in drive(engine, "r", _slow_events(raise_after=1), _Fmt())]  # type: ignore[arg-type]
+        return frames, engine.cancelled
+    frames, cancelled = asyncio.run(run())
+    assert frames[-1] == sse({"error": "internal_error"}, event="error") and cancelled == ["r"]
+
+
+def test_driver_cancels_when_the_consumer_goes_away() -> None:
+    async def run() -> list[str]:
+        engine = _Engine()
+        stream = drive(engine, "r", _slow_events(), _Fmt())  # type: ignore[arg-type]
+        await anext(stream)
+        await anext(stream)
+        await stream.aclose()
+        return engine.cancelled
+    assert asyncio.run(run()) == ["r"]
+
+
+def test_generation_request_carries_priority_and_cache_prompt(fake_server: tuple[str, FakeEngine]) -> None:
+    url, engine = fake_server
+    seen: list[GenerationRequest] = []
+    original = engine.generate
+    engine.generate = lambda req: (seen.append(req), original(req))[1]  # type: ignore[method-assign]
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "priority": -3, "cache_prompt": True,
+                                                           "user": "u1", "seed": 5, "top_k": 7}, timeout=30)
+    finally:
+        engine.generate = original  # type: ignore[method-assign]
+    assert r.status_code == 200
+    (req,) = seen
+    assert (req.priority, req.cache_prompt, req.params.seed, req.params.top_k) == (-3, True, 5, 7)
+    assert req.request_id == r.json()["id"] == r.headers["x-request-id"]
