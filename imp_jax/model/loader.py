@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -63,16 +63,18 @@ def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str
     log.info("loading %s (%s) as %s", resolved.path, resolved.kind, jnp.dtype(jdtype).name)
     if resolved.kind == "converted":
         from imp_jax.convert import load_converted
-        loaded = load_converted(resolved.path, dtype=jdtype, layer_loop=layer_loop)
+        loaded = load_converted(resolved.path, dtype=jdtype, layer_loop=layer_loop, model_class=model_class)
         loaded.served_name = resolved.served_name
     else:
         if resolved.kind == "gguf":
             from imp_jax.model.gguf_loader import load_gguf
             ckpt = load_gguf(resolved.path)
             hf_config, tensors, tokenizer, gen = ckpt.hf_config, ckpt.tensors, ckpt.tokenizer, ckpt.generation_config
-            config = ModelConfig.from_hf(hf_config, source=str(resolved.path))
+            config = parse_config(lambda: ModelConfig.from_hf(hf_config, source=str(resolved.path)),
+                                  str(resolved.path))
         else:
-            config = ModelConfig.from_file(resolved.path / "config.json")
+            config = parse_config(lambda: ModelConfig.from_file(resolved.path / "config.json"),
+                                  str(resolved.path / "config.json"))
             tensors = SafetensorsDir(resolved.path)
             from imp_jax.model.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_hf_dir(resolved.path)
@@ -84,6 +86,14 @@ def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str
              loaded.config.num_layers, loaded.config.hidden_size, loaded.config.vocab_size,
              time.perf_counter() - t0)
     return loaded
+
+
+def parse_config(parse: Callable[[], ModelConfig], source: str) -> ModelConfig:
+    """Run a config parser, turning a value it cannot convert (int("x")) into a ModelLoadError."""
+    try:
+        return parse()
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{source}: bad value in the model config ({e})") from None
 
 
 def build_from_tensors(cls: type, config: ModelConfig, tensors: Mapping[str, np.ndarray],
@@ -133,7 +143,10 @@ class SafetensorsDir(Mapping[str, np.ndarray]):
         for name in files:
             if not (path / name).exists():
                 raise ModelLoadError(f"{path / name}: weight file listed in the index is missing")
-            handle = safe_open(str(path / name), framework="flax")
+            try:
+                handle = safe_open(str(path / name), framework="flax")
+            except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+                raise ModelLoadError(f"{path / name}: unreadable safetensors file ({e})") from None
             for key in handle.keys():
                 self._where[key] = handle
 
