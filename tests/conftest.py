@@ -35,8 +35,8 @@ def smollm2_loaded(smollm2_gguf_path: Path):
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf_path: Path):
     """transformers' own float32 CPU load of the SmolLM2 GGUF, in eval mode, once per session."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, torch_dtype=torch.float32)
     return model.eval()

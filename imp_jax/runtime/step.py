@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from imp_jax.kernels_pallas import AttentionMetadata
-from imp_jax.runtime.batch import StepBatch
+from imp_jax.runtime.batch import StepBatch, pow2_buckets
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
 from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
 
@@ -102,9 +102,14 @@ class CompiledStep:
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:
-    """(T, S) pairs: T powers of two from 16 to the token budget, S powers of two up to max_num_seqs, S <= T."""
-    from imp_jax.runtime.batch import pow2_buckets
+    """(T, S) pairs: T powers of two from 16 to the token budget times S powers of two up to
+    max_num_seqs (S <= T), plus the decode diagonal T = S below 16.
 
+    The diagonal matters on CPU: a batch-1 decode padded to 16 rows ran its GEMMs ~8x slower
+    than at 1 row, and a pure-decode step always has exactly one token per sequence.
+    """
     ts = pow2_buckets(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
     ss = pow2_buckets(1, max_num_seqs)
-    return [(t, s) for t in ts for s in ss if s <= t]
+    grid = [(t, s) for t in ts for s in ss if s <= t]
+    diagonal = [(s, s) for s in ss if s < ts[0]]
+    return sorted(set(grid + diagonal))
