@@ -12,7 +12,7 @@ from imp_jax.server.context import ready_engine, set_response_id
 from imp_jax.server.errors import not_supported, openai_error_body
 from imp_jax.server.generation import Completion, collect, start
 from imp_jax.server.logprobs import TokenText, chat_logprobs
-from imp_jax.server.openai_common import OpenAISampling, new_id, now, usage_json
+from imp_jax.server.openai_common import OpenAISampling, new_id, now, stream_chunk, usage_json
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel, check_context, check_model_name, parse_json, parse_model
 
@@ -168,11 +168,8 @@ class ChatStream:
         self._opened: set[int] = set()
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
-        body: dict[str, Any] = {"id": self._rid, "object": "chat.completion.chunk", "created": self._created,
-                                "model": self._model, "system_fingerprint": None, "choices": choices}
-        if self._include_usage:
-            body["usage"] = usage_json(usage) if usage is not None else None
-        return sse(body)
+        return sse(stream_chunk(self._rid, "chat.completion.chunk", self._created, self._model, choices,
+                                self._include_usage, usage))
 
     def open(self) -> list[str]:
         return []

@@ -12,7 +12,7 @@ from imp_jax.server.context import ready_engine, set_response_id
 from imp_jax.server.errors import not_supported, openai_error_body
 from imp_jax.server.generation import Completion, collect, start
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy
-from imp_jax.server.openai_common import OpenAISampling, new_id, now, usage_json
+from imp_jax.server.openai_common import OpenAISampling, new_id, now, stream_chunk, usage_json
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import check_context, check_model_name, check_token_ids, parse_json, parse_model
 
@@ -122,11 +122,8 @@ class CompletionStream:
         self._legacy: dict[int, LegacyLogprobs] = {}
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
-        body: dict[str, Any] = {"id": self._rid, "object": "text_completion", "created": self._created,
-                                "model": self._model, "system_fingerprint": None, "choices": choices}
-        if self._include_usage:
-            body["usage"] = usage_json(usage) if usage is not None else None
-        return sse(body)
+        return sse(stream_chunk(self._rid, "text_completion", self._created, self._model, choices,
+                                self._include_usage, usage))
 
     def open(self) -> list[str]:
         return []

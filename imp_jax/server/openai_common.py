@@ -127,3 +127,13 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+def stream_chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
+                 include_usage: bool, usage: Usage | None = None) -> dict[str, Any]:
+    """One streamed OpenAI chunk body; with include_usage every chunk carries `usage` (null until the last)."""
+    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                            "system_fingerprint": None, "choices": choices}
+    if include_usage:
+        body["usage"] = usage_json(usage) if usage is not None else None
+    return body
