@@ -1,0 +1,30 @@
+"""Loading HF directories: sharded safetensors give the same weights as one file."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from imp_jax.model.loader import load_model
+
+
+def test_sharded_safetensors_load_like_a_single_file(tiny_hf_dir, tmp_path):
+    tensors = load_file(str(tiny_hf_dir / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for f in tiny_hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            (sharded / f.name).write_bytes(f.read_bytes())
+    for shard, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / shard))
+    weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    one = load_model(tiny_hf_dir, dtype="float32").model
+    two = load_model(sharded, dtype="float32").model
+    for a, b in zip(one.layers.arrays().values(), two.layers.arrays().values()):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(one.embed[...]), np.asarray(two.embed[...]))
