@@ -416,3 +416,24 @@ def test_logprobs_are_sorted_and_greedy_takes_the_top(mixed, greedy_alone):
 def test_no_compilation_after_warm_up_over_a_mixed_workload(core, tiny_core, mixed):
     assert core.step_fn.compilations_after_warmup == 0
     assert tiny_core.step_fn.compilations_after_warmup == 0
+
+
+def test_prompt_logprobs_are_the_raw_model_distribution(core, prompts, greedy_alone, hf_smollm2):
+    import torch
+
+    prompt = prompts[2]   # longer than the token budget: scored in several chunks
+    assert len(prompt) > core.step_fn.score_tokens
+    (res,) = run(core, req(prompt, max_tokens=4, prompt_logprobs=3))
+    assert res.ids == greedy_alone[2].ids[:4]   # scoring the prompt leaves generation unchanged
+    entries = res.events[0].prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    assert all(ev.prompt_logprobs is None for ev in res.events[1:])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([prompt])).logits[0], -1).numpy()
+    for i, e in enumerate(entries[1:], start=1):
+        assert e.token_id == prompt[i] and len(e.top) == 3
+        assert abs(e.logprob - ref[i - 1, prompt[i]]) < 1e-3
+        assert e.rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1 or abs(
+            e.logprob - sorted(ref[i - 1])[-e.rank]) < 1e-4   # ties may order either way
+        assert [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True)
+        assert abs(e.top[0][1] - ref[i - 1].max()) < 1e-3

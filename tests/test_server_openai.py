@@ -165,6 +165,31 @@ def test_completion_echo(openai_client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in stream) == prompt + plain
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(openai_client: openai.OpenAI) -> None:
+    prompt = "Roses are red, violets are"
+    plain = openai_client.completions.create(**GREEDY, prompt=prompt, logprobs=2)
+    echoed = openai_client.completions.create(**GREEDY, prompt=prompt, echo=True, logprobs=2)
+    lp, gen = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    n_prompt = len(lp.tokens) - len(gen.tokens)
+    assert n_prompt == echoed.usage.prompt_tokens and echoed.choices[0].text == prompt + plain.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:n_prompt])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:n_prompt])
+    assert lp.tokens[n_prompt:] == gen.tokens and lp.token_logprobs[n_prompt:] == gen.token_logprobs
+    assert "".join(lp.tokens[:n_prompt]) == prompt and lp.text_offset[n_prompt] == len(prompt)
+
+
+def test_completion_prompt_logprobs(openai_client: openai.OpenAI) -> None:
+    out = openai_client.completions.create(**GREEDY, prompt="The capital of France is",
+                                           extra_body={"prompt_logprobs": 1})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == out.usage.prompt_tokens and entries[0] is None
+    for entry in entries[1:]:
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert 1 <= len(entry) <= 2 and 1 in ranks
+        assert all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in entry.values())
+
+
 def test_cached_prompt_tokens_are_reported(openai_client: openai.OpenAI) -> None:
     prompt = "A long shared prefix that spans a few KV blocks. " * 6
     openai_client.completions.create(**{**GREEDY, "max_tokens": 2}, prompt=prompt)

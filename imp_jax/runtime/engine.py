@@ -19,6 +19,7 @@ from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.prompt_logprobs import compute_prompt_logprobs
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
@@ -36,6 +37,7 @@ class _RequestState:
     seqs: list[Sequence]
     emit: Emit
     num_open: int
+    prompt_logprobs: list | None = None   # sent once, on index 0's first event
 
 
 class EngineCore:
@@ -91,6 +93,9 @@ class EngineCore:
                 f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
                 f"while min_tokens are out)", param="logit_bias")
         max_tokens = params.max_tokens or room
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = compute_prompt_logprobs(self.step_fn, self.pool, req.prompt_ids, params.prompt_logprobs)
         seqs: list[Sequence] = []
         for i in range(params.n):
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
@@ -101,7 +106,7 @@ class EngineCore:
                 prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None)
             seqs.append(seq)
             self.scheduler.add(seq)
-        self.requests[req.request_id] = _RequestState(req, seqs, emit, len(seqs))
+        self.requests[req.request_id] = _RequestState(req, seqs, emit, len(seqs), prompt_lps)
 
     def cancel(self, request_id: str) -> None:
         """Finish every sequence of the request as cancelled, freeing its blocks now."""
@@ -215,6 +220,8 @@ class EngineCore:
             tail, matched = seq.stops.feed(seq.detok.flush())
             text += tail + ("" if matched else seq.stops.flush())
         event = EngineEvent(seq.request.request_id, seq.index, [token], text, logprobs)
+        if seq.index == 0 and state.prompt_logprobs is not None:
+            event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         if finish is None:
             state.emit(event)
             return

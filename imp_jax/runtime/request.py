@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None           # None = off; k = the sampled token plus the top k
+    prompt_logprobs: int | None = None    # None = off; k = each prompt token's raw logprob plus the top k
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -67,6 +68,8 @@ class SamplingParams:
             bad("seed", "must fit in 64 bits")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         for tok, val in self.logit_bias.items():
             if not 0 <= tok < vocab_size:
                 bad("logit_bias", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
@@ -98,6 +101,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None   # 1 = the most likely token (set for prompt logprobs)
 
 
 @dataclasses.dataclass
@@ -120,6 +124,7 @@ class EngineEvent:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on index 0's first event; entry 0 is None
     finish_reason: str | None = None
     stop_reason: str | int | None = None   # the stop string or token id that ended it
     usage: Usage | None = None

@@ -55,7 +55,19 @@ class CompiledStep:
             key = jax.random.fold_in(jax.random.key(0), step_no)
             return sample(logits, sampling, key, NUM_TOP_LOGPROBS), kv
 
+        def score(state, kv, input_ids, positions, meta, targets):
+            model = nnx.merge(graphdef, state)
+            hidden, kv = model(input_ids, positions, kv, meta)
+            logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)   # raw: no sampling knobs
+            target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
+            rank = jnp.sum(logprobs > target, axis=-1) + 1
+            top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
+            return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv
+
         self._jit = jax.jit(step, donate_argnums=(1,))
+        self._score_jit = jax.jit(score, donate_argnums=(1,))
+        self._score_exec: Any = None
+        self.score_tokens = self.buckets[-1][0]   # prompt logprobs run one sequence, chunk by chunk
 
     def warm_up(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> None:
         """Compile every bucket now (from the persistent cache when it has them)."""
@@ -64,6 +76,7 @@ class CompiledStep:
             self._compile(bucket)
             if progress:
                 progress(i + 1, len(self.buckets), bucket, time.perf_counter() - t0)
+        self._score_exec = self._compile_score()
         self._warm = True
 
     def _compile(self, bucket: tuple[int, int]) -> Any:
@@ -77,6 +90,24 @@ class CompiledStep:
             self.compilations_after_warmup += 1
             log.warning("compiled bucket T=%d S=%d after warm-up", T, S)
         return exe
+
+    def _compile_score(self) -> Any:
+        T = self.score_tokens
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        meta = AttentionMetadata(i32(2), i32(1), i32(1, self.shapes.max_blocks), i32(T), i32())
+        if self._warm:
+            self.compilations_after_warmup += 1
+        return self._score_jit.lower(self.state, self.kv, i32(T), i32(T), meta, i32(T)).compile()
+
+    def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch."""
+        if self._score_exec is None:
+            self._score_exec = self._compile_score()
+        meta = AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                 batch.slot_mapping, batch.num_seqs)
+        out, self.kv = self._score_exec(self.state, self.kv, batch.input_ids, batch.positions, meta,
+                                        targets.astype(np.int32))
+        return tuple(np.asarray(x) for x in out)
 
     def _dummy_sampling(self, rows: int) -> SamplingTensors:
         s = self.shapes

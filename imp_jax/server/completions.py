@@ -9,9 +9,9 @@ from quart import Blueprint, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
 from imp_jax.server.context import ready_engine, set_response_id
-from imp_jax.server.errors import not_supported, openai_error_body
+from imp_jax.server.errors import openai_error_body
 from imp_jax.server.generation import Completion, collect, start
-from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy
+from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, new_id, now, stream_chunk, usage_json
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import check_context, check_model_name, check_token_ids, parse_json, parse_model
@@ -46,12 +46,15 @@ class CompletionRequest(OpenAISampling):
 
     def check(self) -> None:
         self.check_common()
-        if self.prompt_logprobs is not None:
-            raise not_supported("'prompt_logprobs' is not supported yet: the engine computes no prompt logprobs",
-                                param="prompt_logprobs")
-        if self.echo and self.logprobs is not None:
-            raise not_supported("'echo' with 'logprobs' is not supported yet: the engine computes no prompt "
-                                "logprobs", param="echo")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("'prompt_logprobs' cannot be used with 'stream': true", param="prompt_logprobs")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise InvalidRequestError("'echo' with 'logprobs' cannot be used with 'stream': true", param="echo")
+
+    def prompt_logprobs_needed(self) -> int | None:
+        """How many top alternatives the engine must score per prompt token (None: no prompt scoring)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
 
 def prompt_ids(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[int]:
@@ -84,6 +87,7 @@ async def completions() -> Any:
     ids = prompt_ids(req, tokenizer, engine.vocab_size)
     check_context(len(ids), req.max_tokens, engine.max_model_len, "prompt")
     params = req.sampling_params(req.max_tokens, req.logprobs, engine.vocab_size)
+    params.prompt_logprobs = req.prompt_logprobs_needed()
     rid = new_id("cmpl")
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
@@ -96,17 +100,25 @@ async def completions() -> Any:
         fmt = CompletionStream(rid, engine.served_name, req.include_usage, token_text, echo, req.logprobs is not None)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(completion_response(rid, engine.served_name, result, token_text, echo, req.logprobs is not None))
+    return jsonify(completion_response(rid, engine.served_name, result, token_text, echo, req, ids))
 
 
 def completion_response(rid: str, model: str, result: Completion, token_text: TokenText, echo: str,
-                        logprobs: bool) -> dict[str, Any]:
-    """The non-streamed `text_completion` object."""
+                        req: CompletionRequest, ids: list[int]) -> dict[str, Any]:
+    """The non-streamed `text_completion` object; echo + logprobs puts the scored prompt tokens first."""
     choices = []
+    scored_echo = bool(req.echo) and req.logprobs is not None and result.prompt_logprobs is not None
     for c in result.choices:
-        lp = merge_legacy([LegacyLogprobs(token_text, len(echo)).chunk(c.logprobs)]) if logprobs else None
-        choices.append({"index": c.index, "text": echo + c.text, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        lp = None
+        if req.logprobs is not None:
+            legacy = LegacyLogprobs(token_text, 0 if scored_echo else len(echo))
+            parts = [legacy.scored_prompt(ids, result.prompt_logprobs, req.logprobs)] if scored_echo else []
+            lp = merge_legacy(parts + [legacy.chunk(c.logprobs)])
+        choice = {"index": c.index, "text": echo + c.text, "logprobs": lp,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None and result.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs, req.prompt_logprobs, token_text)
+        choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
             "system_fingerprint": None, "choices": choices, "usage": usage_json(result.usage)}
 

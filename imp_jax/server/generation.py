@@ -82,12 +82,14 @@ class Completion:
 
     choices: list[Choice]
     usage: Usage
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[EngineEvent]) -> Completion:
     """Drain `events` into a Completion; an engine fault raises, an interruption cancels the request."""
     choices = {i: Choice(i) for i in range(req.params.n)}
     usage: Usage | None = None
+    prompt_logprobs = None
     done = False
     try:
         async for ev in events:
@@ -99,6 +101,8 @@ async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[
             c.token_ids.extend(ev.token_ids)
             if ev.logprobs:
                 c.logprobs.extend(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                prompt_logprobs = ev.prompt_logprobs
             if ev.finish_reason is not None:
                 c.finish_reason, c.stop_reason = ev.finish_reason, ev.stop_reason
             if ev.usage is not None:
@@ -112,4 +116,4 @@ async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[
         await close_events(events)
     if usage is None:
         raise EngineError("the engine ended the request without usage")
-    return Completion([choices[i] for i in sorted(choices)], usage)
+    return Completion([choices[i] for i in sorted(choices)], usage, prompt_logprobs)

@@ -58,6 +58,19 @@ class LegacyLogprobs:
             self._add(part, self._token_text(t), None, None)
         return part
 
+    def scored_prompt(self, ids: list[int], entries: list[TokenLogprob | None], top_k: int) -> dict[str, Any]:
+        """Echoed prompt tokens with their prompt logprobs; the first token has none (nulls)."""
+        part = self._empty()
+        for tok, e in zip(ids, entries):
+            if e is None:
+                self._add(part, self._token_text(tok), None, None)
+                continue
+            top: dict[str, float] = {}
+            for t, lp in e.top[:top_k]:
+                top.setdefault(self._token_text(t), finite(lp))
+            self._add(part, self._token_text(e.token_id), finite(e.logprob), top)
+        return part
+
     def chunk(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         """The legacy lists for `entries`; offsets continue from the previous call."""
         part = self._empty()
@@ -86,4 +99,19 @@ def merge_legacy(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for p in parts:
         for k in out:
             out[k].extend(p[k])
+    return out
+
+
+def prompt_logprobs_json(entries: list[TokenLogprob | None], top_k: int, token_text: TokenText
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token {"<id>": {logprob, rank, decoded_token}}, the token plus the top k."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        row = {str(e.token_id): {"logprob": finite(e.logprob), "rank": e.rank, "decoded_token": token_text(e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top[:top_k], start=1):
+            row.setdefault(str(t), {"logprob": finite(lp), "rank": rank, "decoded_token": token_text(t)})
+        out.append(row)
     return out
