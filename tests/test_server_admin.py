@@ -49,6 +49,7 @@ def test_info_is_the_tgi_shape(live_server: LiveServer) -> None:
     assert body["model_id"] == MODEL and body["max_total_tokens"] == 1024 and body["max_input_tokens"] == 1023
     assert body["max_best_of"] == 1 and body["max_concurrent_requests"] == 8
     assert {"model_dtype", "model_device_type", "version", "router", "max_stop_sequences"} <= set(body)
+    assert body["model_dtype"] == "float32" and body["model_device_type"] == "cpu"
 
 
 def test_tokenize_and_detokenize_round_trip(live_server: LiveServer) -> None:

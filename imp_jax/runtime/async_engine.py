@@ -79,6 +79,18 @@ class AsyncEngine:
         return self.core.loaded.config
 
     @property
+    def dtype(self) -> str:
+        """The weights' dtype as loaded (what `--dtype auto` resolved to)."""
+        import jax.numpy as jnp
+        return jnp.dtype(self.core.loaded.dtype).name
+
+    @property
+    def device(self) -> str:
+        """The JAX backend the engine runs on: cpu, gpu or tpu."""
+        import jax
+        return jax.default_backend()
+
+    @property
     def default_params(self) -> dict[str, Any]:
         return model_defaults(self.core.loaded.generation_config)
 
