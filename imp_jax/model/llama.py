@@ -6,7 +6,7 @@ Projections are fused (q|k|v and gate|up) so each is one GEMM.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,6 @@ import logging
 import time
 from typing import Callable
 
-import numpy as np
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer

@@ -6,14 +6,14 @@ from typing import Any, Literal
 from pydantic import field_validator
 from quart import Blueprint, jsonify, request
 
-from imp_jax.errors import ImpError, InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
+from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.request import EngineEvent, GenerationRequest
 from imp_jax.server.context import ready_engine, set_response_id
-from imp_jax.server.errors import not_supported, openai_error_body
+from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import Completion, collect, start
 from imp_jax.server.logprobs import TokenText, chat_logprobs
-from imp_jax.server.openai_common import OpenAISampling, new_id, now, stream_chunk, usage_json
-from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
+from imp_jax.server.streaming import drive, sse_response
 from imp_jax.server.validation import WireModel, check_context, check_model_name, parse_json, parse_model
 
 bp = Blueprint("chat_completions", __name__)
@@ -158,21 +158,15 @@ def chat_response(rid: str, model: str, result: Completion, token_text: TokenTex
     }
 
 
-class ChatStream:
+class ChatStream(OpenAIStream):
     """`chat.completion.chunk` frames: a role chunk per choice, content deltas, a finish chunk, usage, [DONE]."""
 
+    object_name = "chat.completion.chunk"
+
     def __init__(self, rid: str, model: str, n: int, include_usage: bool, token_text: TokenText):
-        self._rid, self._model, self._n = rid, model, n
-        self._include_usage, self._token_text = include_usage, token_text
-        self._created = now()
+        super().__init__(rid, model, include_usage)
+        self._n, self._token_text = n, token_text
         self._opened: set[int] = set()
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
-        return sse(stream_chunk(self._rid, "chat.completion.chunk", self._created, self._model, choices,
-                                self._include_usage, usage))
-
-    def open(self) -> list[str]:
-        return []
 
     def event(self, ev: EngineEvent) -> list[str]:
         frames = []
@@ -190,12 +184,3 @@ class ChatStream:
             frames.append(self._chunk([choice]))
         return frames
 
-    def close(self, usage: Usage | None) -> list[str]:
-        frames = [self._chunk([], usage)] if self._include_usage and usage is not None else []
-        return frames + [sse("[DONE]")]
-
-    def error(self, err: ImpError) -> list[str]:
-        return [sse(openai_error_body(err)), sse("[DONE]")]
-
-    def ping(self) -> list[str]:
-        return []

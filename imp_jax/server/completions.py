@@ -6,14 +6,13 @@ from typing import Any
 from pydantic import field_validator
 from quart import Blueprint, jsonify, request
 
-from imp_jax.errors import ImpError, InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
+from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.request import EngineEvent, GenerationRequest
 from imp_jax.server.context import ready_engine, set_response_id
-from imp_jax.server.errors import openai_error_body
 from imp_jax.server.generation import Completion, collect, start
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
-from imp_jax.server.openai_common import OpenAISampling, new_id, now, stream_chunk, usage_json
-from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
+from imp_jax.server.streaming import drive, sse_response
 from imp_jax.server.validation import check_context, check_model_name, check_token_ids, parse_json, parse_model
 
 bp = Blueprint("completions", __name__)
@@ -123,22 +122,16 @@ def completion_response(rid: str, model: str, result: Completion, token_text: To
             "system_fingerprint": None, "choices": choices, "usage": usage_json(result.usage)}
 
 
-class CompletionStream:
+class CompletionStream(OpenAIStream):
     """`text_completion` chunks: the echoed prompt first (if asked), text deltas, usage, [DONE]."""
+
+    object_name = "text_completion"
 
     def __init__(self, rid: str, model: str, include_usage: bool, token_text: TokenText, echo: str,
                  logprobs: bool):
-        self._rid, self._model, self._include_usage = rid, model, include_usage
+        super().__init__(rid, model, include_usage)
         self._token_text, self._echo, self._logprobs = token_text, echo, logprobs
-        self._created = now()
         self._legacy: dict[int, LegacyLogprobs] = {}
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
-        return sse(stream_chunk(self._rid, "text_completion", self._created, self._model, choices,
-                                self._include_usage, usage))
-
-    def open(self) -> list[str]:
-        return []
 
     def event(self, ev: EngineEvent) -> list[str]:
         text = ev.text
@@ -153,12 +146,3 @@ class CompletionStream:
             choice["stop_reason"] = ev.stop_reason
         return [self._chunk([choice])]
 
-    def close(self, usage: Usage | None) -> list[str]:
-        frames = [self._chunk([], usage)] if self._include_usage and usage is not None else []
-        return frames + [sse("[DONE]")]
-
-    def error(self, err: ImpError) -> list[str]:
-        return [sse(openai_error_body(err)), sse("[DONE]")]
-
-    def ping(self) -> list[str]:
-        return []

@@ -7,8 +7,10 @@ from typing import Any
 
 from pydantic import field_validator
 
-from imp_jax.errors import InvalidRequestError
+from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import SamplingParams, Usage
+from imp_jax.server.errors import openai_error_body
+from imp_jax.server.streaming import sse
 from imp_jax.server.validation import WireModel
 
 MAX_STOP = 16
@@ -129,11 +131,33 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def stream_chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
-                 include_usage: bool, usage: Usage | None = None) -> dict[str, Any]:
-    """One streamed OpenAI chunk body; with include_usage every chunk carries `usage` (null until the last)."""
-    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
-                            "system_fingerprint": None, "choices": choices}
-    if include_usage:
-        body["usage"] = usage_json(usage) if usage is not None else None
-    return body
+
+class OpenAIStream:
+    """Chunk framing shared by the chat and legacy completions stream formatters."""
+
+    object_name = ""
+
+    def __init__(self, rid: str, model: str, include_usage: bool):
+        self._rid, self._model, self._include_usage = rid, model, include_usage
+        self._created = now()
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> str:
+        """One chunk; with include_usage every chunk carries `usage` (null until the last)."""
+        body: dict[str, Any] = {"id": self._rid, "object": self.object_name, "created": self._created,
+                                "model": self._model, "system_fingerprint": None, "choices": choices}
+        if self._include_usage:
+            body["usage"] = usage_json(usage) if usage is not None else None
+        return sse(body)
+
+    def open(self) -> list[str]:
+        return []
+
+    def close(self, usage: Usage | None) -> list[str]:
+        frames = [self._chunk([], usage)] if self._include_usage and usage is not None else []
+        return frames + [sse("[DONE]")]
+
+    def error(self, err: ImpError) -> list[str]:
+        return [sse(openai_error_body(err)), sse("[DONE]")]
+
+    def ping(self) -> list[str]:
+        return []
