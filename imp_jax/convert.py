@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from imp_jax.errors import ImpError, ModelLoadError
-from imp_jax.model.config import ModelConfig, RopeScaling
+from imp_jax.model.config import ModelConfig, RopeScaling, read_json
 from imp_jax.model.hub import CONVERTED_MARKER
 from imp_jax.model.loader import LoadedModel, load_model, read_generation_config, resolve_dtype
 from imp_jax.model.registry import get_model_class, import_model_class
@@ -169,11 +169,9 @@ def read_marker(path: Path) -> dict[str, Any]:
     """The parsed imp_jax_checkpoint.json of a converted directory, checked for format and version."""
     f = path / CONVERTED_MARKER
     try:
-        marker = json.loads(f.read_text())
+        marker = read_json(f)
     except FileNotFoundError:
         raise ModelLoadError(f"{f}: not found (not a converted checkpoint)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{f}: malformed JSON ({e})") from None
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
         raise ModelLoadError(f"{f}: not an imp_jax converted checkpoint marker")
     if marker.get("format_version") != FORMAT_VERSION:

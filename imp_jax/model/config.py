@@ -129,12 +129,18 @@ class ModelConfig:
         """Read and parse a config.json file."""
         path = Path(path)
         try:
-            hf = json.loads(path.read_text())
+            hf = read_json(path)
         except FileNotFoundError:
             raise ModelLoadError(f"{path}: config.json not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: malformed JSON ({e})") from None
         return cls.from_hf(hf, source=str(path))
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content; malformed content is a ModelLoadError naming the file (absence raises FileNotFoundError)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: malformed JSON ({e})") from None
 
 
 def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling:

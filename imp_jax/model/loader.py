@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.config import ModelConfig
+from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.registry import get_model_class, import_model_class
 
 if TYPE_CHECKING:
@@ -115,10 +115,7 @@ def read_generation_config(path: Path) -> dict[str, Any]:
     f = path / "generation_config.json"
     if not f.exists():
         return {}
-    try:
-        gen = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{f}: malformed JSON ({e})") from None
+    gen = read_json(f)
     return gen if isinstance(gen, dict) else {}
 
 
