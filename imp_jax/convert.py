@@ -4,7 +4,7 @@
 alias) into a directory that loads without dequantising or re-stacking weights:
 
     DST/imp_jax_checkpoint.json   marker (hub.CONVERTED_MARKER): format, ModelConfig fields, dtype, source
-    DST/state/                    orbax checkpoint of the pure dict of `nnx.state(model)` (stacked layers)
+    DST/state/                    orbax checkpoint of the pure dict of `nnx.state(model)`
     DST/tokenizer.json, tokenizer_config.json, generation_config.json   (Tokenizer.from_hf_dir reads them)
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from imp_jax.model.tokenizer import Tokenizer
 
 log = logging.getLogger("imp_jax.convert")
 FORMAT = "imp_jax.converted"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: per-layer [out, in] matrices (1: stacked [L, in, out])
 STATE_DIR = "state"
 _SCALARS: dict[str, Any] = {"int": int, "float": (int, float), "bool": bool, "str": str}
 
@@ -61,7 +61,7 @@ def save_converted(loaded: LoadedModel, dst: Path, *, source: str = "") -> None:
     t0 = time.perf_counter()
     # uncompressed: zstd saves a third of the disk but makes restoring several times slower on CPU
     with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
-        ckptr.save(dst / STATE_DIR, args=ocp.args.PyTreeSave(nnx.to_pure_dict(nnx.state(loaded.model))))
+        ckptr.save(dst / STATE_DIR, args=ocp.args.PyTreeSave(pure_state(loaded.model)))
     write_tokenizer(loaded.tokenizer, dst)
     _write_json(dst / "generation_config.json", _generation_config(loaded))
     cls = type(loaded.model)
@@ -120,17 +120,31 @@ def load_converted(path: str | Path, *, dtype: Any, layer_loop: str,
     state = nnx.state(model)
     stored = jnp.dtype(marker["dtype"])
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, stored, sharding=device), nnx.to_pure_dict(state))
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, stored, sharding=device), pure_state(model))
     if not (path / STATE_DIR).is_dir():
         raise ModelLoadError(f"{path / STATE_DIR}: weights directory missing")
     arrays = restore_arrays(path / STATE_DIR, target)
     # cast as from_hf_tensors does (jnp.asarray of the stored values), so logits match the source bit for bit
     arrays = jax.tree.map(lambda a: a if a.dtype == jnp.dtype(dtype) else a.astype(dtype), arrays)
-    nnx.replace_by_pure_dict(state, arrays)
+    nnx.replace_by_pure_dict(state, _int_keys(arrays))
     nnx.update(model, state)
     gen = read_generation_config(path)
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(model, config, tokenizer, gen, path.name, path, dtype)
+
+
+def pure_state(model: Any) -> dict[str, Any]:
+    """The model's arrays as nested dicts with string keys (per-layer lists are stored as "0", "1", ...)."""
+    def strings(t: Any) -> Any:
+        return {str(k): strings(v) for k, v in t.items()} if isinstance(t, dict) else t
+    return strings(nnx.to_pure_dict(nnx.state(model)))
+
+
+def _int_keys(t: Any) -> Any:
+    """Undo `pure_state`'s string keys for list indices, as nnx.replace_by_pure_dict expects."""
+    if not isinstance(t, dict):
+        return t
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in t.items()}
 
 
 def restore_arrays(state_dir: Path, target: Any) -> Any:

@@ -7,8 +7,10 @@ import numpy as np
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w (+ b). Every projection goes through here, so LoRA deltas and quantised weights have one home."""
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32 if x.dtype == jnp.bfloat16 else None)
+    """x @ w.T (+ b) for w in [out, in] layout (HF's, torch's). Every projection goes through here,
+    so LoRA deltas and quantised weights have one home."""
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32 if x.dtype == jnp.bfloat16 else None)
     if b is not None:
         y = y + b
     return y.astype(x.dtype)

@@ -1,8 +1,11 @@
 """The decoder family: Llama 2/3.x, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
 
-Per-layer weights are stacked along a leading layer axis so the layer loop can be a
-`lax.scan` (fast to compile) or unrolled (fast to run on CPU); `layer_loop` picks.
-Projections are fused (q|k|v and gate|up) so each is one GEMM.
+Projections are fused (q|k|v and gate|up) so each is one GEMM, and kept in HF's [out, in]
+layout, which XLA's CPU GEMMs ran ~15% faster than [in, out] at 1 and 32 rows.
+Each layer's matrices are their own arrays: under the `scan` layer loop a projection picks
+its layer's matrix with `lax.switch`, so the GEMM reads the weight in place, where slicing a
+stacked [L, ...] array copied every layer's weights on every step (docs/PERF.md). Norm scales
+and biases are small and stay stacked along a leading layer axis.
 """
 from __future__ import annotations
 
@@ -20,29 +23,51 @@ from imp_jax.model.registry import register_model
 
 KVCache = tuple[jax.Array, jax.Array]  # K and V, each [L, num_blocks, block_size, KVH, D]
 LAYER_LOOPS = ("scan", "unroll")
+MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class DecoderLayers(nnx.Module):
-    """All layers' weights, stacked: each Param has a leading [num_layers] axis."""
+    """All layers' weights: matrices as one [out, in] Param per layer, vectors stacked [L, ...]."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         L, E, I, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         qkv = cfg.q_size + 2 * cfg.kv_size
         init = nnx.initializers.normal(0.02)
         key = rngs.params
+
+        def per_layer(shape: tuple[int, int]) -> nnx.List:
+            return nnx.List([nnx.Param(init(key(), shape, dtype)) for _ in range(L)])
+
         self.input_norm = nnx.Param(jnp.ones((L, E), dtype))
-        self.qkv_proj = nnx.Param(init(key(), (L, E, qkv), dtype))
+        self.qkv_proj = per_layer((qkv, E))
         self.qkv_bias = nnx.Param(jnp.zeros((L, qkv), dtype)) if cfg.attention_bias else None
         self.q_norm = nnx.Param(jnp.ones((L, D), dtype)) if cfg.qk_norm else None
         self.k_norm = nnx.Param(jnp.ones((L, D), dtype)) if cfg.qk_norm else None
-        self.o_proj = nnx.Param(init(key(), (L, cfg.q_size, E), dtype))
+        self.o_proj = per_layer((E, cfg.q_size))
         self.post_norm = nnx.Param(jnp.ones((L, E), dtype))
-        self.gate_up_proj = nnx.Param(init(key(), (L, E, 2 * I), dtype))
-        self.down_proj = nnx.Param(init(key(), (L, I, E), dtype))
+        self.gate_up_proj = per_layer((2 * I, E))
+        self.down_proj = per_layer((E, I))
 
-    def arrays(self) -> dict[str, jax.Array]:
-        """The stacked weights as a plain dict (absent optional weights left out)."""
+    def vectors(self) -> dict[str, jax.Array]:
+        """The stacked [L, ...] norm scales and biases (absent optional ones left out)."""
         return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+    def matrices(self) -> dict[str, tuple[jax.Array, ...]]:
+        """Each projection's per-layer [out, in] matrices."""
+        return {name: tuple(p[...] for p in getattr(self, name)) for name in MATRICES}
+
+    def arrays(self) -> dict[str, jax.Array | tuple[jax.Array, ...]]:
+        """Every weight by name: vectors stacked, matrices as per-layer tuples."""
+        return {**self.vectors(), **self.matrices()}
+
+
+def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int,
+                 b: jax.Array | None = None) -> jax.Array:
+    """`linear(x, ws[i], b)` for a static or traced layer index, never copying ws[i]."""
+    if isinstance(i, int):
+        return linear(x, ws[i], b)
+    branches = [lambda x, ws, b, j=j: linear(x, ws[j], b) for j in range(len(ws))]
+    return jax.lax.switch(i, branches, x, ws, b)
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -61,7 +86,7 @@ class DecoderLM(nnx.Module):
         self.layers = DecoderLayers(config, dtype, rngs)
         self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
         self.lm_head = (None if config.tie_word_embeddings else
-                        nnx.Param(init(rngs.params(), (config.hidden_size, config.vocab_size), dtype)))
+                        nnx.Param(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype)))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of K (and of V): [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -74,29 +99,30 @@ class DecoderLM(nnx.Module):
         cfg = self.config
         x = self.embed[...][input_ids]
         cos, sin = rope_tables(positions, cfg.rope_inv_freq())
-        weights = self.layers.arrays()
+        vectors, matrices = self.layers.vectors(), self.layers.matrices()
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             w, i = xs
-            x, k_cache, v_cache = self._layer(x, w, i, cos, sin, k_cache, v_cache, meta)
+            x, k_cache, v_cache = self._layer(x, w, matrices, i, cos, sin, k_cache, v_cache, meta)
             return (x, k_cache, v_cache), None
 
         carry = (x, *kv)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if self.layer_loop == "scan":
-            carry, _ = jax.lax.scan(layer, carry, (weights, layer_ids))
+            carry, _ = jax.lax.scan(layer, carry, (vectors, layer_ids))
         else:
             for i in range(cfg.num_layers):
-                carry, _ = layer(carry, ({k: w[i] for k, w in weights.items()}, i))
+                carry, _ = layer(carry, ({k: w[i] for k, w in vectors.items()}, i))
         x, k_cache, v_cache = carry
         return x, (k_cache, v_cache)
 
-    def _layer(self, x, w, i, cos, sin, k_cache, v_cache, meta):
+    def _layer(self, x, w, mats, i, cos, sin, k_cache, v_cache, meta):
+        """One decoder layer; `w` holds layer i's vectors, `mats` every layer's matrices."""
         cfg = self.config
         T = x.shape[0]
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = linear(h, w["qkv_proj"], w.get("qkv_bias"))
+        qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"))
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -108,19 +134,18 @@ class DecoderLM(nnx.Module):
         attn, k_cache, v_cache = ragged_paged_attention(
             q, k, v, k_cache, v_cache, meta, i, sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window)
-        x = x + linear(attn.reshape(T, cfg.q_size), w["o_proj"])
+        x = x + layer_linear(attn.reshape(T, cfg.q_size), mats["o_proj"], i)
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(linear(h, w["gate_up_proj"]), 2, axis=-1)
-        x = x + linear(jax.nn.silu(gate) * up, w["down_proj"])
+        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i), 2, axis=-1)
+        x = x + layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i)
         return x, k_cache, v_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head on the rows to sample: float32 [R, vocab]."""
         h = rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
-        if self.lm_head is None:  # tied: contract with the embedding's hidden axis, no transpose copy
-            return jax.lax.dot_general(h, self.embed[...], (((1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-        return jnp.dot(h, self.lm_head[...], preferred_element_type=jnp.float32)
+        head = self.embed if self.lm_head is None else self.lm_head   # both [vocab, hidden]
+        return jax.lax.dot_general(h, head[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, get: Callable[[str], np.ndarray], *,
@@ -134,28 +159,31 @@ class DecoderLM(nnx.Module):
             param.set_value(jnp.asarray(value, dtype))
 
         pre = "model.layers.{}."
-        def stacked(*names: str, transpose: bool = True) -> np.ndarray:
-            per_layer = []
-            for i in range(config.num_layers):
-                parts = [np.asarray(get(pre.format(i) + n), np.float32) for n in names]
-                parts = [p.T if transpose else p for p in parts]
-                per_layer.append(np.concatenate(parts, axis=-1))
-            return np.stack(per_layer)
+        def fused(i: int, *names: str) -> np.ndarray:
+            """Layer i's tensors concatenated along their first (output) axis."""
+            return np.concatenate([np.asarray(get(pre.format(i) + n), np.float32) for n in names])
+
+        def stacked(*names: str) -> np.ndarray:
+            return np.stack([fused(i, *names) for i in range(config.num_layers)])
+
+        def per_layer(params: nnx.List, *names: str) -> None:
+            for i, param in enumerate(params):
+                put(param, fused(i, *names))
 
         ly = model.layers
         put(model.embed, get("model.embed_tokens.weight"))
         put(model.norm, get("model.norm.weight"))
         if model.lm_head is not None:
-            put(model.lm_head, np.asarray(get("lm_head.weight")).T)
-        put(ly.input_norm, stacked("input_layernorm.weight", transpose=False))
-        put(ly.post_norm, stacked("post_attention_layernorm.weight", transpose=False))
-        put(ly.qkv_proj, stacked(*(f"self_attn.{p}_proj.weight" for p in "qkv")))
-        put(ly.o_proj, stacked("self_attn.o_proj.weight"))
-        put(ly.gate_up_proj, stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-        put(ly.down_proj, stacked("mlp.down_proj.weight"))
+            put(model.lm_head, get("lm_head.weight"))
+        put(ly.input_norm, stacked("input_layernorm.weight"))
+        put(ly.post_norm, stacked("post_attention_layernorm.weight"))
+        per_layer(ly.qkv_proj, *(f"self_attn.{p}_proj.weight" for p in "qkv"))
+        per_layer(ly.o_proj, "self_attn.o_proj.weight")
+        per_layer(ly.gate_up_proj, "mlp.gate_proj.weight", "mlp.up_proj.weight")
+        per_layer(ly.down_proj, "mlp.down_proj.weight")
         if ly.qkv_bias is not None:
-            put(ly.qkv_bias, stacked(*(f"self_attn.{p}_proj.bias" for p in "qkv"), transpose=False))
+            put(ly.qkv_bias, stacked(*(f"self_attn.{p}_proj.bias" for p in "qkv")))
         if ly.q_norm is not None:
-            put(ly.q_norm, stacked("self_attn.q_norm.weight", transpose=False))
-            put(ly.k_norm, stacked("self_attn.k_norm.weight", transpose=False))
+            put(ly.q_norm, stacked("self_attn.q_norm.weight"))
+            put(ly.k_norm, stacked("self_attn.k_norm.weight"))
         return model
