@@ -138,7 +138,10 @@ REFERENCE_CASES = {**CASES,
                    # decode rows after a prefill chunk, past row S: the second prefix walk owns them
                    "decodes_after_prefill": Case(((0, 40), (120, 1), (57, 1), (16, 9)), group=2, head_dim=64,
                                                  block_size=16, dtype=jnp.float32, num_tokens=56,
-                                                 num_slots=4, kv_heads=2, sliding_window=70)}
+                                                 num_slots=4, kv_heads=2, sliding_window=70),
+                   # T not a multiple of the own-token tile, and whole tiles of padding rows
+                   "mostly_padding": Case(((5, 30), (0, 40)), group=3, head_dim=64, block_size=16,
+                                          dtype=jnp.float32, num_tokens=200, num_slots=4)}
 
 
 @pytest.mark.parametrize("name", list(REFERENCE_CASES))

@@ -26,6 +26,9 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return k_cache, v_cache
 
 
+OWN_TOKENS_TILE = 64   # rows per tile of the step's own-token attention
+
+
 def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per token: its sequence index, its position in that sequence's KV, and whether it is real."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -50,8 +53,9 @@ def ragged_paged_attention_reference(
 
     Two parts merged by one online softmax, so that a prefill reads its keys once, not once per
     query token:
-    1. this step's tokens against each other: one dense [T, T] product masked to same
-       sequence and causal (the new K/V are read back from the cache at `slot_mapping`);
+    1. this step's tokens against each other, masked to same sequence and causal, in tiles of
+       OWN_TOKENS_TILE rows that skip key tiles no row of theirs can see (the new K/V are read
+       back from the cache at `slot_mapping`);
     2. each token against its sequence's KV cached before this step, walked through the
        block table a few blocks at a time. Rows [0, S) and [S, T) walk separately, each as
        far as its own sequences' cached prefixes go: the scheduler puts decodes first, so a
@@ -84,14 +88,34 @@ def ragged_paged_attention_reference(
     def window(mask, q_pos, key_pos):
         return mask if sliding_window is None else mask & (key_pos > q_pos - sliding_window)
 
-    # 1. the step's own tokens
+    # 1. the step's own tokens, in tiles of rows: a query tile meets only the key tiles from its
+    #    first sequence's first row up to itself (rows are grouped by sequence, keys are causal)
     G = H // KVH
-    init = (jnp.full((T, KVH, G), -jnp.inf, jnp.float32), jnp.zeros((T, KVH, G), jnp.float32),
-            jnp.zeros((T, KVH, G, D), jnp.float32))
-    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[None, :]
-    state = attend(init, jnp.einsum("tkgd,jkd->tkgj", qg, k_new), v_new,
-                   window(mask, pos[:, None], pos[None, :]),
-                   lambda p, v: jnp.einsum("tkgj,jkd->tkgd", p, v))
+    tile = min(T, OWN_TOKENS_TILE)
+    n_tiles = -(-T // tile)
+    pad = n_tiles * tile - T
+    padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    q_t, k_t, v_t = padded(qg), padded(k_new), padded(v_new)
+    seq_t, pos_t = padded(seq), padded(pos)
+    valid_t = jnp.pad(valid, (0, pad))
+    tiles = []
+    for i in range(n_tiles):
+        rows = slice(i * tile, (i + 1) * tile)
+        q_i, seq_i, pos_i = q_t[rows], seq_t[rows], pos_t[rows]
+
+        def key_tile(j, st, q_i=q_i, seq_i=seq_i, pos_i=pos_i):
+            k_j, v_j, seq_j, pos_j, ok_j = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile)
+                                            for x in (k_t, v_t, seq_t, pos_t, valid_t))
+            mask = (seq_i[:, None] == seq_j[None, :]) & (pos_j[None, :] <= pos_i[:, None]) & ok_j[None, :]
+            return attend(st, jnp.einsum("tkgd,jkd->tkgj", q_i, k_j), v_j,
+                          window(mask, pos_i[:, None], pos_j[None, :]),
+                          lambda p, v: jnp.einsum("tkgj,jkd->tkgd", p, v))
+
+        init = (jnp.full((tile, KVH, G), -jnp.inf, jnp.float32), jnp.zeros((tile, KVH, G), jnp.float32),
+                jnp.zeros((tile, KVH, G, D), jnp.float32))
+        first = jnp.where(valid_t[i * tile], meta.query_start_loc[seq_i[0]] // tile, i + 1)
+        tiles.append(jax.lax.fori_loop(first, i + 1, key_tile, init) if n_tiles > 1 else key_tile(0, init))
+    state = tuple(jnp.concatenate(xs)[:T] for xs in zip(*tiles))
 
     # 2. the cached prefix of each token's sequence, rows [0, S) and [S, T) separately
     blocks_per_step = max(1, min(8, 2048 // (BS * T)))   # keeps the gathered K/V near 1-2 MB
