@@ -141,7 +141,11 @@ REFERENCE_CASES = {**CASES,
                                                  num_slots=4, kv_heads=2, sliding_window=70),
                    # T not a multiple of the own-token tile, and whole tiles of padding rows
                    "mostly_padding": Case(((5, 30), (0, 40)), group=3, head_dim=64, block_size=16,
-                                          dtype=jnp.float32, num_tokens=200, num_slots=4)}
+                                          dtype=jnp.float32, num_tokens=200, num_slots=4),
+                   # a long chunk after a cached prefix: whole tiles of one sequence share each key block
+                   "long_continuation": Case(((300, 150), (40, 1)), group=3, head_dim=64, block_size=16,
+                                             dtype=jnp.float32, num_tokens=160, num_slots=4,
+                                             sliding_window=200, soft_cap=20.0)}
 
 
 @pytest.mark.parametrize("name", list(REFERENCE_CASES))

@@ -26,7 +26,7 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     return k_cache, v_cache
 
 
-OWN_TOKENS_TILE = 64   # rows per tile of the step's own-token attention
+TILE_ROWS = 64   # query rows per tile
 
 
 def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -51,15 +51,15 @@ def ragged_paged_attention_reference(
     soft-cap applies cap * tanh(s / cap) to the scores. Padding tokens produce zeros.
     The step's own K/V must already be written (`write_kv`).
 
-    Two parts merged by one online softmax, so that a prefill reads its keys once, not once per
-    query token:
-    1. this step's tokens against each other, masked to same sequence and causal, in tiles of
-       OWN_TOKENS_TILE rows that skip key tiles no row of theirs can see (the new K/V are read
+    Query rows go in tiles of TILE_ROWS; each tile merges two parts with one online softmax,
+    so that a prefill reads its keys once per tile, not once per query token:
+    1. the step's own tokens, masked to same sequence and causal, from the key tile holding
+       the first row of the tile's first sequence up to the tile itself (the new K/V are read
        back from the cache at `slot_mapping`);
-    2. each token against its sequence's KV cached before this step, walked through the
-       block table a few blocks at a time. Rows [0, S) and [S, T) walk separately, each as
-       far as its own sequences' cached prefixes go: the scheduler puts decodes first, so a
-       long decode context does not make every prefill row walk it too.
+    2. each row's sequence's KV cached before this step, walked through the block table as far
+       as the tile's longest cached prefix. A tile whose rows all belong to one sequence (a
+       prefill chunk) gathers each key block once for all its rows; a tile of several (decodes)
+       gathers per row. Tiles of fresh prompts walk nothing.
     """
     T, H, D = q.shape
     _, NB, BS, KVH, _ = k_cache.shape
@@ -88,22 +88,19 @@ def ragged_paged_attention_reference(
     def window(mask, q_pos, key_pos):
         return mask if sliding_window is None else mask & (key_pos > q_pos - sliding_window)
 
-    # 1. the step's own tokens, in tiles of rows: a query tile meets only the key tiles from its
-    #    first sequence's first row up to itself (rows are grouped by sequence, keys are causal)
     G = H // KVH
-    tile = min(T, OWN_TOKENS_TILE)
+    tile = min(T, TILE_ROWS)
     n_tiles = -(-T // tile)
     pad = n_tiles * tile - T
     padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    q_t, k_t, v_t = padded(qg), padded(k_new), padded(v_new)
-    seq_t, pos_t = padded(seq), padded(pos)
-    valid_t = jnp.pad(valid, (0, pad))
-    tiles = []
-    for i in range(n_tiles):
-        rows = slice(i * tile, (i + 1) * tile)
-        q_i, seq_i, pos_i = q_t[rows], seq_t[rows], pos_t[rows]
+    q_t, k_t, v_t, seq_t, pos_t, valid_t = map(padded, (qg, k_new, v_new, seq, pos, valid))
+    max_blocks = meta.block_tables.shape[1]
 
-        def key_tile(j, st, q_i=q_i, seq_i=seq_i, pos_i=pos_i):
+    def own_tokens(i: int, st):
+        """Part 1 for query tile i: key tiles from its first sequence's first row up to itself."""
+        q_i, seq_i, pos_i = (x[i * tile:(i + 1) * tile] for x in (q_t, seq_t, pos_t))
+
+        def key_tile(j, st):
             k_j, v_j, seq_j, pos_j, ok_j = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile)
                                             for x in (k_t, v_t, seq_t, pos_t, valid_t))
             mask = (seq_i[:, None] == seq_j[None, :]) & (pos_j[None, :] <= pos_i[:, None]) & ok_j[None, :]
@@ -111,42 +108,49 @@ def ragged_paged_attention_reference(
                           window(mask, pos_i[:, None], pos_j[None, :]),
                           lambda p, v: jnp.einsum("tkgj,jkd->tkgd", p, v))
 
+        if n_tiles == 1:
+            return key_tile(0, st)
+        first = jnp.where(valid_t[i * tile], meta.query_start_loc[seq_i[0]] // tile, i + 1)
+        return jax.lax.fori_loop(first, i + 1, key_tile, st)
+
+    def cached_prefix(i: int, st):
+        """Part 2 for query tile i: each row's sequence's KV from before this step, a few blocks at a time."""
+        rows = slice(i * tile, (i + 1) * tile)
+        q_i, seq_i, pos_i, ok_i = q_t[rows], seq_t[rows], pos_t[rows], valid_t[rows]
+        before = jnp.where(ok_i, cached[seq_i], 0)
+
+        def walk(blocks_per_step: int, one_owner: bool):
+            chunk = BS * blocks_per_step
+            tables = jnp.pad(meta.block_tables, ((0, 0), (0, (-max_blocks) % blocks_per_step)))
+
+            def body(c, st):
+                cols = c * blocks_per_step + jnp.arange(blocks_per_step)
+                key_pos = c * chunk + jnp.arange(chunk)
+                mask = window(key_pos[None, :] < before[:, None], pos_i[:, None], key_pos[None, :])
+                if one_owner:   # every row reads the same keys: gather them once, one GEMM
+                    blocks = tables[seq_i[0], cols]
+                    k = k_cache[layer, blocks].reshape(chunk, KVH, D).astype(jnp.float32)
+                    v = v_cache[layer, blocks].reshape(chunk, KVH, D).astype(jnp.float32)
+                    return attend(st, jnp.einsum("tkgd,skd->tkgs", q_i, k), v, mask,
+                                  lambda p, v: jnp.einsum("tkgs,skd->tkgd", p, v))
+                blocks = tables[seq_i[:, None], cols[None, :]]                    # [tile, C]
+                k = k_cache[layer, blocks].reshape(tile, chunk, KVH, D).astype(jnp.float32)
+                v = v_cache[layer, blocks].reshape(tile, chunk, KVH, D).astype(jnp.float32)
+                return attend(st, jnp.einsum("tkgd,tskd->tkgs", q_i, k), v, mask,
+                              lambda p, v: jnp.einsum("tkgs,tskd->tkgd", p, v))
+
+            return lambda st: jax.lax.fori_loop(0, (jnp.max(before) + chunk - 1) // chunk, body, st)
+
+        one_owner = jnp.all(~ok_i | (seq_i == seq_i[0]))
+        per_row_blocks = max(1, min(8, 2048 // (BS * tile)))   # keeps the gathered K/V near 1-2 MB
+        return jax.lax.cond(one_owner, walk(8, True), walk(per_row_blocks, False), st)
+
+    outs = []
+    for i in range(n_tiles):
         init = (jnp.full((tile, KVH, G), -jnp.inf, jnp.float32), jnp.zeros((tile, KVH, G), jnp.float32),
                 jnp.zeros((tile, KVH, G, D), jnp.float32))
-        first = jnp.where(valid_t[i * tile], meta.query_start_loc[seq_i[0]] // tile, i + 1)
-        tiles.append(jax.lax.fori_loop(first, i + 1, key_tile, init) if n_tiles > 1 else key_tile(0, init))
-    state = tuple(jnp.concatenate(xs)[:T] for xs in zip(*tiles))
-
-    # 2. the cached prefix of each token's sequence, rows [0, S) and [S, T) separately
-    blocks_per_step = max(1, min(8, 2048 // (BS * T)))   # keeps the gathered K/V near 1-2 MB
-    chunk = BS * blocks_per_step
-    max_blocks = meta.block_tables.shape[1]
-    tables = jnp.pad(meta.block_tables, ((0, 0), (0, (-max_blocks) % blocks_per_step)))
-
-    def walk_prefix(state, rows: slice):
-        qr, seq_r, pos_r = qg[rows], seq[rows], pos[rows]
-        n = qr.shape[0]
-        before = cached[seq_r]
-        owners = (jnp.arange(S) >= seq_r[0]) & (jnp.arange(S) <= seq_r[-1])
-        steps = (jnp.max(jnp.where(owners, cached, 0)) + chunk - 1) // chunk
-
-        def body(i, st):
-            cols = i * blocks_per_step + jnp.arange(blocks_per_step)
-            blocks = tables[seq_r[:, None], cols[None, :]]                    # [n, C]
-            k = k_cache[layer, blocks].reshape(n, chunk, KVH, D).astype(jnp.float32)
-            v = v_cache[layer, blocks].reshape(n, chunk, KVH, D).astype(jnp.float32)
-            key_pos = i * chunk + jnp.arange(chunk)
-            mask = window(key_pos[None, :] < before[:, None], pos_r[:, None], key_pos[None, :])
-            return attend(st, jnp.einsum("tkgd,tskd->tkgs", qr, k), v, mask,
-                          lambda p, v: jnp.einsum("tkgs,tskd->tkgd", p, v))
-
-        return jax.lax.fori_loop(0, steps, body, state)
-
-    parts = [slice(0, min(S, T))] + ([slice(S, T)] if T > S else [])
-    outs = []
-    for rows in parts:
-        outs.append(walk_prefix(tuple(x[rows] for x in state), rows))
-    m, l, acc = (jnp.concatenate(xs) for xs in zip(*outs))
+        outs.append(cached_prefix(i, own_tokens(i, init)))
+    m, l, acc = (jnp.concatenate(xs)[:T] for xs in zip(*outs))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(T, H, D).astype(q.dtype)
