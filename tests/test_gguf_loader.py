@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.gguf_loader import _llama3_factors, load_gguf, permute_rotary, unpermute_rotary
+from tiny_models import write_arch_only_gguf
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -274,12 +275,7 @@ def test_sentencepiece_vocab_adds_bos_by_default(tmp_path):
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_arch_only_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ModelLoadError, match=r"'gpt2'.*llama.*qwen2"):
         load_gguf(tmp_path / "gpt2.gguf")
 

@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import gguf
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from imp_jax.errors import ImpError, ModelLoadError
 from imp_jax.model.loader import load_model
+from tiny_models import write_arch_only_gguf
 
 
 def load_error(path: Path | str, **kwargs: Any) -> str:
@@ -78,12 +78,7 @@ def test_unknown_architecture(tiny_hf_dir):
 
 
 def test_unsupported_gguf_architecture(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_arch_only_gguf(tmp_path / "mamba.gguf", "mamba")
     assert "GGUF architecture 'mamba' is not supported" in load_error(tmp_path / "mamba.gguf")
 
 

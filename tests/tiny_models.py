@@ -1,4 +1,5 @@
-"""Tiny random-weight HF checkpoints of each supported architecture, written with transformers."""
+"""Tiny random-weight HF checkpoints of each supported architecture, written with transformers,
+and a GGUF file that names an architecture and holds nothing else."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,3 +34,17 @@ def write_tiny_hf(name: str, path: Path, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def write_arch_only_gguf(path: Path, arch: str) -> Path:
+    """A GGUF file with `arch` in its header and one embedding tensor: enough to be refused by architecture."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -95,6 +95,10 @@ def ragged_paged_attention_reference(
     padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
     q_t, k_t, v_t, seq_t, pos_t, valid_t = map(padded, (qg, k_new, v_new, seq, pos, valid))
     max_blocks = meta.block_tables.shape[1]
+    one_owner_blocks = 8                                      # blocks per step when a tile is one sequence
+    per_row_blocks = max(1, min(8, 2048 // (BS * tile)))   # else: keeps the gathered K/V near 1-2 MB
+    tables = {b: jnp.pad(meta.block_tables, ((0, 0), (0, (-max_blocks) % b)))   # whole steps of b blocks
+              for b in (one_owner_blocks, per_row_blocks)}
 
     def own_tokens(i: int, st):
         """Part 1 for query tile i: key tiles from its first sequence's first row up to itself."""
@@ -121,19 +125,19 @@ def ragged_paged_attention_reference(
 
         def walk(blocks_per_step: int, one_owner: bool):
             chunk = BS * blocks_per_step
-            tables = jnp.pad(meta.block_tables, ((0, 0), (0, (-max_blocks) % blocks_per_step)))
+            table = tables[blocks_per_step]
 
             def body(c, st):
                 cols = c * blocks_per_step + jnp.arange(blocks_per_step)
                 key_pos = c * chunk + jnp.arange(chunk)
                 mask = window(key_pos[None, :] < before[:, None], pos_i[:, None], key_pos[None, :])
                 if one_owner:   # every row reads the same keys: gather them once, one GEMM
-                    blocks = tables[seq_i[0], cols]
+                    blocks = table[seq_i[0], cols]
                     k = k_cache[layer, blocks].reshape(chunk, KVH, D).astype(jnp.float32)
                     v = v_cache[layer, blocks].reshape(chunk, KVH, D).astype(jnp.float32)
                     return attend(st, jnp.einsum("tkgd,skd->tkgs", q_i, k), v, mask,
                                   lambda p, v: jnp.einsum("tkgs,skd->tkgd", p, v))
-                blocks = tables[seq_i[:, None], cols[None, :]]                    # [tile, C]
+                blocks = table[seq_i[:, None], cols[None, :]]                     # [tile, C]
                 k = k_cache[layer, blocks].reshape(tile, chunk, KVH, D).astype(jnp.float32)
                 v = v_cache[layer, blocks].reshape(tile, chunk, KVH, D).astype(jnp.float32)
                 return attend(st, jnp.einsum("tkgd,tskd->tkgs", q_i, k), v, mask,
@@ -142,8 +146,7 @@ def ragged_paged_attention_reference(
             return lambda st: jax.lax.fori_loop(0, (jnp.max(before) + chunk - 1) // chunk, body, st)
 
         one_owner = jnp.all(~ok_i | (seq_i == seq_i[0]))
-        per_row_blocks = max(1, min(8, 2048 // (BS * tile)))   # keeps the gathered K/V near 1-2 MB
-        return jax.lax.cond(one_owner, walk(8, True), walk(per_row_blocks, False), st)
+        return jax.lax.cond(one_owner, walk(one_owner_blocks, True), walk(per_row_blocks, False), st)
 
     outs = []
     for i in range(n_tiles):

@@ -14,12 +14,12 @@ from quart import Blueprint, Response, current_app, g, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage
-from imp_jax.server.context import ready_engine, set_response_id
+from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
 from imp_jax.server.generation import collect, start
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.validation import WireModel, check_context, check_model_name, parse_json, parse_model
+from imp_jax.server.validation import WireModel, check_context
 
 bp = Blueprint("anthropic_messages", __name__)
 log = logging.getLogger("imp_jax.server")
@@ -206,9 +206,7 @@ def message_json(mid: str, model: str, text: str | None, reason: tuple[str | Non
 
 @bp.post("/v1/messages")
 async def messages() -> Any:
-    req = parse_model(MessagesRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(MessagesRequest)
     req.check()
     ids = prompt_ids(req, engine.tokenizer)
     check_context(len(ids), None, engine.max_model_len, "messages")
@@ -231,9 +229,7 @@ async def messages() -> Any:
 
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens() -> Any:
-    req = parse_model(CountTokensRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(CountTokensRequest)
     req.check_conversation()
     return jsonify({"input_tokens": len(prompt_ids(req, engine.tokenizer))})
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import field_validator
-from quart import Blueprint, jsonify, request
+from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest
-from imp_jax.server.context import ready_engine, set_response_id
+from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import Completion, collect, start
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.validation import WireModel, check_context, check_model_name, parse_json, parse_model
+from imp_jax.server.validation import WireModel, check_context
 
 bp = Blueprint("chat_completions", __name__)
 MAX_TOP_LOGPROBS = 20
@@ -125,9 +125,7 @@ def prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int]:
 
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Any:
-    req = parse_model(ChatRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(ChatRequest)
     req.check()
     ids = prompt_ids(req, engine.tokenizer)
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")

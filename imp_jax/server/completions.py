@@ -4,16 +4,16 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import field_validator
-from quart import Blueprint, jsonify, request
+from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest
-from imp_jax.server.context import ready_engine, set_response_id
+from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect, start
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.validation import check_context, check_model_name, check_token_ids, parse_json, parse_model
+from imp_jax.server.validation import check_context, check_token_ids
 
 bp = Blueprint("completions", __name__)
 
@@ -78,9 +78,7 @@ def prompt_ids(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[
 
 @bp.post("/v1/completions")
 async def completions() -> Any:
-    req = parse_model(CompletionRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(CompletionRequest)
     req.check()
     tokenizer = engine.tokenizer
     ids = prompt_ids(req, tokenizer, engine.vocab_size)

@@ -5,10 +5,11 @@ import dataclasses
 import time
 from typing import Any
 
-from quart import current_app, g
+from quart import current_app, g, request
 
 from imp_jax.server.errors import unavailable
 from imp_jax.server.generation import Engine
+from imp_jax.server.validation import M, check_model_name, parse_json, parse_model
 
 _KEY = "imp_jax"
 
@@ -74,6 +75,17 @@ def ready_engine() -> Engine:
                     "engine_faulted": "the engine faulted; restart the server", "stopped": "the engine stopped"}
         raise unavailable(messages[code], code)
     return server().engine
+
+
+async def engine_request(cls: type[M]) -> tuple[M, Engine]:
+    """The request body as `cls` (400 if it is not), the ready engine (503 if not), and a 404
+    unless the body's `model`, when it names one, is the model served here."""
+    req = parse_model(cls, parse_json(await request.get_data()))
+    engine = ready_engine()
+    model = getattr(req, "model", None)
+    if model is not None:
+        check_model_name(model, engine.served_name)
+    return req, engine
 
 
 def set_response_id(response_id: str) -> None:

@@ -10,18 +10,18 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import field_validator
-from quart import Blueprint, current_app, jsonify, request
+from quart import Blueprint, current_app, jsonify
 from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
-from imp_jax.server.context import ready_engine, set_response_id, state_of
+from imp_jax.server.context import engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect, start
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.responses_store import ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.validation import WireModel, check_context, check_model_name, parse_json, parse_model
+from imp_jax.server.validation import WireModel, check_context
 
 bp = Blueprint("responses", __name__)
 STORE_KEY = "imp_jax.responses_store"
@@ -224,9 +224,7 @@ def template_messages(req: ResponsesRequest, conversation: list[dict[str, str]])
 
 @bp.post("/v1/responses")
 async def create_response() -> Any:
-    req = parse_model(ResponsesRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(ResponsesRequest)
     req.check()
     store = responses_store()
     previous: list[dict[str, str]] = []

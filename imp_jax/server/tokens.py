@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Blueprint, jsonify, request
+from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.server.chat_completions import ChatMessage
-from imp_jax.server.context import ready_engine
-from imp_jax.server.validation import WireModel, check_model_name, check_token_ids, parse_json, parse_model
+from imp_jax.server.context import engine_request
+from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("tokens", __name__)
 
@@ -31,10 +31,7 @@ class DetokenizeRequest(WireModel):
 
 @bp.post("/tokenize")
 async def tokenize() -> Any:
-    req = parse_model(TokenizeRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    if req.model is not None:
-        check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(TokenizeRequest)
     tokenizer = engine.tokenizer
     given = [name for name in ("content", "prompt", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
@@ -58,10 +55,7 @@ async def tokenize() -> Any:
 
 @bp.post("/detokenize")
 async def detokenize() -> Any:
-    req = parse_model(DetokenizeRequest, parse_json(await request.get_data()))
-    engine = ready_engine()
-    if req.model is not None:
-        check_model_name(req.model, engine.served_name)
+    req, engine = await engine_request(DetokenizeRequest)
     check_token_ids(req.tokens, engine.vocab_size, "tokens")
     text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
     return jsonify({"content": text, "prompt": text})
