@@ -150,8 +150,10 @@ def main() -> int:
     roofline_s = weight_bytes / bw
     step_s = decode_step_time(core, args.prompt_len)
     gemm = measure_gemm_rate()
+    from imp_jax.kernels_pallas import cpu_gemm
+    kernel = cpu_gemm.available() and jax_backend() == "cpu"
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
-                   gemm_gflop_s=gemm / 1e9,
+                   gemm_gflop_s=gemm / 1e9, cpu_gemm_kernel=kernel,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
                    decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
     print(f"startup (load + compile) {startup:.1f}s; weights {weight_bytes / 1e6:.0f} MB; "
@@ -159,6 +161,8 @@ def main() -> int:
     print(f"batch-1 decode step {step_s * 1e3:.1f} ms; roofline {roofline_s * 1e3:.1f} ms "
           f"({step_s / roofline_s:.2f}x)")
     print(f"best XLA float32 GEMM rate {gemm / 1e9:.0f} GFLOP/s; 'ceiling' = tok/s with every FLOP at that rate")
+    print(f"GEMMs of {cpu_gemm.MIN_ROWS}-{cpu_gemm.MAX_ROWS} rows: "
+          f"{'the CPU GEMM kernel' if kernel else 'XLA dot (IMP_JAX_CPU_GEMM=xla, or no kernel here)'}")
     print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
           f"{'ceiling':>8} {'hf tok/s':>9} {'ratio':>6}")
     for b in args.batches:
@@ -179,6 +183,12 @@ def main() -> int:
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def jax_leaves(tree):

@@ -5,15 +5,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from imp_jax.kernels_pallas import cpu_gemm
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T (+ b) for w in [out, in] layout (HF's, torch's). Every projection goes through here,
-    so LoRA deltas and quantised weights have one home."""
-    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32 if x.dtype == jnp.bfloat16 else None)
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
+           out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x @ w.T (+ b) for w in [out, in] layout (HF's, torch's), accumulated in float32 and returned
+    as `out_dtype` (default: x's). Every projection and the LM head go through here, so LoRA deltas
+    and quantised weights have one home.
+
+    float32 products of up to `cpu_gemm.MAX_ROWS` rows (decode steps) run the CPU GEMM kernel on
+    x86-64 CPUs (kernels_pallas/cpu_gemm.py); larger ones, other dtypes and platforms, XLA's dot.
+    """
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        y = cpu_gemm.matmul_wt(x, w)
+    else:
+        y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -144,8 +144,7 @@ class DecoderLM(nnx.Module):
         """Final norm + LM head on the rows to sample: float32 [R, vocab]."""
         h = rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head   # both [vocab, hidden]
-        return jax.lax.dot_general(h, head[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        return linear(h, head[...], out_dtype=jnp.float32)
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, get: Callable[[str], np.ndarray], *,

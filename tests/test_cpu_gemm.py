@@ -1,0 +1,84 @@
+"""The CPU GEMM kernel (kernels_pallas/cpu_gemm.cc) against a float64 NumPy product."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.kernels_pallas import cpu_gemm
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_kernel_builds_here():
+    """On an x86-64 machine with a compiler (this one, CI) the kernel must not fall back silently."""
+    if not (X86 and shutil.which("g++")):
+        pytest.skip("needs x86-64 and g++")
+    assert cpu_gemm.available()
+
+
+needs_kernel = pytest.mark.skipif(not (X86 and cpu_gemm.available()), reason="CPU GEMM kernel not built")
+kernel = jax.jit(cpu_gemm._kernel)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 33, 64])
+@pytest.mark.parametrize("N,K", [(1, 1), (2, 7), (3, 8), (4, 9), (5, 17), (47, 64), (49, 130), (97, 33)])
+def test_matches_numpy(M, N, K):
+    """Every tile edge: rows % 4, columns % 3, K % 8, and the 64-row / 48-column work items."""
+    rng = np.random.default_rng(M * 1000 + N * 10 + K)
+    x, w = rng.standard_normal((M, K), np.float32), rng.standard_normal((N, K), np.float32)
+    got = np.asarray(kernel(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_kernel
+def test_threaded_sizes_and_leading_axes():
+    """Products big enough to use the helper threads, and x with more than one leading axis."""
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((2, 37, 576), np.float32), rng.standard_normal((961, 576), np.float32)
+    got = np.asarray(kernel(x, w))
+    assert got.shape == (2, 37, 961)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_its_neighbours():
+    """Bit-identical rows whatever the batch around them (batch invariance at temperature 0)."""
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((61, 200), np.float32), rng.standard_normal((131, 200), np.float32)
+    whole = np.asarray(kernel(x, w))
+    for lo, hi in [(0, 1), (5, 6), (3, 10), (17, 61)]:
+        np.testing.assert_array_equal(np.asarray(kernel(x[lo:hi], w)), whole[lo:hi])
+
+
+def test_matmul_wt_falls_back_to_xla():
+    """Too many rows, another dtype: XLA's dot, same numbers."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((40, 24), np.float32))
+    for x in (jnp.asarray(rng.standard_normal((cpu_gemm.MAX_ROWS + 1, 24), np.float32)),
+              jnp.asarray(rng.standard_normal((3, 24), np.float32))):
+        text = jax.jit(cpu_gemm.matmul_wt).lower(x, w).as_text()
+        assert (cpu_gemm.TARGET in text) == (X86 and cpu_gemm.available() and x.shape[0] <= cpu_gemm.MAX_ROWS)
+        np.testing.assert_allclose(np.asarray(cpu_gemm.matmul_wt(x, w)), np.asarray(x) @ np.asarray(w).T,
+                                   rtol=1e-5, atol=1e-5)
+    bf = jnp.ones((3, 24), jnp.bfloat16)
+    assert cpu_gemm.TARGET not in jax.jit(cpu_gemm.matmul_wt).lower(bf, w.astype(jnp.bfloat16)).as_text()
+
+
+def test_env_switch_turns_the_kernel_off():
+    code = ("import jax.numpy as jnp, jax; from imp_jax.kernels_pallas import cpu_gemm; "
+            "x = jnp.ones((2, 8)); print(cpu_gemm.available(), cpu_gemm.TARGET in "
+            "jax.jit(cpu_gemm.matmul_wt).lower(x, x).as_text())")
+    env = {**os.environ, "IMP_JAX_CPU_GEMM": "xla"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
