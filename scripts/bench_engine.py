@@ -150,8 +150,10 @@ def main() -> int:
     roofline_s = weight_bytes / bw
     step_s = decode_step_time(core, args.prompt_len)
     gemm = measure_gemm_rate()
+    import jax
+
     from imp_jax.kernels_pallas import cpu_gemm
-    kernel = cpu_gemm.available() and jax_backend() == "cpu"
+    kernel = jax.default_backend() == "cpu" and cpu_gemm.available()
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
                    gemm_gflop_s=gemm / 1e9, cpu_gemm_kernel=kernel,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
@@ -183,12 +185,6 @@ def main() -> int:
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
     return 0
-
-
-def jax_backend() -> str:
-    import jax
-
-    return jax.default_backend()
 
 
 def jax_leaves(tree):

@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from imp_jax.model.hub import imp_jax_home
+
 log = logging.getLogger(__name__)
 
 TARGET = "imp_gemm_f32"
@@ -34,10 +36,6 @@ MAX_ROWS = 64        # above this XLA's own GEMM (which packs the weights, amort
 SOURCE = Path(__file__).with_name("cpu_gemm.cc")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _home() -> Path:
-    return Path(os.environ.get("IMP_JAX_HOME") or "~/.cache/imp_jax").expanduser()
 
 
 def _compiler() -> str | None:
@@ -49,7 +47,7 @@ def _build(cxx: str) -> Path:
     source = SOURCE.read_bytes()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + version.encode() + jax.ffi.include_dir().encode()).hexdigest()[:16]
-    lib = _home() / "kernels" / f"cpu_gemm-{key}.so"
+    lib = imp_jax_home() / "kernels" / f"cpu_gemm-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -102,12 +100,12 @@ def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _xla(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def matmul_wt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """float32 x [..., K] @ w.T for w [N, K]: the kernel on CPUs that have it for MIN_ROWS to
-    MAX_ROWS rows of x, XLA's dot elsewhere."""
+    """x [..., K] @ w.T for w [N, K], accumulated and returned in float32: the kernel for float32
+    operands of MIN_ROWS to MAX_ROWS rows on CPUs that have it, XLA's dot otherwise."""
     rows = math.prod(x.shape[:-1])
     if (x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2 or not MIN_ROWS <= rows <= MAX_ROWS
             or jax.default_backend() != "cpu" or not available()):

@@ -17,11 +17,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     float32 products of up to `cpu_gemm.MAX_ROWS` rows (decode steps) run the CPU GEMM kernel on
     x86-64 CPUs (kernels_pallas/cpu_gemm.py); larger ones, other dtypes and platforms, XLA's dot.
     """
-    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
-        y = cpu_gemm.matmul_wt(x, w)
-    else:
-        y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    y = cpu_gemm.matmul_wt(x, w)
     if b is not None:
         y = y + b
     return y.astype(out_dtype or x.dtype)
