@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
+from imp_jax.kernels_pallas import AttentionMetadata, cpu_attention, ragged_paged_attention
 from imp_jax.kernels_pallas.attention import attention_backend
 from imp_jax.kernels_pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
 from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, write_kv
@@ -189,7 +189,7 @@ def test_supports_only_what_the_compiled_kernel_takes() -> None:
 
 def test_entry_point_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("IMP_JAX_ATTENTION", raising=False)
-    assert attention_backend() == "reference"  # CPU
+    assert attention_backend() in ("cpu", "reference")  # a CPU: its kernel where it builds (test_cpu_attention)
     monkeypatch.setenv("IMP_JAX_ATTENTION", "bogus")
     with pytest.raises(ValueError):
         attention_backend()
@@ -216,8 +216,9 @@ def test_tiny_model_greedy_tokens_match(tmp_path: Path, monkeypatch: pytest.Monk
     model = build_from_tensors(get_model_class(cfg.architecture), cfg, SafetensorsDir(tmp_path),
                                jnp.float32, "scan", str(tmp_path))
     prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, size=11).tolist()
-    tokens = {b: greedy(model, prompt, b, monkeypatch) for b in ("reference", "pallas")}
-    assert tokens["pallas"] == tokens["reference"]
+    backends = ("reference", "pallas") + (("cpu",) if cpu_attention.available() else ())
+    tokens = {b: greedy(model, prompt, b, monkeypatch) for b in backends}
+    assert all(tokens[b] == tokens["reference"] for b in backends), tokens
 
 
 def greedy(model: Any, prompt: list[int], backend: str, monkeypatch: pytest.MonkeyPatch,

@@ -149,6 +149,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ImpGemmF32, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-extern "C" int imp_gemm_cpu_supported() {
+extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }

@@ -1,0 +1,80 @@
+"""Build and load the C++ CPU kernels (`cpu_*.cc` next to this file) that XLA calls through its FFI.
+
+Each kernel is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
+`$IMP_JAX_HOME/kernels/<name>-<hash>.so`, the hash covering its source, the compiler and JAX's FFI
+headers, and loaded from there afterwards. They need x86-64 with AVX2 and FMA; everywhere else,
+and whenever the build fails, `load` returns None and the caller uses XLA (the reason is logged).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+from imp_jax.model.hub import imp_jax_home
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_libraries: dict[str, ctypes.CDLL | None] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _build(name: str, cxx: str) -> Path:
+    """Compile `name`.cc (once per source and compiler) and return the shared library's path."""
+    source_path = Path(__file__).with_name(f"{name}.cc")
+    source = source_path.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + version.encode() + jax.ffi.include_dir().encode()).hexdigest()[:16]
+    lib = imp_jax_home() / "kernels" / f"{name}-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the %s kernel with %s -> %s", name, cxx, lib)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, "-O3", "-std=c++17", "-mavx2", "-mfma", "-shared", "-fPIC",
+               "-I", jax.ffi.include_dir(), str(source_path), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(out, lib)   # atomic: a concurrent process sees no half-written library
+    return lib
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The kernel library `name` built for and runnable on this CPU, or None (built on first call)."""
+    with _lock:
+        if name not in _libraries:
+            _libraries[name] = _load(name)
+        return _libraries[name]
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("no C++ compiler found: the %s kernel is off, using XLA", name)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(name, cxx)))
+    except (OSError, RuntimeError) as e:
+        log.warning("%s kernel unavailable, using XLA: %s", name, e)
+        return None
+    if not lib.imp_kernel_cpu_supported():
+        log.info("this CPU lacks AVX2/FMA: the %s kernel is off, using XLA", name)
+        return None
+    return lib

@@ -1,0 +1,122 @@
+"""The CPU ragged paged attention kernel (kernels_pallas/cpu_attention.cc) against a float64 NumPy
+oracle and the XLA reference."""
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.kernels_pallas import cpu_attention
+from imp_jax.kernels_pallas.attention import attention_backend
+from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, write_kv
+from test_pallas_attention import REFERENCE_CASES, Case, dense_attention, make_batch
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def test_kernel_builds_here():
+    """On an x86-64 machine with a compiler (this one, CI) the kernel must not fall back silently."""
+    if not (X86 and shutil.which("g++")):
+        pytest.skip("needs x86-64 and g++")
+    assert cpu_attention.available()
+    assert attention_backend(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64))) == "cpu"
+
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="CPU attention kernel not built")
+
+CASES = {name: dataclasses.replace(case, dtype=jnp.float32) for name, case in REFERENCE_CASES.items()}
+CASES.update({
+    # pages of 8 (a chunk never crosses a page), GQA 4, head_dim 128, a window of one key
+    "small_pages": Case(((0, 19), (30, 1), (9, 4)), group=4, head_dim=128, block_size=8, dtype=jnp.float32,
+                        num_tokens=32, num_slots=4, kv_heads=2, sliding_window=1),
+    # enough work for the thread pool's helpers: 40 decodes over long contexts, 3 kv heads
+    "threaded_decodes": Case(tuple((100 + 7 * i, 1) for i in range(40)), group=3, head_dim=64, block_size=16,
+                             dtype=jnp.float32, num_tokens=48, num_slots=48, kv_heads=3),
+    # pages larger than a chunk, and tails of 1-3 keys
+    "big_pages": Case(((0, 67), (129, 2), (3, 1)), group=1, head_dim=64, block_size=64, dtype=jnp.float32,
+                      num_tokens=80, num_slots=4, soft_cap=2.0),
+})
+
+
+def run_kernel(case: Case, q, k, v, k_cache, v_cache, meta, layer: int = 1):
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
+    out = jax.jit(lambda *a: cpu_attention.ragged_paged_attention_cpu(
+        *a, sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap))(
+        q, k_cache, v_cache, meta, jnp.int32(layer))
+    return out, k_cache, v_cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_dense_numpy_and_reference(name: str) -> None:
+    case = CASES[name]
+    q, k, v, k_cache, v_cache, meta = make_batch(case)
+    got, k_cache, v_cache = run_kernel(case, q, k, v, k_cache, v_cache, meta)
+    assert got.dtype == jnp.float32 and got.shape == q.shape
+    want = dense_attention(case, q, k_cache, v_cache, meta, 1)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
+    ref = ragged_paged_attention_reference(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
+                                           sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    real = int(meta.query_start_loc[meta.num_seqs])
+    assert not np.asarray(got[real:]).any(), "padding rows must be zero"
+
+
+@needs_kernel
+def test_a_tokens_output_does_not_depend_on_the_batch() -> None:
+    """Each sequence alone gives bit-for-bit the rows it gets inside the whole batch."""
+    case = CASES["chunked_prefill"]
+    q, k, v, k_cache, v_cache, meta = make_batch(case)
+    together, k_cache, v_cache = run_kernel(case, q, k, v, k_cache, v_cache, meta)
+    qsl, lens, tables = (np.asarray(x) for x in (meta.query_start_loc, meta.seq_lens, meta.block_tables))
+    for s in range(int(meta.num_seqs)):
+        n = qsl[s + 1] - qsl[s]
+        alone = dataclasses.replace(
+            meta, query_start_loc=jnp.asarray([0, n], jnp.int32), seq_lens=jnp.asarray(lens[s:s + 1]),
+            block_tables=jnp.asarray(tables[s:s + 1]), slot_mapping=meta.slot_mapping[qsl[s]:qsl[s + 1]],
+            num_seqs=jnp.int32(1))
+        got, _, _ = run_kernel(case, q[qsl[s]:qsl[s + 1]], k[qsl[s]:qsl[s + 1]], v[qsl[s]:qsl[s + 1]],
+                               k_cache, v_cache, alone)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(together[qsl[s]:qsl[s + 1]]))
+
+
+@needs_kernel
+def test_no_sequences_gives_zeros() -> None:
+    case = CASES["decode_only"]
+    q, k, v, k_cache, v_cache, meta = make_batch(case)
+    meta = dataclasses.replace(meta, num_seqs=jnp.int32(0), slot_mapping=jnp.full_like(meta.slot_mapping, -1))
+    got, _, _ = run_kernel(case, q, k, v, k_cache, v_cache, meta)
+    assert not np.asarray(got).any()
+
+
+def test_takes_float32_with_head_dim_a_multiple_of_8_only() -> None:
+    assert cpu_attention.supports(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64)))
+    assert not cpu_attention.supports(jnp.zeros((1, 9, 64), jnp.bfloat16), jnp.zeros((1, 2, 16, 3, 64), jnp.bfloat16))
+    assert not cpu_attention.supports(jnp.zeros((1, 9, 36)), jnp.zeros((1, 2, 16, 3, 36)))
+
+
+@needs_kernel
+def test_entry_point_runs_the_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's entry point lowers to the custom call by default, to the reference when forced
+    off or for bfloat16, and gives the reference's result."""
+    from imp_jax.kernels_pallas import ragged_paged_attention
+
+    case = CASES["mixed_soft_cap"]
+    q, k, v, k_cache, v_cache, meta = make_batch(case, seed=1)
+    outs = {}
+    for backend in ("", "reference"):
+        monkeypatch.setenv("IMP_JAX_ATTENTION", backend)
+        fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap)[0]  # traced afresh
+        text = jax.jit(fn).lower(q, k, v, k_cache, v_cache, meta, 0).as_text()
+        assert (cpu_attention.TARGET in text) == (backend == "")
+        outs[backend] = jax.jit(fn)(q, k, v, k_cache, v_cache, meta, 0)
+    np.testing.assert_allclose(np.asarray(outs[""]), np.asarray(outs["reference"]), atol=2e-5, rtol=2e-5)
+    monkeypatch.delenv("IMP_JAX_ATTENTION")
+    fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap)[0]
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, k_cache, v_cache)]
+    assert cpu_attention.TARGET not in jax.jit(fn).lower(*bf, meta, 0).as_text()
