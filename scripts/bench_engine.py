@@ -153,9 +153,11 @@ def main() -> int:
     import jax
 
     from imp_jax.kernels_pallas import cpu_gemm
+    from imp_jax.kernels_pallas.attention import attention_backend
     kernel = jax.default_backend() == "cpu" and cpu_gemm.available()
+    attention = attention_backend()
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
-                   gemm_gflop_s=gemm / 1e9, cpu_gemm_kernel=kernel,
+                   gemm_gflop_s=gemm / 1e9, cpu_gemm_kernel=kernel, attention_backend=attention,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
                    decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
     print(f"startup (load + compile) {startup:.1f}s; weights {weight_bytes / 1e6:.0f} MB; "
@@ -164,7 +166,8 @@ def main() -> int:
           f"({step_s / roofline_s:.2f}x)")
     print(f"best XLA float32 GEMM rate {gemm / 1e9:.0f} GFLOP/s; 'ceiling' = tok/s with every FLOP at that rate")
     print(f"GEMMs of {cpu_gemm.MIN_ROWS}-{cpu_gemm.MAX_ROWS} rows: "
-          f"{'the CPU GEMM kernel' if kernel else 'XLA dot (IMP_JAX_CPU_GEMM=xla, or no kernel here)'}")
+          f"{'the CPU GEMM kernel' if kernel else 'XLA dot (IMP_JAX_CPU_GEMM=xla, or no kernel here)'}; "
+          f"attention: {attention}")
     print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
           f"{'ceiling':>8} {'hf tok/s':>9} {'ratio':>6}")
     for b in args.batches:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import jax
@@ -36,6 +37,7 @@ def _tensors(specs: list[RowSpec], with_mask: bool = False) -> SamplingTensors:
 def _run(logits: np.ndarray, specs: list[RowSpec], key: int = 0, mask: bool = False):
     """Two compiled programs in all: unmasked with K top logprobs, masked with none."""
     k = 0 if mask else K
+    specs = [dataclasses.replace(s, wants_top_logprobs=k > 0) for s in specs]
     out = sample(jnp.asarray(logits), _tensors(specs, mask), jax.random.key(key), num_top_logprobs=k)
     return jax.tree.map(np.asarray, out)
 
@@ -227,6 +229,23 @@ def test_top_logprobs_sorted_and_greedy_token_first() -> None:
     np.testing.assert_array_equal(out.tokens[:2], out.top_ids[:2, 0])
     np.testing.assert_allclose(out.logprob[:2], out.top_logprobs[:2, 0])
     assert np.isneginf(out.top_logprobs[1, 3:]).all()
+
+
+def test_top_logprobs_computed_only_when_a_row_wants_them() -> None:
+    """The top-K is skipped (zeros) when no row asks for it, and identical whenever one does."""
+    logits = _logits(31)
+    specs = [RowSpec(temperature=0.0), RowSpec(top_k=5)]
+    want = _run(logits, specs)
+    for wants in ([False, False], [False, True]):
+        rows = [dataclasses.replace(s, wants_top_logprobs=w) for s, w in zip(specs, wants)]
+        out = jax.tree.map(np.asarray, sample(jnp.asarray(logits), _tensors(rows), jax.random.key(0),
+                                              num_top_logprobs=K))
+        np.testing.assert_array_equal(out.tokens, want.tokens)
+        if any(wants):
+            np.testing.assert_array_equal(out.top_ids, want.top_ids)
+            np.testing.assert_array_equal(out.top_logprobs, want.top_logprobs)
+        else:
+            assert not out.top_ids.any() and not out.top_logprobs.any()
 
 
 def test_padding_rows_are_greedy_and_neutral() -> None:

@@ -164,7 +164,7 @@ class EngineCore:
             seed=p.seed, position=seq.num_tokens,
             history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
             num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
-            logit_bias=self._logit_bias(p, len(seq.output_ids)))
+            logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs))
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out."""

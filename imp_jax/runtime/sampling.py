@@ -57,6 +57,8 @@ class SamplingTensors:
     history_is_output: jax.Array  # bool[R, H]
     bias_ids: jax.Array  # i32[R, B], -1 = padding
     bias_values: jax.Array  # f32[R, B]
+    wants_top_logprobs: jax.Array | None = None  # bool[R]; None = every row (top-K is computed
+    #   only when some row wants it; rows that do not may get zeros)
     allowed_mask: jax.Array | None = None  # u32[R, ceil(V/32)], bit i%32 of word i//32
 
 
@@ -90,7 +92,15 @@ def sample(
     logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     rows = logits.shape[0]
     if num_top_logprobs > 0:
-        top_logprobs, top_ids = lax.top_k(logprobs, num_top_logprobs)
+        def top() -> tuple[jax.Array, jax.Array]:
+            return tuple(lax.top_k(logprobs, num_top_logprobs))
+
+        def none_wanted() -> tuple[jax.Array, jax.Array]:
+            return (jnp.zeros((rows, num_top_logprobs), jnp.float32),
+                    jnp.zeros((rows, num_top_logprobs), jnp.int32))
+
+        wanted = t.wants_top_logprobs
+        top_logprobs, top_ids = top() if wanted is None else lax.cond(jnp.any(wanted), top, none_wanted)
     else:
         top_logprobs = jnp.zeros((rows, 0), jnp.float32)
         top_ids = jnp.zeros((rows, 0), jnp.int32)
@@ -285,6 +295,7 @@ class RowSpec:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     allowed_token_ids: Sequence[int] | None = None
     allowed_bitmask: np.ndarray | None = None  # u32/i32[ceil(V/32)], e.g. from llguidance
+    wants_top_logprobs: bool = False  # the row reads the top-K logprobs (the sampler skips them otherwise)
 
 
 def pack_allowed_tokens(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -356,6 +367,7 @@ def build_sampling_tensors(
         history_is_output=is_output,
         bias_ids=bias_ids,
         bias_values=bias_values,
+        wants_top_logprobs=column("wants_top_logprobs", False, np.bool_),
         allowed_mask=mask,
     )
 
