@@ -114,6 +114,7 @@ CASES = {
     "typical_full": RowSpec(typical_p=0.6),
     "typical_fast": RowSpec(typical_p=0.7, top_k=20),
     "top_k_top_p": RowSpec(top_k=12, top_p=0.9, temperature=0.8),
+    "top_k_full_top_p": RowSpec(top_k=100, top_p=0.7, temperature=1.5),
     "all_truncation": RowSpec(top_k=40, top_p=0.95, min_p=0.02, typical_p=0.9),
     "repetition": RowSpec(repetition_penalty=1.3, history=HIST, num_output_tokens=4),
     "presence_frequency": RowSpec(
@@ -145,6 +146,19 @@ def test_mixed_batches_match_reference() -> None:
         specs = [CASES[n] for n in names[start : start + R]]
         logits = _logits(100 + start)
         assert_matches_reference(logits, specs, _run(logits, specs, key=start))
+
+
+@pytest.mark.parametrize("spec", [RowSpec(top_p=0.6), RowSpec(top_k=90), RowSpec(top_k=100, top_p=0.5),
+                                  RowSpec(top_p=0.0), RowSpec(top_k=V - 1, top_p=0.999)])
+def test_full_truncation_keeps_ties_and_matches_reference(spec: RowSpec) -> None:
+    """The sort-free top_k / top_p (bisection over value keys) on logits full of ties, negative and
+    positive: tokens tied with the last kept one stay, exactly as the sorted reference keeps them."""
+    rng = np.random.default_rng(17)
+    logits = rng.integers(-4, 5, (R, V)).astype(np.float32) / 2
+    specs = [spec] * R
+    out = _run(logits, specs)
+    assert_matches_reference(logits, specs, out)
+    assert np.isfinite(ref_logprobs(logits[0], spec)).sum() >= 1
 
 
 def test_sampled_token_is_never_a_removed_one() -> None:

@@ -80,7 +80,7 @@ def sample(
 ) -> SamplerOutput:
     """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`."""
     processed = process_logits(logits, t)
-    logprobs = jax.nn.log_softmax(processed, axis=-1)
+    lse = jax.nn.logsumexp(processed, axis=-1)   # logprobs are processed - lse, never materialised
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     tokens = lax.cond(
         jnp.any(t.temperature > 0),
@@ -89,11 +89,12 @@ def sample(
         ),
         lambda: greedy_tokens,
     )
-    logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    logprob = jnp.take_along_axis(processed, tokens[:, None], axis=-1)[:, 0] - lse
     rows = logits.shape[0]
     if num_top_logprobs > 0:
         def top() -> tuple[jax.Array, jax.Array]:
-            return tuple(lax.top_k(logprobs, num_top_logprobs))
+            values, ids = lax.top_k(processed, num_top_logprobs)
+            return values - lse[:, None], ids
 
         def none_wanted() -> tuple[jax.Array, jax.Array]:
             return (jnp.zeros((rows, num_top_logprobs), jnp.float32),
@@ -113,11 +114,12 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     penalised = (t.repetition_penalty != 1) | (t.presence_penalty != 0)
     penalised |= t.frequency_penalty != 0
     logits = lax.cond(jnp.any(penalised), _apply_penalties, lambda x, _: x, logits, t)
-    logits = _apply_bias(logits, t.bias_ids, t.bias_values)
+    # Each step over the whole [R, V] array runs only when some row of the batch needs it.
+    logits = lax.cond(jnp.any(t.bias_ids >= 0), _apply_bias, lambda x, *_: x, logits, t.bias_ids, t.bias_values)
     if t.allowed_mask is not None:
         logits = jnp.where(_unpack_mask(t.allowed_mask, logits.shape[1]), logits, -jnp.inf)
     scale = jnp.where(t.temperature > 0, t.temperature, 1.0)
-    logits = logits / scale[:, None]
+    logits = lax.cond(jnp.any(scale != 1), lambda x: x / scale[:, None], lambda x: x, logits)
     return _truncate(logits, t)
 
 
@@ -167,7 +169,7 @@ def _truncate(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         [
             lambda x: jnp.full(x.shape[:1], -jnp.inf, x.dtype),
             lambda x: _prefix_cut(_top_values(x, width), t, k_on, p_on),
-            lambda x: _prefix_cut(-jnp.sort(-x, axis=-1), t, k_on, p_on),
+            lambda x: _threshold_cut(x, t, k_on, p_on),
         ],
         logits,
     )
@@ -224,6 +226,46 @@ def _prefix_cut(
     last = jnp.maximum(jnp.sum(keep, axis=-1), 1) - 1
     cut = jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
     return jnp.where(k_on | p_on, cut, -jnp.inf)
+
+
+def _threshold_cut(x: jax.Array, t: SamplingTensors, k_on: jax.Array, p_on: jax.Array) -> jax.Array:
+    """`_prefix_cut` of each row sorted, without the sort (a full sort of [R, V] took ~400 ms at
+    R = 32, V = 49k on a 2-core CPU): bisection over the values' order-preserving int32 keys finds
+    the k-th largest value, then the smallest value whose strictly larger tokens hold less than
+    top_p of the top-k mass. Each takes 32 passes over the row, each pass a compare and a sum."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    keys = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))    # ordered like x
+    lo = jnp.min(keys, axis=-1) - 1
+    hi = jnp.max(keys, axis=-1)
+    no_cut = jnp.full_like(lo, jnp.iinfo(jnp.int32).min)
+
+    def above(c: jax.Array, values: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(keys > c[:, None], values, 0), axis=-1)
+
+    # top_k: the smallest key with fewer than k keys above it is the k-th largest.
+    k_key = lax.cond(jnp.any(k_on),
+                     lambda: _bisect(lo, hi, lambda c: above(c, jnp.int32(1)) < t.top_k),
+                     lambda: no_cut)
+    k_key = jnp.where(k_on, k_key, no_cut)
+    # top_p over the top-k survivors: the smallest key whose larger tokens hold < top_p of the mass.
+    w = jnp.where(keys >= k_key[:, None], jnp.exp(x - x.max(axis=-1, keepdims=True)), 0.0)
+    mass = t.top_p * jnp.sum(w, axis=-1)
+    p_key = jnp.where(p_on, _bisect(lo, hi, lambda c: above(c, w) < mass), no_cut)
+    key = jnp.minimum(jnp.maximum(k_key, p_key), hi)     # at least the top token survives
+    cut = lax.bitcast_convert_type(jnp.where(key >= 0, key, key ^ jnp.int32(0x7FFFFFFF)), jnp.float32)
+    return jnp.where(k_on | p_on, cut, -jnp.inf)
+
+
+def _bisect(lo: jax.Array, hi: jax.Array, pred) -> jax.Array:
+    """Per row, the smallest int32 c in (lo, hi] with pred(c), for pred false at lo, true at hi
+    and monotone between: 32 halvings cover any int32 range."""
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)    # floor((lo + hi) / 2) without overflow
+        ok = pred(mid)
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return lax.fori_loop(0, 32, body, (lo, hi))[1]
 
 
 def _apply_typical(
