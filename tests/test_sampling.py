@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from imp_jax.runtime.sampling import (
+    DRAW_BLOCK,
     FAST_TOP_K,
     RowSpec,
     SamplingTensors,
@@ -200,6 +201,27 @@ def test_draws_follow_the_processed_distribution() -> None:
     expected = probs[support] * counts.sum()
     chi2 = ((counts[support] - expected) ** 2 / expected).sum()
     assert chi2 < 30, (chi2, counts[support], expected)  # 5 dof: p < 1e-5
+
+
+def test_draws_across_blocks_of_a_large_vocabulary() -> None:
+    """The two-level draw (blocks of DRAW_BLOCK tokens, then the token inside): a support spread
+    over block edges and a partial last block, every other token at -inf, is drawn in proportion
+    and nothing outside it ever is."""
+    vocab = 3 * DRAW_BLOCK + 100
+    support = np.array([0, DRAW_BLOCK - 1, DRAW_BLOCK, DRAW_BLOCK + 40, 2 * DRAW_BLOCK + 7, 2 * DRAW_BLOCK + 9,
+                        vocab - 2, vocab - 1])
+    probs = np.array([0.05, 0.15, 0.1, 0.15, 0.2, 0.1, 0.1, 0.15])
+    logits = np.full((R, vocab), -np.inf, np.float32)
+    logits[:, support] = np.log(probs)
+    tensors = build_sampling_tensors([RowSpec(temperature=1.0)] * R, num_rows_bucket=R, vocab_size=vocab,
+                                     history_len=H, max_bias=B, with_mask=False)
+    draw = jax.jit(lambda key: sample(jnp.asarray(logits), tensors, key).tokens)
+    tokens = np.concatenate([np.asarray(draw(jax.random.key(k))) for k in range(100)])
+    assert np.isin(tokens, support).all()
+    counts = np.array([(tokens == s).sum() for s in support])
+    expected = probs * len(tokens)
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 35, (chi2, counts, expected)  # 7 dof: p < 1e-5
 
 
 def test_logit_bias_of_100_forces_the_token() -> None:

@@ -35,6 +35,8 @@ from jax import lax
 
 # top_k rows with k <= this are truncated from lax.top_k candidates, not a full sort.
 FAST_TOP_K = 64
+# Tokens per block of the two-level inverse-CDF draw.
+DRAW_BLOCK = 256
 
 
 @jax.tree_util.register_dataclass
@@ -295,11 +297,24 @@ def _draw(logits: jax.Array, t: SamplingTensors, step_key: jax.Array) -> jax.Arr
     """One categorical draw per row by inverse CDF: one uniform per row, not one per vocabulary entry."""
     keys = _row_keys(t, step_key)
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # (0, 1]
+    rows, vocab = logits.shape
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    cdf = jnp.cumsum(probs, axis=-1)
-    # the first token whose cdf reaches u * total has probability > 0, since cdf is flat over zeros
-    idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
-    return jnp.minimum(idx, logits.shape[1] - 1).astype(jnp.int32)
+    # Two levels, so no cumulative sum runs over the whole vocabulary (slow on CPU): the block
+    # of DRAW_BLOCK tokens where the cdf reaches u * total, then the token inside it.
+    nb = -(-vocab // DRAW_BLOCK)
+    blocks = jnp.pad(probs, ((0, 0), (0, nb * DRAW_BLOCK - vocab))).reshape(rows, nb, DRAW_BLOCK)
+    block_cdf = jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1)                       # [R, nb]
+    target = u * block_cdf[:, -1]
+    j = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), nb - 1)          # [R]
+    before = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]             # [R, DRAW_BLOCK]
+    # the first token whose cdf reaches the target has probability > 0 (the cdf is flat over
+    # zeros); rounding between the two levels can leave the target past the block's end, so the
+    # index stops at the block's last token with probability > 0
+    pos = jnp.arange(DRAW_BLOCK)
+    i = jnp.sum(before[:, None] + jnp.cumsum(inner, axis=-1) < target[:, None], axis=-1)
+    i = jnp.minimum(i, jnp.max(jnp.where(inner > 0, pos, 0), axis=-1))
+    return jnp.minimum(j * DRAW_BLOCK + i, vocab - 1).astype(jnp.int32)
 
 
 def _row_keys(t: SamplingTensors, step_key: jax.Array) -> jax.Array:
