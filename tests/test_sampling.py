@@ -150,10 +150,11 @@ def test_mixed_batches_match_reference() -> None:
 
 
 @pytest.mark.parametrize("spec", [RowSpec(top_p=0.6), RowSpec(top_k=90), RowSpec(top_k=100, top_p=0.5),
-                                  RowSpec(top_p=0.0), RowSpec(top_k=V - 1, top_p=0.999)])
+                                  RowSpec(top_p=0.0), RowSpec(top_k=V - 1, top_p=0.999),
+                                  RowSpec(typical_p=0.5), RowSpec(typical_p=0.9, top_k=100, temperature=0.7)])
 def test_full_truncation_keeps_ties_and_matches_reference(spec: RowSpec) -> None:
-    """The sort-free top_k / top_p (bisection over value keys) on logits full of ties, negative and
-    positive: tokens tied with the last kept one stay, exactly as the sorted reference keeps them."""
+    """The sort-free top_k / top_p / typical_p (bisection over value keys) on logits full of ties,
+    negative and positive: tokens tied with the last kept one stay, as the sorted reference keeps them."""
     rng = np.random.default_rng(17)
     logits = rng.integers(-4, 5, (R, V)).astype(np.float32) / 2
     specs = [spec] * R

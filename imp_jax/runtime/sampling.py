@@ -188,7 +188,7 @@ def _truncate(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         [
             lambda x: x,
             lambda x: _apply_typical(x, _top_values(x, width), t.typical_p, typ_on),
-            lambda x: _apply_typical(x, x, t.typical_p, typ_on),
+            lambda x: _apply_typical_full(x, t.typical_p, typ_on),
         ],
         logits,
     )
@@ -284,6 +284,21 @@ def _apply_typical(
     cut = jnp.take_along_axis(sorted_score, last[:, None], axis=-1)
     keep = (jnp.abs(-(logits - lse) - entropy) <= cut) | ~on[:, None]
     return jnp.where(keep, logits, -jnp.inf)
+
+
+def _apply_typical_full(logits: jax.Array, typical_p: jax.Array, on: jax.Array) -> jax.Array:
+    """`_apply_typical` over whole rows without sorting them: bisection over the scores' int32 keys
+    (scores are >= 0, so their bits are ordered) finds the smallest score whose tokens at or below
+    it hold typical_p of the mass, the value the sorted version cuts at."""
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    score = jnp.abs(-(logits - lse) - _entropy(logits, lse))  # inf for removed tokens
+    probs = jnp.exp(logits - lse)
+    keys = lax.bitcast_convert_type(score, jnp.int32)
+    hi = jnp.max(keys, axis=-1)
+    key = _bisect(jnp.full_like(hi, -1), hi,
+                  lambda c: jnp.sum(jnp.where(keys <= c[:, None], probs, 0.0), axis=-1) >= typical_p)
+    cut = lax.bitcast_convert_type(key, jnp.float32)
+    return jnp.where((score <= cut[:, None]) | ~on[:, None], logits, -jnp.inf)
 
 
 def _entropy(vals: jax.Array, lse: jax.Array) -> jax.Array:
