@@ -13,7 +13,7 @@ import pytest
 
 from imp_jax.kernels_pallas import cpu_attention
 from imp_jax.kernels_pallas.attention import attention_backend
-from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, write_kv
+from imp_jax.kernels_pallas.reference import BF16_BITS, ragged_paged_attention_reference, write_kv
 from test_pallas_attention import REFERENCE_CASES, Case, dense_attention, make_batch
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -68,6 +68,26 @@ def test_matches_dense_numpy_and_reference(name: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [False, True])
+@pytest.mark.parametrize("name", ["chunked_prefill", "mixed_window_soft_cap", "small_pages", "threaded_decodes"])
+def test_bfloat16_caches_match_the_reference(name: str, bits: bool) -> None:
+    """float32 queries over bfloat16 caches (--kv-cache-dtype bfloat16), as bfloat16 or as its bits
+    in uint16 (how a CPU engine stores them): kernel and reference read the same bfloat16 values,
+    widened exactly, so they agree to float32 rounding."""
+    case = CASES[name]
+    q, k, v, k_cache, v_cache, meta = make_batch(case)
+    k_cache, v_cache = k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16)
+    if bits:
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, BF16_BITS) for c in (k_cache, v_cache))
+    dtype = k_cache.dtype
+    got, k_cache, v_cache = run_kernel(case, q, k, v, k_cache, v_cache, meta)
+    assert k_cache.dtype == dtype and got.dtype == jnp.float32
+    ref = ragged_paged_attention_reference(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
+                                           sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
 def test_a_tokens_output_does_not_depend_on_the_batch() -> None:
     """Each sequence alone gives bit-for-bit the rows it gets inside the whole batch."""
     case = CASES["chunked_prefill"]
@@ -94,8 +114,9 @@ def test_no_sequences_gives_zeros() -> None:
     assert not np.asarray(got).any()
 
 
-def test_takes_float32_with_head_dim_a_multiple_of_8_only() -> None:
+def test_takes_float32_queries_over_float32_or_bfloat16_caches_with_head_dim_a_multiple_of_8() -> None:
     assert cpu_attention.supports(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64)))
+    assert cpu_attention.supports(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64), jnp.bfloat16))
     assert not cpu_attention.supports(jnp.zeros((1, 9, 64), jnp.bfloat16), jnp.zeros((1, 2, 16, 3, 64), jnp.bfloat16))
     assert not cpu_attention.supports(jnp.zeros((1, 9, 36)), jnp.zeros((1, 2, 16, 3, 36)))
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.kernels_pallas import kv_storage_dtype
 from imp_jax.runtime.async_engine import AsyncEngine
 from imp_jax.runtime.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
@@ -437,3 +438,21 @@ def test_prompt_logprobs_are_the_raw_model_distribution(core, prompts, greedy_al
             e.logprob - sorted(ref[i - 1])[-e.rank]) < 1e-4   # ties may order either way
         assert [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True)
         assert abs(e.top[0][1] - ref[i - 1].max()) < 1e-3
+
+
+def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
+    """--kv-cache-dtype bfloat16 under the float32 model: K/V stored in bfloat16 (the CPU attention
+    kernel reads them), greedy outputs batch invariant and, for these confident first tokens, the
+    same as with float32 K/V; the pool returns to its baseline (run() checks it)."""
+    config = dataclasses.replace(core.config, max_num_seqs=2, kv_cache_dtype="bfloat16")
+    shape = core.loaded.model.kv_cache_shape(BIG_POOL_BLOCKS, config.block_size)
+    kv = tuple(jnp.zeros(shape, kv_storage_dtype(jnp.bfloat16)) for _ in range(2))   # its bits, on a CPU
+    engine = EngineCore(core.loaded, config, kv, BIG_POOL_BLOCKS)
+    engine.step_fn.warm_up()
+    alone = [run(engine, req(p, max_tokens=MAX_TOKENS))[0] for p in prompts[:2]]
+    engine.pool.reset_prefix_cache()
+    together = run(engine, *(req(p, max_tokens=MAX_TOKENS) for p in prompts[:2]))
+    assert [r.ids for r in together] == [r.ids for r in alone]
+    assert all(r.ids[:3] == g.ids[:3] for r, g in zip(alone, greedy_alone))
+    assert engine.step_fn.kv[0].dtype == kv[0].dtype and engine.step_fn.kv[0].dtype.itemsize == 2
+    assert engine.step_fn.compilations_after_warmup == 0

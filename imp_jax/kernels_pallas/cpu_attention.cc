@@ -1,4 +1,5 @@
-// Ragged paged attention on x86-64 CPUs with AVX2 + FMA, float32, as an XLA FFI custom call
+// Ragged paged attention on x86-64 CPUs with AVX2 + FMA, float32 queries over float32 or bfloat16
+// caches (computed in float32), as an XLA FFI custom call
 // (imp_jax/kernels_pallas/cpu_attention.py). Same contract as the XLA reference
 // (reference.py), which is its oracle in the tests.
 //
@@ -68,10 +69,20 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+// Eight cache elements as float32: float32 as is, bfloat16 (its bits, uint16) shifted into the
+// high half of a float32, which is exact.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// C: the caches' element type, float (float32) or uint16_t (bfloat16 bits).
+template <typename C>
 struct Attention {
   const float* q;          // [T, H, D]
-  const float* k_cache;    // [L, NB, BS, KVH, D]
-  const float* v_cache;
+  const C* k_cache;        // [L, NB, BS, KVH, D]
+  const C* v_cache;
   const int32_t* qsl;      // [S + 1]
   const int32_t* seq_lens; // [S]
   const int32_t* tables;   // [S, MB]
@@ -140,7 +151,7 @@ struct Attention {
   }
 
   // p[g, j] = qs[g] . k_j for the G heads of one kv head and the n keys at kb, kb + stride, ...
-  void scores(const float* qs, const float* kb, int64_t stride, int64_t n, float* p) const {
+  void scores(const float* qs, const C* kb, int64_t stride, int64_t n, float* p) const {
     int64_t g = 0;
     for (; g + 3 <= G; g += 3) head_scores<3>(qs + g * D, kb, stride, n, p + g * kChunk);
     if (G - g == 2) head_scores<2>(qs + g * D, kb, stride, n, p + g * kChunk);
@@ -148,7 +159,7 @@ struct Attention {
   }
 
   // acc[g] += sum_j p[g, j] * v_j for the G heads of one kv head and the n values at vb, ...
-  void accumulate(const float* p, const float* vb, int64_t stride, int64_t n, float* acc) const {
+  void accumulate(const float* p, const C* vb, int64_t stride, int64_t n, float* acc) const {
     int64_t g = 0;
     for (; g + 3 <= G; g += 3) head_accumulate<3>(p + g * kChunk, vb, stride, n, acc + g * D);
     if (G - g == 2) head_accumulate<2>(p + g * kChunk, vb, stride, n, acc + g * D);
@@ -158,16 +169,16 @@ struct Attention {
   // GH heads x 4 keys of accumulators (12 of the 16 ymm registers): each key vector is loaded
   // once for all GH heads.
   template <int GH>
-  void head_scores(const float* qs, const float* kb, int64_t stride, int64_t n, float* p) const {
+  void head_scores(const float* qs, const C* kb, int64_t stride, int64_t n, float* p) const {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-      const float* k0 = kb + j * stride;
+      const C* k0 = kb + j * stride;
       __m256 a[GH][4];
       for (int g = 0; g < GH; ++g)
         for (int r = 0; r < 4; ++r) a[g][r] = _mm256_setzero_ps();
       for (int64_t c = 0; c < D; c += 8) {
         __m256 kv[4];
-        for (int r = 0; r < 4; ++r) kv[r] = _mm256_loadu_ps(k0 + r * stride + c);
+        for (int r = 0; r < 4; ++r) kv[r] = load8(k0 + r * stride + c);
         for (int g = 0; g < GH; ++g) {
           const __m256 qv = _mm256_loadu_ps(qs + g * D + c);
           for (int r = 0; r < 4; ++r) a[g][r] = _mm256_fmadd_ps(qv, kv[r], a[g][r]);
@@ -176,11 +187,11 @@ struct Attention {
       for (int g = 0; g < GH; ++g) _mm_storeu_ps(p + g * kChunk + j, hsum4(a[g][0], a[g][1], a[g][2], a[g][3]));
     }
     for (; j < n; ++j) {
-      const float* kj = kb + j * stride;
+      const C* kj = kb + j * stride;
       for (int g = 0; g < GH; ++g) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t c = 0; c < D; c += 8)
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + c), _mm256_loadu_ps(kj + c), a);
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + c), load8(kj + c), a);
         p[g * kChunk + j] = hsum(a);
       }
     }
@@ -189,14 +200,14 @@ struct Attention {
   // GH heads x 4 vectors of the output in registers while the keys go by, then the next 32
   // elements of D (8 at a time where D is not a multiple of 32).
   template <int GH>
-  void head_accumulate(const float* p, const float* vb, int64_t stride, int64_t n, float* acc) const {
+  void head_accumulate(const float* p, const C* vb, int64_t stride, int64_t n, float* acc) const {
     int64_t c = 0;
     for (; c + 32 <= D; c += 32) head_accumulate_block<GH, 4>(p, vb + c, stride, n, acc + c);
     for (; c < D; c += 8) head_accumulate_block<GH, 1>(p, vb + c, stride, n, acc + c);
   }
 
   template <int GH, int CV>
-  void head_accumulate_block(const float* p, const float* vb, int64_t stride, int64_t n, float* acc) const {
+  void head_accumulate_block(const float* p, const C* vb, int64_t stride, int64_t n, float* acc) const {
     __m256 a[GH][CV];
     for (int g = 0; g < GH; ++g)
       for (int v = 0; v < CV; ++v) a[g][v] = _mm256_loadu_ps(acc + g * D + v * 8);
@@ -204,7 +215,7 @@ struct Attention {
       __m256 w[GH];
       for (int g = 0; g < GH; ++g) w[g] = _mm256_broadcast_ss(p + g * kChunk + j);
       for (int v = 0; v < CV; ++v) {
-        const __m256 x = _mm256_loadu_ps(vb + j * stride + v * 8);
+        const __m256 x = load8(vb + j * stride + v * 8);
         for (int g = 0; g < GH; ++g) a[g][v] = _mm256_fmadd_ps(w[g], x, a[g][v]);
       }
     }
@@ -221,25 +232,26 @@ struct Attention {
   }
 };
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                         ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
-                         ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> seq_lens,
-                         ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
-                         ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
-                         float soft_cap) {
+template <typename C>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k_cache,
+               ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& layer,
+               ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& seq_lens,
+               ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& num_seqs,
+               ffi::ResultBuffer<ffi::F32>& out, float sm_scale, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto vd = v_cache.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || td.size() != 2 || vd.size() != 5 ||
+      v_cache.element_type() != k_cache.element_type() ||
       !std::equal(cd.begin(), cd.end(), vd.begin()) || qd[2] != cd[4] || cd[3] == 0 || qd[1] % cd[3] != 0 || qd[2] % 8 != 0 ||
       seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != td[0] ||
       query_start_loc.dimensions().size() != 1 || query_start_loc.dimensions()[0] != td[0] + 1)
     return ffi::Error::InvalidArgument(
-        "imp_ragged_paged_attention_f32: q [T, H, D] with D % 8 == 0, caches [L, NB, BS, KVH, D] "
+        "imp_ragged_paged_attention: q [T, H, D] with D % 8 == 0, caches [L, NB, BS, KVH, D] of one type "
         "with H % KVH == 0, query_start_loc [S + 1], seq_lens [S], block_tables [S, MB] expected");
-  auto a = std::make_shared<Attention>();
+  auto a = std::make_shared<Attention<C>>();
   a->q = q.typed_data();
-  a->k_cache = k_cache.typed_data();
-  a->v_cache = v_cache.typed_data();
+  a->k_cache = static_cast<const C*>(k_cache.untyped_data());
+  a->v_cache = static_cast<const C*>(v_cache.untyped_data());
   a->qsl = query_start_loc.typed_data();
   a->seq_lens = seq_lens.typed_data();
   a->tables = block_tables.typed_data();
@@ -271,14 +283,33 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                         ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> seq_lens,
+                         ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
+                         ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
+                         float soft_cap) {
+  switch (k_cache.element_type()) {
+    case ffi::DataType::F32:
+      return Run<float>(pool, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
+                        num_seqs, out, sm_scale, sliding_window, soft_cap);
+    case ffi::DataType::BF16:
+    case ffi::DataType::U16:   // bfloat16 bits (how a CPU engine stores a bfloat16 cache)
+      return Run<uint16_t>(pool, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
+                           num_seqs, out, sm_scale, sliding_window, soft_cap);
+    default:
+      return ffi::Error::InvalidArgument("imp_ragged_paged_attention: float32 or bfloat16 (or its bits in uint16) caches expected");
+  }
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ImpRaggedPagedAttentionF32, AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::AnyBuffer>()          // k_cache: float32 or bfloat16
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens

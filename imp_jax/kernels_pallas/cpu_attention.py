@@ -3,7 +3,8 @@
 Same contract and results (to float32 rounding) as `reference.ragged_paged_attention_reference`,
 but each query token reads its keys and values once, straight from the paged cache, instead of
 the gathered copies the reference's einsums need: several times faster on decode steps. It takes
-float32 caches with a head_dim that is a multiple of 8; the program lowers to the reference on any
+float32 queries over float32 or bfloat16 caches (`--kv-cache-dtype`) with a head_dim that is a
+multiple of 8; the program lowers to the reference on any
 other platform it is compiled for (`platform_dependent`). Built on first use (cpu_kernels.py);
 IMP_JAX_ATTENTION=reference turns it off.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from imp_jax.kernels_pallas import cpu_kernels
 from imp_jax.kernels_pallas.metadata import AttentionMetadata
-from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference
+from imp_jax.kernels_pallas.reference import BF16_BITS, ragged_paged_attention_reference
 
 TARGET = "imp_ragged_paged_attention_f32"
 _lock = threading.Lock()
@@ -37,8 +38,10 @@ def available() -> bool:
 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether the kernel takes these operands (it runs float32 only, head_dim a multiple of 8)."""
-    return q.dtype == k_cache.dtype == jnp.float32 and q.shape[-1] % 8 == 0
+    """Whether the kernel takes these operands: float32 queries over float32 or bfloat16 caches
+    (or bfloat16 bits in uint16, `reference.kv_storage_dtype`), head_dim a multiple of 8."""
+    return (q.dtype == jnp.float32 and k_cache.dtype in (jnp.float32, jnp.bfloat16, BF16_BITS)
+            and q.shape[-1] % 8 == 0)
 
 
 def ragged_paged_attention_cpu(

@@ -55,7 +55,8 @@ def supports(q: jax.Array, k_cache: jax.Array) -> bool:
     _, _, bs, kvh, d = k_cache.shape
     g = q.shape[1] // kvh
     bk = block_kv_for(bs)
-    return (k_cache.dtype in (jnp.bfloat16, jnp.float16) and d % 64 == 0 and d <= 256
+    return (k_cache.dtype in (jnp.bfloat16, jnp.float16) and q.dtype in (jnp.bfloat16, jnp.float16)
+            and d % 64 == 0 and d <= 256
             and bs % 8 == 0 and bk % 64 == 0 and bk <= 256 and g <= 2 * MMA_ROWS)
 
 

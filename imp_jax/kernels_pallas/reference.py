@@ -12,6 +12,25 @@ import jax.numpy as jnp
 from imp_jax.kernels_pallas.metadata import AttentionMetadata
 
 
+# A bfloat16 KV cache on a CPU is stored as its bits in uint16: XLA's CPU compiler widens a
+# bfloat16 scatter to float32, converting the whole cache there and back on every layer (a 32-row
+# decode step took 2.3 s instead of 0.1), and a bitcast of the whole cache is a copy too.
+BF16_BITS = jnp.uint16
+
+
+def kv_storage_dtype(dtype) -> jnp.dtype:
+    """The array dtype that holds a KV cache of `dtype` on the default backend."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
+
+
+def as_float32(x: jax.Array) -> jax.Array:
+    """Cache values (float32, bfloat16, or bfloat16 bits in uint16) as float32."""
+    if x.dtype == BF16_BITS:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(jnp.float32)
+
+
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
     """Write new K/V [T, KVH, D] of `layer` at `slot_mapping` in stacked caches [L, NB, BS, KVH, D].
@@ -21,9 +40,13 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
     L, NB, BS, KVH, D = k_cache.shape
     slots = jnp.where(slot_mapping < 0, NB * BS, slot_mapping)  # out of range -> dropped
     blk, off = slots // BS, slots % BS
-    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype), mode="drop")
-    return k_cache, v_cache
+
+    def put(cache: jax.Array, new: jax.Array) -> jax.Array:
+        if cache.dtype == BF16_BITS:
+            new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), BF16_BITS)
+        return cache.at[layer, blk, off].set(new.astype(cache.dtype), mode="drop")
+
+    return put(k_cache, k), put(v_cache, v)
 
 
 TILE_ROWS = 64   # query rows per tile
@@ -67,8 +90,8 @@ def ragged_paged_attention_reference(
     seq, pos, valid = token_positions(meta, T)
     qg = q.astype(jnp.float32).reshape(T, KVH, H // KVH, D) * sm_scale
     slots = jnp.clip(meta.slot_mapping, 0, NB * BS - 1)
-    k_new = k_cache[layer, slots // BS, slots % BS].astype(jnp.float32)     # [T, KVH, D]
-    v_new = v_cache[layer, slots // BS, slots % BS].astype(jnp.float32)
+    k_new = as_float32(k_cache[layer, slots // BS, slots % BS])     # [T, KVH, D]
+    v_new = as_float32(v_cache[layer, slots // BS, slots % BS])
     q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
     live = jnp.arange(S) < meta.num_seqs
     cached = jnp.where(live, meta.seq_lens - q_lens, 0)                    # per slot: KV before this step
@@ -133,13 +156,13 @@ def ragged_paged_attention_reference(
                 mask = window(key_pos[None, :] < before[:, None], pos_i[:, None], key_pos[None, :])
                 if one_owner:   # every row reads the same keys: gather them once, one GEMM
                     blocks = table[seq_i[0], cols]
-                    k = k_cache[layer, blocks].reshape(chunk, KVH, D).astype(jnp.float32)
-                    v = v_cache[layer, blocks].reshape(chunk, KVH, D).astype(jnp.float32)
+                    k = as_float32(k_cache[layer, blocks].reshape(chunk, KVH, D))
+                    v = as_float32(v_cache[layer, blocks].reshape(chunk, KVH, D))
                     return attend(st, jnp.einsum("tkgd,skd->tkgs", q_i, k), v, mask,
                                   lambda p, v: jnp.einsum("tkgs,skd->tkgd", p, v))
                 blocks = table[seq_i[:, None], cols[None, :]]                     # [tile, C]
-                k = k_cache[layer, blocks].reshape(tile, chunk, KVH, D).astype(jnp.float32)
-                v = v_cache[layer, blocks].reshape(tile, chunk, KVH, D).astype(jnp.float32)
+                k = as_float32(k_cache[layer, blocks].reshape(tile, chunk, KVH, D))
+                v = as_float32(v_cache[layer, blocks].reshape(tile, chunk, KVH, D))
                 return attend(st, jnp.einsum("tkgd,tskd->tkgs", q_i, k), v, mask,
                               lambda p, v: jnp.einsum("tkgs,tskd->tkgd", p, v))
 

@@ -8,6 +8,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from imp_jax.kernels_pallas import kv_storage_dtype
 from imp_jax.model.loader import load_model
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
@@ -37,12 +38,13 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    itemsize = jnp.dtype(loaded.dtype).itemsize
+    kv_dtype = loaded.dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+    itemsize = jnp.dtype(kv_dtype).itemsize
     blocks = num_kv_blocks(config, loaded.config, itemsize, backend, free)
     shape = loaded.model.kv_cache_shape(blocks, config.block_size)
-    kv = (jnp.zeros(shape, loaded.dtype), jnp.zeros(shape, loaded.dtype))
-    log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", blocks, config.block_size,
-             2 * kv[0].size * itemsize / 2**20)
+    kv = tuple(jnp.zeros(shape, kv_storage_dtype(kv_dtype)) for _ in range(2))
+    log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB)", blocks, config.block_size,
+             jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20)
     core = EngineCore(loaded, config, kv, blocks)
     progress("warming_up", 0.0)
     t0 = time.perf_counter()

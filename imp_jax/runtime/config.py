@@ -27,7 +27,14 @@ class EngineConfig:
     num_kv_blocks: int | None = _field(None, "KV pool size in blocks; wins over --kv-cache-memory")
     kv_cache_memory: float | None = _field(
         None, "GPU: fraction of free device memory after weights (0.9); CPU: bytes (1 GiB)")
+    kv_cache_dtype: str = _field(
+        "auto", "auto | float32 | bfloat16; auto = the model's dtype. bfloat16 under a float32 model "
+        "halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
     compilation_cache_dir: str | None = _field(None, "JAX compilation cache; default $IMP_JAX_HOME/jax_cache")
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
@@ -37,6 +44,7 @@ class EngineConfig:
         return Path(self.compilation_cache_dir) if self.compilation_cache_dir else home / "jax_cache"
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_CPU_KV_BYTES = 1 << 30   # 1 GiB
 DEFAULT_GPU_KV_FRACTION = 0.9
 

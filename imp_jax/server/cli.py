@@ -80,6 +80,6 @@ def parse_config(argv: list[str] | None, engine_config_cls: type) -> ServerConfi
     settings.update(args)
     try:
         engine = engine_config_cls(**{k: v for k, v in settings.items() if k in engine_keys})
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         parser.error(f"bad engine setting: {e}")
     return ServerConfig(**{k: settings[k] for k in SERVER_KEYS if k in settings}, engine=engine)
