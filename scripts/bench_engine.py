@@ -1,6 +1,7 @@
 """Offline engine throughput and TTFT for SmolLM2 vs HF transformers `generate`, plus the decode roofline.
 
-    python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128] [--out FILE]
+    python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128]
+                                   [--kv-cache-dtype auto|bfloat16] [--out FILE]
 
 Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
 tokens with ignore_eos). The roofline is weight bytes / measured memory read bandwidth.
@@ -133,6 +134,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
     ap.add_argument("--out", default="bench_results/engine.json")
     args = ap.parse_args()
@@ -143,7 +145,8 @@ def main() -> int:
     max_seqs = max(args.batches)
     t0 = time.perf_counter()
     core = build_engine(EngineConfig(model=args.model, max_model_len=args.prompt_len + args.output_len + 16,
-                                     max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
+                                     max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                     kv_cache_dtype=args.kv_cache_dtype))
     startup = time.perf_counter() - t0
     bw = measure_bandwidth()
     weight_bytes = sum(x.nbytes for x in jax_leaves(core.step_fn.state))
@@ -158,6 +161,7 @@ def main() -> int:
     attention = attention_backend()
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
                    gemm_gflop_s=gemm / 1e9, cpu_gemm_kernel=kernel, attention_backend=attention,
+                   kv_cache_dtype=args.kv_cache_dtype,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
                    decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
     print(f"startup (load + compile) {startup:.1f}s; weights {weight_bytes / 1e6:.0f} MB; "
