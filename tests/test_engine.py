@@ -449,6 +449,8 @@ def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
     kv = tuple(jnp.zeros(shape, kv_storage_dtype(jnp.bfloat16)) for _ in range(2))   # its bits, on a CPU
     engine = EngineCore(core.loaded, config, kv, BIG_POOL_BLOCKS)
     engine.step_fn.warm_up()
+    # warm-up ran every bucket once, on all-padding batches that write no KV
+    assert not any(bool(jnp.any(c)) for c in engine.step_fn.kv)
     alone = [run(engine, req(p, max_tokens=MAX_TOKENS))[0] for p in prompts[:2]]
     engine.pool.reset_prefix_cache()
     together = run(engine, *(req(p, max_tokens=MAX_TOKENS) for p in prompts[:2]))
