@@ -12,7 +12,6 @@ import pytest
 
 from imp_jax.runtime.sampling import (
     DRAW_BLOCK,
-    FAST_TOP_K,
     RowSpec,
     SamplingTensors,
     _unpack_mask,
@@ -20,6 +19,7 @@ from imp_jax.runtime.sampling import (
     pack_allowed_tokens,
     sample,
 )
+from imp_jax.runtime.truncation import FAST_TOP_K
 
 V, R, H, B, K = 128, 8, 16, 4, 5
 assert V > FAST_TOP_K  # so both the top_k fast path and the full sort are exercised
