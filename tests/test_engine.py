@@ -137,10 +137,11 @@ def spanning_stop(tok, ids: list[int]) -> tuple[str, int, str] | None:
 
 
 # ----------------------------------------------------------------------------- fixtures
-def make_engine(loaded, config: EngineConfig, num_blocks: int) -> EngineCore:
-    """build_engine on a loaded model; the KV cache always has BIG_POOL_BLOCKS (same programs for any pool)."""
+def make_engine(loaded, config: EngineConfig, num_blocks: int, kv_dtype=None) -> EngineCore:
+    """build_engine on a loaded model; the KV cache always has BIG_POOL_BLOCKS (same programs for any
+    pool), of the model's dtype unless kv_dtype is given (stored as kv_storage_dtype, like build_engine)."""
     shape = loaded.model.kv_cache_shape(BIG_POOL_BLOCKS, config.block_size)
-    kv = (jnp.zeros(shape, loaded.dtype), jnp.zeros(shape, loaded.dtype))
+    kv = tuple(jnp.zeros(shape, kv_storage_dtype(kv_dtype or loaded.dtype)) for _ in range(2))
     engine = EngineCore(loaded, config, kv, num_blocks)
     engine.step_fn.warm_up()
     return engine
@@ -445,10 +446,7 @@ def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
     kernel reads them), greedy outputs batch invariant and, for these confident first tokens, the
     same as with float32 K/V; the pool returns to its baseline (run() checks it)."""
     config = dataclasses.replace(core.config, max_num_seqs=2, kv_cache_dtype="bfloat16")
-    shape = core.loaded.model.kv_cache_shape(BIG_POOL_BLOCKS, config.block_size)
-    kv = tuple(jnp.zeros(shape, kv_storage_dtype(jnp.bfloat16)) for _ in range(2))   # its bits, on a CPU
-    engine = EngineCore(core.loaded, config, kv, BIG_POOL_BLOCKS)
-    engine.step_fn.warm_up()
+    engine = make_engine(core.loaded, config, BIG_POOL_BLOCKS, kv_dtype=jnp.bfloat16)   # its bits, on a CPU
     # warm-up ran every bucket once, on all-padding batches that write no KV
     assert not any(bool(jnp.any(c)) for c in engine.step_fn.kv)
     alone = [run(engine, req(p, max_tokens=MAX_TOKENS))[0] for p in prompts[:2]]
@@ -456,5 +454,5 @@ def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
     together = run(engine, *(req(p, max_tokens=MAX_TOKENS) for p in prompts[:2]))
     assert [r.ids for r in together] == [r.ids for r in alone]
     assert all(r.ids[:3] == g.ids[:3] for r, g in zip(alone, greedy_alone))
-    assert engine.step_fn.kv[0].dtype == kv[0].dtype and engine.step_fn.kv[0].dtype.itemsize == 2
+    assert engine.step_fn.kv[0].dtype == kv_storage_dtype(jnp.bfloat16) and engine.step_fn.kv[0].dtype.itemsize == 2
     assert engine.step_fn.compilations_after_warmup == 0

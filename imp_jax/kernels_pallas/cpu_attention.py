@@ -10,8 +10,6 @@ IMP_JAX_ATTENTION=reference turns it off.
 """
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,20 +19,11 @@ from imp_jax.kernels_pallas.metadata import AttentionMetadata
 from imp_jax.kernels_pallas.reference import BF16_BITS, ragged_paged_attention_reference
 
 TARGET = "imp_ragged_paged_attention_f32"
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
 
 def available() -> bool:
     """Whether the kernel is built, loaded and registered for this CPU (built on the first call)."""
-    with _lock:
-        if "ok" not in _state:
-            lib = cpu_kernels.load("cpu_attention")
-            if lib is not None:
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ImpRaggedPagedAttentionF32),
-                                            platform="cpu")
-            _state["ok"] = lib is not None
-        return _state["ok"]
+    return cpu_kernels.register("cpu_attention", TARGET, "ImpRaggedPagedAttentionF32")
 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> bool:

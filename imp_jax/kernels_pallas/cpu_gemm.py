@@ -10,10 +10,10 @@ the CPU too.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -25,27 +25,15 @@ log = logging.getLogger(__name__)
 TARGET = "imp_gemm_f32"
 MIN_ROWS = 2         # one row is a memory-bound GEMV, where XLA's dot already streams at full bandwidth
 MAX_ROWS = 64        # above this XLA's own GEMM (which packs the weights, amortised over many rows) is faster
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
+@functools.cache
 def available() -> bool:
     """Whether the kernel is built, loaded and registered for this CPU (built on the first call)."""
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _register()
-        return bool(_state["ok"])
-
-
-def _register() -> bool:
     if os.environ.get("IMP_JAX_CPU_GEMM", "auto").lower() == "xla":
         log.info("CPU GEMM kernel off (IMP_JAX_CPU_GEMM=xla): using XLA's dot")
         return False
-    lib = cpu_kernels.load("cpu_gemm")
-    if lib is None:
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ImpGemmF32), platform="cpu")
-    return True
+    return cpu_kernels.register("cpu_gemm", TARGET, "ImpGemmF32")
 
 
 def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}
+_registered: dict[str, bool] = {}
 
 
 def _compiler() -> str | None:
@@ -78,3 +79,15 @@ def _load(name: str) -> ctypes.CDLL | None:
         log.info("this CPU lacks AVX2/FMA: the %s kernel is off, using XLA", name)
         return None
     return lib
+
+
+def register(name: str, target: str, handler: str) -> bool:
+    """Load kernel library `name` and register its FFI handler symbol as XLA CPU custom-call
+    `target` (once); whether the kernel is there to call."""
+    lib = load(name)
+    with _lock:
+        if target not in _registered:
+            if lib is not None:
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
+            _registered[target] = lib is not None
+        return _registered[target]
