@@ -76,6 +76,22 @@ def test_bfloat16_load_is_identical_to_bfloat16_source(stored, tiny_hf_dir, tmp_
     assert np.array_equal(prefill_logits(ours.model, ids), prefill_logits(theirs.model, ids))
 
 
+def test_a_bf16_source_converts_with_its_bf16_matrices_kept(tiny_hf_dir, tmp_path):
+    """A bf16 checkpoint loaded in float32 keeps its matrices bf16 on a CPU with the GEMM kernel
+    (layers.exact_bf16); its conversion restores to the same mixed-dtype parameters and logits."""
+    from ml_dtypes import bfloat16
+    from safetensors.numpy import load_file, save_file
+
+    weights = tiny_hf_dir / "model.safetensors"
+    save_file({k: v.astype(bfloat16) for k, v in load_file(str(weights)).items()}, str(weights))
+    dst = tmp_path / "dst"
+    assert main([str(tiny_hf_dir), str(dst)]) == 0
+    ours, theirs = load_model(dst, dtype="float32"), load_model(tiny_hf_dir, dtype="float32")
+    _same_params(ours.model, theirs.model)
+    ids = [2, 7, 1, 8, 2, 8, 1]
+    assert np.array_equal(prefill_logits(ours.model, ids), prefill_logits(theirs.model, ids))
+
+
 def test_layer_loop_is_chosen_at_load_time(tiny_hf_dir, tmp_path):
     save_converted(load_model(tiny_hf_dir, dtype="float32"), tmp_path / "dst")
     scan = load_model(tmp_path / "dst", dtype="float32", layer_loop="scan")

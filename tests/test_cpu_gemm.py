@@ -61,6 +61,33 @@ def test_a_rows_result_does_not_depend_on_its_neighbours():
         np.testing.assert_array_equal(np.asarray(kernel(x[lo:hi], w)), whole[lo:hi])
 
 
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 4, 5, 9, 64, 65, 200])
+@pytest.mark.parametrize("N,K", [(1, 1), (5, 17), (49, 130), (97, 576)])
+def test_bf16_weights_give_the_float32_kernels_bits(M, N, K):
+    """bf16 weights (read straight into registers for <= 4 rows, widened into a scratch tile for
+    more) give exactly what the float32 kernel gives on their float32 copies, and the exact product."""
+    rng = np.random.default_rng(M * 1000 + N * 10 + K)
+    x = rng.standard_normal((M, K), np.float32)
+    wb = jnp.asarray(rng.standard_normal((N, K), np.float32), jnp.bfloat16)
+    got = np.asarray(kernel(x, wb))
+    np.testing.assert_array_equal(got, np.asarray(kernel(x, wb.astype(jnp.float32))))
+    want = x.astype(np.float64) @ np.asarray(wb, np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_kernel
+def test_matmul_wt_runs_bf16_weights_through_the_kernel_at_any_row_count():
+    """XLA would copy bf16 weights to float32 on every call, so the kernel takes every row count."""
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((40, 24), np.float32), jnp.bfloat16)
+    for rows in (1, cpu_gemm.MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((rows, 24), np.float32))
+        assert cpu_gemm.TARGET_BF16W in jax.jit(cpu_gemm.matmul_wt).lower(x, w).as_text()
+        np.testing.assert_allclose(np.asarray(cpu_gemm.matmul_wt(x, w)),
+                                   np.asarray(x) @ np.asarray(w, np.float32).T, rtol=1e-5, atol=1e-5)
+
+
 def test_matmul_wt_falls_back_to_xla():
     """Too many rows, another dtype: XLA's dot, same numbers."""
     rng = np.random.default_rng(3)

@@ -28,3 +28,24 @@ def test_sharded_safetensors_load_like_a_single_file(tiny_hf_dir, tmp_path):
     for a, b in zip(one.layers.arrays().values(), two.layers.arrays().values()):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(one.embed[...]), np.asarray(two.embed[...]))
+
+
+def test_a_bf16_checkpoint_loads_with_bf16_matrices_under_float32(tiny_hf_dir):
+    """Saved in bf16 and run in float32 on a CPU with the GEMM kernel: the loader keeps the
+    matrices bf16 (exact) and widens the rest, so the values are the checkpoint's."""
+    import jax.numpy as jnp
+    from ml_dtypes import bfloat16
+
+    from imp_jax.kernels_pallas import cpu_gemm
+
+    path = tiny_hf_dir / "model.safetensors"
+    tensors = {k: v.astype(bfloat16) for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(path))
+    model = load_model(tiny_hf_dir, dtype="float32").model
+    kernel = cpu_gemm.uses_kernel(jnp.float32, jnp.bfloat16, 1)
+    want = jnp.bfloat16 if kernel else jnp.float32
+    assert all(w.dtype == want for ws in model.layers.matrices().values() for w in ws)
+    assert model.embed[...].dtype == want
+    assert all(v.dtype == jnp.float32 for v in model.layers.vectors().values())
+    np.testing.assert_array_equal(np.asarray(model.embed[...], np.float32),
+                                  tensors["model.embed_tokens.weight"].astype(np.float32))

@@ -148,3 +148,31 @@ def test_bfloat16_model_tracks_float32(tiny):
     prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
     got = PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
     _close(got, dense_forward(cfg, tensors, prompt), tol=5e-2)
+
+
+def test_a_bf16_checkpoint_keeps_its_matrices_in_bf16_with_the_same_logits(tmp_path):
+    """Weights that are all bf16 values are kept as bf16 where the CPU GEMM kernel runs: half the
+    bytes, the same products. Values that are not bf16 stay float32."""
+    from imp_jax.kernels_pallas import cpu_gemm
+
+    write_tiny_hf("LlamaForCausalLM", tmp_path)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    tensors = {k: np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) for k, v in SafetensorsDir(tmp_path).items()}
+    build = lambda: build_from_tensors(get_model_class(cfg.architecture), cfg, tensors, jnp.float32, "scan", "x")
+    plain, kept = build(), build()
+    saved = kept.keep_exact_bf16()
+    if not cpu_gemm.uses_kernel(jnp.float32, jnp.bfloat16, 1):
+        assert saved == 0
+        pytest.skip("no CPU GEMM kernel here: matrices stay float32")
+    matrices = [w for ws in kept.layers.matrices().values() for w in ws] + [kept.embed[...], kept.lm_head[...]]
+    assert {w.dtype for w in matrices} == {jnp.dtype(jnp.bfloat16)}
+    assert saved == sum(w.size * 2 for w in matrices)
+    prompt = _prompts([9], cfg.vocab_size, seed=5)[0]
+    chunks = [SeqChunk(prompt, 0, [1])]
+    # 9 rows: the float32 and the bf16 kernel, the same summation order, so the same bits
+    np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], PagedRunner(plain).run(chunks, 16, 1)[0])
+
+    noisy = build()
+    noisy.embed.set_value(noisy.embed[...] + 1e-3)   # no longer bf16 values
+    noisy.keep_exact_bf16()
+    assert noisy.embed[...].dtype == jnp.float32 and noisy.lm_head[...].dtype == jnp.bfloat16

@@ -18,7 +18,7 @@ from flax import nnx
 
 from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.layers import apply_rope, linear, rms_norm, rope_tables
+from imp_jax.model.layers import apply_rope, exact_bf16, linear, rms_norm, rope_tables
 from imp_jax.model.registry import register_model
 
 KVCache = tuple[jax.Array, jax.Array]  # K and V, each [L, num_blocks, block_size, KVH, D]
@@ -88,6 +88,20 @@ class DecoderLM(nnx.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         nnx.Param(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype)))
 
+    def keep_exact_bf16(self) -> int:
+        """Keep the projection matrices, the embedding and the LM head as bfloat16 where that is
+        exact and pays (`layers.exact_bf16`: a bf16 checkpoint run in float32 on a CPU with the
+        GEMM kernel). The loader calls it once the weights are in; returns the bytes saved."""
+        params = [p for name in MATRICES for p in getattr(self.layers, name)]
+        params += [self.embed] + ([self.lm_head] if self.lm_head is not None else [])
+        saved = 0
+        for p in params:
+            narrowed = exact_bf16(p[...])
+            if narrowed.dtype != p[...].dtype:
+                saved += p[...].nbytes - narrowed.nbytes
+                p.set_value(narrowed)
+        return saved
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of K (and of V): [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
         c = self.config
@@ -97,7 +111,7 @@ class DecoderLM(nnx.Module):
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """Hidden states [T, hidden] (before the final norm) and the updated KV cache."""
         cfg = self.config
-        x = self.embed[...][input_ids]
+        x = self.embed[...][input_ids].astype(self.dtype)   # the table may be kept as bf16
         cos, sin = rope_tables(positions, cfg.rope_inv_freq())
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
 

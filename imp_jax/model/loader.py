@@ -82,6 +82,10 @@ def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str
         cls = import_model_class(model_class) if model_class else get_model_class(config.architecture)
         model = build_from_tensors(cls, config, tensors, jdtype, layer_loop, str(resolved.path))
         loaded = LoadedModel(model, config, tokenizer, gen, resolved.served_name, resolved.path, jdtype)
+    keep = getattr(loaded.model, "keep_exact_bf16", None)   # optional for a model class
+    if keep is not None and (saved := keep()):
+        log.info("kept the bf16 checkpoint's matrices as bfloat16 (exact; float32 compute): %d MiB less",
+                 saved // 2**20)
     log.info("loaded %s: %d layers, hidden %d, vocab %d in %.1fs", loaded.served_name,
              loaded.config.num_layers, loaded.config.hidden_size, loaded.config.vocab_size,
              time.perf_counter() - t0)
