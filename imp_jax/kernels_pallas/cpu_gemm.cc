@@ -1,28 +1,36 @@
 // y[m, n] = sum_k x[m, k] * w[n, k]: the float32 projection GEMM on x86-64 CPUs with AVX2 + FMA,
-// for weights in HF's [out, in] layout, as XLA FFI custom calls (imp_jax/kernels_pallas/cpu_gemm.py):
-// imp_gemm_f32 for float32 weights, imp_gemm_f32_bf16w for bfloat16 ones (a bf16 checkpoint's
-// matrices, kept at half the bytes; widening bf16 to float32 is exact, so the products are too).
+// for weights in HF's [out, in] layout, as XLA FFI custom calls (imp_jax/kernels_pallas/cpu_gemm.py),
+// one per weight format:
+//   imp_gemm_f32          float32 weights [N, K];
+//   imp_gemm_f32_bf16w    bfloat16 weights [N, K] (a bf16 checkpoint's matrices at half the bytes);
+//   imp_gemm_f32_q8_0w,   GGML blocks of 32 weights, uint8 [N, K / 32, block bytes], as a GGUF file
+//   imp_gemm_f32_q4_0w,   stores them (Q8_0: f16 d, 32 int8 q, w = d * q; Q4_0: f16 d, 32 nibbles,
+//   imp_gemm_f32_q4_1w    w = d * (q - 8); Q4_1: f16 d, f16 m, 32 nibbles, w = d * q + m).
+// Every format is widened to float32 as it is read, and to exactly the float32 values a dequantised
+// copy holds (gguf-py's formulas: each product d * q is exact in float32, so the one rounding of
+// d * q + m is the same fused or not), so the products are the float32 kernel's, bit for bit.
 //
 // Why: XLA's CPU GEMMs pack the weight matrix on every call. At the 1-64 rows of a decode step the
 // packing costs as much memory traffic as the product itself. Here nothing is packed: each output
 // is a dot product along k, which is contiguous in both x and w, so a weight row streams from
-// memory once per block of rows and its tile stays in L1 while the row blocks go by.
+// memory once per block of rows and its tile stays in L1 while the row blocks go by. Narrow
+// formats stream fewer bytes: a decode step that reads 4.5-bit weights reads a seventh of float32's.
 //
 // Each output element is summed in the same order (8-lane partial sums over k, then a fixed
-// horizontal sum) whatever M, N, the tiling or the weights' dtype, so a row's result does not
-// depend on its neighbours, and bf16 weights give the bits float32 copies of them would.
+// horizontal sum) whatever M, N, the tiling or the weight format, so a row's result does not
+// depend on its neighbours, and a narrow format gives the bits its float32 copy would.
 //
-// bf16 weights: a block of at most kMR rows reads them straight into registers (a load, a widen
-// and a shift per 8 weights; the memory-bound case, at half the bytes); a larger block first widens
-// each NR-row weight tile into a float32 scratch that stays in L1 while its row tiles go by.
+// Narrow formats: a block of at most kMR rows reads them straight into registers (the memory-bound
+// case); a larger block first widens each NR-row weight tile into a float32 scratch that stays in
+// L1 while its row tiles go by, so each weight is widened once per 64 rows.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
-#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -34,25 +42,83 @@ constexpr int64_t kMR = 4;           // rows of x per tile
 constexpr int64_t kNR = 3;           // rows of w per tile: 12 accumulators + 3 weights + 1 x in 16 ymm
 constexpr int64_t kRowBlock = 64;    // rows of x per work item: their slice of x stays in L2
 constexpr int64_t kColBlock = 48;    // rows of w per work item
+constexpr int64_t kQBlock = 32;      // weights per GGML block
 
-// Weight element types: how 8 consecutive weights become 8 floats, and one weight becomes a float.
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);   // exact, subnormals included
+}
+
+// A weight format: the bytes of a K-long row, the byte offset of weight k (for prefetching), the
+// 8 weights from k (k % 8 == 0) as floats, and one weight as a float (the K % 8 tail; block formats
+// have none, since K % 32 == 0).
 struct F32 {
-  using T = float;
-  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  static float one(float v) { return v; }
+  static constexpr bool kWide = true;   // already float32: no scratch tile
+  static int64_t offset(int64_t k) { return 4 * k; }
+  static __m256 load8(const uint8_t* w, int64_t k) { return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k); }
+  static float one(const uint8_t* w, int64_t k) { return reinterpret_cast<const float*>(w)[k]; }
 };
-struct BF16 {
-  using T = uint16_t;   // the bfloat16's bits: the top half of its float32
-  static __m256 load8(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+
+struct BF16 {   // the bfloat16's bits are the top half of its float32
+  static constexpr bool kWide = false;
+  static int64_t offset(int64_t k) { return 2 * k; }
+  static __m256 load8(const uint8_t* w, int64_t k) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
-  static float one(uint16_t v) {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  static float one(const uint8_t* w, int64_t k) {
+    uint16_t h;
+    std::memcpy(&h, w + 2 * k, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
     float f;
-    __builtin_memcpy(&f, &bits, 4);
+    std::memcpy(&f, &bits, 4);
     return f;
   }
+};
+
+struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
+  static constexpr bool kWide = false;
+  static constexpr int64_t kBytes = 34;
+  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+  static __m256 load8(const uint8_t* w, int64_t k) {
+    const uint8_t* b = w + offset(k);
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + k % kQBlock));
+    return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  }
+  static float one(const uint8_t*, int64_t) { return 0.0f; }
+};
+
+// Q4_0 and Q4_1 hold weight j of a block in the low nibble of byte j (j < 16), weight j + 16 in
+// its high nibble. The 8 nibbles from k, as int32.
+inline __m256i nibbles8(const uint8_t* qs, int64_t k) {
+  const int64_t o = k % kQBlock;
+  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + (o & 15))));
+  return o < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
+}
+
+struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
+  static constexpr bool kWide = false;
+  static constexpr int64_t kBytes = 18;
+  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+  static __m256 load8(const uint8_t* w, int64_t k) {
+    const uint8_t* b = w + offset(k);
+    const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, k), _mm256_set1_epi32(8));
+    return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(q));
+  }
+  static float one(const uint8_t*, int64_t) { return 0.0f; }
+};
+
+struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
+  static constexpr bool kWide = false;
+  static constexpr int64_t kBytes = 20;
+  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+  static __m256 load8(const uint8_t* w, int64_t k) {
+    const uint8_t* b = w + offset(k);
+    const __m256 q = _mm256_cvtepi32_ps(nibbles8(b + 4, k));
+    return _mm256_fmadd_ps(_mm256_set1_ps(f16(b)), q, _mm256_set1_ps(f16(b + 2)));
+  }
+  static float one(const uint8_t*, int64_t) { return 0.0f; }
 };
 
 inline float hsum(__m256 v) {
@@ -62,23 +128,23 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The MR x NR block of y at (x, w); every row is K long; y rows are ldy apart. A non-null `pf`
-// (the next NR rows of w) is prefetched along the way: the first row block of a weight tile
-// reads it from memory, the later ones from L1.
+// The MR x NR block of y at (x, w); x and y rows are K and ldy floats apart, w rows ldw bytes. A
+// non-null `pf` (the next NR rows of w) is prefetched along the way: the first row block of a
+// weight tile reads it from memory, the later ones from L1.
 template <class W, int MR, int NR>
-void tile(const float* x, const typename W::T* w, float* y, int64_t K, int64_t ldy,
-          const typename W::T* pf) {
-  constexpr int64_t kLine = 64 / sizeof(typename W::T);   // weights per cache line
+void tile(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, int64_t ldy, const uint8_t* pf) {
   __m256 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
-  int64_t k = 0;
+  int64_t k = 0, next_line = 0;
   for (; k + 8 <= K; k += 8) {   // hold the shorter side in registers and stream the other
-    if (pf && (k & (kLine - 1)) == 0)   // one prefetch per 64-byte line
-      for (int c = 0; c < kNR; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * K + k), _MM_HINT_T0);
+    if (pf && W::offset(k + 8) > next_line) {   // one prefetch per 64-byte line
+      for (int c = 0; c < kNR; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+      next_line += 64;
+    }
     if constexpr (NR <= MR) {
       __m256 wv[NR];
-      for (int c = 0; c < NR; ++c) wv[c] = W::load8(w + c * K + k);
+      for (int c = 0; c < NR; ++c) wv[c] = W::load8(w + c * ldw, k);
       for (int r = 0; r < MR; ++r) {
         const __m256 xv = _mm256_loadu_ps(x + r * K + k);
         for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -87,7 +153,7 @@ void tile(const float* x, const typename W::T* w, float* y, int64_t K, int64_t l
       __m256 xv[MR];
       for (int r = 0; r < MR; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
       for (int c = 0; c < NR; ++c) {
-        const __m256 wv = W::load8(w + c * K + k);
+        const __m256 wv = W::load8(w + c * ldw, k);
         for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
       }
     }
@@ -99,7 +165,7 @@ void tile(const float* x, const typename W::T* w, float* y, int64_t K, int64_t l
     __m256 wv[NR];
     for (int c = 0; c < NR; ++c) {
       alignas(32) float tail[8] = {};
-      for (int64_t j = k; j < K; ++j) tail[j - k] = W::one(w[c * K + j]);
+      for (int64_t j = k; j < K; ++j) tail[j - k] = W::one(w + c * ldw, j);
       wv[c] = _mm256_load_ps(tail);
     }
     for (int r = 0; r < MR; ++r) {
@@ -111,13 +177,12 @@ void tile(const float* x, const typename W::T* w, float* y, int64_t K, int64_t l
     for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
 }
 
-template <class W>
-using TileFn = void (*)(const float*, const typename W::T*, float*, int64_t, int64_t, const typename W::T*);
+using TileFn = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, const uint8_t*);
 
 // Tiles<W>::fn[mr - 1][nr - 1] handles an mr x nr block (the full 4 x 3 one, and the edges).
 template <class W>
 struct Tiles {
-  static constexpr TileFn<W> fn[kMR][kNR] = {
+  static constexpr TileFn fn[kMR][kNR] = {
       {tile<W, 1, 1>, tile<W, 1, 2>, tile<W, 1, 3>},
       {tile<W, 2, 1>, tile<W, 2, 2>, tile<W, 2, 3>},
       {tile<W, 3, 1>, tile<W, 3, 2>, tile<W, 3, 3>},
@@ -127,56 +192,56 @@ struct Tiles {
 
 template <class W>
 struct Gemm {
-  using T = typename W::T;
   const float* x;
-  const T* w;
+  const uint8_t* w;
   float* y;
-  int64_t M, N, K;
+  int64_t M, N, K, ldw;   // ldw: bytes per weight row
   int64_t col_blocks, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   // Item i: rows [m0, m1) of x against rows [n0, n1) of w; each w tile serves every row block.
-  // `scratch` (kNR * K floats) holds a widened bf16 weight tile when the block has several row tiles.
+  // `scratch` (kNR * K floats) holds a widened weight tile when a narrow format meets several row tiles.
   void item(int64_t i, float* scratch) const {
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
-      const T* pf = n + 2 * kNR <= N ? w + (n + kNR) * K : nullptr;
-      if constexpr (!std::is_same_v<W, F32>) {
-        if (m1 - m0 > kMR) {
-          widen(w + n * K, nr, scratch, pf);
-          for (int64_t m = m0; m < m1; m += kMR) {
-            const int64_t mr = std::min(kMR, m1 - m);
-            Tiles<F32>::fn[mr - 1][nr - 1](x + m * K, scratch, y + m * N + n, K, N, nullptr);
-          }
-          continue;
+      const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
+      if (!W::kWide && m1 - m0 > kMR) {
+        widen(w + n * ldw, nr, scratch, pf);
+        for (int64_t m = m0; m < m1; m += kMR) {
+          const int64_t mr = std::min(kMR, m1 - m);
+          Tiles<F32>::fn[mr - 1][nr - 1](x + m * K, reinterpret_cast<const uint8_t*>(scratch), 4 * K,
+                                         y + m * N + n, K, N, nullptr);
         }
+        continue;
       }
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
-        Tiles<W>::fn[mr - 1][nr - 1](x + m * K, w + n * K, y + m * N + n, K, N, m == m0 ? pf : nullptr);
+        Tiles<W>::fn[mr - 1][nr - 1](x + m * K, w + n * ldw, ldw, y + m * N + n, K, N, m == m0 ? pf : nullptr);
       }
     }
   }
 
-  // rows [0, nr) of w as float32 into out, prefetching pf (the next tile) on the way.
-  void widen(const T* w, int64_t nr, float* out, const T* pf) const {
-    constexpr int64_t kLine = 64 / sizeof(T);
+  // Rows [0, nr) of w as float32 into out (rows K apart), prefetching pf (the next tile) on the way.
+  void widen(const uint8_t* w, int64_t nr, float* out, const uint8_t* pf) const {
     for (int64_t c = 0; c < nr; ++c) {
-      int64_t k = 0;
+      int64_t k = 0, next_line = 0;
       for (; k + 8 <= K; k += 8) {
-        if (pf && (k & (kLine - 1)) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + c * K + k), _MM_HINT_T0);
-        _mm256_storeu_ps(out + c * K + k, W::load8(w + c * K + k));
+        if (pf && W::offset(k + 8) > next_line) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+          next_line += 64;
+        }
+        _mm256_storeu_ps(out + c * K + k, W::load8(w + c * ldw, k));
       }
-      for (; k < K; ++k) out[c * K + k] = W::one(w[c * K + k]);
+      for (; k < K; ++k) out[c * K + k] = W::one(w + c * ldw, k);
     }
   }
 
   void work() {
     std::unique_ptr<float[]> scratch;
-    if constexpr (!std::is_same_v<W, F32>) scratch.reset(new float[kNR * K]);
+    if (!W::kWide && M > kMR) scratch.reset(new float[kNR * K]);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       item(i, scratch.get());
       done.fetch_add(1, std::memory_order_release);
@@ -184,19 +249,17 @@ struct Gemm {
   }
 };
 
-template <class W, class WBuffer>
-ffi::Error GemmImpl(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, WBuffer& w,
-                    ffi::ResultBuffer<ffi::F32>& y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[1])
-    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., K] and w [N, K] expected");
-  const int64_t K = wd[1], N = wd[0], M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+// x [..., K] float32; w [N, ldw bytes] in format W; y [..., N].
+template <class W>
+ffi::Error Run(ffi::ThreadPool& pool, const float* x, int64_t x_elements, const void* w, int64_t N,
+               int64_t K, int64_t ldw, float* y) {
+  const int64_t M = K ? x_elements / K : 0;
   if (M == 0 || N == 0) return ffi::Error::Success();
   auto g = std::make_shared<Gemm<W>>();
-  g->x = x.typed_data();
-  g->w = reinterpret_cast<const typename W::T*>(w.untyped_data());
-  g->y = y->typed_data();
-  g->M = M, g->N = N, g->K = K;
+  g->x = x;
+  g->w = static_cast<const uint8_t*>(w);
+  g->y = y;
+  g->M = M, g->N = N, g->K = K, g->ldw = ldw;
   g->col_blocks = (N + kColBlock - 1) / kColBlock;
   g->items = g->col_blocks * ((M + kRowBlock - 1) / kRowBlock);
   // Helpers only pay off past ~1 MFLOP. A helper that starts after the work is gone finds no
@@ -208,32 +271,60 @@ ffi::Error GemmImpl(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-ffi::Error GemmF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                   ffi::ResultBuffer<ffi::F32> y) {
-  return GemmImpl<F32>("imp_gemm_f32", pool, x, w, y);
+template <class W, ffi::DataType T>
+ffi::Error Plain(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w,
+                 ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[1])
+    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., K] and w [N, K] expected");
+  return Run<W>(pool, x.typed_data(), x.element_count(), w.untyped_data(), wd[0], wd[1],
+                W::offset(wd[1]), y->typed_data());
 }
 
-ffi::Error GemmBf16W(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                     ffi::ResultBuffer<ffi::F32> y) {
-  return GemmImpl<BF16>("imp_gemm_f32_bf16w", pool, x, w, y);
+template <class W>
+ffi::Error Blocks(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * kQBlock)
+    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., K] and w [N, K / 32, " +
+                                       std::to_string(W::kBytes) + "] uint8 expected");
+  return Run<W>(pool, x.typed_data(), x.element_count(), w.untyped_data(), wd[0], xd.back(),
+                wd[1] * W::kBytes, y->typed_data());
+}
+
+ffi::Error GemmF32(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Plain<F32>("imp_gemm_f32", p, x, w, y);
+}
+ffi::Error GemmBf16(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Plain<BF16>("imp_gemm_f32_bf16w", p, x, w, y);
+}
+ffi::Error GemmQ8_0(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Blocks<Q8_0>("imp_gemm_f32_q8_0w", p, x, w, y);
+}
+ffi::Error GemmQ4_0(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Blocks<Q4_0>("imp_gemm_f32_q4_0w", p, x, w, y);
+}
+ffi::Error GemmQ4_1(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Blocks<Q4_1>("imp_gemm_f32_q4_1w", p, x, w, y);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ImpGemmF32, GemmF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One binding per weight type: float32 x, the weights, float32 y, and XLA's thread pool.
+#define IMP_GEMM_HANDLER(symbol, impl, wtype)                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl,                                                      \
+                                ffi::Ffi::Bind()                                                   \
+                                    .Ctx<ffi::ThreadPool>()                                        \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                  \
+                                    .Arg<ffi::Buffer<wtype>>()                                     \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ImpGemmBf16W, GemmBf16W,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+IMP_GEMM_HANDLER(ImpGemmF32, GemmF32, ffi::F32);
+IMP_GEMM_HANDLER(ImpGemmBf16W, GemmBf16, ffi::BF16);
+IMP_GEMM_HANDLER(ImpGemmQ8_0W, GemmQ8_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ4_0W, GemmQ4_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ4_1W, GemmQ4_1, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }

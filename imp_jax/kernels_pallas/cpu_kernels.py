@@ -2,7 +2,7 @@
 
 Each kernel is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
 `$IMP_JAX_HOME/kernels/<name>-<hash>.so`, the hash covering its source, the compiler and JAX's FFI
-headers, and loaded from there afterwards. They need x86-64 with AVX2 and FMA; everywhere else,
+headers, and loaded from there afterwards. They need x86-64 with AVX2, FMA and F16C; everywhere else,
 and whenever the build fails, `load` returns None and the caller uses XLA (the reason is logged).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from imp_jax.model.hub import imp_jax_home
 
 log = logging.getLogger(__name__)
 
+FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c")
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}
 _registered: dict[str, bool] = {}
@@ -38,7 +39,8 @@ def _build(name: str, cxx: str) -> Path:
     source_path = Path(__file__).with_name(f"{name}.cc")
     source = source_path.read_bytes()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode() + jax.ffi.include_dir().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()
+                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
     lib = imp_jax_home() / "kernels" / f"{name}-{key}.so"
     if lib.exists():
         return lib
@@ -46,8 +48,7 @@ def _build(name: str, cxx: str) -> Path:
     log.info("compiling the %s kernel with %s -> %s", name, cxx, lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, "-O3", "-std=c++17", "-mavx2", "-mfma", "-shared", "-fPIC",
-               "-I", jax.ffi.include_dir(), str(source_path), "-o", str(out)]
+        cmd = [cxx, *FLAGS, "-shared", "-fPIC", "-I", jax.ffi.include_dir(), str(source_path), "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -76,7 +77,7 @@ def _load(name: str) -> ctypes.CDLL | None:
         log.warning("%s kernel unavailable, using XLA: %s", name, e)
         return None
     if not lib.imp_kernel_cpu_supported():
-        log.info("this CPU lacks AVX2/FMA: the %s kernel is off, using XLA", name)
+        log.info("this CPU lacks AVX2/FMA/F16C: the %s kernel is off, using XLA", name)
         return None
     return lib
 

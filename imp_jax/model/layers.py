@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from imp_jax.kernels_pallas import cpu_gemm
+from imp_jax.kernels_pallas import cpu_gemm, quant
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
@@ -23,13 +23,35 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     return y.astype(out_dtype or x.dtype)
 
 
+def embed(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows `ids` of an embedding table (plain, or GGML blocks: only the gathered rows are
+    dequantised) as `dtype`."""
+    rows = table[ids]
+    if quant.format_of(table) is not None:
+        rows = quant.dequantize(rows)
+    return rows.astype(dtype)
+
+
+def keep_blocks(parts: list[np.ndarray | None], dtype: jnp.dtype) -> np.ndarray | None:
+    """A matrix made of `parts` (each a GGUF tensor's GGML blocks, or None where it has none the
+    kernel reads) kept as blocks: their concatenation, when they share one format, the model
+    computes in float32 and this host's CPU GEMM kernel reads blocks (`cpu_gemm.narrow_weights_pay`).
+    The products are those of the dequantised matrix, from a quarter to a seventh of the bytes.
+    None: dequantise it as usual."""
+    if jnp.dtype(dtype) != jnp.float32 or any(p is None for p in parts):
+        return None
+    if len({quant.format_of(p) for p in parts}) != 1 or not cpu_gemm.narrow_weights_pay():
+        return None
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 def exact_bf16(w: jax.Array) -> jax.Array:
     """A float32 matrix for `linear` as bfloat16 when that loses nothing and pays here: every value
     is a bfloat16 (the matrix came from a bf16 checkpoint) and the CPU GEMM kernel, which widens
     bf16 weights to float32 as it reads them, runs on this host. The products are the same bits,
     the matrix takes half the memory, and a decode step reads half the bytes. Otherwise `w` as is
     (XLA's own dot would copy a bf16 matrix to float32 on every call)."""
-    if w.dtype != jnp.float32 or not cpu_gemm.uses_kernel(jnp.float32, jnp.bfloat16, 1):
+    if w.dtype != jnp.float32 or w.ndim != 2 or not cpu_gemm.narrow_weights_pay():
         return w
     bits = np.asarray(w).view(np.uint32)
     if np.any(bits & 0xFFFF):

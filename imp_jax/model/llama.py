@@ -18,7 +18,8 @@ from flax import nnx
 
 from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.layers import apply_rope, exact_bf16, linear, rms_norm, rope_tables
+from imp_jax.kernels_pallas import quant
+from imp_jax.model.layers import apply_rope, embed, exact_bf16, keep_blocks, linear, rms_norm, rope_tables
 from imp_jax.model.registry import register_model
 
 KVCache = tuple[jax.Array, jax.Array]  # K and V, each [L, num_blocks, block_size, KVH, D]
@@ -111,7 +112,7 @@ class DecoderLM(nnx.Module):
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """Hidden states [T, hidden] (before the final norm) and the updated KV cache."""
         cfg = self.config
-        x = self.embed[...][input_ids].astype(self.dtype)   # the table may be kept as bf16
+        x = embed(self.embed[...], input_ids, self.dtype)   # the table may be kept narrow
         cos, sin = rope_tables(positions, cfg.rope_inv_freq())
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
 
@@ -162,32 +163,43 @@ class DecoderLM(nnx.Module):
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, get: Callable[[str], np.ndarray], *,
-                        dtype: jnp.dtype = jnp.float32, layer_loop: str = "scan") -> "DecoderLM":
-        """Build from HF-named tensors (`get(name)` -> numpy [out, in] for linears) without random init."""
+                        dtype: jnp.dtype = jnp.float32, layer_loop: str = "scan",
+                        blocks: Callable[[str], np.ndarray | None] | None = None) -> "DecoderLM":
+        """Build from HF-named tensors (`get(name)` -> numpy [out, in] for linears) without random init.
+
+        `blocks(name)`, given for a GGUF file, is a tensor's GGML blocks in a format the CPU GEMM
+        kernel reads (kernels_pallas/quant.py), or None. A matrix, the embedding or the LM head
+        whose parts all have them is kept as blocks where `layers.keep_blocks` says it pays.
+        """
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0), layer_loop=layer_loop))
 
         def put(param: nnx.Param, value: np.ndarray) -> None:
-            if tuple(value.shape) != tuple(param.shape):
+            shape = quant.matrix_shape(value) if quant.format_of(value) else tuple(value.shape)
+            if shape != tuple(param.shape):
                 raise ValueError(f"shape {value.shape} where {param.shape} was expected")
-            param.set_value(jnp.asarray(value, dtype))
+            param.set_value(jnp.asarray(value) if value.dtype == np.uint8 else jnp.asarray(value, dtype))
+
+        def put_matrix(param: nnx.Param, names: list[str]) -> None:
+            """The matrix of `names` concatenated along their output axis: blocks if kept, else float."""
+            kept = keep_blocks([blocks(n) for n in names], dtype) if blocks is not None else None
+            put(param, kept if kept is not None else
+                np.concatenate([np.asarray(get(n), np.float32) for n in names]))
 
         pre = "model.layers.{}."
-        def fused(i: int, *names: str) -> np.ndarray:
-            """Layer i's tensors concatenated along their first (output) axis."""
-            return np.concatenate([np.asarray(get(pre.format(i) + n), np.float32) for n in names])
-
         def stacked(*names: str) -> np.ndarray:
-            return np.stack([fused(i, *names) for i in range(config.num_layers)])
+            """Every layer's tensors, each layer's concatenated along the first axis, stacked."""
+            return np.stack([np.concatenate([np.asarray(get(pre.format(i) + n), np.float32) for n in names])
+                             for i in range(config.num_layers)])
 
         def per_layer(params: nnx.List, *names: str) -> None:
             for i, param in enumerate(params):
-                put(param, fused(i, *names))
+                put_matrix(param, [pre.format(i) + n for n in names])
 
         ly = model.layers
-        put(model.embed, get("model.embed_tokens.weight"))
+        put_matrix(model.embed, ["model.embed_tokens.weight"])
         put(model.norm, get("model.norm.weight"))
         if model.lm_head is not None:
-            put(model.lm_head, get("lm_head.weight"))
+            put_matrix(model.lm_head, ["lm_head.weight"])
         put(ly.input_norm, stacked("input_layernorm.weight"))
         put(ly.post_norm, stacked("post_attention_layernorm.weight"))
         per_layer(ly.qkv_proj, *(f"self_attn.{p}_proj.weight" for p in "qkv"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import time
@@ -108,8 +109,13 @@ def build_from_tensors(cls: type, config: ModelConfig, tensors: Mapping[str, np.
             return tensors[name]
         except KeyError:
             raise ModelLoadError(f"{source}: weight '{name}' not found") from None
+    extra = {}
+    if hasattr(tensors, "blocks") and "blocks" in inspect.signature(cls.from_hf_tensors).parameters:
+        def blocks(name: str) -> np.ndarray | None:
+            return tensors.blocks(name) if name in tensors else None   # a missing one: get() says so
+        extra["blocks"] = blocks
     try:
-        return cls.from_hf_tensors(config, get, dtype=dtype, layer_loop=layer_loop)
+        return cls.from_hf_tensors(config, get, dtype=dtype, layer_loop=layer_loop, **extra)
     except ValueError as e:
         raise ModelLoadError(f"{source}: {e}") from None
 
