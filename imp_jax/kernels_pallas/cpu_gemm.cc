@@ -20,9 +20,10 @@
 // horizontal sum) whatever M, N, the tiling or the weight format, so a row's result does not
 // depend on its neighbours, and a narrow format gives the bits its float32 copy would.
 //
-// Narrow formats: a block of at most kMR rows reads them straight into registers (the memory-bound
-// case); a larger block first widens each NR-row weight tile into a float32 scratch that stays in
-// L1 while its row tiles go by, so each weight is widened once per 64 rows.
+// Narrow formats: each NR-row weight tile is first widened into a float32 scratch that stays in L1
+// while its row tiles go by, so each weight is widened once per 64 rows (GGML blocks a block at a
+// time, one scale per 32 weights); bf16 weights meeting at most kMR rows (the memory-bound case)
+// are instead read straight into registers.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -54,7 +55,8 @@ inline float f16(const uint8_t* p) {
 // 8 weights from k (k % 8 == 0) as floats, and one weight as a float (the K % 8 tail; block formats
 // have none, since K % 32 == 0).
 struct F32 {
-  static constexpr bool kWide = true;   // already float32: no scratch tile
+  static constexpr bool kWide = true;     // already float32: no scratch tile
+  static constexpr bool kBlocks = false;  // GGML blocks: always widened a block at a time (block32)
   static int64_t offset(int64_t k) { return 4 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) { return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k); }
   static float one(const uint8_t* w, int64_t k) { return reinterpret_cast<const float*>(w)[k]; }
@@ -62,6 +64,7 @@ struct F32 {
 
 struct BF16 {   // the bfloat16's bits are the top half of its float32
   static constexpr bool kWide = false;
+  static constexpr bool kBlocks = false;
   static int64_t offset(int64_t k) { return 2 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
@@ -79,6 +82,7 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
 
 struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
   static constexpr bool kWide = false;
+  static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = 34;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
   static __m256 load8(const uint8_t* w, int64_t k) {
@@ -87,6 +91,13 @@ struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
     return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
+  static void block32(const uint8_t* b, float* out) {   // one block's 32 weights
+    const __m256 d = _mm256_set1_ps(f16(b));
+    for (int j = 0; j < 4; ++j) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+    }
+  }
 };
 
 // Q4_0 and Q4_1 hold weight j of a block in the low nibble of byte j (j < 16), weight j + 16 in
@@ -97,8 +108,20 @@ inline __m256i nibbles8(const uint8_t* qs, int64_t k) {
   return o < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
 }
 
+// All 32 nibbles of a block as four int32 vectors, weights 0-7, 8-15, 16-23, 24-31.
+inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low = _mm_and_si128(raw, _mm_set1_epi8(15));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+  q[0] = _mm256_cvtepu8_epi32(low);
+  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
+  q[2] = _mm256_cvtepu8_epi32(high);
+  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
+}
+
 struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
   static constexpr bool kWide = false;
+  static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = 18;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
   static __m256 load8(const uint8_t* w, int64_t k) {
@@ -107,10 +130,18 @@ struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
     return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(q));
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
+  static void block32(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(f16(b));
+    __m256i q[4];
+    nibbles32(b + 2, q);
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8)))));
+  }
 };
 
 struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
   static constexpr bool kWide = false;
+  static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = 20;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
   static __m256 load8(const uint8_t* w, int64_t k) {
@@ -119,6 +150,12 @@ struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
     return _mm256_fmadd_ps(_mm256_set1_ps(f16(b)), q, _mm256_set1_ps(f16(b + 2)));
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
+  static void block32(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+    __m256i q[4];
+    nibbles32(b + 4, q);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m));
+  }
 };
 
 inline float hsum(__m256 v) {
@@ -208,7 +245,7 @@ struct Gemm {
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
       const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
-      if (!W::kWide && m1 - m0 > kMR) {
+      if (W::kBlocks || (!W::kWide && m1 - m0 > kMR)) {
         widen(w + n * ldw, nr, scratch, pf);
         for (int64_t m = m0; m < m1; m += kMR) {
           const int64_t mr = std::min(kMR, m1 - m);
@@ -226,6 +263,19 @@ struct Gemm {
 
   // Rows [0, nr) of w as float32 into out (rows K apart), prefetching pf (the next tile) on the way.
   void widen(const uint8_t* w, int64_t nr, float* out, const uint8_t* pf) const {
+    if constexpr (W::kBlocks) {
+      for (int64_t c = 0; c < nr; ++c) {
+        int64_t next_line = 0;
+        for (int64_t k = 0; k < K; k += kQBlock) {
+          if (pf && W::offset(k + kQBlock) > next_line) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+            next_line += 64;
+          }
+          W::block32(w + c * ldw + W::offset(k), out + c * K + k);
+        }
+      }
+      return;
+    }
     for (int64_t c = 0; c < nr; ++c) {
       int64_t k = 0, next_line = 0;
       for (; k + 8 <= K; k += 8) {
@@ -241,7 +291,7 @@ struct Gemm {
 
   void work() {
     std::unique_ptr<float[]> scratch;
-    if (!W::kWide && M > kMR) scratch.reset(new float[kNR * K]);
+    if (W::kBlocks || (!W::kWide && M > kMR)) scratch.reset(new float[kNR * K]);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       item(i, scratch.get());
       done.fetch_add(1, std::memory_order_release);
