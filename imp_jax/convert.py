@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from imp_jax.errors import ImpError, ModelLoadError
+from imp_jax.kernels_pallas import quant
 from imp_jax.model.config import ModelConfig, RopeScaling, read_json
 from imp_jax.model.hub import CONVERTED_MARKER
 from imp_jax.model.loader import LoadedModel, load_model, read_generation_config, resolve_dtype
@@ -61,7 +62,7 @@ def save_converted(loaded: LoadedModel, dst: Path, *, source: str = "") -> None:
     t0 = time.perf_counter()
     # uncompressed: zstd saves a third of the disk but makes restoring several times slower on CPU
     with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
-        ckptr.save(dst / STATE_DIR, args=ocp.args.PyTreeSave(pure_state(loaded.model)))
+        ckptr.save(dst / STATE_DIR, args=ocp.args.PyTreeSave(plain_state(loaded.model, loaded.dtype)))
     write_tokenizer(loaded.tokenizer, dst)
     _write_json(dst / "generation_config.json", _generation_config(loaded))
     cls = type(loaded.model)
@@ -131,6 +132,14 @@ def load_converted(path: str | Path, *, dtype: Any, layer_loop: str,
     gen = read_generation_config(path)
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(model, config, tokenizer, gen, path.name, path, dtype)
+
+
+def plain_state(model: Any, dtype: Any) -> dict[str, Any]:
+    """`pure_state` with matrices kept as GGML blocks dequantised to `dtype`: a converted checkpoint
+    stores plain [out, in] matrices, which load on any platform (the blocks were a CPU choice)."""
+    def plain(a: Any) -> Any:
+        return quant.dequantize(a).astype(dtype) if quant.format_of(a) else a
+    return jax.tree.map(plain, pure_state(model))
 
 
 def pure_state(model: Any) -> dict[str, Any]:

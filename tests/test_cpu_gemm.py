@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from imp_jax.kernels_pallas import cpu_gemm
+from imp_jax.kernels_pallas import cpu_gemm, quant
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -88,6 +88,54 @@ def test_matmul_wt_runs_bf16_weights_through_the_kernel_at_any_row_count():
                                    np.asarray(x) @ np.asarray(w, np.float32).T, rtol=1e-5, atol=1e-5)
 
 
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def ggml_blocks(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random [n, k] matrix quantised by gguf-py: (blocks uint8 [n, k / 32, bytes], gguf-py's dequantisation)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(x, Q[qtype])
+    return raw.reshape(n, k // quant.BLOCK, quant.FORMATS[qtype]), dequantize(raw, Q[qtype]).reshape(n, k)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_gives_gguf_pys_values(qtype):
+    blocks, want = ggml_blocks(qtype, 7, 96, 5)
+    assert quant.format_of(blocks) == qtype and quant.matrix_shape(blocks) == (7, 96)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(blocks))), want)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(blocks[[4, 1]]))), want[[4, 1]])
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M", [1, 4, 5, 70])
+@pytest.mark.parametrize("N,K", [(1, 32), (5, 64), (49, 160)])
+def test_ggml_blocks_give_the_float32_kernels_bits(qtype, M, N, K):
+    """GGML blocks are widened to the exact values of their dequantised copy, so the product is
+    the float32 kernel's on that copy, bit for bit, and the exact product of it."""
+    blocks, dense = ggml_blocks(qtype, N, K, M * 100 + N)
+    x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)
+    got = np.asarray(kernel(x, jnp.asarray(blocks)))
+    np.testing.assert_array_equal(got, np.asarray(kernel(x, dense)))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ dense.astype(np.float64).T,
+                               rtol=1e-5, atol=1e-5 * np.sqrt(K) * np.abs(dense).max())
+
+
+@needs_kernel
+def test_matmul_wt_runs_blocks_through_the_kernel_and_xla_dequantises_them():
+    blocks, dense = ggml_blocks("Q4_1", 40, 64, 6)
+    w = jnp.asarray(blocks)
+    for rows in (1, cpu_gemm.MAX_ROWS + 1):
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32))
+        assert cpu_gemm.BLOCK_TARGETS["Q4_1"] in jax.jit(cpu_gemm.matmul_wt).lower(x, w).as_text()
+        want = np.asarray(x) @ dense.T
+        np.testing.assert_allclose(np.asarray(cpu_gemm.matmul_wt(x, w)), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(jax.jit(cpu_gemm._xla)(x, w)), want, rtol=1e-5, atol=1e-4)
+
+
 def test_matmul_wt_falls_back_to_xla():
     """Too many rows, another dtype: XLA's dot, same numbers."""
     rng = np.random.default_rng(3)
@@ -103,7 +151,7 @@ def test_matmul_wt_falls_back_to_xla():
 
 
 def test_env_switch_turns_the_kernel_off():
-    code = ("import jax.numpy as jnp, jax; from imp_jax.kernels_pallas import cpu_gemm; "
+    code = ("import jax.numpy as jnp, jax; from imp_jax.kernels_pallas import cpu_gemm, quant; "
             "x = jnp.ones((2, 8)); print(cpu_gemm.available(), cpu_gemm.TARGET in "
             "jax.jit(cpu_gemm.matmul_wt).lower(x, x).as_text())")
     env = {**os.environ, "IMP_JAX_CPU_GEMM": "xla"}

@@ -56,7 +56,7 @@ inline float f16(const uint8_t* p) {
 // have none, since K % 32 == 0).
 struct F32 {
   static constexpr bool kWide = true;     // already float32: no scratch tile
-  static constexpr bool kBlocks = false;  // GGML blocks: always widened a block at a time (block32)
+  static constexpr bool kBlocks = false;  // GGML blocks: widened a block (32 weights, one scale) at a time
   static int64_t offset(int64_t k) { return 4 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) { return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k); }
   static float one(const uint8_t* w, int64_t k) { return reinterpret_cast<const float*>(w)[k]; }
@@ -91,11 +91,11 @@ struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
     return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
-  static void block32(const uint8_t* b, float* out) {   // one block's 32 weights
+  static void block(const uint8_t* b, __m256 v[4]) {   // one block's 32 weights
     const __m256 d = _mm256_set1_ps(f16(b));
     for (int j = 0; j < 4; ++j) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
-      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   }
 };
@@ -108,15 +108,21 @@ inline __m256i nibbles8(const uint8_t* qs, int64_t k) {
   return o < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
 }
 
-// All 32 nibbles of a block as four int32 vectors, weights 0-7, 8-15, 16-23, 24-31.
+// All 32 nibbles of a block as four int32 vectors, weights 0-7, 8-15, 16-23, 24-31. The 16 bytes
+// go to both 128-bit lanes, so in-lane byte shuffles spread them to 32-bit lanes (Zen's cross-lane
+// widening shuffles would be the bottleneck).
 inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low = _mm_and_si128(raw, _mm_set1_epi8(15));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-  q[0] = _mm256_cvtepu8_epi32(low);
-  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
-  q[2] = _mm256_cvtepu8_epi32(high);
-  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_and_si256(raw, mask), high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  // byte i of the 16 into dword lane i % 8 of the (i / 8)th vector; -1 zeroes a byte
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));   // bytes 8-15 (-1 + 8 keeps bit 7)
+  q[0] = _mm256_shuffle_epi8(low, first);
+  q[1] = _mm256_shuffle_epi8(low, second);
+  q[2] = _mm256_shuffle_epi8(high, first);
+  q[3] = _mm256_shuffle_epi8(high, second);
 }
 
 struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
@@ -130,12 +136,11 @@ struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
     return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(q));
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
-  static void block32(const uint8_t* b, float* out) {
+  static void block(const uint8_t* b, __m256 v[4]) {
     const __m256 d = _mm256_set1_ps(f16(b));
     __m256i q[4];
     nibbles32(b + 2, q);
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8)))));
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
   }
 };
 
@@ -150,11 +155,11 @@ struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
     return _mm256_fmadd_ps(_mm256_set1_ps(f16(b)), q, _mm256_set1_ps(f16(b + 2)));
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
-  static void block32(const uint8_t* b, float* out) {
+  static void block(const uint8_t* b, __m256 v[4]) {
     const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
     __m256i q[4];
     nibbles32(b + 4, q);
-    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m));
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
   }
 };
 
@@ -214,7 +219,58 @@ void tile(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
     for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
 }
 
+// One row of x against NR rows of w (a decode step of one sequence): NR independent accumulators
+// keep both FMA pipes busy where a 1 x 3 tile would wait on its three dependency chains, and each
+// weight is widened in registers, never stored. The same per-element summation order as `tile`.
+template <class W, int NR>
+void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, int64_t, const uint8_t* pf) {
+  __m256 acc[NR];
+  for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps();
+  int64_t k = 0, next_line = 0;
+  constexpr int64_t kStep = W::kBlocks ? kQBlock : 8;
+  for (; k + kStep <= K; k += kStep) {
+    if (pf && W::offset(k + kStep) > next_line) {
+      for (int c = 0; c < NR; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+      next_line += 64;
+    }
+    if constexpr (W::kBlocks) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+      for (int c = 0; c < NR; ++c) {
+        __m256 v[4];
+        W::block(w + c * ldw + W::offset(k), v);
+        acc[c] = _mm256_fmadd_ps(x0, v[0], acc[c]);
+        acc[c] = _mm256_fmadd_ps(x1, v[1], acc[c]);
+        acc[c] = _mm256_fmadd_ps(x2, v[2], acc[c]);
+        acc[c] = _mm256_fmadd_ps(x3, v[3], acc[c]);
+      }
+    } else {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      for (int c = 0; c < NR; ++c) acc[c] = _mm256_fmadd_ps(xv, W::load8(w + c * ldw, k), acc[c]);
+    }
+  }
+  if (k < K) {  // plain formats' last K % 8 columns, as in `tile`
+    alignas(32) static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(K - k)),
+                                            _mm256_load_si256(reinterpret_cast<const __m256i*>(ramp)));
+    const __m256 xv = _mm256_maskload_ps(x + k, mask);
+    for (int c = 0; c < NR; ++c) {
+      alignas(32) float tail[8] = {};
+      for (int64_t j = k; j < K; ++j) tail[j - k] = W::one(w + c * ldw, j);
+      acc[c] = _mm256_fmadd_ps(xv, _mm256_load_ps(tail), acc[c]);
+    }
+  }
+  for (int c = 0; c < NR; ++c) y[c] = hsum(acc[c]);
+}
+
 using TileFn = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, const uint8_t*);
+
+constexpr int64_t kGemvRows = 8;
+template <class W>
+struct Gemvs {   // Gemvs<W>::fn[nr - 1] for 1 x nr blocks
+  static constexpr TileFn fn[kGemvRows] = {gemv<W, 1>, gemv<W, 2>, gemv<W, 3>, gemv<W, 4>,
+                                           gemv<W, 5>, gemv<W, 6>, gemv<W, 7>, gemv<W, 8>};
+};
 
 // Tiles<W>::fn[mr - 1][nr - 1] handles an mr x nr block (the full 4 x 3 one, and the edges).
 template <class W>
@@ -242,6 +298,14 @@ struct Gemm {
   void item(int64_t i, float* scratch) const {
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
+    if (m1 - m0 == 1) {   // one row: gemv, weights widened in registers
+      for (int64_t n = n0; n < n1; n += kGemvRows) {
+        const int64_t nr = std::min(kGemvRows, n1 - n);
+        const uint8_t* pf = n + 2 * kGemvRows <= N ? w + (n + kGemvRows) * ldw : nullptr;
+        Gemvs<W>::fn[nr - 1](x + m0 * K, w + n * ldw, ldw, y + m0 * N + n, K, N, pf);
+      }
+      return;
+    }
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
       const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
@@ -271,7 +335,9 @@ struct Gemm {
             _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
             next_line += 64;
           }
-          W::block32(w + c * ldw + W::offset(k), out + c * K + k);
+          __m256 v[4];
+          W::block(w + c * ldw + W::offset(k), v);
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + c * K + k + 8 * j, v[j]);
         }
       }
       return;

@@ -84,13 +84,27 @@ def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str
         model = build_from_tensors(cls, config, tensors, jdtype, layer_loop, str(resolved.path))
         loaded = LoadedModel(model, config, tokenizer, gen, resolved.served_name, resolved.path, jdtype)
     keep = getattr(loaded.model, "keep_exact_bf16", None)   # optional for a model class
-    if keep is not None and (saved := keep()):
-        log.info("kept the bf16 checkpoint's matrices as bfloat16 (exact; float32 compute): %d MiB less",
-                 saved // 2**20)
+    if keep is not None:
+        keep()
+    log.info("weights: %s", describe_weights(loaded.model))
     log.info("loaded %s: %d layers, hidden %d, vocab %d in %.1fs", loaded.served_name,
              loaded.config.num_layers, loaded.config.hidden_size, loaded.config.vocab_size,
              time.perf_counter() - t0)
     return loaded
+
+
+def describe_weights(model: Any) -> str:
+    """One line for the log: the weights' MiB and how many arrays of each storage format."""
+    from collections import Counter
+
+    from flax import nnx
+
+    from imp_jax.kernels_pallas import quant
+
+    arrays = jax.tree.leaves(nnx.state(model))
+    formats = Counter(quant.format_of(a) or jnp.dtype(a.dtype).name for a in arrays)
+    mib = sum(a.nbytes for a in arrays) / 2**20
+    return f"{mib:.0f} MiB in " + ", ".join(f"{n} {f}" for f, n in formats.most_common())
 
 
 def parse_config(parse: Callable[[], ModelConfig], source: str) -> ModelConfig:
