@@ -156,7 +156,10 @@ struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
   }
   static float one(const uint8_t*, int64_t) { return 0.0f; }
   static void block(const uint8_t* b, __m256 v[4]) {
-    const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+    int32_t dm_bits;   // d and m side by side: one load, one conversion
+    std::memcpy(&dm_bits, b, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+    const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     __m256i q[4];
     nibbles32(b + 4, q);
     for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
