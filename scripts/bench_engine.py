@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -31,6 +32,61 @@ def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 _PROMPTS_MADE = itertools.count()
+
+_FMA_PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+#define F(i) a##i = _mm256_fmadd_ps(a##i, b, c);
+static float run(long iters) {   // 12 independent FMA chains: enough to fill both FMA pipes
+  __m256 a0 = _mm256_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
+         a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  for (long it = 0; it < iters; ++it) {
+    F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)
+    __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
+                     "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));   // keep every chain
+  }
+  __m256 s = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+  return s[0];
+}
+int main(int argc, char** argv) {
+  const int threads = std::atoi(argv[1]);
+  const long iters = std::atol(argv[2]);
+  std::vector<float> sink(threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ts;
+  for (int i = 0; i < threads; ++i) ts.emplace_back([&, i] { sink[i] = run(iters); });
+  for (auto& t : ts) t.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%f %f\n", threads * 12.0 * 16 * iters / s, sink[0]);
+}
+"""
+
+
+def measure_fma_peak(repeats: int = 3) -> float | None:
+    """The float32 FMA peak of all cores (FLOP/s): AVX2 FMAs on independent chains, one thread per
+    core, compiled with the system C++ compiler; None off x86-64 or without one."""
+    import platform
+    import shutil
+    import subprocess
+    import tempfile
+
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if cxx is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "fma_peak.cc", Path(tmp) / "fma_peak"
+        src.write_text(_FMA_PEAK_SOURCE)
+        if subprocess.run([cxx, "-O3", "-mavx2", "-mfma", "-pthread", str(src), "-o", str(exe)],
+                          capture_output=True).returncode != 0:
+            return None
+        runs = [subprocess.run([str(exe), str(os.cpu_count() or 1), "50000000"], capture_output=True,
+                               text=True, check=True).stdout for _ in range(repeats)]
+    return max(float(r.split()[0]) for r in runs)
 
 
 def measure_gemm_rate(rows: int = 256, k: int = 576, n: int = 3072, repeats: int = 7) -> float:
@@ -56,8 +112,10 @@ def ceiling_tok_s(model, batch: int, prompt_len: int, output_len: int, gemm_rate
     FLOPs: 2 per matrix weight per token, the LM head for sampled rows only, 4 * heads * head_dim
     per key per layer for attention.
     """
+    from imp_jax.kernels_pallas import quant
+
     cfg = model.config
-    body = 2 * sum(w.size for ws in model.layers.matrices().values() for w in ws)
+    body = 2 * sum(math.prod(quant.matrix_shape(w)) for ws in model.layers.matrices().values() for w in ws)
     head = 2 * cfg.vocab_size * cfg.hidden_size
     attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers     # per (query, key) pair
     prefill = batch * (prompt_len * body + attn * prompt_len * (prompt_len + 1) / 2 + head)
@@ -153,14 +211,18 @@ def main() -> int:
     roofline_s = weight_bytes / bw
     step_s = decode_step_time(core, args.prompt_len)
     gemm = measure_gemm_rate()
+    peak = measure_fma_peak()
     import jax
 
     from imp_jax.kernels_pallas import cpu_gemm
     from imp_jax.kernels_pallas.attention import attention_backend
+    from imp_jax.model.loader import describe_weights
     kernel = jax.default_backend() == "cpu" and cpu_gemm.available()
     attention = attention_backend()
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
-                   gemm_gflop_s=gemm / 1e9, cpu_gemm_kernel=kernel, attention_backend=attention,
+                   gemm_gflop_s=gemm / 1e9, fma_peak_gflop_s=peak / 1e9 if peak else None,
+                   cpu_gemm_kernel=kernel, attention_backend=attention,
+                   weights=describe_weights(core.loaded.model),
                    kv_cache_dtype=args.kv_cache_dtype,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
                    decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
@@ -169,23 +231,29 @@ def main() -> int:
     print(f"batch-1 decode step {step_s * 1e3:.1f} ms; roofline {roofline_s * 1e3:.1f} ms "
           f"({step_s / roofline_s:.2f}x)")
     print(f"best XLA float32 GEMM rate {gemm / 1e9:.0f} GFLOP/s; 'ceiling' = tok/s with every FLOP at that rate")
-    print(f"GEMMs of {cpu_gemm.MIN_ROWS}-{cpu_gemm.MAX_ROWS} rows: "
-          f"{'the CPU GEMM kernel' if kernel else 'XLA dot (IMP_JAX_CPU_GEMM=xla, or no kernel here)'}; "
+    if peak:
+        print(f"float32 FMA peak of all cores {peak / 1e9:.0f} GFLOP/s; 'peak' = tok/s with every FLOP at that rate "
+              f"and nothing else taking time")
+    print(f"weights: {describe_weights(core.loaded.model)}; GEMMs: "
+          f"{'the CPU GEMM kernel (float32 matrices at %d-%d rows, narrow ones at all)' % (cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (IMP_JAX_CPU_GEMM=xla, or no kernel here)'}; "
           f"attention: {attention}")
     print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
-          f"{'ceiling':>8} {'hf tok/s':>9} {'ratio':>6}")
+          f"{'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
     for b in args.batches:
         e = bench_engine(core, b, args.prompt_len, args.output_len)
         e["ceiling_tok_s"] = ceiling_tok_s(core.loaded.model, b, args.prompt_len, args.output_len, gemm,
                                            weight_bytes, bw)
+        e["peak_tok_s"] = (ceiling_tok_s(core.loaded.model, b, args.prompt_len, args.output_len, peak, 0, bw)
+                           if peak else None)
         results["engine"].append(e)
         h = None
         if not args.no_transformers:
             h = bench_transformers(core.loaded.path, b, args.prompt_len, args.output_len, core.tokenizer)
             results["transformers"].append(h)
         hf = f"{h['output_tok_s']:9.1f} {e['output_tok_s'] / h['output_tok_s']:6.2f}" if h else f"{'-':>9} {'-':>6}"
+        pk = f"{e['peak_tok_s']:7.1f}" if peak else f"{'-':>7}"
         print(f"{b:5d} {e['output_tok_s']:13.1f} {e['ttft_median_s']:9.2f} {e['ttft_max_s']:9.2f} "
-              f"{100 * e['host_fraction']:6.1f}% {e['ceiling_tok_s']:8.1f} {hf}")
+              f"{100 * e['host_fraction']:6.1f}% {e['ceiling_tok_s']:8.1f} {pk} {hf}")
     results["compilations_after_warmup"] = core.step_fn.compilations_after_warmup
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
