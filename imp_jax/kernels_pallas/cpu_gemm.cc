@@ -51,9 +51,9 @@ inline float f16(const uint8_t* p) {
   return _cvtsh_ss(h);   // exact, subnormals included
 }
 
-// A weight format: the bytes of a K-long row, the byte offset of weight k (for prefetching), the
-// 8 weights from k (k % 8 == 0) as floats, and one weight as a float (the K % 8 tail; block formats
-// have none, since K % 32 == 0).
+// A weight format: the byte offset of weight k in a row, and how weights become floats: plain
+// formats give the 8 weights from k (k % 8 == 0) and single ones (the K % 8 tail); block formats
+// (kBlocks, K % 32 == 0) give a whole block's 32 weights at a time from its one scale.
 struct F32 {
   static constexpr bool kWide = true;     // already float32: no scratch tile
   static constexpr bool kBlocks = false;  // GGML blocks: widened a block (32 weights, one scale) at a time
@@ -85,12 +85,6 @@ struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
   static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = 34;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
-  static __m256 load8(const uint8_t* w, int64_t k) {
-    const uint8_t* b = w + offset(k);
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + k % kQBlock));
-    return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-  }
-  static float one(const uint8_t*, int64_t) { return 0.0f; }
   static void block(const uint8_t* b, __m256 v[4]) {   // one block's 32 weights
     const __m256 d = _mm256_set1_ps(f16(b));
     for (int j = 0; j < 4; ++j) {
@@ -101,13 +95,7 @@ struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
 };
 
 // Q4_0 and Q4_1 hold weight j of a block in the low nibble of byte j (j < 16), weight j + 16 in
-// its high nibble. The 8 nibbles from k, as int32.
-inline __m256i nibbles8(const uint8_t* qs, int64_t k) {
-  const int64_t o = k % kQBlock;
-  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + (o & 15))));
-  return o < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
-}
-
+// its high nibble.
 // All 32 nibbles of a block as four int32 vectors, weights 0-7, 8-15, 16-23, 24-31. The 16 bytes
 // go to both 128-bit lanes, so in-lane byte shuffles spread them to 32-bit lanes (Zen's cross-lane
 // widening shuffles would be the bottleneck).
@@ -130,12 +118,6 @@ struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
   static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = 18;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
-  static __m256 load8(const uint8_t* w, int64_t k) {
-    const uint8_t* b = w + offset(k);
-    const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, k), _mm256_set1_epi32(8));
-    return _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(q));
-  }
-  static float one(const uint8_t*, int64_t) { return 0.0f; }
   static void block(const uint8_t* b, __m256 v[4]) {
     const __m256 d = _mm256_set1_ps(f16(b));
     __m256i q[4];
@@ -149,12 +131,6 @@ struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
   static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = 20;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
-  static __m256 load8(const uint8_t* w, int64_t k) {
-    const uint8_t* b = w + offset(k);
-    const __m256 q = _mm256_cvtepi32_ps(nibbles8(b + 4, k));
-    return _mm256_fmadd_ps(_mm256_set1_ps(f16(b)), q, _mm256_set1_ps(f16(b + 2)));
-  }
-  static float one(const uint8_t*, int64_t) { return 0.0f; }
   static void block(const uint8_t* b, __m256 v[4]) {
     int32_t dm_bits;   // d and m side by side: one load, one conversion
     std::memcpy(&dm_bits, b, 4);
@@ -252,15 +228,17 @@ void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
       for (int c = 0; c < NR; ++c) acc[c] = _mm256_fmadd_ps(xv, W::load8(w + c * ldw, k), acc[c]);
     }
   }
-  if (k < K) {  // plain formats' last K % 8 columns, as in `tile`
-    alignas(32) static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(K - k)),
-                                            _mm256_load_si256(reinterpret_cast<const __m256i*>(ramp)));
-    const __m256 xv = _mm256_maskload_ps(x + k, mask);
-    for (int c = 0; c < NR; ++c) {
-      alignas(32) float tail[8] = {};
-      for (int64_t j = k; j < K; ++j) tail[j - k] = W::one(w + c * ldw, j);
-      acc[c] = _mm256_fmadd_ps(xv, _mm256_load_ps(tail), acc[c]);
+  if constexpr (!W::kBlocks) {
+    if (k < K) {  // the last K % 8 columns, as in `tile`
+      alignas(32) static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(K - k)),
+                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(ramp)));
+      const __m256 xv = _mm256_maskload_ps(x + k, mask);
+      for (int c = 0; c < NR; ++c) {
+        alignas(32) float tail[8] = {};
+        for (int64_t j = k; j < K; ++j) tail[j - k] = W::one(w + c * ldw, j);
+        acc[c] = _mm256_fmadd_ps(xv, _mm256_load_ps(tail), acc[c]);
+      }
     }
   }
   for (int c = 0; c < NR; ++c) y[c] = hsum(acc[c]);
@@ -312,18 +290,20 @@ struct Gemm {
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
       const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
-      if (W::kBlocks || (!W::kWide && m1 - m0 > kMR)) {
-        widen(w + n * ldw, nr, scratch, pf);
-        for (int64_t m = m0; m < m1; m += kMR) {
-          const int64_t mr = std::min(kMR, m1 - m);
-          Tiles<F32>::fn[mr - 1][nr - 1](x + m * K, reinterpret_cast<const uint8_t*>(scratch), 4 * K,
-                                         y + m * N + n, K, N, nullptr);
+      if constexpr (!W::kBlocks) {
+        if (W::kWide || m1 - m0 <= kMR) {   // straight from w
+          for (int64_t m = m0; m < m1; m += kMR) {
+            const int64_t mr = std::min(kMR, m1 - m);
+            Tiles<W>::fn[mr - 1][nr - 1](x + m * K, w + n * ldw, ldw, y + m * N + n, K, N, m == m0 ? pf : nullptr);
+          }
+          continue;
         }
-        continue;
       }
+      widen(w + n * ldw, nr, scratch, pf);   // through the float32 scratch tile
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
-        Tiles<W>::fn[mr - 1][nr - 1](x + m * K, w + n * ldw, ldw, y + m * N + n, K, N, m == m0 ? pf : nullptr);
+        Tiles<F32>::fn[mr - 1][nr - 1](x + m * K, reinterpret_cast<const uint8_t*>(scratch), 4 * K,
+                                       y + m * N + n, K, N, nullptr);
       }
     }
   }
@@ -343,18 +323,18 @@ struct Gemm {
           for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + c * K + k + 8 * j, v[j]);
         }
       }
-      return;
-    }
-    for (int64_t c = 0; c < nr; ++c) {
-      int64_t k = 0, next_line = 0;
-      for (; k + 8 <= K; k += 8) {
-        if (pf && W::offset(k + 8) > next_line) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
-          next_line += 64;
+    } else {
+      for (int64_t c = 0; c < nr; ++c) {
+        int64_t k = 0, next_line = 0;
+        for (; k + 8 <= K; k += 8) {
+          if (pf && W::offset(k + 8) > next_line) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+            next_line += 64;
+          }
+          _mm256_storeu_ps(out + c * K + k, W::load8(w + c * ldw, k));
         }
-        _mm256_storeu_ps(out + c * K + k, W::load8(w + c * ldw, k));
+        for (; k < K; ++k) out[c * K + k] = W::one(w + c * ldw, k);
       }
-      for (; k < K; ++k) out[c * K + k] = W::one(w + c * ldw, k);
     }
   }
 
