@@ -5,6 +5,9 @@
 
 Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
 tokens with ignore_eos). The roofline is weight bytes / measured memory read bandwidth.
+'ceiling' is the tok/s with every FLOP at XLA's best measured GEMM rate; 'peak' the tok/s with
+every FLOP at the float32 FMA peak of all cores (measured with a small C++ loop built with the
+system compiler), which no implementation can beat.
 """
 from __future__ import annotations
 
