@@ -63,10 +63,11 @@ def test_a_rows_result_does_not_depend_on_its_neighbours():
 
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 4, 5, 9, 64, 65, 200])
-@pytest.mark.parametrize("N,K", [(1, 1), (5, 17), (49, 130), (97, 576)])
+@pytest.mark.parametrize("N,K", [(1, 1), (5, 17), (49, 130), (97, 576), (7, 1601)])
 def test_bf16_weights_give_the_float32_kernels_bits(M, N, K):
     """bf16 weights (read straight into registers for <= 4 rows, widened into a scratch tile for
-    more) give exactly what the float32 kernel gives on their float32 copies, and the exact product."""
+    more; long K too) give exactly what the float32 kernel gives on their float32 copies, and the
+    exact product."""
     rng = np.random.default_rng(M * 1000 + N * 10 + K)
     x = rng.standard_normal((M, K), np.float32)
     wb = jnp.asarray(rng.standard_normal((N, K), np.float32), jnp.bfloat16)
@@ -112,7 +113,7 @@ def test_dequantize_gives_gguf_pys_values(qtype):
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("M", [1, 4, 5, 70])
-@pytest.mark.parametrize("N,K", [(1, 32), (5, 64), (49, 160)])
+@pytest.mark.parametrize("N,K", [(1, 32), (5, 64), (49, 160), (6, 1600)])
 def test_ggml_blocks_give_the_float32_kernels_bits(qtype, M, N, K):
     """GGML blocks are widened to the exact values of their dequantised copy, so the product is
     the float32 kernel's on that copy, bit for bit, and the exact product of it."""
