@@ -1,7 +1,8 @@
 """GGUF checkpoints: llama.cpp metadata -> HF config dict, lazily dequantised HF-named tensors, tokenizer.
 
 Matches transformers' own GGUF loading (config keys, Q/K un-permutation, tokenizer conversion) so a
-GGUF and the HF checkpoint it came from load to the same model.
+GGUF and the HF checkpoint it came from load to the same model. The tokenizer conversion lives in
+gguf_tokenizer.py.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 
 from imp_jax.kernels_pallas import quant
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.tokenizer import Tokenizer, detect_fim_tokens
+from imp_jax.model.gguf_tokenizer import gguf_tokenizer
+from imp_jax.model.tokenizer import Tokenizer
 
 log = logging.getLogger("imp_jax.gguf")
 
@@ -106,7 +108,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
                              f"(supported: {', '.join(ARCHITECTURES)})", code="unknown_architecture")
     raw = {t.name: t for t in reader.tensors}
     hf_config = _hf_config(arch, meta, raw)
-    return GGUFCheckpoint(hf_config, _hf_tensors(arch, raw, hf_config, path), *_tokenizer(meta))
+    return GGUFCheckpoint(hf_config, _hf_tensors(arch, raw, hf_config, path), *gguf_tokenizer(meta))
 
 
 def _open(path: Path) -> Any:
@@ -251,163 +253,3 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
         raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "
                              f"(mixture-of-experts or another variant?): {', '.join(unknown[:8])}")
     return GGUFTensors(entries)
-
-
-# --- tokenizer: transformers' GGUF conversion (integrations/gguf/gguf_tokenizer_mapping.py) ---
-
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# `tokenizer.ggml.pre` -> split regex; any other value keeps GPT-2's ByteLevel regex (as transformers does)
-PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                     "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
-}
-# control tokens llama.cpp also treats as end-of-generation, beyond the file's eos/eot/eom ids
-_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
-              "<|end_of_text|>", "<｜end▁of▁sentence｜>"}
-_CONTROL, _USER_DEFINED = 3, 4
-
-
-def _tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
-    """The vocabulary's tokenizer (byte-level BPE or SentencePiece BPE) and generation defaults."""
-    kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-    if not tokens:
-        raise ModelLoadError(f"{meta.path}: GGUF has no tokenizer vocabulary")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        tok = _byte_level_bpe(tokens, meta.need("tokenizer.ggml.merges"), meta.get("tokenizer.ggml.pre"))
-    elif kind == "llama":
-        tok = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.merges"))
-    else:
-        raise ModelLoadError(f"{meta.path}: GGUF tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
-    _add_special_tokens(tok, tokens, types, byte_level=kind == "gpt2")
-
-    def token(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    named = {k: token(f"{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
-    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    extra += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS]
-    extra_eos = tuple(dict.fromkeys(i for i in extra if i is not None and i != eos_id))
-    fim = {k: token(f"fim_{k[:3]}_token_id") or token(f"{k}_token_id") for k in ("prefix", "suffix", "middle")}
-    wrapped = Tokenizer(
-        tok,
-        bos_token=named["bos"],
-        eos_token=named["eos"],
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        chat_template=_chat_templates(meta),
-        pad_token=named["padding"],
-        unk_token=named["unknown"],
-        extra_eos_ids=extra_eos,
-        fim_tokens=fim if all(fim.values()) else detect_fim_tokens(tok),
-    )
-    eos_ids = [i for i in (eos_id, *extra_eos) if i is not None]
-    gen = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-           "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
-           "pad_token_id": meta.get("tokenizer.ggml.padding_token_id")}
-    return wrapped, {k: v for k, v in gen.items() if v is not None}
-
-
-def _chat_templates(meta: _Metadata) -> str | dict[str, str] | None:
-    """`tokenizer.chat_template`, plus named ones (`tokenizer.chat_template.<name>`, e.g. tool_use)."""
-    prefix = "tokenizer.chat_template."
-    named = {k[len(prefix):]: v for k, v in meta.values.items() if k.startswith(prefix) and isinstance(v, str)}
-    default = meta.get("tokenizer.chat_template")
-    return {"default": default, **named} if named and default else named or default
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Any:
-    """GPT-2 style byte-level BPE; tokens spelled outside the byte alphabet are re-spelled into it."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    tok = HFTokenizer(bpe)
-    split = PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: list[str] | None) -> Any:
-    """SentencePiece-BPE (Llama 1/2, Mistral): Metaspace, byte fallback, merges from the file or scores."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if merges:
-        pairs = [tuple(m.split(" ")) for m in merges]
-    else:
-        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores or [0.0] * len(tokens))))
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(content=" ", left=1)])
-    return tok
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a token into two vocabulary pieces, best score first (transformers' generate_merges)."""
-    merges = []
-    for piece, score in scores.items():
-        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
-                 if piece[:k] in vocab and piece[k:] in vocab]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
-
-
-def _add_special_tokens(tok: Any, tokens: list[str], types: list[int], byte_level: bool) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens (kept whole).
-
-    A control token spelled outside the byte alphabet of a byte-level vocabulary is a llama.cpp mislabel
-    and is skipped, as transformers does.
-    """
-    from tokenizers import AddedToken
-
-    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
-    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-               if ty == _CONTROL and (alphabet is None or set(t) <= alphabet)]
-    if control:
-        tok.add_special_tokens(control)
-    vocab = tok.get_vocab()
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-            if ty == _USER_DEFINED and t in vocab]
-    if user:
-        tok.add_tokens(user)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    extra = [b for b in range(256) if b not in bs]
-    cs = bs + [256 + n for n in range(len(extra))]
-    return {b: chr(c) for b, c in zip(bs + extra, cs)}
