@@ -55,6 +55,7 @@ inline float f16(const uint8_t* p) {
 // formats give the 8 weights from k (k % 8 == 0) and single ones (the K % 8 tail); block formats
 // (kBlocks, K % 32 == 0) give a whole block's 32 weights at a time from its one scale.
 struct F32 {
+  static constexpr const char* kName = "imp_gemm_f32";
   static constexpr bool kWide = true;     // already float32: no scratch tile
   static constexpr bool kBlocks = false;  // GGML blocks: widened a block (32 weights, one scale) at a time
   static int64_t offset(int64_t k) { return 4 * k; }
@@ -63,6 +64,7 @@ struct F32 {
 };
 
 struct BF16 {   // the bfloat16's bits are the top half of its float32
+  static constexpr const char* kName = "imp_gemm_f32_bf16w";
   static constexpr bool kWide = false;
   static constexpr bool kBlocks = false;
   static int64_t offset(int64_t k) { return 2 * k; }
@@ -80,11 +82,17 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
   }
 };
 
-struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
+// A GGML block format of `Bytes` bytes per 32 weights; `block` gives one block's weights.
+template <int64_t Bytes>
+struct GgmlBlocks {
   static constexpr bool kWide = false;
   static constexpr bool kBlocks = true;
-  static constexpr int64_t kBytes = 34;
+  static constexpr int64_t kBytes = Bytes;
   static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+};
+
+struct Q8_0 : GgmlBlocks<34> {   // f16 d, int8 q[32]: w = d * q
+  static constexpr const char* kName = "imp_gemm_f32_q8_0w";
   static void block(const uint8_t* b, __m256 v[4]) {   // one block's 32 weights
     const __m256 d = _mm256_set1_ps(f16(b));
     for (int j = 0; j < 4; ++j) {
@@ -95,9 +103,8 @@ struct Q8_0 {   // f16 d, int8 q[32]: w = d * q
 };
 
 // Q4_0 and Q4_1 hold weight j of a block in the low nibble of byte j (j < 16), weight j + 16 in
-// its high nibble.
-// All 32 nibbles of a block as four int32 vectors, weights 0-7, 8-15, 16-23, 24-31. The 16 bytes
-// go to both 128-bit lanes, so in-lane byte shuffles spread them to 32-bit lanes (Zen's cross-lane
+// its high nibble. nibbles32 gives all 32 as four int32 vectors, weights 0-7, 8-15, 16-23, 24-31:
+// the 16 bytes go to both 128-bit lanes, so in-lane byte shuffles spread them to 32-bit lanes (Zen's cross-lane
 // widening shuffles would be the bottleneck).
 inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
   const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
@@ -113,11 +120,8 @@ inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
   q[3] = _mm256_shuffle_epi8(high, second);
 }
 
-struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
-  static constexpr bool kWide = false;
-  static constexpr bool kBlocks = true;
-  static constexpr int64_t kBytes = 18;
-  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+struct Q4_0 : GgmlBlocks<18> {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
+  static constexpr const char* kName = "imp_gemm_f32_q4_0w";
   static void block(const uint8_t* b, __m256 v[4]) {
     const __m256 d = _mm256_set1_ps(f16(b));
     __m256i q[4];
@@ -126,11 +130,8 @@ struct Q4_0 {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
   }
 };
 
-struct Q4_1 {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
-  static constexpr bool kWide = false;
-  static constexpr bool kBlocks = true;
-  static constexpr int64_t kBytes = 20;
-  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+struct Q4_1 : GgmlBlocks<20> {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
+  static constexpr const char* kName = "imp_gemm_f32_q4_1w";
   static void block(const uint8_t* b, __m256 v[4]) {
     int32_t dm_bits;   // d and m side by side: one load, one conversion
     std::memcpy(&dm_bits, b, 4);
@@ -371,42 +372,31 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, int64_t x_elements, const 
   return ffi::Error::Success();
 }
 
+// The handlers: Plain<W, T> for [N, K] weights of element type T, Blocks<W> for GGML blocks.
 template <class W, ffi::DataType T>
-ffi::Error Plain(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w,
-                 ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() < 1 || wd.size() != 2 || xd.back() != wd[1])
-    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., K] and w [N, K] expected");
+    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K] expected");
   return Run<W>(pool, x.typed_data(), x.element_count(), w.untyped_data(), wd[0], wd[1],
                 W::offset(wd[1]), y->typed_data());
 }
 
 template <class W>
-ffi::Error Blocks(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Blocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * kQBlock)
-    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., K] and w [N, K / 32, " +
+    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / 32, " +
                                        std::to_string(W::kBytes) + "] uint8 expected");
   return Run<W>(pool, x.typed_data(), x.element_count(), w.untyped_data(), wd[0], xd.back(),
                 wd[1] * W::kBytes, y->typed_data());
 }
 
-ffi::Error GemmF32(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Plain<F32>("imp_gemm_f32", p, x, w, y);
-}
-ffi::Error GemmBf16(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Plain<BF16>("imp_gemm_f32_bf16w", p, x, w, y);
-}
-ffi::Error GemmQ8_0(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Blocks<Q8_0>("imp_gemm_f32_q8_0w", p, x, w, y);
-}
-ffi::Error GemmQ4_0(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Blocks<Q4_0>("imp_gemm_f32_q4_0w", p, x, w, y);
-}
-ffi::Error GemmQ4_1(ffi::ThreadPool p, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Blocks<Q4_1>("imp_gemm_f32_q4_1w", p, x, w, y);
-}
+constexpr auto GemmF32 = Plain<F32, ffi::F32>;
+constexpr auto GemmBf16 = Plain<BF16, ffi::BF16>;
+constexpr auto GemmQ8_0 = Blocks<Q8_0>;
+constexpr auto GemmQ4_0 = Blocks<Q4_0>;
+constexpr auto GemmQ4_1 = Blocks<Q4_1>;
 
 }  // namespace
 

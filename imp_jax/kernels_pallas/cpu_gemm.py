@@ -65,20 +65,20 @@ def _xla(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def narrow_weights_pay() -> bool:
-    """Whether this host runs the kernel on narrow weights (bf16, GGML blocks) of float32 models,
-    so that keeping a matrix narrow costs nothing (elsewhere XLA would widen it on every call)."""
+def runs_here() -> bool:
+    """Whether the kernel runs on this host: a CPU backend where it is built. Narrow weights (bf16,
+    GGML blocks) of float32 models pay only here; elsewhere XLA would widen them on every call."""
     return jax.default_backend() == "cpu" and available()
 
 
 def uses_kernel(x: jax.Array, w: jax.Array) -> bool:
     """Whether `matmul_wt(x, w)` runs the kernel on this host."""
     target, rows = _target(w), math.prod(x.shape[:-1])
-    if x.dtype != jnp.float32 or target is None or jax.default_backend() != "cpu":
+    if x.dtype != jnp.float32 or target is None:
         return False
     if target == TARGET and not MIN_ROWS <= rows <= MAX_ROWS:
         return False
-    return available()
+    return runs_here()
 
 
 def matmul_wt(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -24,7 +24,8 @@ _BY_BYTES = {b: name for name, b in FORMATS.items()}
 
 
 def format_of(w: jax.Array | np.ndarray) -> str | None:
-    """The block format of a quantised matrix, or None for a plain [N, K] float one."""
+    """The block format of a quantised matrix (or of rows gathered from one), or None for a plain
+    [N, K] float one."""
     if w.dtype != np.uint8 or w.ndim != 3:
         return None
     return _BY_BYTES.get(int(w.shape[-1]))
@@ -49,7 +50,7 @@ def _nibbles(qs: jax.Array) -> jax.Array:
 
 def dequantize(w: jax.Array) -> jax.Array:
     """A quantised matrix [..., K / 32, bytes] as float32 [..., K] (also for gathered rows)."""
-    fmt = _BY_BYTES.get(int(w.shape[-1])) if w.dtype == np.uint8 and w.ndim >= 2 else None
+    fmt = format_of(w)
     if fmt == "Q8_0":
         q = jax.lax.bitcast_convert_type(w[..., 2:], jnp.int8).astype(jnp.float32)
         out = _f16(w[..., 0:2])[..., None] * q

@@ -32,15 +32,17 @@ def embed(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return rows.astype(dtype)
 
 
-def keep_blocks(parts: list[np.ndarray | None], dtype: jnp.dtype) -> np.ndarray | None:
-    """A matrix made of `parts` (each a GGUF tensor's GGML blocks, or None where it has none the
-    kernel reads) kept as blocks: their concatenation, when they share one format, the model
-    computes in float32 and this host's CPU GEMM kernel reads blocks (`cpu_gemm.narrow_weights_pay`).
-    The products are those of the dequantised matrix, from a quarter to a seventh of the bytes.
-    None: dequantise it as usual."""
-    if jnp.dtype(dtype) != jnp.float32 or any(p is None for p in parts):
-        return None
-    if len({quant.format_of(p) for p in parts}) != 1 or not cpu_gemm.narrow_weights_pay():
+def keeps_blocks(dtype: jnp.dtype) -> bool:
+    """Whether a model computing in `dtype` keeps a GGUF's GGML-block matrices as blocks on this
+    host: float32, where the CPU GEMM kernel reads blocks (`cpu_gemm.runs_here`). The products are
+    those of the dequantised matrices, from a quarter to a seventh of the bytes."""
+    return jnp.dtype(dtype) == jnp.float32 and cpu_gemm.runs_here()
+
+
+def join_blocks(parts: list[np.ndarray | None]) -> np.ndarray | None:
+    """One matrix of `parts` (each a tensor's GGML blocks, or None where it has none the kernel
+    reads), concatenated along the output axis when they share one format; None: dequantise."""
+    if any(p is None for p in parts) or len({quant.format_of(p) for p in parts}) != 1:
         return None
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
@@ -51,7 +53,7 @@ def exact_bf16(w: jax.Array) -> jax.Array:
     bf16 weights to float32 as it reads them, runs on this host. The products are the same bits,
     the matrix takes half the memory, and a decode step reads half the bytes. Otherwise `w` as is
     (XLA's own dot would copy a bf16 matrix to float32 on every call)."""
-    if w.dtype != jnp.float32 or w.ndim != 2 or not cpu_gemm.narrow_weights_pay():
+    if w.dtype != jnp.float32 or w.ndim != 2 or not cpu_gemm.runs_here():
         return w
     bits = np.asarray(w).view(np.uint32)
     if np.any(bits & 0xFFFF):

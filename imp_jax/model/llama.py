@@ -19,7 +19,8 @@ from flax import nnx
 from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
 from imp_jax.model.config import ModelConfig
 from imp_jax.kernels_pallas import quant
-from imp_jax.model.layers import apply_rope, embed, exact_bf16, keep_blocks, linear, rms_norm, rope_tables
+from imp_jax.model.layers import (apply_rope, embed, exact_bf16, join_blocks, keeps_blocks, linear,
+                                  rms_norm, rope_tables)
 from imp_jax.model.registry import register_model
 
 KVCache = tuple[jax.Array, jax.Array]  # K and V, each [L, num_blocks, block_size, KVH, D]
@@ -169,7 +170,7 @@ class DecoderLM(nnx.Module):
 
         `blocks(name)`, given for a GGUF file, is a tensor's GGML blocks in a format the CPU GEMM
         kernel reads (kernels_pallas/quant.py), or None. A matrix, the embedding or the LM head
-        whose parts all have them is kept as blocks where `layers.keep_blocks` says it pays.
+        whose parts all have them in one format is kept as blocks where `layers.keeps_blocks` says so.
         """
         model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0), layer_loop=layer_loop))
 
@@ -179,9 +180,11 @@ class DecoderLM(nnx.Module):
                 raise ValueError(f"shape {value.shape} where {param.shape} was expected")
             param.set_value(jnp.asarray(value) if value.dtype == np.uint8 else jnp.asarray(value, dtype))
 
+        use_blocks = blocks is not None and keeps_blocks(dtype)
+
         def put_matrix(param: nnx.Param, names: list[str]) -> None:
             """The matrix of `names` concatenated along their output axis: blocks if kept, else float."""
-            kept = keep_blocks([blocks(n) for n in names], dtype) if blocks is not None else None
+            kept = join_blocks([blocks(n) for n in names]) if use_blocks else None
             put(param, kept if kept is not None else
                 np.concatenate([np.asarray(get(n), np.float32) for n in names]))
 

@@ -6,14 +6,17 @@ import inspect
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from imp_jax.errors import ModelLoadError
+from imp_jax.kernels_pallas import quant
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.registry import get_model_class, import_model_class
 
@@ -95,12 +98,6 @@ def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str
 
 def describe_weights(model: Any) -> str:
     """One line for the log: the weights' MiB and how many arrays of each storage format."""
-    from collections import Counter
-
-    from flax import nnx
-
-    from imp_jax.kernels_pallas import quant
-
     arrays = jax.tree.leaves(nnx.state(model))
     formats = Counter(quant.format_of(a) or jnp.dtype(a.dtype).name for a in arrays)
     mib = sum(a.nbytes for a in arrays) / 2**20
