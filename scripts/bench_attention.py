@@ -237,7 +237,9 @@ def main() -> None:
     interpret = not is_hopper(jax.local_devices()[0])
     mode = "interpreted" if interpret else "compiled"
     print(f"device {jax.devices()[0].device_kind}; pallas {mode}; {shape}")
-    rows = []
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, peaks=device_peaks(),
+                interpret=interpret)
+    rows: list[dict] = []
     for mode in a.modes:
         for batch in a.batches:
             for context in a.contexts:
@@ -251,13 +253,11 @@ def main() -> None:
                                      max_reference_work=a.max_reference_work, splits=tuple(a.splits)):
                     print(fmt(row), flush=True)
                     rows.append(row)
+                if a.out:  # after every step size, so a run stopped part way keeps what it measured
+                    with open(a.out, "w") as f:
+                        json.dump(dict(meta=meta, results=rows), f, indent=1)
     if a.out:
-        meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, peaks=device_peaks(),
-                    interpret=interpret)
-        with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, results=rows), f, indent=1)
         print(f"wrote {len(rows)} rows to {a.out}")
-
 
 if __name__ == "__main__":
     main()
