@@ -100,7 +100,8 @@ def main() -> int:
     else:  # the compiled kernel takes 16-bit caches: float32 cases run as bfloat16
         cases = {n: c if c.dtype != jnp.float32 else dataclasses.replace(c, dtype=jnp.bfloat16)
                  for n, c in {**GPU_CASES, **KERNEL_CASES}.items()}
-    print(f"device {device.device_kind}; jax {jax.__version__}; kernel {'interpreted' if a.interpret else 'compiled'}")
+    how = "interpreted" if a.interpret else "compiled"
+    print(f"device {device.device_kind}; jax {jax.__version__}; kernel {how}")
     rows = []
     for name, case in cases.items():
         for row in check_case(name, case, [1, None] if a.interpret else [1, None, FORCED_SPLITS], a.interpret):

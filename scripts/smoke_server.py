@@ -89,8 +89,8 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     result: dict = dict(model=a.model, url=url, ok=False)
     with open(a.log, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "imp_jax.server", "--host", "127.0.0.1", "--port", str(port),
-                                 "--model", a.model, *(a.engine or SMALL_ENGINE)],
+        proc = subprocess.Popen([sys.executable, "-m", "imp_jax.server", "--host", "127.0.0.1",
+                                 "--port", str(port), "--model", a.model, *(a.engine or SMALL_ENGINE)],
                                 stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:
             result["ready_s"] = wait_ready(url, proc, a.ready_timeout)
