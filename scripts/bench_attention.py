@@ -1,6 +1,11 @@
 """Benchmark ragged paged attention: the Pallas kernel vs the XLA backend, with and without its
 data-dependent skips (`reference`, `xla_static`), and jax's decode kernel.
 
+The Pallas kernel runs once per `--splits` value: `auto` (its default split-KV rule; the row's
+`kv_splits` says what it chose) and fixed counts (`pallas_splits=1` is the unsplit kernel), so a
+GPU run shows what split-KV buys at batch 1 and long contexts. A fixed count equal to auto's is
+not run twice.
+
 Prints time, achieved HBM bandwidth and FLOP/s (as fractions of the device's peak where known)
 per (mode, batch, context) and writes JSON with --out. `--quick` runs small sizes; off a Hopper GPU
 the Pallas kernel runs in the Mosaic GPU interpreter, at the smallest size of each mode only (a
@@ -8,11 +13,13 @@ correctness smoke test against the reference, not a speed figure).
 
     python scripts/bench_attention.py --quick --out bench.json
     python scripts/bench_attention.py --modes decode prefill --out h200.json      # on a GPU
+    python scripts/bench_attention.py --modes decode --batches 1 --contexts 2048 32768 --splits auto 1 4
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -24,7 +31,8 @@ import numpy as np
 
 from imp_jax.kernels_pallas import AttentionMetadata, AttentionShape
 from imp_jax.kernels_pallas.backends import is_hopper
-from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
+from imp_jax.kernels_pallas.pallas.ragged_paged_attention import (auto_kv_splits, ragged_paged_attention_pallas,
+                                                                  supports)
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
 
@@ -118,22 +126,39 @@ def jax_decode_kernel() -> Callable | None:
     return jax.jit(run)
 
 
+def pallas_variants(splits: list[str], auto: int) -> dict[str, int | None]:
+    """Backend name -> kv_splits for each `--splits` value ('auto' or a count); a count equal to
+    what auto chose is dropped (the same program)."""
+    out: dict[str, int | None] = {}
+    for value in splits:
+        if value == "auto":
+            out["pallas"] = None
+        elif int(value) != auto or "auto" not in splits:
+            out[f"pallas_splits={int(value)}"] = int(value)
+    return out
+
+
 def bench_one(mode: str, batch: int, context: int, shape: Shape, iters: int, interpret: bool,
-              with_pallas: bool = True, max_reference_work: int = 1 << 27) -> list[dict]:
+              with_pallas: bool = True, max_reference_work: int = 1 << 27,
+              splits: tuple[str, ...] = ("auto", "1")) -> list[dict]:
     """All backends on one step; one result row each (errors recorded, not raised)."""
     q, k_cache, v_cache, meta, host = make_step(step_chunks(mode, batch, context, shape.block_size), shape)
     nbytes, flops = cost(host, shape)
     scale = shape.head_dim ** -0.5
     args = (q, k_cache, v_cache, meta)
     backends: dict[str, tuple[Callable, tuple]] = {}
+    auto = auto_kv_splits(q, k_cache, meta)
+    chosen: dict[str, int] = {}
     if q.shape[0] * context <= max_reference_work:  # its per-step gather is [T, 64 keys, KVH, D]
         backends["reference"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_xla(
             q, k, v, meta, 0, sm_scale=scale)), args)
         backends["xla_static"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_xla(
             q, k, v, meta, 0, sm_scale=scale, dynamic_skips=False)), args)
     if with_pallas and (interpret or supports(AttentionShape.of(q, k_cache))):
-        backends["pallas"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_pallas(
-            q, k, v, meta, 0, sm_scale=scale, interpret=interpret)), args)
+        for name, n in pallas_variants(list(splits), auto).items():
+            backends[name] = (jax.jit(functools.partial(_pallas, sm_scale=scale, interpret=interpret,
+                                                        kv_splits=n)), args)
+            chosen[name] = auto if n is None else n
     jax_kernel = jax_decode_kernel() if mode == "decode" and not interpret else None
     if jax_kernel is not None:
         pages = tuple(c[0].transpose(2, 0, 1, 3) for c in (k_cache, v_cache))
@@ -143,6 +168,8 @@ def bench_one(mode: str, batch: int, context: int, shape: Shape, iters: int, int
     for name, (fn, fn_args) in backends.items():
         row = dict(mode=mode, batch=batch, context=context, backend=name, tokens=int(q.shape[0]),
                    bytes=nbytes, flops=flops, **dataclasses.asdict(shape))
+        if name in chosen:
+            row["kv_splits"] = chosen[name]
         try:
             out = jax.block_until_ready(fn(*fn_args))
             if name == "reference":
@@ -162,9 +189,16 @@ def bench_one(mode: str, batch: int, context: int, shape: Shape, iters: int, int
     return rows
 
 
+def _pallas(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata, *, sm_scale: float,
+            interpret: bool, kv_splits: int | None) -> jax.Array:
+    return ragged_paged_attention_pallas(q, k, v, meta, 0, sm_scale=sm_scale, interpret=interpret,
+                                         kv_splits=kv_splits)
+
+
 def fmt(row: dict) -> str:
     """One table line."""
-    head = f"{row['mode']:8s} {row['batch']:4d} {row['context']:6d} {row['backend']:20s}"
+    backend = row["backend"] + (f" ({row['kv_splits']})" if row["backend"] == "pallas" else "")
+    head = f"{row['mode']:8s} {row['batch']:4d} {row['context']:6d} {backend:20s}"
     if "error" in row:
         return f"{head} ERROR {row['error']}"
     frac = lambda x: f"{100 * x:6.1f}%" if x is not None else "      -"
@@ -187,6 +221,8 @@ def main() -> None:
     p.add_argument("--max-reference-work", type=int, default=1 << 27,
                    help="skip the XLA reference when query tokens x context exceeds this")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--splits", nargs="+", default=["auto", "1"],
+                   help="the Pallas kernel's kv_splits to run: 'auto' (its rule) and/or counts")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -196,12 +232,14 @@ def main() -> None:
     a = p.parse_args()
     shape = Shape(a.heads, a.kv_heads, a.head_dim, a.block_size, a.dtype)
     if a.quick:
-        a.batches, a.contexts, a.iters = [1, 3], [40, 100], 1
+        a.batches, a.contexts, a.iters = [1, 3], [100, 200], 1   # 100 keys: 2 kv steps, so auto splits
         shape = Shape(4, 2, 64, 16, a.dtype)
     interpret = not is_hopper(jax.local_devices()[0])
     mode = "interpreted" if interpret else "compiled"
     print(f"device {jax.devices()[0].device_kind}; pallas {mode}; {shape}")
-    rows = []
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, peaks=device_peaks(),
+                interpret=interpret)
+    rows: list[dict] = []
     for mode in a.modes:
         for batch in a.batches:
             for context in a.contexts:
@@ -212,16 +250,14 @@ def main() -> None:
                 smallest = batch == min(a.batches) and context == min(a.contexts)
                 for row in bench_one(mode, batch, context, shape, a.iters, interpret,
                                      with_pallas=not interpret or smallest,
-                                     max_reference_work=a.max_reference_work):
+                                     max_reference_work=a.max_reference_work, splits=tuple(a.splits)):
                     print(fmt(row), flush=True)
                     rows.append(row)
+                if a.out:  # after every step size, so a run stopped part way keeps what it measured
+                    with open(a.out, "w") as f:
+                        json.dump(dict(meta=meta, results=rows), f, indent=1)
     if a.out:
-        meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, peaks=device_peaks(),
-                    interpret=interpret)
-        with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, results=rows), f, indent=1)
         print(f"wrote {len(rows)} rows to {a.out}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """Offline engine throughput and TTFT for SmolLM2 vs HF transformers `generate`, plus the decode roofline.
 
     python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128]
-                                   [--kv-cache-dtype auto|bfloat16] [--out FILE]
+                                   [--dtype auto|float32|bfloat16] [--kv-cache-dtype auto|bfloat16] [--out FILE]
 
 Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
 tokens with ignore_eos). The roofline is weight bytes / measured memory read bandwidth.
@@ -195,6 +195,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag; auto = bf16 on GPU)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag)")
     ap.add_argument("--attention", default="auto", help="auto | xla | cpu | pallas (the engine's flag)")
     ap.add_argument("--gemm", default="auto", help="auto | xla | cpu (the engine's flag)")
@@ -209,7 +210,7 @@ def main() -> int:
     t0 = time.perf_counter()
     core = build_engine(EngineConfig(model=args.model, max_model_len=args.prompt_len + args.output_len + 16,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     kv_cache_dtype=args.kv_cache_dtype, attention=args.attention,
+                                     dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention=args.attention,
                                      gemm=args.gemm))
     startup = time.perf_counter() - t0
     bw = measure_bandwidth()
@@ -226,7 +227,7 @@ def main() -> int:
                    gemm_gflop_s=gemm / 1e9, fma_peak_gflop_s=peak / 1e9 if peak else None,
                    cpu_gemm_kernel=kernel, attention_backend=kernels.attention,
                    weights=describe_weights(core.loaded.model),
-                   kv_cache_dtype=args.kv_cache_dtype,
+                   dtype=np.dtype(core.loaded.dtype).name, kv_cache_dtype=args.kv_cache_dtype,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
                    decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
     print(f"startup (load + compile) {startup:.1f}s; weights {weight_bytes / 1e6:.0f} MB; "

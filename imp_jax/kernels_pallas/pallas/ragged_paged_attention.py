@@ -8,10 +8,14 @@ with tcgen05 MMAs, so other GPUs stay on the XLA backend until a tcgen05 variant
 caches also stay on the XLA backend on GPU (wgmma would run them as tf32, K-major operands only).
 
 Layout of the work: the flat ragged batch is cut, in XLA, into work items of up to `block_q`
-query tokens of one sequence; grid = (work items, kv heads). A work item stacks its tokens x the
-G query heads of its kv head as the 64 MMA rows (GQA: K/V are read once per group), walks its
-sequence's pages through `block_tables` (never a dense context) in steps of `block_kv` keys,
-and keeps an f32 online softmax. Causal, sliding-window and soft-cap masking are per row.
+query tokens of one sequence; grid = (work items, kv heads[, kv splits]). A work item stacks its
+tokens x the G query heads of its kv head as the 64 MMA rows (GQA: K/V are read once per group),
+walks its sequence's pages through `block_tables` (never a dense context) in steps of `block_kv`
+keys, and keeps an f32 online softmax. Causal, sliding-window and soft-cap masking are per row.
+Split-KV (`split_kv.py`): when few (work item, kv head) programs would leave most SMs idle (a
+small-batch decode), each item's steps are cut into up to 16 slices, one program each; programs
+then write f32 partial outputs and log-sum-exps, merged exactly in XLA. With one split (the
+default for prefill-heavy buckets) the kernel writes the final output itself.
 The new K/V are written right before the kernel by `kv_cache.write_kv` (an XLA scatter,
 in place when the step donates the caches). On CPU the same kernel runs in JAX's Mosaic GPU
 interpreter (`interpret=True`), which is how CI tests it; two interpreter gaps are bridged there
@@ -30,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape, token_positions
+from imp_jax.kernels_pallas.pallas import split_kv
 
 MMA_ROWS = 64            # wgmma M per warpgroup on Hopper
 SWIZZLE = 128            # bytes; SMEM tiles are (8, SWIZZLE // itemsize)
@@ -58,6 +63,25 @@ def supports(shape: AttentionShape) -> bool:
     return (shape.cache_dtype in sixteen and shape.q_dtype in sixteen
             and shape.head_dim % 64 == 0 and shape.head_dim <= 256
             and shape.block_size % 8 == 0 and bk % 64 == 0 and bk <= 256 and group <= 2 * MMA_ROWS)
+
+
+def _work_sizes(num_tokens: int, group: int, num_slots: int) -> tuple[int, int]:
+    """(block_q, num_work): query tokens per work item (its rows fill one 64-row MMA tile), and the
+    static count of work items (every sequence may start a partial one)."""
+    block_q = max(1, MMA_ROWS // group)
+    return block_q, min(num_tokens, -(-num_tokens // block_q) + min(num_slots, num_tokens))
+
+
+def auto_kv_splits(q: Any, k_cache: Any, meta: AttentionMetadata, sliding_window: int | None = None,
+                   block_kv: int = 64) -> int:
+    """The kv splits a call on these shapes gets by default (`split_kv.default_kv_splits`); reads
+    only static shapes, so arrays or ShapeDtypeStructs do."""
+    T, H, _ = q.shape
+    _, _, bs, kvh, _ = k_cache.shape
+    block_q, num_work = _work_sizes(T, H // kvh, meta.seq_lens.shape[0])
+    bk = block_kv_for(bs, block_kv)
+    steps = split_kv.max_kv_steps(meta.block_tables.shape[1] * bs, bk, block_q, sliding_window)
+    return split_kv.default_kv_splits(num_work, kvh, steps)
 
 
 def _plan(meta: AttentionMetadata, num_tokens: int, block_q: int,
@@ -106,9 +130,10 @@ def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any,
-            o_ref: Any, *, group: int, block_kv: int, sm_scale: float, sliding_window: int | None,
-            soft_cap: float | None, interpret: bool) -> None:
-    """One (work item, kv head): online-softmax attention of its rows over its sequence's pages."""
+            o_ref: Any, lse_ref: Any = None, *, group: int, block_kv: int, sm_scale: float,
+            sliding_window: int | None, soft_cap: float | None, splits: int, interpret: bool) -> None:
+    """One (work item, kv head[, kv slice]): online-softmax attention of its rows over its
+    sequence's pages (its slice of them when splits > 1: then the f32 partial and lse go out)."""
     _, _, bs, _, d = k_ref.shape
     rows_m = q_ref.shape[2]
     pages = block_kv // bs
@@ -117,6 +142,10 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: A
     w, h = lax.axis_index("work"), lax.axis_index("kv_head")
     seq, pos0, n_rows = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
     step_lo, step_end = work_ref[w, 3], work_ref[w, 4]
+    if splits > 1:
+        split, per = lax.axis_index("kv_split"), work_ref[w, 5]
+        step_lo = step_lo + split * per
+        step_end = jnp.minimum(step_lo + per, step_end)
     layer = layer_ref[0]
     # register layouts only mean something to the Mosaic GPU compiler; the interpreter has no rule
     lay = (lambda x, _: x) if interpret else plgpu.layout_cast
@@ -181,32 +210,53 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: A
         m = lay(jnp.full((rows_m,), _MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = lay(jnp.full((rows_m,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = lay(jnp.full((rows_m, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        _, l, acc = lax.fori_loop(0, step_end - step_lo, body, (m, l, acc))
+        m, l, acc = lax.fori_loop(0, step_end - step_lo, body, (m, l, acc))
+        if splits > 1:
+            return m, l, acc  # stored by `store_partial`, in SMEM this scope frees
         l = jnp.maximum(l, 1e-30)  # rows that saw no key (padding) keep acc == 0
         q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)  # q is spent
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[w, h])
         plgpu.wait_smem_to_gmem(0)
+        return None
 
-    @pl.when(n_rows > 0)  # work items past the batch (padding) touch nothing
+    def store_partial(m: jax.Array, l: jax.Array, acc: jax.Array, o_smem: Any, lse_smem: Any) -> None:
+        """This slice's normalised f32 output and lse = m + log(l), lse broadcast over LSE_COLS
+        columns so both are plain 2D WGMMA-layout stores; m = -1e30 marks rows that saw no key."""
+        l = jnp.maximum(l, 1e-30)
+        o_smem[...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        lse_smem[...] = lax.broadcast_in_dim(m + jnp.log(l), lse_smem.shape, [0])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[w, h, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[w, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    # work items past the batch (padding) and empty slices touch nothing
+    @pl.when((n_rows > 0) & (step_lo < step_end) if splits > 1 else n_rows > 0)
     def _() -> None:
-        pl.run_scoped(
+        result = pl.run_scoped(
             scoped,
             _smem((rows_m, d), dtype), _smem((2, block_kv, d), dtype), _smem((2, block_kv, d), dtype),
             _smem((rows_m, block_kv), dtype), _smem((d, block_kv), dtype) if interpret else None,
             plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=pages, num_barriers=2),
             plgpu.Barrier(num_arrivals=pages, num_barriers=2),
         )
+        if splits > 1:
+            pl.run_scoped(functools.partial(store_partial, *result), _smem((rows_m, d), jnp.float32),
+                          _smem((rows_m, split_kv.LSE_COLS), jnp.float32))
 
 
 def ragged_paged_attention_pallas(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
     layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
     soft_cap: float | None = None, interpret: bool = False, block_kv: int = 64,
+    kv_splits: int | None = None,
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
     Same contract as `xla.oracle.ragged_paged_attention_oracle`; K/V must already be written.
+    kv_splits: slices of each work item's keys, one program each (None: `split_kv.default_kv_splits`
+    of the static shapes; 1: no split, no combine).
     """
     if not interpret and not supports(AttentionShape.of(q, k_cache)):
         raise ValueError(f"the compiled Pallas kernel does not take q {q.shape} {q.dtype}, "
@@ -214,12 +264,16 @@ def ragged_paged_attention_pallas(
     T, H, D = q.shape
     _, _, BS, KVH, _ = k_cache.shape
     G = H // KVH
-    block_q = max(1, MMA_ROWS // G)
+    block_q, num_work = _work_sizes(T, G, meta.seq_lens.shape[0])
     rows_m = MMA_ROWS * math.ceil(block_q * G / MMA_ROWS)
     bk = block_kv_for(BS, block_kv)
-    num_work = min(T, -(-T // block_q) + min(meta.seq_lens.shape[0], T))
     work, first_tok, tok_work, tok_row, valid = _plan(meta, T, block_q, num_work)
     work = _kv_steps(work, bk, sliding_window)
+    splits = auto_kv_splits(q, k_cache, meta, sliding_window, block_kv) if kv_splits is None else kv_splits
+    if splits < 1:
+        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    if splits > 1:
+        work = split_kv.with_split_size(work, splits)
 
     # q rows of each work item, stacked (token, group head) -> [W, KVH, rows_m, D]
     tok = jnp.clip(first_tok[:, None] + jnp.arange(block_q)[None, :], 0, T - 1)
@@ -229,17 +283,31 @@ def ragged_paged_attention_pallas(
     qw = qw.reshape(num_work, KVH, block_q * G, D)
     qw = jnp.pad(qw, ((0, 0), (0, 0), (0, rows_m - block_q * G), (0, 0)))
 
-    kernel = functools.partial(_kernel, group=G, block_kv=bk, sm_scale=sm_scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
-    call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((num_work, KVH, rows_m, D), k_cache.dtype),
-        grid=(num_work, KVH), grid_names=("work", "kv_head"),
-        compiler_params=plgpu.CompilerParams(),
-        **({"interpret": interpret_params()} if interpret else {}))
+    kernel = functools.partial(_kernel, group=G, block_kv=bk, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, splits=splits, interpret=interpret)
+    if splits == 1:
+        out_type: Any = jax.ShapeDtypeStruct((num_work, KVH, rows_m, D), k_cache.dtype)
+        grid, names = (num_work, KVH), ("work", "kv_head")
+    else:
+        lead = (num_work, KVH, splits, rows_m)
+        out_type = (jax.ShapeDtypeStruct((*lead, D), jnp.float32),
+                    jax.ShapeDtypeStruct((*lead, split_kv.LSE_COLS), jnp.float32))
+        grid, names = (num_work, KVH, splits), ("work", "kv_head", "kv_split")
+    call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names,
+                        compiler_params=plgpu.CompilerParams(),
+                        **({"interpret": interpret_params()} if interpret else {}))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     out = call(work, meta.block_tables.astype(jnp.int32), layer_arr, qw, k_cache, v_cache)
 
-    out = out[:, :, :block_q * G].reshape(num_work, KVH, block_q, G, D)
-    out = out[tok_work, :, tok_row]                                   # [T, KVH, G, D]
+    rows = block_q * G
+    if splits == 1:
+        out = out[:, :, :rows].reshape(num_work, KVH, block_q, G, D)
+        out = out[tok_work, :, tok_row]                               # [T, KVH, G, D]
+    else:
+        parts, lse = out
+        parts = parts[:, :, :, :rows].reshape(num_work, KVH, splits, block_q, G, D)[tok_work, :, :, tok_row]
+        lse = lse[:, :, :, :rows, 0].reshape(num_work, KVH, splits, block_q, G)[tok_work, :, :, tok_row]
+        ran = split_kv.live_splits(work, splits)[tok_work][:, None, :, None]    # [T, 1, splits, 1]
+        out = split_kv.combine(parts, lse, ran, axis=2)                         # [T, KVH, G, D]
     return jnp.where(valid[:, None, None, None], out, 0).reshape(T, H, D).astype(q.dtype)
 
