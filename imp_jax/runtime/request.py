@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
@@ -116,7 +117,9 @@ class EngineEvent:
     """One step's news for one sequence (`index` = choice index when n > 1).
 
     `finish_reason` is set on a sequence's last event (stop, length, cancelled, error);
-    `usage` is set once, on the request's very last event, when `done` is True.
+    `usage` is set once, on the request's very last event, when `done` is True. Times are
+    `time.monotonic()`: when the event was made, and when the scheduler first put the request
+    into a batch (None while it has not).
     """
 
     request_id: str
@@ -131,3 +134,5 @@ class EngineEvent:
     done: bool = False
     error: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created_at: float = dataclasses.field(default_factory=time.monotonic)
+    admitted_at: float | None = None
