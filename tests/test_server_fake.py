@@ -166,7 +166,7 @@ def test_generation_request_carries_priority_and_cache_prompt(fake_server: tuple
     url, engine = fake_server
     seen: list[GenerationRequest] = []
     original = engine.generate
-    engine.generate = lambda req: (seen.append(req), original(req))[1]  # type: ignore[method-assign]
+    engine.generate = lambda req, *a: (seen.append(req), original(req, *a))[1]  # type: ignore[method-assign]
     try:
         r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "priority": -3, "cache_prompt": True,
                                                            "user": "u1", "seed": 5, "top_k": 7}, timeout=30)

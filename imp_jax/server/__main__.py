@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
@@ -15,6 +17,21 @@ from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
 
 log = logging.getLogger("imp_jax.server")
+UNSENT_LOWAT = 128 * 1024  # bytes of a response the kernel holds for a client that is not reading
+
+
+class _HypercornConfig(HypercornConfig):
+    """Hypercorn's config; its TCP sockets keep at most UNSENT_LOWAT unsent bytes (TCP_NOTSENT_LOWAT, where
+    the OS has it), so a client that stops reading a stream blocks the server's writes after ~100 KiB
+    instead of after the kernel's autotuned send buffer (MiBs), and the stall timeout can see it."""
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+        for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+            if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LOWAT)
+        return sockets
 
 
 async def run(config: ServerConfig) -> None:
@@ -23,7 +40,7 @@ async def run(config: ServerConfig) -> None:
 
     engine = AsyncEngine(config.engine)
     app = create_app(engine, config)
-    hc = HypercornConfig()
+    hc = _HypercornConfig()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
