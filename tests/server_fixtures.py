@@ -331,7 +331,7 @@ def fake_server() -> Iterator[tuple[str, FakeEngine]]:
 # --------------------------------------------------------------------------- the operations server
 OPS_KEY = "key-main"                    # --api-key
 OPS_FILE_KEYS = ("key-file", "key-rate")  # --api-key-file; key-rate is spent by the rate-limit test alone
-OPS_RATE_LIMIT = 60                     # requests per minute per key
+OPS_RATE_LIMIT = 120                    # requests per minute per key
 OPS_TIMEOUT_S = 8.0                     # --request-timeout
 OPS_STALL_S = 1.5                       # --stream-stall-timeout
 OPS_MAX_TOKENS = 5                      # --max-tokens (the default of requests that set none)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from server_fixtures import (MODEL, OPS_FILE_KEYS, OPS_KEY, OPS_MAX_BYTES, OPS_ORIGIN, OPS_RATE_LIMIT, FakeEngine,
-                             OpsServer, fake_tokenizer, ops_server)  # noqa: F401
+                             OpsServer, fake_tokenizer)
 
 from imp_jax.server.app import create_app
 from imp_jax.server.config import ServerConfig

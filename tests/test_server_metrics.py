@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import MODEL, OpsServer, ops_server, wait_idle  # noqa: F401
+from prometheus_text import delta, parse, value
+from server_fixtures import MODEL, OpsServer, wait_idle
 
 pytestmark = pytest.mark.real_model
 
@@ -28,23 +28,6 @@ ZERO_BEFORE_TRAFFIC = (
     "imp_request_log_dropped_total",
     *(f"imp_{ladder}_count" for ladder in LADDERS),
 )
-Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def parse(text: str) -> Series:
-    """Every sample, parsed by prometheus-client's own parser (which rejects a malformed exposition)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(series: Series, name: str, **labels: str) -> float:
-    return series[(name, tuple(sorted(labels.items())))]
-
-
-def delta(before: Series, after: Series, name: str, **labels: str) -> float:
-    return value(after, name, **labels) - value(before, name, **labels)
-
-
 def test_every_series_exists_at_zero_before_traffic(ops_server: OpsServer) -> None:
     m = parse(ops_server.first_metrics)
     for name in ZERO_BEFORE_TRAFFIC:

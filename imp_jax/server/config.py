@@ -1,4 +1,4 @@
-"""ServerConfig: the server's own settings. Each field is a flag (`--rate-limit`) and a `--config` key (`rate_limit`)."""
+"""ServerConfig: the server's own settings; each field is a flag (`--rate-limit`) and a `--config` key."""
 from __future__ import annotations
 
 import dataclasses
