@@ -172,3 +172,31 @@ def test_without_keys_the_rate_limit_is_per_client_address() -> None:
             client = test_app.test_client()
             return [(await client.get("/v1/models")).status_code for _ in range(3)]
     assert asyncio.run(run()) == [200, 200, 429]
+
+
+def test_the_new_settings_are_flags_and_config_keys(tmp_path) -> None:
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.server.cli import parse_config
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k-file  # a comment\n\n# another\nk-file-2\n")
+    cfg = tmp_path / "imp.toml"
+    cfg.write_text(f'api_key = "k-toml"\napi-key-file = "{keys}"\nrate_limit = 30\ncors_origins = "http://a, http://b"\n'
+                   'request-timeout = 2.5\nmax_tokens = 64\nmetrics_public = true\n')
+    config = parse_config(["--config", str(cfg), "--api-key", "k1", "--api-key", "k2", "--max-queued-tokens", "9"],
+                          EngineConfig)
+    assert config.api_keys() == ["k1", "k2", "k-file", "k-file-2"]     # flags win over the file's api_key
+    assert (config.rate_limit, config.request_timeout, config.max_tokens, config.max_queued_tokens) == (30, 2.5, 64, 9)
+    assert config.cors_origins == ["http://a", "http://b"] and config.metrics_public is True
+    assert parse_config(["--config", str(cfg)], EngineConfig).api_keys() == ["k-toml", "k-file", "k-file-2"]
+
+
+@pytest.mark.parametrize("argv", [["--rate-limit", "-1"], ["--max-tokens", "0"], ["--api-key-file", "/no/such/file"],
+                                  ["--otlp-endpoint", "collector:4318"], ["--stream-stall-timeout", "0"]])
+def test_bad_settings_stop_the_server_at_start(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.server.cli import parse_config
+
+    with pytest.raises(SystemExit):
+        parse_config(argv, EngineConfig)
+    assert "bad server setting" in capsys.readouterr().err

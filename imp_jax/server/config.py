@@ -31,7 +31,7 @@ class ServerConfig:
     metrics_public: bool = _field(False, "serve /metrics without an API key")
     rate_limit: int = _field(0, "requests per minute per API key (per client address without keys); 0 = off")
     cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
-                                         "'*' = any); default none: CORS off")
+                                         "'*' = any); none: CORS off")
     # limits
     max_request_bytes: int = _field(64 * 1024 * 1024, "largest request body in bytes (413 past it)")
     max_queued_requests: int = _field(0, "generation requests waiting for their first token at most "
