@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from quart import g, request
@@ -40,7 +41,7 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     rec.submitted_at = time.monotonic()
     rec.generating = rec.generated = True
     try:
-        events = await start(engine, req, state.config.stream_limits, tracked.mark_stalled)
+        events = await start(engine, req, state.config.stream_limits, rec.mark_stalled)
     except ImpError as e:
         if e.status < 500:  # refused by the engine: not a generation
             rec.generated = False
@@ -59,7 +60,8 @@ class TrackedEvents:
     """The request's events as the dialect reads them (an async iterator), observed on the way through.
 
     A class, not a generator, so that its end always runs: on the last event, on `aclose()`,
-    or when it is dropped unread (a stream whose body never started).
+    or when it is dropped unread (a stream whose body never started). Nothing it holds refers
+    back to it (the stall callback is the record's), so dropping it ends it at once, on the loop.
     """
 
     def __init__(self, engine: Engine, request_id: str, rec: RequestRecord, telemetry: Telemetry,
@@ -70,14 +72,12 @@ class TrackedEvents:
         self._timer: asyncio.TimerHandle | None = None
         if timeout_s > 0:
             remaining = max(0.0, rec.arrival + timeout_s - time.monotonic())
-            self._timer = asyncio.get_running_loop().call_later(remaining, self._time_out)
+            time_out = weakref.WeakMethod(self._time_out)  # a pending timer must not keep it alive
+            self._timer = asyncio.get_running_loop().call_later(
+                remaining, lambda: (fn := time_out()) is not None and fn())
 
     def attach(self, events: AsyncIterator[EngineEvent]) -> None:
         self._events = events
-
-    def mark_stalled(self) -> None:
-        """The engine dropped the reader: it stopped reading."""
-        self._rec.stalled = True
 
     def _time_out(self) -> None:
         self._timer = None

@@ -77,6 +77,10 @@ class RequestRecord:
             self.cached_tokens = ev.usage.cached_tokens
         return gaps
 
+    def mark_stalled(self) -> None:
+        """The engine dropped the reader: the client stopped reading."""
+        self.stalled = True
+
     def end_generation(self, outcome: str) -> None:
         self.generating = False
         self.outcome = outcome
