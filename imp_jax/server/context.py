@@ -18,7 +18,6 @@ from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
 from imp_jax.server.validation import M, check_model_name, parse_json, parse_model
 
-__all__ = ["ServerConfig", "ServerContext", "install", "server", "state_of"]
 _KEY = "imp_jax"
 
 
