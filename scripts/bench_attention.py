@@ -1,4 +1,5 @@
-"""Benchmark ragged paged attention: the Pallas kernel vs the XLA reference (and jax's decode kernel).
+"""Benchmark ragged paged attention: the Pallas kernel vs the XLA backend, with and without its
+data-dependent skips (`reference`, `xla_static`), and jax's decode kernel.
 
 Prints time, achieved HBM bandwidth and FLOP/s (as fractions of the device's peak where known)
 per (mode, batch, context) and writes JSON with --out. `--quick` runs small sizes; off a Hopper GPU
@@ -21,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from imp_jax.kernels_pallas import AttentionMetadata
-from imp_jax.kernels_pallas.attention import hopper_gpu
-from imp_jax.kernels_pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
-from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference
+from imp_jax.kernels_pallas import AttentionMetadata, AttentionShape
+from imp_jax.kernels_pallas.backends import is_hopper
+from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
+from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
 
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12)}  # HBM bytes/s, dense bf16 FLOP/s
@@ -126,9 +127,11 @@ def bench_one(mode: str, batch: int, context: int, shape: Shape, iters: int, int
     args = (q, k_cache, v_cache, meta)
     backends: dict[str, tuple[Callable, tuple]] = {}
     if q.shape[0] * context <= max_reference_work:  # its per-step gather is [T, 64 keys, KVH, D]
-        backends["reference"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_reference(
+        backends["reference"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_xla(
             q, k, v, meta, 0, sm_scale=scale)), args)
-    if with_pallas and (interpret or supports(q, k_cache)):
+        backends["xla_static"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_xla(
+            q, k, v, meta, 0, sm_scale=scale, dynamic_skips=False)), args)
+    if with_pallas and (interpret or supports(AttentionShape.of(q, k_cache))):
         backends["pallas"] = (jax.jit(lambda q, k, v, meta: ragged_paged_attention_pallas(
             q, k, v, meta, 0, sm_scale=scale, interpret=interpret)), args)
     jax_kernel = jax_decode_kernel() if mode == "decode" and not interpret else None
@@ -195,7 +198,7 @@ def main() -> None:
     if a.quick:
         a.batches, a.contexts, a.iters = [1, 3], [40, 100], 1
         shape = Shape(4, 2, 64, 16, a.dtype)
-    interpret = not hopper_gpu()
+    interpret = not is_hopper(jax.local_devices()[0])
     mode = "interpreted" if interpret else "compiled"
     print(f"device {jax.devices()[0].device_kind}; pallas {mode}; {shape}")
     rows = []

@@ -115,10 +115,10 @@ def ceiling_tok_s(model, batch: int, prompt_len: int, output_len: int, gemm_rate
     FLOPs: 2 per matrix weight per token, the LM head for sampled rows only, 4 * heads * head_dim
     per key per layer for attention.
     """
-    from imp_jax.kernels_pallas import quant
+    from imp_jax.kernels_pallas import ggml_blocks
 
     cfg = model.config
-    body = 2 * sum(math.prod(quant.matrix_shape(w)) for ws in model.layers.matrices().values() for w in ws)
+    body = 2 * sum(math.prod(ggml_blocks.matrix_shape(w)) for ws in model.layers.matrices().values() for w in ws)
     head = 2 * cfg.vocab_size * cfg.hidden_size
     attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers     # per (query, key) pair
     prefill = batch * (prompt_len * body + attn * prompt_len * (prompt_len + 1) / 2 + head)
@@ -196,6 +196,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag)")
+    ap.add_argument("--attention", default="auto", help="auto | xla | cpu | pallas (the engine's flag)")
+    ap.add_argument("--gemm", default="auto", help="auto | xla | cpu (the engine's flag)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
     ap.add_argument("--out", default="bench_results/engine.json")
     args = ap.parse_args()
@@ -207,7 +209,8 @@ def main() -> int:
     t0 = time.perf_counter()
     core = build_engine(EngineConfig(model=args.model, max_model_len=args.prompt_len + args.output_len + 16,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     kv_cache_dtype=args.kv_cache_dtype))
+                                     kv_cache_dtype=args.kv_cache_dtype, attention=args.attention,
+                                     gemm=args.gemm))
     startup = time.perf_counter() - t0
     bw = measure_bandwidth()
     weight_bytes = sum(x.nbytes for x in jax_leaves(core.step_fn.state))
@@ -215,16 +218,13 @@ def main() -> int:
     step_s = decode_step_time(core, args.prompt_len)
     gemm = measure_gemm_rate()
     peak = measure_fma_peak()
-    import jax
-
-    from imp_jax.kernels_pallas import cpu_gemm
-    from imp_jax.kernels_pallas.attention import attention_backend
-    from imp_jax.model.loader import describe_weights
-    kernel = jax.default_backend() == "cpu" and cpu_gemm.available()
-    attention = attention_backend()
+    from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+    from imp_jax.model.weights import describe as describe_weights
+    kernels = core.loaded.model.options.kernels
+    kernel = kernels.gemm == "cpu"
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
                    gemm_gflop_s=gemm / 1e9, fma_peak_gflop_s=peak / 1e9 if peak else None,
-                   cpu_gemm_kernel=kernel, attention_backend=attention,
+                   cpu_gemm_kernel=kernel, attention_backend=kernels.attention,
                    weights=describe_weights(core.loaded.model),
                    kv_cache_dtype=args.kv_cache_dtype,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
@@ -238,8 +238,8 @@ def main() -> int:
         print(f"float32 FMA peak of all cores {peak / 1e9:.0f} GFLOP/s; 'peak' = tok/s with every FLOP at that rate "
               f"and nothing else taking time")
     print(f"weights: {describe_weights(core.loaded.model)}; GEMMs: "
-          f"{'the CPU GEMM kernel (float32 matrices at %d-%d rows, narrow ones at all)' % (cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (IMP_JAX_CPU_GEMM=xla, or no kernel here)'}; "
-          f"attention: {attention}")
+          f"{'the CPU GEMM kernel (float32 matrices at %d-%d rows, narrow ones at all)' % (cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (--gemm xla, or no kernel here)'}; "
+          f"attention: {kernels.attention}")
     print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
           f"{'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
     for b in args.batches:

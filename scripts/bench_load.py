@@ -27,7 +27,8 @@ from flax import nnx
 
 from imp_jax.convert import convert, write_tokenizer
 from imp_jax.kernels_pallas import AttentionMetadata
-from imp_jax.model.hub import CONVERTED_MARKER, imp_jax_home, resolve_model
+from imp_jax.model.hub import CONVERTED_MARKER, resolve_model
+from imp_jax.paths import imp_jax_home
 from imp_jax.model.loader import load_model
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from imp_jax.paths import compilation_cache_dir
+
 # Compiled programs persist across runs (set before jax is imported by any test module).
-_home = Path(os.environ.get("IMP_JAX_HOME", Path.home() / ".cache" / "imp_jax"))
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_home / "jax_cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # Registered here, once, so every test module shares the one operations server (a fixture imported

@@ -8,8 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from imp_jax.kernels_pallas import AttentionMetadata
+from imp_jax.kernels_pallas import AttentionMetadata, Kernels, select_kernels
+from imp_jax.model.config import ModelConfig
+from imp_jax.model.loader import attention_shape
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
+
+
+def host_kernels(cfg: ModelConfig, dtype=jnp.float32) -> Kernels:
+    """The kernels an engine on this host picks for `cfg` (the C++ ones on an x86-64 CPU)."""
+    device = jax.local_devices()[0]
+    return select_kernels(device, attention_shape(cfg, dtype, dtype, 16, device.platform))
 
 
 class PagedRunner:

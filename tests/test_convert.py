@@ -78,7 +78,7 @@ def test_bfloat16_load_is_identical_to_bfloat16_source(stored, tiny_hf_dir, tmp_
 
 def test_a_bf16_source_converts_with_its_bf16_matrices_kept(tiny_hf_dir, tmp_path):
     """A bf16 checkpoint loaded in float32 keeps its matrices bf16 on a CPU with the GEMM kernel
-    (layers.exact_bf16); its conversion restores to the same mixed-dtype parameters and logits."""
+    (model/weights.py); its conversion restores to the same mixed-dtype parameters and logits."""
     from ml_dtypes import bfloat16
     from safetensors.numpy import load_file, save_file
 
@@ -96,7 +96,7 @@ def test_layer_loop_is_chosen_at_load_time(tiny_hf_dir, tmp_path):
     save_converted(load_model(tiny_hf_dir, dtype="float32"), tmp_path / "dst")
     scan = load_model(tmp_path / "dst", dtype="float32", layer_loop="scan")
     unroll = load_model(tmp_path / "dst", dtype="float32", layer_loop="unroll")
-    assert (scan.model.layer_loop, unroll.model.layer_loop) == ("scan", "unroll")
+    assert (scan.model.options.layer_loop, unroll.model.options.layer_loop) == ("scan", "unroll")
     ids = [8, 6, 7, 5, 3, 0, 9]
     np.testing.assert_allclose(prefill_logits(scan.model, ids), prefill_logits(unroll.model, ids),
                                rtol=1e-5, atol=1e-5)

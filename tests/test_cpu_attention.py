@@ -1,5 +1,5 @@
-"""The CPU ragged paged attention kernel (kernels_pallas/cpu_attention.cc) against a float64 NumPy
-oracle and the XLA reference."""
+"""The CPU ragged paged attention kernel (kernels_pallas/cpu/attention.cc) against a float64 NumPy
+oracle and the attention oracle."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from imp_jax.kernels_pallas import cpu_attention
-from imp_jax.kernels_pallas.attention import attention_backend
-from imp_jax.kernels_pallas.reference import BF16_BITS, ragged_paged_attention_reference, write_kv
+from imp_jax.kernels_pallas import AttentionShape, Kernels, select_kernels
+from imp_jax.kernels_pallas.cpu import attention as cpu_attention
+from imp_jax.kernels_pallas.kv_cache import BF16_BITS, write_kv
+from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
 from test_pallas_attention import REFERENCE_CASES, Case, dense_attention, make_batch
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -24,7 +25,8 @@ def test_kernel_builds_here():
     if not (X86 and shutil.which("g++")):
         pytest.skip("needs x86-64 and g++")
     assert cpu_attention.available()
-    assert attention_backend(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64))) == "cpu"
+    shape = AttentionShape.of(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64)))
+    assert select_kernels(jax.local_devices()[0], shape).attention == "cpu"
 
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="CPU attention kernel not built")
@@ -60,8 +62,8 @@ def test_matches_dense_numpy_and_reference(name: str) -> None:
     assert got.dtype == jnp.float32 and got.shape == q.shape
     want = dense_attention(case, q, k_cache, v_cache, meta, 1)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
-    ref = ragged_paged_attention_reference(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
-                                           sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    ref = ragged_paged_attention_oracle(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
+                                        sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
     real = int(meta.query_start_loc[meta.num_seqs])
     assert not np.asarray(got[real:]).any(), "padding rows must be zero"
@@ -82,8 +84,8 @@ def test_bfloat16_caches_match_the_reference(name: str, bits: bool) -> None:
     dtype = k_cache.dtype
     got, k_cache, v_cache = run_kernel(case, q, k, v, k_cache, v_cache, meta)
     assert k_cache.dtype == dtype and got.dtype == jnp.float32
-    ref = ragged_paged_attention_reference(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
-                                           sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    ref = ragged_paged_attention_oracle(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
+                                        sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
@@ -115,29 +117,31 @@ def test_no_sequences_gives_zeros() -> None:
 
 
 def test_takes_float32_queries_over_float32_or_bfloat16_caches_with_head_dim_a_multiple_of_8() -> None:
-    assert cpu_attention.supports(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64)))
-    assert cpu_attention.supports(jnp.zeros((1, 9, 64)), jnp.zeros((1, 2, 16, 3, 64), jnp.bfloat16))
-    assert not cpu_attention.supports(jnp.zeros((1, 9, 64), jnp.bfloat16), jnp.zeros((1, 2, 16, 3, 64), jnp.bfloat16))
-    assert not cpu_attention.supports(jnp.zeros((1, 9, 36)), jnp.zeros((1, 2, 16, 3, 36)))
+    shape = lambda q_dtype, cache, d=64: AttentionShape(jnp.dtype(q_dtype), jnp.dtype(cache), 9, 3, d, 16)
+    assert cpu_attention.supports(shape(jnp.float32, jnp.float32))
+    assert cpu_attention.supports(shape(jnp.float32, jnp.bfloat16))
+    assert cpu_attention.supports(shape(jnp.float32, BF16_BITS))
+    assert not cpu_attention.supports(shape(jnp.bfloat16, jnp.bfloat16))
+    assert not cpu_attention.supports(shape(jnp.float32, jnp.float32, d=36))
 
 
 @needs_kernel
-def test_entry_point_runs_the_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model's entry point lowers to the custom call by default, to the reference when forced
-    off or for bfloat16, and gives the reference's result."""
+def test_entry_point_runs_the_kernel_the_engine_chose() -> None:
+    """The model's entry point lowers to the custom call for Kernels(attention="cpu") and to XLA for
+    the xla backend, with the same result; asking for the kernel where it cannot run is an error."""
     from imp_jax.kernels_pallas import ragged_paged_attention
 
     case = CASES["mixed_soft_cap"]
     q, k, v, k_cache, v_cache, meta = make_batch(case, seed=1)
     outs = {}
-    for backend in ("", "reference"):
-        monkeypatch.setenv("IMP_JAX_ATTENTION", backend)
-        fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap)[0]  # traced afresh
+    for name, kernels in {"cpu": Kernels(attention="cpu"), "xla": Kernels()}.items():
+        fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap, kernels=kernels)[0]
         text = jax.jit(fn).lower(q, k, v, k_cache, v_cache, meta, 0).as_text()
-        assert (cpu_attention.TARGET in text) == (backend == "")
-        outs[backend] = jax.jit(fn)(q, k, v, k_cache, v_cache, meta, 0)
-    np.testing.assert_allclose(np.asarray(outs[""]), np.asarray(outs["reference"]), atol=2e-5, rtol=2e-5)
-    monkeypatch.delenv("IMP_JAX_ATTENTION")
-    fn = lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap)[0]
-    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, k_cache, v_cache)]
-    assert cpu_attention.TARGET not in jax.jit(fn).lower(*bf, meta, 0).as_text()
+        assert (cpu_attention.TARGET in text) == (name == "cpu")
+        outs[name] = jax.jit(fn)(q, k, v, k_cache, v_cache, meta, 0)
+    np.testing.assert_allclose(np.asarray(outs["cpu"]), np.asarray(outs["xla"]), atol=2e-5, rtol=2e-5)
+    bf16 = AttentionShape.of(q.astype(jnp.bfloat16), k_cache.astype(jnp.bfloat16))
+    device = jax.local_devices()[0]
+    assert select_kernels(device, bf16).attention == "xla"
+    with pytest.raises(ValueError, match="float32"):
+        select_kernels(device, bf16, attention="cpu")

@@ -1,18 +1,20 @@
-"""The CPU GEMM kernel (kernels_pallas/cpu_gemm.cc) against a float64 NumPy product."""
+"""The CPU GEMM kernel (kernels_pallas/cpu/gemm.cc) against a float64 NumPy product."""
 from __future__ import annotations
 
-import os
 import platform
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from imp_jax.kernels_pallas import cpu_gemm, quant
+from imp_jax.kernels_pallas import XLA, Kernels, matmul_wt
+from imp_jax.kernels_pallas import ggml_blocks as quant
+from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+from imp_jax.kernels_pallas.xla.gemm import matmul_wt_xla
+
+CPU = Kernels(gemm="cpu")
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -25,7 +27,8 @@ def test_kernel_builds_here():
 
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
-kernel = jax.jit(cpu_gemm._kernel)
+kernel = jax.jit(cpu_gemm.matmul_wt_cpu)
+with_cpu_kernel = jax.jit(lambda x, w: matmul_wt(x, w, CPU))
 
 
 @needs_kernel
@@ -84,8 +87,8 @@ def test_matmul_wt_runs_bf16_weights_through_the_kernel_at_any_row_count():
     w = jnp.asarray(rng.standard_normal((40, 24), np.float32), jnp.bfloat16)
     for rows in (1, cpu_gemm.MAX_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, 24), np.float32))
-        assert cpu_gemm.TARGET_BF16W in jax.jit(cpu_gemm.matmul_wt).lower(x, w).as_text()
-        np.testing.assert_allclose(np.asarray(cpu_gemm.matmul_wt(x, w)),
+        assert cpu_gemm.TARGET_BF16W in with_cpu_kernel.lower(x, w).as_text()
+        np.testing.assert_allclose(np.asarray(with_cpu_kernel(x, w)),
                                    np.asarray(x) @ np.asarray(w, np.float32).T, rtol=1e-5, atol=1e-5)
 
 
@@ -131,30 +134,33 @@ def test_matmul_wt_runs_blocks_through_the_kernel_and_xla_dequantises_them():
     w = jnp.asarray(blocks)
     for rows in (1, cpu_gemm.MAX_ROWS + 1):
         x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32))
-        assert cpu_gemm.BLOCK_TARGETS["Q4_1"] in jax.jit(cpu_gemm.matmul_wt).lower(x, w).as_text()
+        assert cpu_gemm.BLOCK_TARGETS["Q4_1"] in with_cpu_kernel.lower(x, w).as_text()
         want = np.asarray(x) @ dense.T
-        np.testing.assert_allclose(np.asarray(cpu_gemm.matmul_wt(x, w)), want, rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(jax.jit(cpu_gemm._xla)(x, w)), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(with_cpu_kernel(x, w)), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(jax.jit(matmul_wt_xla)(x, w)), want, rtol=1e-5, atol=1e-4)
 
 
+@needs_kernel
 def test_matmul_wt_falls_back_to_xla():
     """Too many rows, another dtype: XLA's dot, same numbers."""
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((40, 24), np.float32))
     for x in (jnp.asarray(rng.standard_normal((cpu_gemm.MAX_ROWS + 1, 24), np.float32)),
               jnp.asarray(rng.standard_normal((3, 24), np.float32))):
-        text = jax.jit(cpu_gemm.matmul_wt).lower(x, w).as_text()
-        assert (cpu_gemm.TARGET in text) == (cpu_gemm.available() and x.shape[0] <= cpu_gemm.MAX_ROWS)
-        np.testing.assert_allclose(np.asarray(cpu_gemm.matmul_wt(x, w)), np.asarray(x) @ np.asarray(w).T,
+        text = with_cpu_kernel.lower(x, w).as_text()
+        assert (cpu_gemm.TARGET in text) == (x.shape[0] <= cpu_gemm.MAX_ROWS)
+        np.testing.assert_allclose(np.asarray(with_cpu_kernel(x, w)), np.asarray(x) @ np.asarray(w).T,
                                    rtol=1e-5, atol=1e-5)
     bf = jnp.ones((3, 24), jnp.bfloat16)
-    assert cpu_gemm.TARGET not in jax.jit(cpu_gemm.matmul_wt).lower(bf, w.astype(jnp.bfloat16)).as_text()
+    assert cpu_gemm.TARGET not in with_cpu_kernel.lower(bf, w.astype(jnp.bfloat16)).as_text()
 
 
-def test_env_switch_turns_the_kernel_off():
-    code = ("import jax.numpy as jnp, jax; from imp_jax.kernels_pallas import cpu_gemm, quant; "
-            "x = jnp.ones((2, 8)); print(cpu_gemm.available(), cpu_gemm.TARGET in "
-            "jax.jit(cpu_gemm.matmul_wt).lower(x, x).as_text())")
-    env = {**os.environ, "IMP_JAX_CPU_GEMM": "xla"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+def test_the_xla_backend_never_calls_the_kernel():
+    """`--gemm xla` (Kernels.gemm == "xla"): every product is XLA's dot, blocks dequantised first."""
+    blocks, dense = ggml_blocks("Q8_0", 8, 32, 2)
+    x = jnp.ones((2, 32))
+    for w in (x, jnp.asarray(blocks), x.astype(jnp.bfloat16)):
+        text = jax.jit(lambda x, w: matmul_wt(x, w, XLA)).lower(x, w).as_text()
+        assert not any(t in text for t in (cpu_gemm.TARGET, cpu_gemm.TARGET_BF16W, *cpu_gemm.BLOCK_TARGETS.values()))
+    np.testing.assert_allclose(np.asarray(matmul_wt(x, jnp.asarray(blocks), XLA)), np.asarray(x) @ dense.T,
+                               rtol=1e-5, atol=1e-4)

@@ -24,6 +24,7 @@ from imp_jax.runtime.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
+from imp_jax.runtime.sharding import default_mesh
 
 pytestmark = pytest.mark.real_model
 
@@ -141,8 +142,8 @@ def make_engine(loaded, config: EngineConfig, num_blocks: int, kv_dtype=None) ->
     """build_engine on a loaded model; the KV cache always has BIG_POOL_BLOCKS (same programs for any
     pool), of the model's dtype unless kv_dtype is given (stored as kv_storage_dtype, like build_engine)."""
     shape = loaded.model.kv_cache_shape(BIG_POOL_BLOCKS, config.block_size)
-    kv = tuple(jnp.zeros(shape, kv_storage_dtype(kv_dtype or loaded.dtype)) for _ in range(2))
-    engine = EngineCore(loaded, config, kv, num_blocks)
+    kv = tuple(jnp.zeros(shape, kv_storage_dtype(kv_dtype or loaded.dtype, "cpu")) for _ in range(2))
+    engine = EngineCore(loaded, config, kv, num_blocks, default_mesh())
     engine.step_fn.warm_up()
     return engine
 
@@ -473,5 +474,5 @@ def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
     together = run(engine, *(req(p, max_tokens=MAX_TOKENS) for p in prompts[:2]))
     assert [r.ids for r in together] == [r.ids for r in alone]
     assert all(r.ids[:3] == g.ids[:3] for r, g in zip(alone, greedy_alone))
-    assert engine.step_fn.kv[0].dtype == kv_storage_dtype(jnp.bfloat16) and engine.step_fn.kv[0].dtype.itemsize == 2
+    assert engine.step_fn.kv[0].dtype == kv_storage_dtype(jnp.bfloat16, "cpu") and engine.step_fn.kv[0].dtype.itemsize == 2
     assert engine.step_fn.compilations_after_warmup == 0

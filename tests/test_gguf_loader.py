@@ -196,25 +196,26 @@ def test_quantised_matrices_stay_ggml_blocks_with_the_dequantised_logits(tiny):
     it reads (Q8_0, Q4_0, Q4_1) as the file's blocks, and computes what the dequantised model does."""
     import jax.numpy as jnp
 
-    from imp_jax.kernels_pallas import cpu_gemm, quant
+    from imp_jax.kernels_pallas import ggml_blocks
     from imp_jax.model.llama import DecoderLM
     from imp_jax.model.loader import load_model
+    from imp_jax.model.weights import WeightSource
     from imp_jax.runtime.batch import SeqChunk
     from paged import PagedRunner
 
     path, _ = tiny
     kept = load_model(path, dtype="float32").model
-    formats = {name: [quant.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
-    if not cpu_gemm.runs_here():
+    formats = {name: [ggml_blocks.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
+    if not kept.options.kernels.reads_narrow_weights:
         assert all(f is None for fs in formats.values() for f in fs)
         pytest.skip("no CPU GEMM kernel here: every matrix is dequantised")
     # layer 0: q Q8_0 | k Q4_0 | v F16 and gate Q8_0 | up BF16 mix formats; layer 1 is all F32
     assert formats == {"qkv_proj": [None, None], "o_proj": ["Q4_1", None],
                        "gate_up_proj": [None, None], "down_proj": ["Q4_0", None]}
-    assert quant.format_of(kept.embed[...]) == "Q8_0" and kept.lm_head[...].dtype == jnp.float32
+    assert ggml_blocks.format_of(kept.embed[...]) == "Q8_0" and kept.lm_head[...].dtype == jnp.float32
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf(ckpt.hf_config, source=str(path))
-    plain = DecoderLM.from_hf_tensors(cfg, ckpt.tensors.__getitem__, dtype=jnp.float32)
+    plain = DecoderLM.from_hf_tensors(cfg, WeightSource(ckpt.tensors), kept.options)   # no narrow formats
     assert all(w.ndim == 2 for ws in plain.layers.matrices().values() for w in ws)
     chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]   # 9 rows: the same summation order
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], PagedRunner(plain).run(chunks, 16, 1)[0])

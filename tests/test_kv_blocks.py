@@ -1,4 +1,4 @@
-"""Block pool bookkeeping: ref counts, prefix hits, LRU eviction, pins, fork and truncate."""
+"""Block pool bookkeeping: ref counts, prefix hits, LRU eviction, pins and truncate (rewind)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from imp_jax.runtime.kv_blocks import NULL_BLOCK, BlockTable, KVBlockPool, OutOfBlocks
+from imp_jax.runtime.kv_blocks import NULL_BLOCK, BlockTable, KVBlockPool
 
 BS = 4
 
@@ -193,32 +193,6 @@ def test_commit_is_incremental_and_chains_hashes() -> None:
     assert pool.match_prefix(tokens + [0]) == (table.block_ids[:3], table.block_hashes)
 
 
-def test_fork_shares_full_blocks_and_copies_partial_tail() -> None:
-    pool = KVBlockPool(num_blocks=10, block_size=BS)
-    parent = admit(pool, list(range(10)))
-    child, copy = pool.fork(parent, 10)
-    assert child.block_ids[:2] == parent.block_ids[:2]
-    assert child.block_hashes == parent.block_hashes
-    assert copy == (parent.block_ids[2], child.block_ids[2])
-    assert child.block_ids[2] != parent.block_ids[2]
-    assert [pool.ref_count(b) for b in child.block_ids] == [2, 2, 1]
-    pool.free(parent)
-    pool.free(child)
-    assert pool.num_free_blocks == 9
-
-
-def test_fork_block_aligned_needs_no_copy_and_partial_needs_a_block() -> None:
-    pool = KVBlockPool(num_blocks=4, block_size=BS)
-    parent = admit(pool, list(range(8)))
-    child, copy = pool.fork(parent, 8)
-    assert copy is None and child.block_ids == parent.block_ids
-    assert pool.num_free_blocks == 1
-    assert pool.allocate(parent, [], 9)
-    with pytest.raises(OutOfBlocks):
-        pool.fork(parent, 9)
-    assert [pool.ref_count(b) for b in parent.block_ids] == [2, 2, 1]
-
-
 def test_pin_blocks_eviction_until_unpinned() -> None:
     pool = KVBlockPool(num_blocks=6, block_size=BS)
     prompt = list(range(9))
@@ -346,7 +320,7 @@ class _Sim:
 
     def step(self) -> None:
         rng, pool = self.rng, self.pool
-        op = rng.choice(["admit", "admit", "decode", "decode", "fork", "truncate", "free", "pin", "unpin"])
+        op = rng.choice(["admit", "admit", "decode", "decode", "truncate", "free", "pin", "unpin"])
         if rng.random() < 0.01:
             pool.reset_prefix_cache()
         if op == "admit" or not self.seqs:
@@ -374,10 +348,6 @@ class _Sim:
                 tokens.extend(new)
                 self.write(table, tokens, start)
                 pool.commit(table, tokens, key)
-        elif op == "fork" and pool.num_free_blocks:
-            child, pair = pool.fork(table, len(tokens))
-            self.copy(pair)
-            self.seqs.append((child, list(tokens), key))
         elif op == "truncate" and pool.num_free_blocks:
             n = rng.randrange(1, len(tokens) + 1)
             self.copy(pool.truncate(table, n))

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.loader import SafetensorsDir, build_from_tensors
 from imp_jax.model.registry import get_model_class
+from imp_jax.model.weights import WeightFormats, WeightSource, narrow_exact_bf16
 from imp_jax.runtime.batch import SeqChunk
-from paged import PagedRunner
+from paged import PagedRunner, host_kernels
 from tiny_models import ARCHS, write_tiny_hf
 
 
@@ -21,8 +23,14 @@ def tiny(request, tmp_path_factory):
     hf_model = write_tiny_hf(request.param, path)
     cfg = ModelConfig.from_file(path / "config.json")
     tensors = SafetensorsDir(path)
-    model = build_from_tensors(get_model_class(cfg.architecture), cfg, tensors, jnp.float32, "scan", str(path))
-    return cfg, tensors, hf_model, PagedRunner(model)
+    return cfg, tensors, hf_model, PagedRunner(build(cfg, tensors))
+
+
+def build(cfg: ModelConfig, tensors, dtype=jnp.float32, layer_loop: str = "scan",
+          formats: WeightFormats = WeightFormats()):
+    """The model of `tensors` as this host's engine would run it (its kernels)."""
+    options = ModelOptions(dtype, layer_loop, host_kernels(cfg, dtype))
+    return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors, formats), options)
 
 
 def _rms(x, w, eps):
@@ -137,14 +145,14 @@ def test_scan_and_unrolled_layer_loops_agree(tmp_path):
     prompt = _prompts([9], cfg.vocab_size, seed=3)[0]
     outs = []
     for loop in ("scan", "unroll"):
-        model = build_from_tensors(get_model_class(cfg.architecture), cfg, tensors, jnp.float32, loop, "x")
+        model = build(cfg, tensors, layer_loop=loop)
         outs.append(PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0])
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_model_tracks_float32(tiny):
     cfg, tensors, _, _ = tiny
-    model = build_from_tensors(get_model_class(cfg.architecture), cfg, tensors, jnp.bfloat16, "scan", "x")
+    model = build(cfg, tensors, jnp.bfloat16)
     prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
     got = PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
     _close(got, dense_forward(cfg, tensors, prompt), tol=5e-2)
@@ -153,15 +161,13 @@ def test_bfloat16_model_tracks_float32(tiny):
 def test_a_bf16_checkpoint_keeps_its_matrices_in_bf16_with_the_same_logits(tmp_path):
     """Weights that are all bf16 values are kept as bf16 where the CPU GEMM kernel runs: half the
     bytes, the same products. Values that are not bf16 stay float32."""
-    from imp_jax.kernels_pallas import cpu_gemm
-
     write_tiny_hf("LlamaForCausalLM", tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")
     tensors = {k: np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) for k, v in SafetensorsDir(tmp_path).items()}
-    build = lambda: build_from_tensors(get_model_class(cfg.architecture), cfg, tensors, jnp.float32, "scan", "x")
-    plain, kept = build(), build()
-    saved = kept.keep_exact_bf16()
-    if not cpu_gemm.runs_here():
+    formats = WeightFormats.for_model(host_kernels(cfg), jnp.float32)
+    plain, kept = build(cfg, tensors), build(cfg, tensors)
+    saved = narrow_exact_bf16(kept, formats)
+    if not formats.exact_bf16:
         assert saved == 0
         pytest.skip("no CPU GEMM kernel here: matrices stay float32")
     matrices = [w for ws in kept.layers.matrices().values() for w in ws] + [kept.embed[...], kept.lm_head[...]]
@@ -172,7 +178,7 @@ def test_a_bf16_checkpoint_keeps_its_matrices_in_bf16_with_the_same_logits(tmp_p
     # 9 rows: the float32 and the bf16 kernel, the same summation order, so the same bits
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], PagedRunner(plain).run(chunks, 16, 1)[0])
 
-    noisy = build()
+    noisy = build(cfg, tensors)
     noisy.embed.set_value(noisy.embed[...] + 1e-3)   # no longer bf16 values
-    noisy.keep_exact_bf16()
+    narrow_exact_bf16(noisy, formats)
     assert noisy.embed[...].dtype == jnp.float32 and noisy.lm_head[...].dtype == jnp.bfloat16

@@ -1,7 +1,9 @@
-"""The Pallas ragged paged attention kernel (Mosaic GPU interpreter on CPU) against the XLA reference."""
+"""The Pallas ragged paged attention kernel (Mosaic GPU interpreter on CPU) and the XLA backend against
+the attention oracle, the oracle against float64 NumPy, and the choice of backend."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,10 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from imp_jax.kernels_pallas import AttentionMetadata, cpu_attention, ragged_paged_attention
-from imp_jax.kernels_pallas.attention import attention_backend
-from imp_jax.kernels_pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
-from imp_jax.kernels_pallas.reference import ragged_paged_attention_reference, write_kv
+from imp_jax.kernels_pallas import (AttentionMetadata, AttentionShape, Kernels, ragged_paged_attention,
+                                    select_kernels)
+from imp_jax.kernels_pallas.cpu import attention as cpu_attention
+from imp_jax.kernels_pallas.kv_cache import write_kv
+from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas, supports
+from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
+from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
 from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,7 +93,7 @@ def to_meta(batch: StepBatch) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name: str) -> None:
+def test_kernel_matches_the_oracle(name: str) -> None:
     case = CASES[name]
     q, k, v, k_cache, v_cache, meta = make_batch(case)
     kw = dict(sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window,
@@ -97,7 +102,7 @@ def test_kernel_matches_reference(name: str) -> None:
     @jax.jit  # one program for both: interpret-mode compiles dominate the test time
     def both(q, k, v, k_cache, v_cache, meta, layer):
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
-        return (ragged_paged_attention_reference(q, k_cache, v_cache, meta, layer, **kw),
+        return (ragged_paged_attention_oracle(q, k_cache, v_cache, meta, layer, **kw),
                 ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, **kw, interpret=True))
 
     want, got = both(q, k, v, k_cache, v_cache, meta, jnp.int32(1))
@@ -148,13 +153,22 @@ REFERENCE_CASES = {**CASES,
                                              sliding_window=200, soft_cap=20.0)}
 
 
+IMPLEMENTATIONS = {
+    "oracle": ragged_paged_attention_oracle,
+    "xla": ragged_paged_attention_xla,
+    "xla_static": functools.partial(ragged_paged_attention_xla, dynamic_skips=False),   # GPU form
+}
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("name", list(REFERENCE_CASES))
-def test_reference_matches_dense_numpy(name: str) -> None:
+def test_xla_attention_and_the_oracle_match_dense_numpy(name: str, impl: str) -> None:
     case = REFERENCE_CASES[name]
     q, k, v, k_cache, v_cache, meta = make_batch(case)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, 1)
-    got = ragged_paged_attention_reference(q, k_cache, v_cache, meta, 1, sm_scale=case.head_dim ** -0.5,
-                                           sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    got = jax.jit(lambda *a: IMPLEMENTATIONS[impl](*a, sm_scale=case.head_dim ** -0.5,
+                                                   sliding_window=case.sliding_window, soft_cap=case.soft_cap))(
+        q, k_cache, v_cache, meta, 1)
     want = dense_attention(case, q, k_cache, v_cache, meta, 1)
     tol = TOLERANCE[case.dtype]
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
@@ -178,55 +192,69 @@ def test_kernel_lowers_to_mosaic_gpu(group: int, head_dim: int, block_size: int,
     assert "mosaic_gpu" in text and "wgmma.mma_async" in text
 
 
+def shape(dtype, head_dim: int = 128, block_size: int = 16, cache=None) -> AttentionShape:
+    return AttentionShape(jnp.dtype(dtype), jnp.dtype(cache or dtype), 32, 8, head_dim, block_size)
+
+
 def test_supports_only_what_the_compiled_kernel_takes() -> None:
-    q = jnp.zeros((1, 32, 128), jnp.bfloat16)
-    assert supports(q, jnp.zeros((1, 2, 16, 8, 128), jnp.bfloat16))
-    assert supports(q[..., :64], jnp.zeros((1, 2, 32, 8, 64), jnp.float16))
-    assert not supports(q, jnp.zeros((1, 2, 16, 8, 128), jnp.float32))   # tf32 wgmma: not wired
-    assert not supports(q[..., :80], jnp.zeros((1, 2, 16, 8, 80), jnp.bfloat16))
-    assert not supports(q, jnp.zeros((1, 2, 12, 8, 128), jnp.bfloat16))  # pages off the 8-row tile
+    assert supports(shape(jnp.bfloat16))
+    assert supports(shape(jnp.float16, head_dim=64, block_size=32))
+    assert not supports(shape(jnp.float32))                      # tf32 wgmma: not wired
+    assert not supports(shape(jnp.bfloat16, cache=jnp.float32))
+    assert not supports(shape(jnp.bfloat16, head_dim=80))
+    assert not supports(shape(jnp.bfloat16, block_size=12))      # pages off the 8-row tile
 
 
-def test_entry_point_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("IMP_JAX_ATTENTION", raising=False)
-    assert attention_backend() in ("cpu", "reference")  # a CPU: its kernel where it builds (test_cpu_attention)
-    monkeypatch.setenv("IMP_JAX_ATTENTION", "bogus")
-    with pytest.raises(ValueError):
-        attention_backend()
+def test_backends_are_chosen_once_and_pallas_needs_a_hopper_gpu() -> None:
+    cpu = jax.local_devices()[0]
+    auto = select_kernels(cpu, shape(jnp.float32, head_dim=64))
+    assert auto.attention in ("cpu", "xla") and auto.dynamic_skips   # a CPU: its kernel where it builds
+    assert select_kernels(cpu, shape(jnp.float32), attention="xla", gemm="xla") == Kernels()
+    with pytest.raises(ValueError, match="Hopper"):
+        select_kernels(cpu, shape(jnp.bfloat16), attention="pallas")
+    with pytest.raises(ValueError, match="expected one of"):
+        select_kernels(cpu, shape(jnp.float32), attention="bogus")
+
+
+def test_entry_point_dispatch() -> None:
+    """The one entry point writes K/V and runs the backend `kernels` names, with equal results."""
     case = CASES["mixed_soft_cap"]
     q, k, v, k_cache, v_cache, meta = make_batch(case, seed=1)
     outs = {}
-    for backend in ("reference", "pallas"):
-        monkeypatch.setenv("IMP_JAX_ATTENTION", backend)
-        fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap))
-        outs[backend] = fn(q, k, v, k_cache, v_cache, meta, 0)
-    for want, got in zip(outs["reference"], outs["pallas"]):
+    for name, kernels in {"xla": Kernels(), "pallas": Kernels(attention="pallas", pallas_interpret=True)}.items():
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, soft_cap=case.soft_cap, kernels=kernels))
+        outs[name] = fn(q, k, v, k_cache, v_cache, meta, 0)
+    for want, got in zip(outs["xla"], outs["pallas"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_model_greedy_tokens_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_model_greedy_tokens_match(tmp_path: Path) -> None:
     from tiny_models import write_tiny_hf
 
+    from imp_jax.model.base import ModelOptions
     from imp_jax.model.config import ModelConfig
     from imp_jax.model.loader import SafetensorsDir, build_from_tensors
     from imp_jax.model.registry import get_model_class
+    from imp_jax.model.weights import WeightSource
 
     write_tiny_hf("LlamaForCausalLM", tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")
-    model = build_from_tensors(get_model_class(cfg.architecture), cfg, SafetensorsDir(tmp_path),
-                               jnp.float32, "scan", str(tmp_path))
+    backends = {"xla": Kernels(), "xla_static": Kernels(dynamic_skips=False),
+                "pallas": Kernels(attention="pallas", pallas_interpret=True)}
+    if cpu_attention.available():
+        backends["cpu"] = Kernels(attention="cpu", gemm="cpu")
     prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, size=11).tolist()
-    backends = ("reference", "pallas") + (("cpu",) if cpu_attention.available() else ())
-    tokens = {b: greedy(model, prompt, b, monkeypatch) for b in backends}
-    assert all(tokens[b] == tokens["reference"] for b in backends), tokens
+    tokens = {}
+    for name, kernels in backends.items():
+        model = build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(SafetensorsDir(tmp_path)),
+                                   ModelOptions(kernels=kernels))
+        tokens[name] = greedy(model, prompt)
+    assert all(t == tokens["xla"] for t in tokens.values()), tokens
 
 
-def greedy(model: Any, prompt: list[int], backend: str, monkeypatch: pytest.MonkeyPatch,
-           steps: int = 8, block_size: int = 16) -> list[int]:
-    """Prefill `prompt` then decode `steps` greedy tokens, with a jit function traced for `backend`."""
-    monkeypatch.setenv("IMP_JAX_ATTENTION", backend)
-
-    @jax.jit  # a fresh function per backend: the env var is read when this traces
+def greedy(model: Any, prompt: list[int], steps: int = 8, block_size: int = 16) -> list[int]:
+    """Prefill `prompt` then decode `steps` greedy tokens."""
+    @jax.jit
     def step(ids, positions, kv, meta, rows):
         hidden, kv = model(ids, positions, kv, meta)
         return jnp.argmax(model.logits(hidden[rows]), axis=-1), kv

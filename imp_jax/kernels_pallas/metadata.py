@@ -1,9 +1,12 @@
-"""AttentionMetadata: how a flat ragged token batch maps onto sequences and KV-cache pages."""
+"""AttentionMetadata: how a flat ragged token batch maps onto sequences and KV-cache pages;
+AttentionShape: the static facts a backend needs to say whether it takes a model."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -22,3 +25,33 @@ class AttentionMetadata:
     block_tables: jax.Array     # int32 [S, max_blocks_per_seq]; unused entries point at block 0
     slot_mapping: jax.Array     # int32 [T]; block_id * block_size + offset, or -1
     num_seqs: jax.Array         # int32 []
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """The dtypes and head layout every attention call of a model has (checked once, at engine build)."""
+
+    q_dtype: Any
+    cache_dtype: Any            # the array dtype holding the cache (kv_cache.kv_storage_dtype)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def of(cls, q: jax.Array, k_cache: jax.Array) -> "AttentionShape":
+        """The shape of q [T, H, D] over caches [L, NB, BS, KVH, D]."""
+        _, _, bs, kvh, d = k_cache.shape
+        return cls(jnp.dtype(q.dtype), jnp.dtype(k_cache.dtype), q.shape[1], kvh, d, bs)
+
+
+def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token of the flat batch: its sequence slot, its position in that sequence's KV, and
+    whether it is real (not padding)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    qsl = meta.query_start_loc
+    num_slots = meta.seq_lens.shape[0]
+    seq = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, num_slots - 1).astype(jnp.int32)
+    valid = t < qsl[meta.num_seqs]
+    pos = meta.seq_lens[seq] - (qsl[seq + 1] - t)
+    return seq, pos, valid

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from imp_jax.kernels_pallas import quant
+from imp_jax.kernels_pallas import ggml_blocks
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.gguf_tokenizer import gguf_tokenizer
 from imp_jax.model.tokenizer import Tokenizer
@@ -60,14 +60,14 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         return np.require(w, np.float32, ["C", "W", "O"])  # an F32 tensor is copied out of the mmap
 
     def blocks(self, name: str) -> np.ndarray | None:
-        """A matrix's GGML blocks as stored, uint8 [rows, K / 32, block bytes] (kernels_pallas/quant.py),
+        """A matrix's GGML blocks as stored, uint8 [rows, K / 32, block bytes] (kernels_pallas/ggml_blocks.py),
         when its type is one the CPU GEMM kernel reads; else None. Q/K rows are un-permuted as in
         `__getitem__`."""
         tensor, heads = self._entries[name]
         fmt, shape = tensor.tensor_type.name, self.shape(name)
-        if fmt not in quant.FORMATS or len(shape) != 2 or shape[1] % quant.BLOCK:
+        if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.BLOCK:
             return None
-        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // quant.BLOCK, quant.FORMATS[fmt])
+        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.BLOCK, ggml_blocks.FORMATS[fmt])
         if heads is not None:
             b = unpermute_rotary(b, heads)
         return np.ascontiguousarray(b)   # a copy out of the mmap

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from imp_jax.errors import ModelLoadError
+from imp_jax.paths import models_dir
 
 log = logging.getLogger("imp_jax.hub")
 
@@ -54,11 +55,6 @@ ALIASES: dict[str, Alias] = {
 }
 
 
-def imp_jax_home(home: str | os.PathLike[str] | None = None) -> Path:
-    """`home`, else `$IMP_JAX_HOME`, else `~/.cache/imp_jax`."""
-    return Path(home or os.environ.get("IMP_JAX_HOME") or "~/.cache/imp_jax").expanduser()
-
-
 def resolve_model(name_or_path: str, home: str | os.PathLike[str] | None = None) -> ResolvedModel:
     """A path to a model (GGUF file, HF dir, converted dir) or a known alias, fetched on first use."""
     path = Path(name_or_path).expanduser()
@@ -90,7 +86,7 @@ def classify_path(path: Path) -> ModelKind:
 def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
     """The extracted model path for an alias, downloading and extracting it only if not already there."""
     alias = ALIASES[name]
-    target = imp_jax_home(home) / "models" / name
+    target = models_dir(home) / name
     final = _final_path(target, alias)
     if target.is_dir():  # complete: it only appears by an atomic rename
         return final

@@ -1,24 +1,30 @@
-"""Load a model from a HF directory, a GGUF file or a converted checkpoint into a ready DecoderLM."""
+"""Load a model: open a checkpoint (HF directory, GGUF file, converted directory), then build it
+with the options the engine chose. `load_model` does both for one device.
+
+Two steps, because the kernels the engine picks depend on the model's shape (head_dim, dtypes),
+which only the opened checkpoint knows, and the weights' storage depends on the kernels.
+"""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.kernels_pallas import quant
+from imp_jax.kernels_pallas import AttentionShape, Kernels, kv_storage_dtype, select_kernels
+from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.config import ModelConfig, read_json
+from imp_jax.model.converted import read_converted, restore_model
+from imp_jax.model.hub import resolve_model
 from imp_jax.model.registry import get_model_class, import_model_class
+from imp_jax.model.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
 
 if TYPE_CHECKING:
     from imp_jax.model.tokenizer import Tokenizer
@@ -31,7 +37,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class LoadedModel:
     """Everything the engine needs about one model."""
 
-    model: Any                 # an nnx.Module honouring the causal-LM contract
+    model: Any                 # an nnx.Module honouring the causal-LM contract (model/base.py)
     config: ModelConfig
     tokenizer: "Tokenizer"
     generation_config: dict[str, Any]
@@ -40,68 +46,88 @@ class LoadedModel:
     dtype: Any
 
 
-def resolve_dtype(dtype: str) -> Any:
+@dataclasses.dataclass
+class Checkpoint:
+    """A model on disk, opened: config, tokenizer and generation defaults read, weights not built."""
+
+    kind: str                                     # "gguf" | "hf_dir" | "converted"
+    path: Path
+    served_name: str
+    config: ModelConfig
+    tokenizer: "Tokenizer"
+    generation_config: dict[str, Any]
+    tensors: Mapping[str, np.ndarray] | None      # HF-named tensors; None for a converted checkpoint
+    stored_dtype: str = "float32"                 # a converted checkpoint's array dtype
+
+
+def resolve_dtype(dtype: str, platform: str = "cpu") -> Any:
     """`auto` is bfloat16 on GPU and float32 elsewhere (bf16 is slower than f32 on XLA CPU)."""
     if dtype == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+        return jnp.bfloat16 if platform == "gpu" else jnp.float32
     try:
         return DTYPES[dtype]
     except KeyError:
         raise ModelLoadError(f"--dtype {dtype!r}: expected auto, float32 or bfloat16") from None
 
 
-def default_layer_loop() -> str:
-    """The layer loop form used unless asked otherwise (see docs/PERF.md for the measurement)."""
-    return "scan"
+def open_checkpoint(name_or_path: str | Path) -> Checkpoint:
+    """Resolve `name_or_path` (path or alias; fetched on first use) and read everything but the weights."""
+    from imp_jax.model.tokenizer import Tokenizer
+
+    resolved = resolve_model(str(name_or_path))
+    path = resolved.path
+    if resolved.kind == "gguf":
+        from imp_jax.model.gguf_loader import load_gguf
+        gguf = load_gguf(path)
+        config = parse_config(lambda: ModelConfig.from_hf(gguf.hf_config, source=str(path)), str(path))
+        return Checkpoint("gguf", path, resolved.served_name, config, gguf.tokenizer, gguf.generation_config,
+                          gguf.tensors)
+    if resolved.kind == "converted":
+        marker, config = read_converted(path)
+        return Checkpoint("converted", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
+                          read_generation_config(path), None, marker["dtype"])
+    config = parse_config(lambda: ModelConfig.from_file(path / "config.json"), str(path / "config.json"))
+    return Checkpoint("hf_dir", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
+                      read_generation_config(path), SafetensorsDir(path))
+
+
+def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None = None) -> LoadedModel:
+    """The model of `ckpt` built with `options`, its matrices stored as `WeightFormats.for_model`
+    decides for the options' kernels (logged)."""
+    t0 = time.perf_counter()
+    log.info("loading %s (%s) as %s", ckpt.path, ckpt.kind, jnp.dtype(options.dtype).name)
+    cls = import_model_class(model_class) if model_class else get_model_class(ckpt.config.architecture)
+    formats = WeightFormats.for_model(options.kernels, options.dtype)
+    if ckpt.tensors is None:
+        model = restore_model(cls, ckpt.config, ckpt.path, options, ckpt.stored_dtype)
+    else:
+        model = build_from_tensors(cls, ckpt.config, WeightSource(ckpt.tensors, formats, str(ckpt.path)), options)
+    narrow_exact_bf16(model, formats)
+    log.info("weights: %s", describe(model))
+    log.info("loaded %s: %d layers, hidden %d, vocab %d in %.1fs", ckpt.served_name, ckpt.config.num_layers,
+             ckpt.config.hidden_size, ckpt.config.vocab_size, time.perf_counter() - t0)
+    return LoadedModel(model, ckpt.config, ckpt.tokenizer, ckpt.generation_config, ckpt.served_name,
+                       ckpt.path, options.dtype)
+
+
+def attention_shape(config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: int,
+                    platform: str) -> AttentionShape:
+    """The attention calls' shape for a model of `config` computing in `dtype` over a KV cache of `kv_dtype`."""
+    return AttentionShape(jnp.dtype(dtype), kv_storage_dtype(kv_dtype, platform), config.num_heads,
+                          config.num_kv_heads, config.head_dim, block_size)
 
 
 def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str | None = None,
-               model_class: str | None = None) -> LoadedModel:
-    """Resolve `name_or_path` (path or alias) and build the model, tokenizer and configs."""
-    from imp_jax.model.hub import resolve_model  # late: hub shells out to pip only for aliases
-
-    resolved = resolve_model(str(name_or_path))
-    jdtype = resolve_dtype(dtype)
-    layer_loop = layer_loop or default_layer_loop()
-    t0 = time.perf_counter()
-    log.info("loading %s (%s) as %s", resolved.path, resolved.kind, jnp.dtype(jdtype).name)
-    if resolved.kind == "converted":
-        from imp_jax.convert import load_converted
-        loaded = load_converted(resolved.path, dtype=jdtype, layer_loop=layer_loop, model_class=model_class)
-        loaded.served_name = resolved.served_name
-    else:
-        if resolved.kind == "gguf":
-            from imp_jax.model.gguf_loader import load_gguf
-            ckpt = load_gguf(resolved.path)
-            hf_config, tensors, tokenizer, gen = ckpt.hf_config, ckpt.tensors, ckpt.tokenizer, ckpt.generation_config
-            config = parse_config(lambda: ModelConfig.from_hf(hf_config, source=str(resolved.path)),
-                                  str(resolved.path))
-        else:
-            config = parse_config(lambda: ModelConfig.from_file(resolved.path / "config.json"),
-                                  str(resolved.path / "config.json"))
-            tensors = SafetensorsDir(resolved.path)
-            from imp_jax.model.tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_hf_dir(resolved.path)
-            gen = read_generation_config(resolved.path)
-        cls = import_model_class(model_class) if model_class else get_model_class(config.architecture)
-        model = build_from_tensors(cls, config, tensors, jdtype, layer_loop, str(resolved.path))
-        loaded = LoadedModel(model, config, tokenizer, gen, resolved.served_name, resolved.path, jdtype)
-    keep = getattr(loaded.model, "keep_exact_bf16", None)   # optional for a model class
-    if keep is not None:
-        keep()
-    log.info("weights: %s", describe_weights(loaded.model))
-    log.info("loaded %s: %d layers, hidden %d, vocab %d in %.1fs", loaded.served_name,
-             loaded.config.num_layers, loaded.config.hidden_size, loaded.config.vocab_size,
-             time.perf_counter() - t0)
-    return loaded
-
-
-def describe_weights(model: Any) -> str:
-    """One line for the log: the weights' MiB and how many arrays of each storage format."""
-    arrays = jax.tree.leaves(nnx.state(model))
-    formats = Counter(quant.format_of(a) or jnp.dtype(a.dtype).name for a in arrays)
-    mib = sum(a.nbytes for a in arrays) / 2**20
-    return f"{mib:.0f} MiB in " + ", ".join(f"{n} {f}" for f, n in formats.most_common())
+               model_class: str | None = None, kernels: Kernels | None = None) -> LoadedModel:
+    """Open and build a model for the default device: `kernels` default to what `select_kernels`
+    picks there for a KV cache of the model's dtype (the engine builder makes that choice itself)."""
+    device = jax.local_devices()[0]
+    ckpt = open_checkpoint(name_or_path)
+    jdtype = resolve_dtype(dtype, device.platform)
+    if kernels is None:
+        kernels = select_kernels(device, attention_shape(ckpt.config, jdtype, jdtype, 16, device.platform))
+    options = ModelOptions(jdtype, layer_loop or default_layer_loop(device.platform), kernels)
+    return build_model(ckpt, options, model_class)
 
 
 def parse_config(parse: Callable[[], ModelConfig], source: str) -> ModelConfig:
@@ -112,23 +138,12 @@ def parse_config(parse: Callable[[], ModelConfig], source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: bad value in the model config ({e})") from None
 
 
-def build_from_tensors(cls: type, config: ModelConfig, tensors: Mapping[str, np.ndarray],
-                       dtype: Any, layer_loop: str, source: str) -> Any:
-    """Instantiate `cls` from HF-named tensors, turning a missing or misshapen tensor into ModelLoadError."""
-    def get(name: str) -> np.ndarray:
-        try:
-            return tensors[name]
-        except KeyError:
-            raise ModelLoadError(f"{source}: weight '{name}' not found") from None
-    extra = {}
-    if hasattr(tensors, "blocks") and "blocks" in inspect.signature(cls.from_hf_tensors).parameters:
-        def blocks(name: str) -> np.ndarray | None:
-            return tensors.blocks(name) if name in tensors else None   # a missing one: get() says so
-        extra["blocks"] = blocks
+def build_from_tensors(cls: type, config: ModelConfig, weights: WeightSource, options: ModelOptions) -> Any:
+    """`cls.from_hf_tensors`, turning a misshapen tensor into a ModelLoadError (a missing one is one already)."""
     try:
-        return cls.from_hf_tensors(config, get, dtype=dtype, layer_loop=layer_loop, **extra)
+        return cls.from_hf_tensors(config, weights, options)
     except ValueError as e:
-        raise ModelLoadError(f"{source}: {e}") from None
+        raise ModelLoadError(f"{weights.source}: {e}") from None
 
 
 def read_generation_config(path: Path) -> dict[str, Any]:

@@ -88,9 +88,8 @@ class AsyncEngine:
 
     @property
     def device(self) -> str:
-        """The JAX backend the engine runs on: cpu, gpu or tpu."""
-        import jax
-        return jax.default_backend()
+        """The platform of the engine's devices: cpu, gpu or tpu."""
+        return self.core.step_fn.mesh.devices.flat[0].platform
 
     @property
     def default_params(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Start-up: load the model, size and allocate the KV cache, compile every step bucket."""
+"""Start-up: open the model, choose the kernels for it, build it, size and allocate the KV cache,
+compile every step bucket."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +9,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from imp_jax.kernels_pallas import kv_storage_dtype
-from imp_jax.model.loader import load_model
+from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
+from imp_jax.model.base import ModelOptions, default_layer_loop
+from imp_jax.model.loader import attention_shape, build_model, open_checkpoint, resolve_dtype
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.sharding import default_mesh
 
 log = logging.getLogger("imp_jax.engine")
 Progress = Callable[[str, float], None]   # (phase, fraction done)
@@ -30,22 +33,29 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     enable_compilation_cache(config)
     progress = progress or (lambda phase, frac: None)
     progress("loading", 0.0)
-    loaded = load_model(config.model, dtype=config.dtype, layer_loop=config.layer_loop,
-                        model_class=config.model_class)
-    backend = jax.default_backend()
+    mesh = default_mesh()
+    device = mesh.devices.flat[0]
+    platform = device.platform
+    ckpt = open_checkpoint(config.model)
+    dtype = resolve_dtype(config.dtype, platform)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+    shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)
+    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm)
+    log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
+    options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels)
+    loaded = build_model(ckpt, options, config.model_class)
     free = None
-    if backend != "cpu":
-        stats = jax.devices()[0].memory_stats() or {}
+    if platform != "cpu":
+        stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    kv_dtype = loaded.dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     itemsize = jnp.dtype(kv_dtype).itemsize
-    blocks = num_kv_blocks(config, loaded.config, itemsize, backend, free)
-    shape = loaded.model.kv_cache_shape(blocks, config.block_size)
-    kv = tuple(jnp.zeros(shape, kv_storage_dtype(kv_dtype)) for _ in range(2))
+    blocks = num_kv_blocks(config, loaded.config, itemsize, platform, free)
+    kv_shape = loaded.model.kv_cache_shape(blocks, config.block_size)
+    kv = tuple(jnp.zeros(kv_shape, kv_storage_dtype(kv_dtype, platform)) for _ in range(2))
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20)
-    core = EngineCore(loaded, config, kv, blocks)
+    core = EngineCore(loaded, config, kv, blocks, mesh)
     progress("warming_up", 0.0)
     t0 = time.perf_counter()
 

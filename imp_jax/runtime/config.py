@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 from imp_jax.model.config import ModelConfig
+from imp_jax.paths import compilation_cache_dir
 
 
 def _field(default, help: str):
@@ -19,7 +19,11 @@ class EngineConfig:
     model: str = _field("smollm2-135m-instruct", "path (HF dir, .gguf, converted) or alias")
     dtype: str = _field("auto", "auto | float32 | bfloat16; auto = bf16 on GPU, f32 on CPU")
     model_class: str | None = _field(None, "package.module:Class serving a user Flax NNX model")
-    layer_loop: str | None = _field(None, "scan | unroll; default scan (see docs/PERF.md)")
+    layer_loop: str | None = _field(None, "scan | unroll; default scan on CPU, unroll on GPU (docs/PERF.md)")
+    attention: str = _field("auto", "attention kernel: auto | xla | cpu | pallas; auto = pallas on a Hopper "
+                            "GPU, the C++ kernel on an x86-64 CPU, else xla")
+    gemm: str = _field("auto", "projection GEMM: auto | xla | cpu; auto = the C++ kernel on an x86-64 CPU, "
+                       "else xla")
     max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
     max_num_seqs: int = _field(32, "sequences in one step at most")
     max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")
@@ -40,8 +44,7 @@ class EngineConfig:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
 
     def cache_dir(self) -> Path:
-        home = Path(os.environ.get("IMP_JAX_HOME", Path.home() / ".cache" / "imp_jax"))
-        return Path(self.compilation_cache_dir) if self.compilation_cache_dir else home / "jax_cache"
+        return Path(self.compilation_cache_dir) if self.compilation_cache_dir else compilation_cache_dir()
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Callable
 
+from jax.sharding import Mesh
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer
@@ -19,7 +20,8 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.prompt_logprobs import compute_prompt_logprobs
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
+from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
+                                     check_context)
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
@@ -54,7 +56,7 @@ class _RequestState:
 class EngineCore:
     """Runs requests to completion on a loaded model; `step()` advances every running sequence once."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_cache, num_blocks: int):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_cache, num_blocks: int, mesh: Mesh):
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -66,7 +68,7 @@ class EngineCore:
         max_blocks = -(-self.max_model_len // config.block_size)
         shapes = StepShapes(max_blocks=max_blocks, vocab_size=loaded.config.vocab_size)
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
-                                    step_buckets(config.max_num_batched_tokens, config.max_num_seqs))
+                                    step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.counters = EngineCounters()
@@ -81,14 +83,10 @@ class EngineCore:
         vocab = self.loaded.config.vocab_size
         req.params.validate(vocab)
         n_prompt = len(req.prompt_ids)
-        if n_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+        params = resolve_params(req.params, self.loaded.generation_config)
+        check_context(n_prompt, params.max_tokens, self.max_model_len, "prompt")
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if n_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n_prompt} tokens; this model's context is {self.max_model_len} "
-                f"(max_model_len), leaving no room to generate", param="messages", code="context_length_exceeded")
         if self.pool.num_blocks_for(n_prompt + 1) > self.baseline_free_blocks:
             self.counters.kv_pressure_rejections += 1
             raise InvalidRequestError(
@@ -96,11 +94,6 @@ class EngineCore:
                 f"{self.baseline_free_blocks}; raise --num-kv-blocks or --kv-cache-memory",
                 code="context_length_exceeded")
         room = self.max_model_len - n_prompt
-        params = resolve_params(req.params, self.loaded.generation_config)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens {params.max_tokens} + prompt {n_prompt} tokens exceed the context of "
-                f"{self.max_model_len}", param="max_tokens", code="context_length_exceeded")
         if len(self._logit_bias(params, 0)) > self.step_fn.shapes.max_bias:
             raise InvalidRequestError(
                 f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "

@@ -17,7 +17,7 @@ BlockCopy = tuple[int, int]
 
 
 class OutOfBlocks(RuntimeError):
-    """No block left for an operation that cannot wait (fork, ensure_writable_tail)."""
+    """No block left for an operation that cannot wait (truncate, ensure_writable_tail)."""
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
@@ -175,34 +175,12 @@ class KVBlockPool:
         table.block_hashes = []
         table.num_cached_tokens = 0
 
-    def fork(self, table: BlockTable, num_tokens: int) -> tuple[BlockTable, BlockCopy | None]:
-        """A sibling table for the first `num_tokens` tokens (n > 1 samples of one prompt).
-
-        Full blocks are shared (refcount + 1); a partial tail gets a fresh block, returned as
-        the (src, dst) copy the engine must do on device. Raises OutOfBlocks if none is free.
-        """
-        num_full, partial = divmod(num_tokens, self.block_size)
-        if self.num_blocks_for(num_tokens) > len(table.block_ids):
-            raise ValueError(f"table covers fewer than {num_tokens} tokens")
-        if partial and self.num_free_blocks == 0:
-            raise OutOfBlocks("fork needs one free block for the partial tail")
-        child = BlockTable(
-            block_ids=table.block_ids[:num_full],
-            block_hashes=table.block_hashes[:num_full],
-            num_cached_tokens=min(table.num_cached_tokens, num_tokens),
-        )
-        for b in child.block_ids:
-            self._acquire(b)
-        if not partial:
-            return child, None
-        dst = self._take()
-        child.block_ids.append(dst)
-        return child, (table.block_ids[num_full], dst)
-
     def truncate(self, table: BlockTable, num_tokens: int) -> BlockCopy | None:
         """Shorten the table to `num_tokens` tokens (rewind): free tail blocks, drop stale hashes.
 
-        Then makes the new partial tail writable; see ensure_writable_tail for the result.
+        Then makes the new partial tail writable; see ensure_writable_tail for the result. The
+        rewind seam of speculative decoding and banned strings, which bring its engine caller
+        and the device copy of a shared tail.
         """
         keep = self.num_blocks_for(num_tokens)
         for b in reversed(table.block_ids[keep:]):

@@ -7,10 +7,28 @@ from typing import Any
 
 from imp_jax.errors import InvalidRequestError
 
+# Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
+# dialects check the same values, from here, before a request reaches it.
 MAX_N = 4
 MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 64      # entries per request (a static width of the compiled sampler)
-INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 64                     # entries per request (a static width of the compiled sampler)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+TOP_K_RANGE = (-(2**31), 2**31 - 1)     # <= 0 (or >= the vocabulary) is off
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
+    """400 when the prompt is empty, or it or the prompt plus max_tokens does not fit the context."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty", param=prompt_param)
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_len} tokens; this model's context is {max_model_len} tokens "
+            "and at least one must be left to generate", code="context_length_exceeded", param=prompt_param)
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
 
 
 @dataclasses.dataclass
@@ -63,9 +81,9 @@ class SamplingParams:
             bad("n", f"must be in [1, {MAX_N}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        if self.top_k is not None and not -1 <= self.top_k <= INT32_MAX:
-            bad("top_k", "must be -1, 0 (off) or a positive count")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+        if self.top_k is not None and not TOP_K_RANGE[0] <= self.top_k <= TOP_K_RANGE[1]:
+            bad("top_k", "must be a 32-bit integer (<= 0 is off)")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             bad("seed", "must fit in 64 bits")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
@@ -74,7 +92,7 @@ class SamplingParams:
         for tok, val in self.logit_bias.items():
             if not 0 <= tok < vocab_size:
                 bad("logit_bias", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
-            if not -100 <= val <= 100:
+            if not LOGIT_BIAS_RANGE[0] <= val <= LOGIT_BIAS_RANGE[1]:
                 bad("logit_bias", f"value {val} for token {tok} must be in [-100, 100]")
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from imp_jax.runtime.truncation import truncate
+from imp_jax.runtime.truncation import cond, truncate
 
 # Tokens per block of the two-level inverse-CDF draw.
 DRAW_BLOCK = 256
@@ -76,16 +76,18 @@ class SamplerOutput(NamedTuple):
 # ---------------------------------------------------------------------------- device
 
 
-@functools.partial(jax.jit, static_argnames=("num_top_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "dynamic_skips"))
 def sample(
-    logits: jax.Array, t: SamplingTensors, step_key: jax.Array, num_top_logprobs: int = 0
+    logits: jax.Array, t: SamplingTensors, step_key: jax.Array, num_top_logprobs: int = 0,
+    dynamic_skips: bool = True,
 ) -> SamplerOutput:
-    """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`."""
-    processed = process_logits(logits, t)
+    """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`. With `dynamic_skips`
+    (CPUs, `Kernels.dynamic_skips`) each pass over the vocabulary runs only when some row needs it."""
+    processed = process_logits(logits, t, dynamic_skips)
     lse = jax.nn.logsumexp(processed, axis=-1)   # logprobs are processed - lse, never materialised
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    tokens = lax.cond(
-        jnp.any(t.temperature > 0),
+    tokens = cond(
+        dynamic_skips, jnp.any(t.temperature > 0),
         lambda: jnp.where(
             t.temperature > 0, _draw(processed, t, step_key), greedy_tokens
         ),
@@ -103,26 +105,27 @@ def sample(
                     jnp.zeros((rows, num_top_logprobs), jnp.int32))
 
         wanted = t.wants_top_logprobs
-        top_logprobs, top_ids = top() if wanted is None else lax.cond(jnp.any(wanted), top, none_wanted)
+        top_logprobs, top_ids = top() if wanted is None else cond(dynamic_skips, jnp.any(wanted), top, none_wanted)
     else:
         top_logprobs = jnp.zeros((rows, 0), jnp.float32)
         top_ids = jnp.zeros((rows, 0), jnp.int32)
     return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs)
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def process_logits(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool = True) -> jax.Array:
     """Steps 1-5 of the module docstring: the logits each row's token is drawn from."""
     logits = logits.astype(jnp.float32)
     penalised = (t.repetition_penalty != 1) | (t.presence_penalty != 0)
     penalised |= t.frequency_penalty != 0
-    logits = lax.cond(jnp.any(penalised), _apply_penalties, lambda x, _: x, logits, t)
+    logits = cond(dynamic_skips, jnp.any(penalised), _apply_penalties, lambda x, _: x, logits, t)
     # Each step over the whole [R, V] array runs only when some row of the batch needs it.
-    logits = lax.cond(jnp.any(t.bias_ids >= 0), _apply_bias, lambda x, *_: x, logits, t.bias_ids, t.bias_values)
+    logits = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _apply_bias, lambda x, *_: x,
+                  logits, t.bias_ids, t.bias_values)
     if t.allowed_mask is not None:
         logits = jnp.where(_unpack_mask(t.allowed_mask, logits.shape[1]), logits, -jnp.inf)
     scale = jnp.where(t.temperature > 0, t.temperature, 1.0)
-    logits = lax.cond(jnp.any(scale != 1), lambda x: x / scale[:, None], lambda x: x, logits)
-    return truncate(logits, t)
+    logits = cond(dynamic_skips, jnp.any(scale != 1), lambda x: x / scale[:, None], lambda x: x, logits)
+    return truncate(logits, t, dynamic_skips)
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

@@ -7,7 +7,7 @@ its cut by bisection over the values' int32 keys (32 passes over the row) instea
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,19 @@ if TYPE_CHECKING:
 FAST_TOP_K = 64
 
 
-def truncate(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def switch(dynamic: bool, index: jax.Array, branches: list[Callable[..., Any]], *operands: Any) -> Any:
+    """`lax.switch` where data-dependent skips pay (`Kernels.dynamic_skips`, CPUs); else the last
+    branch, the general one, which every call site keeps right for every row (no host sync on GPU)."""
+    return lax.switch(index, branches, *operands) if dynamic else branches[-1](*operands)
+
+
+def cond(dynamic: bool, pred: jax.Array, when_true: Callable[..., Any], when_false: Callable[..., Any],
+         *operands: Any) -> Any:
+    """`lax.cond`, or with `dynamic` off `when_true`, which must be right for every row."""
+    return switch(dynamic, pred.astype(jnp.int32), [when_false, when_true], *operands)
+
+
+def truncate(logits: jax.Array, t: SamplingTensors, dynamic: bool = True) -> jax.Array:
     """top_k, top_p, min_p, typical_p; sorts only when a row needs it, and then as little."""
     vocab = logits.shape[1]
     width = min(FAST_TOP_K, vocab)
@@ -33,25 +45,25 @@ def truncate(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     typical_branch = _branch(typ_on, small_k)
 
     # top_k then top_p keep a prefix of the sorted row: one cut value per row.
-    cut = lax.switch(
-        prefix_branch,
+    cut = switch(
+        dynamic, prefix_branch,
         [
             lambda x: jnp.full(x.shape[:1], -jnp.inf, x.dtype),
             lambda x: _prefix_cut(_top_values(x, width), t, k_on, p_on),
-            lambda x: _threshold_cut(x, t, k_on, p_on),
+            lambda x: _threshold_cut(x, t, k_on, p_on, dynamic),
         ],
         logits,
     )
     # min_p compares to the max, which top_k/top_p never remove: it commutes with them.
-    logits = lax.cond(
-        (prefix_branch > 0) | jnp.any(t.min_p > 0),
+    logits = cond(
+        dynamic, (prefix_branch > 0) | jnp.any(t.min_p > 0),
         lambda x: _cut_and_min_p(x, cut, t.min_p),
         lambda x: x,
         logits,
     )
 
-    return lax.switch(
-        typical_branch,
+    return switch(
+        dynamic, typical_branch,
         [
             lambda x: x,
             lambda x: _apply_typical(x, _top_values(x, width), t.typical_p, typ_on),
@@ -71,7 +83,7 @@ def _cut_and_min_p(logits: jax.Array, cut: jax.Array, min_p: jax.Array) -> jax.A
 def _top_values(x: jax.Array, k: int) -> jax.Array:
     """Each row's k largest values, descending."""
     # The barrier stops XLA fusing TopK's slice into consumers, which on CPU turned the
-    # TopK custom call back into a full sort (30x slower at V = 49k).
+    # TopK custom call back into a full sort (docs/PERF.md, the sampler section).
     return lax.optimization_barrier(lax.top_k(x, k)[0])
 
 
@@ -97,9 +109,10 @@ def _prefix_cut(
     return jnp.where(k_on | p_on, cut, -jnp.inf)
 
 
-def _threshold_cut(x: jax.Array, t: SamplingTensors, k_on: jax.Array, p_on: jax.Array) -> jax.Array:
-    """`_prefix_cut` of each row sorted, without the sort (a full sort of [R, V] took ~400 ms at
-    R = 32, V = 49k on a 2-core CPU): bisection over the values' order-preserving int32 keys finds
+def _threshold_cut(x: jax.Array, t: SamplingTensors, k_on: jax.Array, p_on: jax.Array,
+                   dynamic: bool = True) -> jax.Array:
+    """`_prefix_cut` of each row sorted, without the sort (a full sort of [R, V] cost several decode
+    steps on a CPU, docs/PERF.md): bisection over the values' order-preserving int32 keys finds
     the k-th largest value, then the smallest value whose strictly larger tokens hold less than
     top_p of the top-k mass. Each takes 32 passes over the row, each pass a compare and a sum."""
     keys = _order_key(lax.bitcast_convert_type(x, jnp.int32))    # ordered like x
@@ -111,9 +124,9 @@ def _threshold_cut(x: jax.Array, t: SamplingTensors, k_on: jax.Array, p_on: jax.
         return jnp.sum(jnp.where(keys > c[:, None], values, 0), axis=-1)
 
     # top_k: the smallest key with fewer than k keys above it is the k-th largest.
-    k_key = lax.cond(jnp.any(k_on),
-                     lambda: _bisect(lo, hi, lambda c: above(c, jnp.int32(1)) < t.top_k),
-                     lambda: no_cut)
+    k_key = cond(dynamic, jnp.any(k_on),
+                 lambda: _bisect(lo, hi, lambda c: above(c, jnp.int32(1)) < t.top_k),
+                 lambda: no_cut)
     k_key = jnp.where(k_on, k_key, no_cut)
     # top_p over the top-k survivors: the smallest key whose larger tokens hold < top_p of the mass.
     w = jnp.where(keys >= k_key[:, None], jnp.exp(x - x.max(axis=-1, keepdims=True)), 0.0)

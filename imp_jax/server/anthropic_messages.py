@@ -13,14 +13,14 @@ from pydantic import field_validator
 from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
 from imp_jax.server import lifecycle
 from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.validation import WireModel, check_context
+from imp_jax.server.validation import WireModel
 
 bp = Blueprint("anthropic_messages", __name__)
 log = logging.getLogger("imp_jax.server")

@@ -7,7 +7,7 @@ from pydantic import field_validator
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest
+from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
 from imp_jax.server import lifecycle
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import not_supported
@@ -15,10 +15,9 @@ from imp_jax.server.generation import Completion, collect
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.validation import WireModel, check_context
+from imp_jax.server.validation import WireModel
 
 bp = Blueprint("chat_completions", __name__)
-MAX_TOP_LOGPROBS = 20
 
 
 class TextPart(WireModel):

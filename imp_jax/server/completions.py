@@ -7,14 +7,14 @@ from pydantic import field_validator
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
 from imp_jax.server import lifecycle
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.validation import check_context, check_token_ids
+from imp_jax.server.validation import check_token_ids
 
 bp = Blueprint("completions", __name__)
 

@@ -8,15 +8,12 @@ from typing import Any
 from pydantic import field_validator
 
 from imp_jax.errors import ImpError, InvalidRequestError
-from imp_jax.runtime.request import SamplingParams, Usage
+from imp_jax.runtime.request import MAX_LOGIT_BIAS, SEED_RANGE, TOP_K_RANGE, SamplingParams, Usage
 from imp_jax.server.errors import openai_error_body
 from imp_jax.server.streaming import sse
 from imp_jax.server.validation import WireModel
 
 MAX_STOP = 16
-MAX_LOGIT_BIAS = 64  # the engine's per-row logit_bias slots (runtime/step.py StepShapes.max_bias)
-INT32 = (-(2**31), 2**31 - 1)
-SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def new_id(prefix: str) -> str:
@@ -82,7 +79,7 @@ class OpenAISampling(WireModel):
         if self.best_of is not None and self.best_of != 1:
             raise InvalidRequestError("'best_of' must be 1: this server generates no candidate set to choose from",
                                       param="best_of")
-        if self.top_k is not None and not INT32[0] <= self.top_k <= INT32[1]:
+        if self.top_k is not None and not TOP_K_RANGE[0] <= self.top_k <= TOP_K_RANGE[1]:
             raise InvalidRequestError("'top_k' must be a 32-bit integer (>= the vocabulary size is off)",
                                       param="top_k")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -14,7 +14,7 @@ from quart import Blueprint, current_app, jsonify
 from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
 from imp_jax.server import lifecycle
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
@@ -22,7 +22,7 @@ from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.validation import WireModel, check_context
+from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
 PART_JOIN = "\n"  # the text parts of one input message join with this (as vLLM)

@@ -46,20 +46,6 @@ def check_model_name(requested: str, served_name: str) -> None:
                             code="model_not_found", param="model")
 
 
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
-    """400 when the prompt, or the prompt plus max_tokens, does not fit the context window."""
-    if prompt_len == 0:
-        raise InvalidRequestError("the prompt is empty", param=prompt_param)
-    if prompt_len >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {prompt_len} tokens; this model's context is {max_model_len} tokens "
-            "and at least one must be left to generate", code="context_length_exceeded", param=prompt_param)
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
-            f"context of {max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
-
-
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """400 when a caller-given token id is outside the vocabulary."""
     for t in ids:

@@ -1,13 +1,13 @@
 // Ragged paged attention on x86-64 CPUs with AVX2 + FMA, float32 queries over float32 or bfloat16
 // caches (computed in float32), as an XLA FFI custom call
-// (imp_jax/kernels_pallas/cpu_attention.py). Same contract as the XLA reference
-// (reference.py), which is its oracle in the tests.
+// (imp_jax/kernels_pallas/cpu/attention.py). Same contract as the attention oracle
+// (xla/oracle.py), which every test compares it against.
 //
-// Why: the reference gathers each row's pages into a fresh array and transposes it before two
-// einsums, so a decode step moves every cached key and value through memory three times. Here
-// one work item is a query token: it walks its sequence's block table and reads each key and
-// value once, straight from the cache, with an online softmax over chunks of at most 16 keys of
-// one page. Items are shared through XLA's intra-op thread pool.
+// Why: the XLA backend (xla/attention.py) gathers each row's pages into a fresh array and
+// transposes it before two einsums, so a decode step moves every cached key and value through
+// memory three times. Here one work item is a query token: it walks its sequence's block table
+// and reads each key and value once, straight from the cache, with an online softmax over chunks
+// of at most 16 keys of one page. Items are shared through XLA's intra-op thread pool.
 //
 // A token's result depends only on its own query, its sequence's pages and its position, never
 // on the other tokens of the step.

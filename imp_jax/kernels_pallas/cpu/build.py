@@ -1,9 +1,11 @@
-"""Build and load the C++ CPU kernels (`cpu_*.cc` next to this file) that XLA calls through its FFI.
+"""Build and load the C++ CPU kernels (`*.cc` next to this file) that XLA calls through its FFI.
 
 Each kernel is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
-`$IMP_JAX_HOME/kernels/<name>-<hash>.so`, the hash covering its source, the compiler and JAX's FFI
+`$IMP_JAX_HOME/kernels/cpu_<name>-<hash>.so`, the hash covering its source, the compiler and JAX's FFI
 headers, and loaded from there afterwards. They need x86-64 with AVX2, FMA and F16C; everywhere else,
 and whenever the build fails, `load` returns None and the caller uses XLA (the reason is logged).
+A loaded library and its FFI registration belong to the process, so they are remembered per
+process (`_libraries`, `_registered`), behind a lock.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from imp_jax.model.hub import imp_jax_home
+from imp_jax.paths import kernels_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def _build(name: str, cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
-    lib = imp_jax_home() / "kernels" / f"{name}-{key}.so"
+    lib = kernels_dir() / f"cpu_{name}-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 // y[m, n] = sum_k x[m, k] * w[n, k]: the float32 projection GEMM on x86-64 CPUs with AVX2 + FMA,
-// for weights in HF's [out, in] layout, as XLA FFI custom calls (imp_jax/kernels_pallas/cpu_gemm.py),
+// for weights in HF's [out, in] layout, as XLA FFI custom calls (imp_jax/kernels_pallas/cpu/gemm.py),
 // one per weight format:
 //   imp_gemm_f32          float32 weights [N, K];
 //   imp_gemm_f32_bf16w    bfloat16 weights [N, K] (a bf16 checkpoint's matrices at half the bytes);

@@ -1,72 +1,25 @@
-"""XLA reference ragged paged attention: short, obviously correct, and the oracle for every kernel.
+"""Ragged paged attention in plain XLA: the portable backend (any platform, any dtype).
 
 It reads only the pages a sequence owns (never a dense context), its cost follows the longest
 cached prefix in the batch, not the pool size or max_model_len, and a prefill's keys are read
-once per step rather than once per query token.
+once per step rather than once per query token. Tests check it against `oracle.py`.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from imp_jax.kernels_pallas.metadata import AttentionMetadata
-
-
-# A bfloat16 KV cache on a CPU is stored as its bits in uint16: XLA's CPU compiler widens a
-# bfloat16 scatter to float32, converting the whole cache there and back on every layer (a 32-row
-# decode step took 2.3 s instead of 0.1), and a bitcast of the whole cache is a copy too.
-BF16_BITS = jnp.uint16
-
-
-def kv_storage_dtype(dtype) -> jnp.dtype:
-    """The array dtype that holds a KV cache of `dtype` on the default backend."""
-    dtype = jnp.dtype(dtype)
-    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
-
-
-def as_float32(x: jax.Array) -> jax.Array:
-    """Cache values (float32, bfloat16, or bfloat16 bits in uint16) as float32."""
-    if x.dtype == BF16_BITS:
-        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x.astype(jnp.float32)
-
-
-def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
-    """Write new K/V [T, KVH, D] of `layer` at `slot_mapping` in stacked caches [L, NB, BS, KVH, D].
-
-    Slots < 0 (padding) are dropped. Under jit with donated caches XLA updates in place.
-    """
-    L, NB, BS, KVH, D = k_cache.shape
-    slots = jnp.where(slot_mapping < 0, NB * BS, slot_mapping)  # out of range -> dropped
-    blk, off = slots // BS, slots % BS
-
-    def put(cache: jax.Array, new: jax.Array) -> jax.Array:
-        if cache.dtype == BF16_BITS:
-            new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), BF16_BITS)
-        return cache.at[layer, blk, off].set(new.astype(cache.dtype), mode="drop")
-
-    return put(k_cache, k), put(v_cache, v)
+from imp_jax.kernels_pallas.kv_cache import as_float32
+from imp_jax.kernels_pallas.metadata import AttentionMetadata, token_positions
 
 
 TILE_ROWS = 64   # query rows per tile
 
 
-def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per token: its sequence index, its position in that sequence's KV, and whether it is real."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    qsl = meta.query_start_loc
-    num_slots = meta.seq_lens.shape[0]
-    seq = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, num_slots - 1).astype(jnp.int32)
-    valid = t < qsl[meta.num_seqs]
-    pos = meta.seq_lens[seq] - (qsl[seq + 1] - t)
-    return seq, pos, valid
-
-
-def ragged_paged_attention_reference(
+def ragged_paged_attention_xla(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
     layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    soft_cap: float | None = None, dynamic_skips: bool = True,
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
@@ -83,6 +36,10 @@ def ragged_paged_attention_reference(
        as the tile's longest cached prefix. A tile whose rows all belong to one sequence (a
        prefill chunk) gathers each key block once for all its rows; a tile of several (decodes)
        gathers per row. Tiles of fresh prompts walk nothing.
+
+    With `dynamic_skips` off (GPUs: see `Kernels`) both parts loop to static bounds, the whole
+    block table and every earlier tile, masked, and tiles always gather per row: more work, but
+    no data-dependent branch or trip count for the host to wait on.
     """
     T, H, D = q.shape
     _, NB, BS, KVH, _ = k_cache.shape
@@ -137,6 +94,8 @@ def ragged_paged_attention_reference(
 
         if n_tiles == 1:
             return key_tile(0, st)
+        if not dynamic_skips:
+            return jax.lax.fori_loop(0, i + 1, key_tile, st)
         first = jnp.where(valid_t[i * tile], meta.query_start_loc[seq_i[0]] // tile, i + 1)
         return jax.lax.fori_loop(first, i + 1, key_tile, st)
 
@@ -166,8 +125,13 @@ def ragged_paged_attention_reference(
                 return attend(st, jnp.einsum("tkgd,tskd->tkgs", q_i, k), v, mask,
                               lambda p, v: jnp.einsum("tkgs,tskd->tkgd", p, v))
 
-            return lambda st: jax.lax.fori_loop(0, (jnp.max(before) + chunk - 1) // chunk, body, st)
+            steps = table.shape[1] // blocks_per_step            # static: the whole table
+            if dynamic_skips:
+                steps = (jnp.max(before) + chunk - 1) // chunk    # only as far as the tile's longest prefix
+            return lambda st: jax.lax.fori_loop(0, steps, body, st)
 
+        if not dynamic_skips:
+            return walk(per_row_blocks, False)(st)
         one_owner = jnp.all(~ok_i | (seq_i == seq_i[0]))
         return jax.lax.cond(one_owner, walk(one_owner_blocks, True), walk(per_row_blocks, False), st)
 

@@ -4,15 +4,15 @@ Hardware: NVIDIA Hopper (sm_90a: H100/H200). The kernel is written for Mosaic GP
 GMEM->SMEM by TMA (`copy_gmem_to_smem`, mbarrier completion, double-buffered) and both matmuls are
 warpgroup MMAs (`wgmma`: M = 64 rows per warpgroup, bf16/f16 operands in swizzled SMEM, f32
 accumulators). TMA and wgmma do not exist before Hopper, and Blackwell (sm_100) replaced wgmma
-with tcgen05 MMAs, so other GPUs stay on the XLA reference until a tcgen05 variant exists. f32
-caches also stay on the reference on GPU (wgmma would run them as tf32, K-major operands only).
+with tcgen05 MMAs, so other GPUs stay on the XLA backend until a tcgen05 variant exists. f32
+caches also stay on the XLA backend on GPU (wgmma would run them as tf32, K-major operands only).
 
 Layout of the work: the flat ragged batch is cut, in XLA, into work items of up to `block_q`
 query tokens of one sequence; grid = (work items, kv heads). A work item stacks its tokens x the
 G query heads of its kv head as the 64 MMA rows (GQA: K/V are read once per group), walks its
 sequence's pages through `block_tables` (never a dense context) in steps of `block_kv` keys,
 and keeps an f32 online softmax. Causal, sliding-window and soft-cap masking are per row.
-The new K/V are written right before the kernel by the reference's `write_kv` (an XLA scatter,
+The new K/V are written right before the kernel by `kv_cache.write_kv` (an XLA scatter,
 in place when the step donates the caches). On CPU the same kernel runs in JAX's Mosaic GPU
 interpreter (`interpret=True`), which is how CI tests it; two interpreter gaps are bridged there
 only: it has no transposed wgmma operand (K^T is staged in SMEM) and no register layout casts.
@@ -29,8 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from imp_jax.kernels_pallas.metadata import AttentionMetadata
-from imp_jax.kernels_pallas.reference import token_positions
+from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape, token_positions
 
 MMA_ROWS = 64            # wgmma M per warpgroup on Hopper
 SWIZZLE = 128            # bytes; SMEM tiles are (8, SWIZZLE // itemsize)
@@ -50,14 +49,15 @@ def block_kv_for(block_size: int, block_kv: int = 64) -> int:
     return block_kv if block_kv % block_size == 0 else block_size * math.ceil(block_kv / block_size)
 
 
-def supports(q: jax.Array, k_cache: jax.Array) -> bool:
-    """Whether the compiled (GPU) kernel handles these shapes: 16-bit caches, TMA/wgmma-friendly tiles."""
-    _, _, bs, kvh, d = k_cache.shape
-    g = q.shape[1] // kvh
-    bk = block_kv_for(bs)
-    return (k_cache.dtype in (jnp.bfloat16, jnp.float16) and q.dtype in (jnp.bfloat16, jnp.float16)
-            and d % 64 == 0 and d <= 256
-            and bs % 8 == 0 and bk % 64 == 0 and bk <= 256 and g <= 2 * MMA_ROWS)
+def supports(shape: AttentionShape) -> bool:
+    """Whether the compiled (GPU) kernel takes a model of this shape: 16-bit queries and caches,
+    TMA/wgmma-friendly tiles."""
+    bk = block_kv_for(shape.block_size)
+    group = shape.num_heads // shape.num_kv_heads
+    sixteen = (jnp.bfloat16, jnp.float16)
+    return (shape.cache_dtype in sixteen and shape.q_dtype in sixteen
+            and shape.head_dim % 64 == 0 and shape.head_dim <= 256
+            and shape.block_size % 8 == 0 and bk % 64 == 0 and bk <= 256 and group <= 2 * MMA_ROWS)
 
 
 def _plan(meta: AttentionMetadata, num_tokens: int, block_q: int,
@@ -206,11 +206,11 @@ def ragged_paged_attention_pallas(
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
-    Same contract as `ragged_paged_attention_reference`; K/V must already be written.
+    Same contract as `xla.oracle.ragged_paged_attention_oracle`; K/V must already be written.
     """
-    if not interpret and not supports(q, k_cache):
+    if not interpret and not supports(AttentionShape.of(q, k_cache)):
         raise ValueError(f"the compiled Pallas kernel does not take q {q.shape} {q.dtype}, "
-                         f"caches {k_cache.shape} {k_cache.dtype}; use IMP_JAX_ATTENTION=reference")
+                         f"caches {k_cache.shape} {k_cache.dtype}; use the xla attention backend")
     T, H, D = q.shape
     _, _, BS, KVH, _ = k_cache.shape
     G = H // KVH

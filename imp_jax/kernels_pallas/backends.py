@@ -1,0 +1,112 @@
+"""Which implementation runs each kernel, chosen once when the engine is built, for its device.
+
+`select_kernels` turns the operator's choice (`--attention`, `--gemm`; `auto` by default) into a
+`Kernels` value; the model holds it and passes it to every kernel call, so a compiled program
+never looks at the environment. A backend asked for by name where it cannot run is an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from imp_jax.kernels_pallas.cpu import attention as cpu_attention
+from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+from imp_jax.kernels_pallas.metadata import AttentionShape
+from imp_jax.kernels_pallas.pallas import ragged_paged_attention as pallas_attention
+
+log = logging.getLogger("imp_jax.kernels")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
+GEMM_BACKENDS = ("auto", "xla", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The kernel implementations a model's programs call; hashable, a static part of the model.
+
+    attention: "xla" (any platform), "cpu" (x86-64 C++ kernel) or "pallas" (Hopper GPU kernel).
+    gemm: "xla" or "cpu" (the x86-64 C++ kernel; it also reads bf16 and GGML-block weights).
+    dynamic_skips: whether programs skip unneeded work with data-dependent branches and loop
+        bounds (`lax.cond`, `fori_loop` to a traced bound). A win on a CPU; on XLA:GPU each such
+        branch or loop iteration waits for the device to tell the host its predicate.
+    pallas_interpret: run the Pallas kernel in the Mosaic GPU interpreter (tests on a CPU;
+        `select_kernels` never sets it).
+    """
+
+    attention: str = "xla"
+    gemm: str = "xla"
+    dynamic_skips: bool = True
+    pallas_interpret: bool = False
+
+    @property
+    def reads_narrow_weights(self) -> bool:
+        """Whether bf16 and GGML-block matrices pay: only the CPU GEMM kernel reads them as they
+        are; XLA's dot would widen them to float32 on every call."""
+        return self.gemm == "cpu"
+
+    def describe(self) -> str:
+        return f"attention={self.attention} gemm={self.gemm} dynamic_skips={self.dynamic_skips}"
+
+
+XLA = Kernels()   # portable: runs anywhere, the default for code that is not handed a choice
+
+
+def is_hopper(device: Any) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.x), where the Pallas kernel's TMA and
+    wgmma run; Blackwell (10.x+) replaced wgmma with tcgen05."""
+    if device.platform != "gpu":
+        return False
+    try:
+        return 9.0 <= float(device.compute_capability) < 10.0
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def select_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto",
+                   gemm: str = "auto") -> Kernels:
+    """The kernels for a model of attention `shape` on `device` (a jax Device).
+
+    auto: the Pallas kernel on a Hopper GPU and the C++ kernels on an x86-64 CPU, each where it
+    takes the shape (and, for the C++ ones, where they build); XLA everywhere else.
+    """
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+    on_cpu = device.platform == "cpu"
+    return Kernels(attention=_attention(attention, device, shape, on_cpu), gemm=_gemm(gemm, on_cpu),
+                   dynamic_skips=on_cpu)
+
+
+def _attention(asked: str, device: Any, shape: AttentionShape, on_cpu: bool) -> str:
+    if asked == "pallas":
+        if not is_hopper(device):
+            raise ValueError(f"--attention pallas needs a Hopper GPU (sm_90); this device is "
+                             f"{getattr(device, 'device_kind', device.platform)}")
+        if not pallas_attention.supports(shape):
+            raise ValueError(f"--attention pallas: the kernel does not take {shape} (it needs 16-bit "
+                             f"queries and caches, head_dim a multiple of 64 up to 256, pages of 8k tokens)")
+        return "pallas"
+    if asked == "cpu":
+        if not (on_cpu and cpu_attention.available()):
+            raise ValueError("--attention cpu needs an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler "
+                             "(see the log for why the kernel did not build)")
+        if not cpu_attention.supports(shape):
+            raise ValueError(f"--attention cpu: the kernel does not take {shape} (it needs float32 "
+                             f"queries and head_dim a multiple of 8)")
+        return "cpu"
+    if asked == "auto":
+        if is_hopper(device) and pallas_attention.supports(shape):
+            return "pallas"
+        if on_cpu and cpu_attention.supports(shape) and cpu_attention.available():
+            return "cpu"
+    return "xla"
+
+
+def _gemm(asked: str, on_cpu: bool) -> str:
+    if asked == "cpu" and not (on_cpu and cpu_gemm.available()):
+        raise ValueError("--gemm cpu needs an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler "
+                         "(see the log for why the kernel did not build)")
+    if asked == "cpu" or (asked == "auto" and on_cpu and cpu_gemm.available()):
+        return "cpu"
+    return "xla"

@@ -1,0 +1,55 @@
+"""The projection GEMM for x86-64 CPUs (gemm.cc), called as an XLA FFI custom call.
+
+`matmul_wt_cpu(x, w)` is x @ w.T for w in [out, in] layout and float32 x. It reads
+- float32 weights, on 2 to 64 rows (decode steps; see MIN_ROWS, MAX_ROWS);
+- narrow weights, on any number of rows, since XLA would first widen them to float32 on every
+  call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/weights.py) and GGML
+  blocks (a GGUF file's Q8_0, Q4_0 and Q4_1 matrices, ggml_blocks.py).
+`takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
+first use (build.py).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from imp_jax.kernels_pallas import ggml_blocks
+from imp_jax.kernels_pallas.cpu import build
+
+TARGET = "imp_gemm_f32"
+TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
+BLOCK_TARGETS = {"Q8_0": "imp_gemm_f32_q8_0w", "Q4_0": "imp_gemm_f32_q4_0w", "Q4_1": "imp_gemm_f32_q4_1w"}
+_HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W", **{
+    t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()}}
+MIN_ROWS = 2         # one row is a memory-bound GEMV, where XLA's dot already streams at full bandwidth
+MAX_ROWS = 64        # above this XLA's own GEMM (which packs the weights, amortised over many rows) is faster
+
+
+def available() -> bool:
+    """Whether the kernel is built, loaded and registered for this CPU (built on the first call)."""
+    return all(build.register("gemm", target, handler) for target, handler in _HANDLERS.items())
+
+
+def _target(w: jax.Array) -> str | None:
+    """The kernel's custom call for this weight matrix, or None for a format it does not read."""
+    if w.ndim == 2 and w.dtype in (jnp.float32, jnp.bfloat16):
+        return TARGET if w.dtype == jnp.float32 else TARGET_BF16W
+    fmt = ggml_blocks.format_of(w)
+    return BLOCK_TARGETS[fmt] if fmt else None
+
+
+def takes(x: jax.Array, w: jax.Array) -> bool:
+    """Whether the kernel reads x @ w.T: float32 x, a weight format it knows, and for float32
+    weights a row count where it beats XLA's dot."""
+    target, rows = _target(w), math.prod(x.shape[:-1])
+    if x.dtype != jnp.float32 or target is None:
+        return False
+    return target != TARGET or MIN_ROWS <= rows <= MAX_ROWS
+
+
+def matmul_wt_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w.T for w [N, K] (float32, bfloat16 or GGML blocks), float32 out."""
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + w.shape[:1], jnp.float32)
+    return jax.ffi.ffi_call(_target(w), out)(x, w)

@@ -1,0 +1,67 @@
+"""The contract a causal LM honours to be served, and the options the engine builds it with.
+
+A model class (built in: llama.py; yours: `--model-class package.module:Class`) provides:
+
+    Model(config: ModelConfig, options: ModelOptions, *, rngs: nnx.Rngs)      random init
+    Model.from_hf_tensors(config, weights: WeightSource, options) -> Model    from a checkpoint
+    model(input_ids[T], positions[T], kv, meta) -> (hidden[T, E], kv)        the ragged forward
+    model.logits(hidden[R, E]) -> float32 [R, vocab]                         only the sampled rows
+    model.kv_cache_shape(num_blocks, block_size) -> shape of K (and of V)
+
+`kv` is (K, V), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; `meta` is
+kernels_pallas.AttentionMetadata. A model calls `layers.linear` and
+`kernels_pallas.ragged_paged_attention` with `options.kernels`, declares its linear weights as
+`weights.Matrix` (so the loader may store them narrow) and names every parameter's axes
+(`axes=(...)` metadata, names from `AXES`) so the engine can shard it. docs/ARCHITECTURE.md has
+a worked example.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from imp_jax.kernels_pallas import XLA, AttentionMetadata, Kernels
+from imp_jax.model.config import ModelConfig
+
+LAYER_LOOPS = ("scan", "unroll")
+# Logical axis names for parameters and the KV cache; runtime/sharding.py maps them onto a mesh.
+AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "qkv", "gate_up")
+KVCache = tuple[jax.Array, jax.Array]   # K and V, each [L, num_blocks, block_size, KVH, D]
+KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How the engine wants a model built (hashable: a static part of the model)."""
+
+    dtype: Any = jnp.float32          # compute and weight dtype (matrices may be stored narrower)
+    layer_loop: str = "scan"          # "scan" over layers (fast compiles) or "unroll"
+    kernels: Kernels = XLA            # attention and GEMM implementations (kernels_pallas.select_kernels)
+
+    def __post_init__(self) -> None:
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
+
+
+def default_layer_loop(platform: str) -> str:
+    """`scan` on CPUs: it compiles several times faster than an unrolled loop and its per-layer
+    weight pick (`lax.switch`) reads weights in place. `unroll` elsewhere: on XLA:GPU a switch on a
+    traced index can cost a device-to-host sync per layer (docs/PERF.md)."""
+    return "scan" if platform == "cpu" else "unroll"
+
+
+class CausalLM(Protocol):
+    """What the engine calls on a model (see the module docstring)."""
+
+    config: ModelConfig
+    options: ModelOptions
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
+                 meta: AttentionMetadata) -> tuple[jax.Array, KVCache]: ...
+
+    def logits(self, hidden: jax.Array) -> jax.Array: ...
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]: ...

@@ -1,0 +1,114 @@
+"""How a model's weight matrices are stored: the loader decides it here, once, from the kernels.
+
+A `Matrix` is a parameter the model reads only through `layers.linear` (projections, LM head) or
+`layers.embed` (the embedding table), so it may be stored in any format those read:
+- GGML blocks (kernels_pallas/ggml_blocks.py): a GGUF's Q8_0 / Q4_0 / Q4_1 matrices as stored;
+- bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32).
+Both are exact: the products are those of the float32 matrices, at a quarter to half the bytes.
+They pay only where the GEMM reads them as they are (the x86-64 CPU kernel); XLA's dot would
+widen them on every call, so elsewhere matrices stay in the model's dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.kernels_pallas import Kernels, ggml_blocks
+
+
+class Matrix(nnx.Param):
+    """A weight matrix read only through `layers.linear` / `layers.embed`: stored as `WeightFormats` say."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormats:
+    """The narrow storage the loader may give `Matrix` parameters."""
+
+    ggml_blocks: bool = False   # keep a GGUF's Q8_0 / Q4_0 / Q4_1 blocks as stored
+    exact_bf16: bool = False    # store an all-bfloat16-valued float32 matrix as bfloat16
+
+    @classmethod
+    def for_model(cls, kernels: Kernels, dtype: Any) -> "WeightFormats":
+        """Narrow formats for a float32 model whose GEMM reads them; none otherwise."""
+        narrow = kernels.reads_narrow_weights and jnp.dtype(dtype) == jnp.float32
+        return cls(ggml_blocks=narrow, exact_bf16=narrow)
+
+
+class WeightSource:
+    """A checkpoint's HF-named tensors as `from_hf_tensors` reads them: `tensor(name)` as float32,
+    `matrix(*names)` as the loader chose to store that matrix."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], formats: WeightFormats = WeightFormats(),
+                 source: str = "checkpoint"):
+        self._tensors = tensors
+        self.formats = formats
+        self.source = source
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor `name` as float32; a ModelLoadError naming it when the checkpoint lacks it."""
+        try:
+            return np.asarray(self._tensors[name], np.float32)
+        except KeyError:
+            raise ModelLoadError(f"{self.source}: weight '{name}' not found") from None
+
+    def matrix(self, *names: str) -> np.ndarray:
+        """The [out, in] matrix of `names` concatenated along the output axis: GGML blocks when
+        they are kept and every part has them in one format, float32 otherwise."""
+        if self.formats.ggml_blocks:
+            kept = _join_blocks([self._blocks(n) for n in names])
+            if kept is not None:
+                return kept
+        parts = [self.tensor(n) for n in names]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _blocks(self, name: str) -> np.ndarray | None:
+        blocks = getattr(self._tensors, "blocks", None)   # only a GGUF file has them
+        return blocks(name) if blocks is not None and name in self._tensors else None
+
+
+def stored(value: np.ndarray, dtype: Any) -> jax.Array:
+    """A value from a WeightSource as a parameter holds it: GGML blocks as their bytes, floats as `dtype`."""
+    return jnp.asarray(value) if ggml_blocks.format_of(value) else jnp.asarray(value, dtype)
+
+
+def _join_blocks(parts: list[np.ndarray | None]) -> np.ndarray | None:
+    """One matrix of `parts` (GGML blocks, or None for a tensor without readable ones) when they
+    share one format; else None."""
+    if any(p is None for p in parts) or len({ggml_blocks.format_of(p) for p in parts}) != 1:
+        return None
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
+    """Store every float32 `Matrix` of `model` whose values are all bfloat16 as bfloat16, when
+    `formats` allow; returns the bytes saved."""
+    if not formats.exact_bf16:
+        return 0
+    saved = 0
+    for _, param in nnx.iter_graph(model):
+        if not isinstance(param, Matrix):
+            continue
+        w = param.get_value()
+        if w.dtype != jnp.float32 or w.ndim != 2 or np.any(np.asarray(w).view(np.uint32) & 0xFFFF):
+            continue
+        param.set_value(jnp.asarray(w, jnp.bfloat16))
+        saved += w.nbytes // 2
+    return saved
+
+
+def describe(model: nnx.Module) -> str:
+    """One line for the log: the weights' MiB and how many arrays of each storage format."""
+    arrays = jax.tree.leaves(nnx.state(model))
+    formats = Counter(ggml_blocks.format_of(a) or jnp.dtype(a.dtype).name for a in arrays)
+    mib = sum(a.nbytes for a in arrays) / 2**20
+    return f"{mib:.0f} MiB in " + ", ".join(f"{n} {f}" for f, n in formats.most_common())
