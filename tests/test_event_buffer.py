@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from imp_jax.errors import EngineError, InvalidRequestError
-from imp_jax.runtime.event_buffer import EventBuffer, StreamLimits
-from imp_jax.runtime.request import EngineEvent, TokenLogprob, Usage
+from imp_jax.runtime.event_buffer import EventBuffer
+from imp_jax.runtime.request import EngineEvent, StreamLimits, TokenLogprob, Usage
 
 
 def _token(i: int, index: int = 0) -> EngineEvent:

@@ -17,8 +17,8 @@ from imp_jax.errors import EngineError, ImpError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.event_buffer import EventBuffer, StreamLimits
-from imp_jax.runtime.request import EngineEvent, GenerationRequest
+from imp_jax.runtime.event_buffer import EventBuffer
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
 log = logging.getLogger("imp_jax.engine")
 

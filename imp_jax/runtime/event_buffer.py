@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 from typing import Callable
 
 from imp_jax.errors import EngineError
-from imp_jax.runtime.request import EngineEvent
+from imp_jax.runtime.request import EngineEvent, StreamLimits
 
 Item = EngineEvent | BaseException
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamLimits:
-    """How much a request's reader may fall behind before it is dropped."""
-
-    max_events: int = 256          # buffered events; past this, events coalesce
-    stall_timeout_s: float = 30.0  # events left waiting this long, nothing taken, drop the reader
 
 
 def _mergeable(tail: Item, ev: Item) -> bool:

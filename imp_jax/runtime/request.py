@@ -113,6 +113,14 @@ class GenerationRequest:
     lora: str | None = None       # adapter name; keys the prefix cache
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamLimits:
+    """How far a request's reader may fall behind its events before it is dropped (runtime/event_buffer.py)."""
+
+    max_events: int = 256          # buffered events; past this, events coalesce
+    stall_timeout_s: float = 30.0  # events left waiting this long, nothing taken, drop the reader
+
+
 @dataclasses.dataclass
 class TokenLogprob:
     """The sampled token's logprob and the top alternatives, of the processed distribution."""

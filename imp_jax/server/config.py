@@ -5,7 +5,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from imp_jax.runtime.event_buffer import StreamLimits
+from imp_jax.runtime.request import StreamLimits
 
 
 def _field(default: Any, help: str, **kw: Any) -> Any:

@@ -6,8 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from imp_jax.errors import EngineError, ImpError
-from imp_jax.runtime.event_buffer import StreamLimits
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, TokenLogprob, Usage
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits, TokenLogprob, Usage
 
 
 class Engine(Protocol):
