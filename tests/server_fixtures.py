@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import socket
@@ -25,6 +26,8 @@ import httpx
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from otlp_receiver import OTLPReceiver
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.tokenizer import Tokenizer
@@ -97,7 +100,8 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.state = "stopped"
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    def generate(self, req: GenerationRequest, limits: Any = None, on_stall: Any = None) -> AsyncIterator[EngineEvent]:
+        """The scripted events; the reader limits of the real engine (event_buffer.py) do not apply here."""
         return self._run(req)
 
     async def _run(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
@@ -322,3 +326,70 @@ def fake_server() -> Iterator[tuple[str, FakeEngine]]:
     with app_in_thread(create_app(engine)) as url:
         wait_for(url + "/ready", 200, timeout=30)
         yield url, engine
+
+
+# --------------------------------------------------------------------------- the operations server
+OPS_KEY = "key-main"                    # --api-key
+OPS_FILE_KEYS = ("key-file", "key-rate")  # --api-key-file; key-rate is spent by the rate-limit test alone
+OPS_RATE_LIMIT = 120                    # requests per minute per key
+OPS_TIMEOUT_S = 8.0                     # --request-timeout
+OPS_STALL_S = 1.5                       # --stream-stall-timeout
+OPS_MAX_TOKENS = 5                      # --max-tokens (the default of requests that set none)
+OPS_MAX_BYTES = 100_000                 # --max-request-bytes
+OPS_MAX_QUEUED = 3                      # --max-queued-requests
+OPS_MAX_QUEUED_TOKENS = 1500            # --max-queued-tokens
+OPS_ORIGIN = "http://ui.example"        # --cors-origins
+
+
+@dataclasses.dataclass
+class OpsServer:
+    """The real server with every operations flag set, its OTLP receiver and its request log."""
+
+    live: LiveServer
+    receiver: OTLPReceiver
+    request_log: Path
+    first_metrics: str   # /metrics before any generation request
+
+    @property
+    def url(self) -> str:
+        return self.live.url
+
+    @staticmethod
+    def auth(key: str = OPS_KEY) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    def metrics(self) -> str:
+        r = httpx.get(self.url + "/metrics", headers=self.auth(), timeout=30)
+        assert r.status_code == 200, r.text
+        return r.text
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        import json
+        return [json.loads(line) for line in self.request_log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def ops_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpsServer]:
+    """One real server (SmolLM2, the shared sizing: its programs come from the compile cache) for the
+    metrics, tracing, access and limits tests; SIGTERM must end it with 0."""
+    tmp = tmp_path_factory.mktemp("ops_server")
+    (tmp / "keys.txt").write_text("# test keys\n" + "\n".join(OPS_FILE_KEYS) + "\n")
+    receiver = OTLPReceiver()
+    args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--api-key", OPS_KEY, "--api-key-file", str(tmp / "keys.txt"),
+            "--rate-limit", str(OPS_RATE_LIMIT), "--request-timeout", str(OPS_TIMEOUT_S),
+            "--stream-buffer-events", "8", "--stream-stall-timeout", str(OPS_STALL_S),
+            "--max-tokens", str(OPS_MAX_TOKENS), "--max-request-bytes", str(OPS_MAX_BYTES),
+            "--max-queued-requests", str(OPS_MAX_QUEUED), "--max-queued-tokens", str(OPS_MAX_QUEUED_TOKENS),
+            "--log-requests", str(tmp / "requests.jsonl"), "--otlp-endpoint", receiver.url,
+            "--otlp-service-name", "imp-test", "--cors-origins", OPS_ORIGIN]
+    live = LiveServer(args, tmp / "server.log")
+    ops = OpsServer(live, receiver, tmp / "requests.jsonl", first_metrics="")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        ops.first_metrics = httpx.get(live.url + "/metrics", headers=OpsServer.auth(), timeout=30).text
+        yield ops
+        code = live.stop()
+        assert code == 0, f"the server exited with {code} on SIGTERM; log:\n{live.log_text()[-3000:]}"
+    finally:
+        live.stop()
+        ops.receiver.stop()  # the tracing tests may have swapped in a new receiver on the same port

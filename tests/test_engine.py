@@ -264,9 +264,26 @@ def test_preemption_recomputes_to_the_same_output(core, tiny_core, tok, seeded_a
 def test_sequence_outgrowing_the_pool_finishes_with_length(tiny_core, tok):
     capacity = (TINY_POOL_BLOCKS - 1) * tiny_core.config.block_size
     prompt = (tok.encode(PASSAGE) * 2)[:capacity - 3]
+    rejections = tiny_core.stats()["kv_pressure_rejections"]
     res = run(tiny_core, req(prompt, max_tokens=50, ignore_eos=True))[0]
     assert res.first.finish_reason == "length"
     assert len(prompt) + len(res.ids) == capacity + 1   # the last token needs no KV
+    assert tiny_core.stats()["kv_pressure_rejections"] == rejections + 1
+
+
+def test_stats_count_decode_batches_and_read_zero_when_idle(core, prompts):
+    before = core.stats()
+    results = run(core, *(req(p, max_tokens=MAX_TOKENS) for p in prompts[:3]))
+    after = core.stats()
+    steps = after["decode_batch_steps_total"] - before["decode_batch_steps_total"]
+    rows = after["decode_batch_rows_total"] - before["decode_batch_rows_total"]
+    # every token after a choice's first is sampled by a decode row (the first ends a prefill, which
+    # is a one-token row when the prompt's last chunk is a single token)
+    assert sum(len(r.ids) - 1 for r in results) <= rows <= sum(len(r.ids) for r in results)
+    assert 0 < steps <= rows and 1 <= after["decode_batch_max"] <= core.config.max_num_seqs
+    assert after["decode_batch_last_rows"] == 0 and after["kv_blocks_reserved"] == 0   # idle
+    assert after["kv_blocks_used"] == 0 and after["kv_blocks_total"] == core.baseline_free_blocks
+    assert all(ev.admitted_at is not None and ev.admitted_at <= ev.created_at for r in results for ev in r.events)
 
 
 # ----------------------------------------------------------------------------- cancellation
@@ -378,12 +395,14 @@ def test_requests_that_cannot_fit_are_rejected_at_add_request(core, tiny_core, t
         (core, req([], max_tokens=4), None),
         (core, req(long[:20], n=5), None),
     ]
+    rejections = tiny_core.stats()["kv_pressure_rejections"]
     for engine, r, code in bad:
         with pytest.raises(InvalidRequestError) as info:
             engine.add_request(r, lambda ev: pytest.fail("no event expected"))
         if code:
             assert info.value.code == code
         assert not engine.requests and not engine.scheduler.waiting
+    assert tiny_core.stats()["kv_pressure_rejections"] == rejections + 1   # the pool, not the context
 
 
 def test_ignore_eos_and_min_tokens(core, tok):

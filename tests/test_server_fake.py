@@ -166,7 +166,7 @@ def test_generation_request_carries_priority_and_cache_prompt(fake_server: tuple
     url, engine = fake_server
     seen: list[GenerationRequest] = []
     original = engine.generate
-    engine.generate = lambda req: (seen.append(req), original(req))[1]  # type: ignore[method-assign]
+    engine.generate = lambda req, *a: (seen.append(req), original(req, *a))[1]  # type: ignore[method-assign]
     try:
         r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "priority": -3, "cache_prompt": True,
                                                            "user": "u1", "seed": 5, "top_k": 7}, timeout=30)
@@ -176,3 +176,32 @@ def test_generation_request_carries_priority_and_cache_prompt(fake_server: tuple
     (req,) = seen
     assert (req.priority, req.cache_prompt, req.params.seed, req.params.top_k) == (-3, True, 5, 7)
     assert req.request_id == r.json()["id"] == r.headers["x-request-id"]
+
+
+def test_events_dropped_unread_still_end_their_request(tmp_path) -> None:
+    """A stream whose body never starts (the client left between the handler and its first frame) is
+    never iterated or closed; dropping its events must still cancel the request and report it, at once,
+    even with a --request-timeout timer pending. Only reachable in process: no client can time it."""
+    from quart import g
+
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
+    from imp_jax.server import lifecycle
+    from imp_jax.server.config import ServerConfig
+    from imp_jax.server.request_record import RequestRecord
+
+    async def run() -> RequestRecord:
+        engine = FakeEngine(fake_tokenizer(), token_delay=0.01)
+        engine.state = "ready"
+        app = create_app(engine, ServerConfig(request_timeout=30, log_requests=str(tmp_path / "log.jsonl")))
+        async with app.test_app(), app.test_request_context("/v1/chat/completions", method="POST"):
+            g.record = record = RequestRecord("POST", "/v1/chat/completions", "r1", response_done=True)
+            events = await lifecycle.begin(engine, GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=50)),
+                                           stream=True)
+            del events
+            assert engine.cancelled_ids == ["r1"]
+            return record
+
+    record = asyncio.run(run())
+    assert record.outcome == "cancelled" and record.reported
+    line = json.loads((tmp_path / "log.jsonl").read_text())
+    assert line["req_id"] == "r1" and line["outcome"] == "cancelled"

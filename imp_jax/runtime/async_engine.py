@@ -1,8 +1,9 @@
 """AsyncEngine: the asyncio face of the engine core, which runs on its own thread.
 
 Requests and cancellations go in through a thread-safe queue; events come back to each
-request's asyncio queue via `call_soon_threadsafe`. A step that raises marks the engine
-faulted and fails every request in flight with an error event.
+request's bounded EventBuffer via `call_soon_threadsafe`, so the engine thread never waits
+for a reader, and a reader that stops reading is dropped (event_buffer.py). A step that
+raises marks the engine faulted and fails every request in flight with an error event.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from imp_jax.errors import EngineError, ImpError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.request import EngineEvent, GenerationRequest
+from imp_jax.runtime.event_buffer import EventBuffer
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
 log = logging.getLogger("imp_jax.engine")
 
@@ -97,15 +99,31 @@ class AsyncEngine:
         return {"state": self.state, **(self._core.stats() if self._core else {})}
 
     # ---------------------------------------------------------------- requests
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        """Submit `req` and stream its events; an ImpError is raised before the first event for bad input."""
+    async def generate(self, req: GenerationRequest, limits: StreamLimits = StreamLimits(),
+                       on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]:
+        """Submit `req` and stream its events; an ImpError is raised before the first event for bad input.
+
+        A reader that leaves `limits.max_events` events unread for `limits.stall_timeout_s` is
+        dropped: the request is cancelled, the task reading it is cancelled, and `on_stall` runs.
+        """
         if self.state != "ready":
             raise EngineError(f"engine is {self.state}" + (f": {self.error}" if self.error else ""),
                               code="loading" if self.state in ("loading", "warming_up") else "engine_error",
                               status=503)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item)))
+        reader = asyncio.current_task()
+
+        def stalled() -> None:
+            log.warning("request %s: the client read nothing for %.0f s with %d events waiting; dropped",
+                        req.request_id, limits.stall_timeout_s, limits.max_events)
+            self.cancel(req.request_id)
+            if on_stall is not None:
+                on_stall()
+            if reader is not None:
+                reader.cancel()
+
+        events = EventBuffer(limits, stalled)
+        self._inbox.put(("add", req, lambda item: loop.call_soon_threadsafe(events.put, item)))
         done = False
         try:
             while True:
@@ -118,6 +136,7 @@ class AsyncEngine:
                 if done:
                     return
         finally:
+            events.close()
             if not done:
                 self.cancel(req.request_id)
 

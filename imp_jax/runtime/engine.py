@@ -33,6 +33,18 @@ Emit = Callable[[EngineEvent], None]
 
 
 @dataclasses.dataclass
+class EngineCounters:
+    """Plain ints the engine thread bumps and `stats()` reads from any thread (no lock: an int is read whole)."""
+
+    kv_pressure_rejections: int = 0  # requests refused or ended early because the pool could not hold them
+    decode_steps: int = 0            # steps that ran at least one decode row
+    decode_rows: int = 0             # decode rows over those steps
+    decode_rows_last: int = 0        # decode rows of the most recent such step
+    decode_rows_max: int = 0
+    kv_blocks_reserved: int = 0      # blocks promised to running sequences, as of the last step
+
+
+@dataclasses.dataclass
 class _RequestState:
     request: GenerationRequest
     seqs: list[Sequence]
@@ -59,6 +71,7 @@ class EngineCore:
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
         self.num_steps = 0
+        self.counters = EngineCounters()
         self.host_seconds = 0.0
         self.device_seconds = 0.0
 
@@ -75,6 +88,7 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if self.pool.num_blocks_for(n_prompt + 1) > self.baseline_free_blocks:
+            self.counters.kv_pressure_rejections += 1
             raise InvalidRequestError(
                 f"the prompt needs {self.pool.num_blocks_for(n_prompt + 1)} KV blocks but the pool has only "
                 f"{self.baseline_free_blocks}; raise --num-kv-blocks or --kv-cache-memory",
@@ -134,6 +148,7 @@ class EngineCore:
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
                                  max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
         rows = [self._row_spec(c.seq) if c.samples else RowSpec(temperature=0.0) for c in chunks]
+        decode_rows = sum(1 for c in chunks if not c.seq.is_prefill)
         shapes = self.step_fn.shapes
         sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
                                           history_len=shapes.history_len, max_bias=shapes.max_bias,
@@ -144,9 +159,19 @@ class EngineCore:
         self.num_steps += 1
         for i, c in enumerate(chunks):
             self._advance(c, out, i)
+        self._count_step(decode_rows)
         self.device_seconds += t2 - t1
         self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         return len(chunks)
+
+    def _count_step(self, decode_rows: int) -> None:
+        c = self.counters
+        if decode_rows:
+            c.decode_steps += 1
+            c.decode_rows += decode_rows
+            c.decode_rows_last = decode_rows
+            c.decode_rows_max = max(c.decode_rows_max, decode_rows)
+        c.kv_blocks_reserved = self.scheduler.reserved_blocks()
 
     def _row_spec(self, seq: Sequence) -> RowSpec:
         p = seq.params
@@ -208,6 +233,8 @@ class EngineCore:
         too_big = self.pool.num_blocks_for(seq.num_tokens) > self.baseline_free_blocks
         if finish is None and (n_out >= seq.max_tokens or too_big):
             finish = "length"
+            if too_big and n_out < seq.max_tokens:
+                self.counters.kv_pressure_rejections += 1
         if finish is not None and not isinstance(stop_reason, str):
             tail, matched = seq.stops.feed(seq.detok.flush())
             text += tail + ("" if matched else seq.stops.flush())
@@ -215,7 +242,7 @@ class EngineCore:
         if seq.index == 0 and state.prompt_logprobs is not None:
             event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         if finish is None:
-            state.emit(event)
+            self._send(state, event)
             return
         seq.finish_reason = finish
         event.finish_reason, event.stop_reason = finish, stop_reason
@@ -236,15 +263,31 @@ class EngineCore:
                                 cached_tokens=first.cached_prompt_tokens or 0)
             event.done = True
             del self.requests[seq.request.request_id]
+        self._send(state, event)
+
+    @staticmethod
+    def _send(state: _RequestState, event: EngineEvent) -> None:
+        event.admitted_at = state.seqs[0].first_scheduled_at
         state.emit(event)
 
     def stats(self) -> dict[str, int | float]:
+        """Counters and sizes, safe to read from another thread (plain ints; live gauges read 0 when idle)."""
         pc = self.pool.stats()
-        return dict(num_free_blocks=self.pool.num_free_blocks, baseline_free_blocks=self.baseline_free_blocks,
+        c = self.counters
+        busy = bool(self.requests)
+        free = self.pool.num_free_blocks
+        return dict(num_free_blocks=free, baseline_free_blocks=self.baseline_free_blocks,
                     num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
                     compilations_after_warmup=self.step_fn.compilations_after_warmup,
-                    prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits)
+                    prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+                    prefix_cache_evictions=pc.evictions, kv_block_size=self.pool.block_size,
+                    kv_blocks_total=self.baseline_free_blocks, kv_blocks_used=self.baseline_free_blocks - free,
+                    kv_blocks_reserved=c.kv_blocks_reserved if busy else 0,
+                    kv_pressure_rejections=c.kv_pressure_rejections,
+                    decode_batch_last_rows=c.decode_rows_last if busy else 0,
+                    decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
+                    decode_batch_max=c.decode_rows_max)
 
 
 def _has_penalty(p) -> bool:

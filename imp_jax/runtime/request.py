@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
@@ -112,6 +113,14 @@ class GenerationRequest:
     lora: str | None = None       # adapter name; keys the prefix cache
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamLimits:
+    """How far a request's reader may fall behind its events before it is dropped (runtime/event_buffer.py)."""
+
+    max_events: int = 256          # buffered events; past this, events coalesce
+    stall_timeout_s: float = 30.0  # events left waiting this long, nothing taken, drop the reader
+
+
 @dataclasses.dataclass
 class TokenLogprob:
     """The sampled token's logprob and the top alternatives, of the processed distribution."""
@@ -134,7 +143,9 @@ class EngineEvent:
     """One step's news for one sequence (`index` = choice index when n > 1).
 
     `finish_reason` is set on a sequence's last event (stop, length, cancelled, error);
-    `usage` is set once, on the request's very last event, when `done` is True.
+    `usage` is set once, on the request's very last event, when `done` is True. Times are
+    `time.monotonic()`: when the event was made, and when the scheduler first put the request
+    into a batch (None while it has not).
     """
 
     request_id: str
@@ -149,3 +160,5 @@ class EngineEvent:
     done: bool = False
     error: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created_at: float = dataclasses.field(default_factory=time.monotonic)
+    admitted_at: float | None = None

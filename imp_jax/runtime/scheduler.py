@@ -81,21 +81,21 @@ class Scheduler:
         for seq in sorted(self.waiting, key=lambda s: self._rank(s, now)):
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
-            n = self._admit(seq, budget) if seq.can_start else 0
+            n = self._admit(seq, budget, now) if seq.can_start else 0
             if n:
                 chunks.append(ScheduledChunk(seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
         return chunks
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, now: float) -> int:
         """Move `seq` to running if its whole prompt fits in the blocks not promised to others.
 
         Returns the token count of its first chunk (after the prefix-cache hits), 0 if it waits.
         """
         ids = seq.all_ids
         needed = self.pool.blocks_needed(seq.table, ids, len(ids))
-        if needed > self.pool.num_free_blocks - self._promised():
+        if needed > self.pool.num_free_blocks - self.reserved_blocks():
             return 0
         cached = len(self.pool.match_prefix(ids)[0]) * self.pool.block_size
         n = min(len(ids) - cached, budget)
@@ -104,13 +104,15 @@ class Scheduler:
         seq.num_computed = seq.table.num_cached_tokens
         if seq.cached_prompt_tokens is None:
             seq.cached_prompt_tokens = seq.num_computed
+        if seq.first_scheduled_at is None:
+            seq.first_scheduled_at = now
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
         return n
 
-    def _promised(self) -> int:
-        """Blocks running sequences will need to finish their prefill, plus one per decode."""
+    def reserved_blocks(self) -> int:
+        """Blocks promised to running sequences: what they need to finish their prefill, plus one per decode."""
         bs = self.pool.block_size
         total = 0
         for s in self.running:

@@ -36,6 +36,7 @@ class Sequence:
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_scheduled_at: float | None = None   # when the scheduler first put it into a batch
     seq_id: int = dataclasses.field(default_factory=lambda: next(_ids))
     parent: "Sequence | None" = None   # n > 1: siblings wait until the parent's prompt is in the cache
     cached_prompt_tokens: int | None = None

@@ -4,26 +4,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
+from typing import TYPE_CHECKING
 
+import prometheus_client
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
+from quart import Quart
 
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
 
+if TYPE_CHECKING:
+    from imp_jax.runtime.async_engine import AsyncEngine
+
 log = logging.getLogger("imp_jax.server")
+UNSENT_LOWAT = 128 * 1024  # bytes of a response the kernel holds for a client that is not reading
 
 
-async def run(config: ServerConfig) -> None:
+class _HypercornConfig(HypercornConfig):
+    """Hypercorn's config; its TCP sockets keep at most UNSENT_LOWAT unsent bytes (TCP_NOTSENT_LOWAT, where
+    the OS has it), so a client that stops reading a stream blocks the server's writes after ~100 KiB
+    instead of after the kernel's autotuned send buffer (MiBs), and the stall timeout can see it."""
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+        for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+            if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LOWAT)
+        return sockets
+
+
+async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     """Serve until SIGINT or SIGTERM; /ready answers 503 draining while in-flight requests finish."""
-    from imp_jax.runtime.async_engine import AsyncEngine  # the engine (and jax) live behind this import
-
-    engine = AsyncEngine(config.engine)
-    app = create_app(engine, config)
-    hc = HypercornConfig()
+    hc = _HypercornConfig()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -50,7 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv, EngineConfig)
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(run(config))
+    prometheus_client.disable_created_metrics()  # process-wide: no `_created` twin of every counter on /metrics
+    from imp_jax.runtime.async_engine import AsyncEngine  # the engine (and jax) live behind this import
+
+    engine = AsyncEngine(config.engine)
+    try:
+        app = create_app(engine, config)
+    except ValueError as e:  # what only the app can check: the request log's file
+        print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(run(app, engine, config))
     return 0
 
 

@@ -1,14 +1,14 @@
-"""Probes and descriptions: `/health`, `/ready`, `/v1/models`, `/props` (llama.cpp), `/info` (TGI)."""
+"""Probes and descriptions: `/health`, `/ready`, `/metrics`, `/v1/models`, `/props` (llama.cpp), `/info` (TGI)."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-from pathlib import Path
 from typing import Any
 
-from quart import Blueprint, jsonify
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from quart import Blueprint, Response, jsonify
 
-from imp_jax.server.context import ready_engine, readiness, server
+from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.openai_common import MAX_STOP
 from imp_jax.server.validation import check_model_name
 
@@ -40,12 +40,7 @@ def _engine_setting(name: str, default: Any = None) -> Any:
 
 
 def _model_name() -> str:
-    """The served name; before the model is loaded, the basename of what was asked for."""
-    name = _engine_attr("served_name")
-    if name:
-        return name
-    asked = str(_engine_setting("model", "model"))
-    return Path(asked).name.removesuffix(".gguf")
+    return model_name(server())
 
 
 def _stats() -> dict[str, Any]:
@@ -77,6 +72,12 @@ async def ready() -> Any:
     if is_ready:
         return jsonify({"ready": True, "state": engine_state, "model": _model_name()})
     return jsonify({"ready": False, "code": code, "state": engine_state}), 503
+
+
+@bp.get("/metrics")
+async def metrics() -> Any:
+    """Prometheus text format, from the app's own registry (metrics.py, engine_metrics.py)."""
+    return Response(generate_latest(server().telemetry.registry), status=200, content_type=CONTENT_TYPE_LATEST)
 
 
 def _model_card() -> dict[str, Any]:

@@ -10,13 +10,14 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import field_validator
-from quart import Blueprint, Response, current_app, g, jsonify, request
+from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
+from imp_jax.server import lifecycle
 from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
-from imp_jax.server.generation import collect, start
+from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel
@@ -216,7 +217,7 @@ async def messages() -> Any:
     set_response_id(mid)
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
                              cache_prompt=bool(req.cache_prompt) or req.has_cache_control)
-    events = await start(engine, greq)
+    events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:
         fmt = MessageStream(mid, engine.served_name, len(ids), clamped)
@@ -271,13 +272,6 @@ class MessageStream:
 
     def ping(self) -> list[str]:
         return [sse({"type": "ping"}, "ping")]
-
-
-@bp.before_app_request
-async def _mint_request_id() -> None:
-    """Every /v1/messages* answer carries a request-id, errors before any message id included."""
-    if is_anthropic_path(request.path) and not g.get("response_id"):
-        g.response_id = f"req_{uuid.uuid4().hex}"
 
 
 @bp.after_app_request

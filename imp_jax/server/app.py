@@ -1,17 +1,19 @@
-"""The Quart app: dialect blueprints, error envelopes, request ids and request logging around one engine."""
+"""The Quart app: dialect blueprints, access checks, error envelopes, request ids, and a record of every request."""
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 from quart import Quart, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from imp_jax.server import admin, anthropic_messages, chat_completions, completions, responses, tokens
-from imp_jax.server.context import ServerConfig, install
+from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
 from imp_jax.server.generation import Engine
+from imp_jax.server.request_record import RequestRecord
 
 log = logging.getLogger("imp_jax.server")
 MAX_REQUEST_ID = 128
@@ -28,22 +30,38 @@ def sanitize_request_id(value: str | None) -> str | None:
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> Quart:
     """The app serving `engine`: every dialect, the probes, and a JSON envelope for every error."""
+    config = config or ServerConfig()
     app = Quart("imp_jax.server")
-    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=64 * 1024 * 1024)
+    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=config.max_request_bytes)
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    install(app, engine, config or ServerConfig())
+    state = install(app, engine, config)
     for bp in BLUEPRINTS:
         app.register_blueprint(bp)
     app.before_request(_begin)
     app.after_request(_finish)
     app.register_error_handler(HTTPException, _on_error)
     app.register_error_handler(Exception, _on_error)
+
+    @app.after_serving
+    async def _close_telemetry() -> None:
+        state.telemetry.close()
+
     return app
 
 
-async def _begin() -> None:
+async def _begin() -> Any:
+    """Open the request's record (with a server id for X-Request-Id), answer a CORS preflight, check access."""
     g.t0 = time.perf_counter()
     g.client_request_id = sanitize_request_id(request.headers.get("X-Request-Id"))
+    g.setdefault("response_id", f"req_{uuid.uuid4().hex}")
+    g.record = RequestRecord(request.method, request.path, g.response_id, client_id=g.client_request_id,
+                             client_addr=request.remote_addr, traceparent=request.headers.get("traceparent"),
+                             route=request.url_rule.rule if request.url_rule is not None else None)
+    state = server()
+    if state.cors.is_preflight(request.method, request.headers) and state.cors.allowed(request.headers.get("Origin")):
+        return Response(status=204, headers=state.cors.preflight_headers(request.headers))
+    state.access.check(request.path, request.headers, request.remote_addr, request.content_length)
+    return None
 
 
 def _request_id() -> str | None:
@@ -56,8 +74,12 @@ async def _on_error(exc: Exception) -> Any:
     if err.status >= 500 and err is not exc:
         log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
     g.error_message = err.message
+    record = g.get("record")
+    if record is not None:
+        record.error_code, record.error_message = err.code, err.message
     response = jsonify(error_body(err, request.path, _request_id()))
     response.status_code = err.status
+    response.headers.update(getattr(err, "headers", {}))
     if isinstance(exc, HTTPException) and exc.code == 405 and getattr(exc, "valid_methods", None):
         response.headers["Allow"] = ", ".join(exc.valid_methods)
     return response
@@ -69,10 +91,16 @@ async def _finish(response: Response) -> Response:
         response.headers["X-Request-Id"] = rid
         if is_anthropic_path(request.path):
             response.headers["request-id"] = rid
+    state = server()
+    response.headers.update(state.cors.response_headers(request.headers.get("Origin")))
     ms = (time.perf_counter() - g.get("t0", time.perf_counter())) * 1000
     if 400 <= response.status_code < 500:
         log.warning("HTTP %d %s %s: %s (%.1f ms)", response.status_code, request.method, request.path,
                     g.get("error_message", "-"), ms)
     else:
         log.info("%s %s %d %.1f ms", request.method, request.path, response.status_code, ms)
+    record = g.get("record")
+    if record is not None:
+        record.status, record.response_done = response.status_code, True
+        state.telemetry.report_if_complete(record)
     return response

@@ -8,9 +8,10 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
-from imp_jax.server.context import engine_request, set_response_id
+from imp_jax.server import lifecycle
+from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import not_supported
-from imp_jax.server.generation import Completion, collect, start
+from imp_jax.server.generation import Completion, collect
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
@@ -128,11 +129,12 @@ async def chat_completions() -> Any:
     req.check()
     ids = prompt_ids(req, engine.tokenizer)
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
-    params = req.sampling_params(req.max_new_tokens, req.engine_logprobs, engine.vocab_size)
+    max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
+    params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
     rid = new_id("chatcmpl")
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
-    events = await start(engine, greq)
+    events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:
         fmt = ChatStream(rid, engine.served_name, params.n, req.include_usage, token_text)

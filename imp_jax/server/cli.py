@@ -9,10 +9,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from imp_jax.server.context import ServerConfig
+from imp_jax.server.config import ServerConfig, flag_fields
 
-SERVER_KEYS = ("host", "port", "log_level", "responses_store_ttl_s", "responses_store_max_entries",
-               "responses_store_max_bytes")
+SERVER_KEYS = tuple(f.name for f in flag_fields())
 
 
 def _scalar_type(hint: Any) -> type:
@@ -24,29 +23,36 @@ def _scalar_type(hint: Any) -> type:
     return hint
 
 
-def build_parser(engine_config_cls: type) -> argparse.ArgumentParser:
-    """Server flags, then `--<field>` for every field of the engine's config dataclass."""
-    p = argparse.ArgumentParser(prog="python -m imp_jax.server", description="imp_jax: an LLM inference server",
-                                argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", type=Path, help="TOML file whose keys mirror these flags (flags win)")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8080; 0 picks a free one)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
-    p.add_argument("--responses-store-ttl-s", type=float, help="seconds a stored /v1/responses answer lives "
-                   "(default 86400)")
-    p.add_argument("--responses-store-max-entries", type=int, help="stored responses kept (default 4096)")
-    p.add_argument("--responses-store-max-bytes", type=int, help="bytes of stored responses kept (default 64 MiB)")
-    hints = typing.get_type_hints(engine_config_cls)
-    for f in dataclasses.fields(engine_config_cls):
+def _add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+               fields: list[dataclasses.Field]) -> None:
+    """`--<field>` per dataclass field: bools as --x/--no-x, lists repeatable, choices from the metadata."""
+    hints = typing.get_type_hints(cls)
+    for f in fields:
         kind = _scalar_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
         flag = "--" + f.name.replace("_", "-")
         text = f.metadata.get("help", "")
         text = f"{text} (default {default})" if text else f"default {default}"
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        elif typing.get_origin(kind) is list:
+            p.add_argument(flag, action="append", help=text)
         else:
-            p.add_argument(flag, type=kind, help=text)
+            p.add_argument(flag, type=kind, choices=f.metadata.get("choices"), help=text)
+
+
+def build_parser(engine_config_cls: type) -> argparse.ArgumentParser:
+    """Server flags, then `--<field>` for every field of the engine's config dataclass."""
+    p = argparse.ArgumentParser(prog="python -m imp_jax.server", description="imp_jax: an LLM inference server",
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help="TOML file whose keys mirror these flags (flags win)")
+    _add_flags(p.add_argument_group("server"), ServerConfig, flag_fields())
+    _add_flags(p.add_argument_group("engine"), engine_config_cls, list(dataclasses.fields(engine_config_cls)))
     return p
 
 
@@ -82,4 +88,9 @@ def parse_config(argv: list[str] | None, engine_config_cls: type) -> ServerConfi
         engine = engine_config_cls(**{k: v for k, v in settings.items() if k in engine_keys})
     except (TypeError, ValueError) as e:
         parser.error(f"bad engine setting: {e}")
-    return ServerConfig(**{k: settings[k] for k in SERVER_KEYS if k in settings}, engine=engine)
+    try:
+        config = ServerConfig(**{k: settings[k] for k in SERVER_KEYS if k in settings}, engine=engine)
+        config.api_keys()  # a missing key file is a start-up error
+    except (TypeError, ValueError) as e:
+        parser.error(f"bad server setting: {e}")
+    return config

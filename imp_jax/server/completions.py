@@ -8,8 +8,9 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
-from imp_jax.server.context import engine_request, set_response_id
-from imp_jax.server.generation import Completion, collect, start
+from imp_jax.server import lifecycle
+from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
+from imp_jax.server.generation import Completion, collect
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
@@ -83,7 +84,8 @@ async def completions() -> Any:
     tokenizer = engine.tokenizer
     ids = prompt_ids(req, tokenizer, engine.vocab_size)
     check_context(len(ids), req.max_tokens, engine.max_model_len, "prompt")
-    params = req.sampling_params(req.max_tokens, req.logprobs, engine.vocab_size)
+    max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
+    params = req.sampling_params(max_tokens, req.logprobs, engine.vocab_size)
     params.prompt_logprobs = req.prompt_logprobs_needed()
     rid = new_id("cmpl")
     set_response_id(rid)
@@ -91,7 +93,7 @@ async def completions() -> Any:
     echo = ""
     if req.echo:
         echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt, skip_special_tokens=False)
-    events = await start(engine, greq)
+    events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(tokenizer)
     if req.stream:
         fmt = CompletionStream(rid, engine.served_name, req.include_usage, token_text, echo, req.logprobs is not None)

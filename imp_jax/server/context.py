@@ -1,43 +1,55 @@
-"""Per-app server state (the engine, its config, lifecycle flags) and the accessors handlers use."""
+"""Per-app server state (the engine, its config, access, queue, telemetry) and the accessors handlers use."""
 from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from quart import current_app, g, request
 
+from imp_jax.server.access import Access
+from imp_jax.server.admission import AdmissionGate
+from imp_jax.server.config import ServerConfig
+from imp_jax.server.cors import Cors
 from imp_jax.server.errors import unavailable
 from imp_jax.server.generation import Engine
+from imp_jax.server.responses_store import STORE_KEY
+from imp_jax.server.telemetry import Telemetry
 from imp_jax.server.validation import M, check_model_name, parse_json, parse_model
 
 _KEY = "imp_jax"
 
 
 @dataclasses.dataclass
-class ServerConfig:
-    """Server-side settings; `engine` is the engine's own config (EngineConfig), shown by /props and /info."""
-
-    host: str = "127.0.0.1"
-    port: int = 8080
-    log_level: str = "info"
-    engine: Any = None
-    responses_store_ttl_s: float = 24 * 3600.0       # /v1/responses store: how long a stored response lives,
-    responses_store_max_entries: int = 4096          # how many are kept, and their JSON bytes in all;
-    responses_store_max_bytes: int = 64 * 1024 * 1024  # past a cap the least recently used go first
-
-
-@dataclasses.dataclass
 class ServerContext:
     engine: Engine
     config: ServerConfig
+    access: Access
+    gate: AdmissionGate
+    telemetry: Telemetry
+    cors: Cors
     started_at: float = dataclasses.field(default_factory=time.time)
     draining: bool = False
 
 
 def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
-    """Attach the server state to `app`."""
-    state = ServerContext(engine, config)
+    """Attach the server state to `app`; a bad key file or request-log path is a ValueError here."""
+    gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
+    access = Access(config.api_keys(), config.rate_limit, config.max_request_bytes, config.metrics_public)
+
+    def store_stats() -> dict[str, int]:
+        store = app.extensions.get(STORE_KEY)
+        return store.stats() if store is not None else {}
+
+    def stats() -> dict[str, Any]:
+        try:
+            return dict(engine.stats())
+        except Exception:  # a loading engine may have no stats yet
+            return {}
+
+    telemetry = Telemetry(config, gate, stats, lambda: model_status(app.extensions[_KEY]), store_stats)
+    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins))
     app.extensions[_KEY] = state
     return state
 
@@ -50,6 +62,23 @@ def server() -> ServerContext:
 def state_of(app: Any) -> ServerContext:
     """The server state attached to `app` (outside a request)."""
     return app.extensions[_KEY]
+
+
+def model_name(state: ServerContext) -> str:
+    """The served name; before the model is loaded, the basename of what was asked for."""
+    try:
+        name = state.engine.served_name
+    except Exception:  # a loading engine cannot say yet
+        name = None
+    if name:
+        return name
+    asked = str(getattr(state.config.engine, "model", None) or "model")
+    return Path(asked).name.removesuffix(".gguf")
+
+
+def model_status(state: ServerContext) -> tuple[str, bool]:
+    """(model name, loaded and serving)."""
+    return model_name(state), getattr(state.engine, "state", "ready") == "ready"
 
 
 def readiness() -> tuple[bool, str]:
@@ -89,5 +118,16 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
 
 
 def set_response_id(response_id: str) -> None:
-    """The id a generation response carries in X-Request-Id when the client sent none."""
+    """The id a generation response carries in X-Request-Id when the client sent none (and the request log's id)."""
     g.response_id = response_id
+    record = g.get("record")
+    if record is not None:
+        record.server_id = response_id
+
+
+def default_max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int | None:
+    """`asked`, or when the request set none, `--max-tokens` cut to the context left (None: all of it)."""
+    if asked is not None:
+        return asked
+    default = server().config.max_tokens
+    return None if default is None else min(default, max_model_len - prompt_len)

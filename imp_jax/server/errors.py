@@ -21,8 +21,17 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                     504: "timeout_error", 529: "overloaded_error"}
+_ANTHROPIC_CODE_TYPES = {"queue_full": "overloaded_error"}  # a 429 Anthropic spells as overload, not a rate limit
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
                415: "unsupported_media_type", 408: "request_timeout"}
+
+
+class Refusal(ImpError):
+    """A request turned away before any work (401, 413, 429), with the headers that say why or when to retry."""
+
+    def __init__(self, message: str, *, status: int, code: str, headers: dict[str, str] | None = None):
+        super().__init__(message, code=code, status=status)
+        self.headers = dict(headers or {})
 
 
 def unavailable(message: str, code: str) -> ImpError:
@@ -86,7 +95,8 @@ def openai_error_body(err: ImpError) -> dict[str, Any]:
 
 def anthropic_error_body(err: ImpError, request_id: str | None = None) -> dict[str, Any]:
     """`{"type": "error", "error": {"type", "message"}}`, error.type always one of Anthropic's own."""
-    kind = _ANTHROPIC_TYPES.get(err.status) or ("api_error" if err.status >= 500 else "invalid_request_error")
+    kind = (_ANTHROPIC_CODE_TYPES.get(err.code) or _ANTHROPIC_TYPES.get(err.status)
+            or ("api_error" if err.status >= 500 else "invalid_request_error"))
     body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": err.message}}
     if request_id:
         body["request_id"] = request_id

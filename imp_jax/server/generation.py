@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from imp_jax.errors import EngineError, ImpError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, TokenLogprob, Usage
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits, TokenLogprob, Usage
 
 
 class Engine(Protocol):
@@ -18,18 +18,20 @@ class Engine(Protocol):
     vocab_size: int
     tokenizer: Any
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]: ...
+    def generate(self, req: GenerationRequest, limits: StreamLimits = ...,
+                 on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]: ...
     def cancel(self, request_id: str) -> None: ...
     def stats(self) -> dict[str, Any]: ...
 
 
-async def start(engine: Engine, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+async def start(engine: Engine, req: GenerationRequest, limits: StreamLimits = StreamLimits(),
+                on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]:
     """Submit `req` and wait for its first event, so a rejection surfaces here as an ImpError (a 4xx).
 
     Returns an iterator over every event, the first included. If the wait is interrupted
-    (client gone), the request is cancelled.
+    (client gone), the request is cancelled. `limits` and `on_stall`: see AsyncEngine.generate.
     """
-    events = aiter(engine.generate(req))
+    events = aiter(engine.generate(req, limits, on_stall))
     try:
         first = await anext(events)
     except StopAsyncIteration:

@@ -15,16 +15,16 @@ from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
-from imp_jax.server.context import engine_request, set_response_id, state_of
+from imp_jax.server import lifecycle
+from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
-from imp_jax.server.generation import collect, start
+from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import OpenAISampling, now
-from imp_jax.server.responses_store import ResponsesStore, StoreLimits
+from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
-STORE_KEY = "imp_jax.responses_store"
 PART_JOIN = "\n"  # the text parts of one input message join with this (as vLLM)
 MAX_METADATA = 16  # OpenAI's limits on metadata: keys, key length, value length
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
@@ -240,12 +240,13 @@ async def create_response() -> Any:
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
-    max_tokens = room if req.max_output_tokens is None else min(req.max_output_tokens, room)
+    asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
+    max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
-    events = await start(engine, greq)
+    events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
         return sse_response(drive(engine, draft.id, events, ResponseStream(draft)))
     result = await collect(engine, greq, events)

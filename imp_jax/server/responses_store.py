@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("imp_jax.server")
+STORE_KEY = "imp_jax.responses_store"  # app.extensions key of the app's store
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""Who may call, how often, and how much they may send: API keys, a per-caller rate limit, a body size limit.
+
+Probes (`/health`, `/ready`) are always open; `/metrics` is open only with `--metrics-public`.
+Everything else, unmatched routes included, needs a key once any key is configured. Probes and
+`/metrics` are not rate limited (a scrape is not work).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import math
+import time
+from collections.abc import Callable, Mapping
+
+from imp_jax.server.errors import Refusal
+
+PROBES = frozenset({"/health", "/ready"})
+METRICS_PATH = "/metrics"
+MAX_TRACKED_CALLERS = 10_000  # rate-limit buckets kept before full (idle) ones are dropped
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: `Authorization: Bearer <key>` or `x-api-key: <key>`."""
+    auth = headers.get("Authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return headers.get("x-api-key", "").strip() or None
+
+
+class ApiKeys:
+    """The accepted keys, kept as SHA-256 digests and compared in constant time against every one."""
+
+    def __init__(self, keys: list[str]):
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def accepts(self, key: str) -> bool:
+        probe = hashlib.sha256(key.encode()).digest()
+        ok = False
+        for digest in self._digests:  # no early exit: the time does not say which key came close
+            ok |= hmac.compare_digest(probe, digest)
+        return ok
+
+
+@dataclasses.dataclass
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class RateLimiter:
+    """A token bucket per caller: `per_minute` requests in a burst, refilled at `per_minute` a minute."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic):
+        self.per_minute = per_minute
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def take(self, caller: str) -> float:
+        """0 if the caller may go now (one request counted), else the seconds until it may."""
+        now = self._clock()
+        rate = self.per_minute / 60.0
+        bucket = self._buckets.get(caller)
+        if bucket is None:
+            if len(self._buckets) >= MAX_TRACKED_CALLERS:
+                self._forget_idle(now)
+            bucket = self._buckets[caller] = _Bucket(float(self.per_minute), now)
+        bucket.tokens = min(float(self.per_minute), bucket.tokens + (now - bucket.updated) * rate)
+        bucket.updated = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return 0.0
+        return (1.0 - bucket.tokens) / rate
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop callers whose bucket has refilled: forgetting them changes nothing."""
+        rate = self.per_minute / 60.0
+        full = [c for c, b in self._buckets.items() if b.tokens + (now - b.updated) * rate >= self.per_minute]
+        for caller in full:
+            del self._buckets[caller]
+
+
+class Access:
+    """The checks every request passes before its handler runs; each failure is a Refusal."""
+
+    def __init__(self, keys: list[str], rate_limit: int, max_request_bytes: int, metrics_public: bool):
+        self.keys = ApiKeys(keys)
+        self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
+        self.max_request_bytes = max_request_bytes
+        self.metrics_public = metrics_public
+
+    def is_open(self, path: str) -> bool:
+        return path in PROBES or (path == METRICS_PATH and self.metrics_public)
+
+    def check(self, path: str, headers: Mapping[str, str], client_addr: str | None,
+              content_length: int | None) -> None:
+        """Refuse with 401 (key), 429 (rate) or 413 (body size), in that order."""
+        if self.is_open(path):
+            return
+        key = presented_key(headers)
+        if self.keys:
+            if key is None:
+                raise Refusal("this server needs an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                              status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if not self.keys.accepts(key):
+                raise Refusal("the API key is not valid", status=401, code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+        if self.limiter is not None and path not in PROBES and path != METRICS_PATH:
+            caller = f"key:{hashlib.sha256(key.encode()).hexdigest()}" if self.keys and key else f"addr:{client_addr}"
+            wait = self.limiter.take(caller)
+            if wait > 0:
+                retry = max(1, math.ceil(wait))
+                raise Refusal(f"rate limit of {self.limiter.per_minute} requests per minute exceeded; "
+                              f"retry after {retry} s", status=429, code="rate_limit_exceeded",
+                              headers={"Retry-After": str(retry)})
+        if content_length is not None and content_length > self.max_request_bytes:
+            raise Refusal(f"the request body has {content_length} bytes; this server takes at most "
+                          f"{self.max_request_bytes}", status=413, code="request_too_large")

@@ -1,0 +1,90 @@
+"""ServerConfig: the server's own settings; each field is a flag (`--rate-limit`) and a `--config` key."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from imp_jax.runtime.request import StreamLimits
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Server-side settings; `engine` is the engine's own config (EngineConfig), shown by /props and /info."""
+
+    host: str = _field("127.0.0.1", "address to listen on")
+    port: int = _field(8080, "port to listen on (0 picks a free one)")
+    log_level: str = _field("info", "log level", choices=("debug", "info", "warning", "error"))
+    responses_store_ttl_s: float = _field(24 * 3600.0, "seconds a stored /v1/responses answer lives")
+    responses_store_max_entries: int = _field(4096, "stored responses kept")
+    responses_store_max_bytes: int = _field(64 * 1024 * 1024, "bytes of stored responses kept")
+    # access
+    api_key: list[str] = _field([], "an accepted API key (repeatable); with any key set, every route but "
+                                    "/health and /ready needs one")
+    api_key_file: str | None = _field(None, "a file of accepted API keys, one per line ('#' starts a comment)")
+    metrics_public: bool = _field(False, "serve /metrics without an API key")
+    rate_limit: int = _field(0, "requests per minute per API key (per client address without keys); 0 = off")
+    cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
+                                         "'*' = any); none: CORS off")
+    # limits
+    max_request_bytes: int = _field(64 * 1024 * 1024, "largest request body in bytes (413 past it)")
+    max_queued_requests: int = _field(0, "generation requests waiting for their first token at most "
+                                         "(429 past it); 0 = no limit")
+    max_queued_tokens: int = _field(0, "prompt tokens of the requests waiting for their first token at most "
+                                       "(429 past it); 0 = no limit")
+    request_timeout: float = _field(0.0, "seconds after which a generation request ends with what it has "
+                                         "(finish_reason length); 0 = never")
+    max_tokens: int | None = _field(None, "default max_tokens of a request that sets none (default: what is "
+                                          "left of the context)")
+    stream_buffer_events: int = _field(256, "events buffered per request for a client that reads slowly")
+    stream_stall_timeout: float = _field(30.0, "seconds a full event buffer may go unread before the "
+                                               "client is dropped")
+    # observability
+    log_requests: str | None = _field(None, "append one JSON line per request to this file")
+    otlp_endpoint: str | None = _field(None, "OTLP/HTTP traces URL of a collector "
+                                             "(http://host:4318/v1/traces): export a span per generation request")
+    otlp_service_name: str = _field("imp_jax", "service.name of the exported spans")
+    engine: Any = dataclasses.field(default=None, metadata={"flag": False})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):
+            self.api_key = [self.api_key]
+        if isinstance(self.cors_origins, str):
+            self.cors_origins = [self.cors_origins]
+        self.cors_origins = [o.strip() for v in self.cors_origins for o in v.split(",") if o.strip()]
+        for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_request_bytes", "stream_buffer_events", "stream_stall_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}")
+
+    @property
+    def stream_limits(self) -> StreamLimits:
+        return StreamLimits(max_events=self.stream_buffer_events, stall_timeout_s=self.stream_stall_timeout)
+
+    def api_keys(self) -> list[str]:
+        """The keys from --api-key and --api-key-file (read now; a missing file is a ValueError)."""
+        keys = list(self.api_key)
+        if self.api_key_file:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"api_key_file {self.api_key_file}: {e}") from None
+            keys += [line.split("#", 1)[0].strip() for line in lines]
+        return [k for k in keys if k]
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    """The fields that are flags (all but `engine`)."""
+    return [f for f in dataclasses.fields(ServerConfig) if f.metadata.get("flag", True)]

@@ -1,0 +1,78 @@
+"""EngineCollector: the engine's own counters, the server's queue and the Responses store, read at scrape time.
+
+The engine core keeps plain ints and `stats()` copies them; nothing here takes a lock the
+engine thread could wait on. While the model loads, every series reads 0.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from imp_jax.server.admission import AdmissionGate
+
+# (metric, engine stats key, help); counters get `_total` appended by the exposition
+ENGINE_GAUGES = (
+    ("imp_queue_waiting", "num_waiting", "Sequences waiting to be scheduled (new or preempted)"),
+    ("imp_queue_running", "num_running", "Sequences the scheduler is running"),
+    ("imp_kv_blocks_total", "kv_blocks_total", "KV blocks in the pool (the null block excluded)"),
+    ("imp_kv_blocks_used", "kv_blocks_used", "KV blocks held by sequences or pinned (cached idle blocks are free)"),
+    ("imp_kv_blocks_reserved", "kv_blocks_reserved", "KV blocks promised to running sequences and not yet "
+     "written; free minus this is what the next request is admitted against"),
+    ("imp_kv_block_size", "kv_block_size", "Tokens per KV block"),
+    ("imp_decode_batch_last_rows", "decode_batch_last_rows", "Sequences in the most recent decode step; 0 while "
+     "the engine idles"),
+    ("imp_decode_batch_max", "decode_batch_max", "Most sequences in one decode step since start"),
+)
+ENGINE_COUNTERS = (
+    ("imp_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at "
+     "admission"),
+    ("imp_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache at admission"),
+    ("imp_prefix_cache_evictions", "prefix_cache_evictions", "Cached prefix blocks reclaimed for new "
+     "allocations"),
+    ("imp_preemptions", "num_preemptions", "Sequences preempted (KV freed, recomputed later)"),
+    ("imp_kv_pressure_rejections", "kv_pressure_rejections", "Requests refused or ended early because the KV "
+     "pool could not hold them"),
+    ("imp_decode_batch_rows", "decode_batch_rows_total", "Decode rows summed over decode steps"),
+    ("imp_decode_batch_steps", "decode_batch_steps_total", "Steps that ran at least one decode row"),
+    ("imp_engine_steps", "num_steps", "Engine steps run"),
+    ("imp_compilations_after_warmup", "compilations_after_warmup", "Step programs compiled after warm-up "
+     "(0 when the buckets cover the traffic)"),
+)
+
+
+class EngineCollector(Collector):
+    """Yields the engine, queue, model and store series from callables read at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model: Callable[[], tuple[str, bool]],
+                 gate: AdmissionGate, store_stats: Callable[[], dict[str, int]]):
+        self._stats, self._model, self._gate, self._store_stats = stats, model, gate, store_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        depth = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        yield GaugeMetricFamily("imp_queue_depth", "Sequences in the engine, running or waiting", value=depth)
+        for name, key, doc in ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
+        for name, key, doc in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        yield GaugeMetricFamily("imp_queued_requests", "Generation requests submitted and waiting for their "
+                                "first token (--max-queued-requests)", value=self._gate.queued_requests)
+        yield GaugeMetricFamily("imp_queued_prompt_tokens", "Prompt tokens of the requests waiting for their "
+                                "first token, not yet past prefill (--max-queued-tokens)",
+                                value=self._gate.queued_tokens)
+        name, loaded = self._model()
+        model = GaugeMetricFamily("imp_model_loaded", "1 while the named model is loaded and serving", labels=["model"])
+        model.add_metric([name], 1 if loaded else 0)
+        yield model
+        store = self._store_stats()
+        yield GaugeMetricFamily("imp_responses_store_entries", "Responses kept for previous_response_id",
+                                value=store.get("entries", 0))
+        yield GaugeMetricFamily("imp_responses_store_bytes", "JSON bytes of the stored responses",
+                                value=store.get("bytes", 0))
+        yield CounterMetricFamily("imp_responses_store_evictions", "Stored responses evicted by the entry or "
+                                  "byte cap", value=store.get("evictions", 0))
+        yield CounterMetricFamily("imp_responses_store_expirations", "Stored responses expired by their TTL",
+                                  value=store.get("expirations", 0))
