@@ -1,7 +1,8 @@
 """EngineCore and AsyncEngine end to end on the real SmolLM2, on CPU.
 
 Engines are built once per session, on the session's shared SmolLM2 load: a token budget of
-16 keeps the step buckets to four (T=16 x S=1..8) and forces chunked prefill on every prompt
+16 keeps the step buckets to five ((16, 8) and the decode diagonal 1, 2, 4, 8) and forces chunked
+prefill on every prompt
 (20-90 tokens). The tiny-pool engine has the KV shape of the big one, so its step programs are
 the same and come from the persistent compilation cache; only its block pool is small.
 """

@@ -8,7 +8,6 @@ from imp_jax.kernels_pallas.backends import XLA, Kernels
 from imp_jax.kernels_pallas.cpu.attention import ragged_paged_attention_cpu
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.kernels_pallas.metadata import AttentionMetadata
-from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 
 
@@ -24,6 +23,8 @@ def ragged_paged_attention(
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kernels.attention == "pallas":
+        # imported here: the Mosaic GPU modules take ~0.4 s to import, paid only where the kernel runs
+        from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas
         out = ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, **kw,
                                             interpret=kernels.pallas_interpret)
     elif kernels.attention == "cpu":

@@ -13,7 +13,7 @@ from typing import Any
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.kernels_pallas.metadata import AttentionShape
-from imp_jax.kernels_pallas.pallas import ragged_paged_attention as pallas_attention
+from imp_jax.kernels_pallas.pallas import shapes as pallas_attention
 
 log = logging.getLogger("imp_jax.kernels")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")

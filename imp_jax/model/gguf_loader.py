@@ -16,6 +16,7 @@ import numpy as np
 
 from imp_jax.kernels_pallas import ggml_blocks
 from imp_jax.errors import ModelLoadError
+from imp_jax.model.gguf_file import GGUFFile
 from imp_jax.model.gguf_tokenizer import gguf_tokenizer
 from imp_jax.model.tokenizer import Tokenizer
 
@@ -70,7 +71,7 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.BLOCK, ggml_blocks.FORMATS[fmt])
         if heads is not None:
             b = unpermute_rotary(b, heads)
-        return np.ascontiguousarray(b)   # a copy out of the mmap
+        return np.require(b, requirements=["C", "W", "O"])   # a copy out of the mmap
 
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy shape of a tensor without reading it (GGUF stores dims innermost-first)."""
@@ -79,6 +80,9 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def qtype(self, name: str) -> str:
         """The GGML storage type of a tensor, e.g. 'Q4_1' or 'F32'."""
         return self._entries[name][0].tensor_type.name
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries   # Mapping's default would dequantise the tensor to find out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -111,9 +115,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(hf_config, _hf_tensors(arch, raw, hf_config, path), *gguf_tokenizer(meta))
 
 
-def _open(path: Path) -> Any:
-    import gguf
-
+def _open(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     with open(path, "rb") as f:
@@ -121,7 +123,7 @@ def _open(path: Path) -> Any:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r})")
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on a bad file
         raise ModelLoadError(f"{path}: unreadable GGUF file ({type(e).__name__}: {e})") from None
 
@@ -129,9 +131,9 @@ def _open(path: Path) -> Any:
 class _Metadata:
     """The file's key/value metadata as Python values."""
 
-    def __init__(self, reader: Any, path: Path):
+    def __init__(self, reader: GGUFFile, path: Path):
         self.path = path
-        self.values: dict[str, Any] = {k: f.contents() for k, f in reader.fields.items()}
+        self.values: dict[str, Any] = reader.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)

@@ -186,6 +186,9 @@ class SafetensorsDir(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return np.asarray(self._where[name].get_tensor(name), dtype=np.float32)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._where   # without reading the tensor
+
     def __iter__(self):
         return iter(self._where)
 

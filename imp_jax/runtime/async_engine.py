@@ -8,6 +8,7 @@ raises marks the engine faulted and fails every request in flight with an error 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -145,14 +146,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        from imp_jax.runtime.builder import build_engine
+        from imp_jax.runtime.builder import build_engine, compile_in_background
 
         def progress(phase: str, frac: float) -> None:
             self.state = phase if phase != "ready" else self.state
             self.progress = frac
 
         try:
-            self._core = (self._build or build_engine)(self.config, progress)
+            build = self._build or functools.partial(build_engine, background_compile=True)
+            self._core = build(self.config, progress)
+            if not self._core.step_fn.warm:
+                compile_in_background(self._core)
         except Exception as e:  # a failed load is reported by /ready and wait_ready, not a crash
             log.exception("engine failed to start")
             self.error, self.state = str(e), "faulted"
@@ -162,12 +166,16 @@ class AsyncEngine:
         self._ready.set()
         core = self._core
         while True:
-            if not self._drain(block=not core.has_work()):
+            warming = not core.has_work() and core.step_fn.has_unrun()
+            if not self._drain(block=not core.has_work() and not warming):
                 return
-            if not core.has_work() or self.state == "faulted":
+            if self.state == "faulted":
                 continue
             try:
-                core.step()
+                if core.has_work():
+                    core.step()
+                elif warming:
+                    core.step_fn.run_one_unrun()   # a newly compiled program's first run, while nobody waits
             except Exception as e:
                 log.exception("engine step failed; failing all requests")
                 self.error, self.state = f"device fault: {e}", "faulted"

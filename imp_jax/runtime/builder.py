@@ -2,7 +2,9 @@
 compile every step bucket."""
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -14,7 +16,7 @@ from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import attention_shape, build_model, open_checkpoint, resolve_dtype
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.sharding import default_mesh, kv_sharding
 
 log = logging.getLogger("imp_jax.engine")
 Progress = Callable[[str, float], None]   # (phase, fraction done)
@@ -28,8 +30,11 @@ def enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def build_engine(config: EngineConfig, progress: Progress | None = None) -> EngineCore:
-    """A ready EngineCore: model loaded, KV allocated, all buckets compiled (progress logged)."""
+def build_engine(config: EngineConfig, progress: Progress | None = None,
+                 background_compile: bool = False) -> EngineCore:
+    """A ready EngineCore: model loaded, KV allocated, every program compiled and run once (progress
+    logged). With `background_compile`, only the serving set is compiled here; the caller then runs
+    `core.step_fn.compile_rest` on another thread (AsyncEngine does) and the first runs when idle."""
     enable_compilation_cache(config)
     progress = progress or (lambda phase, frac: None)
     progress("loading", 0.0)
@@ -52,7 +57,9 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
     itemsize = jnp.dtype(kv_dtype).itemsize
     blocks = num_kv_blocks(config, loaded.config, itemsize, platform, free)
     kv_shape = loaded.model.kv_cache_shape(blocks, config.block_size)
-    kv = tuple(jnp.zeros(kv_shape, kv_storage_dtype(kv_dtype, platform)) for _ in range(2))
+    zeros = jax.jit(functools.partial(jnp.zeros, kv_shape, kv_storage_dtype(kv_dtype, platform)),
+                    out_shardings=kv_sharding(mesh))   # made in place on the mesh, no host copy
+    kv = (zeros(), zeros())
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20)
     core = EngineCore(loaded, config, kv, blocks, mesh)
@@ -63,7 +70,30 @@ def build_engine(config: EngineConfig, progress: Progress | None = None) -> Engi
         log.info("compiled step %d/%d (tokens=%d, seqs=%d) in %.1fs", i, n, *bucket, seconds)
         progress("warming_up", i / n)
 
-    core.step_fn.warm_up(report)
-    log.info("warm-up done: %d programs in %.1fs", len(core.step_fn.buckets), time.perf_counter() - t0)
+    if background_compile:
+        core.step_fn.compile_serving_set(report)
+        log.info("serving with %d of %d step programs after %.1fs; the rest compile in the background",
+                 len(core.step_fn.serving_set()), len(core.step_fn.buckets), time.perf_counter() - t0)
+    else:
+        core.step_fn.warm_up(report)
+        log.info("warm-up done: %d programs in %.1fs", len(core.step_fn.buckets), time.perf_counter() - t0)
     progress("ready", 1.0)
     return core
+
+
+def compile_in_background(core: EngineCore) -> threading.Thread:
+    """Compile the programs `build_engine(background_compile=True)` left, on a daemon thread."""
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            core.step_fn.compile_rest(lambda i, n, bucket, s: log.info(
+                "compiled step %d/%d (tokens=%d, seqs=%d) in the background in %.1fs", i, n, *bucket, s))
+        except Exception:   # serving goes on with the programs it has
+            log.exception("background compilation failed; steps use the larger compiled buckets")
+            return
+        log.info("warm-up done: all %d step programs compiled, the last in the background after %.1fs",
+                 len(core.step_fn.buckets), time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, name="imp-compile", daemon=True)
+    thread.start()
+    return thread

@@ -280,6 +280,7 @@ class EngineCore:
                     num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
                     compilations_after_warmup=self.step_fn.compilations_after_warmup,
+                    programs_compiled=self.step_fn.num_compiled, programs_total=len(self.step_fn.buckets),
                     prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
                     prefix_cache_evictions=pc.evictions, kv_block_size=self.pool.block_size,
                     kv_blocks_total=self.baseline_free_blocks, kv_blocks_used=self.baseline_free_blocks - free,

@@ -1,12 +1,16 @@
 """The compiled step: forward + gather of the rows to sample + sampler, one program per shape bucket.
 
-Every (token-count, sequence-count) bucket is compiled ahead of time at start-up; serving
-looks executables up and never traces. A counter of compilations after warm-up proves it.
+Every (token-count, sequence-count) bucket is compiled ahead of time; serving looks executables
+up and never traces. Start-up can compile just the serving set (the largest bucket, which holds
+any step, and the smallest) and compile the rest in the background: until a bucket is compiled,
+a step that would fit it runs in the smallest compiled bucket that holds it. A counter of
+compilations after warm-up (the background compiles done) proves serving never compiles.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -23,6 +27,7 @@ from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampl
 from imp_jax.runtime.sharding import kv_sharding, replicated, state_shardings
 
 log = logging.getLogger("imp_jax.step")
+Progress = Callable[[int, int, tuple[int, int], float], None]   # (i, n, bucket, seconds)
 NUM_TOP_LOGPROBS = 20   # always computed; each request reads as many as it asked for
 
 
@@ -53,7 +58,15 @@ class CompiledStep:
         state_sh, kv_sh, rep = state_shardings(state, mesh), kv_sharding(mesh), replicated(mesh)
         self.state = jax.device_put(state, state_sh)
         self.kv = jax.device_put(kv, (kv_sh, kv_sh))
+        # programs are lowered from these specs, never from the live (donated) buffers, so a
+        # background thread can compile while the engine thread steps
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        self._state_spec, self._kv_spec = jax.tree.map(spec, self.state), jax.tree.map(spec, self.kv)
         self._exec: dict[tuple[int, int], Any] = {}
+        self._compiled: list[tuple[int, int]] = []     # sorted; replaced whole, so readers need no lock
+        self._unrun: list[tuple[int, int]] = []        # compiled, not yet run once (under _unrun_lock)
+        self._compile_lock = threading.Lock()
+        self._unrun_lock = threading.Lock()
         self.compilations_after_warmup = 0
         self._warm = False
         graphdef = self.graphdef
@@ -86,50 +99,99 @@ class CompiledStep:
         self._score_exec: Any = None
         self.score_tokens = self.buckets[-1][0]   # prompt logprobs run one sequence, chunk by chunk
 
-    def warm_up(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> None:
-        """Compile every bucket now (from the persistent cache when it has them) and run it once.
+    def serving_set(self) -> list[tuple[int, int]]:
+        """The buckets start-up compiles before serving: the largest (holds any step) and the smallest."""
+        return sorted({self.buckets[-1], self.buckets[0]}, reverse=True)
 
-        The run is on an all-padding batch, which writes no KV: a program's first run costs more
-        than later ones (docs/PERF.md), and that belongs to start-up, not to the first request
-        that lands in the bucket.
-        """
-        for i, bucket in enumerate(self.buckets):
-            t0 = time.perf_counter()
-            self._compile(bucket)
-            self(build_step_batch([], num_tokens=bucket[0], num_seqs=bucket[1],
-                                  max_blocks=self.shapes.max_blocks, block_size=self.kv[0].shape[2]),
-                 self._dummy_sampling(bucket[1]), 0)
-            if progress:
-                progress(i + 1, len(self.buckets), bucket, time.perf_counter() - t0)
-        self._score_exec = self._compile_score()
+    def warm_up(self, progress: Progress | None = None) -> None:
+        """Compile every program now (from the persistent cache when it has them) and run each step
+        bucket once, so serving never compiles and no request pays a program's first run."""
+        self.compile_serving_set(progress)
+        self.compile_rest(progress)
+        while self.run_one_unrun():
+            pass
+
+    def compile_serving_set(self, progress: Progress | None = None) -> None:
+        """Compile `serving_set()`: enough to serve any step (others are waited for by nobody)."""
+        for i, bucket in enumerate(self.serving_set()):
+            self._compile_timed(bucket, i + 1, progress)
+
+    def compile_rest(self, progress: Progress | None = None) -> None:
+        """Compile every other program (safe on a background thread); warm-up is over when it returns."""
+        rest = [b for b in self.buckets if b not in self._exec]
+        done = len(self.buckets) - len(rest)
+        for i, bucket in enumerate(rest):
+            self._compile_timed(bucket, done + i + 1, progress)
+        self._score_program(counted=False)
         self._warm = True
 
-    def _lower(self, jitted: Any, T: int, S: int, *extra: Any) -> Any:
+    def run_one_unrun(self) -> bool:
+        """Engine thread: run one compiled, never-run bucket on an all-padding batch (it writes no
+        KV). A program's first run costs more than later ones (docs/PERF.md): start-up, or idle
+        time, pays it instead of the first request in the bucket. Whether one ran."""
+        with self._unrun_lock:
+            if not self._unrun:
+                return False
+            T, S = self._unrun[0]
+        self(build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
+                              block_size=self.kv[0].shape[2]), self._dummy_sampling(S), 0)
+        return True
+
+    def has_unrun(self) -> bool:
+        return bool(self._unrun)
+
+    @property
+    def num_compiled(self) -> int:
+        """Step programs compiled so far (all of `buckets` once warm)."""
+        return len(self._compiled)
+
+    @property
+    def warm(self) -> bool:
+        """Every program compiled: from now on a compilation is counted."""
+        return self._warm
+
+    def _compile_timed(self, bucket: tuple[int, int], i: int, progress: Progress | None) -> None:
+        t0 = time.perf_counter()
+        self._compile(bucket, counted=False)
+        if progress:
+            progress(i, len(self.buckets), bucket, time.perf_counter() - t0)
+
+    def _lower(self, jitted: Any, T: int, S: int, *extra: Any, counted: bool = True) -> Any:
         """Compile `jitted` for T tokens over S sequence slots (counted once warm-up is over)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
         meta = AttentionMetadata(i32(S + 1), i32(S), i32(S, self.shapes.max_blocks), i32(T), i32())
-        exe = jitted.lower(self.state, self.kv, i32(T), i32(T), meta, *extra).compile()
-        if self._warm:
+        exe = jitted.lower(self._state_spec, self._kv_spec, i32(T), i32(T), meta, *extra).compile()
+        if counted and self._warm:
             self.compilations_after_warmup += 1
             log.warning("compiled a program for T=%d S=%d after warm-up", T, S)
         return exe
 
-    def _compile(self, bucket: tuple[int, int]) -> Any:
-        T, S = bucket
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._dummy_sampling(S))
-        self._exec[bucket] = self._lower(self._step_jit, T, S, i32(S), sampling, i32())
-        return self._exec[bucket]
+    def _compile(self, bucket: tuple[int, int], counted: bool = True) -> Any:
+        with self._compile_lock:
+            if bucket in self._exec:
+                return self._exec[bucket]
+            T, S = bucket
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+            sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._dummy_sampling(S))
+            exe = self._lower(self._step_jit, T, S, i32(S), sampling, i32(), counted=counted)
+            self._exec[bucket] = exe
+            self._compiled = sorted(self._exec)
+            with self._unrun_lock:
+                self._unrun.append(bucket)
+            return exe
 
-    def _compile_score(self) -> Any:
-        T = self.score_tokens
-        return self._lower(self._score_jit, T, 1, jax.ShapeDtypeStruct((T,), jnp.int32))
+    def _score_program(self, counted: bool = True) -> Any:
+        """The prompt-scoring program, compiled on first need (warm-up compiles it)."""
+        with self._compile_lock:
+            if self._score_exec is None:
+                T = self.score_tokens
+                self._score_exec = self._lower(self._score_jit, T, 1, jax.ShapeDtypeStruct((T,), jnp.int32),
+                                               counted=counted)
+            return self._score_exec
 
     def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch."""
-        if self._score_exec is None:
-            self._score_exec = self._compile_score()
-        out, self.kv = self._score_exec(self.state, self.kv, batch.input_ids, batch.positions, _meta(batch),
+        out, self.kv = self._score_program()(self.state, self.kv, batch.input_ids, batch.positions, _meta(batch),
                                         targets.astype(np.int32))
         return tuple(np.asarray(x) for x in out)
 
@@ -139,8 +201,9 @@ class CompiledStep:
                                       history_len=s.history_len, max_bias=s.max_bias, with_mask=False)
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The smallest compiled bucket holding this many tokens and sequences."""
-        for T, S in self.buckets:
+        """The smallest compiled bucket holding this many tokens and sequences (every bucket once
+        warm; before, the largest is always compiled)."""
+        for T, S in self._compiled or self.buckets:
             if T >= num_tokens and S >= num_seqs:
                 return T, S
         raise ValueError(f"no bucket holds {num_tokens} tokens and {num_seqs} sequences")
@@ -149,6 +212,9 @@ class CompiledStep:
         """Run one step on host arrays; returns the sampler output as numpy arrays."""
         bucket = (len(batch.input_ids), len(batch.seq_lens))
         exe = self._exec.get(bucket) or self._compile(bucket)
+        with self._unrun_lock:
+            if bucket in self._unrun:
+                self._unrun.remove(bucket)
         out, self.kv = exe(self.state, self.kv, batch.input_ids, batch.positions, _meta(batch),
                            batch.last_token_rows, sampling, np.asarray(step_no, np.int32))
         return SamplerOutput(*(np.asarray(x) for x in out))
@@ -160,14 +226,16 @@ def _meta(batch: StepBatch) -> AttentionMetadata:
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:
-    """(T, S) pairs: T powers of two from 16 to the token budget times S powers of two up to
-    max_num_seqs (S <= T), plus the decode diagonal T = S below 16.
+    """(T, S) buckets: T powers of two from 16 to the token budget, each with S = min(T, max_num_seqs)
+    sequence slots, plus the decode diagonal T = S below 16.
 
-    The diagonal matters on CPU, where a batch-1 decode padded to 16 rows runs its GEMMs several
-    times slower than at 1 row (docs/PERF.md), and a pure-decode step has one token per sequence.
+    One program per token count: S only sizes the metadata and the rows sampled (the LM head and
+    the sampler run S rows), a few percent of a step of 16+ tokens, where a (T, S) grid would
+    multiply start-up compiles by the sequence counts. The diagonal matters on CPU, where a
+    batch-1 decode padded to 16 rows runs its GEMMs several times slower than at 1 row
+    (docs/PERF.md), and a pure-decode step has one token per sequence.
     """
     ts = pow2_buckets(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
-    ss = pow2_buckets(1, max_num_seqs)
-    grid = [(t, s) for t in ts for s in ss if s <= t]
-    diagonal = [(s, s) for s in ss if s < ts[0]]
+    grid = [(t, min(t, max_num_seqs)) for t in ts]
+    diagonal = [(s, s) for s in pow2_buckets(1, max_num_seqs) if s < ts[0]]
     return sorted(set(grid + diagonal))

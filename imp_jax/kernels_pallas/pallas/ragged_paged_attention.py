@@ -35,8 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape, token_positions
 from imp_jax.kernels_pallas.pallas import split_kv
+from imp_jax.kernels_pallas.pallas.shapes import MMA_ROWS, block_kv_for, supports
 
-MMA_ROWS = 64            # wgmma M per warpgroup on Hopper
 SWIZZLE = 128            # bytes; SMEM tiles are (8, SWIZZLE // itemsize)
 _MASKED = -1e30          # finite, so fully masked rows never produce inf - inf
 
@@ -47,22 +47,6 @@ def interpret_params() -> Any:
     if cls is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
     return cls()
-
-
-def block_kv_for(block_size: int, block_kv: int = 64) -> int:
-    """Keys per loop step: a multiple of the page size and of the 64-key wgmma K tile."""
-    return block_kv if block_kv % block_size == 0 else block_size * math.ceil(block_kv / block_size)
-
-
-def supports(shape: AttentionShape) -> bool:
-    """Whether the compiled (GPU) kernel takes a model of this shape: 16-bit queries and caches,
-    TMA/wgmma-friendly tiles."""
-    bk = block_kv_for(shape.block_size)
-    group = shape.num_heads // shape.num_kv_heads
-    sixteen = (jnp.bfloat16, jnp.float16)
-    return (shape.cache_dtype in sixteen and shape.q_dtype in sixteen
-            and shape.head_dim % 64 == 0 and shape.head_dim <= 256
-            and shape.block_size % 8 == 0 and bk % 64 == 0 and bk <= 256 and group <= 2 * MMA_ROWS)
 
 
 def _work_sizes(num_tokens: int, group: int, num_slots: int) -> tuple[int, int]:
