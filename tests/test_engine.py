@@ -302,7 +302,7 @@ def test_cancel_mid_generation_frees_blocks_and_pins(core, prompts):
     assert seq_a.pinned
     core.cancel(a.request_id)
     assert ra.first.finish_reason == "cancelled" and ra.events[-1].done
-    assert ra.usage.completion_tokens == len(ra.ids) == 3
+    assert ra.usage.completion_tokens == len(ra.ids) >= 3   # tokens sampled before the cancel all reach it
     core.cancel(a.request_id)                            # unknown now: a no-op
     step_until(core, lambda: not core.has_work())
     assert rb.first.finish_reason == "length" and len(rb.ids) == 4

@@ -25,7 +25,7 @@ from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingPar
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
-from imp_jax.runtime.step import CompiledStep, StepShapes, step_buckets
+from imp_jax.runtime.step import CompiledStep, StepShapes, fetch, step_buckets
 from imp_jax.runtime.stop import StopStringMatcher
 
 log = logging.getLogger("imp_jax.engine")
@@ -70,6 +70,7 @@ class EngineCore:
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
+        self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState]] = []
         self.num_steps = 0
         self.counters = EngineCounters()
         self.host_seconds = 0.0
@@ -119,12 +120,14 @@ class EngineCore:
         state = self.requests.get(request_id)
         if state is None:
             return
+        self._emit_deferred()   # the tokens usage will count reach the client first
         for seq in state.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled", state)
 
     def fail_all(self, message: str) -> None:
         """End every request with an error (a device fault)."""
+        self._deferred = []
         for rid in list(self.requests):
             state = self.requests[rid]
             for seq in state.seqs:
@@ -132,7 +135,7 @@ class EngineCore:
                     self._finish(seq, "error", state, error=message)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     # ---------------------------------------------------------------------- step
     def step(self) -> int:
@@ -140,6 +143,7 @@ class EngineCore:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
+            self._emit_deferred()
             return 0
         bs = self.config.block_size
         seq_chunks = [SeqChunk(c.seq.all_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
@@ -154,7 +158,9 @@ class EngineCore:
                                           history_len=shapes.history_len, max_bias=shapes.max_bias,
                                           with_mask=False)
         t1 = time.perf_counter()
-        out = self.step_fn(batch, sampling, self.num_steps)
+        running = self.step_fn.launch(batch, sampling, self.num_steps)
+        self._emit_deferred()   # the last step's text, while the device runs this one
+        out = fetch(running)
         t2 = time.perf_counter()
         self.num_steps += 1
         for i, c in enumerate(chunks):
@@ -211,7 +217,28 @@ class EngineCore:
             k = seq.params.logprobs
             top = [(int(t), float(v)) for t, v in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])]
             logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
-        self._emit_token(seq, token, logprobs, state)
+        if self._ends_without_text(seq, token):
+            self._emit_token(seq, token, logprobs, state)
+        else:
+            self._deferred.append((seq, token, logprobs, state))
+
+    def _ends_without_text(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` ends `seq` for a reason its text plays no part in (EOS, a stop token id,
+        max_tokens, a pool too small): then its event goes out now. Any other token's text work
+        (detokenizing, stop strings) waits for the next step's launch, so it overlaps that step;
+        a stop string found then costs the sequence one token of compute, which is dropped."""
+        p = seq.params
+        n_out = len(seq.output_ids)
+        stops = (token in self.tokenizer.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
+        return ((stops and n_out > p.min_tokens) or n_out >= seq.max_tokens
+                or self.pool.num_blocks_for(seq.num_tokens) > self.baseline_free_blocks)
+
+    def _emit_deferred(self) -> None:
+        """The text events `_advance` deferred, in order; a sequence ended meanwhile (cancelled) has none."""
+        deferred, self._deferred = self._deferred, []
+        for seq, token, logprobs, state in deferred:
+            if seq.status is not SeqStatus.FINISHED:
+                self._emit_token(seq, token, logprobs, state)
 
     def _emit_token(self, seq: Sequence, token: int, logprobs, state: _RequestState) -> None:
         p = seq.params

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch, build_step_batch, pow2_buckets
+from imp_jax.runtime.packing import Layout, pack, unpack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
 from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
 from imp_jax.runtime.sharding import kv_sharding, replicated, state_shardings
@@ -58,10 +59,14 @@ class CompiledStep:
         state_sh, kv_sh, rep = state_shardings(state, mesh), kv_sharding(mesh), replicated(mesh)
         self.state = jax.device_put(state, state_sh)
         self.kv = jax.device_put(kv, (kv_sh, kv_sh))
-        # programs are lowered from these specs, never from the live (donated) buffers, so a
-        # background thread can compile while the engine thread steps
+        # the programs take the parameters as a flat list (flattening nnx Variables on every call
+        # cost more host time than the rest of the dispatch) and every host input as two packed
+        # buffers (packing.py); they are lowered from specs, never from the live (donated) buffers,
+        # so a background thread can compile while the engine thread steps
+        self._leaves, treedef = jax.tree.flatten(self.state)
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-        self._state_spec, self._kv_spec = jax.tree.map(spec, self.state), jax.tree.map(spec, self.kv)
+        self._leaf_specs, self._kv_spec = [spec(a) for a in self._leaves], jax.tree.map(spec, self.kv)
+        self._layouts: dict[tuple[str, int, int], Layout] = {}
         self._exec: dict[tuple[int, int], Any] = {}
         self._compiled: list[tuple[int, int]] = []     # sorted; replaced whole, so readers need no lock
         self._unrun: list[tuple[int, int]] = []        # compiled, not yet run once (under _unrun_lock)
@@ -72,30 +77,31 @@ class CompiledStep:
         graphdef = self.graphdef
         dynamic_skips = model.options.kernels.dynamic_skips
 
-        def forward(state, kv, input_ids, positions, meta):
-            model = nnx.merge(graphdef, state)
+        def forward(leaves, kv, input_ids, positions, meta):
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
             hidden, kv = model(input_ids, positions, kv, meta)
             return model, hidden, kv
 
-        def step(state, kv, input_ids, positions, meta, rows, sampling, step_no):
-            model, hidden, kv = forward(state, kv, input_ids, positions, meta)
+        def step(leaves, kv, ints, floats, layout):
+            input_ids, positions, meta, rows, sampling, step_no = unpack(layout, ints, floats)
+            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta)
             logits = model.logits(hidden[rows])
             key = jax.random.fold_in(jax.random.key(0), step_no)
             return sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips), kv
 
-        def score(state, kv, input_ids, positions, meta, targets):
-            model, hidden, kv = forward(state, kv, input_ids, positions, meta)
+        def score(leaves, kv, ints, floats, layout):
+            input_ids, positions, meta, targets = unpack(layout, ints, floats)
+            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta)
             logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)   # raw: no sampling knobs
             target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
             rank = jnp.sum(logprobs > target, axis=-1) + 1
             top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
             return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv
 
-        model_in = (state_sh, (kv_sh, kv_sh), rep, rep, rep)   # state, kv, input_ids, positions, meta
-        self._step_jit = jax.jit(step, donate_argnums=(1,), in_shardings=(*model_in, rep, rep, rep),
-                                 out_shardings=(rep, (kv_sh, kv_sh)))
-        self._score_jit = jax.jit(score, donate_argnums=(1,), in_shardings=(*model_in, rep),
-                                  out_shardings=(rep, (kv_sh, kv_sh)))
+        ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep)   # params, kv, ints, floats
+        jit = lambda f: jax.jit(f, static_argnums=(4,), donate_argnums=(1,), in_shardings=ins,
+                                out_shardings=(rep, (kv_sh, kv_sh)))
+        self._step_jit, self._score_jit = jit(step), jit(score)
         self._score_exec: Any = None
         self.score_tokens = self.buckets[-1][0]   # prompt logprobs run one sequence, chunk by chunk
 
@@ -156,24 +162,32 @@ class CompiledStep:
         if progress:
             progress(i, len(self.buckets), bucket, time.perf_counter() - t0)
 
-    def _lower(self, jitted: Any, T: int, S: int, *extra: Any, counted: bool = True) -> Any:
+    def _lower(self, jitted: Any, program: str, T: int, S: int, counted: bool = True) -> Any:
         """Compile `jitted` for T tokens over S sequence slots (counted once warm-up is over)."""
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        meta = AttentionMetadata(i32(S + 1), i32(S), i32(S, self.shapes.max_blocks), i32(T), i32())
-        exe = jitted.lower(self._state_spec, self._kv_spec, i32(T), i32(T), meta, *extra).compile()
+        layout = self._layout(program, T, S)
+        exe = jitted.lower(self._leaf_specs, self._kv_spec, jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
+                           jax.ShapeDtypeStruct((layout.float_size,), jnp.float32), layout).compile()
         if counted and self._warm:
             self.compilations_after_warmup += 1
-            log.warning("compiled a program for T=%d S=%d after warm-up", T, S)
+            log.warning("compiled a %s program for T=%d S=%d after warm-up", program, T, S)
         return exe
+
+    def _layout(self, program: str, T: int, S: int) -> Layout:
+        """Where the packed inputs of a `program` ("step" or "score") for (T, S) lie (the same every call)."""
+        key = (program, T, S)
+        if key not in self._layouts:
+            batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
+                                     block_size=self.kv[0].shape[2])
+            tree = (_step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
+                    else _score_inputs(batch, np.zeros(T, np.int32)))
+            self._layouts[key] = pack(tree)[0]
+        return self._layouts[key]
 
     def _compile(self, bucket: tuple[int, int], counted: bool = True) -> Any:
         with self._compile_lock:
             if bucket in self._exec:
                 return self._exec[bucket]
-            T, S = bucket
-            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-            sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._dummy_sampling(S))
-            exe = self._lower(self._step_jit, T, S, i32(S), sampling, i32(), counted=counted)
+            exe = self._lower(self._step_jit, "step", *bucket, counted=counted)
             self._exec[bucket] = exe
             self._compiled = sorted(self._exec)
             with self._unrun_lock:
@@ -184,16 +198,22 @@ class CompiledStep:
         """The prompt-scoring program, compiled on first need (warm-up compiles it)."""
         with self._compile_lock:
             if self._score_exec is None:
-                T = self.score_tokens
-                self._score_exec = self._lower(self._score_jit, T, 1, jax.ShapeDtypeStruct((T,), jnp.int32),
-                                               counted=counted)
+                self._score_exec = self._lower(self._score_jit, "score", self.score_tokens, 1, counted=counted)
             return self._score_exec
 
     def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch."""
-        out, self.kv = self._score_program()(self.state, self.kv, batch.input_ids, batch.positions, _meta(batch),
-                                        targets.astype(np.int32))
+        exe = self._score_program()
+        out, self.kv = exe(self._leaves, self.kv, *self._pack("score", _score_inputs(batch, targets)))
         return tuple(np.asarray(x) for x in out)
+
+    def _pack(self, program: str, tree: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The packed buffers of `tree`, checked against the layout the program was compiled for."""
+        layout, ints, floats = pack(tree)
+        T, S = len(tree[0]), len(tree[2].seq_lens)
+        if layout != self._layouts.get((program, T, S)):
+            raise ValueError(f"the {program} inputs for T={T} S={S} do not match the compiled layout")
+        return ints, floats
 
     def _dummy_sampling(self, rows: int) -> SamplingTensors:
         s = self.shapes
@@ -210,19 +230,37 @@ class CompiledStep:
 
     def __call__(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> SamplerOutput:
         """Run one step on host arrays; returns the sampler output as numpy arrays."""
+        return fetch(self.launch(batch, sampling, step_no))
+
+    def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> SamplerOutput:
+        """Start one step and return at once (JAX dispatches asynchronously): its output as device
+        arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it."""
         bucket = (len(batch.input_ids), len(batch.seq_lens))
         exe = self._exec.get(bucket) or self._compile(bucket)
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
-        out, self.kv = exe(self.state, self.kv, batch.input_ids, batch.positions, _meta(batch),
-                           batch.last_token_rows, sampling, np.asarray(step_no, np.int32))
-        return SamplerOutput(*(np.asarray(x) for x in out))
+        out, self.kv = exe(self._leaves, self.kv, *self._pack("step", _step_inputs(batch, sampling, step_no)))
+        return SamplerOutput(*out)
+
+
+def fetch(out: SamplerOutput) -> SamplerOutput:
+    """A launched step's output on the host (waits for the step)."""
+    return SamplerOutput(*(np.asarray(x) for x in out))
 
 
 def _meta(batch: StepBatch) -> AttentionMetadata:
     return AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_tables,
                              batch.slot_mapping, batch.num_seqs)
+
+
+def _step_inputs(batch: StepBatch, sampling: SamplingTensors, step_no: int) -> tuple[Any, ...]:
+    return (batch.input_ids, batch.positions, _meta(batch), batch.last_token_rows, sampling,
+            np.asarray(step_no, np.int32))
+
+
+def _score_inputs(batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
+    return batch.input_ids, batch.positions, _meta(batch), np.asarray(targets, np.int32)
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:
