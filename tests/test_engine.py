@@ -462,6 +462,25 @@ def test_prompt_logprobs_are_the_raw_model_distribution(core, prompts, greedy_al
         assert abs(e.top[0][1] - ref[i - 1].max()) < 1e-3
 
 
+def test_scoring_a_prompt_does_not_stall_running_streams(core, prompts, greedy_alone):
+    """prompt_logprobs are scored a chunk per step between the regular steps: a running request
+    gets a token on every step while a long prompt is scored, and both end as they would alone."""
+    ra, rb = Result(), Result()
+    core.add_request(req(prompts[0], max_tokens=6), ra.on_event)
+    step_until(core, lambda: len(ra.ids) >= 1)
+    core.add_request(req(prompts[2], max_tokens=4, prompt_logprobs=1), rb.on_event)
+    chunks = -(-len(prompts[2]) // core.step_fn.score_tokens)
+    assert chunks >= 3
+    for _ in range(chunks - 1):          # the prompt is still being scored after these steps
+        before = len(ra.ids)
+        core.step()
+        assert len(ra.ids) >= before + 1 and not rb.events
+    step_until(core, lambda: not core.has_work(), max_steps=200)
+    assert ra.ids == greedy_alone[0].ids[:6] and rb.ids == greedy_alone[2].ids[:4]
+    assert len(rb.events[0].prompt_logprobs) == len(prompts[2])
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
 def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
     """--kv-cache-dtype bfloat16 under the float32 model: K/V stored in bfloat16 (the CPU attention
     kernel reads them), greedy outputs batch invariant and, for these confident first tokens, the

@@ -37,6 +37,9 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="imp-engine", daemon=True)
+        self._compiler: threading.Thread | None = None   # background compiles (builder.compile_in_background)
+        self._compiler_lock = threading.Lock()
+        self._stopping = False
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -49,9 +52,14 @@ class AsyncEngine:
             raise EngineError(f"engine failed to start: {self.error}")
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        with self._compiler_lock:
+            self._stopping = True
         self._inbox.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._compiler is not None:   # a compile cut off by the interpreter's exit aborts the process
+            self._core.step_fn.stop_compiling()
+            self._compiler.join(max(timeout, 60.0))
         self.state = "stopped"
 
     # ------------------------------------------------------------------- model
@@ -155,8 +163,9 @@ class AsyncEngine:
         try:
             build = self._build or functools.partial(build_engine, background_compile=True)
             self._core = build(self.config, progress)
-            if not self._core.step_fn.warm:
-                compile_in_background(self._core)
+            with self._compiler_lock:
+                if not self._core.step_fn.warm and not self._stopping:
+                    self._compiler = compile_in_background(self._core)
         except Exception as e:  # a failed load is reported by /ready and wait_ready, not a crash
             log.exception("engine failed to start")
             self.error, self.state = str(e), "faulted"

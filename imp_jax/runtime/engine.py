@@ -19,7 +19,7 @@ from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
-from imp_jax.runtime.prompt_logprobs import compute_prompt_logprobs
+from imp_jax.runtime.prompt_logprobs import PromptScoring
 from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
                                      check_context)
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
@@ -51,6 +51,7 @@ class _RequestState:
     emit: Emit
     num_open: int
     prompt_logprobs: list | None = None   # sent once, on index 0's first event
+    scoring: PromptScoring | None = None  # the prompt being scored; its sequences wait for it
 
 
 class EngineCore:
@@ -71,6 +72,7 @@ class EngineCore:
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState]] = []
+        self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
         self.num_steps = 0
         self.counters = EngineCounters()
         self.host_seconds = 0.0
@@ -100,9 +102,9 @@ class EngineCore:
                 f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
                 f"while min_tokens are out)", param="logit_bias")
         max_tokens = params.max_tokens or room
-        prompt_lps = None
+        scoring = None
         if params.prompt_logprobs is not None:
-            prompt_lps = compute_prompt_logprobs(self.step_fn, self.pool, req.prompt_ids, params.prompt_logprobs)
+            scoring = PromptScoring.begin(self.pool, req.prompt_ids, params.prompt_logprobs)
         seqs: list[Sequence] = []
         for i in range(params.n):
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
@@ -112,8 +114,13 @@ class EngineCore:
                 stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
                 prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None)
             seqs.append(seq)
-            self.scheduler.add(seq)
-        self.requests[req.request_id] = _RequestState(req, seqs, emit, len(seqs), prompt_lps)
+        state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring)
+        self.requests[req.request_id] = state
+        if scoring is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        else:
+            self._scoring.append(state)
 
     def cancel(self, request_id: str) -> None:
         """Finish every sequence of the request as cancelled, freeing its blocks now."""
@@ -121,6 +128,7 @@ class EngineCore:
         if state is None:
             return
         self._emit_deferred()   # the tokens usage will count reach the client first
+        self._stop_scoring(state)
         for seq in state.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled", state)
@@ -128,6 +136,8 @@ class EngineCore:
     def fail_all(self, message: str) -> None:
         """End every request with an error (a device fault)."""
         self._deferred = []
+        for state in list(self._scoring):
+            self._stop_scoring(state)
         for rid in list(self.requests):
             state = self.requests[rid]
             for seq in state.seqs:
@@ -135,11 +145,34 @@ class EngineCore:
                     self._finish(seq, "error", state, error=message)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred)
+        return self.scheduler.has_work() or bool(self._deferred) or bool(self._scoring)
+
+    def _score_one_chunk(self) -> int:
+        """One chunk of the oldest prompt being scored; a scored prompt's sequences join the scheduler."""
+        if not self._scoring:
+            return 0
+        state = self._scoring[0]
+        state.scoring.run_chunk(self.step_fn, self.config.block_size)
+        if state.scoring.done:
+            state.prompt_logprobs = state.scoring.entries
+            self._stop_scoring(state)
+            for seq in state.seqs:
+                self.scheduler.add(seq)
+        return 1
+
+    def _stop_scoring(self, state: _RequestState) -> None:
+        if state.scoring is not None:
+            state.scoring.release(self.pool)
+            state.scoring = None
+            self._scoring.remove(state)
 
     # ---------------------------------------------------------------------- step
     def step(self) -> int:
-        """Run one batch; returns the number of sequences that ran (0 when idle)."""
+        """Run one batch, then one chunk of a prompt being scored (prompt_logprobs), if any;
+        returns the number of sequences that ran (0 when idle)."""
+        return self._run_batch() + self._score_one_chunk()
+
+    def _run_batch(self) -> int:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:

@@ -71,6 +71,7 @@ class CompiledStep:
         self._compiled: list[tuple[int, int]] = []     # sorted; replaced whole, so readers need no lock
         self._unrun: list[tuple[int, int]] = []        # compiled, not yet run once (under _unrun_lock)
         self._compile_lock = threading.Lock()
+        self._stop_compiling = threading.Event()
         self._unrun_lock = threading.Lock()
         self.compilations_after_warmup = 0
         self._warm = False
@@ -127,9 +128,15 @@ class CompiledStep:
         rest = [b for b in self.buckets if b not in self._exec]
         done = len(self.buckets) - len(rest)
         for i, bucket in enumerate(rest):
+            if self._stop_compiling.is_set():
+                return
             self._compile_timed(bucket, done + i + 1, progress)
         self._score_program(counted=False)
         self._warm = True
+
+    def stop_compiling(self) -> None:
+        """Make a running `compile_rest` return after the program it is compiling (shutdown)."""
+        self._stop_compiling.set()
 
     def run_one_unrun(self) -> bool:
         """Engine thread: run one compiled, never-run bucket on an all-padding batch (it writes no
