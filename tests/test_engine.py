@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -479,6 +480,37 @@ def test_scoring_a_prompt_does_not_stall_running_streams(core, prompts, greedy_a
     assert ra.ids == greedy_alone[0].ids[:6] and rb.ids == greedy_alone[2].ids[:4]
     assert len(rb.events[0].prompt_logprobs) == len(prompts[2])
     assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
+def test_a_grammar_constrains_every_choice_and_eos_comes_where_it_accepts(core, prompts):
+    """GenerationRequest.constraint (an llguidance grammar): sampled text follows it, the answer
+    ends at EOS as soon as the grammar is complete, and a masked token reads logprob -inf."""
+    import json
+
+    import jsonschema
+    import llguidance
+
+    regex = llguidance.LLMatcher.grammar_from_regex(r"(yes|no), [0-9]{2}")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    reqs = [GenerationRequest("c-regex", prompts[0], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=30),
+                              constraint=regex),
+            GenerationRequest("c-json", prompts[1], SamplingParams(temperature=0.0, max_tokens=60, logprobs=5),
+                              constraint=grammar)]
+    (rx, js) = run(core, *reqs)
+    for choice in rx.choices.values():
+        assert re.fullmatch(r"(yes|no), [0-9]{2}", choice.text), choice.text
+        assert choice.finish_reason == "stop"
+    (choice,) = js.choices.values()
+    jsonschema.validate(json.loads(choice.text), schema)
+    assert choice.finish_reason == "stop"
+    # greedy under a mask: the sampled token is the best allowed one, alternatives never disallowed ones
+    assert all(lp.top[0][0] == lp.token_id for lp in choice.logprobs)
+    first = choice.logprobs[0]   # the grammar allows only an opening brace here: probability 1, the rest 0
+    assert core.tokenizer.decode([first.token_id]).startswith("{") and first.logprob == 0.0
+    assert all(v == float("-inf") for _, v in first.top[1:])
 
 
 def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 from jax.sharding import Mesh
 
 from imp_jax.errors import InvalidRequestError
@@ -17,6 +18,7 @@ from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.model.loader import LoadedModel
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.prompt_logprobs import PromptScoring
@@ -71,6 +73,7 @@ class EngineCore:
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
+        self.constraints = GrammarConstraints(loaded.tokenizer, loaded.config.vocab_size)
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
         self.num_steps = 0
@@ -102,6 +105,7 @@ class EngineCore:
                 f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
                 f"while min_tokens are out)", param="logit_bias")
         max_tokens = params.max_tokens or room
+        matchers = [self.constraints.matcher(req.constraint) if req.constraint else None for _ in range(params.n)]
         scoring = None
         if params.prompt_logprobs is not None:
             scoring = PromptScoring.begin(self.pool, req.prompt_ids, params.prompt_logprobs)
@@ -112,7 +116,7 @@ class EngineCore:
                 request=req, index=i, params=p, max_tokens=max_tokens,
                 detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens),
                 stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
-                prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None)
+                prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None, constraint=matchers[i])
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring)
         self.requests[req.request_id] = state
@@ -189,7 +193,7 @@ class EngineCore:
         shapes = self.step_fn.shapes
         sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
                                           history_len=shapes.history_len, max_bias=shapes.max_bias,
-                                          with_mask=False)
+                                          with_mask=True)
         t1 = time.perf_counter()
         running = self.step_fn.launch(batch, sampling, self.num_steps)
         self._emit_deferred()   # the last step's text, while the device runs this one
@@ -221,7 +225,16 @@ class EngineCore:
             seed=p.seed, position=seq.num_tokens,
             history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
             num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
-            logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs))
+            logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs),
+            allowed_bitmask=self._allowed(seq))
+
+    def _allowed(self, seq: Sequence) -> np.ndarray | None:
+        """The constrained sequence's next-token bitmask (its grammar's), else None: any token."""
+        if seq.constraint is None:
+            return None
+        words = np.empty(-(-self.loaded.config.vocab_size // 32), np.uint32)
+        seq.constraint.fill_mask(words)
+        return words
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out."""
@@ -245,6 +258,8 @@ class EngineCore:
             return
         token = int(out.tokens[row])
         seq.output_ids.append(token)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         logprobs = None
         if seq.params.logprobs is not None:
             k = seq.params.logprobs

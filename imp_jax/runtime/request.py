@@ -111,6 +111,7 @@ class GenerationRequest:
     priority: int = 0             # lower runs first
     cache_prompt: bool = False    # pin the prompt's full KV blocks until the request ends
     lora: str | None = None       # adapter name; keys the prefix cache
+    constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,7 @@ class SamplingTensors:
     wants_top_logprobs: jax.Array | None = None  # bool[R]; None = every row (top-K is computed
     #   only when some row wants it; rows that do not may get zeros)
     allowed_mask: jax.Array | None = None  # u32[R, ceil(V/32)], bit i%32 of word i//32
+    masked: jax.Array | None = None  # bool[R]: the row's allowed_mask restricts it (None: every row)
 
 
 class SamplerOutput(NamedTuple):
@@ -122,7 +123,9 @@ def process_logits(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool = 
     logits = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _apply_bias, lambda x, *_: x,
                   logits, t.bias_ids, t.bias_values)
     if t.allowed_mask is not None:
-        logits = jnp.where(_unpack_mask(t.allowed_mask, logits.shape[1]), logits, -jnp.inf)
+        apply = lambda x: jnp.where(_unpack_mask(t.allowed_mask, x.shape[1]), x, -jnp.inf)
+        logits = apply(logits) if t.masked is None else cond(
+            dynamic_skips, jnp.any(t.masked), apply, lambda x: x, logits)
     scale = jnp.where(t.temperature > 0, t.temperature, 1.0)
     logits = cond(dynamic_skips, jnp.any(scale != 1), lambda x: x / scale[:, None], lambda x: x, logits)
     return truncate(logits, t, dynamic_skips)
@@ -289,6 +292,8 @@ def build_sampling_tensors(
         bias_values=bias_values,
         wants_top_logprobs=column("wants_top_logprobs", False, np.bool_),
         allowed_mask=mask,
+        masked=np.array([r.allowed_bitmask is not None or r.allowed_token_ids is not None for r in rows]
+                        + [False] * (n - len(rows))) if with_mask else None,
     )
 
 

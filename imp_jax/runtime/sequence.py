@@ -5,6 +5,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import Any
 
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.runtime.kv_blocks import BlockTable
@@ -44,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     pinned: bool = False
     pending_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    constraint: Any = None              # its GrammarMatcher (runtime/constraints.py), if constrained
 
     @property
     def all_ids(self) -> list[int]:

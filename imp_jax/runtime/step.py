@@ -225,7 +225,7 @@ class CompiledStep:
     def _dummy_sampling(self, rows: int) -> SamplingTensors:
         s = self.shapes
         return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=s.vocab_size,
-                                      history_len=s.history_len, max_bias=s.max_bias, with_mask=False)
+                                      history_len=s.history_len, max_bias=s.max_bias, with_mask=True)
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The smallest compiled bucket holding this many tokens and sequences (every bucket once
