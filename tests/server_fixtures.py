@@ -393,3 +393,25 @@ def ops_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
     finally:
         live.stop()
         ops.receiver.stop()  # the tracing tests may have swapped in a new receiver on the same port
+
+
+# --------------------------------------------------------------------------- the reliability server
+RELIABILITY_MAX_TOKENS = 8       # --max-tokens: a fuzzed body that drops max_tokens stays short
+RELIABILITY_TIMEOUT_S = 10.0     # --request-timeout: so does one that asks for many tokens
+
+
+@pytest.fixture(scope="session")
+def reliability_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The real server (the shared sizing) for the fuzz and soak tests: short default answers, a request
+    timeout and a small responses store, so hostile traffic stays cheap; SIGTERM must end it with 0."""
+    tmp = tmp_path_factory.mktemp("reliability_server")
+    args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--max-tokens", str(RELIABILITY_MAX_TOKENS),
+            "--request-timeout", str(RELIABILITY_TIMEOUT_S), "--responses-store-max-bytes", "1000000"]
+    live = LiveServer(args, tmp / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        yield live
+        code = live.stop()
+        assert code == 0, f"the server exited with {code} on SIGTERM; log:\n{live.log_text()[-3000:]}"
+    finally:
+        live.stop()
