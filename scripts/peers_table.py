@@ -35,18 +35,20 @@ def main(out_dir: str) -> int:
              f"--max-num-seqs 32`; prompts of {run.get('input_len', '?')} unique tokens, "
              f"{run.get('output_len', '?')} output tokens each (ignore_eos), streamed, closed loop.", ""]
     lines += ["| streams | requests | llama-server tok/s | imp_jax tok/s | ratio | TTFT p50 ms (llama / imp) | "
-              "TPOT p50 ms (llama / imp) | E2E p50 s (llama / imp) | failed (llama / imp) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "TPOT p50 ms (llama / imp) | E2E p50 s (llama / imp) | failed (llama / imp) | load avg (llama / imp) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in levels:
         a, b = level(out, "serving_llama", c), level(out, "serving_imp", c)
         if not a or not b:
             continue
+        loads = [load(out / f"{p}.c{c}.json")["env"]["loadavg_start"][0] for p in ("serving_llama", "serving_imp")]
         ratio = b["output_tok_per_s"] / a["output_tok_per_s"] if a["output_tok_per_s"] else None
         lines.append(f"| {c} | {b['requests']} | {a['output_tok_per_s']:.1f} | {b['output_tok_per_s']:.1f} | "
                      f"**{fmt(ratio, '.2f')}x** | {fmt(a['ttft_p50_ms'], '.0f')} / {fmt(b['ttft_p50_ms'], '.0f')} | "
                      f"{fmt(a['tpot_p50_ms'])} / {fmt(b['tpot_p50_ms'])} | "
                      f"{fmt(a['e2e_p50_ms'] and a['e2e_p50_ms'] / 1000, '.2f')} / "
-                     f"{fmt(b['e2e_p50_ms'] and b['e2e_p50_ms'] / 1000, '.2f')} | {a['failed']} / {b['failed']} |")
+                     f"{fmt(b['e2e_p50_ms'] and b['e2e_p50_ms'] / 1000, '.2f')} | {a['failed']} / {b['failed']} | "
+                     f"{loads[0]:.1f} / {loads[1]:.1f} |")
     ready = {n: (load(out / f"ready_{n}.json") or {}).get("ready_s") for n in ("llama_cold", "llama_warm", "imp_cold", "imp_warm")}
     lines += ["", "| time to ready (process start to /health or /ready 200) | cold | warm |", "|---|---|---|",
               f"| llama-server | {fmt(ready['llama_cold'])} s | {fmt(ready['llama_warm'])} s |",
