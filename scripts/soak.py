@@ -125,8 +125,9 @@ def check_json_answer(dialect: str, body: dict[str, Any]) -> str:
 
 
 class Soak:
-    def __init__(self, url: str, model: str, max_model_len: int, args: argparse.Namespace):
-        self.url, self.model, self.max_model_len, self.args = url, model, max_model_len, args
+    def __init__(self, url: str, model: str, max_model_len: int, args: argparse.Namespace, pid: int | None = None):
+        self.url, self.model, self.max_model_len, self.args, self.pid = url, model, max_model_len, args, pid
+        self.rss_samples: list[tuple[float, float, int]] = []  # (seconds into the phase, MiB, requests sent)
         self.tally = Tally()
         self.rng = random.Random(args.seed)
         self.sent = 0
@@ -236,6 +237,8 @@ class Soak:
             else:
                 resp = await asyncio.wait_for(client.post(self.url + path, json=body), HARD_TIMEOUT_S)
                 self.tally.statuses[resp.status_code] += 1
+                if self.previous_gone(body, resp.status_code, resp.text):
+                    return
                 if resp.status_code != 200:
                     self.tally.problem(f"{resp.status_code} for a valid request: {what}: {resp.text[:200]}")
                 elif dialect in ("chat", "completions", "messages", "responses"):
@@ -253,7 +256,9 @@ class Soak:
         async with client.stream("POST", self.url + path, json=body) as resp:
             self.tally.statuses[resp.status_code] += 1
             if resp.status_code != 200:
-                self.tally.problem(f"{resp.status_code} for a valid stream: {what}: {(await resp.aread())[:200]!r}")
+                text = (await resp.aread()).decode(errors="replace")
+                if not self.previous_gone(body, resp.status_code, text):
+                    self.tally.problem(f"{resp.status_code} for a valid stream: {what}: {text[:200]}")
                 return
             chunks: list[str] = []
             cut = self.rng.randint(0, 3) if behaviour == "disconnect" else None
@@ -268,6 +273,13 @@ class Soak:
                     return
         if cut is None:
             self.record_finish(check_stream(dialect, "".join(chunks)))
+
+    def previous_gone(self, body: dict[str, Any], status: int, text: str) -> bool:
+        """A 404 for a previous_response_id the store evicted (its byte cap) or another client deleted."""
+        gone = status == 404 and "previous_response_id" in body and "response_not_found" in text
+        if gone:
+            self.tally.counts["previous_response_gone"] += 1
+        return gone
 
     def record_finish(self, finish: str) -> None:
         if finish.startswith("stored:"):
@@ -298,15 +310,18 @@ class Soak:
             self.tally.problem(f"malformed error envelope from {path}: {resp.text[:200]}")
 
     async def send_stored(self, client: httpx.AsyncClient) -> None:
-        """GET a stored response (it may have been evicted: 404 is fine, 5xx is not)."""
+        """GET (or now and then DELETE) a stored response; it may be gone (evicted, deleted): 404 is fine."""
         if not self.tally.stored:
             return
         rid = self.rng.choice(self.tally.stored[-50:])
-        resp = await client.get(f"{self.url}/v1/responses/{rid}")
+        method = "DELETE" if self.rng.random() < 0.2 else "GET"
+        resp = await client.request(method, f"{self.url}/v1/responses/{rid}")
         self.tally.statuses[resp.status_code] += 1
-        self.tally.counts["get_response"] += 1
+        self.tally.counts[f"{method.lower()}_response"] += 1
         if resp.status_code not in (200, 404):
-            self.tally.problem(f"GET /v1/responses/{rid}: {resp.status_code} {resp.text[:200]}")
+            self.tally.problem(f"{method} /v1/responses/{rid}: {resp.status_code} {resp.text[:200]}")
+        elif method == "DELETE" and rid in self.tally.stored:
+            self.tally.stored.remove(rid)
 
     async def client(self, stop_at: float) -> None:
         limits = httpx.Limits(max_connections=4, max_keepalive_connections=2)
@@ -341,9 +356,41 @@ class Soak:
                     self.tally.problem(f"probe {path}: {resp.status_code} {resp.text[:200]}")
                 await asyncio.sleep(self.rng.uniform(0.05, 0.3))
 
+    async def sample_rss(self, stop_at: float) -> None:
+        """Resident memory every --rss-every seconds: a leak grows on, a warming allocator levels off."""
+        t0 = time.monotonic()
+        while self.pid and time.monotonic() < stop_at:
+            self.rss_samples.append((round(time.monotonic() - t0, 1), round(rss_bytes(self.pid) / 2**20, 1),
+                                     self.sent))
+            await asyncio.sleep(self.args.rss_every)
+
+    async def prime(self) -> None:
+        """One request of each costly kind before the warm-up's random mix, so first-use allocations
+        (the prompt-scoring program behind echo + logprobs holds ~55 MiB after its first run) all
+        happen before the resident-memory baseline."""
+        m, text = self.model, self.text(60)
+        chat = {"model": m, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        bodies = [("/v1/chat/completions", {**chat, "n": 3, "logprobs": True, "top_logprobs": 3, "temperature": 1.0}),
+                  ("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}}),
+                  ("/v1/completions", {"model": m, "prompt": text, "max_tokens": 4, "echo": True, "logprobs": 2}),
+                  ("/v1/completions", {"model": m, "prompt": [101, 102, 103], "max_tokens": 4, "stream": True}),
+                  ("/v1/messages", {**chat, "system": "be brief", "stream": True}),
+                  ("/v1/responses", {"model": m, "input": text, "max_output_tokens": 4, "store": True}),
+                  ("/v1/messages/count_tokens", {"model": m, "messages": chat["messages"]}),
+                  ("/tokenize", {"content": text}), ("/detokenize", {"tokens": [101, 102]})]
+        async with httpx.AsyncClient(timeout=HARD_TIMEOUT_S) as client:
+            for path, body in bodies:
+                resp = await client.post(self.url + path, json=body)
+                self.tally.statuses[resp.status_code] += 1
+                self.tally.counts["prime"] += 1
+                if resp.status_code != 200:
+                    self.tally.problem(f"{resp.status_code} for a valid request: {path} {json.dumps(body)[:120]}: "
+                                       f"{resp.text[:200]}")
+
     async def phase(self, seconds: float) -> None:
         stop_at = time.monotonic() + seconds
-        await asyncio.gather(self.prober(stop_at), *(self.client(stop_at) for _ in range(self.args.concurrency)))
+        await asyncio.gather(self.prober(stop_at), self.sample_rss(stop_at),
+                             *(self.client(stop_at) for _ in range(self.args.concurrency)))
 
 
 # ---------------------------------------------------------------------- the server and its state
@@ -406,13 +453,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_start = log_path.stat().st_size if log_path and log_path.exists() else 0
     try:
         card = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
-        soak = Soak(url, card["id"], card["max_model_len"], args)
+        soak = Soak(url, card["id"], card["max_model_len"], args, pid)
         t0 = time.monotonic()
+        asyncio.run(soak.prime())
         asyncio.run(soak.phase(args.warmup))  # first-use allocations and any lazy paths happen here
         warm = wait_idle(url, args.idle_timeout)
         rss0 = rss_bytes(pid) if pid else None
         compiles0 = warm.get("compilations_after_warmup", 0)
         sent_warm = soak.sent
+        soak.rss_samples = []
         asyncio.run(soak.phase(args.duration))
         end = wait_idle(url, args.idle_timeout)
         rss1 = rss_bytes(pid) if pid else None
@@ -434,10 +483,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if log_path is not None:  # errors the client could not see (it had gone): the server logs them
             with open(log_path, "rb") as f:
                 f.seek(log_start)
-                logged = [ln for ln in f.read().decode(errors="replace").splitlines()
-                          if " ERROR " in ln or ln.startswith("Traceback")]
+                lines = f.read().decode(errors="replace").splitlines()
+            logged = [ln for ln in lines if " ERROR " in ln or ln.startswith("Traceback")]
             if logged:
                 t.problem(f"{len(logged)} error lines in the server log, e.g. {logged[:3]}")
+            # no client here pauses anywhere near --stream-stall-timeout: any such drop is a false one
+            stalls = [ln for ln in lines if "the client read nothing" in ln]
+            if stalls:
+                t.problem(f"{len(stalls)} streams dropped as stalled though no client paused that long, "
+                          f"e.g. {stalls[:2]}")
         server_errors = sum(n for s, n in t.statuses.items() if s >= 500)
         if server_errors:
             t.problem(f"{server_errors} answers were 5xx")
@@ -445,7 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ok": not t.problems, "url": url, "seconds": time.monotonic() - t0, "requests": soak.sent,
             "requests_after_warmup": soak.sent - sent_warm, "statuses": dict(sorted(t.statuses.items())),
             "counts": dict(sorted(t.counts.items())), "rss_mib": [None if v is None else v / 2**20 for v in (rss0, rss1)],
-            "rss_growth": growth, "compilations_after_warmup": end.get("compilations_after_warmup"),
+            "rss_growth": growth, "rss_samples": soak.rss_samples, "compilations_after_warmup": end.get("compilations_after_warmup"),
             "kv_free_blocks": [end["num_free_blocks"], end["baseline_free_blocks"]], "problems": t.problems,
         }
     finally:
@@ -477,11 +531,12 @@ def main(argv: list[str] | None = None) -> int:
                     "(default soak_server.log); with --url, read for ERROR lines written during the soak")
     ap.add_argument("--ready-timeout", type=float, default=1200)
     ap.add_argument("--duration", type=float, default=600, help="seconds of load after warm-up")
-    ap.add_argument("--warmup", type=float, default=20, help="seconds of the same load before the baselines")
+    ap.add_argument("--warmup", type=float, default=60, help="seconds of the same load before the baselines")
     ap.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests in all")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--idle-timeout", type=float, default=90, help="seconds the engine has to drain at the end")
     ap.add_argument("--max-rss-growth", type=float, default=0.05)
+    ap.add_argument("--rss-every", type=float, default=10, help="seconds between resident-memory samples")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="summary JSON file")
     args = ap.parse_args(argv)
