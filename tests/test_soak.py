@@ -38,3 +38,13 @@ def test_one_minute_soak_breaks_nothing(reliability_server: LiveServer, tmp_path
     assert sum(n for k, n in counts.items() if k.startswith("finish:")) >= 50, counts
     assert summary["requests_after_warmup"] >= 100 and summary["rss_growth"] is not None
     assert reliability_server.proc.poll() is None
+
+
+def test_the_server_caps_malloc_arenas_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the cap glibc's per-thread arenas read as ~5% RSS growth in the soak (docs/PERF.md)."""
+    from imp_jax.server.__main__ import limit_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_malloc_arenas() is False  # the operator's setting wins
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    assert limit_malloc_arenas() is True  # glibc took M_ARENA_MAX
