@@ -1,17 +1,17 @@
 """Helpers for the server tests: a live `python -m imp_jax.server`, an in-process app, and a fake engine.
 
-FakeEngine is a development and unit-test stand-in for imp_jax.runtime.async_engine.AsyncEngine,
-not a model: it "generates" a fixed script of tokens. It exists so the server's own logic
-(validation, wire shapes, the streaming driver) can be built and tested in seconds, and so
-faults the real engine cannot produce on demand (an error mid-stream) can be injected. The
-end-to-end tests of the issue run against the real engine on SmolLM2 (see `live_server`).
+FakeEngine is a stand-in for imp_jax.runtime.async_engine.AsyncEngine for what the real engine
+cannot do on demand: fail mid-stream (a prompt holding FAULT_MARKER), stay loading, or emit tokens
+slowly enough for keepalive pings. It is not a model: it "generates" a fixed script of tokens, and
+emits exactly the real engine's event contract (`check_event_contract`, which a contract test runs
+on both engines). It does not re-implement engine features (stop strings, logprobs, KV blocks):
+a request that needs them is refused, so it must be tested on the real engine (see `live_server`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import math
 import os
 import socket
 import subprocess
@@ -60,8 +60,10 @@ def fake_tokenizer(fim: bool = True) -> Tokenizer:
 class FakeEngine:
     """The AsyncEngine's interface over a scripted generator; see the module docstring for why it exists."""
 
+    POOL_BLOCKS = 64  # what stats() reports: the fake holds no KV, so its pool is always at baseline
+
     def __init__(self, tokenizer: Tokenizer, *, served_name: str = "fake-model", max_model_len: int = 256,
-                 num_blocks: int = 64, block_size: int = 16, token_delay: float = 0.0, load_delay: float = 0.0):
+                 token_delay: float = 0.0, load_delay: float = 0.0):
         self.tokenizer = tokenizer
         self.served_name = served_name
         self.max_model_len = max_model_len
@@ -70,10 +72,7 @@ class FakeEngine:
         self.state = "loading"
         self.token_delay = token_delay
         self._load_delay = load_delay
-        self._block_size = block_size
-        self._baseline = num_blocks
-        self._free = num_blocks
-        self._running: dict[str, int] = {}
+        self._running: set[str] = set()
         self._cancelled: set[str] = set()
         self.cancelled_ids: list[str] = []
         self._script = tokenizer.encode(FAKE_SCRIPT, add_special_tokens=False)
@@ -94,7 +93,7 @@ class FakeEngine:
             self._cancelled.add(request_id)
 
     def stats(self) -> dict[str, Any]:
-        return {"num_free_blocks": self._free, "baseline_free_blocks": self._baseline,
+        return {"num_free_blocks": self.POOL_BLOCKS, "baseline_free_blocks": self.POOL_BLOCKS,
                 "num_running": len(self._running), "num_waiting": 0, "compilations_after_warmup": 0}
 
     def shutdown(self) -> None:
@@ -107,53 +106,85 @@ class FakeEngine:
     async def _run(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
         p = req.params
         p.validate(self.vocab_size)
+        if p.stop or p.stop_token_ids or p.logprobs is not None or p.prompt_logprobs is not None:
+            raise InvalidRequestError("FakeEngine does not do stop strings, stop tokens or logprobs: "
+                                      "test them on the real engine", param="stop")
         if len(req.prompt_ids) >= self.max_model_len:
             raise InvalidRequestError("prompt too long", param="prompt")
         max_tokens = p.max_tokens or self.max_model_len - len(req.prompt_ids)
-        blocks = p.n * math.ceil((len(req.prompt_ids) + max_tokens) / self._block_size)
-        self._free -= blocks
-        self._running[req.request_id] = blocks
         fault = FAULT_MARKER in self.tokenizer.decode(req.prompt_ids)
-        texts = [""] * p.n
-        sent = [0] * p.n
+        admitted = time.monotonic()
         counts = [0] * p.n
-        live = set(range(p.n))
+        live = list(range(p.n))
+        self._running.add(req.request_id)
+
+        def last(ev: EngineEvent, i: int) -> EngineEvent:
+            """As the real engine's _close: the request's last open choice carries usage and done."""
+            live.remove(i)
+            if not live:
+                ev.done, ev.usage = True, Usage(len(req.prompt_ids), sum(counts), 0)
+            return ev
+
         try:
             for step in range(max_tokens):
                 await asyncio.sleep(self.token_delay)
                 if req.request_id in self._cancelled:
                     return
-                if fault and step == 2:
-                    yield EngineEvent(req.request_id, finish_reason="error", error="injected fault", done=True)
+                if fault and step == 2:  # a device fault: every open choice ends with an error event
+                    for i in list(live):
+                        yield last(EngineEvent(req.request_id, i, finish_reason="error", error="injected fault",
+                                               admitted_at=admitted), i)
                     return
-                for i in sorted(live):
+                for i in list(live):
                     tok = self._script[(step + i) % len(self._script)]
-                    texts[i] += self.tokenizer.decode([tok])
                     counts[i] += 1
-                    ev = EngineEvent(req.request_id, index=i, token_ids=[tok])
-                    if p.logprobs is not None:
-                        top = [(tok, -0.5)] + [((tok + k) % self.vocab_size, -1.5 - k) for k in range(1, p.logprobs)]
-                        ev.logprobs = [TokenLogprob(tok, -0.5, top[:p.logprobs])]
-                    hit = next((s for s in p.stop if s in texts[i]), None)
-                    if hit is not None:
-                        texts[i] = texts[i][:texts[i].index(hit)]
-                        ev.finish_reason, ev.stop_reason = "stop", hit
-                    elif step == max_tokens - 1:
+                    ev = EngineEvent(req.request_id, index=i, token_ids=[tok], text=self.tokenizer.decode([tok]),
+                                     admitted_at=admitted)
+                    if step == max_tokens - 1:
                         ev.finish_reason = "length"
-                    hold = 0 if ev.finish_reason else max((len(s) - 1 for s in p.stop), default=0)
-                    ev.text = texts[i][sent[i]:max(sent[i], len(texts[i]) - hold)]
-                    sent[i] += len(ev.text)
-                    if ev.finish_reason:
-                        live.discard(i)
-                    if not live:
-                        ev.done = True
-                        ev.usage = Usage(len(req.prompt_ids), sum(counts), 0)
+                        ev = last(ev, i)
                     yield ev
-                if not live:
-                    return
         finally:
-            self._free += self._running.pop(req.request_id, 0)
+            self._running.discard(req.request_id)
             self._cancelled.discard(req.request_id)
+
+
+def check_event_contract(events: list[EngineEvent], req: GenerationRequest, tokenizer: Any,
+                         fault: bool = False) -> None:
+    """The engine event contract (runtime/request.py EngineEvent), as the real engine keeps it.
+
+    Per choice: events in order, each with at most one token; the last has a finish_reason (error
+    with a message on a fault, no token then); text deltas join to the choice's text. The request's
+    very last event, and only it, has done=True and usage, whose completion tokens count every choice.
+    """
+    assert events, "no events"
+    n = req.params.n
+    assert all(ev.request_id == req.request_id for ev in events)
+    assert [ev.done for ev in events] == [False] * (len(events) - 1) + [True]
+    assert all(ev.usage is None for ev in events[:-1]) and events[-1].usage is not None
+    finished: dict[int, EngineEvent] = {}
+    ids: dict[int, list[int]] = {i: [] for i in range(n)}
+    texts: dict[int, str] = {i: "" for i in range(n)}
+    for ev in events:
+        assert 0 <= ev.index < n and ev.index not in finished, f"event after choice {ev.index} finished"
+        assert len(ev.token_ids) <= 1 and ev.admitted_at is not None
+        ids[ev.index] += ev.token_ids
+        texts[ev.index] += ev.text
+        if ev.finish_reason is not None:
+            finished[ev.index] = ev
+    tokens = {i: len(v) for i, v in ids.items()}
+    assert sorted(finished) == list(range(n)), f"choices without a finish: {sorted(finished)} of {n}"
+    for ev in finished.values():
+        if fault:
+            assert ev.finish_reason == "error" and ev.error and not ev.token_ids
+        else:
+            assert ev.finish_reason in ("stop", "length") and ev.error is None
+            if ev.finish_reason == "length" and not req.params.stop:  # nothing held back or cut: all the text
+                assert texts[ev.index] == tokenizer.decode(ids[ev.index]), (texts[ev.index], ids[ev.index])
+    usage = events[-1].usage
+    assert usage.prompt_tokens == len(req.prompt_ids) and usage.completion_tokens == sum(tokens.values())
+    if not fault and req.params.max_tokens:
+        assert all(0 < t <= req.params.max_tokens for t in tokens.values())
 
 
 def free_port() -> int:
@@ -393,3 +424,25 @@ def ops_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
     finally:
         live.stop()
         ops.receiver.stop()  # the tracing tests may have swapped in a new receiver on the same port
+
+
+# --------------------------------------------------------------------------- the reliability server
+RELIABILITY_MAX_TOKENS = 8       # --max-tokens: a fuzzed body that drops max_tokens stays short
+RELIABILITY_TIMEOUT_S = 10.0     # --request-timeout: so does one that asks for many tokens
+
+
+@pytest.fixture(scope="session")
+def reliability_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The real server (the shared sizing) for the fuzz and soak tests: short default answers, a request
+    timeout and a small responses store, so hostile traffic stays cheap; SIGTERM must end it with 0."""
+    tmp = tmp_path_factory.mktemp("reliability_server")
+    args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--max-tokens", str(RELIABILITY_MAX_TOKENS),
+            "--request-timeout", str(RELIABILITY_TIMEOUT_S), "--responses-store-max-bytes", "1000000"]
+    live = LiveServer(args, tmp / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        yield live
+        code = live.stop()
+        assert code == 0, f"the server exited with {code} on SIGTERM; log:\n{live.log_text()[-3000:]}"
+    finally:
+        live.stop()

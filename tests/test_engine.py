@@ -245,6 +245,24 @@ def test_prefix_reuse_reports_cached_tokens_and_same_output(core, prompts, greed
     assert core.stats()["prefix_cache_hits"] >= 64
 
 
+def test_forced_hash_collision_never_serves_another_prompts_kv(core, prompts, greedy_alone, monkeypatch):
+    """Every block hashes alike: a different prompt must miss (tokens are verified), and answer as alone."""
+    import imp_jax.runtime.kv_blocks as kv_blocks
+
+    core.pool.reset_prefix_cache()
+    monkeypatch.setattr(kv_blocks, "hash_block", lambda preimage: b"\x00" * 32)
+    collisions = core.pool.stats().collisions
+    try:
+        first = run(core, req(prompts[6], max_tokens=MAX_TOKENS))[0]
+        second = run(core, req(prompts[7], max_tokens=MAX_TOKENS))[0]
+    finally:
+        core.pool.reset_prefix_cache()
+    assert first.ids == greedy_alone[6].ids
+    assert second.usage.cached_tokens == 0 and second.ids == greedy_alone[7].ids
+    assert core.pool.stats().collisions > collisions
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
 def test_preemption_recomputes_to_the_same_output(core, tiny_core, tok, seeded_alone, prompts):
     # prompts of 16k-1 tokens cross into a new block at their second decode step; their
     # 10 blocks do not fit in 8, so decodes must preempt

@@ -102,3 +102,22 @@ def test_a_rejection_is_delivered_as_the_exception() -> None:
 
     item = asyncio.run(run())
     assert isinstance(item, InvalidRequestError) and item.param == "x"
+
+
+def test_events_after_close_are_dropped_and_never_stall() -> None:
+    """A reader that left (client gone, request cancelled) closes its buffer; the events the engine made
+    before it saw the cancellation must not arm the stall timer (a false 'client read nothing' drop)."""
+    stalls: list[int] = []
+
+    async def run() -> EventBuffer:
+        buf = EventBuffer(StreamLimits(max_events=8, stall_timeout_s=0.05), on_stall=lambda: stalls.append(1))
+        buf.put(_token(0))
+        await buf.get()
+        buf.close()
+        for i in range(1, 5):
+            buf.put(_token(i))
+        await asyncio.sleep(0.2)
+        return buf
+
+    buf = asyncio.run(run())
+    assert stalls == [] and len(buf) == 0 and not buf.stalled

@@ -407,3 +407,56 @@ def test_random_ops_keep_refcounts_consistent(seed: int) -> None:
     sim.check()
     assert sim.pool.num_free_blocks == sim.pool.num_blocks - 1
     assert sim.pool.stats().hits > 0
+
+
+# -------------------------------------------------------------------- prefix-cache integrity
+def test_block_hash_is_sha256_of_a_canonical_preimage() -> None:
+    from imp_jax.runtime.kv_blocks import block_preimage, hash_block, key_bytes
+
+    pre = block_preimage(None, [1, 2, 3, 4])
+    assert len(hash_block(pre)) == 32 and hash_block(pre) == hash_block(block_preimage(None, (1, 2, 3, 4)))
+    # distinct inputs that a careless encoding would merge stay distinct
+    keys = [None, "", "1", 1, b"1", ("a", "b"), ("ab",), (("a",), "b"), ("a", ("b",)), "é", "\ud800"]
+    assert len({key_bytes(k) for k in keys}) == len(keys)
+    assert block_preimage(None, [1, 2]) != block_preimage(None, [1 << 32 | 1, 2])
+    assert block_preimage(hash_block(pre), [5]) != block_preimage(None, [5])
+    with pytest.raises(TypeError):
+        key_bytes(1.5)
+
+
+def test_forced_collision_is_a_miss_not_another_prompts_blocks(monkeypatch) -> None:
+    import imp_jax.runtime.kv_blocks as kv_blocks
+
+    monkeypatch.setattr(kv_blocks, "hash_block", lambda preimage: b"\x00" * 32)  # every block collides
+    pool = KVBlockPool(num_blocks=16, block_size=BS)
+    a = admit(pool, list(range(9)))
+    other = list(range(100, 109))
+    assert pool.match_prefix(other) == ([], [])
+    b = admit(pool, other)
+    assert b.num_cached_tokens == 0 and not set(b.block_ids) & set(a.block_ids)
+    assert pool.stats().collisions >= 2
+    again = admit(pool, list(range(9)))  # the first cached block is still a true hit
+    assert again.num_cached_tokens == BS and again.block_ids[0] == a.block_ids[0]
+
+
+def test_blocks_after_a_collision_are_not_cached(monkeypatch) -> None:
+    """A chain whose first hash collided must not register descendants reachable from the other chain."""
+    import imp_jax.runtime.kv_blocks as kv_blocks
+
+    real = kv_blocks.hash_block
+    a1, b1, x2 = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    b1_pre = kv_blocks.block_preimage(None, b1)
+    monkeypatch.setattr(kv_blocks, "hash_block",
+                        lambda pre: real(kv_blocks.block_preimage(None, a1)) if pre == b1_pre else real(pre))
+    pool = KVBlockPool(num_blocks=16, block_size=BS)
+    admit(pool, a1 + [0])                  # caches a1
+    b = admit(pool, b1 + x2 + [0])         # b1 collides with a1; x2 after it
+    assert b.num_cached_tokens == 0 and b.collision_at == 0
+    assert pool.stats().collisions == 2   # one at b's lookup, one at its commit
+    probe = admit(pool, a1 + x2 + [0])     # x2's hash here equals b's x2 hash: it must not hit b's block
+    assert probe.num_cached_tokens == BS
+    assert probe.block_ids[1] != b.block_ids[1]
+    pool.pin(b)                            # pins stop at the collision too
+    assert b.pinned_ids == []
+    pool.free(b)
+    assert b.collision_at is None

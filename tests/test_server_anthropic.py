@@ -161,6 +161,13 @@ def test_extension_fields_and_metadata_are_accepted(anthropic_client: anthropic.
                           "priority": 2, "cache_prompt": True})
     a, b = anthropic_client.messages.create(**kw), anthropic_client.messages.create(**kw)
     assert _text(a) == _text(b)  # seeded: the same draw twice
+    other = anthropic_client.messages.create(**{**kw, "extra_body": {**kw["extra_body"], "seed": 8}})
+    assert _text(other) != _text(a)  # ... and the seed is what decides it
+    # top_k is read: with one candidate left, sampling at temperature 1 is the greedy answer
+    top1 = anthropic_client.messages.create(**greedy(8, temperature=1.0, top_k=1, seed=9), messages=QUESTION)
+    assert _text(top1) == _text(anthropic_client.messages.create(**greedy(8), messages=QUESTION))
+    # cache_prompt and priority are taken: the second identical prompt reads the first's cached blocks
+    assert b.usage.cache_read_input_tokens > 0
 
 
 @real

@@ -1,10 +1,12 @@
 """Chat and Completions end to end through the official `openai` package, on the real engine and SmolLM2."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
-from server_fixtures import MODEL, LiveServer, live_server, openai_client  # noqa: F401
+from server_fixtures import MODEL, LiveServer, live_server, openai_client, parse_sse  # noqa: F401
 
 pytestmark = pytest.mark.real_model
 
@@ -105,9 +107,27 @@ def test_n_choices_and_seeded_sampling(openai_client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, messages=QUESTION, max_tokens=8, temperature=1.0, seed=11, n=2)
     a = openai_client.chat.completions.create(**kw)
     b = openai_client.chat.completions.create(**kw)
+    other = openai_client.chat.completions.create(**{**kw, "seed": 12})
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
-    assert a.usage.completion_tokens >= 2
+    assert a.choices[0].message.content != a.choices[1].message.content  # each choice draws its own
+    assert [c.message.content for c in other.choices] != [c.message.content for c in a.choices]  # the seed is used
+    assert 2 <= a.usage.completion_tokens <= 16
+
+
+def test_n_choices_stream_each_open_with_a_role_and_finish(live_server: LiveServer) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 5,
+            "stream": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(live_server.url + "/v1/chat/completions", json=body, timeout=120)
+    frames = parse_sse(r.text)
+    assert frames[-1] == (None, "[DONE]")
+    chunks = [json.loads(d) for _, d in frames[:-1]]
+    usage = chunks[-1]["usage"]
+    per_choice = [c["choices"][0] for c in chunks if c["choices"]]
+    roles = [c["index"] for c in per_choice if c["delta"].get("role") == "assistant"]
+    finishes = [c["index"] for c in per_choice if c["finish_reason"]]
+    assert sorted(roles) == sorted(finishes) == [0, 1, 2]
+    assert 3 <= usage["completion_tokens"] <= 18 and not chunks[-1]["choices"]
 
 
 def test_sampling_fields_are_accepted(openai_client: openai.OpenAI) -> None:

@@ -179,3 +179,46 @@ def test_each_4xx_logs_one_warn_line(live_server: LiveServer) -> None:
     lines = [line for line in log.splitlines() if marker in line]
     assert len(lines) == 1, lines
     assert "WARNING" in lines[0] and f"HTTP 404 POST {CHAT_PATH}: " in lines[0]
+
+
+# Found by the fuzzer (tests/test_server_fuzz.py): each answered 500 before.
+DEEP = b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+HOSTILE: dict[str, tuple[str, bytes, str | None, str]] = {
+    "nesting_past_the_parser": (CHAT_PATH, DEEP, None, "invalid_json"),
+    "nesting_past_the_limit": (COMPLETIONS_PATH, b'{"prompt": "a", "x": ' + b"[" * 65 + b"]" * 65 + b"}", None,
+                               "invalid_json"),
+    "surrogate_in_chat_content": (CHAT_PATH, b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+                                  % MODEL.encode(), "messages[0].content", "invalid_unicode"),
+    "surrogate_in_prompt": (COMPLETIONS_PATH, b'{"model": "%s", "prompt": "\\udfff"}' % MODEL.encode(), "prompt",
+                            "invalid_unicode"),
+    "surrogate_in_messages_system": ("/v1/messages", b'{"model": "%s", "max_tokens": 2, "system": "\\ud800", '
+                                     b'"messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode(), "system",
+                                     "invalid_unicode"),
+    "surrogate_in_a_key": ("/v1/responses", b'{"model": "%s", "input": "hi", "metadata": {"\\ud800": "x"}}'
+                           % MODEL.encode(), "metadata.?", "invalid_unicode"),
+    "surrogate_in_tokenize": ("/tokenize", b'{"content": "\\ud83d"}', "content", "invalid_unicode"),
+    "template_kwargs_messages": (CHAT_PATH, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+                                 b'"chat_template_kwargs": {"messages": 1}}' % MODEL.encode(),
+                                 "chat_template_kwargs.messages", "invalid_request_error"),
+    "template_kwargs_tools": (CHAT_PATH, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+                              b'"chat_template_kwargs": {"tools": 5, "add_generation_prompt": 1}}' % MODEL.encode(),
+                              "chat_template_kwargs.add_generation_prompt", "invalid_request_error"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_json_is_a_400_naming_the_field(live_server: LiveServer, name: str) -> None:
+    path, raw, param, code = HOSTILE[name]
+    r = httpx.post(live_server.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and (param is None or param in error["message"]), error
+    if not path.startswith("/v1/messages"):  # the Anthropic envelope has no param or code
+        assert error["param"] == param and error["code"] == code, error
+
+
+def test_a_paired_surrogate_escape_is_text(live_server: LiveServer) -> None:
+    r = httpx.post(live_server.url + "/tokenize", content=b'{"content": "\\ud83d\\ude42"}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["tokens"] == httpx.post(
+        live_server.url + "/tokenize", json={"content": "🙂"}).json()["tokens"]

@@ -47,6 +47,7 @@ class EventBuffer:
     def __init__(self, limits: StreamLimits, on_stall: Callable[[], None]):
         self.limits = limits
         self.stalled = False
+        self.closed = False
         self._on_stall = on_stall
         self._items: collections.deque[Item] = collections.deque()
         self._waiter: asyncio.Future | None = None
@@ -56,8 +57,8 @@ class EventBuffer:
         return len(self._items)
 
     def put(self, item: Item) -> None:
-        """Add an item (event-loop thread only); never blocks."""
-        if self.stalled:
+        """Add an item (event-loop thread only); never blocks. Dropped once the reader stalled or closed."""
+        if self.stalled or self.closed:
             return
         target = self._merge_target(item) if len(self._items) >= self.limits.max_events else None
         if target is not None:
@@ -98,7 +99,9 @@ class EventBuffer:
         return item
 
     def close(self) -> None:
-        """The reader is done: drop the timer and whatever is left."""
+        """The reader is done: drop the timer, whatever is left and whatever comes later (the events a
+        cancelled request still makes before the engine thread sees the cancellation)."""
+        self.closed = True
         self._disarm()
         self._items.clear()
 

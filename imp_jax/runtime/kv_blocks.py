@@ -2,10 +2,14 @@
 
 Host bookkeeping only. The device cache is `[num_blocks, block_size, kv_heads, head_dim]`
 per layer; block 0 is the null block padding points at and is never handed out.
+A prefix hit is trusted only after the cached block's whole hash input (parent digest, extra
+key, token ids) compares equal, so even a hash collision cannot serve one request another's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,9 +24,32 @@ class OutOfBlocks(RuntimeError):
     """No block left for an operation that cannot wait (truncate, ensure_writable_tail)."""
 
 
-def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
-    """Hash of one full block: its tokens, the hash of the block before it and e.g. a LoRA name."""
-    return hash((parent, tuple(token_ids), extra_key))
+def key_bytes(extra_key: Hashable) -> bytes:
+    """A canonical, injective encoding of an extra key: None, str, bytes, int or tuples of them."""
+    if extra_key is None:
+        return b"n"
+    if isinstance(extra_key, str):
+        data, tag = extra_key.encode("utf-8", "surrogatepass"), b"s"
+    elif isinstance(extra_key, bytes):
+        data, tag = extra_key, b"b"
+    elif isinstance(extra_key, int) and not isinstance(extra_key, bool):
+        data, tag = str(extra_key).encode(), b"i"
+    elif isinstance(extra_key, tuple):
+        data, tag = b"".join(key_bytes(k) for k in extra_key), b"t"
+    else:
+        raise TypeError(f"prefix-cache extra key of type {type(extra_key).__name__}")
+    return tag + len(data).to_bytes(8, "little") + data
+
+
+def block_preimage(parent: bytes | None, token_ids: Sequence[int], extra_key: Hashable = None) -> bytes:
+    """The bytes a block's hash is taken of: parent digest, extra key, token ids as int64."""
+    head = parent or b""
+    return bytes((len(head),)) + head + key_bytes(extra_key) + array("q", token_ids).tobytes()
+
+
+def hash_block(preimage: bytes) -> bytes:
+    """SHA-256 of a block's preimage: collision-resistant, unlike Python's 64-bit hash()."""
+    return hashlib.sha256(preimage).digest()
 
 
 @dataclass
@@ -30,9 +57,10 @@ class BlockTable:
     """One sequence's blocks in order, and the hashes of its committed full blocks."""
 
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens reused from the prefix cache at admission
     pinned_ids: list[int] = field(default_factory=list)  # pins taken via this table; free() keeps them
+    collision_at: int | None = None  # first committed block whose hash was cached for other content
 
 
 @dataclass
@@ -42,6 +70,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of those, tokens served from cached blocks
     evictions: int = 0  # cached blocks reclaimed for new allocations
+    collisions: int = 0  # lookups or commits whose hash matched a block of different content
 
 
 class KVBlockPool:
@@ -58,8 +87,9 @@ class KVBlockPool:
         self.block_size = block_size
         self._refs = [0] * num_blocks
         self._pins = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks  # set only on the block `_cached` maps to
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._hash: list[bytes | None] = [None] * num_blocks  # set only on the block `_cached` maps to
+        self._preimage: list[bytes | None] = [None] * num_blocks  # what `_hash` was taken of, alike
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._free: deque[int] = deque(range(1, num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._stats = PrefixCacheStats()
@@ -85,19 +115,24 @@ class KVBlockPool:
 
     def match_prefix(
         self, token_ids: Sequence[int], extra_key: Hashable = None
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[list[int], list[bytes]]:
         """Longest chain of cached full blocks for this prompt, as (block_ids, hashes); takes no refs.
 
         At most (len(token_ids) - 1) // block_size blocks: the last prompt token is always computed.
+        A block whose hash matches but whose content differs (a collision) ends the chain: a miss.
         """
         bs = self.block_size
         ids: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         parent = None
         for i in range((len(token_ids) - 1) // bs):
-            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            h = hash_block(pre)
             b = self._cached.get(h)
             if b is None:
+                break
+            if self._preimage[b] != pre:
+                self._stats.collisions += 1
                 break
             ids.append(b)
             hashes.append(h)
@@ -137,7 +172,7 @@ class KVBlockPool:
 
     def _plan(
         self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, extra_key: Hashable
-    ) -> tuple[list[int], list[int], int]:
+    ) -> tuple[list[int], list[bytes], int]:
         """Prefix hits (empty table only) and the free-block cost of covering `num_tokens`."""
         hit_ids, hit_hashes = ([], []) if table.block_ids else self.match_prefix(token_ids, extra_key)
         have = len(table.block_ids) or len(hit_ids)
@@ -150,17 +185,24 @@ class KVBlockPool:
         """Hash the table's blocks made full by `token_ids` (every token whose KV is written).
 
         A hash already cached on another block is only recorded on the table: blocks in use
-        are never deduplicated.
+        are never deduplicated. After a collision (that hash cached for other content) no later
+        block of the table is cached, since their hashes descend from an ambiguous one.
         """
         bs = self.block_size
         num_full = min(len(token_ids) // bs, len(table.block_ids))
         parent = table.block_hashes[-1] if table.block_hashes else None
         for i in range(len(table.block_hashes), num_full):
-            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            h = hash_block(pre)
             b = table.block_ids[i]
-            if h not in self._cached and self._hash[b] is None:
+            other = self._cached.get(h)
+            if other is not None and self._preimage[other] != pre and table.collision_at is None:
+                self._stats.collisions += 1
+                table.collision_at = i
+            if other is None and self._hash[b] is None and table.collision_at is None:
                 self._cached[h] = b
                 self._hash[b] = h
+                self._preimage[b] = pre
             table.block_hashes.append(h)
             parent = h
 
@@ -174,6 +216,7 @@ class KVBlockPool:
         table.block_ids = []
         table.block_hashes = []
         table.num_cached_tokens = 0
+        table.collision_at = None
 
     def truncate(self, table: BlockTable, num_tokens: int) -> BlockCopy | None:
         """Shorten the table to `num_tokens` tokens (rewind): free tail blocks, drop stale hashes.
@@ -186,7 +229,7 @@ class KVBlockPool:
         for b in reversed(table.block_ids[keep:]):
             self._release(b)
         del table.block_ids[keep:]
-        del table.block_hashes[num_tokens // self.block_size :]
+        self._drop_hashes(table, num_tokens // self.block_size)
         table.num_cached_tokens = min(table.num_cached_tokens, num_tokens)
         return self.ensure_writable_tail(table, num_tokens)
 
@@ -199,7 +242,7 @@ class KVBlockPool:
         i, partial = divmod(num_tokens, self.block_size)
         if not partial or i >= len(table.block_ids):
             return None  # the next token opens a new block
-        del table.block_hashes[i:]
+        self._drop_hashes(table, i)
         b = table.block_ids[i]
         if self._refs[b] == 1 and self._pins[b] == 0:
             if self._hash[b] is not None:
@@ -219,7 +262,9 @@ class KVBlockPool:
 
         Pins nest: a block stays pinned while any pin on it is held.
         """
-        for h in table.block_hashes:
+        for i, h in enumerate(table.block_hashes):
+            if i == table.collision_at:
+                break
             b = self._cached.get(h)
             if b is None:
                 continue
@@ -239,6 +284,7 @@ class KVBlockPool:
         """Forget every block hash; idle cached blocks become free. Live tables keep their blocks."""
         for b in self._cached.values():
             self._hash[b] = None
+            self._preimage[b] = None
         self._cached.clear()
         self._free.extend(self._lru)
         self._lru.clear()
@@ -276,3 +322,11 @@ class KVBlockPool:
     def _uncache(self, b: int) -> None:
         del self._cached[self._hash[b]]
         self._hash[b] = None
+        self._preimage[b] = None
+
+    @staticmethod
+    def _drop_hashes(table: BlockTable, keep: int) -> None:
+        """Forget the table's hashes from block `keep` on (their blocks are rewritten or gone)."""
+        del table.block_hashes[keep:]
+        if table.collision_at is not None and table.collision_at >= keep:
+            table.collision_at = None

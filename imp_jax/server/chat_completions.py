@@ -62,6 +62,11 @@ class ChatMessage(WireModel):
         return msg
 
 
+# apply_chat_template's own parameters: a template variable of these names would clash with them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                                      "documents", "template_name"})
+
+
 class ChatRequest(OpenAISampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -94,6 +99,11 @@ class ChatRequest(OpenAISampling):
             raise not_supported("'response_format' other than text is not supported yet", param="response_format")
         if self.continue_final_message:
             self._check_continue()
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if taken:
+            names = ", ".join(f"'chat_template_kwargs.{k}'" for k in taken)
+            raise InvalidRequestError(f"{names} may not be set: the request's own fields set them",
+                                      param=f"chat_template_kwargs.{taken[0]}")
 
     def _check_continue(self) -> None:
         """continue_final_message: the last message is an assistant turn with text and no tool calls."""

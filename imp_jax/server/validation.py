@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -18,14 +19,53 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+MAX_JSON_DEPTH = 64  # deeper than any request schema needs; recursive code past it could exhaust the stack
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_value(value: Any) -> None:
+    """400 unless arrays and objects nest at most MAX_JSON_DEPTH deep and every string is valid Unicode.
+
+    JSON's \\u escapes can spell lone UTF-16 surrogates, which no text is made of: tokenizers and
+    UTF-8 encoders fail on them, so they are refused here, naming the field. Iterative, so deep
+    input cannot overflow the stack.
+    """
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
+    while stack:
+        v, depth, path = stack.pop()
+        if isinstance(v, dict):
+            items = v.items()
+        elif isinstance(v, list):
+            items = enumerate(v)
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequestError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep",
+                                      code="invalid_json")
+        for k, child in items:
+            bad = isinstance(k, str) and _SURROGATE.search(k) or isinstance(child, str) and _SURROGATE.search(child)
+            if bad or isinstance(child, (dict, list)):
+                where = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else k
+                if bad:
+                    where = _SURROGATE.sub("?", where)
+                    raise InvalidRequestError(f"'{where}' holds a lone UTF-16 surrogate (a \\u escape in D800-DFFF "
+                                              "without its pair), which is not valid Unicode",
+                                              param=where, code="invalid_unicode")
+                stack.append((child, depth + 1, where))
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     """A request body as a JSON object, or a 400 saying what is wrong with it."""
     if not body.strip():
         raise InvalidRequestError("the request body is empty; expected a JSON object", code="invalid_json")
     try:
         value = json.loads(body)
+    except RecursionError:
+        raise InvalidRequestError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep",
+                                  code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    check_json_value(value)
     if not isinstance(value, dict):
         raise InvalidRequestError("the request body must be a JSON object", code="invalid_json")
     return value

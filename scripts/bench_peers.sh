@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Serving benchmark: imp_jax against llama.cpp's llama-server on the same GGUF, same client, same run.
+#
+#   bash scripts/bench_peers.sh [build|run|all]        (default: all)
+#
+# build: llama.cpp's native llama-server and llama-bench, compiled once from the source vendored in
+#        the llama-cpp-python sdist (pip download --no-binary :all:), cached under $PEERS_DIR
+#        (default $IMP_JAX_HOME/peers, else ~/.cache/imp_jax/peers); about 9 minutes of 2 cores.
+#        Nothing of llama.cpp is written into the repository.
+# run:   time to /ready (cold: empty caches; warm) for both servers, llama-bench tg128/pp512 beside
+#        imp_jax's batch-1 numbers (scripts/bench_engine.py), then scripts/bench_serving.py against
+#        llama-server and then imp_jax at the same concurrency levels with unique prompts; writes
+#        bench_results/peers/*.json and prints the table for docs/PERF.md (scripts/peers_table.py).
+#
+# Environment: MODEL (GGUF path; default: the SmolLM2 alias resolved by imp_jax), LEVELS ("1 8 32"),
+# REQUESTS (per level, default "8 32 64"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2),
+# PORT_LLAMA (18180), PORT_IMP (18181), OUT_DIR (bench_results/peers), SKIP_COLD=1 to skip the cold
+# imp_jax start (it clears imp_jax's compilation and kernel caches into a temporary home).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+HOME_DIR="${IMP_JAX_HOME:-$HOME/.cache/imp_jax}"
+PEERS_DIR="${PEERS_DIR:-$HOME_DIR/peers}"
+LLAMA_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+BIN_DIR="$PEERS_DIR/llama.cpp-$LLAMA_VERSION/bin"
+THREADS="${THREADS:-2}"
+LEVELS="${LEVELS:-1 8 32}"
+REQUESTS="${REQUESTS:-8 32 64}"
+INPUT_LEN="${INPUT_LEN:-128}"
+OUTPUT_LEN="${OUTPUT_LEN:-128}"
+PORT_LLAMA="${PORT_LLAMA:-18180}"
+PORT_IMP="${PORT_IMP:-18181}"
+OUT_DIR="${OUT_DIR:-bench_results/peers}"
+CTX=16384
+SERVER_PID=""
+NP=32
+
+log() { echo "# $(date -u +%H:%M:%S) $*" >&2; }
+
+build() {
+    if [[ -x "$BIN_DIR/llama-server" && -x "$BIN_DIR/llama-bench" ]]; then
+        log "llama.cpp $LLAMA_VERSION already built: $BIN_DIR"
+        return
+    fi
+    local src="$PEERS_DIR/src"
+    mkdir -p "$src" "$BIN_DIR"
+    local sdist="$src/llama_cpp_python-$LLAMA_VERSION.tar.gz"
+    if [[ ! -f "$sdist" ]]; then
+        log "downloading the llama-cpp-python $LLAMA_VERSION sdist"
+        pip download --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_VERSION" -d "$src" >&2
+    fi
+    local tree="$src/llama_cpp_python-$LLAMA_VERSION"
+    [[ -d "$tree" ]] || tar xzf "$sdist" -C "$src"
+    local lc="$tree/vendor/llama.cpp"
+    log "configuring $lc (server on; web UI, curl, OpenSSL, tests, examples off)"
+    cmake -S "$lc" -B "$lc/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >&2
+    log "building llama-server and llama-bench (about 9 minutes on 2 cores)"
+    local t0=$SECONDS
+    cmake --build "$lc/build" --target llama-server llama-bench -j "$(nproc)" >&2
+    cp "$lc/build/bin/llama-server" "$lc/build/bin/llama-bench" "$BIN_DIR/"
+    log "built in $((SECONDS - t0)) s: $BIN_DIR"
+}
+
+model_path() {
+    if [[ -n "${MODEL:-}" ]]; then echo "$MODEL"; return; fi
+    python -c 'from imp_jax.model.hub import resolve_model; print(resolve_model("smollm2-135m-instruct").path)'
+}
+
+# time_to_ready NAME URL LOG CMD...: start CMD, poll URL until 200, write OUT_DIR/ready_NAME.json; leaves it running
+# (its pid in SERVER_PID).
+time_to_ready() {
+    local name=$1 url=$2 logf=$3
+    shift 3
+    local t0
+    t0=$(date +%s.%N)
+    "$@" >"$logf" 2>&1 &
+    SERVER_PID=$!
+    until curl -sf -o /dev/null "$url"; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "$name died; see $logf"; tail -20 "$logf" >&2; exit 1; fi
+        sleep 0.2
+    done
+    local secs
+    secs=$(python -c "print(round($(date +%s.%N) - $t0, 2))")
+    echo "{\"name\": \"$name\", \"ready_s\": $secs}" >"$OUT_DIR/ready_$name.json"
+    log "$name ready in $secs s"
+}
+
+stop_server() {
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+}
+
+serve_bench() {  # serve_bench LABEL URL OUT
+    local label=$1 url=$2 out=$3 reqs=($REQUESTS) levels=($LEVELS) i
+    for i in "${!levels[@]}"; do
+        python scripts/bench_serving.py --url "$url" --label "$label" --concurrency "${levels[$i]}" \
+            --requests "${reqs[$i]}" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ban-tokens $BAN \
+            --out "$out.c${levels[$i]}.json"
+    done
+}
+
+run() {
+    local gguf
+    gguf=$(model_path)
+    mkdir -p "$OUT_DIR"
+    rm -f "$OUT_DIR"/*.json
+    BAN=$(python -c "
+import gguf, sys
+r = gguf.GGUFReader(sys.argv[1])
+ids = {int(r.fields[k].parts[-1][0]) for k in ('tokenizer.ggml.eos_token_id',) if k in r.fields}
+toks = [bytes(p).decode() for p in (r.fields['tokenizer.ggml.tokens'].parts[i] for i in r.fields['tokenizer.ggml.tokens'].data)]
+ids |= {toks.index(t) for t in ('<|endoftext|>', '<|im_end|>') if t in toks}
+print(' '.join(map(str, sorted(ids))))" "$gguf")
+    log "model $gguf; EOS ids banned: $BAN; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "{\"date\": \"$(date -u '+%Y-%m-%d %H:%M UTC')\", \"commit\": \"$(git rev-parse --short HEAD)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"nproc\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"model\": \"$gguf\", \"llama_cpp_python\": \"$LLAMA_VERSION\", \"threads\": $THREADS, \"input_len\": $INPUT_LEN, \"output_len\": $OUTPUT_LEN}" >"$OUT_DIR/run.json"
+
+    # llama.cpp: llama-bench, then the server (its first start is its cold one: it keeps no caches)
+    log "llama-bench pp512 / tg128, $THREADS threads"
+    "$BIN_DIR/llama-bench" -m "$gguf" -t "$THREADS" -p 512 -n 128 -r 3 -o json >"$OUT_DIR/llama_bench.json"
+    local lurl="http://127.0.0.1:$PORT_LLAMA"
+    local lcmd=("$BIN_DIR/llama-server" -m "$gguf" -t "$THREADS" -c "$CTX" -np "$NP" --host 127.0.0.1 --port "$PORT_LLAMA")
+    time_to_ready llama_cold "$lurl/health" "$OUT_DIR/llama_server_cold.log" "${lcmd[@]}"
+    stop_server
+    time_to_ready llama_warm "$lurl/health" "$OUT_DIR/llama_server.log" "${lcmd[@]}"
+    serve_bench llama-server "$lurl" "$OUT_DIR/serving_llama"
+    stop_server
+
+    local iurl="http://127.0.0.1:$PORT_IMP"
+    local icmd=(python -m imp_jax.server --model "$gguf" --host 127.0.0.1 --port "$PORT_IMP" --max-num-seqs "$NP")
+    # imp_jax: cold in a fresh IMP_JAX_HOME (no compiled programs, no built kernels), then warm from
+    # what that start left there; SKIP_COLD=1 starts once, from the usual home
+    local run_home="${IMP_JAX_HOME:-}"
+    if [[ "${SKIP_COLD:-0}" != 1 ]]; then
+        run_home=$(mktemp -d)
+        IMP_JAX_HOME="$run_home" time_to_ready imp_cold "$iurl/ready" "$OUT_DIR/imp_server_cold.log" "${icmd[@]}"
+        stop_server
+    fi
+    IMP_JAX_HOME="$run_home" time_to_ready imp_warm "$iurl/ready" "$OUT_DIR/imp_server.log" "${icmd[@]}"
+    serve_bench imp_jax "$iurl" "$OUT_DIR/serving_imp"
+    stop_server
+    [[ "${SKIP_COLD:-0}" == 1 ]] || rm -rf "$run_home"
+
+    log "imp_jax batch-1 (bench_engine: prompt 512, 128 tokens)"
+    python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 512 --output-len 128 \
+        --max-num-batched-tokens 512 --no-transformers --out "$OUT_DIR/imp_engine.json" >&2
+    python -c "import json, sys; d = json.load(open(sys.argv[1])); d['loadavg_end'] = open('/proc/loadavg').read().split()[:3]; json.dump(d, open(sys.argv[1], 'w'))" "$OUT_DIR/run.json"
+    python scripts/peers_table.py "$OUT_DIR"
+}
+
+trap 'stop_server 2>/dev/null' EXIT
+case "${1:-all}" in
+    build) build ;;
+    run) run ;;
+    all) build; run ;;
+    *) echo "usage: $0 [build|run|all]" >&2; exit 2 ;;
+esac
