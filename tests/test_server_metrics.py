@@ -20,6 +20,7 @@ ZERO_BEFORE_TRAFFIC = (
     "imp_requests_failed_total", "imp_queue_depth", "imp_queue_waiting", "imp_queue_running",
     "imp_queued_requests", "imp_queued_prompt_tokens", "imp_kv_blocks_used", "imp_kv_blocks_reserved",
     "imp_prefix_cache_queries_total", "imp_prefix_cache_hits_total", "imp_prefix_cache_evictions_total",
+    "imp_prefix_cache_collisions_total",
     "imp_preemptions_total", "imp_kv_pressure_rejections_total", "imp_decode_batch_last_rows",
     "imp_decode_batch_rows_total", "imp_decode_batch_steps_total", "imp_decode_batch_max",
     "imp_compilations_after_warmup_total", "imp_engine_steps_total", "imp_responses_store_entries",

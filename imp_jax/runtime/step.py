@@ -73,6 +73,7 @@ class CompiledStep:
         self._compile_lock = threading.Lock()
         self._stop_compiling = threading.Event()
         self._unrun_lock = threading.Lock()
+        self._score_unrun = False                      # the score program compiled, not yet run once
         self.compilations_after_warmup = 0
         self._warm = False
         graphdef = self.graphdef
@@ -143,15 +144,22 @@ class CompiledStep:
         KV). A program's first run costs more than later ones (docs/PERF.md): start-up, or idle
         time, pays it instead of the first request in the bucket. Whether one ran."""
         with self._unrun_lock:
-            if not self._unrun:
-                return False
-            T, S = self._unrun[0]
-        self(build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
-                              block_size=self.kv[0].shape[2]), self._dummy_sampling(S), 0)
+            bucket = self._unrun[0] if self._unrun else None
+            score = bucket is None and self._score_unrun
+            self._score_unrun = self._score_unrun and not score
+        if bucket is None and not score:
+            return False
+        T, S = bucket or (self.score_tokens, 1)
+        batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
+                                 block_size=self.kv[0].shape[2])
+        if score:   # its first run keeps ~55 MiB of buffers: at start-up, not mid-traffic
+            self.score(batch, np.zeros(T, np.int32))
+        else:
+            self(batch, self._dummy_sampling(S), 0)
         return True
 
     def has_unrun(self) -> bool:
-        return bool(self._unrun)
+        return bool(self._unrun) or self._score_unrun
 
     @property
     def num_compiled(self) -> int:
@@ -206,6 +214,7 @@ class CompiledStep:
         with self._compile_lock:
             if self._score_exec is None:
                 self._score_exec = self._lower(self._score_jit, "score", self.score_tokens, 1, counted=counted)
+                self._score_unrun = True
             return self._score_exec
 
     def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:

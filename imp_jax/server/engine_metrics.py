@@ -32,6 +32,8 @@ ENGINE_COUNTERS = (
     ("imp_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache at admission"),
     ("imp_prefix_cache_evictions", "prefix_cache_evictions", "Cached prefix blocks reclaimed for new "
      "allocations"),
+    ("imp_prefix_cache_collisions", "prefix_cache_collisions", "Prefix-cache keys that matched a block of "
+     "other content (treated as misses)"),
     ("imp_preemptions", "num_preemptions", "Sequences preempted (KV freed, recomputed later)"),
     ("imp_kv_pressure_rejections", "kv_pressure_rejections", "Requests refused or ended early because the KV "
      "pool could not hold them"),
