@@ -1,0 +1,346 @@
+// The int8-activation ("q8") GEMM for GGML block weights: llama.cpp's arithmetic, opt-in
+// (`--gemm cpu_q8`), included by gemm.cc, which binds it as the imp_gemm_q8_* custom calls.
+//
+// y[m, n] = sum over 32-weight blocks b of  dd * isum  (+ m_w[n, b] * sd[m, b] for Q4_1), where
+//   x is quantised per row and block:  amax = max |x_j|,  d_x = amax / 127,
+//     q_j = round_half_even(x_j * (127 / amax))  (int8; all 0 when amax = 0),  sd = d_x * sum_j q_j;
+//   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble);
+//   dd = d_w * d_x (one float32 rounding); every float op in float32.
+// So outputs differ from the exact product by x's 8-bit rounding (about 0.4% of each block's
+// largest |x|), not by the weights: those are used exactly as stored.
+//
+// Order of the float sums, fixed whatever M, N, the tiling or the instruction set: per output, 8
+// lanes each take, block by block, fma(dd, lane's int32 sum of 4 products, lane); then a fixed
+// horizontal sum; then (Q4_1) plus sum_b m_w * sd in 8 lanes over blocks b = l mod 8, horizontally
+// summed. A row's result therefore does not depend on the rows around it.
+//
+// The integer dot of 32 unsigned by 32 signed bytes is vpmaddubsw + vpmaddwd (AVX2; no pair can
+// saturate int16: 2 * 128 * 127 < 2^15) or vpdpbusd (AVX-512 VNNI, chosen at run time where the CPU
+// has it), which give the same int32 lanes. Signed weights (Q8_0, Q4_0) use llama.cpp's sign trick:
+// |w| times x with w's sign.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace imp_q8 {
+
+namespace ffi = xla::ffi;
+
+constexpr int64_t kBlock = 32;     // weights per GGML block, values per activation block
+constexpr int64_t kMR = 4;         // rows of x per tile (with kNR: 8 accumulators, 4 weight vectors)
+constexpr int64_t kNR = 2;         // rows of w per tile
+constexpr int64_t kGemvNR = 4;     // rows of w per tile when a work item has one row of x
+constexpr int64_t kRowBlock = 64;  // rows of x per work item
+constexpr int64_t kColBlock = 48;  // rows of w per work item
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x [M, K] quantised: q [M, K] int8 and, per row and block, d_x and sd = d_x * sum q side by side.
+struct Activations {
+  int64_t M = 0, K = 0, nb = 0;
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> ds;   // [M, K / 32, 2]
+
+  const int8_t* q_at(int64_t r, int64_t b) const { return q.get() + r * K + b * kBlock; }
+  const float* ds_at(int64_t r, int64_t b) const { return ds.get() + 2 * (r * nb + b); }
+};
+
+// One row of K = 32 * nb floats into q and ds. The rounding is the MXCSR's, round-half-even.
+inline void quantise_row(const float* x, int64_t nb, int8_t* q, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undoes the packs' lane interleave
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + b * kBlock + 8 * j);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = hmax(a);
+    const __m256 scale = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));
+    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
+    ds[2 * b] = amax / 127.0f;
+    ds[2 * b + 1] = ds[2 * b] * static_cast<float>(sum);
+  }
+}
+
+inline void quantise(const float* x, int64_t M, int64_t K, Activations& a) {
+  a.M = M, a.K = K, a.nb = K / kBlock;
+  a.q.reset(new int8_t[M * K]);
+  a.ds.reset(new float[2 * M * a.nb]);
+  for (int64_t m = 0; m < M; ++m) quantise_row(x + m * K, a.nb, a.q.get() + m * K, a.ds.get() + 2 * m * a.nb);
+}
+
+// A block's 32 nibbles as bytes in weight order: low nibbles are weights 0-15, high ones 16-31.
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+// Weight formats: a block's bytes; `weights`, its 32 integer weights as bytes (signed or not);
+// `scales`, [d, m, ...] as floats (m, at byte 2, only where kOffset).
+struct Q8_0 {
+  static constexpr const char* kName = "imp_gemm_q8_q8_0w";
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kSigned = true, kOffset = false;
+  static __m256i weights(const uint8_t* b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
+};
+struct Q4_0 {
+  static constexpr const char* kName = "imp_gemm_q8_q4_0w";
+  static constexpr int64_t kBytes = 18;
+  static constexpr bool kSigned = true, kOffset = false;
+  static __m256i weights(const uint8_t* b) { return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)); }
+};
+struct Q4_1 {
+  static constexpr const char* kName = "imp_gemm_q8_q4_1w";
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kSigned = false, kOffset = true;
+  static __m256i weights(const uint8_t* b) { return nibbles(b + 4); }
+};
+
+// [d, m, 0, 0] of a block (m only where the format has one; the lane is unused otherwise).
+template <class W>
+inline __m128 scales(const uint8_t* b) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, b, W::kOffset ? 4 : 2);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(bits)));
+}
+
+// 8 int32 lanes, lane i the sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed).
+template <bool Vnni>
+inline __m256i dot(__m256i u, __m256i s) {
+  if constexpr (Vnni) {   // EVEX vpdpbusd on ymm0-15: AVX512-VNNI + AVX512VL, checked at run time
+    __m256i acc = _mm256_setzero_si256();
+    asm("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+}
+
+// The weights of a block ready for `idot`: unsigned bytes, and for signed formats w itself (its signs).
+struct Unpacked {
+  __m256i u, w;
+};
+
+template <class W>
+inline Unpacked unpack(const uint8_t* b) {
+  const __m256i w = W::weights(b);
+  if constexpr (W::kSigned) return {_mm256_abs_epi8(w), w};
+  return {w, w};
+}
+
+// The block's int32 lanes of weights times activations qx.
+template <class W, bool Vnni>
+inline __m256i idot(const Unpacked& w, __m256i qx) {
+  return dot<Vnni>(w.u, W::kSigned ? _mm256_sign_epi8(qx, w.w) : qx);
+}
+
+inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t line) {
+  for (int64_t c = 0; c < rows; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + line), _MM_HINT_T0);
+}
+
+// One row of activations (row r) against NR weight rows from w (ldw bytes apart), scales converted
+// in registers. `pf`, if set, is the next NR weight rows, prefetched along the way.
+template <class W, bool Vnni, int NR>
+void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, float* y, const uint8_t* pf) {
+  __m256 acc[NR];
+  __m128 offsets[NR];   // lane 1: sum_b m_w * sd, one float32 rounding per product and per sum
+  for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
+  int64_t next_line = 0;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, ldw, next_line), next_line += 64;
+    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b)));
+    const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.ds_at(r, b))));   // [d_x, sd]
+    for (int c = 0; c < NR; ++c) {
+      const uint8_t* block = w + c * ldw + b * W::kBytes;
+      const __m128 p = _mm_mul_ps(scales<W>(block), xs);   // [dd, m_w * sd]
+      if constexpr (W::kOffset) offsets[c] = _mm_add_ps(offsets[c], p);
+      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(idot<W, Vnni>(unpack<W>(block), qx)), acc[c]);
+    }
+  }
+  for (int c = 0; c < NR; ++c) {
+    y[c] = hsum(acc[c]);
+    if constexpr (W::kOffset) y[c] += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
+  }
+}
+
+// The MR x NR block of y for activation rows [r0, r0 + MR) and NR weight rows from w, whose scales d
+// are already floats in dw ([NR, nb]); the same sums as `gemv`, without the offsets (`Gemm::offsets`
+// adds them). Each block's weights are unpacked once for the MR rows.
+template <class W, bool Vnni, int MR, int NR>
+void tile(const Activations& a, int64_t r0, const uint8_t* w, int64_t ldw, const float* dw, float* y, int64_t ldy,
+          const uint8_t* pf) {
+  const int64_t nb = a.nb;
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t next_line = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, ldw, next_line), next_line += 64;
+    Unpacked wb[NR];
+    for (int c = 0; c < NR; ++c) wb[c] = unpack<W>(w + c * ldw + b * W::kBytes);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r0 + r, b)));
+      const __m256 dx = _mm256_broadcast_ss(a.ds_at(r0 + r, b));
+      for (int c = 0; c < NR; ++c) {
+        const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(dw + c * nb + b), dx);
+        acc[r][c] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(idot<W, Vnni>(wb[c], qx)), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+}
+
+using TileFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
+                        const uint8_t*);
+using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
+
+template <class W, bool Vnni>
+struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for one row against nr
+  static constexpr TileFn fn[kMR][kNR] = {
+      {tile<W, Vnni, 1, 1>, tile<W, Vnni, 1, 2>},
+      {tile<W, Vnni, 2, 1>, tile<W, Vnni, 2, 2>},
+      {tile<W, Vnni, 3, 1>, tile<W, Vnni, 3, 2>},
+      {tile<W, Vnni, 4, 1>, tile<W, Vnni, 4, 2>},
+  };
+  static constexpr GemvFn gemv[kGemvNR] = {imp_q8::gemv<W, Vnni, 1>, imp_q8::gemv<W, Vnni, 2>,
+                                           imp_q8::gemv<W, Vnni, 3>, imp_q8::gemv<W, Vnni, 4>};
+};
+
+// Whether this CPU runs vpdpbusd on 256-bit registers.
+inline bool has_vnni() {
+  __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+}
+
+template <class W, bool Vnni>
+struct Gemm {
+  Activations a;
+  const uint8_t* w = nullptr;
+  float* y = nullptr;
+  int64_t N = 0, ldw = 0, col_blocks = 0, items = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // Floats of scratch a work item needs: a tile's scales d, and the item's offsets m.
+  int64_t scratch_floats() const { return (kNR + kColBlock) * a.nb; }
+
+  // Item i: activation rows [m0, m1) against weight rows [n0, n1). One row goes through `gemv`;
+  // more go through tiles, each weight tile's scales converted once for all the rows.
+  void item(int64_t i, float* scratch) const {
+    const int64_t nb = a.nb;
+    const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
+    const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
+    if (m1 - m0 == 1) {
+      for (int64_t n = n0; n < n1; n += kGemvNR) {
+        const int64_t nr = std::min(kGemvNR, n1 - n);
+        const uint8_t* pf = n + 2 * kGemvNR <= N ? w + (n + kGemvNR) * ldw : nullptr;
+        Tiles<W, Vnni>::gemv[nr - 1](a, m0, w + n * ldw, ldw, y + m0 * N + n, pf);
+      }
+      return;
+    }
+    for (int64_t n = n0; n < n1; n += kNR) {
+      const int64_t nr = std::min(kNR, n1 - n);
+      for (int64_t c = 0; c < nr; ++c)
+        for (int64_t b = 0; b < nb; ++b) scratch[c * nb + b] = f16_at(w + (n + c) * ldw + b * W::kBytes);
+      const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
+      for (int64_t m = m0; m < m1; m += kMR) {
+        const int64_t mr = std::min(kMR, m1 - m);
+        Tiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, w + n * ldw, ldw, scratch, y + m * N + n, N, m == m0 ? pf : nullptr);
+      }
+    }
+    if constexpr (W::kOffset) offsets(m0, m1, n0, n1, scratch + kNR * nb);
+  }
+
+  // y[m, n] += sum_b m_w[n, b] * sd[m, b] for the item's rows and columns, summed as `gemv` does (in
+  // block order, product and sum each rounded to float32), 8 columns at a time. mt: [nb, kColBlock].
+  void offsets(int64_t m0, int64_t m1, int64_t n0, int64_t n1, float* mt) const {
+    const int64_t nb = a.nb, cols = n1 - n0;
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t b = 0; b < nb; ++b) mt[b * kColBlock + c] = f16_at(w + (n0 + c) * ldw + b * W::kBytes + 2);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t c = 0; c < cols; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b)
+          acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(mt + b * kColBlock + c),
+                                                 _mm256_broadcast_ss(a.ds_at(m, b) + 1)));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc);
+        for (int64_t j = 0; j < std::min<int64_t>(8, cols - c); ++j) y[m * N + n0 + c + j] += lanes[j];
+      }
+  }
+
+  void work() {
+    std::unique_ptr<float[]> scratch(new float[scratch_floats()]);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      item(i, scratch.get());
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes], with XLA's pool (or
+// on this thread alone when `pool` is null).
+template <class W, bool Vnni>
+void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  if (M == 0 || N == 0) return;
+  auto g = std::make_shared<Gemm<W, Vnni>>();
+  quantise(x, M, K, g->a);
+  g->w = w, g->y = y, g->N = N, g->ldw = (K / kBlock) * W::kBytes;
+  g->col_blocks = (N + kColBlock - 1) / kColBlock;
+  g->items = g->col_blocks * ((M + kRowBlock - 1) / kRowBlock);
+  // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
+  const int64_t helpers = !pool || 2 * M * N * K < (1 << 18) ? 0 : std::min<int64_t>(pool->num_threads(), g->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
+  g->work();
+  while (g->done.load(std::memory_order_acquire) < g->items) _mm_pause();
+}
+
+template <class W>
+void dispatch(ffi::ThreadPool* pool, bool vnni, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+              float* y) {
+  if (vnni)
+    run<W, true>(pool, x, M, K, w, N, y);
+  else
+    run<W, false>(pool, x, M, K, w, N, y);
+}
+
+}  // namespace imp_q8
