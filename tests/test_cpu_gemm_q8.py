@@ -87,7 +87,7 @@ def library() -> ctypes.CDLL:
     lib.imp_gemm_q8_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.imp_gemm_q8_quantise.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                         ctypes.c_void_p]
+                                         ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -106,14 +106,14 @@ def test_activations_round_half_to_even_per_32_wide_block():
     x = activations(3, 96, 1)
     x[1, :32] = np.arange(32) - 15.5                                   # amax 15.5: scale 127 / 15.5
     x[2, :32] = np.array([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * 26)   # scale 1: ties stay ties
-    q, ds = np.zeros((3, 96), np.int8), np.zeros((3, 3, 2), np.float32)
-    library().imp_gemm_q8_quantise(x.ctypes.data, 3, 96, q.ctypes.data, ds.ctypes.data)
+    q, d, sd = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32)
+    library().imp_gemm_q8_quantise(x.ctypes.data, 3, 96, q.ctypes.data, d.ctypes.data, sd.ctypes.data)
     want_q, want_d, want_sd = quantise(x)
     np.testing.assert_array_equal(q.reshape(want_q.shape), want_q)
-    np.testing.assert_array_equal(ds[..., 0], want_d)
-    np.testing.assert_array_equal(ds[..., 1], want_sd)
+    np.testing.assert_array_equal(d, want_d)
+    np.testing.assert_array_equal(sd, want_sd)
     assert list(q[2, :6]) == [127, 2, -4, 0, 0, 2]
-    assert not q[:, 32:64].any() and not ds[:, 1].any()
+    assert not q[:, 32:64].any() and not d[:, 1].any()
 
 
 @needs_kernel

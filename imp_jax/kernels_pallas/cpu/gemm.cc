@@ -448,9 +448,10 @@ extern "C" int imp_kernel_cpu_supported() {
 // Whether the q8 handlers use VNNI here.
 extern "C" int imp_gemm_q8_vnni() { return kVnni; }
 
-// x [M, K] quantised as the q8 path does: q [M, K] int8; ds [M, K / 32, 2] float32 (d_x, d_x * sum q).
-extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_t* q, float* ds) {
-  for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, K / kQBlock, q + m * K, ds + 2 * m * (K / kQBlock));
+// x [M, K] quantised as the q8 path does: q [M, K] int8; d and sd [M, K / 32] float32 (d_x, d_x * sum q).
+extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sd) {
+  const int64_t nb = K / kQBlock;
+  for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
 }
 
 // y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20), with vpdpbusd when

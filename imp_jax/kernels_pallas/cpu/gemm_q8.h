@@ -34,6 +34,10 @@ namespace imp_q8 {
 
 namespace ffi = xla::ffi;
 
+// Loops over a tile's rows and columns, unrolled before the compiler decides where the accumulator
+// arrays live (otherwise GCC keeps them in memory and stores them on every iteration).
+#define IMP_Q8_UNROLL _Pragma("GCC unroll 16")
+
 constexpr int64_t kBlock = 32;     // weights per GGML block, values per activation block
 constexpr int64_t kMR = 4;         // rows of x per tile (with kNR: 8 accumulators, 4 weight vectors)
 constexpr int64_t kNR = 2;         // rows of w per tile
@@ -68,18 +72,75 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// x [M, K] quantised: q [M, K] int8 and, per row and block, d_x and sd = d_x * sum q side by side.
-struct Activations {
-  int64_t M = 0, K = 0, nb = 0;
-  std::unique_ptr<int8_t[]> q;
-  std::unique_ptr<float[]> ds;   // [M, K / 32, 2]
-
-  const int8_t* q_at(int64_t r, int64_t b) const { return q.get() + r * K + b * kBlock; }
-  const float* ds_at(int64_t r, int64_t b) const { return ds.get() + 2 * (r * nb + b); }
+// Weight formats: a block's bytes; `weights`, its 32 weights as the integer dot reads them, which
+// is as unsigned bytes w + bias(vnni) (nibbles are already), or for Q8_0 without VNNI the int8s
+// themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1); `kNibbles`: worth
+// unpacking once into bytes when a weight tile meets several rows.
+struct Q8_0 {
+  static constexpr const char* kName = "imp_gemm_q8_q8_0w";
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kOffset = false, kNibbles = false;
+  static constexpr int32_t bias(bool vnni) { return vnni ? 128 : 0; }
+  static constexpr bool sign_trick(bool vnni) { return !vnni; }   // vpmaddubsw's pairs would saturate
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    return Vnni ? _mm256_xor_si256(w, _mm256_set1_epi8(-128)) : w;   // xor 0x80: w + 128 as uint8
+  }
 };
 
-// One row of K = 32 * nb floats into q and ds. The rounding is the MXCSR's, round-half-even.
-inline void quantise_row(const float* x, int64_t nb, int8_t* q, float* ds) {
+// A block's 32 nibbles as bytes in weight order: low nibbles are weights 0-15, high ones 16-31.
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+struct Q4_0 {   // w = nibble - 8: the nibbles are w + 8
+  static constexpr const char* kName = "imp_gemm_q8_q4_0w";
+  static constexpr int64_t kBytes = 18;
+  static constexpr bool kOffset = false, kNibbles = true;
+  static constexpr int32_t bias(bool) { return 8; }
+  static constexpr bool sign_trick(bool) { return false; }
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) { return nibbles(b + 2); }
+};
+
+struct Q4_1 {   // w = d * nibble + m
+  static constexpr const char* kName = "imp_gemm_q8_q4_1w";
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kOffset = true, kNibbles = true;
+  static constexpr int32_t bias(bool) { return 0; }
+  static constexpr bool sign_trick(bool) { return false; }
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) { return nibbles(b + 4); }
+};
+
+// x [M, K] quantised: q [M, K] int8; per row and block d_x and sd = d_x * sum q ([M, K / 32] each);
+// and, for weights read with a bias, -bias times the sums of q's 4-byte groups ([M, K / 32, 8] int32),
+// which turn the dot with w + bias back into the dot with w.
+struct Activations {
+  int64_t M = 0, K = 0, nb = 0;
+  std::unique_ptr<uint8_t[]> buffer;   // q, then d, sd and lanes
+  int8_t* q = nullptr;
+  float *d = nullptr, *sd = nullptr;
+  int32_t* lanes = nullptr;
+
+  Activations(int64_t M, int64_t K, bool biased)
+      : M(M), K(K), nb(K / kBlock), buffer(new uint8_t[M * K + 4 * M * nb * (biased ? 10 : 2)]) {
+    q = reinterpret_cast<int8_t*>(buffer.get());
+    d = reinterpret_cast<float*>(buffer.get() + M * K);   // K is a multiple of 32: aligned for floats
+    sd = d + M * nb;
+    lanes = biased ? reinterpret_cast<int32_t*>(sd + M * nb) : nullptr;
+  }
+  const int8_t* q_at(int64_t r, int64_t b) const { return q + r * K + b * kBlock; }
+  const float* d_at(int64_t r, int64_t b) const { return d + r * nb + b; }
+  const float* sd_at(int64_t r, int64_t b) const { return sd + r * nb + b; }
+  const int32_t* lanes_at(int64_t r, int64_t b) const { return lanes + 8 * (r * nb + b); }
+};
+
+// One row of K = 32 * nb floats. The rounding is the MXCSR's, round-half-even. `lanes` only if bias.
+inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, float* d, float* sd, int32_t* lanes) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undoes the packs' lane interleave
   for (int64_t b = 0; b < nb; ++b) {
@@ -92,47 +153,23 @@ inline void quantise_row(const float* x, int64_t nb, int8_t* q, float* ds) {
     __m256i i[4];
     for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));
     const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
-    ds[2 * b] = amax / 127.0f;
-    ds[2 * b + 1] = ds[2 * b] * static_cast<float>(sum);
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(packed, order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
+    d[b] = amax / 127.0f;
+    sd[b] = d[b] * static_cast<float>(sum);
+    if (bias) {
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-bias)));
+    }
   }
 }
 
-inline void quantise(const float* x, int64_t M, int64_t K, Activations& a) {
-  a.M = M, a.K = K, a.nb = K / kBlock;
-  a.q.reset(new int8_t[M * K]);
-  a.ds.reset(new float[2 * M * a.nb]);
-  for (int64_t m = 0; m < M; ++m) quantise_row(x + m * K, a.nb, a.q.get() + m * K, a.ds.get() + 2 * m * a.nb);
+inline void quantise(const float* x, int32_t bias, Activations& a) {
+  for (int64_t m = 0; m < a.M; ++m)
+    quantise_row(x + m * a.K, a.nb, bias, a.q + m * a.K, a.d + m * a.nb, a.sd + m * a.nb,
+                 bias ? a.lanes + 8 * m * a.nb : nullptr);
 }
-
-// A block's 32 nibbles as bytes in weight order: low nibbles are weights 0-15, high ones 16-31.
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(15));
-}
-
-// Weight formats: a block's bytes; `weights`, its 32 integer weights as bytes (signed or not);
-// `scales`, [d, m, ...] as floats (m, at byte 2, only where kOffset).
-struct Q8_0 {
-  static constexpr const char* kName = "imp_gemm_q8_q8_0w";
-  static constexpr int64_t kBytes = 34;
-  static constexpr bool kSigned = true, kOffset = false;
-  static __m256i weights(const uint8_t* b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
-};
-struct Q4_0 {
-  static constexpr const char* kName = "imp_gemm_q8_q4_0w";
-  static constexpr int64_t kBytes = 18;
-  static constexpr bool kSigned = true, kOffset = false;
-  static __m256i weights(const uint8_t* b) { return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)); }
-};
-struct Q4_1 {
-  static constexpr const char* kName = "imp_gemm_q8_q4_1w";
-  static constexpr int64_t kBytes = 20;
-  static constexpr bool kSigned = false, kOffset = true;
-  static __m256i weights(const uint8_t* b) { return nibbles(b + 4); }
-};
 
 // [d, m, 0, 0] of a block (m only where the format has one; the lane is unused otherwise).
 template <class W>
@@ -142,95 +179,105 @@ inline __m128 scales(const uint8_t* b) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(bits)));
 }
 
-// 8 int32 lanes, lane i the sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed).
-template <bool Vnni>
-inline __m256i dot(__m256i u, __m256i s) {
-  if constexpr (Vnni) {   // EVEX vpdpbusd on ymm0-15: AVX512-VNNI + AVX512VL, checked at run time
-    __m256i acc = _mm256_setzero_si256();
-    asm("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-    return acc;
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-  }
+// acc + 8 int32 lanes, lane i the sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed).
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {   // EVEX: AVX512-VNNI + AVX512VL, checked at run time
+  asm("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+  return acc;
 }
 
-// The weights of a block ready for `idot`: unsigned bytes, and for signed formats w itself (its signs).
-struct Unpacked {
-  __m256i u, w;
-};
-
-template <class W>
-inline Unpacked unpack(const uint8_t* b) {
-  const __m256i w = W::weights(b);
-  if constexpr (W::kSigned) return {_mm256_abs_epi8(w), w};
-  return {w, w};
+inline __m256i maddubs_lanes(__m256i u, __m256i s) {   // the same lanes (from 0) with AVX2
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// The block's int32 lanes of weights times activations qx.
+// A block's int32 lanes of w . qx: w as W::weights<Vnni> gives it, `init` the block's -bias lanes
+// (read only for formats with a bias). Exact: the same lanes whichever instructions.
 template <class W, bool Vnni>
-inline __m256i idot(const Unpacked& w, __m256i qx) {
-  return dot<Vnni>(w.u, W::kSigned ? _mm256_sign_epi8(qx, w.w) : qx);
+inline __m256i idot(__m256i w, __m256i qx, const int32_t* init) {
+  if constexpr (W::sign_trick(Vnni)) {
+    return maddubs_lanes(_mm256_abs_epi8(w), _mm256_sign_epi8(qx, w));
+  } else if constexpr (W::bias(Vnni) != 0) {
+    const __m256i acc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init));
+    if constexpr (Vnni) return dpbusd(acc, w, qx);
+    return _mm256_add_epi32(maddubs_lanes(w, qx), acc);
+  } else {
+    if constexpr (Vnni) return dpbusd(_mm256_setzero_si256(), w, qx);
+    return maddubs_lanes(w, qx);
+  }
 }
 
 inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t line) {
   for (int64_t c = 0; c < rows; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + line), _MM_HINT_T0);
 }
 
-// One row of activations (row r) against NR weight rows from w (ldw bytes apart), scales converted
-// in registers. `pf`, if set, is the next NR weight rows, prefetched along the way.
+// One row of activations (row r) against NR weight rows from w (ldw bytes apart), weights and scales
+// converted in registers. `pf`, if set, is the next NR weight rows, prefetched along the way.
 template <class W, bool Vnni, int NR>
 void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, float* y, const uint8_t* pf) {
   __m256 acc[NR];
   __m128 offsets[NR];   // lane 1: sum_b m_w * sd, one float32 rounding per product and per sum
-  for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
+  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
   int64_t next_line = 0;
   for (int64_t b = 0; b < a.nb; ++b) {
     if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, ldw, next_line), next_line += 64;
     const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b)));
-    const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(a.ds_at(r, b))));   // [d_x, sd]
-    for (int c = 0; c < NR; ++c) {
+    const __m128 xs = _mm_unpacklo_ps(_mm_load_ss(a.d_at(r, b)), _mm_load_ss(a.sd_at(r, b)));   // [d_x, sd]
+    const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b) : nullptr;
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
       const uint8_t* block = w + c * ldw + b * W::kBytes;
       const __m128 p = _mm_mul_ps(scales<W>(block), xs);   // [dd, m_w * sd]
       if constexpr (W::kOffset) offsets[c] = _mm_add_ps(offsets[c], p);
-      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(idot<W, Vnni>(unpack<W>(block), qx)), acc[c]);
+      const __m256i lanes = idot<W, Vnni>(W::template weights<Vnni>(block), qx, init);
+      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(lanes), acc[c]);
     }
   }
-  for (int c = 0; c < NR; ++c) {
+  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
     y[c] = hsum(acc[c]);
     if constexpr (W::kOffset) y[c] += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
   }
 }
 
-// The MR x NR block of y for activation rows [r0, r0 + MR) and NR weight rows from w, whose scales d
-// are already floats in dw ([NR, nb]); the same sums as `gemv`, without the offsets (`Gemm::offsets`
-// adds them). Each block's weights are unpacked once for the MR rows.
+// Where a tile reads its NR weight rows: for nibble formats their bytes, unpacked (32 a block,
+// `stride` bytes a row); else the blocks themselves (`stride` = ldw), converted in registers.
+struct WeightRows {
+  const uint8_t* p;
+  int64_t stride;
+};
+
+// The MR x NR block of y for activation rows [r0, r0 + MR) and NR weight rows, the same sums as
+// `gemv` without the offsets (`Gemm::offsets` adds them). dd: [MR, NR, nb] products d_w * d_x.
+// Each block's weights are read once for the MR rows.
 template <class W, bool Vnni, int MR, int NR>
-void tile(const Activations& a, int64_t r0, const uint8_t* w, int64_t ldw, const float* dw, float* y, int64_t ldy,
-          const uint8_t* pf) {
+void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float* y, int64_t ldy, const uint8_t* pf) {
   const int64_t nb = a.nb;
+  const int8_t* q[MR];
+  const int32_t* init[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) q[r] = a.q_at(r0 + r, 0), init[r] = W::bias(Vnni) ? a.lanes_at(r0 + r, 0) : nullptr;
   __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
   int64_t next_line = 0;
   for (int64_t b = 0; b < nb; ++b) {
-    if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, ldw, next_line), next_line += 64;
-    Unpacked wb[NR];
-    for (int c = 0; c < NR; ++c) wb[c] = unpack<W>(w + c * ldw + b * W::kBytes);
-    for (int r = 0; r < MR; ++r) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r0 + r, b)));
-      const __m256 dx = _mm256_broadcast_ss(a.ds_at(r0 + r, b));
-      for (int c = 0; c < NR; ++c) {
-        const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(dw + c * nb + b), dx);
-        acc[r][c] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(idot<W, Vnni>(wb[c], qx)), acc[r][c]);
+    __m256i wv[NR];
+    if constexpr (W::kNibbles) {
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c)
+        wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.p + c * w.stride + b * kBlock));
+    } else {
+      if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, w.stride, next_line), next_line += 64;
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) wv[c] = W::template weights<Vnni>(w.p + c * w.stride + b * W::kBytes);
+    }
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + b * kBlock));
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+        const __m256 lanes = _mm256_cvtepi32_ps(idot<W, Vnni>(wv[c], qx, init[r] + 8 * b));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + (r * NR + c) * nb + b), lanes, acc[r][c]);
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
 }
 
-using TileFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
-                        const uint8_t*);
+using TileFn = void (*)(const Activations&, int64_t, WeightRows, const float*, float*, int64_t, const uint8_t*);
 using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 
 template <class W, bool Vnni>
@@ -251,21 +298,37 @@ inline bool has_vnni() {
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 }
 
+// A work item's scratch for tiles of several rows: a weight tile's scales d (float32) and unpacked
+// bytes, a row tile's products d_w * d_x, and the item's offsets m.
+struct Scratch {
+  std::unique_ptr<float[]> floats;
+  std::unique_ptr<uint8_t[]> bytes;
+  float *dw, *dd, *mt;
+
+  explicit Scratch(int64_t nb)
+      : floats(new float[(kNR + kMR * kNR + kColBlock) * nb]), bytes(new uint8_t[kNR * nb * kBlock]),
+        dw(floats.get()), dd(dw + kNR * nb), mt(dd + kMR * kNR * nb) {}
+};
+
 template <class W, bool Vnni>
 struct Gemm {
   Activations a;
-  const uint8_t* w = nullptr;
-  float* y = nullptr;
-  int64_t N = 0, ldw = 0, col_blocks = 0, items = 0;
+  const uint8_t* w;
+  float* y;
+  int64_t N, ldw, col_blocks, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // Floats of scratch a work item needs: a tile's scales d, and the item's offsets m.
-  int64_t scratch_floats() const { return (kNR + kColBlock) * a.nb; }
+  Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y)
+      : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
+        col_blocks((N + kColBlock - 1) / kColBlock), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+    quantise(x, W::bias(Vnni), a);
+  }
 
   // Item i: activation rows [m0, m1) against weight rows [n0, n1). One row goes through `gemv`;
-  // more go through tiles, each weight tile's scales converted once for all the rows.
-  void item(int64_t i, float* scratch) const {
+  // more go through tiles, each weight tile's scales converted (and nibbles unpacked) once for all
+  // the rows.
+  void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
     const int64_t nb = a.nb;
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
@@ -277,17 +340,47 @@ struct Gemm {
       }
       return;
     }
+    if (!scratch) scratch = std::make_unique<Scratch>(nb);
+    Scratch& s = *scratch;
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
-      for (int64_t c = 0; c < nr; ++c)
-        for (int64_t b = 0; b < nb; ++b) scratch[c * nb + b] = f16_at(w + (n + c) * ldw + b * W::kBytes);
       const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
+      const WeightRows rows = prepare(w + n * ldw, nr, s, pf);
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
-        Tiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, w + n * ldw, ldw, scratch, y + m * N + n, N, m == m0 ? pf : nullptr);
+        for (int64_t r = 0; r < mr; ++r)
+          for (int64_t c = 0; c < nr; ++c) products(s.dw + c * nb, a.d_at(m + r, 0), s.dd + (r * nr + c) * nb);
+        Tiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, rows, s.dd, y + m * N + n, N, m == m0 ? pf : nullptr);
       }
     }
-    if constexpr (W::kOffset) offsets(m0, m1, n0, n1, scratch + kNR * nb);
+    if constexpr (W::kOffset) offsets(m0, m1, n0, n1, s.mt);
+  }
+
+  // The scales d of nr weight rows from w as floats into s.dw and, for nibbles, the weights as bytes
+  // into s.bytes (prefetching pf, the next rows, on the way); where the tiles read the weights.
+  WeightRows prepare(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf) const {
+    const int64_t nb = a.nb;
+    for (int64_t c = 0; c < nr; ++c) {
+      int64_t next_line = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = w + c * ldw + b * W::kBytes;
+        s.dw[c * nb + b] = f16_at(block);
+        if constexpr (W::kNibbles) {
+          if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf + c * ldw, 1, 0, next_line), next_line += 64;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.bytes.get() + (c * nb + b) * kBlock),
+                              W::template weights<Vnni>(block));
+        }
+      }
+    }
+    if constexpr (W::kNibbles) return {s.bytes.get(), nb * kBlock};
+    return {w, ldw};
+  }
+
+  // dd[b] = dw[b] * dx[b], each product rounded to float32 as `gemv` rounds it.
+  void products(const float* dw, const float* dx, float* dd) const {
+    int64_t b = 0;
+    for (; b + 8 <= a.nb; b += 8) _mm256_storeu_ps(dd + b, _mm256_mul_ps(_mm256_loadu_ps(dw + b), _mm256_loadu_ps(dx + b)));
+    for (; b < a.nb; ++b) dd[b] = dw[b] * dx[b];
   }
 
   // y[m, n] += sum_b m_w[n, b] * sd[m, b] for the item's rows and columns, summed as `gemv` does (in
@@ -300,8 +393,7 @@ struct Gemm {
       for (int64_t c = 0; c < cols; c += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b)
-          acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(mt + b * kColBlock + c),
-                                                 _mm256_broadcast_ss(a.ds_at(m, b) + 1)));
+          acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(mt + b * kColBlock + c), _mm256_broadcast_ss(a.sd_at(m, b))));
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, acc);
         for (int64_t j = 0; j < std::min<int64_t>(8, cols - c); ++j) y[m * N + n0 + c + j] += lanes[j];
@@ -309,9 +401,9 @@ struct Gemm {
   }
 
   void work() {
-    std::unique_ptr<float[]> scratch(new float[scratch_floats()]);
+    std::unique_ptr<Scratch> scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      item(i, scratch.get());
+      item(i, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -322,11 +414,7 @@ struct Gemm {
 template <class W, bool Vnni>
 void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
   if (M == 0 || N == 0) return;
-  auto g = std::make_shared<Gemm<W, Vnni>>();
-  quantise(x, M, K, g->a);
-  g->w = w, g->y = y, g->N = N, g->ldw = (K / kBlock) * W::kBytes;
-  g->col_blocks = (N + kColBlock - 1) / kColBlock;
-  g->items = g->col_blocks * ((M + kRowBlock - 1) / kRowBlock);
+  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y);
   // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
   const int64_t helpers = !pool || 2 * M * N * K < (1 << 18) ? 0 : std::min<int64_t>(pool->num_threads(), g->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
