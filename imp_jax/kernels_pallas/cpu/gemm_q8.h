@@ -120,22 +120,24 @@ struct Q4_1 {   // w = d * nibble + m
 // and, for weights read with a bias, -bias times the sums of q's 4-byte groups ([M, K / 32, 8] int32),
 // which turn the dot with w + bias back into the dot with w.
 struct Activations {
-  int64_t M = 0, K = 0, nb = 0;
+  int64_t M, K, nb, ns;   // ns: nb rounded up to 8, the row stride of d and sd (zero padded)
   std::unique_ptr<uint8_t[]> buffer;   // q, then d, sd and lanes
-  int8_t* q = nullptr;
-  float *d = nullptr, *sd = nullptr;
-  int32_t* lanes = nullptr;
+  int8_t* q;
+  float *d, *sd;
+  int32_t* lanes;
 
   Activations(int64_t M, int64_t K, bool biased)
-      : M(M), K(K), nb(K / kBlock), buffer(new uint8_t[M * K + 4 * M * nb * (biased ? 10 : 2)]) {
+      : M(M), K(K), nb(K / kBlock), ns((nb + 7) / 8 * 8),
+        buffer(new uint8_t[M * K + 4 * M * (2 * ns + (biased ? 8 * nb : 0))]) {
     q = reinterpret_cast<int8_t*>(buffer.get());
     d = reinterpret_cast<float*>(buffer.get() + M * K);   // K is a multiple of 32: aligned for floats
-    sd = d + M * nb;
-    lanes = biased ? reinterpret_cast<int32_t*>(sd + M * nb) : nullptr;
+    sd = d + M * ns;
+    lanes = biased ? reinterpret_cast<int32_t*>(sd + M * ns) : nullptr;
+    std::fill(d, d + 2 * M * ns, 0.0f);
   }
   const int8_t* q_at(int64_t r, int64_t b) const { return q + r * K + b * kBlock; }
-  const float* d_at(int64_t r, int64_t b) const { return d + r * nb + b; }
-  const float* sd_at(int64_t r, int64_t b) const { return sd + r * nb + b; }
+  const float* d_at(int64_t r, int64_t b) const { return d + r * ns + b; }
+  const float* sd_at(int64_t r, int64_t b) const { return sd + r * ns + b; }
   const int32_t* lanes_at(int64_t r, int64_t b) const { return lanes + 8 * (r * nb + b); }
 };
 
@@ -167,7 +169,7 @@ inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, fl
 
 inline void quantise(const float* x, int32_t bias, Activations& a) {
   for (int64_t m = 0; m < a.M; ++m)
-    quantise_row(x + m * a.K, a.nb, bias, a.q + m * a.K, a.d + m * a.nb, a.sd + m * a.nb,
+    quantise_row(x + m * a.K, a.nb, bias, a.q + m * a.K, a.d + m * a.ns, a.sd + m * a.ns,
                  bias ? a.lanes + 8 * m * a.nb : nullptr);
 }
 
@@ -244,7 +246,7 @@ struct WeightRows {
 };
 
 // The MR x NR block of y for activation rows [r0, r0 + MR) and NR weight rows, the same sums as
-// `gemv` without the offsets (`Gemm::offsets` adds them). dd: [MR, NR, nb] products d_w * d_x.
+// `gemv` without the offsets (`Gemm::offsets` adds them). dd: [MR, NR, ns] products d_w * d_x.
 // Each block's weights are read once for the MR rows.
 template <class W, bool Vnni, int MR, int NR>
 void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float* y, int64_t ldy, const uint8_t* pf) {
@@ -269,7 +271,7 @@ void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + b * kBlock));
       IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
         const __m256 lanes = _mm256_cvtepi32_ps(idot<W, Vnni>(wv[c], qx, init[r] + 8 * b));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + (r * NR + c) * nb + b), lanes, acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + (r * NR + c) * a.ns + b), lanes, acc[r][c]);
       }
     }
   }
@@ -303,11 +305,11 @@ inline bool has_vnni() {
 struct Scratch {
   std::unique_ptr<float[]> floats;
   std::unique_ptr<uint8_t[]> bytes;
-  float *dw, *dd, *mt;
+  float *dw, *dd, *mt;   // [kNR, ns], [kMR * kNR, ns], [nb, kColBlock]
 
-  explicit Scratch(int64_t nb)
-      : floats(new float[(kNR + kMR * kNR + kColBlock) * nb]), bytes(new uint8_t[kNR * nb * kBlock]),
-        dw(floats.get()), dd(dw + kNR * nb), mt(dd + kMR * kNR * nb) {}
+  Scratch(int64_t nb, int64_t ns)
+      : floats(new float[(kNR + kMR * kNR) * ns + kColBlock * nb]()), bytes(new uint8_t[kNR * nb * kBlock]),
+        dw(floats.get()), dd(dw + kNR * ns), mt(dd + kMR * kNR * ns) {}
 };
 
 template <class W, bool Vnni>
@@ -340,7 +342,7 @@ struct Gemm {
       }
       return;
     }
-    if (!scratch) scratch = std::make_unique<Scratch>(nb);
+    if (!scratch) scratch = std::make_unique<Scratch>(nb, a.ns);
     Scratch& s = *scratch;
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
@@ -348,8 +350,7 @@ struct Gemm {
       const WeightRows rows = prepare(w + n * ldw, nr, s, pf);
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
-        for (int64_t r = 0; r < mr; ++r)
-          for (int64_t c = 0; c < nr; ++c) products(s.dw + c * nb, a.d_at(m + r, 0), s.dd + (r * nr + c) * nb);
+        products(m, mr, nr, s);
         Tiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, rows, s.dd, y + m * N + n, N, m == m0 ? pf : nullptr);
       }
     }
@@ -359,45 +360,59 @@ struct Gemm {
   // The scales d of nr weight rows from w as floats into s.dw and, for nibbles, the weights as bytes
   // into s.bytes (prefetching pf, the next rows, on the way); where the tiles read the weights.
   WeightRows prepare(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf) const {
-    const int64_t nb = a.nb;
+    const int64_t nb = a.nb, ns = a.ns;   // locals: the stores below may alias any member
+    float* dw = s.dw;
+    uint8_t* bytes = s.bytes.get();
     for (int64_t c = 0; c < nr; ++c) {
       int64_t next_line = 0;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* block = w + c * ldw + b * W::kBytes;
-        s.dw[c * nb + b] = f16_at(block);
+        dw[c * ns + b] = f16_at(block);
         if constexpr (W::kNibbles) {
           if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf + c * ldw, 1, 0, next_line), next_line += 64;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.bytes.get() + (c * nb + b) * kBlock),
-                              W::template weights<Vnni>(block));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (c * nb + b) * kBlock), W::template weights<Vnni>(block));
         }
       }
     }
-    if constexpr (W::kNibbles) return {s.bytes.get(), nb * kBlock};
+    if constexpr (W::kNibbles) return {bytes, nb * kBlock};
     return {w, ldw};
   }
 
-  // dd[b] = dw[b] * dx[b], each product rounded to float32 as `gemv` rounds it.
-  void products(const float* dw, const float* dx, float* dd) const {
-    int64_t b = 0;
-    for (; b + 8 <= a.nb; b += 8) _mm256_storeu_ps(dd + b, _mm256_mul_ps(_mm256_loadu_ps(dw + b), _mm256_loadu_ps(dx + b)));
-    for (; b < a.nb; ++b) dd[b] = dw[b] * dx[b];
+  // s.dd[r, c, :] = s.dw[c, :] * d_x[m + r, :] for a row tile's mr rows and nr weight rows, each
+  // product rounded to float32 as `gemv` rounds it (rows ns long, zero padded: no tail).
+  void products(int64_t m, int64_t mr, int64_t nr, Scratch& s) const {
+    const int64_t ns = a.ns;
+    const float *d = a.d_at(m, 0), *dw = s.dw;
+    float* dd = s.dd;
+    for (int64_t b = 0; b < ns; b += 8)
+      for (int64_t r = 0; r < mr; ++r) {
+        const __m256 dx = _mm256_loadu_ps(d + r * ns + b);
+        for (int64_t c = 0; c < nr; ++c) _mm256_storeu_ps(dd + (r * nr + c) * ns + b, _mm256_mul_ps(_mm256_loadu_ps(dw + c * ns + b), dx));
+      }
   }
 
   // y[m, n] += sum_b m_w[n, b] * sd[m, b] for the item's rows and columns, summed as `gemv` does (in
-  // block order, product and sum each rounded to float32), 8 columns at a time. mt: [nb, kColBlock].
+  // block order, product and sum each rounded to float32), all the item's columns at once (8 to a
+  // vector; independent chains). mt: [nb, kColBlock].
   void offsets(int64_t m0, int64_t m1, int64_t n0, int64_t n1, float* mt) const {
+    constexpr int kGroups = kColBlock / 8;
     const int64_t nb = a.nb, cols = n1 - n0;
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t b = 0; b < nb; ++b) mt[b * kColBlock + c] = f16_at(w + (n0 + c) * ldw + b * W::kBytes + 2);
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t c = 0; c < cols; c += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b)
-          acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(mt + b * kColBlock + c), _mm256_broadcast_ss(a.sd_at(m, b))));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, acc);
-        for (int64_t j = 0; j < std::min<int64_t>(8, cols - c); ++j) y[m * N + n0 + c + j] += lanes[j];
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* sd = a.sd_at(m, 0);
+      __m256 acc[kGroups];
+      IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g) acc[g] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 s = _mm256_broadcast_ss(sd + b);
+        IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g)
+          acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_loadu_ps(mt + b * kColBlock + 8 * g), s));
       }
+      alignas(32) float sums[kColBlock];
+      IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g) _mm256_store_ps(sums + 8 * g, acc[g]);
+      float* row = y + m * N + n0;
+      for (int64_t c = 0; c < cols; ++c) row[c] += sums[c];
+    }
   }
 
   void work() {
