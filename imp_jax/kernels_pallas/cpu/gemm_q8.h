@@ -6,18 +6,24 @@
 //     q_j = round_half_even(x_j * (127 / amax))  (int8; all 0 when amax = 0),  sd = d_x * sum_j q_j;
 //   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble);
 //   dd = d_w * d_x (one float32 rounding); every float op in float32.
-// So outputs differ from the exact product by x's 8-bit rounding (about 0.4% of each block's
-// largest |x|), not by the weights: those are used exactly as stored.
+// So outputs differ from the exact product by x's 8-bit rounding (at most half a step, 0.4% of the
+// block's largest |x|), not by the weights: those are used exactly as stored.
 //
-// Order of the float sums, fixed whatever M, N, the tiling or the instruction set: per output, 8
-// lanes each take, block by block, fma(dd, lane's int32 sum of 4 products, lane); then a fixed
-// horizontal sum; then (Q4_1) plus sum_b m_w * sd in 8 lanes over blocks b = l mod 8, horizontally
-// summed. A row's result therefore does not depend on the rows around it.
+// The float sums, in an order fixed whatever M, N, the tiling or the instruction set: per output, 8
+// lanes each take, block by block, fma(dd, the lane's int32 sum of 4 products, lane); then the
+// horizontal sum of `hsum`; then (Q4_1) plus the offsets, sum_b m_w * sd accumulated in block order
+// (product and sum each rounded). A row's result therefore does not depend on the rows around it.
 //
-// The integer dot of 32 unsigned by 32 signed bytes is vpmaddubsw + vpmaddwd (AVX2; no pair can
-// saturate int16: 2 * 128 * 127 < 2^15) or vpdpbusd (AVX-512 VNNI, chosen at run time where the CPU
-// has it), which give the same int32 lanes. Signed weights (Q8_0, Q4_0) use llama.cpp's sign trick:
-// |w| times x with w's sign.
+// Integer dots of 32 unsigned by 32 signed bytes: vpmaddubsw + vpmaddwd (AVX2; no pair saturates
+// int16: 2 * 15 * 127 and 2 * 128 * 127 < 2^15) or vpdpbusd (AVX-512 VNNI, chosen at run time where
+// the CPU has it); both give the same int32 lanes, so the same outputs. Nibbles are unsigned already.
+// Signed weights are read as w + bias (Q4_0: the nibbles; Q8_0 with VNNI: w xor 0x80), the lanes
+// starting from -bias times the sums of the activations' 4-byte groups (computed at quantisation);
+// Q8_0 with AVX2 uses llama.cpp's sign trick, |w| times x with w's sign, as w + 128 would saturate.
+//
+// Work: one row of x (a batch-1 decode) goes through `gemv`, weights unpacked and scales converted
+// in registers; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
+// scale products d_w * d_x computed once for all the tiles of rows that meet it.
 #pragma once
 
 #include <immintrin.h>
@@ -44,6 +50,8 @@ constexpr int64_t kNR = 2;         // rows of w per tile
 constexpr int64_t kGemvNR = 4;     // rows of w per tile when a work item has one row of x
 constexpr int64_t kRowBlock = 64;  // rows of x per work item
 constexpr int64_t kColBlock = 48;  // rows of w per work item
+constexpr int64_t kStreamBytes = 32 << 10;   // one row of x: each of kGemvNR weight streams this long
+
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -211,21 +219,21 @@ inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t 
   for (int64_t c = 0; c < rows; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + line), _MM_HINT_T0);
 }
 
-// One row of activations (row r) against NR weight rows from w (ldw bytes apart), weights and scales
-// converted in registers. `pf`, if set, is the next NR weight rows, prefetched along the way.
+// One row of activations (row r) against NR weight rows, `stride` bytes apart from w (into y, ystride
+// floats apart), weights and scales converted in registers. The caller spaces the rows far apart: NR
+// long sequential streams are what the hardware prefetcher follows (NR adjacent rows read less than
+// half the memory bandwidth).
 template <class W, bool Vnni, int NR>
-void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, float* y, const uint8_t* pf) {
+void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y, int64_t ystride) {
   __m256 acc[NR];
   __m128 offsets[NR];   // lane 1: sum_b m_w * sd, one float32 rounding per product and per sum
   IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
-  int64_t next_line = 0;
   for (int64_t b = 0; b < a.nb; ++b) {
-    if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, ldw, next_line), next_line += 64;
     const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b)));
     const __m128 xs = _mm_unpacklo_ps(_mm_load_ss(a.d_at(r, b)), _mm_load_ss(a.sd_at(r, b)));   // [d_x, sd]
     const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b) : nullptr;
     IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-      const uint8_t* block = w + c * ldw + b * W::kBytes;
+      const uint8_t* block = w + c * stride + b * W::kBytes;
       const __m128 p = _mm_mul_ps(scales<W>(block), xs);   // [dd, m_w * sd]
       if constexpr (W::kOffset) offsets[c] = _mm_add_ps(offsets[c], p);
       const __m256i lanes = idot<W, Vnni>(W::template weights<Vnni>(block), qx, init);
@@ -233,8 +241,9 @@ void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, float*
     }
   }
   IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-    y[c] = hsum(acc[c]);
-    if constexpr (W::kOffset) y[c] += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
+    float v = hsum(acc[c]);
+    if constexpr (W::kOffset) v += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
+    y[c * ystride] = v;
   }
 }
 
@@ -280,7 +289,7 @@ void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float
 }
 
 using TileFn = void (*)(const Activations&, int64_t, WeightRows, const float*, float*, int64_t, const uint8_t*);
-using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
+using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
 template <class W, bool Vnni>
 struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for one row against nr
@@ -317,14 +326,23 @@ struct Gemm {
   Activations a;
   const uint8_t* w;
   float* y;
-  int64_t N, ldw, col_blocks, items;
+  int64_t N, ldw, cols_per_item, col_blocks, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y)
+  // `workers`: the threads that will take items.
+  Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
       : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
-        col_blocks((N + kColBlock - 1) / kColBlock), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+        cols_per_item(M == 1 ? gemv_rows(N, ldw, workers) : kColBlock),
+        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
     quantise(x, W::bias(Vnni), a);
+  }
+
+  // Weight rows per item for one row of x: kGemvNR streams of about kStreamBytes each, but at least
+  // two items a worker (so a late helper leaves little imbalance) and at least kColBlock rows.
+  static int64_t gemv_rows(int64_t N, int64_t ldw, int64_t workers) {
+    const int64_t streams = kGemvNR * ((kStreamBytes + ldw - 1) / ldw);
+    return std::max(kColBlock, std::min(streams, (N + 2 * workers - 1) / (2 * workers)));
   }
 
   // Item i: activation rows [m0, m1) against weight rows [n0, n1). One row goes through `gemv`;
@@ -333,12 +351,12 @@ struct Gemm {
   void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
     const int64_t nb = a.nb;
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
-    const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
-    if (m1 - m0 == 1) {
-      for (int64_t n = n0; n < n1; n += kGemvNR) {
-        const int64_t nr = std::min(kGemvNR, n1 - n);
-        const uint8_t* pf = n + 2 * kGemvNR <= N ? w + (n + kGemvNR) * ldw : nullptr;
-        Tiles<W, Vnni>::gemv[nr - 1](a, m0, w + n * ldw, ldw, y + m0 * N + n, pf);
+    const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
+    if (m1 - m0 == 1) {   // kGemvNR streams of `span` weight rows each
+      const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
+      for (int64_t j = 0; j < span; ++j) {
+        const int64_t nr = std::min(kGemvNR, (cols - j + span - 1) / span);
+        Tiles<W, Vnni>::gemv[nr - 1](a, m0, w + (n0 + j) * ldw, span * ldw, y + m0 * N + n0 + j, span);
       }
       return;
     }
@@ -429,9 +447,10 @@ struct Gemm {
 template <class W, bool Vnni>
 void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
   if (M == 0 || N == 0) return;
-  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y);
   // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
-  const int64_t helpers = !pool || 2 * M * N * K < (1 << 18) ? 0 : std::min<int64_t>(pool->num_threads(), g->items) - 1;
+  const int64_t threads = !pool || 2 * M * N * K < (1 << 18) ? 1 : std::max<int64_t>(1, pool->num_threads());
+  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y, threads);
+  const int64_t helpers = std::min(threads, g->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
   g->work();
   while (g->done.load(std::memory_order_acquire) < g->items) _mm_pause();
