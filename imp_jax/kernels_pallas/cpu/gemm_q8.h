@@ -22,7 +22,8 @@
 // Q8_0 with AVX2 uses llama.cpp's sign trick, |w| times x with w's sign, as w + 128 would saturate.
 //
 // Work: one row of x (a batch-1 decode) goes through `gemv`, weights unpacked and scales converted
-// in registers; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
+// in registers, its 4 weight rows far apart so that they are 4 long streams for the hardware
+// prefetcher; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
 // scale products d_w * d_x computed once for all the tiles of rows that meet it.
 #pragma once
 
