@@ -198,7 +198,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag; auto = bf16 on GPU)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag)")
     ap.add_argument("--attention", default="auto", help="auto | xla | cpu | pallas (the engine's flag)")
-    ap.add_argument("--gemm", default="auto", help="auto | xla | cpu (the engine's flag)")
+    ap.add_argument("--gemm", default="auto", help="auto | xla | cpu | cpu_q8 (the engine's flag)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
     ap.add_argument("--out", default="bench_results/engine.json")
     args = ap.parse_args()
@@ -222,10 +222,10 @@ def main() -> int:
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
     from imp_jax.model.weights import describe as describe_weights
     kernels = core.loaded.model.options.kernels
-    kernel = kernels.gemm == "cpu"
+    kernel = kernels.gemm in ("cpu", "cpu_q8")
     results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
                    gemm_gflop_s=gemm / 1e9, fma_peak_gflop_s=peak / 1e9 if peak else None,
-                   cpu_gemm_kernel=kernel, attention_backend=kernels.attention,
+                   cpu_gemm_kernel=kernel, gemm_backend=kernels.gemm, attention_backend=kernels.attention,
                    weights=describe_weights(core.loaded.model),
                    dtype=np.dtype(core.loaded.dtype).name, kv_cache_dtype=args.kv_cache_dtype,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
@@ -239,7 +239,7 @@ def main() -> int:
         print(f"float32 FMA peak of all cores {peak / 1e9:.0f} GFLOP/s; 'peak' = tok/s with every FLOP at that rate "
               f"and nothing else taking time")
     print(f"weights: {describe_weights(core.loaded.model)}; GEMMs: "
-          f"{'the CPU GEMM kernel (float32 matrices at %d-%d rows, narrow ones at all)' % (cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (--gemm xla, or no kernel here)'}; "
+          f"{'the CPU GEMM kernel (--gemm %s; float32 matrices at %d-%d rows, narrow ones at all)' % (kernels.gemm, cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (--gemm xla, or no kernel here)'}; "
           f"attention: {kernels.attention}")
     print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
           f"{'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")

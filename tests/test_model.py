@@ -182,3 +182,22 @@ def test_a_bf16_checkpoint_keeps_its_matrices_in_bf16_with_the_same_logits(tmp_p
     noisy.embed.set_value(noisy.embed[...] + 1e-3)   # no longer bf16 values
     narrow_exact_bf16(noisy, formats)
     assert noisy.embed[...].dtype == jnp.float32 and noisy.lm_head[...].dtype == jnp.bfloat16
+
+
+def test_rms_norm_gives_a_row_the_same_bits_whatever_its_batch():
+    """XLA's own row reductions change their summation order with the array's size (on a CPU, 1-7
+    rows of 576 differ from 8+); layers.row_sum fixes the order, so a row's norm is the same at
+    every step size."""
+    import jax
+
+    from imp_jax.model.layers import rms_norm
+
+    rng = np.random.default_rng(0)
+    for d in (64, 100, 576):
+        x = rng.standard_normal((256, d)).astype(np.float32) * 3
+        w = rng.standard_normal(d).astype(np.float32)
+        norm = jax.jit(lambda x: rms_norm(x, w, 1e-5))
+        whole = np.asarray(norm(x))
+        for t in (1, 2, 5, 8, 9, 16, 64):
+            np.testing.assert_array_equal(np.asarray(norm(x[:t])), whole[:t])
+        np.testing.assert_allclose(whole, _rms(x.astype(np.float64), w, 1e-5), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from imp_jax.kernels_pallas.pallas import shapes as pallas_attention
 
 log = logging.getLogger("imp_jax.kernels")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
-GEMM_BACKENDS = ("auto", "xla", "cpu")
+GEMM_BACKENDS = ("auto", "xla", "cpu", "cpu_q8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,9 @@ class Kernels:
     """The kernel implementations a model's programs call; hashable, a static part of the model.
 
     attention: "xla" (any platform), "cpu" (x86-64 C++ kernel) or "pallas" (Hopper GPU kernel).
-    gemm: "xla" or "cpu" (the x86-64 C++ kernel; it also reads bf16 and GGML-block weights).
+    gemm: "xla", "cpu" (the x86-64 C++ kernel; it also reads bf16 and GGML-block weights, exactly)
+        or "cpu_q8" (the same kernel, but GGML blocks meet activations rounded to int8 per 32-wide
+        block, llama.cpp's arithmetic: faster, not exact; opt-in only, cpu/gemm.py).
     dynamic_skips: whether programs skip unneeded work with data-dependent branches and loop
         bounds (`lax.cond`, `fori_loop` to a traced bound). A win on a CPU; on XLA:GPU each such
         branch or loop iteration waits for the device to tell the host its predicate.
@@ -42,7 +44,7 @@ class Kernels:
     def reads_narrow_weights(self) -> bool:
         """Whether bf16 and GGML-block matrices pay: only the CPU GEMM kernel reads them as they
         are; XLA's dot would widen them to float32 on every call."""
-        return self.gemm == "cpu"
+        return self.gemm in ("cpu", "cpu_q8")
 
     def describe(self) -> str:
         return f"attention={self.attention} gemm={self.gemm} dynamic_skips={self.dynamic_skips}"
@@ -67,7 +69,8 @@ def select_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto
     """The kernels for a model of attention `shape` on `device` (a jax Device).
 
     auto: the Pallas kernel on a Hopper GPU and the C++ kernels on an x86-64 CPU, each where it
-    takes the shape (and, for the C++ ones, where they build); XLA everywhere else.
+    takes the shape (and, for the C++ ones, where they build); XLA everywhere else. The inexact
+    `cpu_q8` GEMM only when asked for by name.
     """
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
@@ -104,9 +107,11 @@ def _attention(asked: str, device: Any, shape: AttentionShape, on_cpu: bool) -> 
 
 
 def _gemm(asked: str, on_cpu: bool) -> str:
-    if asked == "cpu" and not (on_cpu and cpu_gemm.available()):
-        raise ValueError("--gemm cpu needs an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler "
-                         "(see the log for why the kernel did not build)")
-    if asked == "cpu" or (asked == "auto" and on_cpu and cpu_gemm.available()):
+    if asked in ("cpu", "cpu_q8"):
+        if not (on_cpu and cpu_gemm.available()):
+            raise ValueError(f"--gemm {asked} needs an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler "
+                             "(see the log for why the kernel did not build)")
+        return asked
+    if asked == "auto" and on_cpu and cpu_gemm.available():
         return "cpu"
     return "xla"

@@ -30,10 +30,28 @@ def embed(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32."""
+    """RMSNorm over the last axis, computed in float32; a row's bits do not depend on the other rows
+    (row_sum)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (kept, of size 1) in an order fixed by its length alone: halves added
+    while the length is even (after zero padding to a multiple of 16), then the rest one by one.
+    Elementwise adds only: XLA's own reductions change their order with the number of rows (on a
+    CPU, rows of 1-5 get other bits than rows of 8+), and a step must give a row the same result
+    whatever its batch, which the int8-activation GEMM would otherwise amplify into other tokens."""
+    if x.shape[-1] % 16:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 16 - x.shape[-1] % 16)])
+    while x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    out = x[..., :1]
+    for j in range(1, x.shape[-1]):
+        out = out + x[..., j:j + 1]
+    return out
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

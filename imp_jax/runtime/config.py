@@ -22,8 +22,9 @@ class EngineConfig:
     layer_loop: str | None = _field(None, "scan | unroll; default scan on CPU, unroll on GPU (docs/PERF.md)")
     attention: str = _field("auto", "attention kernel: auto | xla | cpu | pallas; auto = pallas on a Hopper "
                             "GPU, the C++ kernel on an x86-64 CPU, else xla")
-    gemm: str = _field("auto", "projection GEMM: auto | xla | cpu; auto = the C++ kernel on an x86-64 CPU, "
-                       "else xla")
+    gemm: str = _field("auto", "projection GEMM: auto | xla | cpu | cpu_q8; auto = the C++ kernel on an x86-64 "
+                       "CPU, else xla. cpu_q8 (opt-in): GGUF Q8_0/Q4_0/Q4_1 matrices meet activations rounded "
+                       "to int8 (llama.cpp's arithmetic): faster decode, outputs differ slightly from exact")
     max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
     max_num_seqs: int = _field(32, "sequences in one step at most")
     max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")

@@ -1,11 +1,12 @@
 """Build and load the C++ CPU kernels (`*.cc` next to this file) that XLA calls through its FFI.
 
 Each kernel is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
-`$IMP_JAX_HOME/kernels/cpu_<name>-<hash>.so`, the hash covering its source, the compiler and JAX's FFI
-headers, and loaded from there afterwards. They need x86-64 with AVX2, FMA and F16C; everywhere else,
-and whenever the build fails, `load` returns None and the caller uses XLA (the reason is logged).
-A loaded library and its FFI registration belong to the process, so they are remembered per
-process (`_libraries`, `_registered`), behind a lock.
+`$IMP_JAX_HOME/kernels/cpu_<name>-<hash>.so`, the hash covering its source, the headers next to it
+(`*.h`, which it may include), the compiler and JAX's FFI headers, and loaded from there
+afterwards. They need x86-64 with AVX2, FMA and F16C; everywhere else, and whenever the build fails,
+`load` returns None and the caller uses XLA (the reason is logged). A loaded library and its FFI
+registration belong to the process, so they are remembered per process (`_libraries`,
+`_registered`), behind a lock.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ from imp_jax.paths import kernels_dir
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c")
+# The GEMM kernel's float sums are specified operation by operation (a row's bits must not depend on
+# which of its code paths computed it: gemm_q8.h), so the compiler may not fuse a multiply and an add.
+KERNEL_FLAGS = {"gemm": ("-ffp-contract=off",)}
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}
 _registered: dict[str, bool] = {}
@@ -39,9 +43,10 @@ def _compiler() -> str | None:
 def _build(name: str, cxx: str) -> Path:
     """Compile `name`.cc (once per source and compiler) and return the shared library's path."""
     source_path = Path(__file__).with_name(f"{name}.cc")
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()
+    flags = (*FLAGS, *KERNEL_FLAGS.get(name, ()))
+    key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
     lib = kernels_dir() / f"cpu_{name}-{key}.so"
     if lib.exists():
@@ -50,7 +55,7 @@ def _build(name: str, cxx: str) -> Path:
     log.info("compiling the %s kernel with %s -> %s", name, cxx, lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *FLAGS, "-shared", "-fPIC", "-I", jax.ffi.include_dir(), str(source_path), "-o", str(out)]
+        cmd = [cxx, *flags, "-shared", "-fPIC", "-I", jax.ffi.include_dir(), str(source_path), "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

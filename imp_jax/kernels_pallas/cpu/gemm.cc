@@ -24,6 +24,8 @@
 // while its row tiles go by, so each weight is widened once per 64 rows (GGML blocks a block at a
 // time, one scale per 32 weights); bf16 weights meeting at most kMR rows (the memory-bound case)
 // are instead read straight into registers.
+//
+// gemm_q8.h is the opt-in int8-activation arithmetic for GGML blocks (imp_gemm_q8_*, bound below).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,6 +35,7 @@
 #include <memory>
 #include <string>
 
+#include "gemm_q8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -398,6 +401,25 @@ constexpr auto GemmQ8_0 = Blocks<Q8_0>;
 constexpr auto GemmQ4_0 = Blocks<Q4_0>;
 constexpr auto GemmQ4_1 = Blocks<Q4_1>;
 
+// The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
+const bool kVnni = imp_q8::has_vnni();
+
+template <class W>
+ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * kQBlock)
+    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / 32, " +
+                                       std::to_string(W::kBytes) + "] uint8 expected");
+  const int64_t K = xd.back();
+  imp_q8::dispatch<W>(&pool, kVnni, x.typed_data(), K ? x.element_count() / K : 0, K,
+                      static_cast<const uint8_t*>(w.untyped_data()), wd[0], y->typed_data());
+  return ffi::Error::Success();
+}
+
+constexpr auto GemmQ8Q8_0 = BlocksQ8<imp_q8::Q8_0>;
+constexpr auto GemmQ8Q4_0 = BlocksQ8<imp_q8::Q4_0>;
+constexpr auto GemmQ8Q4_1 = BlocksQ8<imp_q8::Q4_1>;
+
 }  // namespace
 
 // One binding per weight type: float32 x, the weights, float32 y, and XLA's thread pool.
@@ -414,7 +436,33 @@ IMP_GEMM_HANDLER(ImpGemmBf16W, GemmBf16, ffi::BF16);
 IMP_GEMM_HANDLER(ImpGemmQ8_0W, GemmQ8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_0W, GemmQ4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_1W, GemmQ4_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+// For tests and benchmarks (ctypes): the q8 path outside XLA, on the calling thread alone.
+// Whether the q8 handlers use VNNI here.
+extern "C" int imp_gemm_q8_vnni() { return kVnni; }
+
+// x [M, K] quantised as the q8 path does: q [M, K] int8; d and sd [M, K / 32] float32 (d_x, d_x * sum q).
+extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sd) {
+  const int64_t nb = K / kQBlock;
+  for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
+}
+
+// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20), with vpdpbusd when
+// `vnni` (0 if this CPU lacks it, else 1), else vpmaddubsw; -1 for an unknown format or no VNNI here.
+extern "C" int imp_gemm_q8_run(int block_bytes, int vnni, const float* x, int64_t M, int64_t K,
+                               const uint8_t* w, int64_t N, float* y) {
+  if (vnni && !kVnni) return -1;
+  switch (block_bytes) {
+    case imp_q8::Q8_0::kBytes: imp_q8::dispatch<imp_q8::Q8_0>(nullptr, vnni, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_0::kBytes: imp_q8::dispatch<imp_q8::Q4_0>(nullptr, vnni, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_1::kBytes: imp_q8::dispatch<imp_q8::Q4_1>(nullptr, vnni, x, M, K, w, N, y); return 0;
+    default: return -1;
+  }
 }

@@ -7,6 +7,12 @@
   blocks (a GGUF file's Q8_0, Q4_0 and Q4_1 matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
 first use (build.py).
+
+`matmul_wt_cpu(x, w, int8_activations=True)` (the opt-in `--gemm cpu_q8`) gives GGML blocks
+llama.cpp's arithmetic instead (gemm_q8.h): each row of x rounded to int8 per 32-wide block with a
+float32 scale, integer dot products with the blocks, float32 scaling and sums. Faster (the weights
+are not widened), but the outputs are no longer the float32 product's: they differ by the rounding
+of x. Plain (float32, bfloat16) weights are read as before.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ from imp_jax.kernels_pallas.cpu import build
 TARGET = "imp_gemm_f32"
 TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
 BLOCK_TARGETS = {"Q8_0": "imp_gemm_f32_q8_0w", "Q4_0": "imp_gemm_f32_q4_0w", "Q4_1": "imp_gemm_f32_q4_1w"}
-_HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W", **{
-    t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()}}
+Q8_TARGETS = {"Q8_0": "imp_gemm_q8_q8_0w", "Q4_0": "imp_gemm_q8_q4_0w", "Q4_1": "imp_gemm_q8_q4_1w"}
+_HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
+             **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()},
+             **{t: f"ImpGemmQ8{name}W" for name, t in Q8_TARGETS.items()}}
 MIN_ROWS = 2         # one row is a memory-bound GEMV, where XLA's dot already streams at full bandwidth
 MAX_ROWS = 64        # above this XLA's own GEMM (which packs the weights, amortised over many rows) is faster
 
@@ -32,12 +40,13 @@ def available() -> bool:
     return all(build.register("gemm", target, handler) for target, handler in _HANDLERS.items())
 
 
-def _target(w: jax.Array) -> str | None:
-    """The kernel's custom call for this weight matrix, or None for a format it does not read."""
+def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
+    """The kernel's custom call for this weight matrix (GGML blocks with int8 activations when
+    asked), or None for a format it does not read."""
     if w.ndim == 2 and w.dtype in (jnp.float32, jnp.bfloat16):
         return TARGET if w.dtype == jnp.float32 else TARGET_BF16W
     fmt = ggml_blocks.format_of(w)
-    return BLOCK_TARGETS[fmt] if fmt else None
+    return (Q8_TARGETS if int8_activations else BLOCK_TARGETS)[fmt] if fmt else None
 
 
 def takes(x: jax.Array, w: jax.Array) -> bool:
@@ -49,7 +58,8 @@ def takes(x: jax.Array, w: jax.Array) -> bool:
     return target != TARGET or MIN_ROWS <= rows <= MAX_ROWS
 
 
-def matmul_wt_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w.T for w [N, K] (float32, bfloat16 or GGML blocks), float32 out."""
+def matmul_wt_cpu(x: jax.Array, w: jax.Array, int8_activations: bool = False) -> jax.Array:
+    """x [..., K] @ w.T for w [N, K] (float32, bfloat16 or GGML blocks), float32 out; for GGML
+    blocks with x rounded to int8 when `int8_activations` (the module docstring says how)."""
     out = jax.ShapeDtypeStruct(x.shape[:-1] + w.shape[:1], jnp.float32)
-    return jax.ffi.ffi_call(_target(w), out)(x, w)
+    return jax.ffi.ffi_call(_target(w, int8_activations), out)(x, w)

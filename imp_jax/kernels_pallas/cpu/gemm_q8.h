@@ -1,0 +1,469 @@
+// The int8-activation ("q8") GEMM for GGML block weights: llama.cpp's arithmetic, opt-in
+// (`--gemm cpu_q8`), included by gemm.cc, which binds it as the imp_gemm_q8_* custom calls.
+//
+// y[m, n] = sum over 32-weight blocks b of  dd * isum  (+ m_w[n, b] * sd[m, b] for Q4_1), where
+//   x is quantised per row and block:  amax = max |x_j|,  d_x = amax / 127,
+//     q_j = round_half_even(x_j * (127 / amax))  (int8; all 0 when amax = 0),  sd = d_x * sum_j q_j;
+//   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble);
+//   dd = d_w * d_x (one float32 rounding); every float op in float32.
+// So outputs differ from the exact product by x's 8-bit rounding (at most half a step, 0.4% of the
+// block's largest |x|), not by the weights: those are used exactly as stored.
+//
+// The float sums, in an order fixed whatever M, N, the tiling or the instruction set: per output, 8
+// lanes each take, block by block, fma(dd, the lane's int32 sum of 4 products, lane); then the
+// horizontal sum of `hsum`; then (Q4_1) plus the offsets, sum_b m_w * sd accumulated in block order
+// (product and sum each rounded). A row's result therefore does not depend on the rows around it.
+//
+// Integer dots of 32 unsigned by 32 signed bytes: vpmaddubsw + vpmaddwd (AVX2; no pair saturates
+// int16: 2 * 15 * 127 and 2 * 128 * 127 < 2^15) or vpdpbusd (AVX-512 VNNI, chosen at run time where
+// the CPU has it); both give the same int32 lanes, so the same outputs. Nibbles are unsigned already.
+// Signed weights are read as w + bias (Q4_0: the nibbles; Q8_0 with VNNI: w xor 0x80), the lanes
+// starting from -bias times the sums of the activations' 4-byte groups (computed at quantisation);
+// Q8_0 with AVX2 uses llama.cpp's sign trick, |w| times x with w's sign, as w + 128 would saturate.
+//
+// Work: one row of x (a batch-1 decode) goes through `gemv`, weights unpacked and scales converted
+// in registers, its 4 weight rows far apart so that they are 4 long streams for the hardware
+// prefetcher; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
+// scale products d_w * d_x computed once for all the tiles of rows that meet it.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace imp_q8 {
+
+namespace ffi = xla::ffi;
+
+// Loops over a tile's rows and columns, unrolled before the compiler decides where the accumulator
+// arrays live (otherwise GCC keeps them in memory and stores them on every iteration).
+#define IMP_Q8_UNROLL _Pragma("GCC unroll 16")
+
+constexpr int64_t kBlock = 32;     // weights per GGML block, values per activation block
+constexpr int64_t kMR = 4;         // rows of x per tile (with kNR: 8 accumulators, 4 weight vectors)
+constexpr int64_t kNR = 2;         // rows of w per tile
+constexpr int64_t kGemvNR = 4;     // rows of w per tile when a work item has one row of x
+constexpr int64_t kRowBlock = 64;  // rows of x per work item
+constexpr int64_t kColBlock = 48;  // rows of w per work item
+constexpr int64_t kStreamBytes = 32 << 10;   // one row of x: each of kGemvNR weight streams this long
+
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// Weight formats: a block's bytes; `weights`, its 32 weights as the integer dot reads them, which
+// is as unsigned bytes w + bias(vnni) (nibbles are already), or for Q8_0 without VNNI the int8s
+// themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1); `kNibbles`: worth
+// unpacking once into bytes when a weight tile meets several rows.
+struct Q8_0 {
+  static constexpr const char* kName = "imp_gemm_q8_q8_0w";
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kOffset = false, kNibbles = false;
+  static constexpr int32_t bias(bool vnni) { return vnni ? 128 : 0; }
+  static constexpr bool sign_trick(bool vnni) { return !vnni; }   // vpmaddubsw's pairs would saturate
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    return Vnni ? _mm256_xor_si256(w, _mm256_set1_epi8(-128)) : w;   // xor 0x80: w + 128 as uint8
+  }
+};
+
+// A block's 32 nibbles as bytes in weight order: low nibbles are weights 0-15, high ones 16-31.
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+struct Q4_0 {   // w = nibble - 8: the nibbles are w + 8
+  static constexpr const char* kName = "imp_gemm_q8_q4_0w";
+  static constexpr int64_t kBytes = 18;
+  static constexpr bool kOffset = false, kNibbles = true;
+  static constexpr int32_t bias(bool) { return 8; }
+  static constexpr bool sign_trick(bool) { return false; }
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) { return nibbles(b + 2); }
+};
+
+struct Q4_1 {   // w = d * nibble + m
+  static constexpr const char* kName = "imp_gemm_q8_q4_1w";
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kOffset = true, kNibbles = true;
+  static constexpr int32_t bias(bool) { return 0; }
+  static constexpr bool sign_trick(bool) { return false; }
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) { return nibbles(b + 4); }
+};
+
+// x [M, K] quantised: q [M, K] int8; per row and block d_x and sd = d_x * sum q ([M, K / 32] each);
+// and, for weights read with a bias, -bias times the sums of q's 4-byte groups ([M, K / 32, 8] int32),
+// which turn the dot with w + bias back into the dot with w.
+struct Activations {
+  int64_t M, K, nb, ns;   // ns: nb rounded up to 8, the row stride of d and sd (zero padded)
+  std::unique_ptr<uint8_t[]> buffer;   // q, then d, sd and lanes
+  int8_t* q;
+  float *d, *sd;
+  int32_t* lanes;
+
+  Activations(int64_t M, int64_t K, bool biased)
+      : M(M), K(K), nb(K / kBlock), ns((nb + 7) / 8 * 8),
+        buffer(new uint8_t[M * K + 4 * M * (2 * ns + (biased ? 8 * nb : 0))]) {
+    q = reinterpret_cast<int8_t*>(buffer.get());
+    d = reinterpret_cast<float*>(buffer.get() + M * K);   // K is a multiple of 32: aligned for floats
+    sd = d + M * ns;
+    lanes = biased ? reinterpret_cast<int32_t*>(sd + M * ns) : nullptr;
+    std::fill(d, d + 2 * M * ns, 0.0f);
+  }
+  const int8_t* q_at(int64_t r, int64_t b) const { return q + r * K + b * kBlock; }
+  const float* d_at(int64_t r, int64_t b) const { return d + r * ns + b; }
+  const float* sd_at(int64_t r, int64_t b) const { return sd + r * ns + b; }
+  const int32_t* lanes_at(int64_t r, int64_t b) const { return lanes + 8 * (r * nb + b); }
+};
+
+// One row of K = 32 * nb floats. The rounding is the MXCSR's, round-half-even. `lanes` only if bias.
+inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, float* d, float* sd, int32_t* lanes) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undoes the packs' lane interleave
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + b * kBlock + 8 * j);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = hmax(a);
+    const __m256 scale = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));
+    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(packed, order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
+    d[b] = amax / 127.0f;
+    sd[b] = d[b] * static_cast<float>(sum);
+    if (bias) {
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-bias)));
+    }
+  }
+}
+
+inline void quantise(const float* x, int32_t bias, Activations& a) {
+  for (int64_t m = 0; m < a.M; ++m)
+    quantise_row(x + m * a.K, a.nb, bias, a.q + m * a.K, a.d + m * a.ns, a.sd + m * a.ns,
+                 bias ? a.lanes + 8 * m * a.nb : nullptr);
+}
+
+// [d, m, 0, 0] of a block (m only where the format has one; the lane is unused otherwise).
+template <class W>
+inline __m128 scales(const uint8_t* b) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, b, W::kOffset ? 4 : 2);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(bits)));
+}
+
+// acc + 8 int32 lanes, lane i the sum of the products of bytes 4i..4i+3 of u (unsigned) and s (signed).
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {   // EVEX: AVX512-VNNI + AVX512VL, checked at run time
+  asm("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+  return acc;
+}
+
+inline __m256i maddubs_lanes(__m256i u, __m256i s) {   // the same lanes (from 0) with AVX2
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// A block's int32 lanes of w . qx: w as W::weights<Vnni> gives it, `init` the block's -bias lanes
+// (read only for formats with a bias). Exact: the same lanes whichever instructions.
+template <class W, bool Vnni>
+inline __m256i idot(__m256i w, __m256i qx, const int32_t* init) {
+  if constexpr (W::sign_trick(Vnni)) {
+    return maddubs_lanes(_mm256_abs_epi8(w), _mm256_sign_epi8(qx, w));
+  } else if constexpr (W::bias(Vnni) != 0) {
+    const __m256i acc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init));
+    if constexpr (Vnni) return dpbusd(acc, w, qx);
+    return _mm256_add_epi32(maddubs_lanes(w, qx), acc);
+  } else {
+    if constexpr (Vnni) return dpbusd(_mm256_setzero_si256(), w, qx);
+    return maddubs_lanes(w, qx);
+  }
+}
+
+inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t line) {
+  for (int64_t c = 0; c < rows; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + line), _MM_HINT_T0);
+}
+
+// One row of activations (row r) against NR weight rows, `stride` bytes apart from w (into y, ystride
+// floats apart), weights and scales converted in registers. The caller spaces the rows far apart: NR
+// long sequential streams are what the hardware prefetcher follows (NR adjacent rows read less than
+// half the memory bandwidth).
+template <class W, bool Vnni, int NR>
+void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y, int64_t ystride) {
+  __m256 acc[NR];
+  __m128 offsets[NR];   // lane 1: sum_b m_w * sd, one float32 rounding per product and per sum
+  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b)));
+    const __m128 xs = _mm_unpacklo_ps(_mm_load_ss(a.d_at(r, b)), _mm_load_ss(a.sd_at(r, b)));   // [d_x, sd]
+    const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b) : nullptr;
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+      const uint8_t* block = w + c * stride + b * W::kBytes;
+      const __m128 p = _mm_mul_ps(scales<W>(block), xs);   // [dd, m_w * sd]
+      if constexpr (W::kOffset) offsets[c] = _mm_add_ps(offsets[c], p);
+      const __m256i lanes = idot<W, Vnni>(W::template weights<Vnni>(block), qx, init);
+      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(lanes), acc[c]);
+    }
+  }
+  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+    float v = hsum(acc[c]);
+    if constexpr (W::kOffset) v += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
+    y[c * ystride] = v;
+  }
+}
+
+// Where a tile reads its NR weight rows: for nibble formats their bytes, unpacked (32 a block,
+// `stride` bytes a row); else the blocks themselves (`stride` = ldw), converted in registers.
+struct WeightRows {
+  const uint8_t* p;
+  int64_t stride;
+};
+
+// The MR x NR block of y for activation rows [r0, r0 + MR) and NR weight rows, the same sums as
+// `gemv` without the offsets (`Gemm::offsets` adds them). dd: [MR, NR, ns] products d_w * d_x.
+// Each block's weights are read once for the MR rows.
+template <class W, bool Vnni, int MR, int NR>
+void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float* y, int64_t ldy, const uint8_t* pf) {
+  const int64_t nb = a.nb;
+  const int8_t* q[MR];
+  const int32_t* init[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) q[r] = a.q_at(r0 + r, 0), init[r] = W::bias(Vnni) ? a.lanes_at(r0 + r, 0) : nullptr;
+  __m256 acc[MR][NR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t next_line = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wv[NR];
+    if constexpr (W::kNibbles) {
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c)
+        wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.p + c * w.stride + b * kBlock));
+    } else {
+      if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf, NR, w.stride, next_line), next_line += 64;
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) wv[c] = W::template weights<Vnni>(w.p + c * w.stride + b * W::kBytes);
+    }
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + b * kBlock));
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+        const __m256 lanes = _mm256_cvtepi32_ps(idot<W, Vnni>(wv[c], qx, init[r] + 8 * b));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + (r * NR + c) * a.ns + b), lanes, acc[r][c]);
+      }
+    }
+  }
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]);
+}
+
+using TileFn = void (*)(const Activations&, int64_t, WeightRows, const float*, float*, int64_t, const uint8_t*);
+using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t);
+
+template <class W, bool Vnni>
+struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for one row against nr
+  static constexpr TileFn fn[kMR][kNR] = {
+      {tile<W, Vnni, 1, 1>, tile<W, Vnni, 1, 2>},
+      {tile<W, Vnni, 2, 1>, tile<W, Vnni, 2, 2>},
+      {tile<W, Vnni, 3, 1>, tile<W, Vnni, 3, 2>},
+      {tile<W, Vnni, 4, 1>, tile<W, Vnni, 4, 2>},
+  };
+  static constexpr GemvFn gemv[kGemvNR] = {imp_q8::gemv<W, Vnni, 1>, imp_q8::gemv<W, Vnni, 2>,
+                                           imp_q8::gemv<W, Vnni, 3>, imp_q8::gemv<W, Vnni, 4>};
+};
+
+// Whether this CPU runs vpdpbusd on 256-bit registers.
+inline bool has_vnni() {
+  __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+}
+
+// A work item's scratch for tiles of several rows: a weight tile's scales d (float32) and unpacked
+// bytes, a row tile's products d_w * d_x, and the item's offsets m.
+struct Scratch {
+  std::unique_ptr<float[]> floats;
+  std::unique_ptr<uint8_t[]> bytes;
+  float *dw, *dd, *mt;   // [kNR, ns], [kMR * kNR, ns], [nb, kColBlock]
+
+  Scratch(int64_t nb, int64_t ns)
+      : floats(new float[(kNR + kMR * kNR) * ns + kColBlock * nb]()), bytes(new uint8_t[kNR * nb * kBlock]),
+        dw(floats.get()), dd(dw + kNR * ns), mt(dd + kMR * kNR * ns) {}
+};
+
+template <class W, bool Vnni>
+struct Gemm {
+  Activations a;
+  const uint8_t* w;
+  float* y;
+  int64_t N, ldw, cols_per_item, col_blocks, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // `workers`: the threads that will take items.
+  Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
+      : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
+        cols_per_item(M == 1 ? gemv_rows(N, ldw, workers) : kColBlock),
+        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+    quantise(x, W::bias(Vnni), a);
+  }
+
+  // Weight rows per item for one row of x: kGemvNR streams of about kStreamBytes each, but at least
+  // two items a worker (so a late helper leaves little imbalance) and at least kColBlock rows.
+  static int64_t gemv_rows(int64_t N, int64_t ldw, int64_t workers) {
+    const int64_t streams = kGemvNR * ((kStreamBytes + ldw - 1) / ldw);
+    return std::max(kColBlock, std::min(streams, (N + 2 * workers - 1) / (2 * workers)));
+  }
+
+  // Item i: activation rows [m0, m1) against weight rows [n0, n1). One row goes through `gemv`;
+  // more go through tiles, each weight tile's scales converted (and nibbles unpacked) once for all
+  // the rows.
+  void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
+    const int64_t nb = a.nb;
+    const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
+    const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
+    if (m1 - m0 == 1) {   // kGemvNR streams of `span` weight rows each
+      const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
+      for (int64_t j = 0; j < span; ++j) {
+        const int64_t nr = std::min(kGemvNR, (cols - j + span - 1) / span);
+        Tiles<W, Vnni>::gemv[nr - 1](a, m0, w + (n0 + j) * ldw, span * ldw, y + m0 * N + n0 + j, span);
+      }
+      return;
+    }
+    if (!scratch) scratch = std::make_unique<Scratch>(nb, a.ns);
+    Scratch& s = *scratch;
+    for (int64_t n = n0; n < n1; n += kNR) {
+      const int64_t nr = std::min(kNR, n1 - n);
+      const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
+      const WeightRows rows = prepare(w + n * ldw, nr, s, pf);
+      for (int64_t m = m0; m < m1; m += kMR) {
+        const int64_t mr = std::min(kMR, m1 - m);
+        products(m, mr, nr, s);
+        Tiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, rows, s.dd, y + m * N + n, N, m == m0 ? pf : nullptr);
+      }
+    }
+    if constexpr (W::kOffset) offsets(m0, m1, n0, n1, s.mt);
+  }
+
+  // The scales d of nr weight rows from w as floats into s.dw and, for nibbles, the weights as bytes
+  // into s.bytes (prefetching pf, the next rows, on the way); where the tiles read the weights.
+  WeightRows prepare(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf) const {
+    const int64_t nb = a.nb, ns = a.ns;   // locals: the stores below may alias any member
+    float* dw = s.dw;
+    uint8_t* bytes = s.bytes.get();
+    for (int64_t c = 0; c < nr; ++c) {
+      int64_t next_line = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = w + c * ldw + b * W::kBytes;
+        dw[c * ns + b] = f16_at(block);
+        if constexpr (W::kNibbles) {
+          if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf + c * ldw, 1, 0, next_line), next_line += 64;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (c * nb + b) * kBlock), W::template weights<Vnni>(block));
+        }
+      }
+    }
+    if constexpr (W::kNibbles) return {bytes, nb * kBlock};
+    return {w, ldw};
+  }
+
+  // s.dd[r, c, :] = s.dw[c, :] * d_x[m + r, :] for a row tile's mr rows and nr weight rows, each
+  // product rounded to float32 as `gemv` rounds it (rows ns long, zero padded: no tail).
+  void products(int64_t m, int64_t mr, int64_t nr, Scratch& s) const {
+    const int64_t ns = a.ns;
+    const float *d = a.d_at(m, 0), *dw = s.dw;
+    float* dd = s.dd;
+    for (int64_t b = 0; b < ns; b += 8)
+      for (int64_t r = 0; r < mr; ++r) {
+        const __m256 dx = _mm256_loadu_ps(d + r * ns + b);
+        for (int64_t c = 0; c < nr; ++c) _mm256_storeu_ps(dd + (r * nr + c) * ns + b, _mm256_mul_ps(_mm256_loadu_ps(dw + c * ns + b), dx));
+      }
+  }
+
+  // y[m, n] += sum_b m_w[n, b] * sd[m, b] for the item's rows and columns, summed as `gemv` does (in
+  // block order, product and sum each rounded to float32), all the item's columns at once (8 to a
+  // vector; independent chains). mt: [nb, kColBlock].
+  void offsets(int64_t m0, int64_t m1, int64_t n0, int64_t n1, float* mt) const {
+    constexpr int kGroups = kColBlock / 8;
+    const int64_t nb = a.nb, cols = n1 - n0;
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t b = 0; b < nb; ++b) mt[b * kColBlock + c] = f16_at(w + (n0 + c) * ldw + b * W::kBytes + 2);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* sd = a.sd_at(m, 0);
+      __m256 acc[kGroups];
+      IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g) acc[g] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 s = _mm256_broadcast_ss(sd + b);
+        IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g)
+          acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_loadu_ps(mt + b * kColBlock + 8 * g), s));
+      }
+      alignas(32) float sums[kColBlock];
+      IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g) _mm256_store_ps(sums + 8 * g, acc[g]);
+      float* row = y + m * N + n0;
+      for (int64_t c = 0; c < cols; ++c) row[c] += sums[c];
+    }
+  }
+
+  void work() {
+    std::unique_ptr<Scratch> scratch;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      item(i, scratch);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes], with XLA's pool (or
+// on this thread alone when `pool` is null).
+template <class W, bool Vnni>
+void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  if (M == 0 || N == 0) return;
+  // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
+  const int64_t threads = !pool || 2 * M * N * K < (1 << 18) ? 1 : std::max<int64_t>(1, pool->num_threads());
+  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y, threads);
+  const int64_t helpers = std::min(threads, g->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
+  g->work();
+  while (g->done.load(std::memory_order_acquire) < g->items) _mm_pause();
+}
+
+template <class W>
+void dispatch(ffi::ThreadPool* pool, bool vnni, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+              float* y) {
+  if (vnni)
+    run<W, true>(pool, x, M, K, w, N, y);
+  else
+    run<W, false>(pool, x, M, K, w, N, y);
+}
+
+}  // namespace imp_q8

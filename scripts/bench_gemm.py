@@ -1,0 +1,81 @@
+"""The CPU GEMM kernel on a real model's matrices: the exact path (`--gemm cpu`) against int8
+activations (`--gemm cpu_q8`), per matrix kind and row count, and one step's GEMMs in all.
+
+    python scripts/bench_gemm.py [--model smollm2-135m-instruct] [--rows 1 8 32 64 256] [--repeats 7]
+
+Each timed program runs one kind of projection over every layer's matrix (distinct arrays, so a
+decode-sized product reads its weights from memory as a step does), best of `repeats`. 'step' is
+the sum over the kinds plus the LM head on the same rows: the GEMM time of a step of that many
+rows (a decode step samples every row).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+
+def best_seconds(fn, args, repeats: int) -> float:
+    fn(*args)[0].block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for y in fn(*args):
+            y.block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256])
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from imp_jax.kernels_pallas import ggml_blocks
+    from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+    from imp_jax.model.loader import load_model
+
+    if not cpu_gemm.available():
+        print("the CPU GEMM kernel is not available here")
+        return 1
+    from imp_jax.kernels_pallas import Kernels
+    model = load_model(args.model, dtype="float32", kernels=Kernels(attention="cpu", gemm="cpu")).model
+    kinds = dict(model.layers.matrices())
+    head = model.embed if model.lm_head is None else model.lm_head
+    kinds["lm_head"] = (head[...],)
+    lib = cpu_gemm.build.load("gemm")
+    print(f"q8 integer dot: {'vpdpbusd (AVX512-VNNI)' if lib.imp_gemm_q8_vnni() else 'vpmaddubsw (AVX2)'}")
+
+    modes = {"exact": False, "q8": True}
+    progs = {m: jax.jit(lambda x, ws, q8=q8: [cpu_gemm.matmul_wt_cpu(x, w, q8) for w in ws]) for m, q8 in modes.items()}
+    print(f"{'matrix':<26} {'format':<6} {'rows':>5} " + " ".join(f"{m + ' GFLOP/s':>15}" for m in modes) + f" {'speed-up':>9}")
+    step = {m: {r: 0.0 for r in args.rows} for m in modes}
+    for kind, ws in kinds.items():
+        n, k = ggml_blocks.matrix_shape(ws[0])
+        fmt = ggml_blocks.format_of(ws[0]) or str(ws[0].dtype)
+        for rows in args.rows:
+            x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
+            flops = 2 * rows * n * k * len(ws)
+            rate = {}
+            for m in modes:
+                s = best_seconds(progs[m], (x, ws), args.repeats)
+                step[m][rows] += s
+                rate[m] = flops / s / 1e9
+            label = f"{kind} {n} x {k}" + (f" (x{len(ws)})" if len(ws) > 1 else "")
+            print(f"{label:<26} {fmt:<6} {rows:5d} " + " ".join(f"{rate[m]:15.1f}" for m in modes)
+                  + f" {rate['q8'] / rate['exact']:8.2f}x")
+    print("one step's GEMMs (ms): " + "; ".join(
+        f"{r} rows: exact {step['exact'][r] * 1e3:.2f}, q8 {step['q8'][r] * 1e3:.2f}" for r in args.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The opt-in int8-activation GEMM (`--gemm cpu_q8`, kernels_pallas/cpu/gemm_q8.h): against a float64
+NumPy model of the same arithmetic, against the exact product within the bound its rounding allows,
+row independence, both integer-dot instruction sets, the dispatch, and SmolLM2 end to end."""
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.kernels_pallas import AttentionShape, Kernels, matmul_wt, select_kernels
+from imp_jax.kernels_pallas import ggml_blocks as quant
+from imp_jax.kernels_pallas.cpu import build
+from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+from imp_jax.model.weights import WeightFormats
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
+q8_kernel = jax.jit(lambda x, w: cpu_gemm.matmul_wt_cpu(x, w, int8_activations=True))
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+# ------------------------------------------------------------------ the arithmetic, in NumPy
+def quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] as the kernel rounds it: int8 q [M, K / 32, 32], float32 d_x and sd = d_x * sum q [M, K / 32]."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32).astype(np.float32)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        scale = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * scale[..., None]).astype(np.int64)   # float32 product, round half to even
+    d = (amax / np.float32(127)).astype(np.float32)
+    return q, d, (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+
+
+def block_weights(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGML blocks [N, K / 32, bytes] as integer weights [N, K / 32, 32], d and m (Q4_1) as float32."""
+    def f16(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+    fmt = quant.format_of(blocks)
+    if fmt == "Q8_0":
+        return blocks[..., 2:].view(np.int8).astype(np.int64), f16(blocks[..., 0:2]), None
+    nibbles = np.concatenate([blocks[..., -16:] & 15, blocks[..., -16:] >> 4], axis=-1).astype(np.int64)
+    if fmt == "Q4_0":
+        return nibbles - 8, f16(blocks[..., 0:2]), None
+    return nibbles, f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
+
+
+def q8_terms(x: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The terms the kernel sums in float32, in float64 [M, N, K / 32 (+ K / 32 for Q4_1)]: per block
+    dd * isum, with isum the exact integer dot and dd = d_w * d_x rounded to float32, and m_w * sd;
+    and beside them their magnitudes (dd * sum |q_w q_x|: the kernel sums lanes of 4 products)."""
+    q, d, sd = quantise(x)
+    qw, dw, mw = block_weights(blocks)
+    dd = (dw[None] * d[:, None]).astype(np.float32).astype(np.float64)
+    terms, size = dd * np.einsum("mbj,nbj->mnb", q, qw), np.abs(dd) * np.einsum("mbj,nbj->mnb", np.abs(q), np.abs(qw))
+    if mw is not None:
+        offsets = mw[None].astype(np.float64) * sd[:, None].astype(np.float64)
+        terms, size = np.concatenate([terms, offsets], axis=-1), np.concatenate([size, np.abs(offsets)], axis=-1)
+    return terms, size
+
+
+def ggml(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random [n, k] matrix quantised by gguf-py: (blocks, gguf-py's dequantisation)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, Q[qtype])
+    return raw.reshape(n, k // quant.BLOCK, quant.FORMATS[qtype]), dequantize(raw, Q[qtype]).reshape(n, k)
+
+
+def activations(m: int, k: int, seed: int) -> np.ndarray:
+    """Rows of varied scale, with an all-zero block (d_x = 0) and a block with one large value."""
+    x = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+    x *= np.float32(4.0) ** (np.arange(m)[:, None] % 7 - 3)
+    x[:, 32:64] = 0.0
+    x[0, min(k - 1, 70)] = 50.0
+    return x
+
+
+# ----------------------------------------------------------------------- the kernel itself
+def library() -> ctypes.CDLL:
+    lib = build.load("gemm")
+    lib.imp_gemm_q8_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.imp_gemm_q8_quantise.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def run_q8(x: np.ndarray, blocks: np.ndarray, vnni: bool) -> np.ndarray:
+    """The q8 product on this thread, outside XLA, with vpdpbusd or vpmaddubsw."""
+    (m, k), n = x.shape, blocks.shape[0]
+    x, blocks = np.ascontiguousarray(x), np.ascontiguousarray(blocks)
+    y = np.zeros((m, n), np.float32)
+    assert library().imp_gemm_q8_run(blocks.shape[-1], int(vnni), x.ctypes.data, m, k, blocks.ctypes.data, n,
+                                     y.ctypes.data) == 0
+    return y
+
+
+@needs_kernel
+def test_activations_round_half_to_even_per_32_wide_block():
+    x = activations(3, 96, 1)
+    x[1, :32] = np.arange(32) - 15.5                                   # amax 15.5: scale 127 / 15.5
+    x[2, :32] = np.array([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * 26)   # scale 1: ties stay ties
+    q, d, sd = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32)
+    library().imp_gemm_q8_quantise(x.ctypes.data, 3, 96, q.ctypes.data, d.ctypes.data, sd.ctypes.data)
+    want_q, want_d, want_sd = quantise(x)
+    np.testing.assert_array_equal(q.reshape(want_q.shape), want_q)
+    np.testing.assert_array_equal(d, want_d)
+    np.testing.assert_array_equal(sd, want_sd)
+    assert list(q[2, :6]) == [127, 2, -4, 0, 0, 2]
+    assert not q[:, 32:64].any() and not d[:, 1].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 65])
+@pytest.mark.parametrize("N,K", [(1, 32), (5, 96), (49, 288), (97, 1600)])
+def test_matches_a_numpy_model_of_the_same_arithmetic(qtype, M, N, K):
+    """Activation rounding, integer dots and scales as specified; only the float32 sums of the terms
+    differ from the float64 model (K = 1600 is 50 blocks: not a multiple of 8 blocks or of 256; N
+    covers the 1-, 2- and 4-wide tiles and the 48-row work items)."""
+    blocks, _ = ggml(qtype, N, K, M * 100 + N)
+    x = activations(M, K, M)
+    got = np.asarray(q8_kernel(x, jnp.asarray(blocks)))
+    terms, size = q8_terms(x, blocks)
+    np.testing.assert_array_less(np.abs(got - terms.sum(-1)), 2e-6 * size.sum(-1) + 1e-30)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype):
+    """Each x_j is used as d_x * q_j, off by at most d_x / 2, so |y - x @ w.T| <= sum over blocks of
+    d_x / 2 * sum |w_j| (the weights are exact); the bound is met, and the error is real (not the
+    exact path)."""
+    blocks, dense = ggml(qtype, 64, 576, 3)
+    x = activations(8, 576, 4)
+    got = np.asarray(q8_kernel(x, jnp.asarray(blocks))).astype(np.float64)
+    exact = x.astype(np.float64) @ dense.astype(np.float64).T
+    _, d, _ = quantise(x)
+    bound = (d.astype(np.float64) / 2) @ np.abs(dense.astype(np.float64)).reshape(64, 18, 32).sum(-1).T
+    assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * np.abs(x) @ np.abs(dense).T)
+    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
+    """Bit-identical rows whatever the rows around them: one row (its own code path), small tiles,
+    and across the 64-row work items."""
+    blocks, _ = ggml(qtype, 131, 320, 5)
+    w, x = jnp.asarray(blocks), activations(70, 320, 6)
+    whole = np.asarray(q8_kernel(x, w))
+    for lo, hi in [(0, 1), (5, 6), (3, 10), (63, 65), (64, 70)]:
+        np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_avx2_and_vnni_integer_dots_give_the_same_bits(qtype):
+    """vpmaddubsw + vpmaddwd and vpdpbusd give the same int32 lanes, so the same outputs; both match
+    the custom call (which picks one for this CPU) at 1 and several rows."""
+    blocks, _ = ggml(qtype, 50, 1600, 7)
+    for m in (1, 9):
+        x = activations(m, 1600, m)
+        via_xla = np.asarray(q8_kernel(x, jnp.asarray(blocks)))
+        np.testing.assert_array_equal(run_q8(x, blocks, vnni=False), via_xla)
+        if library().imp_gemm_q8_vnni():
+            np.testing.assert_array_equal(run_q8(x, blocks, vnni=True), via_xla)
+
+
+# ------------------------------------------------------------------------- the dispatch
+CPU_Q8 = Kernels(gemm="cpu_q8")
+
+
+def lowered(kernels: Kernels, x: jax.Array, w: jax.Array) -> str:
+    return jax.jit(lambda x, w: matmul_wt(x, w, kernels)).lower(x, w).as_text()
+
+
+@needs_kernel
+def test_only_cpu_q8_calls_the_q8_kernel_and_only_for_ggml_blocks():
+    blocks, _ = ggml("Q4_1", 40, 64, 8)
+    x, w = jnp.ones((3, 64)), jnp.asarray(blocks)
+    assert cpu_gemm.Q8_TARGETS["Q4_1"] in lowered(CPU_Q8, x, w)
+    assert cpu_gemm.BLOCK_TARGETS["Q4_1"] not in lowered(CPU_Q8, x, w)
+    for kernels in (Kernels(gemm="cpu"), Kernels()):
+        assert not any(t in lowered(kernels, x, w) for t in cpu_gemm.Q8_TARGETS.values())
+    # float32 and bfloat16 matrices keep the exact kernel (and XLA's dot where it is faster)
+    wf = jnp.ones((40, 64))
+    assert cpu_gemm.TARGET in lowered(CPU_Q8, x, wf)
+    assert cpu_gemm.TARGET_BF16W in lowered(CPU_Q8, x, wf.astype(jnp.bfloat16))
+    assert cpu_gemm.TARGET not in lowered(CPU_Q8, jnp.ones((1, 64)), wf)
+    np.testing.assert_array_equal(np.asarray(matmul_wt(x, wf, CPU_Q8)), np.full((3, 40), 64.0, np.float32))
+
+
+@needs_kernel
+def test_cpu_q8_is_chosen_by_name_only_and_keeps_the_blocks():
+    cpu = jax.local_devices()[0]
+    shape = AttentionShape(jnp.dtype(jnp.float32), jnp.dtype(jnp.float32), 9, 3, 64, 16)
+    assert select_kernels(cpu, shape).gemm == "cpu"
+    assert select_kernels(cpu, shape, gemm="cpu_q8").gemm == "cpu_q8"
+    assert WeightFormats.for_model(CPU_Q8, jnp.float32).ggml_blocks
+    assert not WeightFormats.for_model(CPU_Q8, jnp.bfloat16).ggml_blocks
+
+
+# -------------------------------------------------------------------- SmolLM2 end to end
+@pytest.mark.real_model
+@needs_kernel
+def test_smollm2_with_cpu_q8_is_batch_invariant_and_answers_like_the_exact_path(smollm2_gguf_path, hf_smollm2):
+    """`--gemm cpu_q8` through the engine builder: greedy outputs do not depend on the batch (run
+    together, the first prompt's decode rows share 16-row steps with the second's prefill; alone they
+    run in 1-row steps), and on two confident prompts the first tokens are the exact path's (which
+    equal transformers' float32 ones: test_smollm2.py). Not every prompt: on "What is the capital of
+    France?" the int8 rounding turns the exact path's first token ("The", then "... Paris.") into
+    "L" (docs/PERF.md), as llama.cpp's arithmetic does. The int8 rounding turns any difference in a
+    row's bits, however small, into other tokens soon after, so this also holds the rest of the step
+    (RMSNorm included) to bitwise row invariance."""
+    import torch
+
+    from imp_jax import LLM, SamplingParams
+
+    llm = LLM(str(smollm2_gguf_path), gemm="cpu_q8", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128)
+    assert llm.core.loaded.model.options.kernels.gemm == "cpu_q8"
+    questions = ["Name three colors of the rainbow.", "What is 2 + 2? Answer with one number and explain it."]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [llm.generate(q, params, chat=True)[0] for q in questions]
+    together = llm.generate(questions, params, chat=True)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    for out in alone:
+        with torch.no_grad():
+            prompt = torch.tensor([out.prompt_token_ids])
+            exact = hf_smollm2.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids[:4] == exact[0, prompt.shape[1]:].tolist()
+    assert llm.core.step_fn.compilations_after_warmup == 0
