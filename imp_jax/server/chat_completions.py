@@ -39,6 +39,8 @@ class ChatMessage(WireModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None   # replayed reasoning: the template renders or drops it
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -57,7 +59,7 @@ class ChatMessage(WireModel):
         """The message as chat templates expect it: string content, developer spelled system."""
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": self.text if self.content is not None else ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
         return msg
