@@ -62,14 +62,16 @@ class Thinking:
 
 
 def anthropic_thinking(cfg: dict[str, Any] | None) -> Thinking:
-    """Parse `thinking` ({"type": "enabled", "budget_tokens": N} | "adaptive" | "disabled"); a 400 names the field."""
+    """Parse `thinking` ({"type": "enabled", "budget_tokens": N} | "adaptive" | "between_tools" | "disabled");
+    a 400 names the field. "between_tools" thinks like "adaptive" (this server runs no tool loop of its own)."""
     if cfg is None:
         return Thinking()
     kind = cfg.get("type")
     if kind == "disabled":
         return Thinking()
-    if kind not in ("enabled", "adaptive"):
-        raise not_supported(f"'thinking.type' {kind!r} is not supported; use 'enabled', 'adaptive' or 'disabled'",
+    if kind not in ("enabled", "adaptive", "between_tools"):
+        raise not_supported(f"'thinking.type' {kind!r} is not supported; use 'enabled', 'adaptive', "
+                            "'between_tools' or 'disabled'",
                             param="thinking.type")
     display = cfg.get("display") or "summarized"
     if display not in ("summarized", "omitted"):
