@@ -156,7 +156,12 @@ class AsyncEngine:
         """End the request's think block (EngineCore.end_thinking), answered by the engine thread."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[str] = loop.create_future()
-        self._inbox.put(("end_thinking", request_id, lambda status: loop.call_soon_threadsafe(answer.set_result, status)))
+
+        def resolve(status: str) -> None:
+            if not answer.done():   # the caller may have stopped waiting
+                answer.set_result(status)
+
+        self._inbox.put(("end_thinking", request_id, lambda status: loop.call_soon_threadsafe(resolve, status)))
         return await answer
 
     # ------------------------------------------------------------ engine thread

@@ -201,8 +201,8 @@ def stop_reason(finish: str | None, matched: str | int | None, clamped: bool) ->
 def message_json(mid: str, model: str, text: str | None, reason: tuple[str | None, str | None],
                  usage: dict[str, int], thinking: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `message` object; `text` None (a stream's message_start) has no content yet; a thinking block first."""
-    return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": ([thinking] if thinking else []) + ([{"type": "text", "text": text}] if text is not None else []),
+    content = ([thinking] if thinking else []) + ([{"type": "text", "text": text}] if text is not None else [])
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
 
 
@@ -262,7 +262,8 @@ class MessageStream:
 
     def _start(self, kind: str) -> list[str]:
         self._block = kind
-        block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
+        block = ({"type": "text", "text": ""} if kind == "text"
+                 else {"type": "thinking", "thinking": "", "signature": ""})
         return [sse({"type": "content_block_start", "index": self._index, "content_block": block},
                     "content_block_start")]
 
