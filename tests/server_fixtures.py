@@ -92,6 +92,10 @@ class FakeEngine:
         if request_id in self._running:
             self._cancelled.add(request_id)
 
+    async def end_thinking(self, request_id: str) -> str:
+        """The fake never thinks: its running requests are not thinking ones."""
+        return "not_thinking" if request_id in self._running else "unknown"
+
     def stats(self) -> dict[str, Any]:
         return {"num_free_blocks": self.POOL_BLOCKS, "baseline_free_blocks": self.POOL_BLOCKS,
                 "num_running": len(self._running), "num_waiting": 0, "compilations_after_warmup": 0}

@@ -22,6 +22,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the process entry point builds the engine, behind a late import (jax loads only there)
     "imp_jax.server.__main__": ("imp_jax.runtime.async_engine",),
+    # whether the served model thinks: the engine's own test of the tokenizer (pure Python, no jax)
+    "imp_jax.server.reasoning": ("imp_jax.runtime.reasoning",),
 }
 
 

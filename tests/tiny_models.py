@@ -48,3 +48,71 @@ def write_arch_only_gguf(path: Path, arch: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ------------------------------------------------------------------------- a tiny model that thinks
+# A Qwen3-like template: the generation prompt opens no think block (the model does), and
+# enable_thinking=false prefills an empty one, as Qwen3's does.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{% if not loop.last or add_generation_prompt %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}")
+# What each piece's token is followed by under greedy decoding: a reply thinks "Hmm so", answers
+# "Yes done"; "ok" thinks forever and "zz" answers forever (so a request can be caught mid-block).
+THINKING_CHAIN = {"\n": "<think>", "<think>": "Hmm", "Hmm": " so", " so": "</think>", "</think>": "\n\n",
+                  "\n\n": "Yes", "Yes": " done", " done": "<|im_end|>", "ok": "ok", "zz": "zz"}
+
+
+def write_thinking_model(path: Path) -> dict[str, int]:
+    """A tiny Qwen3 HF dir whose greedy output follows THINKING_CHAIN, token by token, whatever came before.
+
+    Attention and MLP outputs are zero, so the last hidden state is the current token's embedding:
+    each chain token gets its own embedding axis, and the lm_head row of its successor reads that
+    axis. Returns the chain pieces' token ids.
+    """
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["Hmm so\n\n", "Yes done\n\n", "ok", "zz", "user system assistant hello world\n\n", "assistant\n"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, show_progress=False, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                    AddedToken("</think>", special=False, normalized=False)])  # plain added tokens, as Qwen3's
+    ids = {}
+    for piece in THINKING_CHAIN:
+        enc = tok.encode(piece, add_special_tokens=False).ids
+        assert len(enc) == 1, (piece, enc)
+        ids[piece] = enc[0]
+    ids["<|im_end|>"] = tok.token_to_id("<|im_end|>")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": THINKING_TEMPLATE}))
+
+    cfg = transformers.Qwen3Config(**{**TINY, "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 4096},
+                                   head_dim=32, tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        model.model.norm.weight.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.normal_(0, 0.01)
+        head.zero_()
+        for axis, (piece, nxt) in enumerate(THINKING_CHAIN.items()):
+            emb[ids[piece]].zero_()
+            emb[ids[piece], axis] = 1.0
+            head[ids[nxt], axis] = 10.0
+    model.save_pretrained(path, safe_serialization=True)
+    return ids

@@ -152,6 +152,18 @@ class AsyncEngine:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
+    async def end_thinking(self, request_id: str) -> str:
+        """End the request's think block (EngineCore.end_thinking), answered by the engine thread."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[str] = loop.create_future()
+
+        def resolve(status: str) -> None:
+            if not answer.done():   # the caller may have stopped waiting
+                answer.set_result(status)
+
+        self._inbox.put(("end_thinking", request_id, lambda status: loop.call_soon_threadsafe(resolve, status)))
+        return await answer
+
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
         from imp_jax.runtime.builder import build_engine, compile_in_background
@@ -202,6 +214,8 @@ class AsyncEngine:
                 return False
             if kind == "cancel":
                 self._core.cancel(item[1])
+            elif kind == "end_thinking":
+                item[2](self._core.end_thinking(item[1]))
             elif kind == "add":
                 _, req, emit = item
                 try:

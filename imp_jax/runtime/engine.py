@@ -22,9 +22,10 @@ from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.prompt_logprobs import PromptScoring
+from imp_jax.runtime.reasoning import ANSWER, THINK, ThinkMarkers, ThinkTracker
 from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
                                      check_context)
-from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors
+from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, pack_allowed_tokens
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
 from imp_jax.runtime.step import CompiledStep, StepShapes, fetch, step_buckets
@@ -74,7 +75,8 @@ class EngineCore:
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
         self.constraints = GrammarConstraints(loaded.tokenizer, loaded.config.vocab_size)
-        self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState]] = []
+        self.think_markers = ThinkMarkers.from_tokenizer(loaded.tokenizer)   # None: the model does not think
+        self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
         self.num_steps = 0
         self.counters = EngineCounters()
@@ -110,13 +112,15 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             scoring = PromptScoring.begin(self.pool, req.prompt_ids, params.prompt_logprobs)
         seqs: list[Sequence] = []
+        think = self.think_markers if req.reasoning else None
         for i in range(params.n):
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             seq = Sequence(
                 request=req, index=i, params=p, max_tokens=max_tokens,
                 detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens),
                 stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
-                prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None, constraint=matchers[i])
+                prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None, constraint=matchers[i],
+                reasoning=ThinkTracker(think, req.prompt_ids, req.reasoning_budget) if think else None)
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring)
         self.requests[req.request_id] = state
@@ -136,6 +140,17 @@ class EngineCore:
         for seq in state.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled", state)
+
+    def end_thinking(self, request_id: str) -> str:
+        """Force the end of the request's think blocks: "ending", "already_closed", "unknown" or "not_thinking"."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return "unknown"
+        trackers = [s.reasoning for s in state.seqs if s.status is not SeqStatus.FINISHED]
+        if not trackers or any(t is None for t in trackers):
+            return "not_thinking" if trackers else "unknown"
+        answers = [t.force_end() for t in trackers]
+        return "ending" if "ending" in answers else "already_closed"
 
     def fail_all(self, message: str) -> None:
         """End every request with an error (a device fault)."""
@@ -229,11 +244,18 @@ class EngineCore:
             allowed_bitmask=self._allowed(seq))
 
     def _allowed(self, seq: Sequence) -> np.ndarray | None:
-        """The constrained sequence's next-token bitmask (its grammar's), else None: any token."""
-        if seq.constraint is None:
+        """The next-token bitmask: a forced think end's token, else the grammar's (not inside a think
+        block; `<think>` allowed where a block may still open), else None: any token."""
+        vocab, think = self.loaded.config.vocab_size, seq.reasoning
+        if think is not None and think.forced_token is not None:
+            return pack_allowed_tokens([think.forced_token], vocab)
+        if seq.constraint is None or (think is not None and not think.constrained):
             return None
-        words = np.empty(-(-self.loaded.config.vocab_size // 32), np.uint32)
+        words = np.empty(-(-vocab // 32), np.uint32)
         seq.constraint.fill_mask(words)
+        if think is not None and think.may_open:
+            start = think.markers.start_id
+            words[start // 32] |= np.uint32(1 << (start % 32))
         return words
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
@@ -258,7 +280,8 @@ class EngineCore:
             return
         token = int(out.tokens[row])
         seq.output_ids.append(token)
-        if seq.constraint is not None:
+        kind = seq.reasoning.observe(token) if seq.reasoning is not None else ANSWER
+        if seq.constraint is not None and kind == ANSWER:
             seq.constraint.accept(token)
         logprobs = None
         if seq.params.logprobs is not None:
@@ -266,9 +289,9 @@ class EngineCore:
             top = [(int(t), float(v)) for t, v in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])]
             logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
         if self._ends_without_text(seq, token):
-            self._emit_token(seq, token, logprobs, state)
+            self._emit_token(seq, token, logprobs, state, kind)
         else:
-            self._deferred.append((seq, token, logprobs, state))
+            self._deferred.append((seq, token, logprobs, state, kind))
 
     def _ends_without_text(self, seq: Sequence, token: int) -> bool:
         """Whether `token` ends `seq` for a reason its text plays no part in (EOS, a stop token id,
@@ -284,20 +307,27 @@ class EngineCore:
     def _emit_deferred(self) -> None:
         """The text events `_advance` deferred, in order; a sequence ended meanwhile (cancelled) has none."""
         deferred, self._deferred = self._deferred, []
-        for seq, token, logprobs, state in deferred:
+        for seq, token, logprobs, state, kind in deferred:
             if seq.status is not SeqStatus.FINISHED:
-                self._emit_token(seq, token, logprobs, state)
+                self._emit_token(seq, token, logprobs, state, kind)
 
-    def _emit_token(self, seq: Sequence, token: int, logprobs, state: _RequestState) -> None:
+    def _emit_token(self, seq: Sequence, token: int, logprobs, state: _RequestState, kind: str = ANSWER) -> None:
+        """`kind` (runtime/reasoning.py): think text goes to reasoning_text, past stop strings; a marker has no text."""
         p = seq.params
         n_out = len(seq.output_ids)
         is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
         is_stop_id = token in p.stop_token_ids
-        finish, stop_reason, text = None, None, ""
+        finish, stop_reason, text, reasoning = None, None, "", ""
         if (is_eos or is_stop_id) and n_out > p.min_tokens:
             finish, stop_reason = "stop", token
+        elif kind == THINK:
+            reasoning = seq.detok.add([token])
+        elif kind != ANSWER:
+            reasoning = seq.detok.flush()   # a marker: the block's held-back bytes end with it
         elif not (is_eos or is_stop_id):
             delta = seq.detok.add([token])
+            if seq.reasoning is not None:
+                delta = seq.reasoning.answer_text(delta)
             if n_out <= p.min_tokens:
                 text = delta  # stop strings apply once min_tokens are out
             else:
@@ -311,9 +341,12 @@ class EngineCore:
             if too_big and n_out < seq.max_tokens:
                 self.counters.kv_pressure_rejections += 1
         if finish is not None and not isinstance(stop_reason, str):
+            if seq.reasoning is not None and seq.reasoning.thinking:
+                reasoning += seq.detok.flush()
             tail, matched = seq.stops.feed(seq.detok.flush())
             text += tail + ("" if matched else seq.stops.flush())
-        event = EngineEvent(seq.request.request_id, seq.index, [token], text, logprobs)
+        event = EngineEvent(seq.request.request_id, seq.index, [token], text, reasoning_text=reasoning,
+                            logprobs=logprobs)
         if seq.index == 0 and state.prompt_logprobs is not None:
             event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         if finish is None:
@@ -335,7 +368,9 @@ class EngineCore:
             first = state.seqs[0]
             event.usage = Usage(prompt_tokens=len(first.prompt_ids),
                                 completion_tokens=sum(len(s.output_ids) for s in state.seqs),
-                                cached_tokens=first.cached_prompt_tokens or 0)
+                                cached_tokens=first.cached_prompt_tokens or 0,
+                                reasoning_tokens=sum(s.reasoning.num_reasoning_tokens for s in state.seqs
+                                                     if s.reasoning is not None))
             event.done = True
             del self.requests[seq.request.request_id]
         self._send(state, event)

@@ -112,6 +112,8 @@ class GenerationRequest:
     cache_prompt: bool = False    # pin the prompt's full KV blocks until the request ends
     lora: str | None = None       # adapter name; keys the prefix cache
     constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
+    reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)
+    reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0   # of completion_tokens: the think block's, markers included
 
 
 @dataclasses.dataclass
@@ -153,6 +156,7 @@ class EngineEvent:
     index: int = 0
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+    reasoning_text: str = ""   # the think block's text (GenerationRequest.reasoning); `text` is the answer's
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on index 0's first event; entry 0 is None
     finish_reason: str | None = None

@@ -9,6 +9,7 @@ from typing import Any
 
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.runtime.kv_blocks import BlockTable
+from imp_jax.runtime.reasoning import ThinkTracker
 from imp_jax.runtime.request import GenerationRequest, SamplingParams, TokenLogprob
 from imp_jax.runtime.stop import StopStringMatcher
 
@@ -46,6 +47,7 @@ class Sequence:
     pinned: bool = False
     pending_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     constraint: Any = None              # its GrammarMatcher (runtime/constraints.py), if constrained
+    reasoning: ThinkTracker | None = None  # its think-block tracker, when the request splits reasoning
 
     @property
     def all_ids(self) -> list[int]:

@@ -19,6 +19,7 @@ from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
+from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel
 
@@ -57,7 +58,8 @@ def _as_blocks(v: Any) -> Any:
         return [{"type": "text", "text": v}]
     if v is not None and not isinstance(v, list):
         raise ValueError("must be a string or a list of content blocks")
-    return v
+    thinking = ("thinking", "redacted_thinking")  # replayed thinking: dropped (templates drop past reasoning)
+    return v if v is None else [b for b in v if not (isinstance(b, dict) and b.get("type") in thinking)]
 
 
 class Message(WireModel):
@@ -105,9 +107,7 @@ class Conversation(WireModel):
                                           "message may be)", param=f"messages[{i}].content")
         if self.tools:
             raise not_supported("'tools' are not supported yet", param="tools")
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise not_supported("extended 'thinking' is not supported yet; send {\"type\": \"disabled\"} or omit it",
-                                param="thinking.type")
+        anthropic_thinking(self.thinking)
         if (self.output_config or {}).get("format") is not None:
             raise not_supported("structured output ('output_config.format') is not supported yet",
                                 param="output_config.format")
@@ -178,7 +178,8 @@ class CountTokensRequest(Conversation):
 def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     """Render the turns with the chat template; a final assistant turn with text is continued, not closed."""
     messages, prefill = conv.template_messages()
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, continue_final_message=prefill)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                                         enable_thinking=anthropic_thinking(conv.thinking).enabled)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -198,10 +199,10 @@ def stop_reason(finish: str | None, matched: str | int | None, clamped: bool) ->
 
 
 def message_json(mid: str, model: str, text: str | None, reason: tuple[str | None, str | None],
-                 usage: dict[str, int]) -> dict[str, Any]:
-    """The `message` object; `text` None (a stream's message_start) has no content yet."""
-    return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}] if text is not None else [],
+                 usage: dict[str, int], thinking: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `message` object; `text` None (a stream's message_start) has no content yet; a thinking block first."""
+    content = ([thinking] if thinking else []) + ([{"type": "text", "text": text}] if text is not None else [])
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
 
 
@@ -215,17 +216,21 @@ async def messages() -> Any:
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
     mid = new_message_id()
     set_response_id(mid)
+    thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
-                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control)
+                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control,
+                             reasoning=True, reasoning_budget=thinking.budget_tokens)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:
-        fmt = MessageStream(mid, engine.served_name, len(ids), clamped)
+        shown = thinking if thinking.enabled and model_thinks(engine.tokenizer) else None
+        fmt = MessageStream(mid, engine.served_name, len(ids), clamped, shown)
         return sse_response(drive(engine, mid, events, fmt, keepalive_s=PING_INTERVAL_S))
     result = await collect(engine, greq, events)
     c = result.choices[0]
+    block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
     return jsonify(message_json(mid, engine.served_name, c.text, stop_reason(c.finish_reason, c.stop_reason, clamped),
-                                usage_json(result.usage)))
+                                usage_json(result.usage), block))
 
 
 @bp.post("/v1/messages/count_tokens")
@@ -236,36 +241,71 @@ async def count_tokens() -> Any:
 
 
 class MessageStream:
-    """message_start, ping, one text block (start, text_delta..., stop), message_delta, message_stop."""
+    """message_start, ping, a thinking block (opted in, when the model thinks: thinking_delta...,
+    signature_delta, stop), one text block (start, text_delta..., stop), message_delta, message_stop."""
 
-    def __init__(self, mid: str, model: str, prompt_tokens: int, clamped: bool):
+    def __init__(self, mid: str, model: str, prompt_tokens: int, clamped: bool, thinking: Thinking | None = None):
         self._mid, self._model, self._prompt_tokens, self._clamped = mid, model, prompt_tokens, clamped
         self._finish: str | None = None
         self._matched: str | int | None = None
+        self._thinking = thinking           # blocks then open as their text comes, the thinking one first
+        self._reasoning = ""
+        self._block: str | None = None      # the open block's type
+        self._index = 0
 
     def open(self) -> list[str]:
         start_usage = {"input_tokens": self._prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                        "cache_read_input_tokens": 0}  # the cache split is known at the end: message_delta
         message = message_json(self._mid, self._model, None, (None, None), start_usage)
-        return [sse({"type": "message_start", "message": message}, "message_start"), *self.ping(),
-                sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        frames = [sse({"type": "message_start", "message": message}, "message_start"), *self.ping()]
+        return frames if self._thinking else frames + self._start("text")
+
+    def _start(self, kind: str) -> list[str]:
+        self._block = kind
+        block = ({"type": "text", "text": ""} if kind == "text"
+                 else {"type": "thinking", "thinking": "", "signature": ""})
+        return [sse({"type": "content_block_start", "index": self._index, "content_block": block},
                     "content_block_start")]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self._index, "delta": delta}, "content_block_delta")
+
+    def _stop(self) -> list[str]:
+        frames = [self._delta({"type": "signature_delta", "signature": signature(self._reasoning)})
+                  ] if self._block == "thinking" else []
+        frames.append(sse({"type": "content_block_stop", "index": self._index}, "content_block_stop"))
+        self._index += 1
+        self._block = None
+        return frames
+
+    def _to_text(self) -> list[str]:
+        """The text block opens (closing a thinking block before it)."""
+        return (self._stop() if self._block is not None else []) + self._start("text")
 
     def event(self, ev: EngineEvent) -> list[str]:
         if ev.finish_reason is not None:
             self._finish, self._matched = ev.finish_reason, ev.stop_reason
-        if not ev.text:
-            return []
-        return [sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev.text}},
-                    "content_block_delta")]
+        frames = []
+        if ev.reasoning_text and self._thinking is not None and self._block != "text":
+            if self._block is None:
+                frames += self._start("thinking")
+            self._reasoning += ev.reasoning_text
+            if self._thinking.display != "omitted":
+                frames.append(self._delta({"type": "thinking_delta", "thinking": ev.reasoning_text}))
+        if ev.text:
+            if self._block != "text":
+                frames += self._to_text()
+            frames.append(self._delta({"type": "text_delta", "text": ev.text}))
+        return frames
 
     def close(self, usage: Usage | None) -> list[str]:
         reason, matched = stop_reason(self._finish, self._matched, self._clamped)
         delta_usage = usage_json(usage) if usage is not None else {"output_tokens": 0}
-        return [sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-                sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
-                     "usage": delta_usage}, "message_delta"),
-                sse({"type": "message_stop"}, "message_stop")]
+        frames = [] if self._block == "text" else self._to_text()
+        return frames + [*self._stop(),
+                         sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
+                              "usage": delta_usage}, "message_delta"),
+                         sse({"type": "message_stop"}, "message_stop")]
 
     def error(self, err: ImpError) -> list[str]:
         return [sse(anthropic_error_body(err, self._mid), "error")]

@@ -14,6 +14,7 @@ from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import Completion, collect
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
+from imp_jax.server.reasoning import template_kwargs
 from imp_jax.server.streaming import drive, sse_response
 from imp_jax.server.validation import WireModel
 
@@ -38,6 +39,8 @@ class ChatMessage(WireModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None   # replayed reasoning: the template renders or drops it
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -56,7 +59,7 @@ class ChatMessage(WireModel):
         """The message as chat templates expect it: string content, developer spelled system."""
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                "content": self.text if self.content is not None else ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
         return msg
@@ -75,6 +78,8 @@ class ChatRequest(OpenAISampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None      # shorthand for chat_template_kwargs.enable_thinking
+    reasoning_effort: str | None = None      # reaches the template as `reasoning_effort`
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -129,7 +134,8 @@ def prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int]:
     cont = req.continue_final_message
     text = tokenizer.apply_chat_template(
         [m.for_template() for m in req.messages], add_generation_prompt=req.add_generation_prompt and not cont,
-        continue_final_message=cont, **(req.chat_template_kwargs or {}))
+        continue_final_message=cont,
+        **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -143,7 +149,8 @@ async def chat_completions() -> Any:
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
     rid = new_id("chatcmpl")
     set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             reasoning=True)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:
@@ -159,7 +166,8 @@ def chat_response(rid: str, model: str, result: Completion, token_text: TokenTex
         "id": rid, "object": "chat.completion", "created": now(), "model": model, "system_fingerprint": None,
         "choices": [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", "content": c.text,
+                        **({"reasoning_content": c.reasoning} if c.reasoning else {})},
             "logprobs": {"content": chat_logprobs(c.logprobs, token_text)} if logprobs else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
         } for c in result.choices],
@@ -183,8 +191,9 @@ class ChatStream(OpenAIStream):
             self._opened.add(ev.index)
             frames.append(self._chunk([{"index": ev.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        if ev.text or ev.logprobs or ev.finish_reason is not None:
-            choice: dict[str, Any] = {"index": ev.index, "delta": {"content": ev.text} if ev.text else {},
+        if ev.text or ev.reasoning_text or ev.logprobs or ev.finish_reason is not None:
+            delta = {"reasoning_content": ev.reasoning_text} if ev.reasoning_text else {}
+            choice: dict[str, Any] = {"index": ev.index, "delta": {**delta, "content": ev.text} if ev.text else delta,
                                       "logprobs": None, "finish_reason": ev.finish_reason}
             if ev.logprobs:
                 choice["logprobs"] = {"content": chat_logprobs(ev.logprobs, self._token_text)}

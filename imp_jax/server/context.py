@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from imp_jax.server.telemetry import Telemetry
 from imp_jax.server.validation import M, check_model_name, parse_json, parse_model
 
 _KEY = "imp_jax"
+MAX_CLIENT_IDS = 4096   # client X-Request-Ids remembered for /v1/requests/{id}/... (oldest forgotten first)
 
 
 @dataclasses.dataclass
@@ -31,6 +33,11 @@ class ServerContext:
     cors: Cors
     started_at: float = dataclasses.field(default_factory=time.time)
     draining: bool = False
+    client_ids: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)  # X-Request-Id -> engine id
+
+    def engine_id(self, request_id: str) -> str:
+        """The engine's request id for a response id or a client's X-Request-Id."""
+        return self.client_ids.get(request_id, request_id)
 
 
 def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
@@ -120,6 +127,13 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
 def set_response_id(response_id: str) -> None:
     """The id a generation response carries in X-Request-Id when the client sent none (and the request log's id)."""
     g.response_id = response_id
+    client_id = g.get("client_request_id")
+    if client_id:
+        ids = server().client_ids
+        ids[client_id] = response_id
+        ids.move_to_end(client_id)
+        while len(ids) > MAX_CLIENT_IDS:
+            ids.popitem(last=False)
     record = g.get("record")
     if record is not None:
         record.server_id = response_id

@@ -21,6 +21,7 @@ class Engine(Protocol):
     def generate(self, req: GenerationRequest, limits: StreamLimits = ...,
                  on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]: ...
     def cancel(self, request_id: str) -> None: ...
+    async def end_thinking(self, request_id: str) -> str: ...
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -72,6 +73,7 @@ class Choice:
 
     index: int
     text: str = ""
+    reasoning: str = ""   # the think block's text (GenerationRequest.reasoning)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -100,6 +102,7 @@ async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[
                 raise err
             c = choices.setdefault(ev.index, Choice(ev.index))
             c.text += ev.text
+            c.reasoning += ev.reasoning_text
             c.token_ids.extend(ev.token_ids)
             if ev.logprobs:
                 c.logprobs.extend(ev.logprobs)

@@ -16,10 +16,12 @@ from quart.blueprints import BlueprintSetupState
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
 from imp_jax.server import lifecycle
+from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import OpenAISampling, now
+from imp_jax.server.reasoning import model_thinks, reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel
@@ -89,7 +91,9 @@ class ResponsesRequest(OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None   # `effort` reaches the template as `reasoning_effort`
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
     truncation: str | None = None
     background: bool | None = None
     top_logprobs: int | None = None
@@ -103,7 +107,7 @@ class ResponsesRequest(OpenAISampling):
             return [{"role": "user", "content": v}]
         if not isinstance(v, list):
             raise ValueError("must be a string or a list of input items")
-        return v
+        return [i for i in v if not (isinstance(i, dict) and i.get("type") == "reasoning")]  # replayed: dropped
 
     def check(self) -> None:
         self.check_common()
@@ -128,6 +132,10 @@ class ResponsesRequest(OpenAISampling):
         if self.truncation not in (None, "auto", "disabled"):
             raise InvalidRequestError("'truncation' must be 'auto' or 'disabled'", param="truncation")
         self._check_metadata()
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise InvalidRequestError(f"'chat_template_kwargs.{taken[0]}' may not be set: the request sets it",
+                                      param=f"chat_template_kwargs.{taken[0]}")
         if self.continue_final_message:
             last = self.input[-1]
             if last.role != "assistant" or not last.message()["content"]:
@@ -159,7 +167,8 @@ def _install_store(state: BlueprintSetupState) -> None:
 
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
@@ -178,6 +187,7 @@ class ResponseDraft:
     store: ResponsesStore
     created_at: int = dataclasses.field(default_factory=now)
     item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
     def item(self, text: str | None, status: str) -> dict[str, Any]:
         """The assistant message output item; `text` None: no content part yet."""
@@ -193,17 +203,20 @@ class ResponseDraft:
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "store": req.store, "temperature": req.temperature, "text": {"format": {"type": "text"}},
             "tool_choice": "auto", "tools": [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
             "usage": usage_json(usage) if usage is not None else None, "user": req.user,
             "metadata": req.metadata or {},
         }
 
-    def finish(self, text: str, finish: str | None, usage: Usage) -> dict[str, Any]:
-        """The final response object (completed, or incomplete at max_output_tokens), stored if asked."""
+    def finish(self, text: str, finish: str | None, usage: Usage, reasoning: str = "") -> dict[str, Any]:
+        """The final response object (completed, or incomplete at max_output_tokens), stored if asked;
+        a think block comes first, as a reasoning item."""
         status = "incomplete" if finish == "length" else "completed"
-        final = self.response(status, [self.item(text, status)], usage, finish)
+        head = [reasoning_item(self.reasoning_id, reasoning, "completed")] if reasoning else []
+        final = self.response(status, [*head, self.item(text, status)], usage, finish)
         if self.req.store:
             conversation = list(self.conversation)
             if self.req.continue_final_message:  # the output continues the last assistant turn: one turn
@@ -235,8 +248,10 @@ async def create_response() -> Any:
         previous = entry.conversation
     conversation = previous + [item.message() for item in req.input]
     cont = req.continue_final_message
+    kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
+                             "reasoning.effort")
     text = engine.tokenizer.apply_chat_template(template_messages(req, conversation), add_generation_prompt=not cont,
-                                                continue_final_message=cont)
+                                                continue_final_message=cont, **kwargs)
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
@@ -245,13 +260,15 @@ async def create_response() -> Any:
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
     set_response_id(draft.id)
-    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             reasoning=True)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
-        return sse_response(drive(engine, draft.id, events, ResponseStream(draft)))
+        stream = ResponseStream(draft, thinks=model_thinks(engine.tokenizer))
+        return sse_response(drive(engine, draft.id, events, stream))
     result = await collect(engine, greq, events)
     c = result.choices[0]
-    return jsonify(draft.finish(c.text, c.finish_reason, result.usage))
+    return jsonify(draft.finish(c.text, c.finish_reason, result.usage, c.reasoning))
 
 
 def _not_found(response_id: str, param: str) -> NotFoundError:
@@ -275,13 +292,22 @@ async def delete_response(response_id: str) -> Any:
 
 
 class ResponseStream:
-    """response.created, in_progress, the item and its part, text deltas, the done events, completed/incomplete."""
+    """response.created, in_progress, a reasoning item (when the model thinks) then the message item, each
+    with its part, deltas and done events, then completed/incomplete.
 
-    def __init__(self, draft: ResponseDraft):
+    `thinks`: the message item opens at the first answer text, after any reasoning item.
+    """
+
+    def __init__(self, draft: ResponseDraft, thinks: bool = False):
         self._draft = draft
         self._seq = 0
         self._text = ""
+        self._reasoning = ""
         self._finish: str | None = None
+        self._thinks = thinks
+        self._message_open = False
+        self._reasoning_open = False
+        self._message_index = 0   # 1 once a reasoning item came first
 
     def _frame(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self._seq, **fields}
@@ -289,30 +315,68 @@ class ResponseStream:
         return sse(body, kind)
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self._draft.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self._draft.item_id, "output_index": self._message_index, "content_index": 0}
+
+    def _reasoning_where(self) -> dict[str, Any]:
+        return {"item_id": self._draft.reasoning_id, "output_index": 0, "content_index": 0}
 
     def open(self) -> list[str]:
         pending = self._draft.response("in_progress", [])
-        return [self._frame("response.created", response=pending),
-                self._frame("response.in_progress", response=pending),
-                self._frame("response.output_item.added", output_index=0, item=self._draft.item(None, "in_progress")),
-                self._frame("response.content_part.added", **self._where(), part=output_text(""))]
+        frames = [self._frame("response.created", response=pending),
+                  self._frame("response.in_progress", response=pending)]
+        return frames if self._thinks else frames + self._open_message()
+
+    def _open_message(self) -> list[str]:
+        """The message item opens (closing a reasoning item before it)."""
+        frames = self._close_reasoning()
+        self._message_open = True
+        return frames + [
+            self._frame("response.output_item.added", output_index=self._message_index,
+                        item=self._draft.item(None, "in_progress")),
+            self._frame("response.content_part.added", **self._where(), part=output_text(""))]
+
+    def _open_reasoning(self) -> list[str]:
+        self._reasoning_open, self._message_index = True, 1
+        item = reasoning_item(self._draft.reasoning_id, None, "in_progress")
+        return [self._frame("response.output_item.added", output_index=0, item=item),
+                self._frame("response.content_part.added", **self._reasoning_where(), part=reasoning_part(""))]
+
+    def _close_reasoning(self) -> list[str]:
+        if not self._reasoning_open:
+            return []
+        self._reasoning_open = False
+        text = self._reasoning
+        return [self._frame("response.reasoning_text.done", **self._reasoning_where(), text=text),
+                self._frame("response.content_part.done", **self._reasoning_where(), part=reasoning_part(text)),
+                self._frame("response.output_item.done", output_index=0,
+                            item=reasoning_item(self._draft.reasoning_id, text, "completed"))]
 
     def event(self, ev: EngineEvent) -> list[str]:
         if ev.finish_reason is not None:
             self._finish = ev.finish_reason
-        if not ev.text:
-            return []
-        self._text += ev.text
-        return [self._frame("response.output_text.delta", **self._where(), delta=ev.text, logprobs=[])]
+        frames = []
+        if ev.reasoning_text and not self._message_open:
+            if not self._reasoning_open:
+                frames += self._open_reasoning()
+            self._reasoning += ev.reasoning_text
+            frames.append(self._frame("response.reasoning_text.delta", **self._reasoning_where(),
+                                      delta=ev.reasoning_text))
+        if ev.text:
+            if not self._message_open:
+                frames += self._open_message()
+            self._text += ev.text
+            frames.append(self._frame("response.output_text.delta", **self._where(), delta=ev.text, logprobs=[]))
+        return frames
 
     def close(self, usage: Usage | None) -> list[str]:
-        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0))
-        item = final["output"][0]
-        return [self._frame("response.output_text.done", **self._where(), text=self._text, logprobs=[]),
-                self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
-                self._frame("response.output_item.done", output_index=0, item=item),
-                self._frame(f"response.{final['status']}", response=final)]
+        frames = [] if self._message_open else self._open_message()
+        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0), self._reasoning)
+        item = final["output"][-1]
+        return frames + [
+            self._frame("response.output_text.done", **self._where(), text=self._text, logprobs=[]),
+            self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
+            self._frame("response.output_item.done", output_index=self._message_index, item=item),
+            self._frame(f"response.{final['status']}", response=final)]
 
     def error(self, err: ImpError) -> list[str]:
         return [self._frame("error", code=err.code, message=err.message, param=err.param)]
