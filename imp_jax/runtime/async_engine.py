@@ -102,7 +102,7 @@ class AsyncEngine:
 
     @property
     def default_params(self) -> dict[str, Any]:
-        return model_defaults(self.core.loaded.generation_config)
+        return model_defaults(self.core.loaded.generation_config, self.core.loaded.config.architecture)
 
     def stats(self) -> dict[str, Any]:
         return {"state": self.state, **(self._core.stats() if self._core else {})}

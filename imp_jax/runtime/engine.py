@@ -91,7 +91,7 @@ class EngineCore:
         vocab = self.loaded.config.vocab_size
         req.params.validate(vocab)
         n_prompt = len(req.prompt_ids)
-        params = resolve_params(req.params, self.loaded.generation_config)
+        params = resolve_params(req.params, self.loaded.generation_config, self.loaded.config.architecture)
         check_context(n_prompt, params.max_tokens, self.max_model_len, "prompt")
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")

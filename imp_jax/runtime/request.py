@@ -33,7 +33,7 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Per-request generation knobs. None means "the model's default" (generation_config.json, else neutral)."""
+    """Per-request generation knobs. None means "the model's default" (runtime/defaults.py)."""
 
     temperature: float | None = None      # 0 = greedy
     top_p: float | None = None            # 1 = off
