@@ -165,7 +165,9 @@ def test_a_device_fault_fails_every_request_in_each_dialect(smollm2_loaded, smol
             health = httpx.get(url + "/health")
             assert health.status_code == 503 and health.json()["code"] == "engine_faulted"
             again = httpx.post(url + CHAT, json=bodies["chat"][1])
-            assert again.status_code == 503, again.text
+            assert again.status_code == 500 and again.json()["error"]["code"] == "engine_faulted", again.text
+            ready = httpx.get(url + "/ready")
+            assert ready.status_code == 503 and ready.json()["code"] == "engine_faulted"
             stats = engine.stats()
             assert stats["num_running"] == stats["num_waiting"] == 0
             assert stats["num_free_blocks"] == stats["baseline_free_blocks"]  # fail_all freed every block

@@ -57,8 +57,11 @@ async def health() -> Any:
     stats = _stats()
     body: dict[str, Any] = {
         "status": "ok", "state": engine_state, "model_loaded": engine_state in ("warming_up", "ready"),
-        "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), **stats,
+        "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), "suspended": False, **stats,
     }
+    if "kv_blocks_total" in stats:   # the pool's capacity, so a caller can check a prompt against it
+        body.update(kv_capacity_tokens=stats["kv_blocks_total"] * stats["kv_block_size"],
+                    kv_ceiling_blocks=stats["kv_blocks_total"], kv_pool_growable=False)
     if engine_state == "faulted":
         body.update(status="unhealthy", code="engine_faulted")
         return jsonify(body), 503

@@ -9,6 +9,7 @@ from typing import Any
 
 from quart import current_app, g, request
 
+from imp_jax.errors import ImpError
 from imp_jax.server.access import Access
 from imp_jax.server.admission import AdmissionGate
 from imp_jax.server.config import ServerConfig
@@ -104,11 +105,15 @@ def readiness() -> tuple[bool, str]:
 
 
 def ready_engine() -> Engine:
-    """The engine, or a 503 saying why it cannot take a request now."""
+    """The engine, or why it cannot take a request now: a 503 while that may pass (loading, draining),
+    a 500 `engine_faulted` after a device fault (as the request that hit it got: retrying a dead
+    engine does not help; restart the process)."""
     ready, code = readiness()
     if not ready:
+        if code == "engine_faulted":
+            raise ImpError("the engine faulted; restart the server", code=code, status=500)
         messages = {"loading": "the model is still loading", "draining": "the server is shutting down",
-                    "engine_faulted": "the engine faulted; restart the server", "stopped": "the engine stopped"}
+                    "stopped": "the engine stopped"}
         raise unavailable(messages[code], code)
     return server().engine
 
