@@ -43,21 +43,29 @@ class _HypercornConfig(HypercornConfig):
 
 
 async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
-    """Serve until SIGINT or SIGTERM; /ready answers 503 draining while in-flight requests finish."""
+    """Serve until SIGINT or SIGTERM; then new requests get 503 draining while the in-flight ones finish
+    (at most --drain-timeout seconds; a second signal stops waiting), and the process exits 0."""
     hc = _HypercornConfig()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = 5.0
-    stop = asyncio.Event()
+    stop, stop_now = asyncio.Event(), asyncio.Event()   # the first signal drains; a second stops waiting
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda: (stop_now if stop.is_set() else stop).set())
 
     async def shutdown_trigger() -> None:
         await stop.wait()
-        log.info("shutting down: finishing in-flight requests")
-        state_of(app).draining = True
+        state_of(app).draining = True   # new generation requests: 503 draining; /ready 503 draining
+        busy = _in_flight(engine)
+        log.info("shutting down: finishing %d in-flight request(s), at most %.0f s", busy, config.drain_timeout)
+        deadline = loop.time() + config.drain_timeout
+        while busy and loop.time() < deadline and not stop_now.is_set():
+            await asyncio.sleep(0.1)
+            busy = _in_flight(engine)
+        if busy:
+            log.warning("shutting down with %d request(s) unfinished after %.0f s", busy, config.drain_timeout)
 
     engine.start()
     try:
@@ -65,6 +73,15 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     finally:
         engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted; its thread is a daemon
         log.info("stopped")
+
+
+def _in_flight(engine: AsyncEngine) -> int:
+    """Requests the engine holds (running or waiting); 0 when it has no stats (not loaded)."""
+    try:
+        stats = engine.stats()
+    except Exception:
+        return 0
+    return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
 
 
 MALLOC_ARENAS = 2  # glibc's default is 8 per core, each grown to its thread's high-water mark

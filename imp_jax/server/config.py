@@ -46,6 +46,8 @@ class ServerConfig:
     stream_stall_timeout: float = _field(30.0, "seconds a full event buffer may go unread before the "
                                                "client is dropped")
     # observability
+    drain_timeout: float = _field(30.0, "seconds SIGTERM waits for in-flight requests to finish (new ones get "
+                                  "503 draining meanwhile) before the server exits")
     log_requests: str | None = _field(None, "append one JSON line per request to this file")
     otlp_endpoint: str | None = _field(None, "OTLP/HTTP traces URL of a collector "
                                              "(http://host:4318/v1/traces): export a span per generation request")
@@ -58,7 +60,7 @@ class ServerConfig:
         if isinstance(self.cors_origins, str):
             self.cors_origins = [self.cors_origins]
         self.cors_origins = [o.strip() for v in self.cors_origins for o in v.split(",") if o.strip()]
-        for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout"):
+        for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_request_bytes", "stream_buffer_events", "stream_stall_timeout"):

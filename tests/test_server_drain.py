@@ -1,0 +1,51 @@
+"""Graceful shutdown: SIGTERM stops admitting (503 draining), the stream in flight completes, and
+the process exits 0 (a server of its own: the session servers end their sessions)."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from server_fixtures import MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, parse_sse, wait_for
+
+
+def test_sigterm_finishes_the_stream_in_flight_and_exits_0(smollm2_gguf_path: Path, tmp_path: Path) -> None:
+    live = LiveServer([*REAL_ENGINE_ARGS, "--model", MODEL, "--drain-timeout", "120"], tmp_path / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 160, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        first, raw = threading.Event(), []
+
+        def read() -> None:
+            with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=300) as r:
+                for chunk in r.iter_text():
+                    raw.append(chunk)
+                    first.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(120), "no first chunk"
+        live.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while (ready := httpx.get(live.url + "/ready")).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still 200 after SIGTERM"
+            time.sleep(0.05)
+        assert ready.json()["code"] == "draining"
+        refused = httpx.post(live.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert reader.is_alive(), "the stream ended before the drain could be observed"
+        reader.join(300)
+        frames = parse_sse("".join(raw))
+        assert frames[-1] == (None, "[DONE]")
+        chunks = [json.loads(d) for _, d in frames[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 100   # the whole answer came
+        assert live.proc.wait(60) == 0
+        assert "shutting down: finishing 1 in-flight request(s)" in live.log_text()
+    finally:
+        live.stop()
