@@ -96,6 +96,17 @@ class FakeEngine:
         """The fake never thinks: its running requests are not thinking ones."""
         return "not_thinking" if request_id in self._running else "unknown"
 
+    async def suspend(self) -> dict[str, Any]:
+        """Nothing to park: the state alone, as the real engine's operator suspend shows it."""
+        self.state = "suspended"
+        return {"status": "suspended", "freed_bytes": 0}
+
+    async def resume(self) -> dict[str, Any]:
+        if self.state != "suspended":
+            return {"status": "not_suspended"}
+        self.state = "ready"
+        return {"status": "resumed"}
+
     def stats(self) -> dict[str, Any]:
         return {"num_free_blocks": self.POOL_BLOCKS, "baseline_free_blocks": self.POOL_BLOCKS,
                 "num_running": len(self._running), "num_waiting": 0, "compilations_after_warmup": 0}

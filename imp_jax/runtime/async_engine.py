@@ -12,6 +12,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator, Callable
 
 from imp_jax.errors import EngineError, ImpError
@@ -29,7 +30,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None):
         self.config = config
-        self.state = "loading"          # loading | warming_up | ready | faulted | stopped
+        self.state = "loading"          # loading | warming_up | ready | suspended | faulted | stopped
+        self.idle_suspended = False     # parked for idleness: still "ready", the next request resumes
         self.progress = 0.0
         self.error: str | None = None
         self._build = build
@@ -40,6 +42,8 @@ class AsyncEngine:
         self._compiler: threading.Thread | None = None   # background compiles (builder.compile_in_background)
         self._compiler_lock = threading.Lock()
         self._stopping = False
+        self._suspend_waiters: list[Callable[[Any], None]] = []
+        self._last_request = 0.0
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -105,7 +109,8 @@ class AsyncEngine:
         return model_defaults(self.core.loaded.generation_config, self.core.loaded.config.architecture)
 
     def stats(self) -> dict[str, Any]:
-        return {"state": self.state, **(self._core.stats() if self._core else {})}
+        return {"state": self.state, "suspended": self.state == "suspended", "idle_suspended": self.idle_suspended,
+                "idle_unload_seconds": self.config.idle_unload_seconds, **(self._core.stats() if self._core else {})}
 
     # ---------------------------------------------------------------- requests
     async def generate(self, req: GenerationRequest, limits: StreamLimits = StreamLimits(),
@@ -116,9 +121,9 @@ class AsyncEngine:
         dropped: the request is cancelled, the task reading it is cancelled, and `on_stall` runs.
         """
         if self.state != "ready":
+            code = {"loading": "loading", "warming_up": "loading", "suspended": "suspended"}.get(self.state)
             raise EngineError(f"engine is {self.state}" + (f": {self.error}" if self.error else ""),
-                              code="loading" if self.state in ("loading", "warming_up") else "engine_error",
-                              status=503)
+                              code=code or "engine_error", status=503)
         loop = asyncio.get_running_loop()
         reader = asyncio.current_task()
 
@@ -164,6 +169,27 @@ class AsyncEngine:
         self._inbox.put(("end_thinking", request_id, lambda status: loop.call_soon_threadsafe(resolve, status)))
         return await answer
 
+    async def suspend(self) -> dict[str, Any]:
+        """Operator suspend: refuse new requests (503 suspended), let those in flight finish, then park
+        the weights and KV cache in host memory. Sticky until `resume()`."""
+        return await self._ask("suspend")
+
+    async def resume(self) -> dict[str, Any]:
+        """Put the parked weights and KV cache back on the device and take requests again."""
+        return await self._ask("resume")
+
+    async def _ask(self, kind: str) -> Any:
+        """A command answered by the engine thread."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Any] = loop.create_future()
+
+        def resolve(value: Any) -> None:
+            if not answer.done():
+                answer.set_result(value)
+
+        self._inbox.put((kind, lambda value: loop.call_soon_threadsafe(resolve, value)))
+        return await answer
+
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
         from imp_jax.runtime.builder import build_engine, compile_in_background
@@ -186,6 +212,7 @@ class AsyncEngine:
         self.state = "ready"
         self._ready.set()
         core = self._core
+        self._last_request = time.monotonic()
         while True:
             warming = not core.has_work() and core.step_fn.has_unrun()
             if not self._drain(block=not core.has_work() and not warming):
@@ -195,12 +222,62 @@ class AsyncEngine:
             try:
                 if core.has_work():
                     core.step()
+                elif self._suspend_waiters:
+                    self._park("operator")
                 elif warming:
                     core.step_fn.run_one_unrun()   # a newly compiled program's first run, while nobody waits
+                elif self._idle_due():
+                    self._park("idle")
             except Exception as e:
                 log.exception("engine step failed; failing all requests")
                 self.error, self.state = f"device fault: {e}", "faulted"
                 core.fail_all(self.error)
+
+    def _idle_due(self) -> bool:
+        limit = self.config.idle_unload_seconds
+        return (limit > 0 and self.state == "ready" and not self.idle_suspended
+                and time.monotonic() - self._last_request >= limit)
+
+    def _park(self, why: str) -> None:
+        """Suspend now (the engine has no work): weights and KV cache to host memory."""
+        t0 = time.perf_counter()
+        freed = 0 if self._core.step_fn.suspended else self._core.step_fn.suspend()
+        if why == "idle":
+            self.idle_suspended = True
+        log.info("suspended (%s): %.0f MiB of weights and KV cache moved to host memory in %.2f s",
+                 why, freed / 2**20, time.perf_counter() - t0)
+        waiters, self._suspend_waiters = self._suspend_waiters, []
+        for reply in waiters:
+            reply({"status": "suspended", "freed_bytes": freed})
+
+    def _unpark(self, why: str) -> None:
+        t0 = time.perf_counter()
+        if self._core.step_fn.suspended:
+            self._core.step_fn.resume()
+            log.info("resumed (%s) in %.2f s", why, time.perf_counter() - t0)
+        self.idle_suspended = False
+
+    def _command_suspend(self, reply: Callable[[Any], None]) -> None:
+        if self.state == "faulted":
+            reply({"status": "faulted"})
+            return
+        if self.state == "suspended" and not self._suspend_waiters:
+            reply({"status": "already_suspended"})
+            return
+        self.state = "suspended"   # new requests: 503 suspended; those in flight finish first (_run)
+        self._suspend_waiters.append(reply)
+
+    def _command_resume(self, reply: Callable[[Any], None]) -> None:
+        if self.state != "suspended":
+            reply({"status": "faulted" if self.state == "faulted" else "not_suspended"})
+            return
+        for waiting in self._suspend_waiters:   # a suspend still draining is called off
+            waiting({"status": "resumed_before_parking"})
+        self._suspend_waiters = []
+        self._unpark("operator")
+        self._last_request = time.monotonic()
+        self.state = "ready"
+        reply({"status": "resumed"})
 
     def _drain(self, block: bool) -> bool:
         """Apply queued submissions and cancellations; False when asked to stop."""
@@ -216,11 +293,21 @@ class AsyncEngine:
                 self._core.cancel(item[1])
             elif kind == "end_thinking":
                 item[2](self._core.end_thinking(item[1]))
+            elif kind == "suspend":
+                self._command_suspend(item[1])
+            elif kind == "resume":
+                self._command_resume(item[1])
             elif kind == "add":
                 _, req, emit = item
                 try:
                     if self.state == "faulted":
                         raise EngineError(f"engine is faulted: {self.error}")
+                    if self.state == "suspended":
+                        raise EngineError("the engine is suspended; POST /admin/resume", code="suspended",
+                                          status=503)
+                    self._last_request = time.monotonic()
+                    if self.idle_suspended:
+                        self._unpark("a request arrived")
                     self._core.add_request(req, emit)
                 except ImpError as e:
                     emit(e)

@@ -64,6 +64,8 @@ class CompiledStep:
         # buffers (packing.py); they are lowered from specs, never from the live (donated) buffers,
         # so a background thread can compile while the engine thread steps
         self._leaves, treedef = jax.tree.flatten(self.state)
+        self._treedef = treedef
+        self._parked: tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None   # suspend()
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._leaf_specs, self._kv_spec = [spec(a) for a in self._leaves], jax.tree.map(spec, self.kv)
         self._layouts: dict[tuple[str, int, int], Layout] = {}
@@ -151,7 +153,7 @@ class CompiledStep:
             return False
         T, S = bucket or (self.score_tokens, 1)
         batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
-                                 block_size=self.kv[0].shape[2])
+                                 block_size=self._kv_spec[0].shape[2])
         if score:   # its first run keeps ~55 MiB of buffers: at start-up, not mid-traffic
             self.score(batch, np.zeros(T, np.int32))
         else:
@@ -159,7 +161,7 @@ class CompiledStep:
         return True
 
     def has_unrun(self) -> bool:
-        return bool(self._unrun) or self._score_unrun
+        return not self.suspended and (bool(self._unrun) or self._score_unrun)
 
     @property
     def num_compiled(self) -> int:
@@ -192,7 +194,7 @@ class CompiledStep:
         key = (program, T, S)
         if key not in self._layouts:
             batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
-                                     block_size=self.kv[0].shape[2])
+                                     block_size=self._kv_spec[0].shape[2])
             tree = (_step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
                     else _score_inputs(batch, np.zeros(T, np.int32)))
             self._layouts[key] = pack(tree)[0]
@@ -222,6 +224,31 @@ class CompiledStep:
         exe = self._score_program()
         out, self.kv = exe(self._leaves, self.kv, *self._pack("score", _score_inputs(batch, targets)))
         return tuple(np.asarray(x) for x in out)
+
+    @property
+    def suspended(self) -> bool:
+        return self._parked is not None
+
+    def suspend(self) -> int:
+        """Copy the parameters and the KV cache (prefix cache included) to host memory and free their
+        device buffers; returns the bytes freed. Nothing may run until `resume()`."""
+        arrays = [*self._leaves, *self.kv]
+        host = [np.array(a, copy=True) for a in arrays]   # a copy: on a CPU the array may be the buffer
+        freed = sum(a.nbytes for a in arrays)
+        for a in arrays:
+            a.delete()
+        n = len(self._leaves)
+        self._parked = (host[:n], (host[n], host[n + 1]))
+        self._leaves, self.kv, self.state = [], (None, None), None
+        return freed
+
+    def resume(self) -> None:
+        """Put the parked parameters and KV cache back on their devices, with their shardings."""
+        leaves, kv = self._parked
+        self._leaves = [jax.device_put(h, s.sharding) for h, s in zip(leaves, self._leaf_specs)]
+        self.kv = tuple(jax.device_put(h, s.sharding) for h, s in zip(kv, self._kv_spec))
+        self.state = jax.tree.unflatten(self._treedef, self._leaves)
+        self._parked = None
 
     def _pack(self, program: str, tree: Any) -> tuple[np.ndarray, np.ndarray]:
         """The packed buffers of `tree`, checked against the layout the program was compiled for."""

@@ -8,7 +8,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, jsonify
 
+from imp_jax.errors import ImpError
 from imp_jax.server.context import model_name, ready_engine, readiness, server
+from imp_jax.server.errors import unavailable
 from imp_jax.server.openai_common import MAX_STOP
 from imp_jax.server.validation import check_model_name
 
@@ -57,7 +59,8 @@ async def health() -> Any:
     stats = _stats()
     body: dict[str, Any] = {
         "status": "ok", "state": engine_state, "model_loaded": engine_state in ("warming_up", "ready"),
-        "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), "suspended": False, **stats,
+        "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), "suspended": False,
+        "idle_suspended": False, **stats,
     }
     if "kv_blocks_total" in stats:   # the pool's capacity, so a caller can check a prompt against it
         body.update(kv_capacity_tokens=stats["kv_blocks_total"] * stats["kv_block_size"],
@@ -73,8 +76,39 @@ async def ready() -> Any:
     is_ready, code = readiness()
     engine_state = getattr(server().engine, "state", "ready")
     if is_ready:
-        return jsonify({"ready": True, "state": engine_state, "model": _model_name()})
+        return jsonify({"ready": True, "state": engine_state, "model": _model_name(),
+                        "idle_suspended": bool(getattr(server().engine, "idle_suspended", False))})
     return jsonify({"ready": False, "code": code, "state": engine_state}), 503
+
+
+@bp.post("/admin/suspend")
+async def admin_suspend() -> Any:
+    """Operator suspend: 503 `suspended` for new requests, those in flight finish, then the weights and
+    KV cache move to host memory (device memory freed). Sticky until POST /admin/resume."""
+    engine = _suspendable()
+    answer = await engine.suspend()
+    if answer["status"] == "faulted":
+        raise ImpError("the engine faulted; restart the server", code="engine_faulted", status=500)
+    return jsonify(answer)
+
+
+@bp.post("/admin/resume")
+async def admin_resume() -> Any:
+    """Back from an operator suspend: weights and KV cache on the device again, requests taken."""
+    engine = _suspendable()
+    answer = await engine.resume()
+    if answer["status"] == "faulted":
+        raise ImpError("the engine faulted; restart the server", code="engine_faulted", status=500)
+    if answer["status"] == "not_suspended":
+        raise ImpError("the engine is not suspended", code="not_suspended", status=409)
+    return jsonify(answer)
+
+
+def _suspendable() -> Any:
+    engine = server().engine
+    if getattr(engine, "state", None) in ("loading", "warming_up"):
+        raise unavailable("the model is still loading", "loading")
+    return engine
 
 
 @bp.get("/metrics")

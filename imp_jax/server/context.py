@@ -101,6 +101,8 @@ def readiness() -> tuple[bool, str]:
         return False, "loading"
     if engine_state == "faulted":
         return False, "engine_faulted"
+    if engine_state == "suspended":
+        return False, "suspended"
     return False, "stopped"
 
 
@@ -113,7 +115,7 @@ def ready_engine() -> Engine:
         if code == "engine_faulted":
             raise ImpError("the engine faulted; restart the server", code=code, status=500)
         messages = {"loading": "the model is still loading", "draining": "the server is shutting down",
-                    "stopped": "the engine stopped"}
+                    "suspended": "the engine is suspended; POST /admin/resume", "stopped": "the engine stopped"}
         raise unavailable(messages[code], code)
     return server().engine
 
