@@ -101,6 +101,10 @@ class FakeEngine:
         self.state = "suspended"
         return {"status": "suspended", "freed_bytes": 0}
 
+    async def close_session(self, session_id: str) -> bool:
+        """The fake keeps no KV, so no session is ever open."""
+        return False
+
     async def resume(self) -> dict[str, Any]:
         if self.state != "suspended":
             return {"status": "not_suspended"}

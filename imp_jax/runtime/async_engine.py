@@ -178,7 +178,11 @@ class AsyncEngine:
         """Put the parked weights and KV cache back on the device and take requests again."""
         return await self._ask("resume")
 
-    async def _ask(self, kind: str) -> Any:
+    async def close_session(self, session_id: str) -> bool:
+        """Release a session's pinned KV blocks (runtime/sessions.py); whether it was open."""
+        return await self._ask("close_session", session_id)
+
+    async def _ask(self, kind: str, *args: Any) -> Any:
         """A command answered by the engine thread."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Any] = loop.create_future()
@@ -187,7 +191,7 @@ class AsyncEngine:
             if not answer.done():
                 answer.set_result(value)
 
-        self._inbox.put((kind, lambda value: loop.call_soon_threadsafe(resolve, value)))
+        self._inbox.put((kind, *args, lambda value: loop.call_soon_threadsafe(resolve, value)))
         return await answer
 
     # ------------------------------------------------------------ engine thread
@@ -228,6 +232,8 @@ class AsyncEngine:
                     core.step_fn.run_one_unrun()   # a newly compiled program's first run, while nobody waits
                 elif self._idle_due():
                     self._park("idle")
+                else:
+                    core.expire_sessions()
             except Exception as e:
                 log.exception("engine step failed; failing all requests")
                 self.error, self.state = f"device fault: {e}", "faulted"
@@ -297,6 +303,8 @@ class AsyncEngine:
                 self._command_suspend(item[1])
             elif kind == "resume":
                 self._command_resume(item[1])
+            elif kind == "close_session":
+                item[2](self._core.close_session(item[1]))
             elif kind == "add":
                 _, req, emit = item
                 try:

@@ -28,6 +28,7 @@ from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingPar
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, pack_allowed_tokens
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
+from imp_jax.runtime.sessions import SessionPins
 from imp_jax.runtime.step import CompiledStep, StepShapes, fetch, step_buckets
 from imp_jax.runtime.stop import StopStringMatcher
 
@@ -67,6 +68,7 @@ class EngineCore:
         self.max_model_len = config.resolved_max_model_len(loaded.config)
         self.pool = KVBlockPool(num_blocks, config.block_size)
         self.baseline_free_blocks = self.pool.num_free_blocks
+        self.sessions = SessionPins(self.pool, config.session_ttl_s, max_blocks=self.baseline_free_blocks // 2)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         max_blocks = -(-self.max_model_len // config.block_size)
@@ -152,6 +154,14 @@ class EngineCore:
         answers = [t.force_end() for t in trackers]
         return "ending" if "ending" in answers else "already_closed"
 
+    def expire_sessions(self) -> None:
+        if self.sessions:
+            self.sessions.expire()
+
+    def close_session(self, session_id: str) -> bool:
+        """Release a session's pinned blocks; whether it was open."""
+        return self.sessions.close(session_id)
+
     def fail_all(self, message: str) -> None:
         """End every request with an error (a device fault)."""
         self._deferred = []
@@ -193,6 +203,7 @@ class EngineCore:
 
     def _run_batch(self) -> int:
         t0 = time.perf_counter()
+        self.expire_sessions()
         chunks = self.scheduler.schedule()
         if not chunks:
             self._emit_deferred()
@@ -361,7 +372,10 @@ class EngineCore:
         self._close(seq, state, EngineEvent(seq.request.request_id, seq.index, finish_reason=reason, error=error))
 
     def _close(self, seq: Sequence, state: _RequestState, event: EngineEvent) -> None:
-        """Free the sequence; the request's last sequence carries usage and done=True."""
+        """Free the sequence (a session's first choice leaves its blocks pinned for the next turn);
+        the request's last sequence carries usage and done=True."""
+        if seq.request.session_id and seq.index == 0 and event.finish_reason != "error":
+            self.sessions.keep(seq.request.session_id, seq.table)
         self.scheduler.remove(seq)
         state.num_open -= 1
         if state.num_open == 0:
@@ -394,6 +408,7 @@ class EngineCore:
                     prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
                     prefix_cache_evictions=pc.evictions, prefix_cache_collisions=pc.collisions,
                     kv_block_size=self.pool.block_size,
+                    sessions_open=len(self.sessions), session_pinned_blocks=self.sessions.num_blocks,
                     kv_blocks_total=self.baseline_free_blocks, kv_blocks_used=self.baseline_free_blocks - free,
                     kv_blocks_reserved=c.kv_blocks_reserved if busy else 0,
                     kv_pressure_rejections=c.kv_pressure_rejections,

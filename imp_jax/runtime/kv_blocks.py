@@ -275,10 +275,14 @@ class KVBlockPool:
 
     def unpin(self, table: BlockTable) -> None:
         """Release every pin taken through `table`."""
-        for b in reversed(table.pinned_ids):
+        self.unpin_blocks(table.pinned_ids)
+        table.pinned_ids = []
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        """Release one pin on each of `block_ids` (pins taken by pin())."""
+        for b in reversed(block_ids):
             self._pins[b] -= 1
             self._park_if_idle(b)
-        table.pinned_ids = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every block hash; idle cached blocks become free. Live tables keep their blocks."""

@@ -110,6 +110,7 @@ class GenerationRequest:
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     priority: int = 0             # lower runs first
     cache_prompt: bool = False    # pin the prompt's full KV blocks until the request ends
+    session_id: str | None = None  # pin the conversation's blocks for the session's next turn (sessions.py)
     lora: str | None = None       # adapter name; keys the prefix cache
     constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)

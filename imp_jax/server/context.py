@@ -9,7 +9,7 @@ from typing import Any
 
 from quart import current_app, g, request
 
-from imp_jax.errors import ImpError
+from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.server.access import Access
 from imp_jax.server.admission import AdmissionGate
 from imp_jax.server.config import ServerConfig
@@ -124,11 +124,26 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     """The request body as `cls` (400 if it is not), the ready engine (503 if not), and a 404
     unless the body's `model`, when it names one, is the model served here."""
     req = parse_model(cls, parse_json(await request.get_data()))
+    g.session_id = session_id_of(req)
     engine = ready_engine()
     model = getattr(req, "model", None)
     if model is not None:
         check_model_name(model, engine.served_name)
     return req, engine
+
+
+MAX_SESSION_ID = 256
+
+
+def session_id_of(req: Any) -> str | None:
+    """The body's `session_id` (every dialect; runtime/sessions.py), checked: a non-empty string."""
+    sid = getattr(req, "session_id", None)
+    if sid is None:
+        return None
+    if not isinstance(sid, str) or not 0 < len(sid) <= MAX_SESSION_ID:
+        raise InvalidRequestError(f"'session_id' must be a string of 1 to {MAX_SESSION_ID} characters",
+                                  param="session_id")
+    return sid
 
 
 def set_response_id(response_id: str) -> None:

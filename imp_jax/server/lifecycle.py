@@ -36,6 +36,7 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     rec: RequestRecord = g.record
     rec.endpoint, rec.model, rec.stream = ENDPOINTS.get(request.path), engine.served_name, stream
     rec.prompt_tokens = len(req.prompt_ids)
+    req.session_id = req.session_id or g.get("session_id")   # any dialect's body (context.engine_request)
     ticket = state.gate.admit(len(req.prompt_ids))
     tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout)
     rec.submitted_at = time.monotonic()

@@ -1,0 +1,21 @@
+"""`POST /v1/sessions/{id}/close`: release the KV blocks a `session_id` keeps pinned for its next turn
+(runtime/sessions.py); they are also released after `--session-ttl-s` idle seconds."""
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, jsonify
+
+from imp_jax.errors import NotFoundError
+from imp_jax.server.context import ready_engine
+
+bp = Blueprint("sessions", __name__)
+
+
+@bp.post("/v1/sessions/<session_id>/close")
+async def close_session(session_id: str) -> Any:
+    engine = ready_engine()
+    if not await engine.close_session(session_id):
+        raise NotFoundError(f"no open session '{session_id}' (never opened, closed, or expired)",
+                            code="session_not_found", param="session_id")
+    return jsonify({"id": session_id, "object": "session", "closed": True})
