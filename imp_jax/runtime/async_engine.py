@@ -43,6 +43,7 @@ class AsyncEngine:
         self._compiler_lock = threading.Lock()
         self._stopping = False
         self._suspend_waiters: list[Callable[[Any], None]] = []
+        self._submit_lock = threading.Lock()
         self._last_request = 0.0
 
     # --------------------------------------------------------------- lifecycle
@@ -61,10 +62,26 @@ class AsyncEngine:
         self._inbox.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        with self._submit_lock:
+            self.state = "stopped"
+            self._refuse_queued()
         if self._compiler is not None:   # a compile cut off by the interpreter's exit aborts the process
             self._core.step_fn.stop_compiling()
             self._compiler.join(max(timeout, 60.0))
-        self.state = "stopped"
+
+    def _refuse_queued(self) -> None:
+        """Answer what reached the inbox after the engine thread stopped, so no caller waits forever."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                item[2](EngineError("the engine stopped", code="engine_stopped", status=503))
+            elif item[0] != "cancel":
+                stopped = {"suspend": {"status": "stopped"}, "resume": {"status": "stopped"},
+                           "close_session": False, "end_thinking": "unknown"}
+                item[-1](stopped[item[0]])
 
     # ------------------------------------------------------------------- model
     @property
@@ -137,7 +154,10 @@ class AsyncEngine:
                 reader.cancel()
 
         events = EventBuffer(limits, stalled)
-        self._inbox.put(("add", req, lambda item: loop.call_soon_threadsafe(events.put, item)))
+        with self._submit_lock:   # shutdown() answers whatever was submitted before it stopped
+            if self.state == "stopped":
+                raise EngineError("the engine stopped", code="engine_stopped", status=503)
+            self._inbox.put(("add", req, lambda item: loop.call_soon_threadsafe(events.put, item)))
         done = False
         try:
             while True:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import prometheus_client
@@ -20,6 +22,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
+from imp_jax.server.models_dir import ModelDirectory, NoModel
 
 if TYPE_CHECKING:
     from imp_jax.runtime.async_engine import AsyncEngine
@@ -58,12 +61,12 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     async def shutdown_trigger() -> None:
         await stop.wait()
         state_of(app).draining = True   # new generation requests: 503 draining; /ready 503 draining
-        busy = _in_flight(engine)
+        busy = _in_flight(state_of(app).engine)
         log.info("shutting down: finishing %d in-flight request(s), at most %.0f s", busy, config.drain_timeout)
         deadline = loop.time() + config.drain_timeout
         while busy and loop.time() < deadline and not stop_now.is_set():
             await asyncio.sleep(0.1)
-            busy = _in_flight(engine)
+            busy = _in_flight(state_of(app).engine)
         if busy:
             log.warning("shutting down with %d request(s) unfinished after %.0f s", busy, config.drain_timeout)
 
@@ -71,7 +74,7 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     try:
         await serve(app, hc, shutdown_trigger=shutdown_trigger)
     finally:
-        engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted; its thread is a daemon
+        state_of(app).engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted (daemon thread)
         log.info("stopped")
 
 
@@ -112,12 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     prometheus_client.disable_created_metrics()  # process-wide: no `_created` twin of every counter on /metrics
     from imp_jax.runtime.async_engine import AsyncEngine  # the engine (and jax) live behind this import
 
-    engine = AsyncEngine(config.engine)
+    models_dir = Path(config.models_dir) if config.models_dir else None
+    if models_dir is not None and not models_dir.is_dir():
+        print(f"python -m imp_jax.server: error: --models-dir {models_dir}: not a directory", file=sys.stderr)
+        return 2
+    # with --models-dir and no --model, start empty: the first request (or /admin/models/load) names one
+    engine = NoModel() if models_dir is not None and not config.model_given else AsyncEngine(config.engine)
     try:
         app = create_app(engine, config)
     except ValueError as e:  # what only the app can check: the request log's file
         print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
         return 2
+    if models_dir is not None:
+        def make_engine(path: Path) -> AsyncEngine:
+            return AsyncEngine(dataclasses.replace(config.engine, model=str(path)))
+
+        state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout)
     asyncio.run(run(app, engine, config))
     return 0
 

@@ -6,13 +6,13 @@ import importlib.metadata
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from quart import Blueprint, Response, jsonify
+from quart import Blueprint, Response, jsonify, request
 
-from imp_jax.errors import ImpError
+from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.errors import unavailable
 from imp_jax.server.openai_common import MAX_STOP
-from imp_jax.server.validation import check_model_name
+from imp_jax.server.validation import check_model_name, parse_json
 
 bp = Blueprint("admin", __name__)
 
@@ -117,21 +117,53 @@ async def metrics() -> Any:
     return Response(generate_latest(server().telemetry.registry), status=200, content_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card() -> dict[str, Any]:
-    is_ready, _ = readiness()
-    return {"id": _model_name(), "object": "model", "created": int(server().started_at), "owned_by": "imp_jax",
-            "loaded": is_ready, "max_model_len": _engine_setting("max_model_len")}
+def _model_card(name: str | None = None) -> dict[str, Any]:
+    """The served model's card, or (with --models-dir) another model of the directory's, not loaded."""
+    state = server()
+    served = name is None or (state.engine.state != "no_model" and name == _model_name())
+    card = {"id": name or _model_name(), "object": "model", "created": int(state.started_at), "owned_by": "imp_jax",
+            "loaded": served and readiness()[0]}
+    if served:
+        card["max_model_len"] = _engine_setting("max_model_len")
+    return card
+
+
+def _served_card() -> list[dict[str, Any]]:
+    return [] if server().engine.state == "no_model" else [_model_card()]
 
 
 @bp.get("/v1/models")
 async def models() -> Any:
-    return jsonify({"object": "list", "data": [_model_card()]})
+    state = server()
+    if state.models is None:
+        return jsonify({"object": "list", "data": _served_card()})
+    return jsonify({"object": "list", "data": [_model_card(name) for name in state.models.models()]})
 
 
 @bp.get("/v1/models/<path:model_id>")
 async def model(model_id: str) -> Any:
+    state = server()
+    if state.models is not None and model_id in state.models:
+        return jsonify(_model_card(model_id))
     check_model_name(model_id, _model_name())
     return jsonify(_model_card())
+
+
+@bp.post("/admin/models/load")
+async def load_model() -> Any:
+    """Swap to a model of --models-dir (`{"model": name}`); answers once it serves."""
+    state = server()
+    body = parse_json(await request.get_data())
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("'model' must name a model of /v1/models", param="model")
+    if state.models is None:
+        raise ImpError("this server has no --models-dir to load models from", code="not_supported", status=400,
+                       param="model")
+    if name not in state.models:
+        raise NotFoundError(f"model '{name}' is not in the models directory", code="model_not_found", param="model")
+    engine = await state.models.ensure(state, name)
+    return jsonify({"model": engine.served_name, "loaded": True})
 
 
 @bp.get("/props")

@@ -41,6 +41,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> Quart:
         app.register_blueprint(bp)
     app.before_request(_begin)
     app.after_request(_finish)
+    app.teardown_request(_release_model_lease)
     app.register_error_handler(HTTPException, _on_error)
     app.register_error_handler(Exception, _on_error)
 
@@ -64,6 +65,13 @@ async def _begin() -> Any:
         return Response(status=204, headers=state.cors.preflight_headers(request.headers))
     state.access.check(request.path, request.headers, request.remote_addr, request.content_length)
     return None
+
+
+async def _release_model_lease(exc: BaseException | None) -> None:
+    """The engine a --models-dir request was handed may be swapped out once the request is done with it."""
+    lease = g.pop("model_lease", None)
+    if lease is not None:
+        lease.release()
 
 
 def _request_id() -> str | None:

@@ -89,7 +89,8 @@ def parse_config(argv: list[str] | None, engine_config_cls: type) -> ServerConfi
     except (TypeError, ValueError) as e:
         parser.error(f"bad engine setting: {e}")
     try:
-        config = ServerConfig(**{k: settings[k] for k in SERVER_KEYS if k in settings}, engine=engine)
+        config = ServerConfig(**{k: settings[k] for k in SERVER_KEYS if k in settings}, engine=engine,
+                              model_given="model" in settings)
         config.api_keys()  # a missing key file is a start-up error
     except (TypeError, ValueError) as e:
         parser.error(f"bad server setting: {e}")

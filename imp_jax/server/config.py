@@ -46,6 +46,9 @@ class ServerConfig:
     stream_stall_timeout: float = _field(30.0, "seconds a full event buffer may go unread before the "
                                                "client is dropped")
     # observability
+    models_dir: str | None = _field(None, "a directory of models (.gguf files, HF or converted directories) "
+                                    "listed on /v1/models; a request naming one swaps to it")
+    swap_timeout: float = _field(300.0, "seconds a model swap waits for the current model's in-flight requests")
     drain_timeout: float = _field(30.0, "seconds SIGTERM waits for in-flight requests to finish (new ones get "
                                   "503 draining meanwhile) before the server exits")
     log_requests: str | None = _field(None, "append one JSON line per request to this file")
@@ -53,6 +56,7 @@ class ServerConfig:
                                              "(http://host:4318/v1/traces): export a span per generation request")
     otlp_service_name: str = _field("imp_jax", "service.name of the exported spans")
     engine: Any = dataclasses.field(default=None, metadata={"flag": False})
+    model_given: bool = dataclasses.field(default=True, metadata={"flag": False})  # --model set (cli.parse_config)
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):

@@ -16,6 +16,7 @@ from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
 from imp_jax.server.errors import unavailable
 from imp_jax.server.generation import Engine
+from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
 from imp_jax.server.validation import M, check_model_name, parse_json, parse_model
@@ -35,6 +36,7 @@ class ServerContext:
     started_at: float = dataclasses.field(default_factory=time.time)
     draining: bool = False
     client_ids: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)  # X-Request-Id -> engine id
+    models: ModelDirectory | None = None   # --models-dir: the models this server may swap to
 
     def engine_id(self, request_id: str) -> str:
         """The engine's request id for a response id or a client's X-Request-Id."""
@@ -52,7 +54,7 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
 
     def stats() -> dict[str, Any]:
         try:
-            return dict(engine.stats())
+            return dict(app.extensions[_KEY].engine.stats())   # the current engine (models can be swapped)
         except Exception:  # a loading engine may have no stats yet
             return {}
 
@@ -95,8 +97,12 @@ def readiness() -> tuple[bool, str]:
     if state.draining:
         return False, "draining"
     engine_state = getattr(state.engine, "state", "ready")
+    if state.models is not None and state.models.swapping_to is not None:
+        return False, "swapping"
     if engine_state == "ready":
         return True, "ready"
+    if engine_state == "no_model":
+        return False, "no_model"
     if engine_state in ("loading", "warming_up"):
         return False, "loading"
     if engine_state == "faulted":
@@ -115,6 +121,8 @@ def ready_engine() -> Engine:
         if code == "engine_faulted":
             raise ImpError("the engine faulted; restart the server", code=code, status=500)
         messages = {"loading": "the model is still loading", "draining": "the server is shutting down",
+                    "swapping": "another model is being loaded; retry shortly",
+                    "no_model": "no model is loaded: name one of /v1/models in a request or POST /admin/models/load",
                     "suspended": "the engine is suspended; POST /admin/resume", "stopped": "the engine stopped"}
         raise unavailable(messages[code], code)
     return server().engine
@@ -125,8 +133,13 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     unless the body's `model`, when it names one, is the model served here."""
     req = parse_model(cls, parse_json(await request.get_data()))
     g.session_id = session_id_of(req)
-    engine = ready_engine()
     model = getattr(req, "model", None)
+    state = server()
+    if state.models is not None and model is not None and not state.draining and model in state.models:
+        engine = await state.models.ensure(state, model)   # swaps first if another model is loaded
+        g.model_lease = state.models   # released at the request's teardown (app.py)
+        return req, engine
+    engine = ready_engine()
     if model is not None:
         check_model_name(model, engine.served_name)
     return req, engine

@@ -34,9 +34,15 @@ class Refusal(ImpError):
         self.headers = dict(headers or {})
 
 
+RETRY_AFTER_S = {"loading": 5, "swapping": 5}   # the 503s that pass by themselves, and when to look again
+
+
 def unavailable(message: str, code: str) -> ImpError:
-    """A 503: the server cannot take requests right now (loading, faulted, draining)."""
-    return ImpError(message, code=code, status=503)
+    """A 503: the server cannot take requests right now (loading, swapping, suspended, draining, no model);
+    with Retry-After where the state passes by itself."""
+    retry = RETRY_AFTER_S.get(code)
+    headers = {"Retry-After": str(retry)} if retry else None
+    return Refusal(message, status=503, code=code, headers=headers)
 
 
 def not_supported(message: str, param: str | None = None, code: str = "not_supported") -> InvalidRequestError:

@@ -1,0 +1,146 @@
+"""A directory of models (`--models-dir DIR`) served one at a time, swapped on demand.
+
+Every model in the directory (a `.gguf` file, an HF directory, a converted checkpoint; named as
+the server would serve it: the file or directory name) is listed on `/v1/models` with `loaded`.
+A request naming another of them swaps: new requests wait, the current model finishes what it
+has in flight (nothing is cancelled), its engine stops, the other loads, and the waiting requests
+are served by it (or swap again, one swap at a time). `/ready` answers 503 `swapping` meanwhile.
+`POST /admin/models/load` swaps explicitly. With `--models-dir` and no `--model`, the server
+starts with no model (`/ready` 503 `no_model`) until the first request or load names one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from imp_jax.errors import EngineError, ImpError, ModelLoadError
+from imp_jax.server.generation import Engine
+
+log = logging.getLogger("imp_jax.server")
+
+DRAIN_POLL_S = 0.05
+
+
+def scan_models(directory: Path) -> dict[str, Path]:
+    """name -> path of every model in `directory` (sorted by name); other entries are skipped."""
+    from imp_jax.model.hub import classify_path
+
+    found: dict[str, Path] = {}
+    for path in sorted(directory.iterdir()):
+        try:
+            classify_path(path)
+        except ModelLoadError:
+            continue
+        found[path.name] = path
+    return found
+
+
+class NoModel:
+    """The engine slot before the first model is loaded: every model fact is unknown, nothing runs."""
+
+    state = "no_model"
+    idle_suspended = False
+
+    @property
+    def served_name(self) -> str:
+        raise EngineError("no model is loaded", code="no_model", status=503)
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class ModelDirectory:
+    """The directory's models and the one swap in progress (if any)."""
+
+    def __init__(self, directory: Path, make_engine: Callable[[Path], Engine], swap_timeout_s: float):
+        self.directory = directory
+        self._make_engine = make_engine
+        self._swap_timeout_s = swap_timeout_s
+        self._lock = asyncio.Lock()
+        self.swapping_to: str | None = None
+        self._leases = 0   # requests handed the current engine that may not have reached it yet
+
+    def release(self) -> None:
+        """A request handed an engine by `ensure` is done with the handoff (app teardown)."""
+        self._leases -= 1
+
+    def models(self) -> dict[str, Path]:
+        """Scanned on each call: models added to the directory appear without a restart."""
+        return scan_models(self.directory)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.models()
+
+    async def ensure(self, state: Any, name: str) -> Engine:
+        """The engine serving `name`, swapping to it first if another (or none) is loaded. The caller
+        holds a lease on it until `release()`: a swap waits for leases as for requests in flight, so a
+        request never reaches an engine that was stopped after it was handed over."""
+        engine = await self._serving(state, name)
+        self._leases += 1
+        return engine
+
+    async def _serving(self, state: Any, name: str) -> Engine:
+        async with self._lock:   # one swap at a time; requests queue here during a swap
+            current = state.engine
+            if getattr(current, "state", None) in ("loading", "warming_up"):
+                try:
+                    await current.wait_ready()   # what it serves is known once it has loaded
+                except Exception:
+                    pass   # a failed load: swap away from it
+            if _served(current) == name:
+                return current
+            path = self.models().get(name)
+            if path is None:
+                raise ModelLoadError(f"model '{name}' is not in {self.directory}")
+            self.swapping_to = name
+            try:
+                return await self._swap(state, current, name, path)
+            finally:
+                self.swapping_to = None
+
+    async def _swap(self, state: Any, old: Engine, name: str, path: Path) -> Engine:
+        t0 = time.monotonic()
+        log.info("swapping to model '%s': finishing %d in-flight request(s) first", name, _in_flight(old))
+        deadline = t0 + self._swap_timeout_s
+        while (_in_flight(old) or self._leases) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if _in_flight(old) or self._leases:
+            raise ImpError(f"the swap to '{name}' timed out waiting for in-flight requests", code="swap_timeout",
+                           status=503)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, old.shutdown)
+        new = self._make_engine(path)
+        state.engine = new
+        new.start()
+        try:
+            await new.wait_ready()
+        except Exception as e:
+            log.error("loading model '%s' failed: %s", name, e)
+            state.engine = NoModel()
+            raise ImpError(f"loading model '{name}' failed: {e}", code="model_load_failed", status=500) from e
+        log.info("swapped to model '%s' in %.1f s", name, time.monotonic() - t0)
+        return new
+
+
+def _served(engine: Any) -> str | None:
+    try:
+        return engine.served_name
+    except Exception:
+        return None
+
+
+def _in_flight(engine: Any) -> int:
+    try:
+        stats = engine.stats()
+    except Exception:
+        return 0
+    return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
