@@ -19,7 +19,7 @@ from imp_jax.server.generation import Engine
 from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
-from imp_jax.server.validation import M, check_model_name, parse_json, parse_model
+from imp_jax.server.validation import M, check_model_name, parse_json, parse_model, refuse_not_yet
 
 _KEY = "imp_jax"
 MAX_CLIENT_IDS = 4096   # client X-Request-Ids remembered for /v1/requests/{id}/... (oldest forgotten first)
@@ -132,6 +132,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     """The request body as `cls` (400 if it is not), the ready engine (503 if not), and a 404
     unless the body's `model`, when it names one, is the model served here."""
     req = parse_model(cls, parse_json(await request.get_data()))
+    refuse_not_yet(req)
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
     state = server()
