@@ -75,7 +75,8 @@ def state_of(app: Any) -> ServerContext:
 
 
 def model_name(state: ServerContext) -> str:
-    """The served name; before the model is loaded, the basename of what was asked for."""
+    """The served name; before the model is loaded, the basename of what was asked for (as the loader
+    will name it: hub.resolve_model)."""
     try:
         name = state.engine.served_name
     except Exception:  # a loading engine cannot say yet
@@ -83,7 +84,7 @@ def model_name(state: ServerContext) -> str:
     if name:
         return name
     asked = str(getattr(state.config.engine, "model", None) or "model")
-    return Path(asked).name.removesuffix(".gguf")
+    return Path(asked).name
 
 
 def model_status(state: ServerContext) -> tuple[str, bool]:
