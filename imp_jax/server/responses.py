@@ -6,6 +6,8 @@ ResponsesStore, so a later request can continue it with `previous_response_id`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import uuid
 from typing import Any, Literal
 
@@ -22,6 +24,8 @@ from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.tool_parsers import PARSERS, ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall, parse_reply
+from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, render_prompt, responses_plan, tokenizer_tools
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
@@ -44,18 +48,30 @@ class InputPart(WireModel):
         return v
 
 
+# Input item types and the fields each needs besides `type`; other types (reasoning, references) are a 400.
+ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+               "custom_tool_call": ("call_id", "name", "input"), "function_call_output": ("call_id", "output"),
+               "custom_tool_call_output": ("call_id", "output")}
+
+
 class InputItem(WireModel):
-    """A message item; other item types (function calls, reasoning, references) are a 400 naming the item."""
+    """A message, a tool call the model made earlier (replayed), or a tool call's output."""
 
     type: str = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: list[InputPart]
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    namespace: str | None = None
+    arguments: str | None = None
+    input: str | None = None
+    output: str | list[dict[str, Any]] | None = None
 
     @field_validator("type")
     @classmethod
-    def _message_only(cls, v: str) -> str:
-        if v != "message":
-            raise ValueError(f"input item type {v!r} is not supported; only 'message' items are")
+    def _known_type(cls, v: str) -> str:
+        if v not in ITEM_FIELDS:
+            raise ValueError(f"input item type {v!r} is not supported; {', '.join(map(repr, ITEM_FIELDS))} items are")
         return v
 
     @field_validator("content", mode="before")
@@ -63,13 +79,47 @@ class InputItem(WireModel):
     def _string_or_parts(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [{"type": "input_text", "text": v}]
-        if not isinstance(v, list):
+        if v is not None and not isinstance(v, list):
             raise ValueError("must be a string or a list of content parts")
         return v
 
-    def message(self) -> dict[str, str]:
-        """The item as one stored conversation message: role and text."""
-        return {"role": self.role, "content": PART_JOIN.join(p.text for p in self.content if p.text)}
+    def check(self, param: str) -> None:
+        for field in ITEM_FIELDS[self.type]:
+            if getattr(self, field) is None:
+                raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} item",
+                                          param=f"{param}.{field}")
+
+    @property
+    def text(self) -> str:
+        """A message's text, or a tool output's (its text parts)."""
+        if self.type == "message":
+            return PART_JOIN.join(p.text for p in self.content or [] if p.text)
+        if isinstance(self.output, str):
+            return self.output
+        return PART_JOIN.join(str(p.get("text", "")) for p in self.output or [] if isinstance(p, dict))
+
+    def message(self) -> dict[str, Any]:
+        """A message item as one stored conversation message: role and text."""
+        return {"role": self.role, "content": self.text}
+
+
+def conversation_of(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as conversation messages (Chat's shape): tool outputs are `tool` messages, and replayed
+    calls join the assistant message before them, so one response stays one assistant turn."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if item.type == "message":
+            out.append(item.message())
+        elif item.type.endswith("_output"):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+        else:
+            name = f"{item.namespace}{NAMESPACE_SEP}{item.name}" if item.namespace else item.name
+            arguments = item.arguments if item.type == "function_call" else json.dumps({"input": item.input})
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1]["tool_calls"] = [*out[-1].get("tool_calls", []), call]
+    return out
 
 
 class TextConfig(WireModel):
@@ -105,9 +155,15 @@ class ResponsesRequest(OpenAISampling):
             raise ValueError("must be a string or a list of input items")
         return v
 
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        return responses_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def check(self) -> None:
         self.check_common()
-        if not self.input or not any(item.message()["content"] for item in self.input):
+        for i, item in enumerate(self.input):
+            item.check(f"input[{i}]")
+        if not self.input or not any(item.text or item.type != "message" for item in self.input):
             raise InvalidRequestError("'input' must hold some text", param="input")
         if "max_tokens" in self.model_fields_set:
             raise InvalidRequestError("'max_tokens' is not a Responses field; use 'max_output_tokens'",
@@ -116,8 +172,7 @@ class ResponsesRequest(OpenAISampling):
             raise InvalidRequestError("'max_output_tokens' must be >= 1", param="max_output_tokens")
         if self.n != 1:
             raise InvalidRequestError("'n' must be 1: a response holds one answer", param="n")
-        if self.tools:
-            raise not_supported("'tools' are not supported yet", param="tools")
+        self.tool_plan.check()
         fmt = (self.text.format or {}) if self.text else {}
         if fmt.get("type", "text") != "text":
             raise not_supported("'text.format' other than text is not supported yet", param="text.format")
@@ -130,7 +185,7 @@ class ResponsesRequest(OpenAISampling):
         self._check_metadata()
         if self.continue_final_message:
             last = self.input[-1]
-            if last.role != "assistant" or not last.message()["content"]:
+            if last.type != "message" or last.role != "assistant" or not last.text:
                 raise InvalidRequestError("'continue_final_message' needs a final assistant message with text",
                                           param="continue_final_message")
 
@@ -174,15 +229,27 @@ class ResponseDraft:
     id: str
     model: str
     req: ResponsesRequest
-    conversation: list[dict[str, str]]  # the previous conversation plus this input
+    conversation: list[dict[str, Any]]  # the previous conversation plus this input
     store: ResponsesStore
     created_at: int = dataclasses.field(default_factory=now)
     item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
 
-    def item(self, text: str | None, status: str) -> dict[str, Any]:
+    def item(self, text: str | None, status: str, item_id: str | None = None) -> dict[str, Any]:
         """The assistant message output item; `text` None: no content part yet."""
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+        return {"type": "message", "id": item_id or self.item_id, "status": status, "role": "assistant",
                 "content": [] if text is None else [output_text(text)]}
+
+    def call_item(self, call: ToolCall, status: str, item_id: str | None = None) -> dict[str, Any]:
+        """A call's output item: `custom_tool_call` (its `input` text) for a custom tool, else `function_call`;
+        a namespaced tool's call carries its namespace."""
+        tool = self.req.tool_plan.find(call.name)
+        name = tool.local_name or tool.name if tool is not None else call.name
+        extra = {"namespace": tool.namespace} if tool is not None and tool.namespace else {}
+        if tool is not None and tool.custom:
+            return {"type": "custom_tool_call", "id": item_id or f"ctc_{uuid.uuid4().hex}", "status": status,
+                    "call_id": call.id, "name": name, "input": custom_input(call.arguments), **extra}
+        return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}", "status": status,
+                "call_id": call.id, "name": name, "arguments": call.arguments, **extra}
 
     def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
                  finish: str | None = None) -> dict[str, Any]:
@@ -195,31 +262,46 @@ class ResponseDraft:
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": req.store, "temperature": req.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": "auto", "tools": [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
             "usage": usage_json(usage) if usage is not None else None, "user": req.user,
             "metadata": req.metadata or {},
         }
 
-    def finish(self, text: str, finish: str | None, usage: Usage) -> dict[str, Any]:
-        """The final response object (completed, or incomplete at max_output_tokens), stored if asked."""
+    def finish(self, text: str, finish: str | None, usage: Usage, calls: list[ToolCall] = (),
+               output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The final response object (completed, or incomplete at max_output_tokens), stored if asked.
+
+        `output`: the items a stream already sent (else a message with `text`, if any or no calls, then the calls).
+        """
         status = "incomplete" if finish == "length" else "completed"
-        final = self.response(status, [self.item(text, status)], usage, finish)
+        if output is None:
+            output = [self.item(text, status)] if text.strip() or not calls else []
+            output += [self.call_item(c, "completed") for c in calls]
+        final = self.response(status, output, usage, finish)
         if self.req.store:
             conversation = list(self.conversation)
+            tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                          for c in calls]
             if self.req.continue_final_message:  # the output continues the last assistant turn: one turn
                 last = conversation.pop()
                 conversation.append({"role": "assistant", "content": last["content"] + text})
             else:
-                conversation.append({"role": "assistant", "content": text})
+                conversation.append({"role": "assistant", "content": text,
+                                     **({"tool_calls": tool_calls} if tool_calls else {})})
             self.store.put(self.id, final, conversation)
         return final
 
 
-def template_messages(req: ResponsesRequest, conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+def custom_input(arguments: str) -> str:
+    """A custom tool's free-text input out of the call's `{"input": ...}` arguments."""
+    value = json.loads(arguments).get("input", "")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def template_messages(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """instructions as the system message, then the conversation; developer is spelled system."""
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return head + [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                   for m in conversation]
+    return head + [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in conversation]
 
 
 @bp.post("/v1/responses")
@@ -227,31 +309,39 @@ async def create_response() -> Any:
     req, engine = await engine_request(ResponsesRequest)
     req.check()
     store = responses_store()
-    previous: list[dict[str, str]] = []
+    previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         entry = store.get(req.previous_response_id)
         if entry is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
         previous = entry.conversation
-    conversation = previous + [item.message() for item in req.input]
+    conversation = previous + conversation_of(req.input)
     cont = req.continue_final_message
-    text = engine.tokenizer.apply_chat_template(template_messages(req, conversation), add_generation_prompt=not cont,
-                                                continue_final_message=cont)
+    text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
+                         add_generation_prompt=not cont, continue_final_message=cont)
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
     max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
+    plan, call_format = req.tool_plan, tokenizer_tools(engine.tokenizer).fmt
+    constraint = plan.constraint(call_format, engine.tokenizer.eos_ids)
+    plan.adjust(params, call_format, constraint)
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
     set_response_id(draft.id)
-    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
+    tool_format = call_format if plan.offered else None
     if req.stream:
-        return sse_response(drive(engine, draft.id, events, ResponseStream(draft)))
+        return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format)))
     result = await collect(engine, greq, events)
     c = result.choices[0]
-    return jsonify(draft.finish(c.text, c.finish_reason, result.usage))
+    if tool_format is None:
+        return jsonify(draft.finish(c.text, c.finish_reason, result.usage))
+    reply = parse_reply(c.text, tool_format)
+    return jsonify(draft.finish(reply.content, c.finish_reason, result.usage, reply.calls))
 
 
 def _not_found(response_id: str, param: str) -> NotFoundError:
@@ -275,13 +365,19 @@ async def delete_response(response_id: str) -> Any:
 
 
 class ResponseStream:
-    """response.created, in_progress, the item and its part, text deltas, the done events, completed/incomplete."""
+    """response.created, in_progress, then the output items as they come (a message: its part and text
+    deltas; a call: its arguments deltas), each closed by its done events, then completed/incomplete."""
 
-    def __init__(self, draft: ResponseDraft):
+    def __init__(self, draft: ResponseDraft, tool_format: str | None = None):
         self._draft = draft
+        self._parser = PARSERS[tool_format]() if tool_format else None
         self._seq = 0
-        self._text = ""
+        self._text = ""                      # all the reply's text
         self._finish: str | None = None
+        self._items: list[dict[str, Any]] = []   # output items done
+        self._message: str | None = None     # the open message item's text
+        self._call: dict[str, Any] | None = None  # the open call item
+        self._calls: list[ToolCall] = []
 
     def _frame(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self._seq, **fields}
@@ -289,30 +385,94 @@ class ResponseStream:
         return sse(body, kind)
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self._draft.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self._item_id(), "output_index": len(self._items), "content_index": 0}
+
+    def _item_id(self) -> str:
+        return self._draft.item_id if not self._items else f"msg_{self._draft.item_id[4:]}_{len(self._items)}"
 
     def open(self) -> list[str]:
         pending = self._draft.response("in_progress", [])
         return [self._frame("response.created", response=pending),
-                self._frame("response.in_progress", response=pending),
-                self._frame("response.output_item.added", output_index=0, item=self._draft.item(None, "in_progress")),
+                self._frame("response.in_progress", response=pending)]
+
+    def _open_message(self) -> list[str]:
+        if self._message is not None:
+            return []
+        self._message = ""
+        return [self._frame("response.output_item.added", output_index=len(self._items),
+                            item=self._draft.item(None, "in_progress", self._item_id())),
                 self._frame("response.content_part.added", **self._where(), part=output_text(""))]
+
+    def _text_delta(self, text: str) -> list[str]:
+        frames = self._open_message()
+        self._message += text
+        self._text += text
+        return frames + [self._frame("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+
+    def _close_message(self, status: str) -> list[str]:
+        if self._message is None:
+            return []
+        item = self._draft.item(self._message, status, self._item_id())
+        frames = [self._frame("response.output_text.done", **self._where(), text=self._message, logprobs=[]),
+                  self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
+                  self._frame("response.output_item.done", output_index=len(self._items), item=item)]
+        self._items.append(item)
+        self._message = None
+        return frames
 
     def event(self, ev: EngineEvent) -> list[str]:
         if ev.finish_reason is not None:
             self._finish = ev.finish_reason
-        if not ev.text:
-            return []
-        self._text += ev.text
-        return [self._frame("response.output_text.delta", **self._where(), delta=ev.text, logprobs=[])]
+        if self._parser is None:
+            return self._text_delta(ev.text) if ev.text else []
+        frames: list[str] = []
+        for e in self._parser.feed(ev.text) + (self._parser.finish() if ev.finish_reason is not None else []):
+            if isinstance(e, TextDelta):
+                frames += self._text_delta(e.text)
+            elif isinstance(e, CallStart):
+                frames += self._close_message("completed")
+                self._call = self._draft.call_item(ToolCall(e.id, e.name, "{}"), "in_progress")
+                self._call["arguments" if self._call["type"] == "function_call" else "input"] = ""
+                frames.append(self._frame("response.output_item.added", output_index=len(self._items),
+                                          item=dict(self._call)))
+            elif isinstance(e, ArgsDelta) and self._call is not None:
+                if self._call["type"] == "function_call":
+                    self._call["arguments"] += e.text
+                    frames.append(self._frame("response.function_call_arguments.delta", item_id=self._call["id"],
+                                              output_index=len(self._items), delta=e.text))
+            elif isinstance(e, CallEnd) and self._call is not None:
+                frames += self._end_call(e)
+        return frames
+
+    def _end_call(self, end: CallEnd) -> list[str]:
+        """The call's done events: arguments (function) or its input, delta and done (custom), then the item."""
+        call, where = self._call, {"item_id": self._call["id"], "output_index": len(self._items)}
+        item = self._draft.call_item(ToolCall(call["call_id"], self._parser_name(call), end.arguments), "completed",
+                                     call["id"]) if end.valid else {**call, "status": "incomplete"}
+        if call["type"] == "function_call":
+            frames = [self._frame("response.function_call_arguments.done", **where, arguments=item["arguments"])]
+        else:
+            frames = [self._frame("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                      self._frame("response.custom_tool_call_input.done", **where, input=item["input"])]
+        frames.append(self._frame("response.output_item.done", output_index=len(self._items), item=item))
+        self._items.append(item)
+        if end.valid:
+            self._calls.append(ToolCall(call["call_id"], self._parser_name(call), end.arguments))
+        self._call = None
+        return frames
+
+    @staticmethod
+    def _parser_name(item: dict[str, Any]) -> str:
+        """The name the model called (a namespaced tool's flattened name)."""
+        ns = item.get("namespace")
+        return f"{ns}{NAMESPACE_SEP}{item['name']}" if ns else item["name"]
 
     def close(self, usage: Usage | None) -> list[str]:
-        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0))
-        item = final["output"][0]
-        return [self._frame("response.output_text.done", **self._where(), text=self._text, logprobs=[]),
-                self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
-                self._frame("response.output_item.done", output_index=0, item=item),
-                self._frame(f"response.{final['status']}", response=final)]
+        status = "incomplete" if self._finish == "length" else "completed"
+        frames = [] if self._items else self._open_message()
+        frames += self._close_message(status)
+        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0), self._calls, self._items)
+        return frames + [self._frame(f"response.{final['status']}", response=final)]
 
     def error(self, err: ImpError) -> list[str]:
         return [self._frame("error", code=err.code, message=err.message, param=err.param)]
