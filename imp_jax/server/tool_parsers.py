@@ -307,10 +307,10 @@ class HermesParser(ToolCallParser):
                 self._open_call(out, self.OPEN)
             elif call.end is not None:  # the object closed: its closing tag should follow
                 rest = self._buf.lstrip()
-                if rest.startswith(self.CLOSE):
-                    tail = self._buf[:len(self._buf) - len(rest) + len(self.CLOSE)]
+                if rest.startswith(self.CLOSE) or final and self.CLOSE.startswith(rest):
+                    tail = self._buf[:len(self._buf) - len(rest) + min(len(rest), len(self.CLOSE))]
                     self._buf = self._buf[len(tail):]
-                    self._end_call(out, tail)
+                    self._end_call(out, tail)  # (the text may end inside the closing tag)
                 elif rest and not self.CLOSE.startswith(rest) or final:
                     self._end_call(out)  # no closing tag: the call ends with its object
                 else:

@@ -66,7 +66,8 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
-    param: str                    # the request field it came from (errors name it)
+    param: str                    # the request field of its schema (errors name it)
+    name_param: str               # and of its name
     custom: bool = False          # a Responses custom tool: one free-text `input`
     namespace: str | None = None
     local_name: str = ""          # its name inside the namespace
@@ -102,9 +103,9 @@ class ToolPlan:
     def check(self) -> None:
         """400 when the choice contradicts the tools; compiles an enforced choice's grammar (a bad schema is a 400)."""
         names = [t.name for t in self.tools]
-        dup = next((n for n in names if names.count(n) > 1), None)
+        dup = next((i for i, n in enumerate(names) if n in names[:i]), None)
         if dup is not None:
-            raise InvalidRequestError(f"two tools are named '{dup}'", param=self.find(dup).param)
+            raise InvalidRequestError(f"two tools are named '{names[dup]}'", param=self.tools[dup].name_param)
         if self.choice == "required" and not self.tools:
             raise InvalidRequestError(f"'{self.choice_param}' requires a tool call but no tools are given",
                                       param=self.choice_param)
@@ -190,7 +191,7 @@ def chat_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan:
             raise InvalidRequestError(f"'tools[{i}].function' must be an object", param=f"tools[{i}].function")
         p = f"tools[{i}].function"
         out.append(Tool(_name(fn.get("name"), f"{p}.name"), _description(fn.get("description"), f"{p}.description"),
-                        _schema(fn.get("parameters"), f"{p}.parameters"), f"{p}.parameters"))
+                        _schema(fn.get("parameters"), f"{p}.parameters"), f"{p}.parameters", f"{p}.name"))
     plan = ToolPlan(out, parallel=parallel is not False)
     _openai_choice(plan, tool_choice, ("function",))
     return plan
@@ -222,7 +223,7 @@ def anthropic_plan(tools: Any, tool_choice: Any) -> ToolPlan:
             continue  # Anthropic-run tools (web_search_..., bash_..., ...) the model here cannot use
         out.append(Tool(_name(t.get("name"), f"tools[{i}].name"), _description(t.get("description"),
                         f"tools[{i}].description"), _schema(t.get("input_schema"), f"tools[{i}].input_schema"),
-                        f"tools[{i}].input_schema"))
+                        f"tools[{i}].input_schema", f"tools[{i}].name"))
     plan = ToolPlan(out)
     if tool_choice is None:
         return plan
@@ -259,21 +260,21 @@ def responses_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolP
 
 def _responses_tool(t: dict[str, Any], p: str, namespace: str | None) -> Tool:
     kind = t.get("type")
+    if kind not in ("function", "custom"):
+        raise InvalidRequestError(f"'{p}.type' {kind!r} is not supported: function and custom tools are, and "
+                                  f"hosted tools ({', '.join(HOSTED_TOOL_TYPES)}) are ignored", param=f"{p}.type")
     name = _name(t.get("name"), f"{p}.name")
     full = f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
     description = _description(t.get("description"), f"{p}.description")
     if kind == "function":
         return Tool(full, description, _schema(t.get("parameters"), f"{p}.parameters"), f"{p}.parameters",
-                    namespace=namespace, local_name=name)
-    if kind == "custom":
-        fmt = t.get("format") or {}
-        if fmt.get("type") == "grammar":
-            description += (f"\n\nThe input is free text (not JSON) in this {fmt.get('syntax', 'lark')} grammar:\n"
-                            f"{fmt.get('definition', '')}")
-        return Tool(full, description, CUSTOM_PARAMETERS, f"{p}.format", custom=True, namespace=namespace,
-                    local_name=name)
-    raise InvalidRequestError(f"'{p}.type' {kind!r} is not supported: function and custom tools are, and hosted "
-                              f"tools ({', '.join(HOSTED_TOOL_TYPES)}) are ignored", param=f"{p}.type")
+                    f"{p}.name", namespace=namespace, local_name=name)
+    fmt = t.get("format") or {}
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+        description += (f"\n\nThe input is free text (not JSON) in this {fmt.get('syntax', 'lark')} grammar:\n"
+                        f"{fmt.get('definition', '')}")
+    return Tool(full, description, CUSTOM_PARAMETERS, f"{p}.format", f"{p}.name", custom=True,
+                namespace=namespace, local_name=name)
 
 
 # --------------------------------------------------------------------------- grammar
