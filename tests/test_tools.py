@@ -191,7 +191,7 @@ def _chat_calls(client: openai.OpenAI, choice: Any, stream: bool, parallel: bool
 
 def _messages_calls(client: anthropic.Anthropic, choice: dict[str, Any], stream: bool,
                     parallel: bool) -> list[tuple[str, dict]]:
-    body = dict(model=MODEL, max_tokens=160, temperature=0, messages=[{"role": "user", "content": QUESTION}],
+    body = dict(model=MODEL, max_tokens=160, extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}],
                 tools=ANTHROPIC_TOOLS, tool_choice={**choice, "disable_parallel_tool_use": not parallel})
     if stream:
         with client.messages.stream(**body) as s:
@@ -254,9 +254,9 @@ def _chat_round_trip(client: openai.OpenAI) -> str:
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, temperature=0,
                                        max_tokens=80, tool_choice={"type": "function",
                                                                    "function": {"name": "get_weather"}})
-    call = r.choices[0].message.tool_calls[0]
     messages += [r.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+                 *({"role": "tool", "tool_call_id": call.id, "content": RESULT}
+                   for call in r.choices[0].message.tool_calls)]
     final = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, tool_choice="none",
                                            temperature=0, max_tokens=30)
     assert final.choices[0].message.tool_calls is None
@@ -265,12 +265,13 @@ def _chat_round_trip(client: openai.OpenAI) -> str:
 
 def _messages_round_trip(client: anthropic.Anthropic) -> str:
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
-    m = client.messages.create(model=MODEL, max_tokens=80, temperature=0, messages=messages, tools=ANTHROPIC_TOOLS,
+    m = client.messages.create(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, messages=messages, tools=ANTHROPIC_TOOLS,
                                tool_choice={"type": "tool", "name": "get_weather"})
-    (use,) = [b for b in m.content if b.type == "tool_use"]
+    uses = [b for b in m.content if b.type == "tool_use"]
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
-    final = client.messages.create(model=MODEL, max_tokens=30, temperature=0, messages=messages,
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}
+                                              for use in uses]}]
+    final = client.messages.create(model=MODEL, max_tokens=30, extra_body={"temperature": 0}, messages=messages,
                                    tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"})
     assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
     return final.content[0].text
@@ -280,11 +281,11 @@ def _responses_round_trip(client: openai.OpenAI) -> str:
     """The call comes back through previous_response_id, its output as a function_call_output item."""
     r = client.responses.create(model=MODEL, input=QUESTION, tools=RESPONSES_TOOLS, temperature=0,
                                 max_output_tokens=80, tool_choice={"type": "function", "name": "get_weather"})
-    (call,) = r.output
+    assert r.output and {o.type for o in r.output} == {"function_call"}
     final = client.responses.create(model=MODEL, previous_response_id=r.id, tools=RESPONSES_TOOLS, tool_choice="none",
                                     temperature=0, max_output_tokens=30,
-                                    input=[{"type": "function_call_output", "call_id": call.call_id,
-                                            "output": RESULT}])
+                                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+                                           for call in r.output])
     assert [o.type for o in final.output] == ["message"]
     return final.output_text
 
@@ -297,7 +298,8 @@ def _custom_round_trip(client: openai.OpenAI) -> str:
              {"type": "web_search"}]
     ask = [{"role": "user", "content": "Add a line 'hello' to README.md."}]
     r = client.responses.create(model=MODEL, input=ask, tools=tools, temperature=0, max_output_tokens=120,
-                                tool_choice={"type": "custom", "name": "apply_patch"}, store=False)
+                                tool_choice={"type": "custom", "name": "apply_patch"}, store=False,
+                                parallel_tool_calls=False)
     (call,) = r.output
     assert call.type == "custom_tool_call" and call.name == "apply_patch" and isinstance(call.input, str)
     replay = [*ask, {"type": "custom_tool_call", "call_id": call.call_id, "name": call.name, "input": call.input},

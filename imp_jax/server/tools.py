@@ -205,7 +205,7 @@ def _openai_choice(plan: ToolPlan, choice: Any, kinds: Sequence[str]) -> None:
         plan.choice = choice
         return
     if isinstance(choice, dict) and choice.get("type") in kinds:
-        name = (choice.get("function") or {}).get("name") if "function" in choice else choice.get("name")
+        name = _function(choice).get("name") if "function" in choice else choice.get("name")
         plan.choice, plan.named = "named", _name(name, "tool_choice.name")
         return
     raise InvalidRequestError("'tool_choice' must be 'none', 'auto', 'required' or a named function",
@@ -363,6 +363,12 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
     return tokenizer.apply_chat_template(hermes_messages(messages, offered), **kwargs)
 
 
+def _function(call: Any) -> dict[str, Any]:
+    """A call's (or a choice's) `function` object; {} when it is missing or not an object."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    return fn if isinstance(fn, dict) else {}
+
+
 def _arguments_object(arguments: Any) -> Any:
     """A call's arguments as an object (templates print them with tojson), when the JSON text parses."""
     if isinstance(arguments, str):
@@ -380,8 +386,8 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if m.get("tool_calls"):
             m = copy.deepcopy(m)
             for call in m["tool_calls"]:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and "arguments" in fn:
+                fn = _function(call)
+                if "arguments" in fn:
                     fn["arguments"] = _arguments_object(fn["arguments"])
         out.append(m)
     return out
@@ -399,9 +405,8 @@ def hermes_messages(messages: list[dict[str, Any]], tools: Sequence[Tool]) -> li
     for m in messages:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = [hermes_call_text((c.get("function") or {}).get("name", ""),
-                                      (c.get("function") or {}).get("arguments", {}))
-                     for c in m["tool_calls"] if isinstance(c, Mapping)]
+            calls = [hermes_call_text(_function(c).get("name", ""), _function(c).get("arguments", {}))
+                     for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(filter(None, [content, *calls]))})
         elif role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
