@@ -14,9 +14,16 @@ import jsonschema
 import llguidance
 import openai
 import pytest
-from server_fixtures import MODEL, LiveServer, fake_tokenizer, live_server, openai_client, wait_idle  # noqa: F401
+from server_fixtures import (MODEL, LiveServer, fake_tokenizer, live_server, openai_client,  # noqa: F401
+                             parse_sse, wait_idle)
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.request import EngineEvent, Usage
+from imp_jax.server.anthropic_messages import MessageStream
+from imp_jax.server.chat_completions import ChatStream
+from imp_jax.server.logprobs import TokenText
+from imp_jax.server.responses import ResponseDraft, ResponsesRequest, ResponseStream
+from imp_jax.server.responses_store import ResponsesStore
 from imp_jax.model.chat_template import render_chat_template
 from imp_jax.server.tool_parsers import parse_reply
 from imp_jax.server.tools import (anthropic_plan, chat_plan, hermes_messages, native_messages, responses_plan,
@@ -146,13 +153,75 @@ def test_hermes_rendering_of_tools_calls_and_results() -> None:
     assert out[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "set_alarm"' in out[0]["content"]
     assert out[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
                                  '"unit": "celsius"}}\n</tool_call>')
-    assert out[3]["content"] == f"<tool_response>\n{RESULT}\n</tool_response>\n<tool_response>\nsecond\n</tool_response>"
+    assert out[3]["content"] == (f"<tool_response>\n{RESULT}\n</tool_response>\n"
+                                 "<tool_response>\nsecond\n</tool_response>")
     assert all(set(m) == {"role", "content"} for m in out)
     native = native_messages(messages)
     assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
     assert messages[2]["tool_calls"][0]["function"]["arguments"].startswith("{")  # the request is not changed
     rendered = render_chat_template("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", out)
     assert "# Tools" in rendered and "<tool_response>" in rendered
+
+
+# --------------------------------------------------------------------------- stream formatters, text around calls
+MIXED = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+         '\n</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7}}\n</tool_call> Done.')
+
+
+def _events(text: str, size: int = 3) -> list[EngineEvent]:
+    """The engine's events for `text` in chunks of `size` characters, the last one finishing the request."""
+    chunks = [text[i:i + size] for i in range(0, len(text), size)]
+    events = [EngineEvent("r", text=c) for c in chunks]
+    events[-1].finish_reason, events[-1].done, events[-1].usage = "stop", True, Usage(5, len(chunks), 0)
+    return events
+
+
+def _frames(fmt: Any, events: list[EngineEvent]) -> list[dict[str, Any]]:
+    raw = fmt.open() + [f for ev in events for f in fmt.event(ev)] + fmt.close(events[-1].usage)
+    return [json.loads(d) for _, d in parse_sse("".join(raw)) if d != "[DONE]"]
+
+
+def test_chat_stream_of_text_around_calls() -> None:
+    frames = _frames(ChatStream("r", MODEL, 1, False, TokenText(_TOK), "hermes"), _events(MIXED))
+    deltas = [f["choices"][0]["delta"] for f in frames]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            calls.setdefault(tc["index"], [tc["function"].get("name"), ""])[1] += tc["function"]["arguments"]
+    assert content == "Let me check. Done." and frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("set_alarm", {"hour": 7})]
+
+
+def test_messages_stream_of_text_around_calls() -> None:
+    frames = _frames(MessageStream("m", MODEL, 5, False, "hermes"), _events(MIXED))
+    starts = [f["content_block"] for f in frames if f["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use", "tool_use", "text"]
+    assert [f["index"] for f in frames if f["type"] == "content_block_stop"] == [0, 1, 2, 3]
+    inputs = ["".join(f["delta"]["partial_json"] for f in frames
+                      if f["type"] == "content_block_delta" and f["index"] == i) for i in (1, 2)]
+    assert [json.loads(x) for x in inputs] == [{"city": "Paris", "unit": "celsius"}, {"hour": 7}]
+    assert frames[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_responses_stream_of_text_around_calls() -> None:
+    req = ResponsesRequest.model_validate({"model": MODEL, "input": QUESTION, "tools": RESPONSES_TOOLS,
+                                           "store": False})
+    draft = ResponseDraft("resp_1", MODEL, req, [], ResponsesStore())
+    frames = _frames(ResponseStream(draft, "hermes"), _events(MIXED))
+    assert [f["sequence_number"] for f in frames] == list(range(len(frames)))
+    added = [(f["output_index"], f["item"]["type"]) for f in frames if f["type"] == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "function_call"), (2, "function_call"), (3, "message")]
+    final = frames[-1]["response"]
+    assert final["status"] == "completed" and [o["type"] for o in final["output"]] == [
+        "message", "function_call", "function_call", "message"]
+    assert final["output"][0]["content"][0]["text"] == "Let me check." and final["output"][3]["content"][0][
+        "text"] == " Done."
+    args = "".join(f["delta"] for f in frames if f["type"] == "response.function_call_arguments.delta"
+                   and f["output_index"] == 1)
+    assert json.loads(args) == {"city": "Paris", "unit": "celsius"} == json.loads(final["output"][1]["arguments"])
+    assert len({o["id"] for o in final["output"]}) == 4
 
 
 # --------------------------------------------------------------------------- live: enforced calls on every dialect
@@ -191,8 +260,9 @@ def _chat_calls(client: openai.OpenAI, choice: Any, stream: bool, parallel: bool
 
 def _messages_calls(client: anthropic.Anthropic, choice: dict[str, Any], stream: bool,
                     parallel: bool) -> list[tuple[str, dict]]:
-    body = dict(model=MODEL, max_tokens=160, extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}],
-                tools=ANTHROPIC_TOOLS, tool_choice={**choice, "disable_parallel_tool_use": not parallel})
+    body = dict(model=MODEL, max_tokens=160, extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": QUESTION}], tools=ANTHROPIC_TOOLS,
+                tool_choice={**choice, "disable_parallel_tool_use": not parallel})
     if stream:
         with client.messages.stream(**body) as s:
             m = s.get_final_message()
@@ -265,8 +335,8 @@ def _chat_round_trip(client: openai.OpenAI) -> str:
 
 def _messages_round_trip(client: anthropic.Anthropic) -> str:
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
-    m = client.messages.create(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, messages=messages, tools=ANTHROPIC_TOOLS,
-                               tool_choice={"type": "tool", "name": "get_weather"})
+    m = client.messages.create(model=MODEL, max_tokens=80, extra_body={"temperature": 0}, messages=messages,
+                               tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
     uses = [b for b in m.content if b.type == "tool_use"]
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}

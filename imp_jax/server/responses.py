@@ -262,7 +262,8 @@ class ResponseDraft:
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": req.store, "temperature": req.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+            "truncation": req.truncation or "disabled",
             "usage": usage_json(usage) if usage is not None else None, "user": req.user,
             "metadata": req.metadata or {},
         }
