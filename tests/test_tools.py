@@ -22,6 +22,7 @@ from imp_jax.runtime.request import EngineEvent, Usage
 from imp_jax.server.anthropic_messages import MessageStream
 from imp_jax.server.chat_completions import ChatStream
 from imp_jax.server.logprobs import TokenText
+from imp_jax.server.reasoning import Thinking
 from imp_jax.server.responses import ResponseDraft, ResponsesRequest, ResponseStream
 from imp_jax.server.responses_store import ResponsesStore
 from imp_jax.model.chat_template import render_chat_template
@@ -222,6 +223,49 @@ def test_responses_stream_of_text_around_calls() -> None:
                    and f["output_index"] == 1)
     assert json.loads(args) == {"city": "Paris", "unit": "celsius"} == json.loads(final["output"][1]["arguments"])
     assert len({o["id"] for o in final["output"]}) == 4
+
+
+# --------------------------------------------------------------------------- stream formatters, reasoning first
+THOUGHT = 'Maybe <tool_call>\n{"name": "set_alarm", "arguments": {"hour": 1}}\n</tool_call> then.'
+
+
+def _thinking_events() -> list[EngineEvent]:
+    """A thinking model's events: reasoning (with call markup that is no call), then MIXED as the answer."""
+    return [EngineEvent("r", reasoning_text=THOUGHT[i:i + 4]) for i in range(0, len(THOUGHT), 4)] + _events(MIXED)
+
+
+def test_stream_formatters_put_reasoning_first_and_parse_calls_in_the_answer_only() -> None:
+    frames = _frames(ChatStream("r", MODEL, 1, False, TokenText(_TOK), "hermes"), _thinking_events())
+    deltas = [f["choices"][0]["delta"] for f in frames]
+    kinds = [k for d in deltas for k in ("reasoning_content", "content", "tool_calls") if d.get(k)]
+    answer = kinds.index("content")
+    assert answer > 0 and set(kinds[:answer]) == {"reasoning_content"} and "reasoning_content" not in kinds[answer:]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == THOUGHT
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check. Done."
+    assert len({tc["index"] for d in deltas for tc in d.get("tool_calls", [])}) == 2
+
+    frames = _frames(MessageStream("m", MODEL, 5, False, "hermes", Thinking(enabled=True)), _thinking_events())
+    starts = [(f["index"], f["content_block"]["type"]) for f in frames if f["type"] == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use"), (3, "tool_use"), (4, "text")]
+    assert [f["index"] for f in frames if f["type"] == "content_block_stop"] == [0, 1, 2, 3, 4]
+    thinking = [f["delta"] for f in frames if f["type"] == "content_block_delta" and f["index"] == 0]
+    assert "".join(d.get("thinking", "") for d in thinking) == THOUGHT and thinking[-1]["type"] == "signature_delta"
+    assert frames[-2]["delta"]["stop_reason"] == "tool_use"
+
+    req = ResponsesRequest.model_validate({"model": MODEL, "input": QUESTION, "tools": RESPONSES_TOOLS,
+                                           "store": False})
+    draft = ResponseDraft("resp_1", MODEL, req, [], ResponsesStore())
+    frames = _frames(ResponseStream(draft, "hermes"), _thinking_events())
+    assert [f["sequence_number"] for f in frames] == list(range(len(frames)))
+    added = [(f["output_index"], f["item"]["type"]) for f in frames if f["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message"), (2, "function_call"), (3, "function_call"), (4, "message")]
+    done = [f["output_index"] for f in frames if f["type"] == "response.output_item.done"]
+    assert done == [0, 1, 2, 3, 4]
+    final = frames[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message", "function_call", "function_call",
+                                                    "message"]
+    assert final["output"][0]["content"][0]["text"] == THOUGHT and final["output"][1]["id"] == draft.item_id
+    assert len({o["id"] for o in final["output"]}) == 5
 
 
 # --------------------------------------------------------------------------- live: enforced calls on every dialect
