@@ -407,7 +407,8 @@ def hermes_messages(messages: list[dict[str, Any]], tools: Sequence[Tool]) -> li
         if role == "assistant" and m.get("tool_calls"):
             calls = [hermes_call_text(_function(c).get("name", ""), _function(c).get("arguments", {}))
                      for c in m["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(filter(None, [content, *calls]))})
+            rest = {k: v for k, v in m.items() if k != "tool_calls"}   # replayed reasoning stays
+            out.append({**rest, "content": "\n".join(filter(None, [content, *calls]))})
         elif role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
             if out and out[-1].get("tool_results"):
