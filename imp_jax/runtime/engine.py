@@ -44,6 +44,9 @@ class EngineCounters:
     decode_rows_last: int = 0        # decode rows of the most recent such step
     decode_rows_max: int = 0
     kv_blocks_reserved: int = 0      # blocks promised to running sequences, as of the last step
+    mask_steps: int = 0              # steps with at least one grammar-constrained row
+    mask_rows: int = 0               # constrained rows over those steps
+    mask_seconds: float = 0.0        # host time computing their allowed-token masks (before each launch)
 
 
 @dataclasses.dataclass
@@ -73,7 +76,7 @@ class EngineCore:
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
-        self.constraints = GrammarConstraints(loaded.tokenizer, loaded.config.vocab_size)
+        self.constraints = GrammarConstraints.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
         self.num_steps = 0
@@ -188,7 +191,9 @@ class EngineCore:
         T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks))
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
                                  max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
-        rows = [self._row_spec(c.seq) if c.samples else RowSpec(temperature=0.0) for c in chunks]
+        masks = self._masks(chunks)
+        rows = [self._row_spec(c.seq, masks.get(i)) if c.samples else RowSpec(temperature=0.0)
+                for i, c in enumerate(chunks)]
         decode_rows = sum(1 for c in chunks if not c.seq.is_prefill)
         shapes = self.step_fn.shapes
         sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
@@ -216,7 +221,7 @@ class EngineCore:
             c.decode_rows_max = max(c.decode_rows_max, decode_rows)
         c.kv_blocks_reserved = self.scheduler.reserved_blocks()
 
-    def _row_spec(self, seq: Sequence) -> RowSpec:
+    def _row_spec(self, seq: Sequence, mask: np.ndarray | None) -> RowSpec:
         p = seq.params
         return RowSpec(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
@@ -226,15 +231,22 @@ class EngineCore:
             history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
             num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
             logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs),
-            allowed_bitmask=self._allowed(seq))
+            allowed_bitmask=mask)
 
-    def _allowed(self, seq: Sequence) -> np.ndarray | None:
-        """The constrained sequence's next-token bitmask (its grammar's), else None: any token."""
-        if seq.constraint is None:
-            return None
-        words = np.empty(-(-self.loaded.config.vocab_size // 32), np.uint32)
-        seq.constraint.fill_mask(words)
-        return words
+    def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
+        """The next-token bitmask of each sampling row with a grammar, by row: all rows in one call
+        that leaves the GIL and runs them in parallel (an unconstrained row has none: any token)."""
+        rows = [(i, c.seq.constraint) for i, c in enumerate(chunks) if c.samples and c.seq.constraint is not None]
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        words = np.empty((len(rows), self.constraints.mask_words), np.int32)
+        self.constraints.fill_masks([m for _, m in rows], words)
+        c = self.counters
+        c.mask_steps += 1
+        c.mask_rows += len(rows)
+        c.mask_seconds += time.perf_counter() - t0
+        return {i: words[k] for k, (i, _) in enumerate(rows)}
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out."""
@@ -258,8 +270,11 @@ class EngineCore:
             return
         token = int(out.tokens[row])
         seq.output_ids.append(token)
-        if seq.constraint is not None:
-            seq.constraint.accept(token)
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            # the grammar allowed no token the request's logit_bias left (the sampler drew from nothing)
+            self._finish(seq, "error", state, error=f"the output constraint allowed no token the request's "
+                         f"logit_bias permits ({seq.constraint.failed})")
+            return
         logprobs = None
         if seq.params.logprobs is not None:
             k = seq.params.logprobs
@@ -364,7 +379,8 @@ class EngineCore:
                     kv_pressure_rejections=c.kv_pressure_rejections,
                     decode_batch_last_rows=c.decode_rows_last if busy else 0,
                     decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
-                    decode_batch_max=c.decode_rows_max)
+                    decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
+                    constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds)
 
 
 def _has_penalty(p) -> bool:

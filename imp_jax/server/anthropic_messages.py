@@ -14,7 +14,7 @@ from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
 from imp_jax.server.generation import collect
@@ -87,7 +87,7 @@ class Conversation(WireModel):
     tools: list[dict[str, Any]] | None = None
     thinking: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # top level: a breakpoint on the last cacheable block
-    output_config: dict[str, Any] | None = None  # `effort` is ignored; a `format` is refused
+    output_config: dict[str, Any] | None = None  # `format`: JSON outputs (structured.py); `effort` is ignored
 
     @field_validator("system", mode="before")
     @classmethod
@@ -108,9 +108,6 @@ class Conversation(WireModel):
         if self.thinking is not None and self.thinking.get("type") != "disabled":
             raise not_supported("extended 'thinking' is not supported yet; send {\"type\": \"disabled\"} or omit it",
                                 param="thinking.type")
-        if (self.output_config or {}).get("format") is not None:
-            raise not_supported("structured output ('output_config.format') is not supported yet",
-                                param="output_config.format")
 
     def template_messages(self) -> tuple[list[dict[str, str]], bool]:
         """Chat-template messages (system first, same-role turns merged), and whether the last is a prefill."""
@@ -213,10 +210,11 @@ async def messages() -> Any:
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
+    constraint = await structured.constraint(structured.messages_format(req.output_config), engine, params)
     mid = new_message_id()
     set_response_id(mid)
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
-                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control)
+                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control, constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:

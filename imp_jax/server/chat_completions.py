@@ -8,7 +8,7 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import Completion, collect
@@ -67,7 +67,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "cont
                                       "documents", "template_name"})
 
 
-class ChatRequest(OpenAISampling):
+class ChatRequest(OpenAISampling, structured.OutputFormatFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -76,7 +76,6 @@ class ChatRequest(OpenAISampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -95,8 +94,6 @@ class ChatRequest(OpenAISampling):
                 raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         if self.tools:
             raise not_supported("'tools' are not supported yet", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise not_supported("'response_format' other than text is not supported yet", param="response_format")
         if self.continue_final_message:
             self._check_continue()
         taken = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
@@ -141,9 +138,11 @@ async def chat_completions() -> Any:
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
+    constraint = await structured.constraint(req.output_format(), engine, params)
     rid = new_id("chatcmpl")
     set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:

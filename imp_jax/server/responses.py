@@ -15,7 +15,7 @@ from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
@@ -118,9 +118,6 @@ class ResponsesRequest(OpenAISampling):
             raise InvalidRequestError("'n' must be 1: a response holds one answer", param="n")
         if self.tools:
             raise not_supported("'tools' are not supported yet", param="tools")
-        fmt = (self.text.format or {}) if self.text else {}
-        if fmt.get("type", "text") != "text":
-            raise not_supported("'text.format' other than text is not supported yet", param="text.format")
         if self.background:
             raise not_supported("'background' responses are not supported", param="background")
         if self.top_logprobs:
@@ -133,6 +130,11 @@ class ResponsesRequest(OpenAISampling):
             if last.role != "assistant" or not last.message()["content"]:
                 raise InvalidRequestError("'continue_final_message' needs a final assistant message with text",
                                           param="continue_final_message")
+
+    @property
+    def text_format(self) -> dict[str, Any]:
+        """`text.format` as asked (the response echoes it); plain text when unset."""
+        return (self.text.format if self.text else None) or {"type": "text"}
 
     def _check_metadata(self) -> None:
         meta = self.metadata or {}
@@ -194,7 +196,7 @@ class ResponseDraft:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": req.store, "temperature": req.temperature, "text": {"format": {"type": "text"}},
+            "store": req.store, "temperature": req.temperature, "text": {"format": req.text_format},
             "tool_choice": "auto", "tools": [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
             "usage": usage_json(usage) if usage is not None else None, "user": req.user,
             "metadata": req.metadata or {},
@@ -243,9 +245,11 @@ async def create_response() -> Any:
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
     max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
+    constraint = await structured.constraint(structured.responses_format(req.text_format), engine, params)
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
     set_response_id(draft.id)
-    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
         return sse_response(drive(engine, draft.id, events, ResponseStream(draft)))
