@@ -270,7 +270,8 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "metadata_user_id_number": (_with(metadata={"user_id": 5}), "metadata.user_id"),
     "tools": (_with(tools=[{"name": "f", "input_schema": {"type": "object"}}]), "tools"),
     "thinking_enabled": (_with(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
-    "output_format": (_with(output_config={"format": {"type": "json_schema", "schema": {}}}), "output_config.format"),
+    "output_format_unenforceable": (_with(output_config={"format": {"type": "json_schema", "schema": {"not": {}}}}),
+                                    "output_config.format.schema"),
     "cache_control_string": (_with(cache_control="ephemeral"), "cache_control"),
     "prompt_past_context": (_with(messages=_user("go " * 1100)), None),  # context_length_exceeded
 }
