@@ -121,10 +121,13 @@ class GrammarConstraints:
 
     def fill_masks(self, matchers: list[GrammarMatcher], out: np.ndarray) -> None:
         """Every matcher's next-token bitmask into `out` (int32 [len(matchers), mask_words], C-contiguous),
-        in one call that drops the GIL and spreads the rows over llguidance's thread pool."""
+        in one call that drops the GIL and spreads the rows over llguidance's thread pool (one row: directly)."""
         import llguidance
         import llguidance.numpy as llnp
 
+        if len(matchers) == 1:
+            matchers[0].fill_mask(out[0])
+            return
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         llnp.fill_next_token_bitmask_par(self._executor, [(m._m, i) for i, m in enumerate(matchers)], out)
