@@ -8,9 +8,10 @@ At each concurrency level, that many clients each send non-streamed /v1/chat/com
 once with `response_format` json_schema, alternating for `--rounds` so a change in the machine's
 load hits both alike. Every request runs exactly --output-len tokens: the unconstrained one with
 `ignore_eos`, the constrained one under a schema (a long array of short strings) that is still open
-when max_tokens cuts it. Prints output tok/s of each, their ratio, and the engine's mask time per
-constrained step and per row (the deltas of /health's constraint counters), and the 1-minute load
-average before and after; JSON to --out. Send it only to a server you run on this machine.
+when max_tokens cuts it. Prints output tok/s of each, their ratio, the engine's mask time per
+constrained step and per row, and the engine's host and device time per step of each (the deltas of
+/health's counters: on a shared machine the host time is the steadier measure of what a constraint
+adds), and the 1-minute load average before and after; JSON to --out. Send it only to a server you run on this machine.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ SCHEMA = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLengt
 MESSAGES = [{"role": "system", "content": "Reply with a JSON array of strings."},
             {"role": "user", "content": "List as many city names as you can."}]
 COUNTERS = ("constrained_steps_total", "constrained_rows_total", "constraint_mask_seconds_total", "num_steps",
-            "compilations_after_warmup")
+            "step_host_seconds_total", "step_device_seconds_total", "compilations_after_warmup")
 
 
 def body(model: str, output_len: int, constrained: bool) -> dict[str, Any]:
@@ -75,7 +76,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient() as client:
         for c in args.concurrency:
             totals = {False: [0, 0.0], True: [0, 0.0]}
-            mask = {k: 0.0 for k in COUNTERS}
+            engine = {False: dict.fromkeys(COUNTERS, 0.0), True: dict.fromkeys(COUNTERS, 0.0)}
             for _ in range(args.rounds):
                 for constrained in (False, True):
                     before = stats(args.url)
@@ -84,18 +85,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     after = stats(args.url)
                     totals[constrained][0] += toks
                     totals[constrained][1] += secs
-                    if constrained:
-                        for k in COUNTERS:
-                            mask[k] += after[k] - before[k]
+                    for k in COUNTERS:
+                        engine[constrained][k] += after[k] - before[k]
             free, con = (totals[k][0] / totals[k][1] for k in (False, True))
+            mask = engine[True]
             steps, rows = mask["constrained_steps_total"], mask["constrained_rows_total"]
+            per_step = {k: {which: 1e3 * engine[k][f"step_{which}_seconds_total"] / engine[k]["num_steps"]
+                            for which in ("host", "device")} for k in (False, True)}
             results.append({
                 "concurrency": c, "unconstrained_tok_s": free, "json_schema_tok_s": con, "ratio": con / free,
                 "mask_ms_per_step": 1e3 * mask["constraint_mask_seconds_total"] / steps if steps else None,
                 "mask_ms_per_row": 1e3 * mask["constraint_mask_seconds_total"] / rows if rows else None,
                 "rows_per_step": rows / steps if steps else None,
-                "step_ms": 1e3 * totals[True][1] / mask["num_steps"] if mask["num_steps"] else None,
-                "compilations_after_warmup": mask["compilations_after_warmup"],
+                "host_ms_per_step": {"unconstrained": per_step[False]["host"], "json_schema": per_step[True]["host"]},
+                "device_ms_per_step": {"unconstrained": per_step[False]["device"],
+                                       "json_schema": per_step[True]["device"]},
+                "compilations_after_warmup": mask["compilations_after_warmup"] + engine[False]["compilations_after_warmup"],
             })
     return {"results": results}
 
@@ -114,12 +119,14 @@ def main() -> None:
     report.update(load_avg_1m_before=load_before, load_avg_1m_after=os.getloadavg()[0], output_len=args.output_len,
                   rounds=args.rounds, requests_per_stream=args.requests_per_stream, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(f"{'streams':>7} {'free tok/s':>10} {'json tok/s':>10} {'ratio':>6} {'mask ms/step':>12} "
-          f"{'mask ms/row':>11} {'rows/step':>9} {'step ms':>8}")
+          f"{'mask ms/row':>11} {'host ms/step free/json':>22} {'device ms/step free/json':>24}")
     for r in report["results"]:
-        fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        host, dev = r["host_ms_per_step"], r["device_ms_per_step"]
         print(f"{r['concurrency']:>7} {r['unconstrained_tok_s']:>10.1f} {r['json_schema_tok_s']:>10.1f} "
               f"{r['ratio']:>6.3f} {fmt(r['mask_ms_per_step']):>12} {fmt(r['mask_ms_per_row']):>11} "
-              f"{fmt(r['rows_per_step'], 1):>9} {fmt(r['step_ms'], 1):>8}")
+              f"{host['unconstrained']:>10.2f} / {host['json_schema']:<9.2f} "
+              f"{dev['unconstrained']:>11.1f} / {dev['json_schema']:<10.1f}")
     print(f"load average (1 min): {report['load_avg_1m_before']:.2f} before, {report['load_avg_1m_after']:.2f} after")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -380,7 +380,8 @@ class EngineCore:
                     decode_batch_last_rows=c.decode_rows_last if busy else 0,
                     decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
                     decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
-                    constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds)
+                    constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds,
+                    step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds)
 
 
 def _has_penalty(p) -> bool:
