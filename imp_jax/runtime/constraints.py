@@ -78,9 +78,12 @@ class GrammarConstraints:
 
         with self._lock:
             if self._llt is None:
-                eos = self._tokenizer.eos_id  # the one a finished grammar allows: the template's end of turn
+                # a complete grammar allows every id that ends a sequence (end of turn, end of text), the
+                # tokenizer's own EOS first
+                first = self._tokenizer.eos_id
+                eos = sorted(self._tokenizer.eos_ids, key=lambda t: (t != first, t))
                 self._llt = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
-                                                   eos_token=eos if eos is not None else sorted(self._tokenizer.eos_ids)[0])
+                                                   eos_token=eos or None)
             return self._llt
 
     def compile(self, grammar: str) -> str | None:
