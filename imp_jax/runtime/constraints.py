@@ -13,6 +13,7 @@ One GrammarConstraints per tokenizer (`for_tokenizer`), shared by the server and
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Any
 
@@ -131,6 +132,14 @@ class GrammarConstraints:
         if len(matchers) == 1:
             matchers[0].fill_mask(out[0])
             return
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+        if self._executor is None:  # every core: the step's own threads are idle while masks are computed
+            self._executor = llguidance.LLExecutor(num_threads=min(32, _cores()))
         llnp.fill_next_token_bitmask_par(self._executor, [(m._m, i) for i, m in enumerate(matchers)], out)
+
+
+def _cores() -> int:
+    """CPUs this process may run on (llguidance's own default takes 80% of them: 1 of 2)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
