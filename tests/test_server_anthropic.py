@@ -272,7 +272,8 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
                                         tool_choice={"type": "tool", "name": "g"}), "tool_choice"),
     "thinking_type": (_with(thinking={"type": "sometimes"}), "thinking.type"),
     "thinking_budget_missing": (_with(thinking={"type": "enabled"}), "thinking.budget_tokens"),
-    "output_format": (_with(output_config={"format": {"type": "json_schema", "schema": {}}}), "output_config.format"),
+    "output_format_unenforceable": (_with(output_config={"format": {"type": "json_schema", "schema": {"not": {}}}}),
+                                    "output_config.format.schema"),
     "cache_control_string": (_with(cache_control="ephemeral"), "cache_control"),
     "prompt_past_context": (_with(messages=_user("go " * 1100)), None),  # context_length_exceeded
 }

@@ -58,7 +58,7 @@ def test_choices_map_to_one_plan_on_every_dialect() -> None:
         assert [t.name for t in plan.tools] == ["get_weather", "set_alarm"] and plan.enforced
     assert anthropic_plan(ANTHROPIC_TOOLS, {"type": "any"}).choice == "required"
     none = chat_plan(CHAT_TOOLS, "none", None)
-    assert none.offered == [] and none.constraint("hermes", [0]) is None and none.parser("hermes") is None
+    assert none.offered == [] and none.output_format("hermes") is None and none.parser("hermes") is None
 
 
 def test_responses_tools_drop_hosted_and_flatten_namespaces() -> None:
@@ -113,7 +113,7 @@ _BYTE_TOKENIZER = (_TOK, llguidance.LLTokenizer(_TOK.backend.to_str(), n_vocab=_
 def test_grammar_accepts_exactly_calls_that_parse_into_valid_arguments(fmt: str) -> None:
     """The enforced grammar of every format compiles, takes the format's calls, and refuses a bad argument."""
     plan = chat_plan(CHAT_TOOLS, "required", True)
-    grammar = plan.constraint(fmt, [])
+    grammar = plan.output_format(fmt).grammar
     good = {"hermes": '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7}}\n</tool_call>\n'
                       '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
                       '</tool_call>',
@@ -125,7 +125,7 @@ def test_grammar_accepts_exactly_calls_that_parse_into_valid_arguments(fmt: str)
     assert not _accepts(grammar, good.replace('"hour": 7', '"hour": 24'))       # maximum 23
     assert not _accepts(grammar, good.replace('"celsius"', '"kelvin"'))         # not in the enum
     assert not _accepts(grammar, good.replace('"hour": 7', '"hour": 7, "x": 1'))  # no invented keys
-    assert not _accepts(chat_plan(CHAT_TOOLS, "required", False).constraint(fmt, []), good)  # one call only
+    assert not _accepts(chat_plan(CHAT_TOOLS, "required", False).output_format(fmt).grammar, good)  # one call only
     calls = parse_reply(good, fmt).calls
     assert [c.name for c in calls] == ["set_alarm", "get_weather"]
     for c in calls:

@@ -17,16 +17,16 @@ from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import engine_request, set_response_id
-from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
+from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall, answer_events,
                                         parse_reply)
-from imp_jax.server.tools import ToolPlan, anthropic_plan, render_prompt, tokenizer_tools
+from imp_jax.server.tools import ToolPlan, anthropic_plan, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("anthropic_messages", __name__)
@@ -142,7 +142,7 @@ class Conversation(WireModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # top level: a breakpoint on the last cacheable block
-    output_config: dict[str, Any] | None = None  # `effort` is ignored; a `format` is refused
+    output_config: dict[str, Any] | None = None  # `format`: JSON outputs (structured.py); `effort` is ignored
 
     @field_validator("system", mode="before")
     @classmethod
@@ -163,9 +163,6 @@ class Conversation(WireModel):
                                           "message may be)", param=f"messages[{i}].content")
         self.tool_plan.check()
         anthropic_thinking(self.thinking)
-        if (self.output_config or {}).get("format") is not None:
-            raise not_supported("structured output ('output_config.format') is not supported yet",
-                                param="output_config.format")
 
     @functools.cached_property
     def tool_plan(self) -> ToolPlan:
@@ -225,6 +222,11 @@ class MessagesRequest(OpenAISampling, Conversation):
             raise InvalidRequestError("'n' must be 1: a message holds one answer", param="n")
         if "stop" in self.model_fields_set:
             raise InvalidRequestError("'stop' is not a Messages field; use 'stop_sequences'", param="stop")
+        self.tool_plan.admit(self.output_form)
+
+    @functools.cached_property
+    def output_form(self) -> structured.OutputFormat | None:
+        return structured.messages_format(self.output_config)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         """The shared builder, with Anthropic's `stop_sequences` as the stop strings."""
@@ -287,9 +289,7 @@ async def messages() -> Any:
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
-    plan, call_format = req.tool_plan, tokenizer_tools(engine.tokenizer).fmt
-    constraint = plan.constraint(call_format, engine.tokenizer.eos_ids)
-    plan.adjust(params, call_format, constraint)
+    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     mid = new_message_id()
     set_response_id(mid)
     thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
@@ -298,7 +298,6 @@ async def messages() -> Any:
                              reasoning=True, reasoning_budget=thinking.budget_tokens)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
-    tool_format = call_format if plan.offered else None
     if req.stream:
         shown = thinking if thinking.enabled and model_thinks(engine.tokenizer) else None
         fmt = MessageStream(mid, engine.served_name, len(ids), clamped, tool_format, shown)

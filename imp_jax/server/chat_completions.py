@@ -9,9 +9,8 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
-from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import Choice, Completion, collect
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
@@ -19,7 +18,7 @@ from imp_jax.server.reasoning import template_kwargs
 from imp_jax.server.streaming import drive, sse_response
 from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallStart, TextDelta, ToolCallParser, answer_events,
                                         parse_reply)
-from imp_jax.server.tools import ToolPlan, chat_plan, render_prompt, tokenizer_tools
+from imp_jax.server.tools import ToolPlan, chat_plan, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("chat_completions", __name__)
@@ -74,7 +73,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "cont
                                       "documents", "template_name"})
 
 
-class ChatRequest(OpenAISampling):
+class ChatRequest(OpenAISampling, structured.OutputFormatFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -87,7 +86,6 @@ class ChatRequest(OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -105,8 +103,7 @@ class ChatRequest(OpenAISampling):
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         self.tool_plan.check()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise not_supported("'response_format' other than text is not supported yet", param="response_format")
+        self.tool_plan.admit(self.output_form)
         if self.continue_final_message:
             self._check_continue()
         taken = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
@@ -128,6 +125,10 @@ class ChatRequest(OpenAISampling):
     @functools.cached_property
     def tool_plan(self) -> ToolPlan:
         return chat_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    @functools.cached_property
+    def output_form(self) -> structured.OutputFormat | None:
+        return self.output_format()
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -155,16 +156,13 @@ async def chat_completions() -> Any:
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
-    plan, call_format = req.tool_plan, tokenizer_tools(engine.tokenizer).fmt
-    constraint = plan.constraint(call_format, engine.tokenizer.eos_ids)
-    plan.adjust(params, call_format, constraint)
+    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     rid = new_id("chatcmpl")
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
-    tool_format = call_format if plan.offered else None
     if req.stream:
         fmt = ChatStream(rid, engine.served_name, params.n, req.include_usage, token_text, tool_format)
         return sse_response(drive(engine, rid, events, fmt))

@@ -17,7 +17,7 @@ from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
@@ -28,7 +28,7 @@ from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimit
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall,
                                         answer_events, parse_reply)
-from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, render_prompt, responses_plan, tokenizer_tools
+from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, prepare_decoding, render_prompt, responses_plan
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
@@ -165,6 +165,10 @@ class ResponsesRequest(OpenAISampling):
     def tool_plan(self) -> ToolPlan:
         return responses_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
 
+    @functools.cached_property
+    def output_form(self) -> structured.OutputFormat | None:
+        return structured.responses_format(self.text_format)
+
     def check(self) -> None:
         self.check_common()
         for i, item in enumerate(self.input):
@@ -179,9 +183,7 @@ class ResponsesRequest(OpenAISampling):
         if self.n != 1:
             raise InvalidRequestError("'n' must be 1: a response holds one answer", param="n")
         self.tool_plan.check()
-        fmt = (self.text.format or {}) if self.text else {}
-        if fmt.get("type", "text") != "text":
-            raise not_supported("'text.format' other than text is not supported yet", param="text.format")
+        self.tool_plan.admit(self.output_form)
         if self.background:
             raise not_supported("'background' responses are not supported", param="background")
         if self.top_logprobs:
@@ -198,6 +200,11 @@ class ResponsesRequest(OpenAISampling):
             if last.type != "message" or last.role != "assistant" or not last.text:
                 raise InvalidRequestError("'continue_final_message' needs a final assistant message with text",
                                           param="continue_final_message")
+
+    @property
+    def text_format(self) -> dict[str, Any]:
+        """`text.format` as asked (the response echoes it); plain text when unset."""
+        return (self.text.format if self.text else None) or {"type": "text"}
 
     def _check_metadata(self) -> None:
         meta = self.metadata or {}
@@ -274,7 +281,7 @@ class ResponseDraft:
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            "store": req.store, "temperature": req.temperature, "text": {"format": {"type": "text"}},
+            "store": req.store, "temperature": req.temperature, "text": {"format": req.text_format},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
             "truncation": req.truncation or "disabled",
             "usage": usage_json(usage) if usage is not None else None, "user": req.user,
@@ -343,15 +350,12 @@ async def create_response() -> Any:
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
     max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
-    plan, call_format = req.tool_plan, tokenizer_tools(engine.tokenizer).fmt
-    constraint = plan.constraint(call_format, engine.tokenizer.eos_ids)
-    plan.adjust(params, call_format, constraint)
+    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
-    tool_format = call_format if plan.offered else None
     if req.stream:
         return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format)))
     result = await collect(engine, greq, events)

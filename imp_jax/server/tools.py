@@ -7,9 +7,13 @@ and the grammar that enforces a `required` or named choice.
 - The template also picks the call format the reply is parsed in (tool_parsers.py): Hermes/Qwen
   `<tool_call>`, Llama 3 JSON, or Mistral `[TOOL_CALLS]`; Hermes when the template names none.
 - `auto`: free text, parsed afterwards (and while streaming). `required` / a named tool: the reply
-  is constrained by an llguidance grammar (GenerationRequest.constraint) to one or more calls (one
-  when parallel calls are off) whose arguments follow the tool's JSON schema. `none`: no tools in
-  the prompt and no parsing (as vLLM). A choice that contradicts the tools is a 400 naming it.
+  is constrained by an llguidance grammar to one or more calls (one when parallel calls are off)
+  whose arguments follow the tool's JSON schema; it is compiled like any output format
+  (structured.constraint: off the event loop, cached). `none`: no tools in the prompt and no
+  parsing (as vLLM). A choice that contradicts the tools is a 400 naming it.
+- Beside an output format (response_format, text.format, output_config.format, ...): a forced
+  call is a 400 naming the format's field; under `auto` the format wins and the request runs as
+  `none` (`ToolPlan.admit`).
 
 Conversations are handled in one shape, OpenAI Chat's messages: `tool_calls` on assistant turns
 (`{"id", "type": "function", "function": {"name", "arguments": <JSON text>}}`), role `tool` results
@@ -22,7 +26,7 @@ import dataclasses
 import functools
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -31,6 +35,9 @@ import llguidance
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import SamplingParams
+from imp_jax.server import structured
+from imp_jax.server.generation import Engine
+from imp_jax.server.structured import JSON_OPTIONS, OutputFormat, short_error
 from imp_jax.server.tool_parsers import PARSERS, ToolCallParser
 
 MAX_TOOLS = 256
@@ -41,8 +48,6 @@ HOSTED_TOOL_TYPES = ("web_search", "tool_search", "file_search", "code_interpret
                      "computer_use", "mcp", "local_shell")
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
                      "additionalProperties": False}
-# Single-line JSON in the calls a grammar enforces, as models write it.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 HERMES_PREAMBLE = """# Tools
 
@@ -114,36 +119,41 @@ class ToolPlan:
                                       "the tools", param=self.choice_param)
         if self.enforced:
             for tool in self._choosable():
-                error = llguidance.LLMatcher.validate_grammar(_grammar("hermes", [tool], False, ()))
+                error = llguidance.LLMatcher.validate_grammar(_grammar("hermes", [tool], False))
                 if error:
                     raise InvalidRequestError(f"the parameters of tool '{tool.name}' cannot be enforced: "
-                                              f"{_short(error)}", param=tool.param)
+                                              f"{short_error(error)}", param=tool.param)
 
-    def adjust(self, params: SamplingParams, fmt: str, constraint: str | None) -> None:
+    def admit(self, form: OutputFormat | None) -> None:
+        """The request's output format, if any, beside the tools. A forced call cannot also follow it: a 400
+        naming the format's field. Under `auto` the format wins: the reply follows it, so it cannot hold a
+        call, and the request runs as `none` (no tools in the prompt, no parsing)."""
+        if form is None:
+            return
+        if self.enforced:
+            raise InvalidRequestError(f"'{form.field}' and a forced tool call ('{self.choice_param}') cannot be "
+                                      "combined: a reply cannot be both tool calls and that format", param=form.field)
+        self.choice = "none"
+
+    def adjust(self, params: SamplingParams, fmt: str) -> None:
         """What tools change in the sampling params: a Mistral reply keeps its `[TOOL_CALLS]` marker (a special
-        token); an enforced call must be free to end where its grammar does (no ignore_eos, no min_tokens)."""
-        if constraint is not None:
-            for field in ("ignore_eos", "min_tokens"):
-                if getattr(params, field):
-                    raise InvalidRequestError(f"'{field}' cannot be combined with an enforced tool call: the reply "
-                                              "ends where its last call does", param=field)
+        token)."""
         if self.offered and fmt == "mistral":
             params.skip_special_tokens = False
 
     def _choosable(self) -> list[Tool]:
         return [t for t in self.tools if t.name == self.named] if self.choice == "named" else self.tools
 
-    def constraint(self, fmt: str, end_ids: Iterable[int]) -> str | None:
-        """The grammar a `required` or named choice decodes under, else None."""
-        return _grammar(fmt, self._choosable(), self.parallel, tuple(sorted(end_ids))) if self.enforced else None
+    def output_format(self, fmt: str) -> OutputFormat | None:
+        """The grammar a `required` or named choice decodes under, else None; structured.constraint compiles
+        it as any output format (off the event loop, cached, a 400 before the stream)."""
+        if not self.enforced:
+            return None
+        return OutputFormat(_grammar(fmt, self._choosable(), self.parallel), self.choice_param, self.choice_param)
 
     def parser(self, fmt: str) -> ToolCallParser | None:
         """A fresh reply parser when tools are offered (None: the reply is plain text)."""
         return PARSERS[fmt]() if self.offered else None
-
-
-def _short(error: str, limit: int = 600) -> str:
-    return error if len(error) <= limit else error[:limit] + "..."
 
 
 # --------------------------------------------------------------------------- the three dialects' fields
@@ -278,31 +288,30 @@ def _responses_tool(t: dict[str, Any], p: str, namespace: str | None) -> Tool:
 
 
 # --------------------------------------------------------------------------- grammar
-def _grammar(fmt: str, tools: Sequence[Tool], parallel: bool, end_ids: tuple[int, ...]) -> str:
+def _grammar(fmt: str, tools: Sequence[Tool], parallel: bool) -> str:
     """Lark (llguidance) for one call, or several when `parallel`, of `tools` in `fmt`'s markup.
 
-    The end-of-turn tokens are allowed after the last call explicitly: llguidance knows one EOS,
-    and the model's own end of turn may be another of the model's EOS ids.
+    Nothing follows the last call: once the grammar is complete it allows every one of the model's
+    EOS ids, end of turn included (runtime/constraints.py), as for any output format.
     """
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
     bodies = [f"t{i}: %json{json.dumps(_call_schema(t, args_key))}" for i, t in enumerate(tools)]
     body = " | ".join(f"t{i}" for i in range(len(tools)))
-    end = " (" + " | ".join(f"<[{i}]>" for i in end_ids) + ")?" if end_ids else ""
     if fmt == "mistral":
         array = {"type": "array", "items": {"anyOf": [_call_schema(t, args_key) for t in tools]}, "minItems": 1,
-                 **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_STYLE}
-        return f'start: "[TOOL_CALLS]" calls{end}\ncalls: %json{json.dumps(array)}\n'
+                 **({} if parallel else {"maxItems": 1}), "x-guidance": JSON_OPTIONS}
+        return f'start: "[TOOL_CALLS]" calls\ncalls: %json{json.dumps(array)}\n'
     if fmt == "llama3_json":
         call, sep = "call: body", '"; "'
     else:
         call, sep = 'call: "<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
     calls = f"call ({sep} call)*" if parallel else "call"
-    return "\n".join([f"start: {calls}{end}", call, f"body: {body}", *bodies]) + "\n"
+    return "\n".join([f"start: {calls}", call, f"body: {body}", *bodies]) + "\n"
 
 
 def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
     return {"type": "object", "properties": {"name": {"const": tool.name}, args_key: _closed(tool.parameters)},
-            "required": ["name", args_key], "additionalProperties": False, "x-guidance": JSON_STYLE}
+            "required": ["name", args_key], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
 
 
 def _closed(schema: Any) -> Any:
@@ -350,6 +359,17 @@ def tokenizer_tools(tokenizer: Any) -> TemplateTools:
     """The template a request with tools renders with (HF: a "tool_use" template if there is one)."""
     templates = getattr(tokenizer, "chat_templates", None) or {}
     return template_tools(templates.get("tool_use") or tokenizer.chat_template)
+
+
+async def prepare_decoding(plan: ToolPlan, form: OutputFormat | None, engine: Engine,
+                           params: SamplingParams) -> tuple[str | None, str | None]:
+    """A chat-style request's (constraint, tool_format): the grammar it decodes under, the output format's or a
+    forced call's (at most one: `ToolPlan.admit`), compiled off the event loop by structured.constraint; and
+    the call format its reply is parsed in (None: not parsed for calls)."""
+    call_format = tokenizer_tools(engine.tokenizer).fmt
+    plan.adjust(params, call_format)
+    constraint = await structured.constraint(form or plan.output_format(call_format), engine, params)
+    return constraint, call_format if plan.offered else None
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None, **kwargs: Any) -> str:
