@@ -20,7 +20,7 @@ from server_fixtures import (MODEL, LiveServer, fake_tokenizer, live_server, ope
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, Usage
 from imp_jax.server.anthropic_messages import MessageStream
-from imp_jax.server.chat_completions import ChatStream
+from imp_jax.server.chat_completions import ChatRequest, ChatStream
 from imp_jax.server.logprobs import TokenText
 from imp_jax.server.reasoning import Thinking
 from imp_jax.server.responses import ResponseDraft, ResponsesRequest, ResponseStream
@@ -95,6 +95,21 @@ def test_contradictory_or_bad_tools_are_400s_naming_the_field(build: Callable[[]
     with pytest.raises(InvalidRequestError) as e:
         build().check()
     assert e.value.param == param
+
+
+def test_an_output_format_beside_tools_wins_under_auto_and_refuses_a_forced_call() -> None:
+    """With an output format, `auto` runs as `none` (no tools in the prompt, no parsing, the format's grammar);
+    a forced call is a 400 naming the format's field."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "tools": CHAT_TOOLS,
+            "guided_choice": ["yes", "no"]}
+    req = ChatRequest.model_validate(body)
+    req.check()
+    assert req.tool_plan.offered == [] and req.tool_plan.parser("hermes") is None
+    assert req.output_form.field == "guided_choice" and req.tool_plan.output_format("hermes") is None
+    for choice in ("required", {"type": "function", "function": {"name": "set_alarm"}}):
+        with pytest.raises(InvalidRequestError) as e:
+            ChatRequest.model_validate({**body, "tool_choice": choice}).check()
+        assert e.value.param == "guided_choice" and "cannot be combined" in e.value.message
 
 
 def _accepts(grammar: str, text: str) -> bool:
@@ -451,6 +466,53 @@ CONTRADICTIONS = [
     ("/v1/responses", {"input": "hi", "tools": [{"type": "computer", "display_width": 5}]}, "tools[0].type"),
     ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
 ]
+
+
+# A forced call beside an output format, on every dialect and format field: a 400 naming that field.
+FORCED_WITH_FORMAT = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS,
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS, "stream": True,
+                              "tool_choice": {"type": "function", "function": {"name": "set_alarm"}},
+                              "guided_regex": "[0-9]+"}, "guided_regex"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": ANTHROPIC_TOOLS,
+                      "tool_choice": {"type": "any"}, "output_config": {"format": {"type": "json_schema",
+                                                                                   "schema": WEATHER}}},
+     "output_config.format"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": ANTHROPIC_TOOLS,
+                      "stream": True, "tool_choice": {"type": "tool", "name": "set_alarm"},
+                      "output_config": {"format": {"type": "json_schema", "schema": ALARM}}}, "output_config.format"),
+    ("/v1/responses", {"input": "hi", "tools": RESPONSES_TOOLS, "tool_choice": "required",
+                       "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("/v1/responses", {"input": "hi", "tools": RESPONSES_TOOLS, "stream": True,
+                       "tool_choice": {"type": "function", "name": "set_alarm"},
+                       "text": {"format": {"type": "json_schema", "name": "w", "schema": WEATHER}}}, "text.format"),
+]
+
+
+@real
+@pytest.mark.parametrize("path, body, param", FORCED_WITH_FORMAT)
+def test_a_forced_call_with_an_output_format_is_a_400_naming_the_format(live_server: LiveServer, path: str,
+                                                                        body: dict[str, Any], param: str) -> None:
+    r = httpx.post(live_server.url + path, json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and f"'{param}'" in err["message"], err
+    assert "cannot be combined" in err["message"] and (path == "/v1/messages" or err["param"] == param), err
+
+
+@real
+def test_auto_tools_with_an_output_format_give_the_format_not_calls(openai_client: openai.OpenAI) -> None:
+    """tool_choice auto beside response_format: the format wins, the reply is the JSON and holds no calls."""
+    schema = {"type": "object", "properties": {"weather": {"enum": ["sunny", "rainy", "cloudy"]}},
+              "required": ["weather"], "additionalProperties": False}
+    r = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS, tool_choice="auto",
+        temperature=0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice
+    jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 @real
