@@ -471,7 +471,8 @@ CONTRADICTIONS = [
 # A forced call beside an output format, on every dialect and format field: a 400 naming that field.
 FORCED_WITH_FORMAT = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS,
-                              "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+                              "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS, "stream": True,
                               "tool_choice": {"type": "function", "function": {"name": "set_alarm"}},
                               "guided_regex": "[0-9]+"}, "guided_regex"),
