@@ -24,6 +24,8 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     "imp_jax.server.__main__": ("imp_jax.runtime.async_engine",),
     # whether the served model thinks: the engine's own test of the tokenizer (pure Python, no jax)
     "imp_jax.server.reasoning": ("imp_jax.runtime.reasoning",),
+    # output constraints compile at parse time into the engine's own cache of grammars (llguidance, no jax)
+    "imp_jax.server.structured": ("imp_jax.runtime.constraints",),
 }
 
 

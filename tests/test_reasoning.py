@@ -251,3 +251,47 @@ def test_a_grammar_applies_after_the_think_block(thinking_model):
     reasoning, text = "".join(e.reasoning_text for e in events), "".join(e.text for e in events)
     assert (reasoning, text, events[-1].finish_reason) == ("Hmm so", "zzok", "stop")
     assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
+
+# ------------------------------------------------------------------------------------------ tools
+PING = {"name": "ping", "description": "Ping", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_reasoning_then_a_required_tool_call_on_each_dialect(oai, claude):
+    """tool_choice 'required' (Hermes preamble: the template has no tools): the think block stays free and is
+    never parsed for calls, the answer is the call; reasoning first, then the call, whole and streamed."""
+    chat = {"model": MODEL, "messages": HELLO, "tools": [{"type": "function", "function": PING}],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120, **GREEDY}
+    r = oai.chat.completions.create(**chat)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("Hmm so", None, "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("ping", "{}")]
+    deltas = [c.choices[0].delta for c in oai.chat.completions.create(**chat, stream=True) if c.choices]
+    kinds = [k for d in deltas for k in ("reasoning_content", "content", "tool_calls") if getattr(d, k, None)]
+    assert kinds == sorted(kinds, key=["reasoning_content", "content", "tool_calls"].index) and "tool_calls" in kinds
+    assert "".join(d.reasoning_content or "" for d in deltas if hasattr(d, "reasoning_content")) == "Hmm so"
+
+    messages = {"model": MODEL, "max_tokens": 120, "messages": HELLO, "extra_body": GREEDY,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "tools": [{"name": "ping", "input_schema": PING["parameters"]}],
+                "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    m = claude.messages.create(**messages)
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+    assert (m.content[0].thinking, m.content[1].name, m.content[1].input) == ("Hmm so", "ping", {})
+    with claude.messages.stream(**messages) as stream:
+        starts = [(ev.index, ev.content_block.type) for ev in stream if ev.type == "content_block_start"]
+        final = stream.get_final_message()
+    assert starts == [(0, "thinking"), (1, "tool_use")]
+    assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.content[1].input == {}
+
+    responses = {"model": MODEL, "input": "hello", "tools": [{"type": "function", **PING}],
+                 "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 120, **GREEDY}
+    x = oai.responses.create(**responses)
+    assert [o.type for o in x.output] == ["reasoning", "function_call"] and x.status == "completed"
+    assert (x.output[0].content[0].text, x.output[1].name, x.output[1].arguments) == ("Hmm so", "ping", "{}")
+    with oai.responses.stream(**responses) as stream:
+        added = [(e.output_index, e.item.type) for e in stream if e.type == "response.output_item.added"]
+        final = stream.get_final_response()
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]

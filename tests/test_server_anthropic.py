@@ -236,8 +236,8 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
                                "messages[1].content"),
     "image_block": (_with(messages=_user([{"type": "text", "text": "see"}, {"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "AA=="}}])), "messages[0].content[1].type"),
-    "tool_result_block": (_with(messages=_user([{"type": "tool_result", "tool_use_id": "t", "content": "x"}])),
-                          "messages[0].content[0].type"),
+    "tool_use_block_without_input": (_with(messages=[*_user("a"), {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f"}]}]), "messages[1].content[0].input"),
     "text_block_without_text": (_with(messages=_user([{"type": "text"}])), "messages[0].content[0].text"),
     "text_block_number": (_with(messages=_user([{"type": "text", "text": 5}])), "messages[0].content[0].text"),
     "system_number": (_with(system=5), "system"),
@@ -268,10 +268,12 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "stream_string": (_with(stream="yes"), "stream"),
     "metadata_string": (_with(metadata="me"), "metadata"),
     "metadata_user_id_number": (_with(metadata={"user_id": 5}), "metadata.user_id"),
-    "tools": (_with(tools=[{"name": "f", "input_schema": {"type": "object"}}]), "tools"),
+    "tool_choice_names_no_tool": (_with(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                        tool_choice={"type": "tool", "name": "g"}), "tool_choice"),
     "thinking_type": (_with(thinking={"type": "sometimes"}), "thinking.type"),
     "thinking_budget_missing": (_with(thinking={"type": "enabled"}), "thinking.budget_tokens"),
-    "output_format": (_with(output_config={"format": {"type": "json_schema", "schema": {}}}), "output_config.format"),
+    "output_format_unenforceable": (_with(output_config={"format": {"type": "json_schema", "schema": {"not": {}}}}),
+                                    "output_config.format.schema"),
     "cache_control_string": (_with(cache_control="ephemeral"), "cache_control"),
     "prompt_past_context": (_with(messages=_user("go " * 1100)), None),  # context_length_exceeded
 }

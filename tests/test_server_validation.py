@@ -105,10 +105,9 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None, str | None]] = {
                               "invalid_request_error"),
     "echo_with_logprobs_streamed": (COMPLETIONS_PATH, _with(COMPLETION, echo=True, logprobs=1, stream=True), "echo",
                                     "invalid_request_error"),
-    "tools": (CHAT_PATH, _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
-              "not_supported"),
-    "json_response_format": (CHAT_PATH, _with(CHAT, response_format={"type": "json_object"}), "response_format",
-                             "not_supported"),
+    "tool_choice_without_tools": (CHAT_PATH, _with(CHAT, tool_choice="required"), "tool_choice",
+                                  "invalid_request_error"),
+    "response_format_type": (CHAT_PATH, _with(CHAT, response_format={"type": "xml"}), "response_format.type", None),
     # tokenize / detokenize
     "tokenize_nothing": ("/tokenize", {}, "content", None),
     "tokenize_two_inputs": ("/tokenize", {"content": "a", "prompt": "b"}, "prompt", None),

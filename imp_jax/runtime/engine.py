@@ -46,6 +46,9 @@ class EngineCounters:
     decode_rows_last: int = 0        # decode rows of the most recent such step
     decode_rows_max: int = 0
     kv_blocks_reserved: int = 0      # blocks promised to running sequences, as of the last step
+    mask_steps: int = 0              # steps with at least one grammar-constrained row
+    mask_rows: int = 0               # constrained rows over those steps
+    mask_seconds: float = 0.0        # host time computing their allowed-token masks (before each launch)
 
 
 @dataclasses.dataclass
@@ -76,7 +79,7 @@ class EngineCore:
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
-        self.constraints = GrammarConstraints(loaded.tokenizer, loaded.config.vocab_size)
+        self.constraints = GrammarConstraints.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
         self.think_markers = ThinkMarkers.from_tokenizer(loaded.tokenizer)   # None: the model does not think
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
@@ -214,7 +217,9 @@ class EngineCore:
         T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks))
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
                                  max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
-        rows = [self._row_spec(c.seq) if c.samples else RowSpec(temperature=0.0) for c in chunks]
+        masks = self._masks(chunks)
+        rows = [self._row_spec(c.seq, masks.get(i)) if c.samples else RowSpec(temperature=0.0)
+                for i, c in enumerate(chunks)]
         decode_rows = sum(1 for c in chunks if not c.seq.is_prefill)
         shapes = self.step_fn.shapes
         sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
@@ -242,7 +247,7 @@ class EngineCore:
             c.decode_rows_max = max(c.decode_rows_max, decode_rows)
         c.kv_blocks_reserved = self.scheduler.reserved_blocks()
 
-    def _row_spec(self, seq: Sequence) -> RowSpec:
+    def _row_spec(self, seq: Sequence, mask: np.ndarray | None) -> RowSpec:
         p = seq.params
         return RowSpec(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
@@ -252,22 +257,41 @@ class EngineCore:
             history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
             num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
             logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs),
-            allowed_bitmask=self._allowed(seq))
+            allowed_bitmask=mask)
 
-    def _allowed(self, seq: Sequence) -> np.ndarray | None:
-        """The next-token bitmask: a forced think end's token, else the grammar's (not inside a think
-        block; `<think>` allowed where a block may still open), else None: any token."""
-        vocab, think = self.loaded.config.vocab_size, seq.reasoning
-        if think is not None and think.forced_token is not None:
-            return pack_allowed_tokens([think.forced_token], vocab)
-        if seq.constraint is None or (think is not None and not think.constrained):
-            return None
-        words = np.empty(-(-vocab // 32), np.uint32)
-        seq.constraint.fill_mask(words)
-        if think is not None and think.may_open:
-            start = think.markers.start_id
-            words[start // 32] |= np.uint32(1 << (start % 32))
-        return words
+    def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
+        """Each sampling row's next-token bitmask, by row; a row without one samples any token.
+
+        A forced think end allows its next token only. Otherwise a grammar applies outside a think
+        block, with `<think>` allowed too while the block may still open; all grammar rows are filled
+        in one call that leaves the GIL and runs them in parallel."""
+        masks: dict[int, np.ndarray] = {}
+        grammar_rows: list[int] = []
+        for i, c in enumerate(chunks):
+            if not c.samples:
+                continue
+            think = c.seq.reasoning
+            if think is not None and think.forced_token is not None:
+                masks[i] = pack_allowed_tokens([think.forced_token], self.loaded.config.vocab_size)
+            elif c.seq.constraint is not None and (think is None or think.constrained):
+                grammar_rows.append(i)
+        if not grammar_rows:
+            return masks
+        t0 = time.perf_counter()
+        words = np.empty((len(grammar_rows), self.constraints.mask_words), np.int32)
+        self.constraints.fill_masks([chunks[i].seq.constraint for i in grammar_rows], words)
+        bits = words.view(np.uint32)
+        for k, i in enumerate(grammar_rows):
+            think = chunks[i].seq.reasoning
+            if think is not None and think.may_open:
+                start = think.markers.start_id
+                bits[k, start // 32] |= np.uint32(1 << (start % 32))
+            masks[i] = words[k]
+        c = self.counters
+        c.mask_steps += 1
+        c.mask_rows += len(grammar_rows)
+        c.mask_seconds += time.perf_counter() - t0
+        return masks
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out."""
@@ -292,8 +316,11 @@ class EngineCore:
         token = int(out.tokens[row])
         seq.output_ids.append(token)
         kind = seq.reasoning.observe(token) if seq.reasoning is not None else ANSWER
-        if seq.constraint is not None and kind == ANSWER:
-            seq.constraint.accept(token)
+        if seq.constraint is not None and kind == ANSWER and not seq.constraint.accept(token):
+            # the grammar allowed no token the request's logit_bias left (the sampler drew from nothing)
+            self._finish(seq, "error", state, error=f"the output constraint allowed no token the request's "
+                         f"logit_bias permits ({seq.constraint.failed})")
+            return
         logprobs = None
         if seq.params.logprobs is not None:
             k = seq.params.logprobs
@@ -414,7 +441,9 @@ class EngineCore:
                     kv_pressure_rejections=c.kv_pressure_rejections,
                     decode_batch_last_rows=c.decode_rows_last if busy else 0,
                     decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
-                    decode_batch_max=c.decode_rows_max)
+                    decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
+                    constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds,
+                    step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds)
 
 
 def _has_penalty(p) -> bool:

@@ -1,10 +1,13 @@
 """Anthropic Messages: `POST /v1/messages` (whole or streamed per token) and `POST /v1/messages/count_tokens`.
 
-Native wire format, no shim through Chat: text blocks in, one text block out, Anthropic's
-stop reasons and usage, its SSE event sequence with pings, and its error envelope (errors.py).
+Native wire format, no shim through Chat: text and tool blocks in (replayed thinking dropped); thinking
+(opted in), text and tool_use blocks out, in that order; Anthropic's stop reasons and usage, its SSE
+event sequence with pings, and its error envelope (errors.py).
 """
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import uuid
 from typing import Any, Literal
@@ -14,13 +17,16 @@ from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import engine_request, set_response_id
-from imp_jax.server.errors import anthropic_error_body, is_anthropic_path, not_supported
+from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall, answer_events,
+                                        parse_reply)
+from imp_jax.server.tools import ToolPlan, anthropic_plan, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("anthropic_messages", __name__)
@@ -30,6 +36,8 @@ PING_INTERVAL_S = 10.0  # a ping after this much silence keeps proxies from clos
 BLOCK_JOIN = "\n"       # text blocks of one turn, and consecutive same-role turns, join with this (as vLLM)
 ECHOED_HEADERS = ("anthropic-version", "anthropic-beta")
 _BETAS_SEEN = "imp_jax.anthropic_betas"  # app.extensions key: the beta values already logged
+TEXT_BLOCK = {"type": "text", "text": ""}                               # streamed blocks as they start
+THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
 
 def new_message_id() -> str:
@@ -62,9 +70,42 @@ def _as_blocks(v: Any) -> Any:
     return v if v is None else [b for b in v if not (isinstance(b, dict) and b.get("type") in thinking)]
 
 
+class Block(WireModel):
+    """A message's content block: `text`, `tool_use` (a replayed call) or `tool_result` (images, documents: a 400)."""
+
+    type: Literal["text", "tool_use", "tool_result"]
+    text: str | None = None
+    id: str | None = None                         # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None                # tool_result
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _result_string_or_blocks(cls, v: Any) -> Any:
+        return v if isinstance(v, str) else _as_blocks(v)
+
+    def check(self, param: str) -> None:
+        """The fields each block type needs (a 400 naming the first missing one)."""
+        needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}[self.type]
+        for field in needs:
+            if getattr(self, field) is None:
+                raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} block",
+                                          param=f"{param}.{field}")
+
+    @property
+    def result_text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return BLOCK_JOIN.join(b.text for b in self.content or [] if b.text)
+
+
 class Message(WireModel):
     role: Literal["user", "assistant"]
-    content: list[TextBlock]
+    content: list[Block]
 
     @field_validator("content", mode="before")
     @classmethod
@@ -73,7 +114,18 @@ class Message(WireModel):
 
     @property
     def text(self) -> str:
-        return BLOCK_JOIN.join(b.text for b in self.content if b.text)
+        return BLOCK_JOIN.join(b.text for b in self.content if b.type == "text" and b.text)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """This turn in Chat's shape: tool results become `tool` messages (before the turn's text),
+        tool_use blocks the assistant turn's `tool_calls`."""
+        out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.result_text}
+                                     for b in self.content if b.type == "tool_result"]
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                 for b in self.content if b.type == "tool_use"]
+        if self.text or calls or not out:
+            out.append({"role": self.role, "content": self.text, **({"tool_calls": calls} if calls else {})})
+        return out
 
 
 class Metadata(WireModel):
@@ -87,9 +139,10 @@ class Conversation(WireModel):
     messages: list[Message]
     system: list[TextBlock] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # top level: a breakpoint on the last cacheable block
-    output_config: dict[str, Any] | None = None  # `effort` is ignored; a `format` is refused
+    output_config: dict[str, Any] | None = None  # `format`: JSON outputs (structured.py); `effort` is ignored
 
     @field_validator("system", mode="before")
     @classmethod
@@ -102,28 +155,34 @@ class Conversation(WireModel):
             raise InvalidRequestError("'messages' must hold at least one message", param="messages")
         last = len(self.messages) - 1
         for i, m in enumerate(self.messages):
-            if not m.text and not (i == last and m.role == "assistant"):
+            for j, b in enumerate(m.content):
+                b.check(f"messages[{i}].content[{j}]")
+            empty = not m.text and not any(b.type != "text" for b in m.content)
+            if empty and not (i == last and m.role == "assistant"):
                 raise InvalidRequestError(f"'messages[{i}].content' must not be empty (only a final assistant "
                                           "message may be)", param=f"messages[{i}].content")
-        if self.tools:
-            raise not_supported("'tools' are not supported yet", param="tools")
+        self.tool_plan.check()
         anthropic_thinking(self.thinking)
-        if (self.output_config or {}).get("format") is not None:
-            raise not_supported("structured output ('output_config.format') is not supported yet",
-                                param="output_config.format")
 
-    def template_messages(self) -> tuple[list[dict[str, str]], bool]:
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        return anthropic_plan(self.tools, self.tool_choice)
+
+    def template_messages(self) -> tuple[list[dict[str, Any]], bool]:
         """Chat-template messages (system first, same-role turns merged), and whether the last is a prefill."""
-        out: list[dict[str, str]] = []
+        out: list[dict[str, Any]] = []
         system = BLOCK_JOIN.join(b.text for b in self.system or [] if b.text)
         if system:
             out.append({"role": "system", "content": system})
-        for m in self.messages:
-            if out and out[-1]["role"] == m.role:  # Anthropic combines consecutive turns of one role
-                out[-1]["content"] = BLOCK_JOIN.join(t for t in (out[-1]["content"], m.text) if t)
+        for msg in (chat for m in self.messages for chat in m.chat_messages()):
+            prev = out[-1] if out else None
+            if prev is not None and prev["role"] == msg["role"] != "tool":  # Anthropic combines same-role turns
+                prev["content"] = BLOCK_JOIN.join(t for t in (prev["content"], msg["content"]) if t)
+                if msg.get("tool_calls"):
+                    prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
             else:
-                out.append({"role": m.role, "content": m.text})
-        prefill = out[-1]["role"] == "assistant"
+                out.append(msg)
+        prefill = out[-1]["role"] == "assistant" and not out[-1].get("tool_calls")
         if prefill and not out[-1]["content"]:  # an empty final assistant turn is no prefill
             out.pop()
             prefill = False
@@ -141,7 +200,6 @@ class MessagesRequest(OpenAISampling, Conversation):
     max_tokens: int
     stop_sequences: list[str] | None = None
     metadata: Metadata | None = None
-    tool_choice: dict[str, Any] | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -164,6 +222,11 @@ class MessagesRequest(OpenAISampling, Conversation):
             raise InvalidRequestError("'n' must be 1: a message holds one answer", param="n")
         if "stop" in self.model_fields_set:
             raise InvalidRequestError("'stop' is not a Messages field; use 'stop_sequences'", param="stop")
+        self.tool_plan.admit(self.output_form)
+
+    @functools.cached_property
+    def output_form(self) -> structured.OutputFormat | None:
+        return structured.messages_format(self.output_config)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         """The shared builder, with Anthropic's `stop_sequences` as the stop strings."""
@@ -178,8 +241,8 @@ class CountTokensRequest(Conversation):
 def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     """Render the turns with the chat template; a final assistant turn with text is continued, not closed."""
     messages, prefill = conv.template_messages()
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
-                                         enable_thinking=anthropic_thinking(conv.thinking).enabled)
+    text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
+                         continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -189,19 +252,31 @@ def usage_json(usage: Usage) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
 
 
-def stop_reason(finish: str | None, matched: str | int | None, clamped: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) for an engine finish; `clamped`: max_tokens was cut to the context left."""
+def stop_reason(finish: str | None, matched: str | int | None, clamped: bool,
+                called: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for an engine finish; `clamped`: max_tokens was cut to the context left;
+    `called`: the reply made tool calls."""
     if finish == "length":
         return ("model_context_window_exceeded" if clamped else "max_tokens"), None
     if isinstance(matched, str):
         return "stop_sequence", matched
-    return "end_turn", None
+    return ("tool_use" if called else "end_turn"), None
+
+
+def tool_use_id(call_id: str) -> str:
+    """A parsed call's id in Anthropic's spelling."""
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def message_json(mid: str, model: str, text: str | None, reason: tuple[str | None, str | None],
-                 usage: dict[str, int], thinking: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `message` object; `text` None (a stream's message_start) has no content yet; a thinking block first."""
-    content = ([thinking] if thinking else []) + ([{"type": "text", "text": text}] if text is not None else [])
+                 usage: dict[str, int], calls: list[ToolCall] = (),
+                 thinking: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `message` object; `text` None (a stream's message_start) has no content yet. A thinking block first;
+    with tool calls, a text block only if there is text, then one tool_use block per call."""
+    content = [thinking] if thinking else []
+    content += [{"type": "text", "text": text}] if text is not None and (text.strip() or not calls) else []
+    content += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": json.loads(c.arguments)}
+                for c in calls]
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
 
@@ -214,23 +289,28 @@ async def messages() -> Any:
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
+    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     mid = new_message_id()
     set_response_id(mid)
     thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
-                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control,
+                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control, constraint=constraint,
                              reasoning=True, reasoning_budget=thinking.budget_tokens)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:
         shown = thinking if thinking.enabled and model_thinks(engine.tokenizer) else None
-        fmt = MessageStream(mid, engine.served_name, len(ids), clamped, shown)
+        fmt = MessageStream(mid, engine.served_name, len(ids), clamped, tool_format, shown)
         return sse_response(drive(engine, mid, events, fmt, keepalive_s=PING_INTERVAL_S))
     result = await collect(engine, greq, events)
     c = result.choices[0]
+    text, calls = c.text, []
+    if tool_format is not None:  # calls are parsed out of the answer, never the reasoning
+        reply = parse_reply(c.text, tool_format)
+        text, calls = reply.content, reply.calls
+    reason = stop_reason(c.finish_reason, c.stop_reason, clamped, bool(calls))
     block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
-    return jsonify(message_json(mid, engine.served_name, c.text, stop_reason(c.finish_reason, c.stop_reason, clamped),
-                                usage_json(result.usage), block))
+    return jsonify(message_json(mid, engine.served_name, text, reason, usage_json(result.usage), calls, block))
 
 
 @bp.post("/v1/messages/count_tokens")
@@ -241,71 +321,89 @@ async def count_tokens() -> Any:
 
 
 class MessageStream:
-    """message_start, ping, a thinking block (opted in, when the model thinks: thinking_delta...,
-    signature_delta, stop), one text block (start, text_delta..., stop), message_delta, message_stop."""
+    """message_start, ping, content blocks (start, deltas, stop), message_delta, message_stop.
 
-    def __init__(self, mid: str, model: str, prompt_tokens: int, clamped: bool, thinking: Thinking | None = None):
+    Plain text: one text block, opened at once. Otherwise blocks open as the reply needs them, in the
+    order generated: a thinking block first (opted in, when the model thinks: thinking_delta...,
+    signature_delta), then text blocks (text_delta) and, with tools, tool_use blocks (input_json_delta).
+    """
+
+    def __init__(self, mid: str, model: str, prompt_tokens: int, clamped: bool, tool_format: str | None = None,
+                 thinking: Thinking | None = None):
         self._mid, self._model, self._prompt_tokens, self._clamped = mid, model, prompt_tokens, clamped
         self._finish: str | None = None
         self._matched: str | int | None = None
-        self._thinking = thinking           # blocks then open as their text comes, the thinking one first
-        self._reasoning = ""
-        self._block: str | None = None      # the open block's type
-        self._index = 0
+        self._parser = PARSERS[tool_format]() if tool_format else None
+        self._thinking = thinking
+        self._reasoning = ""                # the thinking block's text, for its signature
+        self._started: list[str] = []       # the types of the blocks started; the last one's index is len - 1
+        self._open: str | None = None       # the type of the block open now
 
     def open(self) -> list[str]:
         start_usage = {"input_tokens": self._prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                        "cache_read_input_tokens": 0}  # the cache split is known at the end: message_delta
         message = message_json(self._mid, self._model, None, (None, None), start_usage)
         frames = [sse({"type": "message_start", "message": message}, "message_start"), *self.ping()]
-        return frames if self._thinking else frames + self._start("text")
+        lazy = self._parser is not None or self._thinking is not None
+        return frames if lazy else frames + self._start(TEXT_BLOCK)
 
-    def _start(self, kind: str) -> list[str]:
-        self._block = kind
-        block = ({"type": "text", "text": ""} if kind == "text"
-                 else {"type": "thinking", "thinking": "", "signature": ""})
-        return [sse({"type": "content_block_start", "index": self._index, "content_block": block},
-                    "content_block_start")]
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        frames = self._stop()
+        self._open = block["type"]
+        self._started.append(block["type"])
+        return frames + [sse({"type": "content_block_start", "index": self._index, "content_block": block},
+                             "content_block_start")]
+
+    def _stop(self) -> list[str]:
+        if self._open is None:
+            return []
+        frames = [self._delta({"type": "signature_delta", "signature": signature(self._reasoning)})
+                  ] if self._open == "thinking" else []
+        self._open = None
+        return frames + [sse({"type": "content_block_stop", "index": self._index}, "content_block_stop")]
+
+    @property
+    def _index(self) -> int:
+        return len(self._started) - 1
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return sse({"type": "content_block_delta", "index": self._index, "delta": delta}, "content_block_delta")
 
-    def _stop(self) -> list[str]:
-        frames = [self._delta({"type": "signature_delta", "signature": signature(self._reasoning)})
-                  ] if self._block == "thinking" else []
-        frames.append(sse({"type": "content_block_stop", "index": self._index}, "content_block_stop"))
-        self._index += 1
-        self._block = None
+    def _think(self, text: str) -> list[str]:
+        """Reasoning goes to the leading thinking block (opted in only; none once the answer has begun)."""
+        if self._thinking is None or (self._open != "thinking" and self._started):
+            return []
+        frames = [] if self._open == "thinking" else self._start(THINKING_BLOCK)
+        self._reasoning += text
+        if self._thinking.display != "omitted":
+            frames.append(self._delta({"type": "thinking_delta", "thinking": text}))
         return frames
-
-    def _to_text(self) -> list[str]:
-        """The text block opens (closing a thinking block before it)."""
-        return (self._stop() if self._block is not None else []) + self._start("text")
 
     def event(self, ev: EngineEvent) -> list[str]:
         if ev.finish_reason is not None:
             self._finish, self._matched = ev.finish_reason, ev.stop_reason
-        frames = []
-        if ev.reasoning_text and self._thinking is not None and self._block != "text":
-            if self._block is None:
-                frames += self._start("thinking")
-            self._reasoning += ev.reasoning_text
-            if self._thinking.display != "omitted":
-                frames.append(self._delta({"type": "thinking_delta", "thinking": ev.reasoning_text}))
-        if ev.text:
-            if self._block != "text":
-                frames += self._to_text()
-            frames.append(self._delta({"type": "text_delta", "text": ev.text}))
+        frames = self._think(ev.reasoning_text) if ev.reasoning_text else []
+        for e in answer_events(self._parser, ev.text, ev.finish_reason is not None):  # the answer only
+            if isinstance(e, TextDelta):
+                if self._open != "text":
+                    frames += self._start(TEXT_BLOCK)
+                frames.append(self._delta({"type": "text_delta", "text": e.text}))
+            elif isinstance(e, CallStart):
+                frames += self._start({"type": "tool_use", "id": tool_use_id(e.id), "name": e.name, "input": {}})
+            elif isinstance(e, ArgsDelta):
+                frames.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
+            elif isinstance(e, CallEnd):
+                frames += self._stop()
         return frames
 
     def close(self, usage: Usage | None) -> list[str]:
-        reason, matched = stop_reason(self._finish, self._matched, self._clamped)
+        reason, matched = stop_reason(self._finish, self._matched, self._clamped, "tool_use" in self._started)
         delta_usage = usage_json(usage) if usage is not None else {"output_tokens": 0}
-        frames = [] if self._block == "text" else self._to_text()
-        return frames + [*self._stop(),
-                         sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
-                              "usage": delta_usage}, "message_delta"),
-                         sse({"type": "message_stop"}, "message_stop")]
+        answered = any(kind != "thinking" for kind in self._started)
+        return [*(self._stop() if answered else self._start(TEXT_BLOCK) + self._stop()),
+                sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
+                     "usage": delta_usage}, "message_delta"),
+                sse({"type": "message_stop"}, "message_stop")]
 
     def error(self, err: ImpError) -> list[str]:
         return [sse(anthropic_error_body(err, self._mid), "error")]

@@ -1,6 +1,7 @@
 """OpenAI Chat Completions: `POST /v1/chat/completions`, streamed per token or whole."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from pydantic import field_validator
@@ -8,14 +9,16 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
-from imp_jax.server.errors import not_supported
-from imp_jax.server.generation import Completion, collect
+from imp_jax.server.generation import Choice, Completion, collect
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.reasoning import template_kwargs
 from imp_jax.server.streaming import drive, sse_response
+from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallStart, TextDelta, ToolCallParser, answer_events,
+                                        parse_reply)
+from imp_jax.server.tools import ToolPlan, chat_plan, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("chat_completions", __name__)
@@ -70,7 +73,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "cont
                                       "documents", "template_name"})
 
 
-class ChatRequest(OpenAISampling):
+class ChatRequest(OpenAISampling, structured.OutputFormatFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -81,7 +84,8 @@ class ChatRequest(OpenAISampling):
     enable_thinking: bool | None = None      # shorthand for chat_template_kwargs.enable_thinking
     reasoning_effort: str | None = None      # reaches the template as `reasoning_effort`
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -98,10 +102,8 @@ class ChatRequest(OpenAISampling):
                 raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-        if self.tools:
-            raise not_supported("'tools' are not supported yet", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise not_supported("'response_format' other than text is not supported yet", param="response_format")
+        self.tool_plan.check()
+        self.tool_plan.admit(self.output_form)
         if self.continue_final_message:
             self._check_continue()
         taken = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
@@ -120,6 +122,14 @@ class ChatRequest(OpenAISampling):
             raise InvalidRequestError("'continue_final_message' needs a final assistant message with text "
                                       "and no tool_calls", param="continue_final_message")
 
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        return chat_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    @functools.cached_property
+    def output_form(self) -> structured.OutputFormat | None:
+        return self.output_format()
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -132,10 +142,9 @@ class ChatRequest(OpenAISampling):
 def prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int]:
     """Render the conversation with the model's chat template and tokenize it."""
     cont = req.continue_final_message
-    text = tokenizer.apply_chat_template(
-        [m.for_template() for m in req.messages], add_generation_prompt=req.add_generation_prompt and not cont,
-        continue_final_message=cont,
-        **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
+    text = render_prompt(tokenizer, [m.for_template() for m in req.messages], req.tool_plan,
+                         add_generation_prompt=req.add_generation_prompt and not cont, continue_final_message=cont,
+                         **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -147,43 +156,61 @@ async def chat_completions() -> Any:
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
+    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     rid = new_id("chatcmpl")
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True)
+                             reasoning=True, constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:
-        fmt = ChatStream(rid, engine.served_name, params.n, req.include_usage, token_text)
+        fmt = ChatStream(rid, engine.served_name, params.n, req.include_usage, token_text, tool_format)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(chat_response(rid, engine.served_name, result, token_text, bool(req.logprobs)))
+    return jsonify(chat_response(rid, engine.served_name, result, token_text, bool(req.logprobs), tool_format))
 
 
-def chat_response(rid: str, model: str, result: Completion, token_text: TokenText, logprobs: bool) -> dict[str, Any]:
-    """The non-streamed `chat.completion` object."""
+def chat_response(rid: str, model: str, result: Completion, token_text: TokenText, logprobs: bool,
+                  tool_format: str | None = None) -> dict[str, Any]:
+    """The non-streamed `chat.completion` object; with tools offered, calls parsed out of each choice's text."""
     return {
         "id": rid, "object": "chat.completion", "created": now(), "model": model, "system_fingerprint": None,
         "choices": [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text,
-                        **({"reasoning_content": c.reasoning} if c.reasoning else {})},
+            **_message(c, tool_format),
             "logprobs": {"content": chat_logprobs(c.logprobs, token_text)} if logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "stop_reason": c.stop_reason,
         } for c in result.choices],
         "usage": usage_json(result.usage),
     }
 
 
+def _message(c: Choice, tool_format: str | None) -> dict[str, Any]:
+    """A choice's `message` (reasoning_content, content, tool_calls) and `finish_reason` (`tool_calls` when it
+    made calls and stopped by itself). Calls are parsed out of the answer only, never the reasoning."""
+    message: dict[str, Any] = {"role": "assistant", **({"reasoning_content": c.reasoning} if c.reasoning else {})}
+    reply = parse_reply(c.text, tool_format) if tool_format is not None else None
+    if reply is None or not reply.calls:
+        message["content"] = c.text if reply is None else reply.content
+        return {"message": message, "finish_reason": c.finish_reason}
+    message["content"] = reply.content.strip() or None
+    message["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}} for call in reply.calls]
+    return {"message": message, "finish_reason": "tool_calls" if c.finish_reason == "stop" else c.finish_reason}
+
+
 class ChatStream(OpenAIStream):
-    """`chat.completion.chunk` frames: a role chunk per choice, content deltas, a finish chunk, usage, [DONE]."""
+    """`chat.completion.chunk` frames: a role chunk per choice, reasoning_content, content and tool_calls deltas,
+    a finish chunk, usage, [DONE]."""
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, rid: str, model: str, n: int, include_usage: bool, token_text: TokenText):
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool, token_text: TokenText,
+                 tool_format: str | None = None):
         super().__init__(rid, model, include_usage)
         self._n, self._token_text = n, token_text
         self._opened: set[int] = set()
+        self._answers = {i: _AnswerDeltas(tool_format) for i in range(n)}
 
     def event(self, ev: EngineEvent) -> list[str]:
         frames = []
@@ -191,14 +218,46 @@ class ChatStream(OpenAIStream):
             self._opened.add(ev.index)
             frames.append(self._chunk([{"index": ev.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-        if ev.text or ev.reasoning_text or ev.logprobs or ev.finish_reason is not None:
-            delta = {"reasoning_content": ev.reasoning_text} if ev.reasoning_text else {}
-            choice: dict[str, Any] = {"index": ev.index, "delta": {**delta, "content": ev.text} if ev.text else delta,
-                                      "logprobs": None, "finish_reason": ev.finish_reason}
+        finish, answer = ev.finish_reason, self._answers[ev.index]
+        deltas = [{"reasoning_content": ev.reasoning_text}] if ev.reasoning_text else []
+        deltas += answer.feed(ev.text, finish is not None)  # calls are parsed out of the answer only
+        if answer.calls and finish == "stop":
+            finish = "tool_calls"
+        for delta in deltas[:-1]:
+            frames.append(self._chunk([{"index": ev.index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        if deltas or ev.logprobs or finish is not None:
+            choice: dict[str, Any] = {"index": ev.index, "delta": deltas[-1] if deltas else {},
+                                      "logprobs": None, "finish_reason": finish}
             if ev.logprobs:
                 choice["logprobs"] = {"content": chat_logprobs(ev.logprobs, self._token_text)}
-            if ev.finish_reason is not None:
+            if finish is not None:
                 choice["stop_reason"] = ev.stop_reason
             frames.append(self._chunk([choice]))
         return frames
+
+
+class _AnswerDeltas:
+    """One choice's streamed answer as Chat deltas: content, and with tools offered `tool_calls` (id and name
+    first, then arguments)."""
+
+    def __init__(self, tool_format: str | None):
+        self._parser: ToolCallParser | None = PARSERS[tool_format]() if tool_format else None
+        self._index: dict[int, int] = {}  # the parser's call index -> the wire's
+
+    @property
+    def calls(self) -> int:
+        return len(self._index)
+
+    def feed(self, text: str, last: bool) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for e in answer_events(self._parser, text, last):
+            if isinstance(e, TextDelta):
+                deltas.append({"content": e.text})
+            elif isinstance(e, CallStart):
+                self._index[e.index] = len(self._index)
+                deltas.append({"tool_calls": [{"index": self._index[e.index], "id": e.id, "type": "function",
+                                               "function": {"name": e.name, "arguments": ""}}]})
+            elif isinstance(e, ArgsDelta):
+                deltas.append({"tool_calls": [{"index": self._index[e.index], "function": {"arguments": e.text}}]})
+        return deltas
 

@@ -8,7 +8,7 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
@@ -19,7 +19,7 @@ from imp_jax.server.validation import check_token_ids
 bp = Blueprint("completions", __name__)
 
 
-class CompletionRequest(OpenAISampling):
+class CompletionRequest(OpenAISampling, structured.OutputFormatFields):
     prompt: str | list[int]
     suffix: str | None = None
     echo: bool | None = False
@@ -87,9 +87,11 @@ async def completions() -> Any:
     max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.logprobs, engine.vocab_size)
     params.prompt_logprobs = req.prompt_logprobs_needed()
+    constraint = await structured.constraint(req.output_format(), engine, params)
     rid = new_id("cmpl")
     set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             constraint=constraint)
     echo = ""
     if req.echo:
         echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt, skip_special_tokens=False)

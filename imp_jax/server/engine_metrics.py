@@ -42,6 +42,11 @@ ENGINE_COUNTERS = (
     ("imp_engine_steps", "num_steps", "Engine steps run"),
     ("imp_compilations_after_warmup", "compilations_after_warmup", "Step programs compiled after warm-up "
      "(0 when the buckets cover the traffic)"),
+    ("imp_constrained_steps", "constrained_steps_total", "Steps with at least one structured-output "
+     "(grammar-constrained) row"),
+    ("imp_constrained_rows", "constrained_rows_total", "Grammar-constrained rows summed over those steps"),
+    ("imp_constraint_mask_seconds", "constraint_mask_seconds_total", "Host seconds computing the "
+     "allowed-token masks of constrained rows before each step"),
 )
 
 

@@ -6,6 +6,8 @@ ResponsesStore, so a later request can continue it with `previous_response_id`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import uuid
 from typing import Any, Literal
 
@@ -15,15 +17,18 @@ from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import lifecycle, structured
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.openai_common import OpenAISampling, now
-from imp_jax.server.reasoning import model_thinks, reasoning_item, reasoning_part, template_kwargs
+from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall,
+                                        answer_events, parse_reply)
+from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, prepare_decoding, render_prompt, responses_plan
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
@@ -46,18 +51,31 @@ class InputPart(WireModel):
         return v
 
 
+# Input item types and the fields each needs besides `type`; replayed reasoning items are dropped before
+# (ResponsesRequest.input), other types (item references, ...) are a 400.
+ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+               "custom_tool_call": ("call_id", "name", "input"), "function_call_output": ("call_id", "output"),
+               "custom_tool_call_output": ("call_id", "output")}
+
+
 class InputItem(WireModel):
-    """A message item; other item types (function calls, reasoning, references) are a 400 naming the item."""
+    """A message, a tool call the model made earlier (replayed), or a tool call's output."""
 
     type: str = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: list[InputPart]
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    namespace: str | None = None
+    arguments: str | None = None
+    input: str | None = None
+    output: str | list[dict[str, Any]] | None = None
 
     @field_validator("type")
     @classmethod
-    def _message_only(cls, v: str) -> str:
-        if v != "message":
-            raise ValueError(f"input item type {v!r} is not supported; only 'message' items are")
+    def _known_type(cls, v: str) -> str:
+        if v not in ITEM_FIELDS:
+            raise ValueError(f"input item type {v!r} is not supported; {', '.join(map(repr, ITEM_FIELDS))} items are")
         return v
 
     @field_validator("content", mode="before")
@@ -65,13 +83,47 @@ class InputItem(WireModel):
     def _string_or_parts(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [{"type": "input_text", "text": v}]
-        if not isinstance(v, list):
+        if v is not None and not isinstance(v, list):
             raise ValueError("must be a string or a list of content parts")
         return v
 
-    def message(self) -> dict[str, str]:
-        """The item as one stored conversation message: role and text."""
-        return {"role": self.role, "content": PART_JOIN.join(p.text for p in self.content if p.text)}
+    def check(self, param: str) -> None:
+        for field in ITEM_FIELDS[self.type]:
+            if getattr(self, field) is None:
+                raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} item",
+                                          param=f"{param}.{field}")
+
+    @property
+    def text(self) -> str:
+        """A message's text, or a tool output's (its text parts)."""
+        if self.type == "message":
+            return PART_JOIN.join(p.text for p in self.content or [] if p.text)
+        if isinstance(self.output, str):
+            return self.output
+        return PART_JOIN.join(str(p.get("text", "")) for p in self.output or [] if isinstance(p, dict))
+
+    def message(self) -> dict[str, Any]:
+        """A message item as one stored conversation message: role and text."""
+        return {"role": self.role, "content": self.text}
+
+
+def conversation_of(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as conversation messages (Chat's shape): tool outputs are `tool` messages, and replayed
+    calls join the assistant message before them, so one response stays one assistant turn."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if item.type == "message":
+            out.append(item.message())
+        elif item.type.endswith("_output"):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+        else:
+            name = f"{item.namespace}{NAMESPACE_SEP}{item.name}" if item.namespace else item.name
+            arguments = item.arguments if item.type == "function_call" else json.dumps({"input": item.input})
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1]["tool_calls"] = [*out[-1].get("tool_calls", []), call]
+    return out
 
 
 class TextConfig(WireModel):
@@ -109,9 +161,19 @@ class ResponsesRequest(OpenAISampling):
             raise ValueError("must be a string or a list of input items")
         return [i for i in v if not (isinstance(i, dict) and i.get("type") == "reasoning")]  # replayed: dropped
 
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        return responses_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    @functools.cached_property
+    def output_form(self) -> structured.OutputFormat | None:
+        return structured.responses_format(self.text_format)
+
     def check(self) -> None:
         self.check_common()
-        if not self.input or not any(item.message()["content"] for item in self.input):
+        for i, item in enumerate(self.input):
+            item.check(f"input[{i}]")
+        if not self.input or not any(item.text or item.type != "message" for item in self.input):
             raise InvalidRequestError("'input' must hold some text", param="input")
         if "max_tokens" in self.model_fields_set:
             raise InvalidRequestError("'max_tokens' is not a Responses field; use 'max_output_tokens'",
@@ -120,11 +182,8 @@ class ResponsesRequest(OpenAISampling):
             raise InvalidRequestError("'max_output_tokens' must be >= 1", param="max_output_tokens")
         if self.n != 1:
             raise InvalidRequestError("'n' must be 1: a response holds one answer", param="n")
-        if self.tools:
-            raise not_supported("'tools' are not supported yet", param="tools")
-        fmt = (self.text.format or {}) if self.text else {}
-        if fmt.get("type", "text") != "text":
-            raise not_supported("'text.format' other than text is not supported yet", param="text.format")
+        self.tool_plan.check()
+        self.tool_plan.admit(self.output_form)
         if self.background:
             raise not_supported("'background' responses are not supported", param="background")
         if self.top_logprobs:
@@ -138,9 +197,14 @@ class ResponsesRequest(OpenAISampling):
                                       param=f"chat_template_kwargs.{taken[0]}")
         if self.continue_final_message:
             last = self.input[-1]
-            if last.role != "assistant" or not last.message()["content"]:
+            if last.type != "message" or last.role != "assistant" or not last.text:
                 raise InvalidRequestError("'continue_final_message' needs a final assistant message with text",
                                           param="continue_final_message")
+
+    @property
+    def text_format(self) -> dict[str, Any]:
+        """`text.format` as asked (the response echoes it); plain text when unset."""
+        return (self.text.format if self.text else None) or {"type": "text"}
 
     def _check_metadata(self) -> None:
         meta = self.metadata or {}
@@ -183,16 +247,28 @@ class ResponseDraft:
     id: str
     model: str
     req: ResponsesRequest
-    conversation: list[dict[str, str]]  # the previous conversation plus this input
+    conversation: list[dict[str, Any]]  # the previous conversation plus this input
     store: ResponsesStore
     created_at: int = dataclasses.field(default_factory=now)
     item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     reasoning_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
-    def item(self, text: str | None, status: str) -> dict[str, Any]:
+    def item(self, text: str | None, status: str, item_id: str | None = None) -> dict[str, Any]:
         """The assistant message output item; `text` None: no content part yet."""
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+        return {"type": "message", "id": item_id or self.item_id, "status": status, "role": "assistant",
                 "content": [] if text is None else [output_text(text)]}
+
+    def call_item(self, call: ToolCall, status: str, item_id: str | None = None) -> dict[str, Any]:
+        """A call's output item: `custom_tool_call` (its `input` text) for a custom tool, else `function_call`;
+        a namespaced tool's call carries its namespace."""
+        tool = self.req.tool_plan.find(call.name)
+        name = tool.local_name or tool.name if tool is not None else call.name
+        extra = {"namespace": tool.namespace} if tool is not None and tool.namespace else {}
+        if tool is not None and tool.custom:
+            return {"type": "custom_tool_call", "id": item_id or f"ctc_{uuid.uuid4().hex}", "status": status,
+                    "call_id": call.id, "name": name, "input": custom_input(call.arguments), **extra}
+        return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}", "status": status,
+                "call_id": call.id, "name": name, "arguments": call.arguments, **extra}
 
     def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
                  finish: str | None = None) -> dict[str, Any]:
@@ -205,34 +281,50 @@ class ResponseDraft:
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            "store": req.store, "temperature": req.temperature, "text": {"format": {"type": "text"}},
-            "tool_choice": "auto", "tools": [], "top_p": req.top_p, "truncation": req.truncation or "disabled",
+            "store": req.store, "temperature": req.temperature, "text": {"format": req.text_format},
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+            "truncation": req.truncation or "disabled",
             "usage": usage_json(usage) if usage is not None else None, "user": req.user,
             "metadata": req.metadata or {},
         }
 
-    def finish(self, text: str, finish: str | None, usage: Usage, reasoning: str = "") -> dict[str, Any]:
-        """The final response object (completed, or incomplete at max_output_tokens), stored if asked;
-        a think block comes first, as a reasoning item."""
+    def finish(self, text: str, finish: str | None, usage: Usage, calls: list[ToolCall] = (), reasoning: str = "",
+               output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The final response object (completed, or incomplete at max_output_tokens), stored if asked.
+
+        `output`: the items a stream already sent (else a reasoning item if the model thought, a message with
+        `text` if any or no calls, then the calls).
+        """
         status = "incomplete" if finish == "length" else "completed"
-        head = [reasoning_item(self.reasoning_id, reasoning, "completed")] if reasoning else []
-        final = self.response(status, [*head, self.item(text, status)], usage, finish)
+        if output is None:
+            output = [reasoning_item(self.reasoning_id, reasoning, "completed")] if reasoning else []
+            output += [self.item(text, status)] if text.strip() or not calls else []
+            output += [self.call_item(c, "completed") for c in calls]
+        final = self.response(status, output, usage, finish)
         if self.req.store:
             conversation = list(self.conversation)
+            tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                          for c in calls]
             if self.req.continue_final_message:  # the output continues the last assistant turn: one turn
                 last = conversation.pop()
                 conversation.append({"role": "assistant", "content": last["content"] + text})
             else:
-                conversation.append({"role": "assistant", "content": text})
+                conversation.append({"role": "assistant", "content": text,
+                                     **({"tool_calls": tool_calls} if tool_calls else {})})
             self.store.put(self.id, final, conversation)
         return final
 
 
-def template_messages(req: ResponsesRequest, conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+def custom_input(arguments: str) -> str:
+    """A custom tool's free-text input out of the call's `{"input": ...}` arguments."""
+    value = json.loads(arguments).get("input", "")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def template_messages(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """instructions as the system message, then the conversation; developer is spelled system."""
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return head + [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                   for m in conversation]
+    return head + [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in conversation]
 
 
 @bp.post("/v1/responses")
@@ -240,35 +332,36 @@ async def create_response() -> Any:
     req, engine = await engine_request(ResponsesRequest)
     req.check()
     store = responses_store()
-    previous: list[dict[str, str]] = []
+    previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         entry = store.get(req.previous_response_id)
         if entry is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
         previous = entry.conversation
-    conversation = previous + [item.message() for item in req.input]
+    conversation = previous + conversation_of(req.input)
     cont = req.continue_final_message
     kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
                              "reasoning.effort")
-    text = engine.tokenizer.apply_chat_template(template_messages(req, conversation), add_generation_prompt=not cont,
-                                                continue_final_message=cont, **kwargs)
+    text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
+                         add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
     max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
+    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True)
+                             reasoning=True, constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
-        stream = ResponseStream(draft, thinks=model_thinks(engine.tokenizer))
-        return sse_response(drive(engine, draft.id, events, stream))
+        return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format)))
     result = await collect(engine, greq, events)
-    c = result.choices[0]
-    return jsonify(draft.finish(c.text, c.finish_reason, result.usage, c.reasoning))
+    c = result.choices[0]  # calls are parsed out of the answer, never the reasoning
+    reply = parse_reply(c.text, tool_format) if tool_format is not None else ParsedReply(c.text, [])
+    return jsonify(draft.finish(reply.content, c.finish_reason, result.usage, reply.calls, c.reasoning))
 
 
 def _not_found(response_id: str, param: str) -> NotFoundError:
@@ -292,91 +385,148 @@ async def delete_response(response_id: str) -> Any:
 
 
 class ResponseStream:
-    """response.created, in_progress, a reasoning item (when the model thinks) then the message item, each
-    with its part, deltas and done events, then completed/incomplete.
+    """response.created, in_progress, then the output items as they come, each opened when its first text
+    comes and closed by its done events: a reasoning item (its part and reasoning_text deltas) first when
+    the model thinks, then a message (its part and text deltas) and calls (their arguments deltas) in the
+    order generated; then completed/incomplete."""
 
-    `thinks`: the message item opens at the first answer text, after any reasoning item.
-    """
-
-    def __init__(self, draft: ResponseDraft, thinks: bool = False):
+    def __init__(self, draft: ResponseDraft, tool_format: str | None = None):
         self._draft = draft
+        self._parser = PARSERS[tool_format]() if tool_format else None
         self._seq = 0
-        self._text = ""
-        self._reasoning = ""
+        self._text = ""                      # all the reply's text
         self._finish: str | None = None
-        self._thinks = thinks
-        self._message_open = False
-        self._reasoning_open = False
-        self._message_index = 0   # 1 once a reasoning item came first
+        self._items: list[dict[str, Any]] = []   # output items done; the open one's output_index is len
+        self._reasoning: str | None = None   # the open reasoning item's text
+        self._message: str | None = None     # the open message item's text
+        self._call: dict[str, Any] | None = None  # the open call item
+        self._calls: list[ToolCall] = []
 
     def _frame(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
         return sse(body, kind)
 
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self._draft.item_id, "output_index": self._message_index, "content_index": 0}
+    def _where(self, item_id: str | None = None) -> dict[str, Any]:
+        """Where the open item's content is: its id (the message's unless given) and output_index."""
+        return {"item_id": item_id or self._item_id(), "output_index": len(self._items), "content_index": 0}
 
-    def _reasoning_where(self) -> dict[str, Any]:
-        return {"item_id": self._draft.reasoning_id, "output_index": 0, "content_index": 0}
+    def _item_id(self) -> str:
+        """The message item's id: the draft's for the first (as in a whole response), indexed for a later one."""
+        first = all(item["type"] != "message" for item in self._items)
+        return self._draft.item_id if first else f"{self._draft.item_id}_{len(self._items)}"
 
     def open(self) -> list[str]:
         pending = self._draft.response("in_progress", [])
-        frames = [self._frame("response.created", response=pending),
-                  self._frame("response.in_progress", response=pending)]
-        return frames if self._thinks else frames + self._open_message()
+        return [self._frame("response.created", response=pending),
+                self._frame("response.in_progress", response=pending)]
 
-    def _open_message(self) -> list[str]:
-        """The message item opens (closing a reasoning item before it)."""
-        frames = self._close_reasoning()
-        self._message_open = True
-        return frames + [
-            self._frame("response.output_item.added", output_index=self._message_index,
-                        item=self._draft.item(None, "in_progress")),
-            self._frame("response.content_part.added", **self._where(), part=output_text(""))]
-
-    def _open_reasoning(self) -> list[str]:
-        self._reasoning_open, self._message_index = True, 1
-        item = reasoning_item(self._draft.reasoning_id, None, "in_progress")
-        return [self._frame("response.output_item.added", output_index=0, item=item),
-                self._frame("response.content_part.added", **self._reasoning_where(), part=reasoning_part(""))]
+    def _reasoning_delta(self, text: str) -> list[str]:
+        """Reasoning goes to the leading reasoning item (none once the answer has begun)."""
+        frames: list[str] = []
+        if self._reasoning is None:
+            if self._items or self._message is not None or self._call is not None:
+                return []
+            self._reasoning = ""
+            frames += [self._frame("response.output_item.added", output_index=len(self._items),
+                                   item=reasoning_item(self._draft.reasoning_id, None, "in_progress")),
+                       self._frame("response.content_part.added", **self._where(self._draft.reasoning_id),
+                                   part=reasoning_part(""))]
+        self._reasoning += text
+        return frames + [self._frame("response.reasoning_text.delta", **self._where(self._draft.reasoning_id),
+                                     delta=text)]
 
     def _close_reasoning(self) -> list[str]:
-        if not self._reasoning_open:
+        if self._reasoning is None:
             return []
-        self._reasoning_open = False
-        text = self._reasoning
-        return [self._frame("response.reasoning_text.done", **self._reasoning_where(), text=text),
-                self._frame("response.content_part.done", **self._reasoning_where(), part=reasoning_part(text)),
-                self._frame("response.output_item.done", output_index=0,
-                            item=reasoning_item(self._draft.reasoning_id, text, "completed"))]
+        text, where = self._reasoning, self._where(self._draft.reasoning_id)
+        item = reasoning_item(self._draft.reasoning_id, text, "completed")
+        frames = [self._frame("response.reasoning_text.done", **where, text=text),
+                  self._frame("response.content_part.done", **where, part=reasoning_part(text)),
+                  self._frame("response.output_item.done", output_index=len(self._items), item=item)]
+        self._items.append(item)
+        self._reasoning = None
+        return frames
+
+    def _open_message(self) -> list[str]:
+        if self._message is not None:
+            return []
+        frames = self._close_reasoning()
+        self._message = ""
+        return frames + [self._frame("response.output_item.added", output_index=len(self._items),
+                                     item=self._draft.item(None, "in_progress", self._item_id())),
+                         self._frame("response.content_part.added", **self._where(), part=output_text(""))]
+
+    def _text_delta(self, text: str) -> list[str]:
+        frames = self._open_message()
+        self._message += text
+        self._text += text
+        return frames + [self._frame("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+
+    def _close_message(self, status: str) -> list[str]:
+        if self._message is None:
+            return []
+        item = self._draft.item(self._message, status, self._item_id())
+        frames = [self._frame("response.output_text.done", **self._where(), text=self._message, logprobs=[]),
+                  self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
+                  self._frame("response.output_item.done", output_index=len(self._items), item=item)]
+        self._items.append(item)
+        self._message = None
+        return frames
 
     def event(self, ev: EngineEvent) -> list[str]:
         if ev.finish_reason is not None:
             self._finish = ev.finish_reason
-        frames = []
-        if ev.reasoning_text and not self._message_open:
-            if not self._reasoning_open:
-                frames += self._open_reasoning()
-            self._reasoning += ev.reasoning_text
-            frames.append(self._frame("response.reasoning_text.delta", **self._reasoning_where(),
-                                      delta=ev.reasoning_text))
-        if ev.text:
-            if not self._message_open:
-                frames += self._open_message()
-            self._text += ev.text
-            frames.append(self._frame("response.output_text.delta", **self._where(), delta=ev.text, logprobs=[]))
+        frames = self._reasoning_delta(ev.reasoning_text) if ev.reasoning_text else []
+        for e in answer_events(self._parser, ev.text, ev.finish_reason is not None):  # the answer only
+            if isinstance(e, TextDelta):
+                frames += self._text_delta(e.text)
+            elif isinstance(e, CallStart):
+                frames += self._close_reasoning() + self._close_message("completed")
+                self._call = self._draft.call_item(ToolCall(e.id, e.name, "{}"), "in_progress")
+                self._call["arguments" if self._call["type"] == "function_call" else "input"] = ""
+                frames.append(self._frame("response.output_item.added", output_index=len(self._items),
+                                          item=dict(self._call)))
+            elif isinstance(e, ArgsDelta) and self._call is not None:
+                if self._call["type"] == "function_call":
+                    self._call["arguments"] += e.text
+                    frames.append(self._frame("response.function_call_arguments.delta", item_id=self._call["id"],
+                                              output_index=len(self._items), delta=e.text))
+            elif isinstance(e, CallEnd) and self._call is not None:
+                frames += self._end_call(e)
         return frames
 
+    def _end_call(self, end: CallEnd) -> list[str]:
+        """The call's done events: arguments (function) or its input, delta and done (custom), then the item."""
+        call, where = self._call, {"item_id": self._call["id"], "output_index": len(self._items)}
+        item = self._draft.call_item(ToolCall(call["call_id"], self._parser_name(call), end.arguments), "completed",
+                                     call["id"]) if end.valid else {**call, "status": "incomplete"}
+        if call["type"] == "function_call":
+            frames = [self._frame("response.function_call_arguments.done", **where, arguments=item["arguments"])]
+        else:
+            frames = [self._frame("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                      self._frame("response.custom_tool_call_input.done", **where, input=item["input"])]
+        frames.append(self._frame("response.output_item.done", output_index=len(self._items), item=item))
+        self._items.append(item)
+        if end.valid:
+            self._calls.append(ToolCall(call["call_id"], self._parser_name(call), end.arguments))
+        self._call = None
+        return frames
+
+    @staticmethod
+    def _parser_name(item: dict[str, Any]) -> str:
+        """The name the model called (a namespaced tool's flattened name)."""
+        ns = item.get("namespace")
+        return f"{ns}{NAMESPACE_SEP}{item['name']}" if ns else item["name"]
+
     def close(self, usage: Usage | None) -> list[str]:
-        frames = [] if self._message_open else self._open_message()
-        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0), self._reasoning)
-        item = final["output"][-1]
-        return frames + [
-            self._frame("response.output_text.done", **self._where(), text=self._text, logprobs=[]),
-            self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
-            self._frame("response.output_item.done", output_index=self._message_index, item=item),
-            self._frame(f"response.{final['status']}", response=final)]
+        status = "incomplete" if self._finish == "length" else "completed"
+        answered = self._message is not None or any(item["type"] != "reasoning" for item in self._items)
+        frames = [] if answered else self._open_message()  # a reply with no answer has an empty message
+        frames += self._close_message(status)
+        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0), self._calls,
+                                   output=self._items)
+        return frames + [self._frame(f"response.{final['status']}", response=final)]
 
     def error(self, err: ImpError) -> list[str]:
         return [self._frame("error", code=err.code, message=err.message, param=err.param)]
