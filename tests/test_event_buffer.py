@@ -11,7 +11,10 @@ from imp_jax.runtime.request import EngineEvent, StreamLimits, TokenLogprob, Usa
 
 
 def _token(i: int, index: int = 0) -> EngineEvent:
-    return EngineEvent("r", index, [i], f"t{i} ", [TokenLogprob(i, -0.1, [(i, -0.1)])])
+    """Token i: a reasoning token below 300 (as a thinking model's), an answer token from there."""
+    text = f"t{i} "
+    return EngineEvent("r", index, [i], "" if i < 300 else text, reasoning_text=text if i < 300 else "",
+                       logprobs=[TokenLogprob(i, -0.1, [(i, -0.1)])])
 
 
 def test_a_reader_that_never_reads_holds_at_most_max_events_and_loses_nothing() -> None:
@@ -33,7 +36,8 @@ def test_a_reader_that_never_reads_holds_at_most_max_events_and_loses_nothing() 
         ids = [t for e in events for t in e.token_ids]
         expected = list(range(index, 1000, 2)) + ([7] if index == 0 else [])
         assert ids == expected
-        assert "".join(e.text for e in events) == "".join(f"t{i} " for i in range(index, 1000, 2)) + (
+        assert "".join(e.reasoning_text for e in events) == "".join(f"t{i} " for i in range(index, 300, 2))
+        assert "".join(e.text for e in events) == "".join(f"t{i} " for i in range(300 + index, 1000, 2)) + (
             "end" if index == 0 else "")
         assert [lp.token_id for e in events for lp in e.logprobs or []] == list(range(index, 1000, 2))
         assert events[-1].finish_reason == ("stop" if index == 0 else "length")

@@ -51,6 +51,22 @@ class EngineConfig:
         return Path(self.compilation_cache_dir) if self.compilation_cache_dir else compilation_cache_dir()
 
 
+def models_in(directory: Path) -> dict[str, Path]:
+    """name -> path of every model an EngineConfig's `model` could name in `directory` (a `.gguf` file,
+    an HF or converted directory; named as the loader serves it: the entry's name), sorted by name."""
+    from imp_jax.errors import ModelLoadError
+    from imp_jax.model.hub import classify_path
+
+    found: dict[str, Path] = {}
+    for path in sorted(directory.iterdir()):
+        try:
+            classify_path(path)
+        except ModelLoadError:
+            continue
+        found[path.name] = path
+    return found
+
+
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_CPU_KV_BYTES = 1 << 30   # 1 GiB
 DEFAULT_GPU_KV_FRACTION = 0.9

@@ -28,9 +28,11 @@ def _mergeable(tail: Item, ev: Item) -> bool:
 
 
 def merge(tail: EngineEvent, ev: EngineEvent) -> None:
-    """Fold `ev` into `tail` in place: tokens, text and logprobs appended; the end, if any, taken over."""
+    """Fold `ev` into `tail` in place: tokens, text, reasoning text and logprobs appended; the end, if
+    any, taken over."""
     tail.token_ids = tail.token_ids + ev.token_ids
     tail.text += ev.text
+    tail.reasoning_text += ev.reasoning_text
     if ev.logprobs is not None:
         tail.logprobs = (tail.logprobs or []) + ev.logprobs
     tail.finish_reason, tail.stop_reason = ev.finish_reason, ev.stop_reason

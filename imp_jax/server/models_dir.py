@@ -17,25 +17,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from imp_jax.errors import EngineError, ImpError, ModelLoadError
+from imp_jax.runtime.config import models_in
 from imp_jax.server.generation import Engine
 
 log = logging.getLogger("imp_jax.server")
 
 DRAIN_POLL_S = 0.05
-
-
-def scan_models(directory: Path) -> dict[str, Path]:
-    """name -> path of every model in `directory` (sorted by name); other entries are skipped."""
-    from imp_jax.model.hub import classify_path
-
-    found: dict[str, Path] = {}
-    for path in sorted(directory.iterdir()):
-        try:
-            classify_path(path)
-        except ModelLoadError:
-            continue
-        found[path.name] = path
-    return found
 
 
 class NoModel:
@@ -75,7 +62,7 @@ class ModelDirectory:
 
     def models(self) -> dict[str, Path]:
         """Scanned on each call: models added to the directory appear without a restart."""
-        return scan_models(self.directory)
+        return models_in(self.directory)
 
     def __contains__(self, name: str) -> bool:
         return name in self.models()
