@@ -22,7 +22,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
-from imp_jax.server.models_dir import ModelDirectory, NoModel
+from imp_jax.server.models_dir import ModelDirectory, NoModel, in_flight
 
 if TYPE_CHECKING:
     from imp_jax.runtime.async_engine import AsyncEngine
@@ -61,12 +61,12 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     async def shutdown_trigger() -> None:
         await stop.wait()
         state_of(app).draining = True   # new generation requests: 503 draining; /ready 503 draining
-        busy = _in_flight(state_of(app).engine)
+        busy = in_flight(state_of(app).engine)
         log.info("shutting down: finishing %d in-flight request(s), at most %.0f s", busy, config.drain_timeout)
         deadline = loop.time() + config.drain_timeout
         while busy and loop.time() < deadline and not stop_now.is_set():
             await asyncio.sleep(0.1)
-            busy = _in_flight(state_of(app).engine)
+            busy = in_flight(state_of(app).engine)
         if busy:
             log.warning("shutting down with %d request(s) unfinished after %.0f s", busy, config.drain_timeout)
 
@@ -76,15 +76,6 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     finally:
         state_of(app).engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted (daemon thread)
         log.info("stopped")
-
-
-def _in_flight(engine: AsyncEngine) -> int:
-    """Requests the engine holds (running or waiting); 0 when it has no stats (not loaded)."""
-    try:
-        stats = engine.stats()
-    except Exception:
-        return 0
-    return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
 
 
 MALLOC_ARENAS = 2  # glibc's default is 8 per core, each grown to its thread's high-water mark

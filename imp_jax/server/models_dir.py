@@ -96,11 +96,11 @@ class ModelDirectory:
 
     async def _swap(self, state: Any, old: Engine, name: str, path: Path) -> Engine:
         t0 = time.monotonic()
-        log.info("swapping to model '%s': finishing %d in-flight request(s) first", name, _in_flight(old))
+        log.info("swapping to model '%s': finishing %d in-flight request(s) first", name, in_flight(old))
         deadline = t0 + self._swap_timeout_s
-        while (_in_flight(old) or self._leases) and time.monotonic() < deadline:
+        while (in_flight(old) or self._leases) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if _in_flight(old) or self._leases:
+        if in_flight(old) or self._leases:
             raise ImpError(f"the swap to '{name}' timed out waiting for in-flight requests", code="swap_timeout",
                            status=503)
         loop = asyncio.get_running_loop()
@@ -125,7 +125,8 @@ def _served(engine: Any) -> str | None:
         return None
 
 
-def _in_flight(engine: Any) -> int:
+def in_flight(engine: Any) -> int:
+    """Requests the engine holds (running or waiting); 0 when it has no stats (not loaded, no model)."""
     try:
         stats = engine.stats()
     except Exception:

@@ -21,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -29,19 +30,8 @@ namespace {
 
 constexpr int64_t kChunk = 16;   // keys per online-softmax step (never past the end of a page): 2 vectors
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using imp_simd::hsum;
+using imp_simd::hmax;
 
 // The four horizontal sums of a0..a3, in order.
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {

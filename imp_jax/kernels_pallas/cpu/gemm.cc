@@ -36,6 +36,7 @@
 #include <string>
 
 #include "gemm_q8.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -146,12 +147,7 @@ struct Q4_1 : GgmlBlocks<20> {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q
   }
 };
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using imp_simd::hsum;
 
 // The MR x NR block of y at (x, w); x and y rows are K and ldy floats apart, w rows ldw bytes. A
 // non-null `pf` (the next NR rows of w) is prefetched along the way: the first row block of a

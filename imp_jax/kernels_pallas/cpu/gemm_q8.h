@@ -35,6 +35,7 @@
 #include <cstring>
 #include <memory>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace imp_q8 {
@@ -60,19 +61,8 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using imp_simd::hsum;
+using imp_simd::hmax;
 
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
