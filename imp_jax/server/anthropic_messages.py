@@ -243,7 +243,7 @@ def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     messages, prefill = conv.template_messages()
     text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
                          continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat(text)
 
 
 def usage_json(usage: Usage) -> dict[str, int]:

@@ -145,7 +145,7 @@ def prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int]:
     text = render_prompt(tokenizer, [m.for_template() for m in req.messages], req.tool_plan,
                          add_generation_prompt=req.add_generation_prompt and not cont, continue_final_message=cont,
                          **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat(text)
 
 
 @bp.post("/v1/chat/completions")

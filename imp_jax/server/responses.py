@@ -344,7 +344,7 @@ async def create_response() -> Any:
                              "reasoning.effort")
     text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
                          add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = engine.tokenizer.encode_chat(text)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)

@@ -22,6 +22,7 @@ class TokenizeRequest(WireModel):
     add_special_tokens: bool | None = None  # vLLM, default true
     add_generation_prompt: bool = True
     with_pieces: bool = False            # llama.cpp: [{id, piece}] instead of ids
+    parse_special: bool = True           # llama.cpp: special-token spellings in content/prompt are tokens
 
 
 class DetokenizeRequest(WireModel):
@@ -38,15 +39,15 @@ async def tokenize() -> Any:
         raise InvalidRequestError("send exactly one of 'content', 'prompt' or 'messages'",
                                   param=given[1] if len(given) > 1 else "content")
     if req.messages is not None:
-        text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                             add_generation_prompt=req.add_generation_prompt)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        text = tokenizer.render_chat([m.for_template() for m in req.messages],
+                                     add_generation_prompt=req.add_generation_prompt)
+        ids = tokenizer.encode_chat(text)
     else:
         text = req.content if req.content is not None else req.prompt
         add = req.add_special if req.add_special is not None else req.add_special_tokens
         if add is None:
             add = req.content is None  # llama.cpp's default is false, vLLM's true
-        ids = tokenizer.encode(text, add_special_tokens=add)
+        ids = tokenizer.encode(text, add_special_tokens=add, parse_special=req.parse_special)
     tokens: list[Any] = ids
     if req.with_pieces:
         tokens = [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)} for t in ids]
