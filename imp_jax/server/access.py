@@ -87,7 +87,7 @@ class RateLimiter:
 class Access:
     """The checks every request passes before its handler runs; each failure is a Refusal."""
 
-    def __init__(self, keys: list[str], rate_limit: int, max_request_bytes: int, metrics_public: bool):
+    def __init__(self, keys: list[str], rate_limit: int, max_request_bytes: int | None, metrics_public: bool):
         self.keys = ApiKeys(keys)
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.max_request_bytes = max_request_bytes
@@ -97,8 +97,9 @@ class Access:
         return path in PROBES or (path == METRICS_PATH and self.metrics_public)
 
     def check(self, path: str, headers: Mapping[str, str], client_addr: str | None,
-              content_length: int | None) -> None:
-        """Refuse with 401 (key), 429 (rate) or 413 (body size), in that order."""
+              content_length: int | None, max_request_bytes: int | None = None) -> None:
+        """Refuse with 401 (key), 429 (rate) or 413 (body size, against `max_request_bytes` when given), in
+        that order."""
         if self.is_open(path):
             return
         key = presented_key(headers)
@@ -117,6 +118,7 @@ class Access:
                 raise Refusal(f"rate limit of {self.limiter.per_minute} requests per minute exceeded; "
                               f"retry after {retry} s", status=429, code="rate_limit_exceeded",
                               headers={"Retry-After": str(retry)})
-        if content_length is not None and content_length > self.max_request_bytes:
+        limit = max_request_bytes or self.max_request_bytes
+        if content_length is not None and limit is not None and content_length > limit:
             raise Refusal(f"the request body has {content_length} bytes; this server takes at most "
-                          f"{self.max_request_bytes}", status=413, code="request_too_large")
+                          f"{limit}", status=413, code="request_too_large")

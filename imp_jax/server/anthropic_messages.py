@@ -21,6 +21,7 @@ from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
@@ -243,6 +244,7 @@ def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     messages, prefill = conv.template_messages()
     text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
                          continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
+    check_chars(text, "messages")
     return tokenizer.encode_chat(text)
 
 
@@ -285,7 +287,7 @@ def message_json(mid: str, model: str, text: str | None, reason: tuple[str | Non
 async def messages() -> Any:
     req, engine = await engine_request(MessagesRequest)
     req.check()
-    ids = prompt_ids(req, engine.tokenizer)
+    ids = await off_loop(prompt_ids, req, engine.tokenizer)
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
@@ -317,7 +319,7 @@ async def messages() -> Any:
 async def count_tokens() -> Any:
     req, engine = await engine_request(CountTokensRequest)
     req.check_conversation()
-    return jsonify({"input_tokens": len(prompt_ids(req, engine.tokenizer))})
+    return jsonify({"input_tokens": len(await off_loop(prompt_ids, req, engine.tokenizer))})
 
 
 class MessageStream:

@@ -9,7 +9,7 @@ from typing import Any
 from quart import Quart, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, infill, reasoning, responses,
+from imp_jax.server import (admin, limits, anthropic_messages, chat_completions, completions, infill, reasoning, responses,
                             sessions, tokens)
 from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
@@ -34,7 +34,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> Quart:
     """The app serving `engine`: every dialect, the probes, and a JSON envelope for every error."""
     config = config or ServerConfig()
     app = Quart("imp_jax.server")
-    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=config.max_request_bytes)
+    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=config.max_request_bytes or limits.DEFAULT_REQUEST_BYTES)
     app.json.sort_keys = False  # type: ignore[attr-defined]
     state = install(app, engine, config)
     for bp in BLUEPRINTS:
@@ -63,7 +63,8 @@ async def _begin() -> Any:
     state = server()
     if state.cors.is_preflight(request.method, request.headers) and state.cors.allowed(request.headers.get("Origin")):
         return Response(status=204, headers=state.cors.preflight_headers(request.headers))
-    state.access.check(request.path, request.headers, request.remote_addr, request.content_length)
+    state.access.check(request.path, request.headers, request.remote_addr, request.content_length,
+                       state.body_limit())
     return None
 
 

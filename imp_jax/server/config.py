@@ -33,7 +33,12 @@ class ServerConfig:
     cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
                                          "'*' = any); none: CORS off")
     # limits
-    max_request_bytes: int = _field(64 * 1024 * 1024, "largest request body in bytes (413 past it)")
+    max_request_bytes: int | None = _field(None, "largest request body in bytes (413 past it); default: 8 per "
+                                                 "character of --max-prompt-chars, at least 4 MiB (64 MiB "
+                                                 "while no model is loaded)")
+    max_prompt_chars: int | None = _field(None, "characters of prompt text (a raw prompt, a rendered chat, "
+                                                "/tokenize input) one request may have tokenized (400 past "
+                                                "it); default: 32 per token of the model's context")
     max_queued_requests: int = _field(0, "generation requests waiting for their first token at most "
                                          "(429 past it); 0 = no limit")
     max_queued_tokens: int = _field(0, "prompt tokens of the requests waiting for their first token at most "
@@ -67,7 +72,10 @@ class ServerConfig:
         for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_request_bytes", "stream_buffer_events", "stream_stall_timeout"):
+        for name in ("max_request_bytes", "max_prompt_chars"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("stream_buffer_events", "stream_stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -22,6 +22,7 @@ from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
@@ -342,9 +343,14 @@ async def create_response() -> Any:
     cont = req.continue_final_message
     kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
                              "reasoning.effort")
-    text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
-                         add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
-    ids = engine.tokenizer.encode_chat(text)
+
+    def tokenize() -> list[int]:
+        text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
+                             add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
+        check_chars(text, "input")
+        return engine.tokenizer.encode_chat(text)
+
+    ids = await off_loop(tokenize)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
