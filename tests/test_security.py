@@ -196,3 +196,69 @@ def test_remembered_anthropic_betas_are_bounded(app_url: tuple[str, FakeEngine])
     seen = [app.extensions[anthropic_messages._BETAS_SEEN] for app in _APPS]
     assert seen and all(len(s) <= anthropic_messages.MAX_BETAS_SEEN for s in seen)
     assert all(len(b) <= anthropic_messages.MAX_BETA_CHARS for s in seen for b in s)
+
+
+# --------------------------------------------------------------------------- browsers and logs
+CHAT_BODY = '{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, 415),
+    ({"Origin": "http://evil.example", "Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ({"Sec-Fetch-Mode": "no-cors", "Content-Type": "multipart/form-data; boundary=x"}, 415),
+    ({"Origin": "http://evil.example", "Content-Type": "application/json"}, 200),   # CORS decides what it reads
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 200),                   # curl -d, not a browser
+    ({"Content-Type": "application/json; charset=utf-8"}, 200),
+])
+def test_a_browser_post_must_be_json(app_url: tuple[str, FakeEngine], headers: dict, status: int) -> None:
+    url, _ = app_url
+    r = httpx.post(url + "/v1/chat/completions", content=CHAT_BODY, headers=headers, timeout=30)
+    assert r.status_code == status, r.text[:300]
+    if status == 415:
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_host_allowlist_against_dns_rebinding(app_url: tuple[str, FakeEngine]) -> None:
+    from imp_jax.server.browsers import HostCheck, default_allowed_hosts
+
+    url, _ = app_url
+    port = url.rsplit(":", 1)[1]
+    for host, status in ((f"evil.example:{port}", 400), ("evil.example", 400), (f"localhost:{port}", 200),
+                         (f"127.0.0.1:{port}", 200), (f"[::1]:{port}", 200)):
+        r = httpx.get(url + "/v1/models", headers={"Host": host}, timeout=30)
+        assert r.status_code == status, (host, r.text[:300])
+    assert r.status_code == 200
+    assert default_allowed_hosts("0.0.0.0") == ["*"] and "localhost" in default_allowed_hosts("127.0.0.1")
+    HostCheck(["api.example.com"]).check("API.example.com:443")
+    with pytest.raises(Exception, match="not one this server answers to"):
+        HostCheck(["api.example.com"]).check("localhost")
+
+
+def test_client_strings_stay_on_one_log_line(app_url: tuple[str, FakeEngine], caplog: pytest.LogCaptureFixture) -> None:
+    url, _ = app_url
+    forged = "x\nERROR imp_jax.server forged line"
+    with caplog.at_level("INFO", logger="imp_jax"):
+        httpx.post(url + "/v1/chat/completions", timeout=30,
+                   json={"model": forged, "messages": [{"role": "user", "content": "hi"}]})
+        httpx.get(url + "/v1/models%0aERROR%20forged", timeout=30)
+        time.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("imp_jax")]
+    assert any("forged" in line for line in lines), lines
+    assert all("\n" not in line for line in lines), lines
+
+
+def test_client_errors_carry_no_internal_text_and_props_no_path(app_url: tuple[str, FakeEngine]) -> None:
+    from imp_jax.errors import EngineError
+    from imp_jax.runtime.request import EngineEvent
+    from imp_jax.server.generation import event_error, public_error
+
+    err = event_error(EngineEvent("r", 0, finish_reason="error", error="device fault: XlaRuntimeError at /opt/x.py"))
+    assert err is not None and "XlaRuntimeError" not in err.message and "engine faulted" in err.message
+    assert "/opt" not in public_error(EngineError("engine is faulted: device fault: boom /opt/x")).message
+    url, engine = app_url
+    engine.model_path = "/home/someone/models/secret-dir/model.gguf"
+    try:
+        props = httpx.get(url + "/props", timeout=30).json()
+    finally:
+        del engine.model_path
+    assert props["model_path"] == "model.gguf"

@@ -32,6 +32,9 @@ class ServerConfig:
     rate_limit: int = _field(0, "requests per minute per API key (per client address without keys); 0 = off")
     cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
                                          "'*' = any); none: CORS off")
+    allowed_hosts: list[str] = _field([], "Host header names accepted, any port (repeatable or comma-separated; "
+                                          "'*' = any); default: loopback names when --host is a loopback "
+                                          "address, else any (docs/SECURITY.md)")
     # limits
     max_request_bytes: int | None = _field(None, "largest request body in bytes (413 past it); default: 8 per "
                                                  "character of --max-prompt-chars, at least 4 MiB (64 MiB "
@@ -69,6 +72,9 @@ class ServerConfig:
         if isinstance(self.cors_origins, str):
             self.cors_origins = [self.cors_origins]
         self.cors_origins = [o.strip() for v in self.cors_origins for o in v.split(",") if o.strip()]
+        if isinstance(self.allowed_hosts, str):
+            self.allowed_hosts = [self.allowed_hosts]
+        self.allowed_hosts = [h.strip() for v in self.allowed_hosts for h in v.split(",") if h.strip()]
         for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

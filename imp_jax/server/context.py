@@ -13,6 +13,7 @@ from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.server import limits
 from imp_jax.server.access import Access
 from imp_jax.server.admission import AdmissionGate
+from imp_jax.server.browsers import HostCheck, default_allowed_hosts
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
 from imp_jax.server.errors import unavailable
@@ -34,6 +35,7 @@ class ServerContext:
     gate: AdmissionGate
     telemetry: Telemetry
     cors: Cors
+    hosts: HostCheck
     started_at: float = dataclasses.field(default_factory=time.time)
     draining: bool = False
     client_ids: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)  # X-Request-Id -> engine id
@@ -77,7 +79,8 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
             return {}
 
     telemetry = Telemetry(config, gate, stats, lambda: model_status(app.extensions[_KEY]), store_stats)
-    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins))
+    hosts = HostCheck(config.allowed_hosts or default_allowed_hosts(config.host))
+    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins), hosts)
     app.extensions[_KEY] = state
     return state
 
