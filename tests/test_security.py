@@ -262,3 +262,40 @@ def test_client_errors_carry_no_internal_text_and_props_no_path(app_url: tuple[s
     finally:
         del engine.model_path
     assert props["model_path"] == "model.gguf"
+
+
+# --------------------------------------------------------------------------- who may ask for what
+@pytest.fixture(scope="module")
+def keyed_url() -> Iterator[str]:
+    from imp_jax.server.app import create_app
+    from imp_jax.server.config import ServerConfig
+
+    engine = FakeEngine(fake_tokenizer())
+    engine.start()
+    with app_in_thread(create_app(engine, ServerConfig(api_key=["key-a", "key-b"]))) as url:
+        wait_for(url + "/ready", 200, timeout=30)
+        yield url
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it(keyed_url: str) -> None:
+    a, b = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
+    r = httpx.post(keyed_url + "/v1/responses", headers=a, timeout=30,
+                   json={"model": "fake-model", "input": "hi", "max_output_tokens": 3})
+    assert r.status_code == 200, r.text[:300]
+    rid = r.json()["id"]
+    assert httpx.get(f"{keyed_url}/v1/responses/{rid}", headers=a).status_code == 200
+    assert httpx.get(f"{keyed_url}/v1/responses/{rid}", headers=b).status_code == 404
+    follow = {"model": "fake-model", "input": "more", "max_output_tokens": 3, "previous_response_id": rid}
+    assert httpx.post(keyed_url + "/v1/responses", headers=b, json=follow, timeout=30).status_code == 404
+    assert httpx.post(keyed_url + "/v1/responses", headers=a, json=follow, timeout=30).status_code == 200
+    assert httpx.delete(f"{keyed_url}/v1/responses/{rid}", headers=b).status_code == 404
+    assert httpx.delete(f"{keyed_url}/v1/responses/{rid}", headers=a).status_code == 200
+
+
+def test_priority_ahead_of_others_is_operator_granted(app_url: tuple[str, FakeEngine]) -> None:
+    url, _ = app_url
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "priority": -5}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text[:300]
+    assert httpx.post(url + "/v1/chat/completions", json={**body, "priority": 3}, timeout=30).status_code == 200
+    # the shared fake_server runs with --client-priority: test_server_fake sends priority -3 there

@@ -29,6 +29,11 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key", "").strip() or None
 
 
+def key_digest(key: str) -> str:
+    """A key's SHA-256 hex digest: how a caller is named where the key itself must not be kept."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 class ApiKeys:
     """The accepted keys, kept as SHA-256 digests and compared in constant time against every one."""
 
@@ -111,7 +116,7 @@ class Access:
                 raise Refusal("the API key is not valid", status=401, code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
         if self.limiter is not None and path not in PROBES and path != METRICS_PATH:
-            caller = f"key:{hashlib.sha256(key.encode()).hexdigest()}" if self.keys and key else f"addr:{client_addr}"
+            caller = f"key:{key_digest(key)}" if self.keys and key else f"addr:{client_addr}"
             wait = self.limiter.take(caller)
             if wait > 0:
                 retry = max(1, math.ceil(wait))

@@ -35,6 +35,8 @@ class ServerConfig:
     allowed_hosts: list[str] = _field([], "Host header names accepted, any port (repeatable or comma-separated; "
                                           "'*' = any); default: loopback names when --host is a loopback "
                                           "address, else any (docs/SECURITY.md)")
+    client_priority: bool = _field(False, "let clients ask for a 'priority' below 0 (served ahead of others); "
+                                          "off: such a request is a 400")
     # limits
     max_request_bytes: int | None = _field(None, "largest request body in bytes (413 past it); default: 8 per "
                                                  "character of --max-prompt-chars, at least 4 MiB (64 MiB "

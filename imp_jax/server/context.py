@@ -160,6 +160,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
                        code="request_too_large", status=413)
     req = await limits.off_loop(lambda: parse_model(cls, parse_json(body)))
     refuse_not_yet(req)
+    check_priority(req, state.config.client_priority)
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
     if state.models is not None and model is not None and not state.draining and model in state.models:
@@ -176,6 +177,15 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
 
 
 MAX_SESSION_ID = 256
+
+
+def check_priority(req: Any, granted: bool) -> None:
+    """A `priority` below the default (0: lower is served first) is the operator's to grant
+    (--client-priority); without it such a request is a 400 naming the field."""
+    priority = getattr(req, "priority", None)
+    if isinstance(priority, int) and priority < 0 and not granted:
+        raise InvalidRequestError("'priority' below 0 (ahead of other clients) needs the server's "
+                                  "--client-priority; send 0 or more", param="priority")
 
 
 def session_id_of(req: Any) -> str | None:
