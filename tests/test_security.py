@@ -299,3 +299,31 @@ def test_priority_ahead_of_others_is_operator_granted(app_url: tuple[str, FakeEn
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text[:300]
     assert httpx.post(url + "/v1/chat/completions", json={**body, "priority": 3}, timeout=30).status_code == 200
     # the shared fake_server runs with --client-priority: test_server_fake sends priority -3 there
+
+
+# --------------------------------------------------------------------------- the disk
+def test_a_planted_or_writable_kernel_library_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from imp_jax.kernels_pallas.cpu import build
+    from imp_jax.paths import UnsafePathError, private_dir
+
+    home = private_dir(tmp_path / "home" / "kernels")
+    assert (home.stat().st_mode & 0o777) == 0o700
+    lib = home / "cpu_gemm-0123.so"
+    lib.write_bytes(b"planted")
+    assert not build.verified(lib)                      # no hash recorded by a build: rebuilt, not loaded
+    (home / "cpu_gemm-0123.so.sha256").write_text("0" * 64)
+    assert not build.verified(lib)                      # a hash that does not match
+    (home / "cpu_gemm-0123.so.sha256").write_text(build._sha256(lib))
+    assert build.verified(lib)
+    os.chmod(lib, 0o666)
+    with pytest.raises(UnsafePathError, match="writable by group or others"):
+        build.verified(lib)
+    os.chmod(home, 0o777)
+    with pytest.raises(UnsafePathError):
+        private_dir(home)
+    monkeypatch.setattr(os, "getuid", lambda: 12345)
+    os.chmod(lib, 0o600)
+    with pytest.raises(UnsafePathError, match="owned by uid"):
+        build.verified(lib)
