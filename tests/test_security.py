@@ -327,3 +327,20 @@ def test_a_planted_or_writable_kernel_library_is_refused(tmp_path: Any, monkeypa
     os.chmod(lib, 0o600)
     with pytest.raises(UnsafePathError, match="owned by uid"):
         build.verified(lib)
+
+
+@pytest.mark.real_model
+def test_the_prefix_cache_is_partitioned_per_api_key(ops_server: Any) -> None:
+    from server_fixtures import OPS_KEY, OpsServer
+
+    prompt = " ".join(f"salted{i}" for i in range(120)) + f" {time.time_ns()}"   # unseen before this test
+    body = {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1}
+
+    def cached(key: str) -> int:
+        r = httpx.post(ops_server.url + "/v1/completions", json=body, headers=OpsServer.auth(key), timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(OPS_KEY)
+    assert cached(OPS_KEY) > 0                 # the same key reads its own cached prefix
+    assert cached("key-file") == 0             # another key does not: a hit would reveal the prompt

@@ -37,6 +37,9 @@ class ServerConfig:
                                           "address, else any (docs/SECURITY.md)")
     client_priority: bool = _field(False, "let clients ask for a 'priority' below 0 (served ahead of others); "
                                           "off: such a request is a 400")
+    shared_prefix_cache: bool = _field(False, "with API keys, share the prefix cache between keys (by default "
+                                              "each key has its own: a cache hit would tell one key another's "
+                                              "prompt)")
     # limits
     max_request_bytes: int | None = _field(None, "largest request body in bytes (413 past it); default: 8 per "
                                                  "character of --max-prompt-chars, at least 4 MiB (64 MiB "
