@@ -344,3 +344,17 @@ def test_the_prefix_cache_is_partitioned_per_api_key(ops_server: Any) -> None:
     cached(OPS_KEY)
     assert cached(OPS_KEY) > 0                 # the same key reads its own cached prefix
     assert cached("key-file") == 0             # another key does not: a hit would reveal the prompt
+
+
+@pytest.mark.real_model
+def test_a_session_belongs_to_its_api_key(ops_server: Any) -> None:
+    from server_fixtures import OPS_KEY, OpsServer
+
+    sid = f"sess-{time.time_ns()}"
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "session_id": sid}
+    r = httpx.post(ops_server.url + "/v1/chat/completions", json=body, headers=OpsServer.auth(), timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    close = f"{ops_server.url}/v1/sessions/{sid}/close"
+    assert httpx.post(close, headers=OpsServer.auth("key-file"), timeout=30).status_code == 404
+    assert httpx.post(close, headers=OpsServer.auth(OPS_KEY), timeout=30).status_code == 200

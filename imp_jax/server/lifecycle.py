@@ -38,6 +38,13 @@ def cache_salt() -> str | None:
     return "key:" + key_digest(key)
 
 
+def engine_session_id(session_id: str | None) -> str | None:
+    """The engine's name for a client's `session_id`: within its key's namespace when the cache is
+    partitioned per key (cache_salt), so another key cannot replace or close its pins."""
+    salt = cache_salt()
+    return f"{salt}/{session_id}" if session_id is not None and salt is not None else session_id
+
+
 async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIterator[EngineEvent]:
     """Admit `req` (429 past the queue caps), submit it and wait for its first event; its events, observed.
 
@@ -47,8 +54,8 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     rec: RequestRecord = g.record
     rec.endpoint, rec.model, rec.stream = ENDPOINTS.get(request.path), engine.served_name, stream
     rec.prompt_tokens = len(req.prompt_ids)
-    req.session_id = req.session_id or g.get("session_id")   # any dialect's body (context.engine_request)
     req.cache_salt = req.cache_salt or cache_salt()
+    req.session_id = engine_session_id(req.session_id or g.get("session_id"))   # any dialect's body
     ticket = state.gate.admit(len(req.prompt_ids))
     tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout)
     rec.submitted_at = time.monotonic()
