@@ -58,8 +58,8 @@ class LLM:
         if not isinstance(prompt, str):
             return list(prompt)
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            text = self.tokenizer.render_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode_chat(text)
         return self.tokenizer.encode(prompt)
 
 

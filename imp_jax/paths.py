@@ -2,7 +2,45 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+
+class UnsafePathError(OSError):
+    """A file or directory the server would load code or data from that another user could have written."""
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why `path` must not be trusted (owned by another user, or writable by group or others), or None.
+
+    Native code (kernel libraries, the JAX compilation cache) and model files are loaded from
+    `$IMP_JAX_HOME`; a file another local user can write or own could be code they planted.
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this server's user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by group or others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def check_safe(path: Path) -> Path:
+    """`path`, or UnsafePathError saying why it must not be loaded."""
+    reason = unsafe_reason(path)
+    if reason is not None:
+        raise UnsafePathError(f"refusing {reason}; fix its owner or mode (docs/SECURITY.md)")
+    return path
+
+
+def private_dir(path: Path) -> Path:
+    """`path` created (with its missing parents) as 0700, then checked with check_safe."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        p.mkdir(mode=0o700, exist_ok=True)
+    return check_safe(path)
 
 
 def imp_jax_home(home: str | os.PathLike[str] | None = None) -> Path:

@@ -370,10 +370,11 @@ def openai_client(live_server: LiveServer) -> Any:
 def fake_server() -> Iterator[tuple[str, FakeEngine]]:
     """The app over a FakeEngine (tokens every 10 ms) on a loopback port: for faults and driver checks."""
     from imp_jax.server.app import create_app
+    from imp_jax.server.config import ServerConfig
 
     engine = FakeEngine(fake_tokenizer(), token_delay=0.01)
     engine.start()
-    with app_in_thread(create_app(engine)) as url:
+    with app_in_thread(create_app(engine, ServerConfig(client_priority=True))) as url:
         wait_for(url + "/ready", 200, timeout=30)
         yield url, engine
 

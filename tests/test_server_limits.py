@@ -112,7 +112,7 @@ def test_a_client_that_never_reads_is_dropped(ops_server: OpsServer) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", ops_server.live.port))
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {OpsServer.auth()['Authorization'][7:]}\r\n".encode()
                      + f"X-Request-Id: never-reads\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + OPS_TIMEOUT_S + OPS_STALL_S + 10

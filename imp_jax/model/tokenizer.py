@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,13 +11,21 @@ import tokenizers
 from tokenizers import AddedToken, processors
 
 from imp_jax.errors import ModelLoadError, TemplateError
-from imp_jax.model.chat_template import render_chat_template
+from imp_jax.model.chat_template import _plain, render_chat_template
 
 # Fill-in-the-middle token spellings, as (prefix, suffix, middle): StarCoder/SantaCoder, then Qwen-coder style.
 _FIM_SPELLINGS = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
 )
+
+
+# Marks a special token's spelling inside client text (after its first character) while a chat is rendered,
+# so that only the template's own markup is parsed into control tokens. A Unicode noncharacter.
+_ESCAPE = "\ufdd0"
+# What encode_chat puts before a text segment that follows a control token, so the tokenizer treats the
+# segment as it does in the middle of a prompt (no "first word" prefix space); its id is dropped after.
+_ANCHOR = "\ufdd1imp-jax-segment-anchor\ufdd1"
 
 
 class Tokenizer:
@@ -54,6 +63,7 @@ class Tokenizer:
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
         self._byte_fallback_ids = _byte_fallback_ids(tok)
+        self._init_boundary()
         self._templates = _template_dict(chat_template)
         if fim_tokens is not None and any(self.token_to_id(t) is None for t in fim_tokens.values()):
             fim_tokens = None
@@ -99,13 +109,74 @@ class Tokenizer:
 
     # --- text <-> ids ---
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, BOS/EOS as the model wants (never twice).
 
-        Special-token strings inside `text` (e.g. "<|im_end|>" in a rendered chat) become their ids.
-        Encode a rendered chat template with add_special_tokens=False: templates write their own BOS.
+        Special-token strings inside `text` (e.g. "<|im_end|>") become their ids, unless parse_special
+        is False (llama.cpp's option): then they are tokenized as plain text. A raw prompt is the
+        client's own, markup included; a chat is tokenized with `render_chat` + `encode_chat`.
         """
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if parse_special:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._text_tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return [i for i in ids if i != self._anchor_id]
+
+    def encode_chat(self, rendered: str) -> list[int]:
+        """Token ids of a chat rendered by `render_chat`: the template's markup yields control tokens,
+        text from the messages never does (a `<|im_start|>` typed by a user stays text)."""
+        if self._special_re is None:
+            return self._tok.encode(rendered.replace(_ESCAPE, ""), add_special_tokens=False).ids
+        ids: list[int] = []
+        at, strip_left = 0, False
+        for m in self._special_re.finditer(rendered):
+            token = self._specials[m.group()]
+            segment = rendered[at:m.start()]
+            if strip_left:
+                segment = segment.lstrip()
+            if token.lstrip:
+                segment = segment.rstrip()
+            ids += self._encode_segment(segment, first=at == 0)
+            ids.append(self._special_ids_by_text[m.group()])
+            at, strip_left = m.end(), token.rstrip
+        segment = rendered[at:]
+        ids += self._encode_segment(segment.lstrip() if strip_left else segment, first=at == 0)
+        return ids
+
+    def _encode_segment(self, segment: str, first: bool) -> list[int]:
+        """A stretch of rendered chat between control tokens, its escaped specials restored as text."""
+        if not segment:
+            return []
+        segment = self._unescape_re.sub(lambda m: m.group().replace(_ESCAPE, ""), segment)
+        if first:
+            ids = self._text_tok.encode(segment, add_special_tokens=False).ids
+        else:
+            ids = self._text_tok.encode(_ANCHOR + segment, add_special_tokens=False).ids
+        return [i for i in ids if i != self._anchor_id]
+
+    def _escape(self, value: Any) -> Any:
+        """`value` (client data for a template) with every special-token spelling in its strings marked."""
+        if isinstance(value, str):
+            return self._special_re.sub(_escape_match, value) if value else value
+        if isinstance(value, Mapping):
+            return {self._escape(k): self._escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._escape(v) for v in value]
+        return value
+
+    def _init_boundary(self) -> None:
+        """The special tokens as a pattern, and a copy of the tokenizer that reads their spellings as text."""
+        specials = {t.content: t for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self._specials = specials
+        self._special_ids_by_text = {text: self._tok.token_to_id(text) for text in specials}
+        alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+        self._special_re = re.compile(alternation) if specials else None
+        escaped = "|".join(re.escape(t[0] + _ESCAPE + t[1:]) for t in sorted(specials, key=len, reverse=True))
+        self._unescape_re = re.compile(escaped) if specials else None
+        text_tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        text_tok.encode_special_tokens = True
+        text_tok.add_tokens([AddedToken(_ANCHOR, special=False, normalized=False)])
+        self._anchor_id = text_tok.token_to_id(_ANCHOR)
+        self._text_tok = text_tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens dropped unless skip_special_tokens=False."""
@@ -190,10 +261,36 @@ class Tokenizer:
         template_name: str | None = None,
         **extra_kwargs: Any,
     ) -> str:
-        """Render a conversation to prompt text (tokenize it with add_special_tokens=False).
+        """Render a conversation to prompt text, as transformers does (for display: to tokenize a chat,
+        use `render_chat` and `encode_chat`, which keep message text from becoming control tokens).
 
         The template sees bos/eos/pad/unk_token and `extra_kwargs` (which override them).
         """
+        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    documents=documents, continue_final_message=continue_final_message,
+                                    template_name=template_name, **extra_kwargs)
+        if self._unescape_re is None:
+            return rendered
+        return self._unescape_re.sub(lambda m: m.group().replace(_ESCAPE, ""), rendered)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_name: str | None = None,
+        **extra_kwargs: Any,
+    ) -> str:
+        """The chat template's output with special-token spellings in the client's data marked, for
+        `encode_chat` (the prompt boundary: docs/SECURITY.md)."""
+        if self._special_re is not None:
+            messages = self._escape(_plain(messages))
+            tools = self._escape(_plain(tools)) if tools is not None else None
+            documents = self._escape(_plain(documents)) if documents is not None else None
+            extra_kwargs = self._escape(_plain(extra_kwargs))
         source = self._select_template(template_name, tools)
         variables = {
             name: value
@@ -253,6 +350,11 @@ class Tokenizer:
                 single=single, pair=pair, special_tokens=list(specials.items())
             )
         return _added_by_post_processor(self._tok, self.bos_token, self.eos_token)
+
+
+def _escape_match(m: re.Match[str]) -> str:
+    text = m.group()
+    return text[0] + _ESCAPE + text[1:]
 
 
 def detect_fim_tokens(tok: tokenizers.Tokenizer) -> dict[str, str] | None:

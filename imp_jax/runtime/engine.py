@@ -307,7 +307,7 @@ class EngineCore:
         state = self.requests[seq.request.request_id]
         samples = chunk.samples  # read before num_computed moves
         seq.num_computed += chunk.num_tokens
-        self.pool.commit(seq.table, seq.all_ids[:seq.num_computed])
+        self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.request.cache_salt)
         if seq.request.cache_prompt and not seq.pinned and seq.num_computed >= len(seq.prompt_ids):
             self.pool.pin(seq.table)
             seq.pinned = True

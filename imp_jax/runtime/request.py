@@ -112,6 +112,7 @@ class GenerationRequest:
     cache_prompt: bool = False    # pin the prompt's full KV blocks until the request ends
     session_id: str | None = None  # pin the conversation's blocks for the session's next turn (sessions.py)
     lora: str | None = None       # adapter name; keys the prefix cache
+    cache_salt: str | None = None  # prefix-cache partition: only requests with the same salt share blocks
     constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end

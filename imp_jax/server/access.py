@@ -29,6 +29,11 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key", "").strip() or None
 
 
+def key_digest(key: str) -> str:
+    """A key's SHA-256 hex digest: how a caller is named where the key itself must not be kept."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 class ApiKeys:
     """The accepted keys, kept as SHA-256 digests and compared in constant time against every one."""
 
@@ -87,7 +92,7 @@ class RateLimiter:
 class Access:
     """The checks every request passes before its handler runs; each failure is a Refusal."""
 
-    def __init__(self, keys: list[str], rate_limit: int, max_request_bytes: int, metrics_public: bool):
+    def __init__(self, keys: list[str], rate_limit: int, max_request_bytes: int | None, metrics_public: bool):
         self.keys = ApiKeys(keys)
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.max_request_bytes = max_request_bytes
@@ -97,8 +102,9 @@ class Access:
         return path in PROBES or (path == METRICS_PATH and self.metrics_public)
 
     def check(self, path: str, headers: Mapping[str, str], client_addr: str | None,
-              content_length: int | None) -> None:
-        """Refuse with 401 (key), 429 (rate) or 413 (body size), in that order."""
+              content_length: int | None, max_request_bytes: int | None = None) -> None:
+        """Refuse with 401 (key), 429 (rate) or 413 (body size, against `max_request_bytes` when given), in
+        that order."""
         if self.is_open(path):
             return
         key = presented_key(headers)
@@ -110,13 +116,14 @@ class Access:
                 raise Refusal("the API key is not valid", status=401, code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
         if self.limiter is not None and path not in PROBES and path != METRICS_PATH:
-            caller = f"key:{hashlib.sha256(key.encode()).hexdigest()}" if self.keys and key else f"addr:{client_addr}"
+            caller = f"key:{key_digest(key)}" if self.keys and key else f"addr:{client_addr}"
             wait = self.limiter.take(caller)
             if wait > 0:
                 retry = max(1, math.ceil(wait))
                 raise Refusal(f"rate limit of {self.limiter.per_minute} requests per minute exceeded; "
                               f"retry after {retry} s", status=429, code="rate_limit_exceeded",
                               headers={"Retry-After": str(retry)})
-        if content_length is not None and content_length > self.max_request_bytes:
+        limit = max_request_bytes or self.max_request_bytes
+        if content_length is not None and limit is not None and content_length > limit:
             raise Refusal(f"the request body has {content_length} bytes; this server takes at most "
-                          f"{self.max_request_bytes}", status=413, code="request_too_large")
+                          f"{limit}", status=413, code="request_too_large")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -185,7 +186,7 @@ async def props() -> Any:
             },
         },
         "total_slots": _engine_setting("max_num_seqs"),
-        "model_path": str(_engine_setting("model_path", _engine_setting("model", ""))),
+        "model_path": Path(str(_engine_setting("model_path", _engine_setting("model", "")))).name,
         "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
         "modalities": {"vision": False, "audio": False}, "build_info": f"imp_jax {_version()}",
     })

@@ -12,7 +12,7 @@ import logging
 import uuid
 from typing import Any, Literal
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
@@ -21,7 +21,8 @@ from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import engine_request, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
-from imp_jax.server.openai_common import MAX_STOP, OpenAISampling
+from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall, answer_events,
@@ -36,6 +37,8 @@ PING_INTERVAL_S = 10.0  # a ping after this much silence keeps proxies from clos
 BLOCK_JOIN = "\n"       # text blocks of one turn, and consecutive same-role turns, join with this (as vLLM)
 ECHOED_HEADERS = ("anthropic-version", "anthropic-beta")
 _BETAS_SEEN = "imp_jax.anthropic_betas"  # app.extensions key: the beta values already logged
+MAX_BETAS_SEEN = 64       # beta values remembered (and so logged once each); later new ones are not logged
+MAX_BETA_CHARS = 128      # a beta value longer than this is not a real one: not remembered, not logged
 TEXT_BLOCK = {"type": "text", "text": ""}                               # streamed blocks as they start
 THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
@@ -131,6 +134,19 @@ class Message(WireModel):
 class Metadata(WireModel):
     user_id: str | None = None
 
+    @field_validator("user_id")
+    @classmethod
+    def _user_id(cls, v: str | None) -> str | None:
+        if v is not None and len(v) > MAX_USER_CHARS:
+            raise ValueError(f"must be at most {MAX_USER_CHARS} characters")
+        return v
+
+    @model_validator(mode="after")
+    def _no_other_keys(self) -> Metadata:
+        if self.model_extra:   # Anthropic's metadata has user_id only; anything else would be kept unbounded
+            raise ValueError(f"holds unknown key {sorted(self.model_extra)[0][:64]!r}; only 'user_id' is accepted")
+        return self
+
 
 class Conversation(WireModel):
     """What /v1/messages and count_tokens share: the model, the system prompt and the turns."""
@@ -205,8 +221,7 @@ class MessagesRequest(OpenAISampling, Conversation):
     @classmethod
     def _stop_sequences(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
-            if len(v) > MAX_STOP:
-                raise ValueError(f"must hold at most {MAX_STOP} strings")
+            check_stop_strings(v)
             if any(not s for s in v):
                 raise ValueError("must not contain empty strings")
         return v
@@ -243,7 +258,8 @@ def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     messages, prefill = conv.template_messages()
     text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
                          continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
-    return tokenizer.encode(text, add_special_tokens=False)
+    check_chars(text, "messages")
+    return tokenizer.encode_chat(text)
 
 
 def usage_json(usage: Usage) -> dict[str, int]:
@@ -285,7 +301,7 @@ def message_json(mid: str, model: str, text: str | None, reason: tuple[str | Non
 async def messages() -> Any:
     req, engine = await engine_request(MessagesRequest)
     req.check()
-    ids = prompt_ids(req, engine.tokenizer)
+    ids = await off_loop(prompt_ids, req, engine.tokenizer)
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
@@ -317,7 +333,7 @@ async def messages() -> Any:
 async def count_tokens() -> Any:
     req, engine = await engine_request(CountTokensRequest)
     req.check_conversation()
-    return jsonify({"input_tokens": len(prompt_ids(req, engine.tokenizer))})
+    return jsonify({"input_tokens": len(await off_loop(prompt_ids, req, engine.tokenizer))})
 
 
 class MessageStream:
@@ -423,7 +439,7 @@ async def _echo_anthropic_headers(response: Response) -> Response:
             response.headers[name] = value
     seen: set[str] = current_app.extensions.setdefault(_BETAS_SEEN, set())
     for beta in filter(None, (b.strip() for b in request.headers.get("anthropic-beta", "").split(","))):
-        if beta not in seen:
+        if beta not in seen and len(beta) <= MAX_BETA_CHARS and len(seen) < MAX_BETAS_SEEN:
             seen.add(beta)
             log.info("anthropic-beta %r is not implemented here; ignored", beta)
     return response

@@ -9,11 +9,12 @@ from typing import Any
 from quart import Quart, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, infill, reasoning, responses,
-                            sessions, tokens)
+from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, infill, limits, reasoning,
+                            responses, sessions, tokens)
+from imp_jax.server.browsers import check_json_content_type, loggable
 from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
-from imp_jax.server.generation import Engine
+from imp_jax.server.generation import Engine, public_error
 from imp_jax.server.request_record import RequestRecord
 
 log = logging.getLogger("imp_jax.server")
@@ -34,7 +35,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> Quart:
     """The app serving `engine`: every dialect, the probes, and a JSON envelope for every error."""
     config = config or ServerConfig()
     app = Quart("imp_jax.server")
-    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=config.max_request_bytes)
+    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=config.max_request_bytes or limits.DEFAULT_REQUEST_BYTES)
     app.json.sort_keys = False  # type: ignore[attr-defined]
     state = install(app, engine, config)
     for bp in BLUEPRINTS:
@@ -61,9 +62,12 @@ async def _begin() -> Any:
                              client_addr=request.remote_addr, traceparent=request.headers.get("traceparent"),
                              route=request.url_rule.rule if request.url_rule is not None else None)
     state = server()
+    state.hosts.check(request.headers.get("Host"))
     if state.cors.is_preflight(request.method, request.headers) and state.cors.allowed(request.headers.get("Origin")):
         return Response(status=204, headers=state.cors.preflight_headers(request.headers))
-    state.access.check(request.path, request.headers, request.remote_addr, request.content_length)
+    state.access.check(request.path, request.headers, request.remote_addr, request.content_length,
+                       state.body_limit())
+    check_json_content_type(request.method, request.headers)
     return None
 
 
@@ -82,7 +86,8 @@ async def _on_error(exc: Exception) -> Any:
     """Every error, the client's or ours, as the path's JSON envelope; details of a 500 go to the log only."""
     err = to_imp_error(exc)
     if err.status >= 500 and err is not exc:
-        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+        log.error("unhandled error on %s %s", request.method, loggable(request.path), exc_info=exc)
+    err = public_error(err)
     g.error_message = err.message
     record = g.get("record")
     if record is not None:
@@ -105,10 +110,10 @@ async def _finish(response: Response) -> Response:
     response.headers.update(state.cors.response_headers(request.headers.get("Origin")))
     ms = (time.perf_counter() - g.get("t0", time.perf_counter())) * 1000
     if 400 <= response.status_code < 500:
-        log.warning("HTTP %d %s %s: %s (%.1f ms)", response.status_code, request.method, request.path,
-                    g.get("error_message", "-"), ms)
+        log.warning("HTTP %d %s %s: %s (%.1f ms)", response.status_code, request.method, loggable(request.path),
+                    loggable(g.get("error_message", "-"), 500), ms)
     else:
-        log.info("%s %s %d %.1f ms", request.method, request.path, response.status_code, ms)
+        log.info("%s %s %d %.1f ms", request.method, loggable(request.path), response.status_code, ms)
     record = g.get("record")
     if record is not None:
         record.status, record.response_done = response.status_code, True

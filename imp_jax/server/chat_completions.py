@@ -12,6 +12,7 @@ from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationReq
 from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.reasoning import template_kwargs
@@ -145,14 +146,15 @@ def prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int]:
     text = render_prompt(tokenizer, [m.for_template() for m in req.messages], req.tool_plan,
                          add_generation_prompt=req.add_generation_prompt and not cont, continue_final_message=cont,
                          **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
-    return tokenizer.encode(text, add_special_tokens=False)
+    check_chars(text, "messages")
+    return tokenizer.encode_chat(text)
 
 
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Any:
     req, engine = await engine_request(ChatRequest)
     req.check()
-    ids = prompt_ids(req, engine.tokenizer)
+    ids = await off_loop(prompt_ids, req, engine.tokenizer)
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)

@@ -11,6 +11,7 @@ from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_contex
 from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
@@ -63,6 +64,7 @@ def prompt_ids(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[
         check_token_ids(req.prompt, vocab_size, "prompt")
         prefix = list(req.prompt)
     else:
+        check_chars(req.prompt, "prompt")
         prefix = tokenizer.encode(req.prompt, add_special_tokens=req.suffix is None)
         if not prefix and req.suffix is None and tokenizer.bos_id is not None:
             prefix = [tokenizer.bos_id]
@@ -73,6 +75,7 @@ def prompt_ids(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[
                                   code="fim_not_supported", param="suffix")
     fim = {k: tokenizer.token_to_id(v) for k, v in tokenizer.fim_tokens.items()}
     bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+    check_chars(req.suffix, "suffix")
     suffix = tokenizer.encode(req.suffix, add_special_tokens=False)
     return bos + [fim["prefix"]] + prefix + [fim["suffix"]] + suffix + [fim["middle"]]
 
@@ -82,7 +85,7 @@ async def completions() -> Any:
     req, engine = await engine_request(CompletionRequest)
     req.check()
     tokenizer = engine.tokenizer
-    ids = prompt_ids(req, tokenizer, engine.vocab_size)
+    ids = await off_loop(prompt_ids, req, tokenizer, engine.vocab_size)
     check_context(len(ids), req.max_tokens, engine.max_model_len, "prompt")
     max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.logprobs, engine.vocab_size)

@@ -32,8 +32,21 @@ class ServerConfig:
     rate_limit: int = _field(0, "requests per minute per API key (per client address without keys); 0 = off")
     cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
                                          "'*' = any); none: CORS off")
+    allowed_hosts: list[str] = _field([], "Host header names accepted, any port (repeatable or comma-separated; "
+                                          "'*' = any); default: loopback names when --host is a loopback "
+                                          "address, else any (docs/SECURITY.md)")
+    client_priority: bool = _field(False, "let clients ask for a 'priority' below 0 (served ahead of others); "
+                                          "off: such a request is a 400")
+    shared_prefix_cache: bool = _field(False, "with API keys, share the prefix cache between keys (by default "
+                                              "each key has its own: a cache hit would tell one key another's "
+                                              "prompt)")
     # limits
-    max_request_bytes: int = _field(64 * 1024 * 1024, "largest request body in bytes (413 past it)")
+    max_request_bytes: int | None = _field(None, "largest request body in bytes (413 past it); default: 8 per "
+                                                 "character of --max-prompt-chars, at least 4 MiB (64 MiB "
+                                                 "while no model is loaded)")
+    max_prompt_chars: int | None = _field(None, "characters of prompt text (a raw prompt, a rendered chat, "
+                                                "/tokenize input) one request may have tokenized (400 past "
+                                                "it); default: 32 per token of the model's context")
     max_queued_requests: int = _field(0, "generation requests waiting for their first token at most "
                                          "(429 past it); 0 = no limit")
     max_queued_tokens: int = _field(0, "prompt tokens of the requests waiting for their first token at most "
@@ -64,10 +77,16 @@ class ServerConfig:
         if isinstance(self.cors_origins, str):
             self.cors_origins = [self.cors_origins]
         self.cors_origins = [o.strip() for v in self.cors_origins for o in v.split(",") if o.strip()]
+        if isinstance(self.allowed_hosts, str):
+            self.allowed_hosts = [self.allowed_hosts]
+        self.allowed_hosts = [h.strip() for v in self.allowed_hosts for h in v.split(",") if h.strip()]
         for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_request_bytes", "stream_buffer_events", "stream_stall_timeout"):
+        for name in ("max_request_bytes", "max_prompt_chars"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("stream_buffer_events", "stream_stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens < 1:

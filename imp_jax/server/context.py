@@ -10,8 +10,10 @@ from typing import Any
 from quart import current_app, g, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
+from imp_jax.server import limits
 from imp_jax.server.access import Access
 from imp_jax.server.admission import AdmissionGate
+from imp_jax.server.browsers import HostCheck, default_allowed_hosts
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
 from imp_jax.server.errors import unavailable
@@ -33,10 +35,28 @@ class ServerContext:
     gate: AdmissionGate
     telemetry: Telemetry
     cors: Cors
+    hosts: HostCheck
     started_at: float = dataclasses.field(default_factory=time.time)
     draining: bool = False
     client_ids: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)  # X-Request-Id -> engine id
     models: ModelDirectory | None = None   # --models-dir: the models this server may swap to
+
+    def max_model_len(self) -> int | None:
+        """The loaded model's context, or None while none is (loading, no model)."""
+        try:
+            return int(self.engine.max_model_len) or None
+        except Exception:  # a loading engine cannot say yet
+            return None
+
+    def body_limit(self) -> int:
+        """The request body limit in bytes now (limits.max_request_bytes)."""
+        return limits.max_request_bytes(self.config.max_request_bytes, self.config.max_prompt_chars,
+                                        self.max_model_len())
+
+    def prompt_chars(self, engine: Any = None) -> int:
+        """Characters of prompt text one request may have tokenized (limits.max_prompt_chars)."""
+        length = getattr(engine, "max_model_len", None) if engine is not None else self.max_model_len()
+        return limits.max_prompt_chars(self.config.max_prompt_chars, length)
 
     def engine_id(self, request_id: str) -> str:
         """The engine's request id for a response id or a client's X-Request-Id."""
@@ -59,7 +79,8 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
             return {}
 
     telemetry = Telemetry(config, gate, stats, lambda: model_status(app.extensions[_KEY]), store_stats)
-    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins))
+    hosts = HostCheck(config.allowed_hosts or default_allowed_hosts(config.host))
+    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins), hosts)
     app.extensions[_KEY] = state
     return state
 
@@ -132,22 +153,39 @@ def ready_engine() -> Engine:
 async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     """The request body as `cls` (400 if it is not), the ready engine (503 if not), and a 404
     unless the body's `model`, when it names one, is the model served here."""
-    req = parse_model(cls, parse_json(await request.get_data()))
+    body = await request.get_data()
+    state = server()
+    if len(body) > state.body_limit():   # a chunked body has no Content-Length for the access check
+        raise ImpError(f"the request body has {len(body)} bytes; this server takes at most {state.body_limit()}",
+                       code="request_too_large", status=413)
+    req = await limits.off_loop(lambda: parse_model(cls, parse_json(body)))
     refuse_not_yet(req)
+    check_priority(req, state.config.client_priority)
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
-    state = server()
     if state.models is not None and model is not None and not state.draining and model in state.models:
         engine = await state.models.ensure(state, model)   # swaps first if another model is loaded
         g.model_lease = state.models   # released at the request's teardown (app.py)
-        return req, engine
-    engine = ready_engine()
-    if model is not None:
-        check_model_name(model, engine.served_name)
+    else:
+        engine = ready_engine()
+        if model is not None:
+            check_model_name(model, engine.served_name)
+    limits.PROMPT_CHARS.set(state.prompt_chars(engine))
+    for field in ("messages", "input"):   # more messages than the context has tokens cannot fit
+        limits.check_count(getattr(req, field, None), int(engine.max_model_len), field)
     return req, engine
 
 
 MAX_SESSION_ID = 256
+
+
+def check_priority(req: Any, granted: bool) -> None:
+    """A `priority` below the default (0: lower is served first) is the operator's to grant
+    (--client-priority); without it such a request is a 400 naming the field."""
+    priority = getattr(req, "priority", None)
+    if isinstance(priority, int) and priority < 0 and not granted:
+        raise InvalidRequestError("'priority' below 0 (ahead of other clients) needs the server's "
+                                  "--client-priority; send 0 or more", param="priority")
 
 
 def session_id_of(req: Any) -> str | None:

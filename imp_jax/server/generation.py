@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from imp_jax.errors import EngineError, ImpError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits, TokenLogprob, Usage
+
+log = logging.getLogger("imp_jax.server")
+# What a client is told of a device fault; the exception's own text goes to the server log only.
+ENGINE_FAULT_MESSAGE = "the engine faulted while generating; restart the server (the server log says why)"
+_INTERNAL_MARKS = ("device fault", "engine failed to start", "engine is faulted:")
 
 
 class Engine(Protocol):
@@ -67,7 +73,26 @@ def event_error(ev: EngineEvent) -> ImpError | None:
     if ev.error is None and ev.finish_reason != "error":
         return None
     code = (ev.extra or {}).get("code", "engine_faulted")  # the engine reports device faults this way
-    return EngineError(ev.error or "the engine failed while generating", code=code)
+    message = public_engine_message(ev.error or "the engine failed while generating")
+    if message != ev.error:
+        log.error("request %s failed in the engine: %s", ev.request_id, ev.error)
+    return EngineError(message, code=code)
+
+
+def public_error(err: ImpError) -> ImpError:
+    """`err` as a client may see it: an engine fault's internal text replaced (and logged)."""
+    if isinstance(err, EngineError) and public_engine_message(err.message) != err.message:
+        log.error("engine error: %s", err.message)
+        return EngineError(public_engine_message(err.message), code=err.code, status=err.status)
+    return err
+
+
+def public_engine_message(message: str) -> str:
+    """What a client is told of an engine error: a fault's text is an internal exception's (the AsyncEngine
+    prefixes it), so it goes to the log and the client gets ENGINE_FAULT_MESSAGE."""
+    if any(mark in message for mark in _INTERNAL_MARKS):
+        return ENGINE_FAULT_MESSAGE
+    return message
 
 
 @dataclasses.dataclass

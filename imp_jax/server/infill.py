@@ -14,6 +14,7 @@ from imp_jax.server import lifecycle
 from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import openai_error_body
 from imp_jax.server.generation import collect
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import OpenAISampling, new_id
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel
@@ -72,6 +73,7 @@ def infill_ids(req: InfillRequest, tokenizer: Any) -> list[int]:
     sep = next((i for i in map(tokenizer.token_to_id, FILE_SEPARATORS) if i is not None), None)
 
     def enc(text: str) -> list[int]:
+        check_chars(text, "input_prefix")
         return tokenizer.encode(text, add_special_tokens=False) if text else []
 
     ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
@@ -104,7 +106,7 @@ def final_fields(rid: str, model: str, usage: Usage, finish_reason: str | None, 
 async def infill() -> Any:
     req, engine = await engine_request(InfillRequest)
     req.check()
-    ids = infill_ids(req, engine.tokenizer)
+    ids = await off_loop(infill_ids, req, engine.tokenizer)
     check_context(len(ids), req.max_tokens, engine.max_model_len, "input_prefix")
     max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
     params: SamplingParams = req.sampling_params(max_tokens, None, engine.vocab_size)

@@ -18,6 +18,7 @@ from quart import g, request
 
 from imp_jax.errors import ImpError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest
+from imp_jax.server.access import key_digest, presented_key
 from imp_jax.server.context import server
 from imp_jax.server.generation import Engine, close_events, event_error, start
 from imp_jax.server.metrics import ENDPOINTS
@@ -25,6 +26,23 @@ from imp_jax.server.request_record import RequestRecord
 from imp_jax.server.telemetry import Telemetry
 
 log = logging.getLogger("imp_jax.server")
+
+
+def cache_salt() -> str | None:
+    """The prefix-cache partition of this request: with API keys, its key's digest (so cached_tokens and
+    timing cannot tell one key whether another sent a prompt), unless --shared-prefix-cache; else None."""
+    state = server()
+    key = presented_key(request.headers)
+    if not state.access.keys or not key or state.config.shared_prefix_cache:
+        return None
+    return "key:" + key_digest(key)
+
+
+def engine_session_id(session_id: str | None) -> str | None:
+    """The engine's name for a client's `session_id`: within its key's namespace when the cache is
+    partitioned per key (cache_salt), so another key cannot replace or close its pins."""
+    salt = cache_salt()
+    return f"{salt}/{session_id}" if session_id is not None and salt is not None else session_id
 
 
 async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIterator[EngineEvent]:
@@ -36,7 +54,8 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     rec: RequestRecord = g.record
     rec.endpoint, rec.model, rec.stream = ENDPOINTS.get(request.path), engine.served_name, stream
     rec.prompt_tokens = len(req.prompt_ids)
-    req.session_id = req.session_id or g.get("session_id")   # any dialect's body (context.engine_request)
+    req.cache_salt = req.cache_salt or cache_salt()
+    req.session_id = engine_session_id(req.session_id or g.get("session_id"))   # any dialect's body
     ticket = state.gate.admit(len(req.prompt_ids))
     tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout)
     rec.submitted_at = time.monotonic()

@@ -113,7 +113,8 @@ class ModelDirectory:
         except Exception as e:
             log.error("loading model '%s' failed: %s", name, e)
             state.engine = NoModel()
-            raise ImpError(f"loading model '{name}' failed: {e}", code="model_load_failed", status=500) from e
+            raise ImpError(f"loading model '{name}' failed; the server log says why", code="model_load_failed",
+                           status=500) from e
         log.info("swapped to model '%s' in %.1f s", name, time.monotonic() - t0)
         return new
 

@@ -14,6 +14,17 @@ from imp_jax.server.streaming import sse
 from imp_jax.server.validation import WireModel
 
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024        # characters of one stop string (the stream holds back that much text)
+MAX_STOP_TOKEN_IDS = 128     # stop_token_ids entries (each sequence checks them at every token)
+MAX_USER_CHARS = 256         # `user` (a caller's end-user id)
+
+
+def check_stop_strings(v: list[str]) -> None:
+    """A ValueError (a 400 naming the field) for too many stop strings or one too long."""
+    if len(v) > MAX_STOP:
+        raise ValueError(f"must hold at most {MAX_STOP} strings")
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in v):
+        raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
 
 
 def new_id(prefix: str) -> str:
@@ -62,9 +73,23 @@ class OpenAISampling(WireModel):
     @classmethod
     def _stop_as_list(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return [v]
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"must hold at most {MAX_STOP} strings")
+            v = [v]
+        if isinstance(v, list):
+            check_stop_strings(v)
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and len(v) > MAX_USER_CHARS:
+            raise ValueError(f"must be at most {MAX_USER_CHARS} characters")
         return v
 
     @field_validator("seed")

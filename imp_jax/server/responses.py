@@ -12,16 +12,18 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import field_validator
-from quart import Blueprint, current_app, jsonify
+from quart import Blueprint, current_app, jsonify, request
 from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
 from imp_jax.server import lifecycle, structured
+from imp_jax.server.access import key_digest, presented_key
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
-from imp_jax.server.context import default_max_tokens, engine_request, set_response_id, state_of
+from imp_jax.server.context import default_max_tokens, engine_request, server, set_response_id, state_of
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
@@ -216,6 +218,13 @@ class ResponsesRequest(OpenAISampling):
                                           f"at most {MAX_METADATA_VALUE}", param=f"metadata.{key}")
 
 
+def caller_owner() -> str | None:
+    """Who owns the responses this request stores and may read: its API key's digest; None without keys."""
+    state = server()
+    key = presented_key(request.headers)
+    return key_digest(key) if state.access.keys and key else None
+
+
 def responses_store() -> ResponsesStore:
     """The running app's store."""
     return current_app.extensions[STORE_KEY]
@@ -249,6 +258,7 @@ class ResponseDraft:
     req: ResponsesRequest
     conversation: list[dict[str, Any]]  # the previous conversation plus this input
     store: ResponsesStore
+    owner: str | None = None   # the API key's digest (responses_store.StoredResponse.owner)
     created_at: int = dataclasses.field(default_factory=now)
     item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     reasoning_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
@@ -311,7 +321,7 @@ class ResponseDraft:
             else:
                 conversation.append({"role": "assistant", "content": text,
                                      **({"tool_calls": tool_calls} if tool_calls else {})})
-            self.store.put(self.id, final, conversation)
+            self.store.put(self.id, final, conversation, self.owner)
         return final
 
 
@@ -334,7 +344,7 @@ async def create_response() -> Any:
     store = responses_store()
     previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        entry = store.get(req.previous_response_id)
+        entry = store.get(req.previous_response_id, caller_owner())
         if entry is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
         previous = entry.conversation
@@ -342,16 +352,21 @@ async def create_response() -> Any:
     cont = req.continue_final_message
     kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
                              "reasoning.effort")
-    text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
-                         add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def tokenize() -> list[int]:
+        text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
+                             add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
+        check_chars(text, "input")
+        return engine.tokenizer.encode_chat(text)
+
+    ids = await off_loop(tokenize)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
     max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
     constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
-    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store)
+    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store, caller_owner())
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint)
@@ -371,7 +386,7 @@ def _not_found(response_id: str, param: str) -> NotFoundError:
 
 @bp.get("/v1/responses/<response_id>")
 async def retrieve_response(response_id: str) -> Any:
-    entry = responses_store().get(response_id)
+    entry = responses_store().get(response_id, caller_owner())
     if entry is None:
         raise _not_found(response_id, "response_id")
     return jsonify(entry.response)
@@ -379,7 +394,7 @@ async def retrieve_response(response_id: str) -> Any:
 
 @bp.delete("/v1/responses/<response_id>")
 async def delete_response(response_id: str) -> Any:
-    if not responses_store().delete(response_id):
+    if not responses_store().delete(response_id, caller_owner()):
         raise _not_found(response_id, "response_id")
     return jsonify({"id": response_id, "object": "response", "deleted": True})
 

@@ -35,6 +35,7 @@ class StoredResponse:
     conversation: list[dict[str, str]]
     size: int
     expires_at: float
+    owner: str | None = None   # a digest of the API key that created it; None when the server has no keys
 
 
 def entry_size(response: dict[str, Any], conversation: list[dict[str, str]]) -> int:
@@ -63,8 +64,9 @@ class ResponsesStore:
     def bytes_used(self) -> int:
         return self._bytes
 
-    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, str]]) -> bool:
-        """Store an entry (replacing one of the same id); False when it alone exceeds the limits."""
+    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, str]],
+            owner: str | None = None) -> bool:
+        """Store an entry (replacing one of the same id) for `owner`; False when it alone exceeds the limits."""
         size = entry_size(response, conversation)
         self._remove(response_id)
         self._expire()
@@ -76,14 +78,16 @@ class ResponsesStore:
         while self._entries and (len(self._entries) >= lim.max_entries or self._bytes + size > lim.max_bytes):
             self._remove(next(iter(self._entries)))
             self.evictions += 1
-        self._entries[response_id] = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s)
+        self._entries[response_id] = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s,
+                                                    owner)
         self._bytes += size
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The live entry (now the most recently used), or None if unknown, deleted or expired."""
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """The live entry (now the most recently used), or None if unknown, deleted, expired or `owner`'s
+        not (another API key's response is as absent as an unknown one)."""
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry.owner != owner:
             return None
         if entry.expires_at <= self._clock():
             self._remove(response_id)
@@ -92,9 +96,9 @@ class ResponsesStore:
         self._entries.move_to_end(response_id)
         return entry
 
-    def delete(self, response_id: str) -> bool:
-        """Remove an entry; False if there was no live one."""
-        if self.get(response_id) is None:
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        """Remove `owner`'s entry; False if there was no live one of theirs."""
+        if self.get(response_id, owner) is None:
             return False
         self._remove(response_id)
         return True

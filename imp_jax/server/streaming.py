@@ -17,7 +17,7 @@ from quart import Response
 from imp_jax.errors import EngineError, ImpError
 from imp_jax.runtime.request import EngineEvent, Usage
 from imp_jax.server.errors import to_imp_error
-from imp_jax.server.generation import Engine, close_events, event_error
+from imp_jax.server.generation import Engine, close_events, event_error, public_error
 
 log = logging.getLogger("imp_jax.server")
 
@@ -81,7 +81,7 @@ async def drive(engine: Engine, request_id: str, events: AsyncIterator[EngineEve
         log.info("client left the stream of %s; request cancelled", request_id)
         raise
     except Exception as e:  # a fault mid-stream: end with the dialect's error event
-        err = to_imp_error(e)
+        err = public_error(to_imp_error(e))
         if err.status >= 500:
             log.exception("stream %s failed", request_id)
         for frame in fmt.error(err):

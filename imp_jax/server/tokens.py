@@ -8,6 +8,7 @@ from quart import Blueprint, jsonify
 from imp_jax.errors import InvalidRequestError
 from imp_jax.server.chat_completions import ChatMessage
 from imp_jax.server.context import engine_request
+from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("tokens", __name__)
@@ -22,6 +23,7 @@ class TokenizeRequest(WireModel):
     add_special_tokens: bool | None = None  # vLLM, default true
     add_generation_prompt: bool = True
     with_pieces: bool = False            # llama.cpp: [{id, piece}] instead of ids
+    parse_special: bool = True           # llama.cpp: special-token spellings in content/prompt are tokens
 
 
 class DetokenizeRequest(WireModel):
@@ -37,20 +39,26 @@ async def tokenize() -> Any:
     if len(given) != 1:
         raise InvalidRequestError("send exactly one of 'content', 'prompt' or 'messages'",
                                   param=given[1] if len(given) > 1 else "content")
-    if req.messages is not None:
-        text = tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                             add_generation_prompt=req.add_generation_prompt)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        text = req.content if req.content is not None else req.prompt
-        add = req.add_special if req.add_special is not None else req.add_special_tokens
-        if add is None:
-            add = req.content is None  # llama.cpp's default is false, vLLM's true
-        ids = tokenizer.encode(text, add_special_tokens=add)
+    ids = await off_loop(_tokenize, req, tokenizer)
     tokens: list[Any] = ids
     if req.with_pieces:
-        tokens = [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)} for t in ids]
+        tokens = await off_loop(lambda: [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)}
+                                         for t in ids])
     return jsonify({"tokens": tokens, "count": len(ids), "max_model_len": engine.max_model_len})
+
+
+def _tokenize(req: TokenizeRequest, tokenizer: Any) -> list[int]:
+    if req.messages is not None:
+        text = tokenizer.render_chat([m.for_template() for m in req.messages],
+                                     add_generation_prompt=req.add_generation_prompt)
+        check_chars(text, "messages")
+        return tokenizer.encode_chat(text)
+    text = req.content if req.content is not None else req.prompt
+    check_chars(text, "content" if req.content is not None else "prompt")
+    add = req.add_special if req.add_special is not None else req.add_special_tokens
+    if add is None:
+        add = req.content is None  # llama.cpp's default is false, vLLM's true
+    return tokenizer.encode(text, add_special_tokens=add, parse_special=req.parse_special)
 
 
 @bp.post("/detokenize")

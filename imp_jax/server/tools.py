@@ -374,13 +374,14 @@ async def prepare_decoding(plan: ToolPlan, form: OutputFormat | None, engine: En
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None, **kwargs: Any) -> str:
     """The conversation as prompt text: tools, replayed calls and results through the template's own
-    tool support, or as Hermes text when it has none. `kwargs` go to apply_chat_template."""
+    tool support, or as Hermes text when it has none. `kwargs` go to the template. The text is
+    `Tokenizer.render_chat`'s: tokenize it with `encode_chat` (message text never becomes control tokens)."""
     support = tokenizer_tools(tokenizer)
     offered = plan.offered if plan is not None else []
     if support.native:
         tools = [t.as_function() for t in offered] or None
-        return tokenizer.apply_chat_template(native_messages(messages), tools=tools, **kwargs)
-    return tokenizer.apply_chat_template(hermes_messages(messages, offered), **kwargs)
+        return tokenizer.render_chat(native_messages(messages), tools=tools, **kwargs)
+    return tokenizer.render_chat(hermes_messages(messages, offered), **kwargs)
 
 
 def _function(call: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 
-from imp_jax.paths import kernels_dir
+from imp_jax.paths import UnsafePathError, check_safe, kernels_dir, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,11 @@ def _build(name: str, cxx: str) -> Path:
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
     lib = kernels_dir() / f"cpu_{name}-{key}.so"
+    private_dir(lib.parent)
     if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
+        if verified(lib):
+            return lib
+        log.warning("%s has no build hash recorded next to it, or does not match it: rebuilding it", lib)
     log.info("compiling the %s kernel with %s -> %s", name, cxx, lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
@@ -59,8 +61,30 @@ def _build(name: str, cxx: str) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        digest = out.with_suffix(".sha256")
+        digest.write_text(_sha256(out))
+        os.replace(digest, _digest_path(lib))
         os.replace(out, lib)   # atomic: a concurrent process sees no half-written library
     return lib
+
+
+def verified(lib: Path) -> bool:
+    """Whether `lib` is safe to load: owned by this user, not writable by others (else UnsafePathError),
+    and its SHA-256 the one recorded next to it when this server built it (else False: rebuild)."""
+    check_safe(lib)
+    digest = _digest_path(lib)
+    if not digest.is_file():
+        return False
+    check_safe(digest)
+    return digest.read_text().strip() == _sha256(lib)
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -80,6 +104,9 @@ def _load(name: str) -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(_build(name, cxx)))
+    except UnsafePathError as e:
+        log.error("%s kernel refused, using XLA: %s", name, e)
+        return None
     except (OSError, RuntimeError) as e:
         log.warning("%s kernel unavailable, using XLA: %s", name, e)
         return None
