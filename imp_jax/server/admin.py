@@ -163,7 +163,7 @@ async def load_model() -> Any:
                        param="model")
     if name not in state.models:
         raise NotFoundError(f"model '{name}' is not in the models directory", code="model_not_found", param="model")
-    engine = await state.models.ensure(state, name)
+    engine = await state.models.serving(state, name)
     return jsonify({"model": engine.served_name, "loaded": True})
 
 
