@@ -250,25 +250,11 @@ class Tokenizer:
         """Every named chat template ("default", "tool_use", ...)."""
         return dict(self._templates)
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        documents: Sequence[Mapping[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        template_name: str | None = None,
-        **extra_kwargs: Any,
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         """Render a conversation to prompt text, as transformers does (for display: to tokenize a chat,
         use `render_chat` and `encode_chat`, which keep message text from becoming control tokens).
-
-        The template sees bos/eos/pad/unk_token and `extra_kwargs` (which override them).
-        """
-        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    documents=documents, continue_final_message=continue_final_message,
-                                    template_name=template_name, **extra_kwargs)
+        Takes `render_chat`'s keyword arguments."""
+        rendered = self.render_chat(messages, **kwargs)
         if self._unescape_re is None:
             return rendered
         return self._unescape_re.sub(lambda m: m.group().replace(_ESCAPE, ""), rendered)
@@ -285,7 +271,8 @@ class Tokenizer:
         **extra_kwargs: Any,
     ) -> str:
         """The chat template's output with special-token spellings in the client's data marked, for
-        `encode_chat` (the prompt boundary: docs/SECURITY.md)."""
+        `encode_chat` (the prompt boundary: docs/SECURITY.md). The template sees bos/eos/pad/unk_token
+        and `extra_kwargs` (which override them)."""
         if self._special_re is not None:
             messages = self._escape(_plain(messages))
             tools = self._escape(_plain(tools)) if tools is not None else None

@@ -179,15 +179,7 @@ class AsyncEngine:
 
     async def end_thinking(self, request_id: str) -> str:
         """End the request's think block (EngineCore.end_thinking), answered by the engine thread."""
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[str] = loop.create_future()
-
-        def resolve(status: str) -> None:
-            if not answer.done():   # the caller may have stopped waiting
-                answer.set_result(status)
-
-        self._inbox.put(("end_thinking", request_id, lambda status: loop.call_soon_threadsafe(resolve, status)))
-        return await answer
+        return await self._ask("end_thinking", request_id)
 
     async def suspend(self) -> dict[str, Any]:
         """Operator suspend: refuse new requests (503 suspended), let those in flight finish, then park

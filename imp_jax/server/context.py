@@ -163,7 +163,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     check_priority(req, state.config.client_priority)
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
-    if state.models is not None and model is not None and not state.draining and model in state.models:
+    if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
         engine = await state.models.ensure(state, model)   # swaps first if another model is loaded
         g.model_lease = state.models   # released at the request's teardown (app.py)
     else:

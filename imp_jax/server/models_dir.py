@@ -67,15 +67,21 @@ class ModelDirectory:
     def __contains__(self, name: str) -> bool:
         return name in self.models()
 
+    def offers(self, state: Any, name: str) -> bool:
+        """Whether `name` is served now or can be swapped to (the directory is read only for another name)."""
+        return _served(state.engine) == name or name in self
+
     async def ensure(self, state: Any, name: str) -> Engine:
-        """The engine serving `name`, swapping to it first if another (or none) is loaded. The caller
-        holds a lease on it until `release()`: a swap waits for leases as for requests in flight, so a
-        request never reaches an engine that was stopped after it was handed over."""
-        engine = await self._serving(state, name)
+        """A request's engine for `name` (`serving`), leased until `release()`: a swap waits for leases
+        as for requests in flight, so a request never reaches an engine stopped after the handover."""
+        engine = await self.serving(state, name)
         self._leases += 1
         return engine
 
-    async def _serving(self, state: Any, name: str) -> Engine:
+    async def serving(self, state: Any, name: str) -> Engine:
+        """The engine serving `name`, swapping to it first if another (or none) is loaded."""
+        if not self._lock.locked() and _served(state.engine) == name:
+            return state.engine   # the common case: no swap, no wait
         async with self._lock:   # one swap at a time; requests queue here during a swap
             current = state.engine
             if getattr(current, "state", None) in ("loading", "warming_up"):
