@@ -164,8 +164,9 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
-        engine = await state.models.ensure(state, model)   # swaps first if another model is loaded
+        await state.models.ensure(state, model)   # swaps first if another model is loaded
         g.model_lease = state.models   # released at the request's teardown (app.py)
+        engine = ready_engine()   # the readiness codes (suspended, engine_faulted, ...) apply here too
     else:
         engine = ready_engine()
         if model is not None:
