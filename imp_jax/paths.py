@@ -10,28 +10,39 @@ class UnsafePathError(OSError):
     """A file or directory the server would load code or data from that another user could have written."""
 
 
-def unsafe_reason(path: Path) -> str | None:
+def unsafe_reason(path: Path, allow_root: bool = False) -> str | None:
     """Why `path` must not be trusted (owned by another user, or writable by group or others), or None.
 
     Native code (kernel libraries, the JAX compilation cache) and model files are loaded from
-    `$IMP_JAX_HOME`; a file another local user can write or own could be code they planted.
+    `$IMP_JAX_HOME`; a file another local user can write or own could be code they planted. A model
+    the operator names by path may also be root's (`allow_root`: a system-wide model directory).
     """
     try:
         st = path.stat()
     except FileNotFoundError:
         return None
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{path} is owned by uid {st.st_uid}, not by this server's user (uid {os.getuid()})"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid() and not (allow_root and st.st_uid == 0):
+        owners = f"this server's user (uid {os.getuid()})" + (" or root" if allow_root else "")
+        return f"{path} is owned by uid {st.st_uid}, not by {owners}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
         return f"{path} is writable by group or others (mode {stat.filemode(st.st_mode)})"
     return None
 
 
-def check_safe(path: Path) -> Path:
+def check_safe(path: Path, allow_root: bool = False) -> Path:
     """`path`, or UnsafePathError saying why it must not be loaded."""
-    reason = unsafe_reason(path)
+    reason = unsafe_reason(path, allow_root)
     if reason is not None:
         raise UnsafePathError(f"refusing {reason}; fix its owner or mode (docs/SECURITY.md)")
+    return path
+
+
+def check_tree(path: Path, allow_root: bool = False) -> Path:
+    """`path` and everything under it checked with check_safe (symlinks are checked where they lead)."""
+    check_safe(path, allow_root)
+    if path.is_dir():
+        for entry in sorted(path.rglob("*")):
+            check_safe(entry, allow_root)
     return path
 
 

@@ -382,6 +382,7 @@ def fake_server() -> Iterator[tuple[str, FakeEngine]]:
 # --------------------------------------------------------------------------- the operations server
 OPS_KEY = "key-main"                    # --api-key
 OPS_FILE_KEYS = ("key-file", "key-rate")  # --api-key-file; key-rate is spent by the rate-limit test alone
+OPS_FILE_GRANTS = {"key-file": "pins priority"}   # granted in the key file; --api-key OPS_KEY has none
 OPS_RATE_LIMIT = 120                    # requests per minute per key
 OPS_TIMEOUT_S = 8.0                     # --request-timeout
 OPS_STALL_S = 1.5                       # --stream-stall-timeout
@@ -424,7 +425,8 @@ def ops_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
     """One real server (SmolLM2, the shared sizing: its programs come from the compile cache) for the
     metrics, tracing, access and limits tests; SIGTERM must end it with 0."""
     tmp = tmp_path_factory.mktemp("ops_server")
-    (tmp / "keys.txt").write_text("# test keys\n" + "\n".join(OPS_FILE_KEYS) + "\n")
+    (tmp / "keys.txt").write_text("# test keys\n" + "".join(f"{k} {OPS_FILE_GRANTS.get(k, '')}  # grants\n"
+                                                             for k in OPS_FILE_KEYS))
     receiver = OTLPReceiver()
     args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--api-key", OPS_KEY, "--api-key-file", str(tmp / "keys.txt"),
             "--rate-limit", str(OPS_RATE_LIMIT), "--request-timeout", str(OPS_TIMEOUT_S),

@@ -173,6 +173,40 @@ def test_client_lists_are_bounded(app_url: tuple[str, FakeEngine], path: str, ex
     assert "at most" in error["message"] or "unknown key" in error["message"], error
 
 
+@pytest.fixture(scope="module")
+def tight_url() -> Iterator[str]:
+    from imp_jax.server.app import create_app
+    from imp_jax.server.config import ServerConfig
+
+    engine = FakeEngine(fake_tokenizer())
+    engine.start()
+    config = ServerConfig(max_stop_strings=2, max_stop_chars=5, max_stop_token_ids=3, max_tools=1,
+                          max_constraint_bytes=64, max_json_depth=6)
+    with app_in_thread(create_app(engine, config)) as url:
+        wait_for(url + "/ready", 200, timeout=30)
+        yield url
+
+
+def test_field_limits_are_flags(tight_url: str, app_url: tuple[str, FakeEngine]) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {"model": "fake-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [({"stop": ["a", "b", "c"]}, "stop", "--max-stop-strings"),
+             ({"stop": ["abcdef"]}, "stop", "--max-stop-chars"),
+             ({"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids", "--max-stop-token-ids"),
+             ({"tools": [tool, tool]}, "tools", "--max-tools"),
+             ({"guided_regex": "a" * 65}, "guided_regex", "--max-constraint-bytes"),
+             ({"metadata": {"a": [[[[[[1]]]]]]}}, None, "--max-json-depth")]
+    for extra, param, flag in cases:
+        r = httpx.post(tight_url + "/v1/chat/completions", json={**chat, **extra}, timeout=30)
+        assert r.status_code == 400 and flag in r.json()["error"]["message"], (extra, r.text[:300])
+        if param is not None:
+            assert r.json()["error"]["param"] == param, r.text[:300]
+        # the defaults (the shared app) take them (FakeEngine may refuse stop strings itself: not a limit)
+        default = httpx.post(app_url[0] + "/v1/chat/completions", json={**chat, **extra}, timeout=30)
+        assert flag not in default.text and default.status_code in (200, 400), default.text[:300]
+    assert httpx.get(tight_url + "/props").json().get("max_stop_sequences", 2) == 2
+
+
 def test_nesting_and_invalid_unicode_are_400s_naming_the_field(app_url: tuple[str, FakeEngine]) -> None:
     url, _ = app_url
     deep = '{"model": "fake-model", "messages": ' + "[" * 5000 + "]" * 5000 + "}"
@@ -301,6 +335,19 @@ def test_priority_ahead_of_others_is_operator_granted(app_url: tuple[str, FakeEn
     # the shared fake_server runs with --client-priority: test_server_fake sends priority -3 there
 
 
+def test_pins_are_open_without_keys_and_granted_with_them(app_url: tuple[str, FakeEngine], keyed_url: str) -> None:
+    """--client-pins auto: a server without API keys has one tenant, who may pin; with keys, a key needs
+    the 'pins' grant (keyed_url's keys have none)."""
+    url, _ = app_url
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra in ({"cache_prompt": True}, {"session_id": "s-1"}):
+        assert httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=30).status_code == 200
+        r = httpx.post(keyed_url + "/v1/chat/completions", json={**body, **extra}, timeout=30,
+                       headers={"Authorization": "Bearer key-a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text[:300]
+        assert r.json()["error"]["code"] == "not_granted"
+
+
 # --------------------------------------------------------------------------- the disk
 def test_a_planted_or_writable_kernel_library_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
@@ -329,6 +376,51 @@ def test_a_planted_or_writable_kernel_library_is_refused(tmp_path: Any, monkeypa
         build.verified(lib)
 
 
+def test_a_writable_compilation_cache_entry_turns_the_cache_off(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    import jax
+
+    from imp_jax.runtime import builder
+    from imp_jax.runtime.config import EngineConfig
+
+    cache = tmp_path / "jax_cache"
+    cache.mkdir(mode=0o700)
+    (cache / "jit_step-abc").write_bytes(b"native code")
+    os.chmod(cache / "jit_step-abc", 0o666)            # another local user could have replaced it
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
+    builder.enable_compilation_cache(EngineConfig(model="unused", compilation_cache_dir=str(cache)))
+    assert calls == [] and "jit_step-abc is writable by group or others" in caplog.text
+    os.chmod(cache / "jit_step-abc", 0o600)
+    builder.enable_compilation_cache(EngineConfig(model="unused", compilation_cache_dir=str(cache)))
+    assert ("jax_compilation_cache_dir", str(cache)) in calls
+
+
+def test_a_model_path_others_could_write_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from imp_jax.errors import ModelLoadError
+    from imp_jax.model.hub import resolve_model
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    assert resolve_model(str(model)).kind == "hf_dir"
+    os.chmod(model / "tokenizer.json", 0o646)
+    with pytest.raises(ModelLoadError, match="tokenizer.json is writable by group or others"):
+        resolve_model(str(model))
+    os.chmod(model / "tokenizer.json", 0o644)
+    if os.getuid() == 0:                               # root may give the file away
+        os.chown(model / "tokenizer.json", 4242, -1)
+    else:                                              # else our files, seen by a server running as uid 4242
+        monkeypatch.setattr(os, "getuid", lambda: 4242)
+    with pytest.raises(ModelLoadError, match="owned by uid"):
+        resolve_model(str(model))
+
+
 @pytest.mark.real_model
 def test_the_prefix_cache_is_partitioned_per_api_key(ops_server: Any) -> None:
     from server_fixtures import OPS_KEY, OpsServer
@@ -353,8 +445,47 @@ def test_a_session_belongs_to_its_api_key(ops_server: Any) -> None:
     sid = f"sess-{time.time_ns()}"
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
             "session_id": sid}
-    r = httpx.post(ops_server.url + "/v1/chat/completions", json=body, headers=OpsServer.auth(), timeout=120)
-    assert r.status_code == 200, r.text[:300]
+    r = httpx.post(ops_server.url + "/v1/chat/completions", json=body, headers=OpsServer.auth("key-file"), timeout=120)
+    assert r.status_code == 200, r.text[:300]                       # key-file is granted 'pins'
     close = f"{ops_server.url}/v1/sessions/{sid}/close"
-    assert httpx.post(close, headers=OpsServer.auth("key-file"), timeout=30).status_code == 404
-    assert httpx.post(close, headers=OpsServer.auth(OPS_KEY), timeout=30).status_code == 200
+    assert httpx.post(close, headers=OpsServer.auth(OPS_KEY), timeout=30).status_code == 404
+    assert httpx.post(close, headers=OpsServer.auth("key-file"), timeout=30).status_code == 200
+
+
+@pytest.mark.real_model
+def test_pins_and_priority_are_granted_per_api_key(ops_server: Any) -> None:
+    """With API keys (--client-pins auto), only keys granted 'pins' in the key file may pin KV blocks, and
+    only keys granted 'priority' may jump the queue; Anthropic cache_control from others is served unpinned."""
+    from server_fixtures import OPS_KEY, OpsServer
+
+    chat = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    url = ops_server.url + "/v1/chat/completions"
+    for extra, param in (({"cache_prompt": True}, "cache_prompt"), ({"session_id": "s-x"}, "session_id"),
+                         ({"priority": -1}, "priority")):
+        r = httpx.post(url, json={**chat, **extra}, headers=OpsServer.auth(OPS_KEY), timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+        r = httpx.post(url, json={**chat, **extra}, headers=OpsServer.auth("key-file"), timeout=120)
+        assert r.status_code == 200, r.text[:300]
+    messages = {"model": "smollm2-135m-instruct", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}
+    r = httpx.post(ops_server.url + "/v1/messages", json=messages, timeout=120,
+                   headers={"x-api-key": OPS_KEY, "anthropic-version": "2023-06-01"})
+    assert r.status_code == 200, r.text[:300]    # a hint: served (without a pin), not refused
+
+
+def test_key_file_grants_are_parsed_and_checked(tmp_path: Any) -> None:
+    from imp_jax.server.access import ApiKeys
+    from imp_jax.server.config import ServerConfig
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k-plain\nk-pins pins  # a comment\n\nk-both priority pins\n")
+    config = ServerConfig(api_key=["k-flag"], api_key_file=str(keys))
+    grants = config.api_key_grants()
+    assert grants == {"k-flag": frozenset(), "k-plain": frozenset(), "k-pins": {"pins"},
+                      "k-both": {"priority", "pins"}}
+    api = ApiKeys(grants)
+    assert api.grants("k-both") == {"priority", "pins"} and api.grants("k-plain") == frozenset()
+    assert api.grants("not-a-key") == frozenset() and api.grants(None) == frozenset()
+    keys.write_text("k-x pins sudo\n")
+    with pytest.raises(ValueError, match="line 1: unknown grant 'sudo'"):
+        config.api_key_grants()

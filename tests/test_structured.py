@@ -17,6 +17,7 @@ from server_fixtures import MODEL, LiveServer, engine_stats, live_server, openai
 from structured_schemas import SCHEMAS
 
 from imp_jax.server import structured
+from imp_jax.server.limits import FieldLimits
 
 real = pytest.mark.real_model
 SYSTEM = "Reply with JSON only."
@@ -228,7 +229,7 @@ def test_limits_and_conflicts_are_400s(openai_client: openai.OpenAI) -> None:
         deep = {"type": "object", "properties": {"a": deep}}  # request body's own nesting cap (64)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     cases = [({"guided_json": big}, "guided_json", "constraint_too_large"),
-             ({"guided_regex": "a" * (structured.MAX_CONSTRAINT_BYTES + 1)}, "guided_regex", "constraint_too_large"),
+             ({"guided_regex": "a" * (FieldLimits().constraint_bytes + 1)}, "guided_regex", "constraint_too_large"),
              ({"guided_json": deep}, "guided_json", None),
              ({"guided_json": schema, "guided_regex": "a+"}, "guided_regex", None),
              ({"response_format": {"type": "json_object"}, "grammar": GBNF}, "grammar", None),

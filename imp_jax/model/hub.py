@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.paths import UnsafePathError, check_safe, models_dir, private_dir
+from imp_jax.paths import UnsafePathError, check_safe, check_tree, models_dir, private_dir
 
 log = logging.getLogger("imp_jax.hub")
 
@@ -59,6 +59,10 @@ def resolve_model(name_or_path: str, home: str | os.PathLike[str] | None = None)
     """A path to a model (GGUF file, HF dir, converted dir) or a known alias, fetched on first use."""
     path = Path(name_or_path).expanduser()
     if path.exists():
+        try:   # the operator's path: theirs or root's, and no one else may have written into it
+            check_tree(path, allow_root=True)
+        except UnsafePathError as e:
+            raise ModelLoadError(str(e)) from None
         return ResolvedModel(path, classify_path(path), path.name)
     if name_or_path in ALIASES:
         return ResolvedModel(fetch_alias(name_or_path, home), ALIASES[name_or_path].kind, name_or_path)

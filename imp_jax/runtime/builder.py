@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
 from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import attention_shape, build_model, open_checkpoint, resolve_dtype
-from imp_jax.paths import UnsafePathError, private_dir
+from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.sharding import default_mesh, kv_sharding
@@ -24,10 +24,11 @@ Progress = Callable[[str, float], None]   # (phase, fraction done)
 
 
 def enable_compilation_cache(config: EngineConfig) -> None:
-    """JAX's persistent compilation cache on disk, so a restart does not recompile."""
+    """JAX's persistent compilation cache on disk, so a restart does not recompile. Every entry is checked
+    (JAX loads them as native code): one another user owns or could have written turns the cache off."""
     path = config.cache_dir()
     try:
-        private_dir(path)
+        check_tree(private_dir(path))
     except UnsafePathError as e:   # it holds native code JAX would load: better none than another user's
         log.error("the JAX compilation cache is off: %s", e)
         return

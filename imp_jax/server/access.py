@@ -35,10 +35,13 @@ def key_digest(key: str) -> str:
 
 
 class ApiKeys:
-    """The accepted keys, kept as SHA-256 digests and compared in constant time against every one."""
+    """The accepted keys, kept as SHA-256 digests and compared in constant time against every one,
+    each with its grants (config.GRANTS)."""
 
-    def __init__(self, keys: list[str]):
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+    def __init__(self, keys: Mapping[str, frozenset[str]] | list[str]):
+        grants = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, frozenset())
+        self._grants = {hashlib.sha256(k.encode()).digest(): g for k, g in grants.items()}
+        self._digests = list(self._grants)
 
     def __bool__(self) -> bool:
         return bool(self._digests)
@@ -49,6 +52,12 @@ class ApiKeys:
         for digest in self._digests:  # no early exit: the time does not say which key came close
             ok |= hmac.compare_digest(probe, digest)
         return ok
+
+    def grants(self, key: str | None) -> frozenset[str]:
+        """What an accepted `key` was granted (none for an unknown key or None)."""
+        if key is None or not self.accepts(key):
+            return frozenset()
+        return self._grants[hashlib.sha256(key.encode()).digest()]
 
 
 @dataclasses.dataclass
@@ -92,7 +101,7 @@ class RateLimiter:
 class Access:
     """The checks every request passes before its handler runs; each failure is a Refusal."""
 
-    def __init__(self, keys: list[str], rate_limit: int, max_request_bytes: int | None, metrics_public: bool):
+    def __init__(self, keys: Mapping[str, frozenset[str]] | list[str], rate_limit: int, max_request_bytes: int | None, metrics_public: bool):
         self.keys = ApiKeys(keys)
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.max_request_bytes = max_request_bytes

@@ -12,7 +12,7 @@ from quart import Blueprint, Response, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.errors import unavailable
-from imp_jax.server.openai_common import MAX_STOP
+from imp_jax.server.limits import field_limits
 from imp_jax.server.validation import check_model_name, parse_json
 
 bp = Blueprint("admin", __name__)
@@ -199,7 +199,7 @@ async def info() -> Any:
         "model_id": _model_name(), "model_sha": None, "model_dtype": str(_engine_setting("dtype", "auto")),
         "model_device_type": str(_engine_setting("device", "unknown")), "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": _engine_setting("max_num_seqs"), "max_best_of": 1,
-        "max_stop_sequences": MAX_STOP, "max_input_tokens": max_len - 1 if max_len else None,
+        "max_stop_sequences": field_limits().stop_strings, "max_input_tokens": max_len - 1 if max_len else None,
         "max_total_tokens": max_len, "validation_workers": 1, "max_client_batch_size": 1,
         "router": "imp_jax", "version": _version(), "sha": None, "docker_label": None,
     })

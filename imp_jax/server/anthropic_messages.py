@@ -18,7 +18,7 @@ from quart import Blueprint, Response, current_app, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
 from imp_jax.server import lifecycle, structured
-from imp_jax.server.context import engine_request, set_response_id
+from imp_jax.server.context import engine_request, granted, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -310,7 +310,8 @@ async def messages() -> Any:
     set_response_id(mid)
     thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
-                             cache_prompt=bool(req.cache_prompt) or req.has_cache_control, constraint=constraint,
+                             cache_prompt=bool(req.cache_prompt) or (req.has_cache_control and granted("pins")),
+                             constraint=constraint,
                              reasoning=True, reasoning_budget=thinking.budget_tokens)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens

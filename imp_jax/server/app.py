@@ -62,6 +62,7 @@ async def _begin() -> Any:
                              client_addr=request.remote_addr, traceparent=request.headers.get("traceparent"),
                              route=request.url_rule.rule if request.url_rule is not None else None)
     state = server()
+    limits.FIELD_LIMITS.set(state.field_limits)   # the validators' limits for this request (--max-stop-strings, ...)
     state.hosts.check(request.headers.get("Host"))
     if state.cors.is_preflight(request.method, request.headers) and state.cors.allowed(request.headers.get("Origin")):
         return Response(status=204, headers=state.cors.preflight_headers(request.headers))

@@ -6,6 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from imp_jax.runtime.request import StreamLimits
+from imp_jax.server.limits import FieldLimits
+
+GRANTS = frozenset({"priority", "pins"})   # what an API key may be granted (docs/SECURITY.md)
 
 
 def _field(default: Any, help: str, **kw: Any) -> Any:
@@ -27,7 +30,9 @@ class ServerConfig:
     # access
     api_key: list[str] = _field([], "an accepted API key (repeatable); with any key set, every route but "
                                     "/health and /ready needs one")
-    api_key_file: str | None = _field(None, "a file of accepted API keys, one per line ('#' starts a comment)")
+    api_key_file: str | None = _field(None, "a file of accepted API keys, one per line ('#' starts a comment); "
+                                            "a key may be followed by its grants: 'priority', 'pins' "
+                                            "(docs/SECURITY.md)")
     metrics_public: bool = _field(False, "serve /metrics without an API key")
     rate_limit: int = _field(0, "requests per minute per API key (per client address without keys); 0 = off")
     cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
@@ -35,8 +40,12 @@ class ServerConfig:
     allowed_hosts: list[str] = _field([], "Host header names accepted, any port (repeatable or comma-separated; "
                                           "'*' = any); default: loopback names when --host is a loopback "
                                           "address, else any (docs/SECURITY.md)")
-    client_priority: bool = _field(False, "let clients ask for a 'priority' below 0 (served ahead of others); "
-                                          "off: such a request is a 400")
+    client_priority: bool = _field(False, "let every client ask for a 'priority' below 0 (served ahead of "
+                                          "others); off: only keys granted 'priority' may, others get a 400")
+    client_pins: str = _field("auto", "who may pin KV blocks (cache_prompt, session_id, Anthropic cache_control): "
+                                      "'all'; 'granted' (keys granted 'pins' in --api-key-file); 'auto' (all "
+                                      "when the server has no API keys, else 'granted')",
+                              choices=("auto", "all", "granted"))
     shared_prefix_cache: bool = _field(False, "with API keys, share the prefix cache between keys (by default "
                                               "each key has its own: a cache hit would tell one key another's "
                                               "prompt)")
@@ -47,6 +56,13 @@ class ServerConfig:
     max_prompt_chars: int | None = _field(None, "characters of prompt text (a raw prompt, a rendered chat, "
                                                 "/tokenize input) one request may have tokenized (400 past "
                                                 "it); default: 32 per token of the model's context")
+    max_stop_strings: int = _field(16, "stop strings per request (400 past it)")
+    max_stop_chars: int = _field(1024, "characters of one stop string (400 past it)")
+    max_stop_token_ids: int = _field(128, "stop_token_ids per request (400 past it)")
+    max_tools: int = _field(256, "tool definitions per request (400 past it)")
+    max_constraint_bytes: int = _field(64 << 10, "bytes of one output constraint: a JSON schema, regex, grammar "
+                                                 "or the choices together (400 past it)")
+    max_json_depth: int = _field(64, "levels arrays and objects may nest in a request body (400 past it)")
     max_queued_requests: int = _field(0, "generation requests waiting for their first token at most "
                                          "(429 past it); 0 = no limit")
     max_queued_tokens: int = _field(0, "prompt tokens of the requests waiting for their first token at most "
@@ -86,7 +102,8 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_prompt_chars"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("stream_buffer_events", "stream_stall_timeout"):
+        for name in ("stream_buffer_events", "stream_stall_timeout", "max_stop_strings", "max_stop_chars",
+                     "max_stop_token_ids", "max_tools", "max_constraint_bytes", "max_json_depth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -95,19 +112,38 @@ class ServerConfig:
             raise ValueError(f"otlp_endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}")
 
     @property
+    def field_limits(self) -> FieldLimits:
+        return FieldLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids, self.max_tools,
+                           self.max_constraint_bytes, self.max_json_depth)
+
+    @property
     def stream_limits(self) -> StreamLimits:
         return StreamLimits(max_events=self.stream_buffer_events, stall_timeout_s=self.stream_stall_timeout)
 
     def api_keys(self) -> list[str]:
         """The keys from --api-key and --api-key-file (read now; a missing file is a ValueError)."""
-        keys = list(self.api_key)
-        if self.api_key_file:
-            try:
-                lines = Path(self.api_key_file).read_text().splitlines()
-            except OSError as e:
-                raise ValueError(f"api_key_file {self.api_key_file}: {e}") from None
-            keys += [line.split("#", 1)[0].strip() for line in lines]
-        return [k for k in keys if k]
+        return list(self.api_key_grants())
+
+    def api_key_grants(self) -> dict[str, frozenset[str]]:
+        """Each key with what it was granted beyond the defaults: a key-file line is `KEY [GRANT ...]`
+        (GRANTS; an unknown one is a ValueError); --api-key keys have no grants."""
+        keys: dict[str, frozenset[str]] = {k: frozenset() for k in self.api_key if k}
+        if not self.api_key_file:
+            return keys
+        try:
+            lines = Path(self.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"api_key_file {self.api_key_file}: {e}") from None
+        for number, line in enumerate(lines, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            key, grants = words[0], frozenset(words[1:])
+            if grants - GRANTS:
+                raise ValueError(f"api_key_file {self.api_key_file} line {number}: unknown grant "
+                                 f"{sorted(grants - GRANTS)[0]!r} (grants: {', '.join(sorted(GRANTS))})")
+            keys[key] = keys.get(key, frozenset()) | grants
+        return keys
 
 
 def flag_fields() -> list[dataclasses.Field]:

@@ -11,7 +11,7 @@ from quart import current_app, g, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.server import limits
-from imp_jax.server.access import Access
+from imp_jax.server.access import Access, presented_key
 from imp_jax.server.admission import AdmissionGate
 from imp_jax.server.browsers import HostCheck, default_allowed_hosts
 from imp_jax.server.config import ServerConfig
@@ -40,6 +40,7 @@ class ServerContext:
     draining: bool = False
     client_ids: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)  # X-Request-Id -> engine id
     models: ModelDirectory | None = None   # --models-dir: the models this server may swap to
+    field_limits: limits.FieldLimits = limits.FieldLimits()   # --max-stop-strings, --max-tools, ...
 
     def max_model_len(self) -> int | None:
         """The loaded model's context, or None while none is (loading, no model)."""
@@ -66,7 +67,7 @@ class ServerContext:
 def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
     """Attach the server state to `app`; a bad key file or request-log path is a ValueError here."""
     gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
-    access = Access(config.api_keys(), config.rate_limit, config.max_request_bytes, config.metrics_public)
+    access = Access(config.api_key_grants(), config.rate_limit, config.max_request_bytes, config.metrics_public)
 
     def store_stats() -> dict[str, int]:
         store = app.extensions.get(STORE_KEY)
@@ -80,7 +81,8 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
 
     telemetry = Telemetry(config, gate, stats, lambda: model_status(app.extensions[_KEY]), store_stats)
     hosts = HostCheck(config.allowed_hosts or default_allowed_hosts(config.host))
-    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins), hosts)
+    state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins), hosts,
+                          field_limits=config.field_limits)
     app.extensions[_KEY] = state
     return state
 
@@ -160,7 +162,8 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
                        code="request_too_large", status=413)
     req = await limits.off_loop(lambda: parse_model(cls, parse_json(body)))
     refuse_not_yet(req)
-    check_priority(req, state.config.client_priority)
+    check_priority(req, granted("priority"))
+    check_pins(req)
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
@@ -180,13 +183,38 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
 MAX_SESSION_ID = 256
 
 
-def check_priority(req: Any, granted: bool) -> None:
+def granted(grant: str) -> bool:
+    """Whether the current request may ask for `grant` (config.GRANTS): to every client by the server's
+    flag (--client-priority; --client-pins all, or auto without API keys), else to keys granted it in
+    --api-key-file."""
+    state = server()
+    config = state.config
+    if grant == "priority" and config.client_priority:
+        return True
+    if grant == "pins" and (config.client_pins == "all" or (config.client_pins == "auto" and not state.access.keys)):
+        return True
+    return grant in state.access.keys.grants(presented_key(request.headers))
+
+
+def check_priority(req: Any, allowed: bool) -> None:
     """A `priority` below the default (0: lower is served first) is the operator's to grant
-    (--client-priority); without it such a request is a 400 naming the field."""
+    (--client-priority, or a key's 'priority' grant); without it such a request is a 400 naming the field."""
     priority = getattr(req, "priority", None)
-    if isinstance(priority, int) and priority < 0 and not granted:
+    if isinstance(priority, int) and priority < 0 and not allowed:
         raise InvalidRequestError("'priority' below 0 (ahead of other clients) needs the server's "
-                                  "--client-priority; send 0 or more", param="priority")
+                                  "--client-priority or a key granted 'priority'; send 0 or more",
+                                  param="priority")
+
+
+def check_pins(req: Any) -> None:
+    """`cache_prompt: true` and `session_id` hold KV blocks against eviction, which other clients' requests
+    then cannot use: the operator's to grant (--client-pins, a key's 'pins' grant). Without it they are a
+    400 naming the field; Anthropic `cache_control` (a hint in Anthropic's API too) is served without
+    pinning instead (pins_granted)."""
+    for field in ("cache_prompt", "session_id"):
+        if getattr(req, field, None) and not granted("pins"):
+            raise InvalidRequestError(f"'{field}' pins KV blocks, which needs the server's --client-pins or a key "
+                                      f"granted 'pins'", param=field, code="not_granted")
 
 
 def session_id_of(req: Any) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,6 +27,28 @@ MIN_PROMPT_CHARS = 1 << 16        # however small the context
 BYTES_PER_PROMPT_CHAR = 8         # body bytes per prompt character: JSON escapes, tools, message framing
 MIN_REQUEST_BYTES = 4 << 20       # however small the context
 DEFAULT_REQUEST_BYTES = 64 << 20  # while no model is loaded (the context is not known yet)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldLimits:
+    """Limits on lists and strings a client sends (ServerConfig's --max-stop-strings etc. set them per
+    server; FIELD_LIMITS carries them into the request's validators, on the loop and in off_loop)."""
+
+    stop_strings: int = 16           # `stop` / `stop_sequences` entries
+    stop_chars: int = 1024           # characters of one stop string (the stream holds back that much text)
+    stop_token_ids: int = 128        # stop_token_ids entries (each sequence checks them at every token)
+    tools: int = 256                 # tool definitions
+    constraint_bytes: int = 64 << 10  # a schema (as compact JSON), regex, grammar or the choices together
+    json_depth: int = 64             # arrays and objects nested in a body (recursive code past it could
+                                     # exhaust the stack)
+
+
+FIELD_LIMITS: contextvars.ContextVar[FieldLimits] = contextvars.ContextVar("field_limits", default=FieldLimits())
+
+
+def field_limits() -> FieldLimits:
+    """The current request's FieldLimits (the defaults outside a request)."""
+    return FIELD_LIMITS.get()
 
 
 def max_prompt_chars(configured: int | None, max_model_len: int | None) -> int:

@@ -10,21 +10,20 @@ from pydantic import field_validator
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import MAX_LOGIT_BIAS, SEED_RANGE, TOP_K_RANGE, SamplingParams, Usage
 from imp_jax.server.errors import openai_error_body
+from imp_jax.server.limits import field_limits
 from imp_jax.server.streaming import sse
 from imp_jax.server.validation import WireModel
 
-MAX_STOP = 16
-MAX_STOP_CHARS = 1024        # characters of one stop string (the stream holds back that much text)
-MAX_STOP_TOKEN_IDS = 128     # stop_token_ids entries (each sequence checks them at every token)
 MAX_USER_CHARS = 256         # `user` (a caller's end-user id)
 
 
 def check_stop_strings(v: list[str]) -> None:
-    """A ValueError (a 400 naming the field) for too many stop strings or one too long."""
-    if len(v) > MAX_STOP:
-        raise ValueError(f"must hold at most {MAX_STOP} strings")
-    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in v):
-        raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+    """A ValueError (a 400 naming the field) for too many stop strings or one too long (FieldLimits)."""
+    limits = field_limits()
+    if len(v) > limits.stop_strings:
+        raise ValueError(f"must hold at most {limits.stop_strings} strings (--max-stop-strings)")
+    if any(isinstance(s, str) and len(s) > limits.stop_chars for s in v):
+        raise ValueError(f"each stop string must be at most {limits.stop_chars} characters (--max-stop-chars)")
 
 
 def new_id(prefix: str) -> str:
@@ -81,8 +80,9 @@ class OpenAISampling(WireModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
+        limit = field_limits().stop_token_ids
+        if v is not None and len(v) > limit:
+            raise ValueError(f"must hold at most {limit} token ids (--max-stop-token-ids)")
         return v
 
     @field_validator("user")

@@ -26,9 +26,9 @@ from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.request import SamplingParams
 from imp_jax.server.generation import Engine
+from imp_jax.server.limits import field_limits
 from imp_jax.server.validation import WireModel
 
-MAX_CONSTRAINT_BYTES = 64 * 1024  # a schema (as compact JSON), regex, grammar or the choices together
 MAX_SCHEMA_DEPTH = 32             # arrays and objects nested in a JSON schema document
 MAX_CHOICES = 1024                # guided_choice entries
 MAX_ERROR_CHARS = 600             # llguidance's message, as the 400 quotes it
@@ -105,9 +105,9 @@ def choice(choices: Any, param: str) -> OutputFormat:
 
 
 def _check_size(text: str, param: str) -> None:
-    size = len(text.encode("utf-8"))
-    if size > MAX_CONSTRAINT_BYTES:
-        raise InvalidRequestError(f"'{param}' is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed",
+    size, limit = len(text.encode("utf-8")), field_limits().constraint_bytes
+    if size > limit:
+        raise InvalidRequestError(f"'{param}' is {size} bytes; at most {limit} are allowed (--max-constraint-bytes)",
                                   param=param, code="constraint_too_large")
 
 

@@ -37,10 +37,10 @@ from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import SamplingParams
 from imp_jax.server import structured
 from imp_jax.server.generation import Engine
+from imp_jax.server.limits import field_limits
 from imp_jax.server.structured import JSON_OPTIONS, OutputFormat, short_error
 from imp_jax.server.tool_parsers import PARSERS, ToolCallParser
 
-MAX_TOOLS = 256
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 NAMESPACE_SEP = "__"  # a Responses namespace's tool `t` in namespace `ns` is offered as `ns__t`
 # Responses tool types run by OpenAI's own servers: dropped (the model is not told of them), not refused.
@@ -182,8 +182,9 @@ def _tool_list(tools: Any) -> list[Any]:
         return []
     if not isinstance(tools, list):
         raise InvalidRequestError("'tools' must be a list", param="tools")
-    if len(tools) > MAX_TOOLS:
-        raise InvalidRequestError(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools")
+    limit = field_limits().tools
+    if len(tools) > limit:
+        raise InvalidRequestError(f"'tools' may hold at most {limit} tools (--max-tools)", param="tools")
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise InvalidRequestError(f"'tools[{i}]' must be an object", param=f"tools[{i}]")

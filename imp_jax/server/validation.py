@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from imp_jax.errors import InvalidRequestError, NotFoundError
 from imp_jax.server.errors import from_validation_error
+from imp_jax.server.limits import field_limits
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -19,17 +20,17 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-MAX_JSON_DEPTH = 64  # deeper than any request schema needs; recursive code past it could exhaust the stack
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_json_value(value: Any) -> None:
-    """400 unless arrays and objects nest at most MAX_JSON_DEPTH deep and every string is valid Unicode.
+    """400 unless arrays and objects nest at most FieldLimits.json_depth deep and every string is valid Unicode.
 
     JSON's \\u escapes can spell lone UTF-16 surrogates, which no text is made of: tokenizers and
     UTF-8 encoders fail on them, so they are refused here, naming the field. Iterative, so deep
     input cannot overflow the stack.
     """
+    max_depth = field_limits().json_depth
     stack: list[tuple[Any, int, str]] = [(value, 1, "")]
     while stack:
         v, depth, path = stack.pop()
@@ -39,9 +40,9 @@ def check_json_value(value: Any) -> None:
             items = enumerate(v)
         else:
             continue
-        if depth > MAX_JSON_DEPTH:
-            raise InvalidRequestError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep",
-                                      code="invalid_json")
+        if depth > max_depth:
+            raise InvalidRequestError(f"the request body nests arrays and objects more than {max_depth} deep "
+                                      "(--max-json-depth)", code="invalid_json")
         for k, child in items:
             bad = isinstance(k, str) and _SURROGATE.search(k) or isinstance(child, str) and _SURROGATE.search(child)
             if bad or isinstance(child, (dict, list)):
@@ -61,7 +62,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
     try:
         value = json.loads(body)
     except RecursionError:
-        raise InvalidRequestError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep",
+        raise InvalidRequestError("the request body nests arrays and objects too deep for the JSON parser",
                                   code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
