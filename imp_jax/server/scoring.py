@@ -41,7 +41,7 @@ class ScoreRequest(WireModel):
     model: str
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
-    candidates: list[str | int] | None = None
+    candidates: list[Any] | None = None   # strings or token ids, checked one by one (candidate_token)
     truncate: bool = False
 
 
@@ -87,10 +87,12 @@ def fit_context(ids: list[int], max_model_len: int, truncate: bool, param: str) 
     return ids, False
 
 
-def candidate_token(c: str | int, i: int, tokenizer: Any, vocab_size: int) -> int:
+def candidate_token(c: Any, i: int, tokenizer: Any, vocab_size: int) -> int:
     """A candidate's token: an id as given, a string's FIRST token (encoded alone, as given, no
     special tokens: a leading space is part of the string and BPE vocabularies tell it apart)."""
     param = f"candidates[{i}]"
+    if isinstance(c, bool) or not isinstance(c, (str, int)):
+        raise InvalidRequestError(f"'{param}' must be a string or a token id", param=param)
     if isinstance(c, int):
         if not 0 <= c < vocab_size:
             raise InvalidRequestError(f"'{param}': token id {c} is outside the vocabulary [0, {vocab_size})",
