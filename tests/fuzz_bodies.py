@@ -25,6 +25,8 @@ BASES: dict[str, dict[str, Any]] = {
     "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
     "/tokenize": {"content": "Hello world"},
     "/detokenize": {"tokens": [19556, 905]},
+    "/v1/score": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "candidates": ["Hello", 19556]},
+    "/v1/decide": {"model": MODEL, "question": "Hi?", "options": ["yes", "no"]},
 }
 # Fields worth replacing beyond the base's own: the knobs each dialect reads.
 KNOBS: dict[str, list[str]] = {
@@ -46,6 +48,8 @@ KNOBS: dict[str, list[str]] = {
                       "parallel_tool_calls", "max_tool_calls", "top_logprobs"],
     "/tokenize": ["add_special", "with_pieces", "messages", "model"],
     "/detokenize": ["model"],
+    "/v1/score": ["prompt", "truncate", "candidates"],
+    "/v1/decide": ["messages", "system", "instructions", "truncate", "options"],
 }
 # Where text goes in: each path gets hostile strings (a path through "messages" edits the first message).
 TEXT_PATHS: dict[str, list[tuple[str, ...]]] = {
@@ -58,6 +62,8 @@ TEXT_PATHS: dict[str, list[tuple[str, ...]]] = {
     "/v1/responses": [("input",), ("instructions",), ("previous_response_id",), ("metadata", "*"), ("model",), ("*",)],
     "/tokenize": [("content",), ("prompt",), ("model",), ("*",)],
     "/detokenize": [("model",), ("*",)],
+    "/v1/score": [("messages", "content"), ("candidates",), ("prompt",), ("model",), ("*",)],
+    "/v1/decide": [("question",), ("options",), ("system",), ("model",), ("*",)],
 }
 ROUTES = sorted(BASES)
 STREAMABLE = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}

@@ -125,7 +125,8 @@ class FakeEngine:
     async def _run(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
         p = req.params
         p.validate(self.vocab_size)
-        if p.stop or p.stop_token_ids or p.logprobs is not None or p.prompt_logprobs is not None:
+        if (p.stop or p.stop_token_ids or p.logprobs is not None or p.prompt_logprobs is not None
+                or p.raw_logprob_ids):
             raise InvalidRequestError("FakeEngine does not do stop strings, stop tokens or logprobs: "
                                       "test them on the real engine", param="stop")
         if len(req.prompt_ids) >= self.max_model_len:

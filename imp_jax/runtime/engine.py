@@ -81,7 +81,8 @@ class EngineCore:
         self.requests: dict[str, _RequestState] = {}
         self.constraints = GrammarConstraints.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
         self.think_markers = ThinkMarkers.from_tokenizer(loaded.tokenizer)   # None: the model does not think
-        self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str]] = []
+        self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str,
+                                   dict[int, float] | None]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
         self.num_steps = 0
         self.counters = EngineCounters()
@@ -294,11 +295,13 @@ class EngineCore:
         return masks
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
-        """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out."""
+        """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out, plus
+        a bias of 0 (a probe: the sampler reports its raw logprob) on each raw_logprob_ids entry."""
+        bias = {**dict.fromkeys(p.raw_logprob_ids, 0.0), **p.logit_bias} if p.raw_logprob_ids else p.logit_bias
         if num_output >= p.min_tokens:
-            return p.logit_bias
+            return bias
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
-        return {**p.logit_bias, **dict.fromkeys(banned, float("-inf"))}
+        return {**bias, **dict.fromkeys(banned, float("-inf"))}
 
     def _advance(self, chunk: ScheduledChunk, out, row: int) -> None:
         seq = chunk.seq
@@ -313,6 +316,10 @@ class EngineCore:
             seq.pinned = True
         if not samples:
             return
+        raw = None
+        if seq.params.raw_logprob_ids:   # the ids' logit_bias slots, in the order _row_spec filled them
+            slots = list(self._logit_bias(seq.params, len(seq.output_ids)))
+            raw = {t: float(out.bias_raw_logprobs[row, slots.index(t)]) for t in seq.params.raw_logprob_ids}
         token = int(out.tokens[row])
         seq.output_ids.append(token)
         kind = seq.reasoning.observe(token) if seq.reasoning is not None else ANSWER
@@ -327,9 +334,9 @@ class EngineCore:
             top = [(int(t), float(v)) for t, v in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])]
             logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
         if self._ends_without_text(seq, token):
-            self._emit_token(seq, token, logprobs, state, kind)
+            self._emit_token(seq, token, logprobs, state, kind, raw)
         else:
-            self._deferred.append((seq, token, logprobs, state, kind))
+            self._deferred.append((seq, token, logprobs, state, kind, raw))
 
     def _ends_without_text(self, seq: Sequence, token: int) -> bool:
         """Whether `token` ends `seq` for a reason its text plays no part in (EOS, a stop token id,
@@ -345,12 +352,14 @@ class EngineCore:
     def _emit_deferred(self) -> None:
         """The text events `_advance` deferred, in order; a sequence ended meanwhile (cancelled) has none."""
         deferred, self._deferred = self._deferred, []
-        for seq, token, logprobs, state, kind in deferred:
+        for seq, token, logprobs, state, kind, raw in deferred:
             if seq.status is not SeqStatus.FINISHED:
-                self._emit_token(seq, token, logprobs, state, kind)
+                self._emit_token(seq, token, logprobs, state, kind, raw)
 
-    def _emit_token(self, seq: Sequence, token: int, logprobs, state: _RequestState, kind: str = ANSWER) -> None:
-        """`kind` (runtime/reasoning.py): think text goes to reasoning_text, past stop strings; a marker has no text."""
+    def _emit_token(self, seq: Sequence, token: int, logprobs, state: _RequestState, kind: str = ANSWER,
+                    raw: dict[int, float] | None = None) -> None:
+        """`kind` (runtime/reasoning.py): think text goes to reasoning_text, past stop strings; a marker has no text.
+        `raw`: the raw logprobs of the request's raw_logprob_ids where this token was sampled."""
         p = seq.params
         n_out = len(seq.output_ids)
         is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
@@ -384,7 +393,7 @@ class EngineCore:
             tail, matched = seq.stops.feed(seq.detok.flush())
             text += tail + ("" if matched else seq.stops.flush())
         event = EngineEvent(seq.request.request_id, seq.index, [token], text, reasoning_text=reasoning,
-                            logprobs=logprobs)
+                            logprobs=logprobs, raw_logprobs=raw)
         if seq.index == 0 and state.prompt_logprobs is not None:
             event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         if finish is None:

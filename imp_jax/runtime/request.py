@@ -55,6 +55,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token ids whose raw model logprob (log_softmax of the unprocessed logits) every sampled token's
+    # event reports (EngineEvent.raw_logprobs; /v1/score, /v1/decide); each takes a logit_bias slot
+    raw_logprob_ids: list[int] = dataclasses.field(default_factory=list)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -87,6 +90,11 @@ class SamplingParams:
             bad("seed", "must fit in 64 bits")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for tok in self.raw_logprob_ids:
+            if not 0 <= tok < vocab_size:
+                bad("raw_logprob_ids", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
+        if len(set(self.logit_bias) | set(self.raw_logprob_ids)) > MAX_LOGIT_BIAS:
+            bad("raw_logprob_ids", f"with logit_bias, at most {MAX_LOGIT_BIAS} distinct token ids")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             bad("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         for tok, val in self.logit_bias.items():
@@ -161,6 +169,7 @@ class EngineEvent:
     reasoning_text: str = ""   # the think block's text (GenerationRequest.reasoning); `text` is the answer's
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on index 0's first event; entry 0 is None
+    raw_logprobs: dict[int, float] | None = None  # SamplingParams.raw_logprob_ids at this event's token
     finish_reason: str | None = None
     stop_reason: str | int | None = None   # the stop string or token id that ended it
     usage: Usage | None = None

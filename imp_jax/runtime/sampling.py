@@ -19,7 +19,9 @@ mix of requests. Processing order, each step seeing the output of the one before
 
 Logprobs are log_softmax of the final processed logits (greedy rows: at temperature 1),
 so a greedy token is always top_ids[:, 0] and a removed token reads -inf. Every row
-needs at least one token that survives the mask, or its outputs are NaN.
+needs at least one token that survives the mask, or its outputs are NaN. Beside them, each
+id in a row's logit_bias slots gets its raw logprob (log_softmax of the logits before step 1):
+a bias of 0 turns a slot into a probe (/v1/score, /v1/decide) without changing the draw.
 """
 
 from __future__ import annotations
@@ -66,12 +68,14 @@ class SamplingTensors:
 
 
 class SamplerOutput(NamedTuple):
-    """Sampled tokens, their processed logprobs, and the top-K processed logprobs."""
+    """Sampled tokens, their processed logprobs, the top-K processed logprobs, and the raw logprobs
+    of the ids in each row's logit_bias slots."""
 
     tokens: jax.Array  # i32[R]
     logprob: jax.Array  # f32[R]
     top_ids: jax.Array  # i32[R, K], K = num_top_logprobs, best first
     top_logprobs: jax.Array  # f32[R, K]
+    bias_raw_logprobs: jax.Array  # f32[R, B]: raw logprob of bias_ids[r, b]; 0 in padding slots
 
 
 # ---------------------------------------------------------------------------- device
@@ -85,6 +89,8 @@ def sample(
     """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`. With `dynamic_skips`
     (CPUs, `Kernels.dynamic_skips`) each pass over the vocabulary runs only when some row needs it."""
     processed = process_logits(logits, t, dynamic_skips)
+    raw = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _raw_logprobs_at, lambda x, ids: jnp.zeros(ids.shape, jnp.float32),
+               logits, t.bias_ids)
     lse = jax.nn.logsumexp(processed, axis=-1)   # logprobs are processed - lse, never materialised
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     tokens = cond(
@@ -110,7 +116,15 @@ def sample(
     else:
         top_logprobs = jnp.zeros((rows, 0), jnp.float32)
         top_ids = jnp.zeros((rows, 0), jnp.int32)
-    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs, raw)
+
+
+def _raw_logprobs_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """log_softmax of the unprocessed logits [R, V] at `ids` [R, B]; padding ids (-1) read 0."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    picked = jnp.take_along_axis(logits, jnp.maximum(ids, 0), axis=-1) - lse
+    return jnp.where(ids >= 0, picked, 0.0)
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool = True) -> jax.Array:

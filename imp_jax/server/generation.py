@@ -104,6 +104,7 @@ class Choice:
     reasoning: str = ""   # the think block's text (GenerationRequest.reasoning)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    raw_logprobs: dict[int, float] = dataclasses.field(default_factory=dict)   # at the first token (scoring.py)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -134,6 +135,8 @@ async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[
             c.token_ids.extend(ev.token_ids)
             if ev.logprobs:
                 c.logprobs.extend(ev.logprobs)
+            if ev.raw_logprobs and not c.raw_logprobs:
+                c.raw_logprobs = dict(ev.raw_logprobs)
             if ev.prompt_logprobs is not None:
                 prompt_logprobs = ev.prompt_logprobs
             if ev.finish_reason is not None:
