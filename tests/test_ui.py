@@ -171,6 +171,9 @@ def test_a_reply_streams_token_by_token(ui: UiPage, live_server: LiveServer):
     before = int(page.locator("#token-count").inner_text().split()[0])
     page.fill("#input", "and one more about the mountains, please")   # the live count follows the draft
     page.wait_for_function(f"parseInt(document.querySelector('#token-count').textContent) > {before}")
+    page.click("#server-stats summary")   # counters from /metrics
+    page.wait_for_selector("#metrics dt >> text=generated tokens")
+    assert int(page.locator("#metrics dt:text-is('generated tokens') + dd").inner_text()) >= 1
 
 
 def test_stop_regenerate_edit_and_the_knobs_in_the_request(ui: UiPage, live_server: LiveServer):

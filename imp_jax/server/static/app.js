@@ -120,6 +120,31 @@
     }
   }
 
+  // [label, metric names summed over their labels]
+  const METRICS = [["requests", ["imp_requests_total"]], ["prompt tokens", ["imp_prompt_tokens_total"]],
+    ["generated tokens", ["imp_generated_tokens_total"]], ["cached prompt tokens", ["imp_tokens_cached_total"]],
+    ["cancelled", ["imp_requests_cancelled_total"]], ["failed", ["imp_requests_failed_total"]],
+    ["KV blocks used", ["imp_kv_blocks_used"]], ["KV blocks total", ["imp_kv_blocks_total"]]];
+
+  async function loadMetrics() {
+    const dl = $("metrics");
+    try {
+      const res = await api("/metrics");
+      if (!res.ok) throw new Error(await errorText(res));
+      const sums = {};
+      for (const line of (await res.text()).split("\n")) {
+        const m = /^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)/.exec(line);
+        if (m) sums[m[1]] = (sums[m[1]] || 0) + Number(m[2]);
+      }
+      dl.replaceChildren(...METRICS.filter(([, names]) => names.some((n) => n in sums)).flatMap(([label, names]) => {
+        const dt = document.createElement("dt"), dd = document.createElement("dd");
+        dt.textContent = label;
+        dd.textContent = String(names.reduce((a, n) => a + (sums[n] || 0), 0));
+        return [dt, dd];
+      }));
+    } catch (e) { dl.textContent = "unavailable: " + e.message; }
+  }
+
   // ------------------------------------------------------------------------------------------ conversations
   function save() {
     store.set("conversations", state.convs);
@@ -527,6 +552,7 @@
     $("settings").addEventListener("input", () => { saveSettings(); updateTokenCount(); });
     $("reset-knobs").onclick = () => { state.settings.knobs = {}; store.set("settings", state.settings); loadSettings(); };
     $("change-key").onclick = () => askKey("Enter the server's API key (empty: none).").then(loadServer);
+    $("server-stats").addEventListener("toggle", (e) => { if (e.target.open) loadMetrics(); });
     $("messages").addEventListener("click", (e) => {
       const b = e.target.closest(".copy-code");
       if (b) copyText(b.closest(".code-block").querySelector("code").textContent);
