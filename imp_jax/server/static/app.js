@@ -34,6 +34,7 @@
       body: body === undefined ? undefined : JSON.stringify(body), cache: "no-store" });
     if (res.status === 401) {
       await askKey(state.apiKey ? "The server refused this API key." : "This server needs an API key.");
+      if (!state.apiKey) return res;   // dismissed: the call fails with its 401
       return api(path, body, signal);
     }
     return res;
