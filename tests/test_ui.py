@@ -251,7 +251,9 @@ def test_conversations_survive_a_reload_and_are_renamed_exported_deleted(ui: UiP
 def test_model_html_is_shown_as_text(ui: UiPage):
     """A reply's HTML (here from a canned stream) never becomes markup; only safe links are links."""
     reply = ("Hi <img src=x onerror=\"window.__xss=1\"> **bold** [ok](https://example.com) "
-             "[bad](javascript:window.__xss=2)\n\n```html\n<script>window.__xss=3</script>\n```\n")
+             "[bad](javascript:window.__xss=2)\n\n```html\n<script>window.__xss=3</script>\n```\n"
+             "## Head\n\n- one\n- two\n\n| a | b |\n|---|---|\n| <i>1</i> | 2 |\n\n"
+             "```python\ndef f():\n    return 1  # c\n```\n")
     frames = [{"id": "chatcmpl-x", "choices": [{"index": 0, "delta": {"content": reply[i:i + 9]},
                                                 "finish_reason": None}]} for i in range(0, len(reply), 9)]
     sse = "".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n"
@@ -262,11 +264,17 @@ def test_model_html_is_shown_as_text(ui: UiPage):
     ui.wait_done()
     body = page.locator(".msg.assistant .msg-body")
     assert body.locator("img, script").count() == 0 and page.evaluate("window.__xss") is None
-    assert "<img src=x" in body.inner_text() and "<script>" in body.locator("pre code").inner_text()
+    assert "<img src=x" in body.inner_text() and "<script>" in body.locator("pre code").first.inner_text()
     assert body.locator("strong").inner_text() == "bold"
     links = body.locator("a")
     assert links.count() == 1 and links.get_attribute("href") == "https://example.com"
     assert links.get_attribute("rel") == "noopener noreferrer"
+    assert body.locator("h2").inner_text() == "Head" and body.locator("ul > li").all_inner_texts() == ["one", "two"]
+    assert body.locator("td").first.inner_text() == "<i>1</i>" and body.locator("i").count() == 0
+    python = body.locator(".code-block").nth(1)   # the highlighter
+    assert python.locator(".code-head span").inner_text() == "python"
+    assert python.locator(".tok-k").all_inner_texts() == ["def", "return"]
+    assert python.locator(".tok-c").all_inner_texts() == ["# c"] and python.locator(".tok-n").all_inner_texts() == ["1"]
     assert page.locator(".msg.user .msg-body").inner_text() == "<b>user html</b>"
     assert page.locator(".msg.user b").count() == 0
 

@@ -8,7 +8,11 @@
     get(key, dflt) {
       try { const v = localStorage.getItem("imp." + key); return v === null ? dflt : JSON.parse(v); } catch (e) { return dflt; }
     },
-    set(key, value) { localStorage.setItem("imp." + key, JSON.stringify(value)); },
+    set(key, value) {
+      try { localStorage.setItem("imp." + key, JSON.stringify(value)); } catch (e) {
+        toast("Not saved: the browser's storage is full (export and delete old conversations)");
+      }
+    },
   };
   // [input id and request field, the /props params name (its default is the placeholder), integer?]
   const KNOBS = [["temperature", "temperature", false], ["top_p", "top_p", false], ["top_k", "top_k", true],
@@ -553,6 +557,12 @@
     $("settings").addEventListener("input", () => { saveSettings(); updateTokenCount(); });
     $("reset-knobs").onclick = () => { state.settings.knobs = {}; store.set("settings", state.settings); loadSettings(); };
     $("change-key").onclick = () => askKey("Enter the server's API key (empty: none).").then(loadServer);
+    window.addEventListener("storage", (e) => {   // another tab of this page changed the conversations
+      if (e.key !== "imp.conversations" || state.busy) return;
+      state.convs = store.get("conversations", []);
+      if (!current()) state.currentId = state.convs.length ? state.convs[0].id : null;
+      renderAll();
+    });
     $("server-stats").addEventListener("toggle", (e) => { if (e.target.open) loadMetrics(); });
     $("messages").addEventListener("click", (e) => {
       const b = e.target.closest(".copy-code");

@@ -16,6 +16,7 @@
   ).split(" "));
   const HASH_COMMENTS = new Set(["py", "python", "sh", "bash", "shell", "zsh", "console", "yaml", "yml", "toml",
     "ruby", "rb", "r", "perl", "pl", "dockerfile", "makefile", "make", "ini", "conf", "nim", "julia", "jl"]);
+  const PLAIN = new Set(["", "text", "txt", "plain", "plaintext", "output", "log", "markdown", "md"]);
   const STR = "\"(?:\\\\.|[^\"\\\\\\n])*\"|'(?:\\\\.|[^'\\\\\\n])*'|`(?:\\\\.|[^`\\\\])*`";
   const NUM = "\\b\\d[\\d_]*(?:\\.\\d+)?(?:[eE][+-]?\\d+)?\\b|\\b0x[\\da-fA-F]+\\b";
   const WORD = "\\b[A-Za-z_$][\\w$]*\\b";
@@ -24,7 +25,9 @@
 
   /** Code as HTML: comments, strings, numbers and keywords in spans; everything escaped. */
   function highlight(code, lang) {
-    const re = HASH_COMMENTS.has(String(lang || "").toLowerCase()) ? TOKEN_HASH : TOKEN_C;
+    lang = String(lang || "").toLowerCase();
+    if (PLAIN.has(lang)) return esc(code);
+    const re = HASH_COMMENTS.has(lang) ? TOKEN_HASH : TOKEN_C;
     re.lastIndex = 0;
     let out = "", last = 0, m;
     while ((m = re.exec(code)) !== null) {
@@ -74,6 +77,9 @@
       .replace(/(^|[^\w])_(?=\S)([^_\n]*?\S)_(?!\w)/g, "$1<em>$2</em>")
       .replace(/~~(?=\S)([^~\n]*?\S)~~/g, "<del>$1</del>");
   }
+
+  const TABLE_RULE = /^(?=.*\|)\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+  const cells = (row) => row.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((c) => c.trim());
 
   const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
 
@@ -134,6 +140,13 @@
         flush();
         html += "<hr>";
         i++;
+      } else if (line.includes("|") && TABLE_RULE.test(lines[i + 1] || "")) {
+        flush();
+        const head = cells(line), rows = [];
+        for (i += 2; i < lines.length && lines[i].includes("|") && lines[i].trim(); i++) rows.push(cells(lines[i]));
+        html += "<table><thead><tr>" + head.map((c) => `<th>${inline(c)}</th>`).join("") + "</tr></thead><tbody>" +
+          rows.map((r) => "<tr>" + head.map((_, k) => `<td>${inline(r[k] || "")}</td>`).join("") + "</tr>").join("") +
+          "</tbody></table>";
       } else if (/^ {0,3}>/.test(line)) {
         flush();
         const quote = [];
