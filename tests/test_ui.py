@@ -151,8 +151,10 @@ def test_no_ui_flag_and_the_page_needs_no_key():
 # ------------------------------------------------------------------------------------------ chatting
 def test_a_reply_streams_token_by_token(ui: UiPage, live_server: LiveServer):
     page = ui.open()
-    assert page.locator("#ctx").inner_text() == "ctx 1024"
-    assert page.locator("#k-temperature").get_attribute("placeholder") not in ("", "server default")  # /props
+    page.wait_for_function("document.querySelector('#ctx').textContent === 'ctx 1024'")
+    page.wait_for_function("document.querySelector('#k-temperature').placeholder !== ''")   # /props' default
+    props = httpx.get(live_server.url + "/props").json()["default_generation_settings"]["params"]
+    assert float(page.locator("#k-temperature").get_attribute("placeholder")) == props["temperature"]
     page.wait_for_function("document.querySelector('#health').dataset.state === 'ok'")
     ui.knob("max_tokens", 24)
     ui.send("Write a haiku about the sea.")

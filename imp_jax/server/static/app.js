@@ -36,9 +36,12 @@
     if (state.apiKey) headers["Authorization"] = "Bearer " + state.apiKey;
     const res = await fetch(path, { method: body === undefined ? "GET" : "POST", headers, signal,
       body: body === undefined ? undefined : JSON.stringify(body), cache: "no-store" });
-    if (res.status === 401) {
+    if (res.status === 401 && !state.keyDismissed) {
       await askKey(state.apiKey ? "The server refused this API key." : "This server needs an API key.");
-      if (!state.apiKey) return res;   // dismissed: the call fails with its 401
+      if (!state.apiKey) {   // dismissed: this call and later ones fail with their 401 until "API key…"
+        state.keyDismissed = true;
+        return res;
+      }
       return api(path, body, signal);
     }
     return res;
@@ -118,7 +121,7 @@
       const ready = h.status === "ok" && (h.state === undefined || h.state === "ready");
       el.dataset.state = ready ? "ok" : h.status === "ok" ? "busy" : "down";
       text.textContent = ready ? `${h.num_running || 0} running · ${h.num_waiting || 0} waiting` : (h.state || h.status);
-      if (ready && !state.model) loadServer();
+      if (ready && !state.model && !state.keyDismissed) loadServer();
     } catch (e) {
       el.dataset.state = "down";
       text.textContent = "offline";
@@ -543,6 +546,7 @@
     $("input").addEventListener("input", updateTokenCount);
     document.addEventListener("keydown", (e) => { if (e.key === "Escape" && state.busy) { e.preventDefault(); stop(); } });
     $("stop").onclick = stop;
+    $("key-cancel").onclick = () => { $("key-input").value = ""; };
     $("new-chat").onclick = () => { if (!current() || current().messages.length) newConv(); renderAll(); closePanels(); $("input").focus(); };
     $("export").onclick = exportJson;
     $("model").onchange = (e) => { state.model = e.target.value; updateTokenCount(); };
@@ -556,7 +560,10 @@
     for (const id of ["close-sidebar", "close-settings", "scrim"]) $(id).onclick = closePanels;
     $("settings").addEventListener("input", () => { saveSettings(); updateTokenCount(); });
     $("reset-knobs").onclick = () => { state.settings.knobs = {}; store.set("settings", state.settings); loadSettings(); };
-    $("change-key").onclick = () => askKey("Enter the server's API key (empty: none).").then(loadServer);
+    $("change-key").onclick = () => {
+      state.keyDismissed = false;
+      askKey("Enter the server's API key (empty: none).").then(loadServer);
+    };
     window.addEventListener("storage", (e) => {   // another tab of this page changed the conversations
       if (e.key !== "imp.conversations" || state.busy) return;
       state.convs = store.get("conversations", []);
