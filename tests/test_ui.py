@@ -78,6 +78,7 @@ class UiPage:
         self.page.fill(f"#k-{name}", str(value))
 
     def send(self, text: str) -> None:
+        self.page.evaluate("window.__snaps = []")   # snapshots of this reply only
         self.page.fill("#input", text)
         self.page.press("#input", "Enter")
 
@@ -183,7 +184,7 @@ def test_stop_regenerate_edit_and_the_knobs_in_the_request(ui: UiPage, live_serv
     ui.knob("max_tokens", 400)
     ui.knob("temperature", 0.8)
     ui.send("Tell me a long story about a dragon.")
-    page.wait_for_function("window.__snaps.filter(s => s.busy).length >= 3")
+    page.wait_for_function("window.__snaps.filter(s => s.busy && s.text.length).length >= 3")
     page.click("#stop")   # aborts the fetch; the server cancels the request
     ui.wait_done()
     assert "stopped" in page.locator(".msg.assistant .stats").inner_text()
@@ -361,7 +362,7 @@ def test_api_key_prompt_thinking_fold_and_end_thinking(browser: Any, keyed_think
         page.locator(".msg.assistant").last.locator(".end-thinking").click()
         ui.wait_done()
         assert ui.reply() == "Yes done" and set(page.locator(".think-body").last.text_content().split("ok")) == {""}
-        assert httpx.get(keyed_thinker.url + "/health").json()["num_running"] == 0
+        assert wait_idle(keyed_thinker.url, timeout=30)["num_running"] == 0
 
         page.reload()   # the key was kept: no prompt this time
         page.wait_for_function("document.querySelector('#model').value === 'thinker'")
