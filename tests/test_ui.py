@@ -60,6 +60,7 @@ class UiPage:
         self.url = url
         self.context = browser.new_context(viewport=viewport or {"width": 1200, "height": 800}, accept_downloads=True,
                                            bypass_csp=True)
+        self.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=url)
         self.context.set_default_timeout(TIMEOUT_MS)
         self.requests: list[Any] = []
         self.errors: list[str] = []
@@ -276,6 +277,9 @@ def test_model_html_is_shown_as_text(ui: UiPage):
     assert body.locator("td").first.inner_text() == "<i>1</i>" and body.locator("i").count() == 0
     python = body.locator(".code-block").nth(1)   # the highlighter
     assert python.locator(".code-head span").inner_text() == "python"
+    python.locator(".copy-code").click()
+    page.wait_for_function("navigator.clipboard.readText().then(t => t.startsWith('def f'))")
+    assert page.evaluate("navigator.clipboard.readText()") == "def f():\n    return 1  # c"
     assert python.locator(".tok-k").all_inner_texts() == ["def", "return"]
     assert python.locator(".tok-c").all_inner_texts() == ["# c"] and python.locator(".tok-n").all_inner_texts() == ["1"]
     assert page.locator(".msg.user .msg-body").inner_text() == "<b>user html</b>"

@@ -98,6 +98,7 @@
       const res = await api("/props");
       if (res.ok) {
         const props = await res.json(), gen = props.default_generation_settings || {};
+        state.propsLoaded = true;
         state.nCtx = gen.n_ctx || state.nCtx;
         for (const [id, name] of KNOBS) {
           const v = name && gen.params ? gen.params[name] : null;
@@ -121,7 +122,7 @@
       const ready = h.status === "ok" && (h.state === undefined || h.state === "ready");
       el.dataset.state = ready ? "ok" : h.status === "ok" ? "busy" : "down";
       text.textContent = ready ? `${h.num_running || 0} running · ${h.num_waiting || 0} waiting` : (h.state || h.status);
-      if (ready && !state.model && !state.keyDismissed) loadServer();
+      if (ready && !(state.model && state.propsLoaded) && !state.keyDismissed) loadServer();   // it was loading
     } catch (e) {
       el.dataset.state = "down";
       text.textContent = "offline";
