@@ -23,8 +23,7 @@ from server_fixtures import (FakeEngine, LiveServer, app_in_thread, fake_tokeniz
 from tiny_models import write_thinking_model
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium executable on PATH (Debian: apt-get install "
-                                                          "chromium); the browser tests need one")
+NO_CHROMIUM = "no chromium executable on PATH (Debian: apt-get install chromium); the browser tests need one"
 THINK_KEY = "ui-test-key"
 TIMEOUT_MS = 60_000
 # Snapshots of the last reply's text, and whether a stream was running, at every DOM change.
@@ -42,6 +41,9 @@ new MutationObserver(() => {
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """The module's one headless Chromium; every test that asks for it is skipped when there is none."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
