@@ -302,6 +302,13 @@ def test_phone_width_and_both_themes(browser: Any, live_server: LiveServer, tmp_
                 page.click("#open-sidebar")
                 page.wait_for_function("document.querySelector('#sidebar').getBoundingClientRect().x >= 0")
                 page.click("#scrim", position={"x": 380, "y": 400})
+                page.click("#open-settings")   # the settings slide in from the right, usable at this width
+                page.wait_for_function("document.querySelector('#settings').getBoundingClientRect().right <= 390")
+                page.wait_for_timeout(250)
+                page.screenshot(path=str(tmp_path / "ui-phone-settings.png"))
+                assert page.locator("#k-temperature").bounding_box()["x"] >= 0
+                page.click("#scrim", position={"x": 20, "y": 400})
+                page.wait_for_function("document.querySelector('#settings').getBoundingClientRect().x >= 390")
             for theme in ("light", "dark"):
                 if page.evaluate("document.documentElement.dataset.theme") != theme:
                     page.click("#theme")
