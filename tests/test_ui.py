@@ -118,7 +118,7 @@ def test_page_and_assets_are_small_and_cacheable(live_server: LiveServer):
         "content-security-policy"]
     assert httpx.get(live_server.url + "/", headers={"If-None-Match": page.headers["etag"]}).status_code == 304
     assets = re.findall(r'(?:src|href)="(/ui/[^"]+)"', page.text)
-    assert len(assets) == 3 and all("?v=" in a for a in assets)
+    assert len(assets) == 5 and all("?v=" in a for a in assets)
     total = len(page.content)
     for path in assets:
         r = httpx.get(live_server.url + path)
