@@ -1,6 +1,7 @@
 """Who may call, how often, and how much they may send: API keys, a per-caller rate limit, a body size limit.
 
-Probes (`/health`, `/ready`) are always open; `/metrics` is open only with `--metrics-public`.
+Probes (`/health`, `/ready`) are always open; `/metrics` is open only with `--metrics-public`; the
+chat page (`/` and `/ui/...`, ui.py) is open unless `--no-ui`.
 Everything else, unmatched routes included, needs a key once any key is configured. Probes and
 `/metrics` are not rate limited (a scrape is not work).
 """
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from imp_jax.server.errors import Refusal
+from imp_jax.server.ui import is_ui_path
 
 PROBES = frozenset({"/health", "/ready"})
 METRICS_PATH = "/metrics"
@@ -101,14 +103,17 @@ class RateLimiter:
 class Access:
     """The checks every request passes before its handler runs; each failure is a Refusal."""
 
-    def __init__(self, keys: Mapping[str, frozenset[str]] | list[str], rate_limit: int, max_request_bytes: int | None, metrics_public: bool):
+    def __init__(self, keys: Mapping[str, frozenset[str]] | list[str], rate_limit: int,
+                 max_request_bytes: int | None, metrics_public: bool, ui_public: bool = False):
         self.keys = ApiKeys(keys)
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.max_request_bytes = max_request_bytes
         self.metrics_public = metrics_public
+        self.ui_public = ui_public
 
     def is_open(self, path: str) -> bool:
-        return path in PROBES or (path == METRICS_PATH and self.metrics_public)
+        return (path in PROBES or (path == METRICS_PATH and self.metrics_public)
+                or (self.ui_public and is_ui_path(path)))
 
     def check(self, path: str, headers: Mapping[str, str], client_addr: str | None,
               content_length: int | None, max_request_bytes: int | None = None) -> None:

@@ -10,7 +10,7 @@ from quart import Quart, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, infill, limits, reasoning,
-                            responses, scoring, sessions, tokens)
+                            responses, scoring, sessions, tokens, ui)
 from imp_jax.server.browsers import check_json_content_type, loggable
 from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
@@ -40,6 +40,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> Quart:
     state = install(app, engine, config)
     for bp in BLUEPRINTS:
         app.register_blueprint(bp)
+    ui.register(app, config.ui)
     app.before_request(_begin)
     app.after_request(_finish)
     app.teardown_request(_release_model_lease)

@@ -24,6 +24,7 @@ class ServerConfig:
     host: str = _field("127.0.0.1", "address to listen on")
     port: int = _field(8080, "port to listen on (0 picks a free one)")
     log_level: str = _field("info", "log level", choices=("debug", "info", "warning", "error"))
+    ui: bool = _field(True, "serve the built-in chat page at GET / (--no-ui: off; docs/UI.md)")
     responses_store_ttl_s: float = _field(24 * 3600.0, "seconds a stored /v1/responses answer lives")
     responses_store_max_entries: int = _field(4096, "stored responses kept")
     responses_store_max_bytes: int = _field(64 * 1024 * 1024, "bytes of stored responses kept")

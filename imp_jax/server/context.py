@@ -67,7 +67,8 @@ class ServerContext:
 def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
     """Attach the server state to `app`; a bad key file or request-log path is a ValueError here."""
     gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
-    access = Access(config.api_key_grants(), config.rate_limit, config.max_request_bytes, config.metrics_public)
+    access = Access(config.api_key_grants(), config.rate_limit, config.max_request_bytes, config.metrics_public,
+                    ui_public=config.ui)
 
     def store_stats() -> dict[str, int]:
         store = app.extensions.get(STORE_KEY)
