@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from hypercorn.asyncio import serve
@@ -18,10 +18,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from quart import Quart
 
+from imp_jax.errors import ImpError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
+from imp_jax.server.encoders import install_encoders
 from imp_jax.server.models_dir import ModelDirectory, NoModel, in_flight
 
 if TYPE_CHECKING:
@@ -122,8 +124,30 @@ def main(argv: list[str] | None = None) -> int:
             return AsyncEngine(dataclasses.replace(config.engine, model=str(path)))
 
         state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout)
+    try:
+        install_encoders(app, make_encoders(config))
+    except (ImpError, ValueError) as e:   # a missing or unsupported embedding / rerank model
+        print(f"python -m imp_jax.server: error: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 2
     asyncio.run(run(app, engine, config))
     return 0
+
+
+def make_encoders(config: ServerConfig) -> list[Any]:
+    """The EncoderEngines of --embedding-model and --rerank-model (not started; the app starts them)."""
+    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+
+    chat = None if not config.model_given and config.models_dir else Path(str(config.engine.model)).name
+    out = []
+    for path in (config.embedding_model, config.rerank_model):
+        if path:
+            engine = EncoderEngine(EncoderEngineConfig(path, max_batch=config.encoder_max_batch,
+                                                       dtype=config.engine.dtype,
+                                                       compilation_cache_dir=config.engine.compilation_cache_dir))
+            if engine.served_name == chat:
+                raise ValueError(f"the encoder model '{engine.served_name}' has the chat model's name")
+            out.append(engine)
+    return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from werkzeug.exceptions import HTTPException
 
 from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, infill, limits, reasoning,
                             responses, sessions, tokens)
+from imp_jax.server import embeddings
 from imp_jax.server.browsers import check_json_content_type, loggable
 from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
@@ -21,6 +22,7 @@ log = logging.getLogger("imp_jax.server")
 MAX_REQUEST_ID = 128
 BLUEPRINTS = (admin.bp, chat_completions.bp, completions.bp, tokens.bp, anthropic_messages.bp, responses.bp,
               reasoning.bp, infill.bp, sessions.bp)
+BLUEPRINTS += (embeddings.bp,)
 
 
 def sanitize_request_id(value: str | None) -> str | None:
