@@ -113,11 +113,10 @@ def test_minilm_matches_transformers_alone_and_batched(emb: Any) -> None:
     alone = np.stack([_embed(emb.minilm, [s])[0] for s in SENTENCES])
     assert np.abs(alone - ref).max() <= 1e-4
     # batch invariance: the same sentence alone (bucket of 1) and among others (padded wider) agrees
-    assert np.abs(alone - batched).max() <= 1e-5
+    assert np.abs(alone - batched).max() <= 1e-6   # measured 3e-7: not bit-identical, close
 
 
 def test_concurrent_clients_share_batches_and_get_their_own_rows(emb: Any) -> None:
-    before = emb.minilm.stats()["batches"]
     ref = _embed(emb.minilm, SENTENCES[:16])
 
     def one(i: int) -> list[float]:
@@ -128,7 +127,22 @@ def test_concurrent_clients_share_batches_and_get_their_own_rows(emb: Any) -> No
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = np.array(list(pool.map(one, range(16))))
     assert np.abs(got - ref).max() <= 1e-5
-    assert emb.minilm.stats()["batches"] - before <= 1 + 16   # (merging is timing-dependent; rows must match)
+
+
+def test_jobs_of_several_clients_run_in_one_padded_batch(emb: Any) -> None:
+    """The batcher itself (what the engine thread runs on all that waits): three clients' inputs in one call."""
+    from imp_jax.runtime.encoder_engine import _Job
+
+    tok = emb.minilm.tokenizer
+    texts = [SENTENCES[:2], SENTENCES[2:4], [SENTENCES[4]]]
+    answers: list[Any] = [None] * 3
+    jobs = [_Job(tok.encode_batch(t), lambda v, i=i: answers.__setitem__(i, v)) for i, t in enumerate(texts)]
+    before = emb.minilm.stats()["batches"]
+    emb.minilm._serve(jobs)
+    assert emb.minilm.stats()["batches"] - before == 1
+    for t, got in zip(texts, answers):
+        alone = asyncio.run(emb.minilm.run(tok.encode_batch(t)))
+        assert got.shape == alone.shape and np.abs(got - alone).max() <= 1e-5
 
 
 def test_openai_client_float_base64_and_dimensions(emb: Any) -> None:
