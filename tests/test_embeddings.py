@@ -243,6 +243,12 @@ LONG = "word " * 300   # > 256 tokens
     ("/v1/rerank", {"model": MINILM, "query": "q", "documents": [{"title": "x"}]}, "documents[0]", None),
     ("/v1/rerank", {"model": CROSS, "query": "q", "documents": [LONG]}, "documents[0]", "context_length_exceeded"),
     ("/v1/rerank", {"model": "fake-model", "query": "q", "documents": ["a"]}, "model", "wrong_model_task"),
+    ("/v1/rerank", {"model": MINILM, "query": LONG, "documents": ["a"]}, "query", "context_length_exceeded"),
+    ("/v1/rerank", {"model": MINILM, "query": "q", "documents": ["a", LONG]}, "documents[1]",
+     "context_length_exceeded"),
+    ("/v1/rerank", {"model": MINILM, "query": "q", "documents": ["a"], "top_n": 0}, "top_n", None),
+    ("/v1/embeddings", {"model": MINILM, "input": "a", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens",
+     None),
 ])
 def test_bad_input_is_a_400_naming_the_field(emb: Any, path: str, body: dict, param: str, code: str | None) -> None:
     r = httpx.post(emb.url + path, json=body)

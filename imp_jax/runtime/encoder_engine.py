@@ -123,6 +123,10 @@ class EncoderEngine:
         return self.loaded.settings.max_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
+
+    @property
     def dimensions(self) -> int:
         return self.loaded.config.hidden_size
 

@@ -133,22 +133,26 @@ def _cut_to(req: Any, engine: Any) -> int | None:
     return engine.max_model_len if req.truncate else None
 
 
-def _fit(items: list[Item], engine: Any, cut: int | None, param: str, keeps_last: bool) -> list[Item]:
+def _fit(items: list[Item], engine: Any, cut: int | None, params: list[str], keeps_last: bool) -> list[Item]:
     """Inputs within the context: cut to `cut` tokens when asked (keeping the closing [SEP] of tokenized
-    text: `keeps_last`), else a 400 naming the first that is too long."""
+    text: `keeps_last`), else a 400 naming (`params[i]`) the first that is too long."""
     out = []
     for i, (ids, types) in enumerate(items):
         limit = cut if cut is not None else engine.max_model_len
         if len(ids) > limit:
             if cut is None:
                 raise InvalidRequestError(
-                    f"'{param}[{i}]' has {len(ids)} tokens; the model {engine.served_name} takes at most "
-                    f"{engine.max_model_len}. Shorten it or send \"truncate\": true", param=f"{param}[{i}]",
+                    f"'{params[i]}' has {len(ids)} tokens; the model {engine.served_name} takes at most "
+                    f"{engine.max_model_len}. Shorten it or send \"truncate\": true", param=params[i],
                     code="context_length_exceeded")
             keep = limit - 1 if keeps_last and limit > 1 else limit
             ids, types = ids[:keep] + (ids[-1:] if keep < limit else []), types[:keep] + (types[-1:] if keep < limit else [])
         out.append((ids, types))
     return out
+
+
+def _indexed(param: str, n: int) -> list[str]:
+    return [f"{param}[{i}]" for i in range(n)]
 
 
 def _check_chars(texts: list[str], engine: Any, param: str) -> None:
@@ -198,9 +202,9 @@ async def create_embeddings() -> Any:
         items = await off_loop(engine.tokenizer.encode_batch, inputs)
     else:
         for i, ids in enumerate(inputs):
-            check_token_ids(ids, engine.tokenizer.vocab_size, f"input[{i}]")   # type: ignore[arg-type]
+            check_token_ids(ids, engine.vocab_size, f"input[{i}]")   # type: ignore[arg-type]
         items = [(list(ids), [0] * len(ids)) for ids in inputs]   # type: ignore[arg-type]
-    items = _fit(items, engine, cut, "input", keeps_last=isinstance(inputs[0], str))
+    items = _fit(items, engine, cut, _indexed("input", len(items)), keeps_last=isinstance(inputs[0], str))
     vectors = await _run(engine, items, "embeddings")
     vectors = finish_embeddings(vectors, req.dimensions, engine.normalize)
     tokens = sum(len(ids) for ids, _ in items)
@@ -244,12 +248,12 @@ async def rerank() -> Any:
     cross = task_of(engine) == "score"
     if cross:
         items = await off_loop(engine.tokenizer.encode_pairs, req.query, docs)
-        items = _fit(items, engine, cut, "documents", keeps_last=True)
+        items = _fit(items, engine, cut, _indexed("documents", len(items)), keeps_last=True)
         logits = await _run(engine, items, "rerank")
         scores = 1.0 / (1.0 + np.exp(-logits[:, 0].astype(np.float64)))   # sigmoid, as vLLM and sentence-transformers
     else:
         items = await off_loop(engine.tokenizer.encode_batch, [req.query, *docs])
-        items = _fit(items[:1], engine, cut, "query", True) + _fit(items[1:], engine, cut, "documents", True)
+        items = _fit(items, engine, cut, ["query", *_indexed("documents", len(docs))], keeps_last=True)
         vectors = finish_embeddings(await _run(engine, items, "rerank"), None, True)
         scores = vectors[1:] @ vectors[0]   # cosine similarity
     order = sorted(range(len(docs)), key=lambda i: (-float(scores[i]), i))[:req.top_n or len(docs)]
