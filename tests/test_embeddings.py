@@ -325,3 +325,13 @@ def test_roberta_position_offset_matches_transformers(tmp_path: Path) -> None:
                   attention_mask=torch.tensor(np.arange(38)[None] < lengths[:, None], dtype=torch.long)).last_hidden_state
     for r, n in enumerate(lengths):
         assert np.abs(got[r, :n] - want[r, :n].numpy()).max() <= 1e-4
+
+
+def test_a_model_that_is_no_encoder_stops_start_up(smollm2_gguf_path: Path, tiny_hf_dir: Path) -> None:
+    from imp_jax.errors import ModelLoadError
+    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+
+    with pytest.raises(ModelLoadError, match="must be an HF directory"):
+        EncoderEngine(EncoderEngineConfig(str(smollm2_gguf_path)))
+    with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
+        EncoderEngine(EncoderEngineConfig(str(tiny_hf_dir)))

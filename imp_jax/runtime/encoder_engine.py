@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from imp_jax.errors import EngineError
+from imp_jax.errors import EngineError, ModelLoadError
+from imp_jax.model.bert import EncoderConfig
+from imp_jax.model.config import read_json
 from imp_jax.model.encoder_loader import LoadedEncoder, load_encoder
 from imp_jax.model.hub import resolve_model
 from imp_jax.model.loader import resolve_dtype
@@ -53,6 +55,20 @@ def encoder_buckets(max_len: int, max_batch: int, max_batch_tokens: int) -> list
     return sorted(out)
 
 
+def check_encoder(model: str) -> str:
+    """The served name of the encoder `model` names, after the checks that need no weights (an HF
+    directory whose config.json names an encoder architecture); a ModelLoadError otherwise, so a
+    wrong --embedding-model stops the server at start-up instead of faulting later."""
+    resolved = resolve_model(model)
+    if resolved.kind != "hf_dir":
+        raise ModelLoadError(f"{resolved.path}: an embedding or rerank model must be an HF directory "
+                             "(config.json, *.safetensors, tokenizer.json); GGUF and converted encoders are "
+                             "not supported")
+    config = resolved.path / "config.json"
+    EncoderConfig.from_hf(read_json(config), str(config))
+    return resolved.served_name
+
+
 @dataclasses.dataclass
 class _Job:
     items: list[Item]
@@ -69,12 +85,13 @@ class EncoderEngine:
         self.state = "loading"   # loading | warming_up | ready | faulted | stopped
         self.error: str | None = None
         self._loaded = loaded
-        self.served_name = loaded.served_name if loaded else resolve_model(config.model).served_name
+        self.served_name = loaded.served_name if loaded else check_encoder(config.model)
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"imp-encoder-{self.served_name}", daemon=True)
         self._exec: dict[tuple[int, int], Any] = {}
         self._warm = False
+        self._task: str | None = None
         self.compilations_after_warmup = 0
         self.batches = self.inputs = self.real_tokens = self.padded_tokens = 0
 
@@ -106,13 +123,10 @@ class EncoderEngine:
         """'embed' or 'score' (a cross-encoder); known before the weights are (from config.json)."""
         if self._loaded is not None:
             return self._loaded.settings.task
-        from imp_jax.model.bert import EncoderConfig
-        from imp_jax.model.config import read_json
-        path = resolve_model(self.config.model).path
-        try:
-            return "score" if EncoderConfig.from_hf(read_json(path / "config.json")).num_labels else "embed"
-        except Exception:
-            return "embed"
+        if self._task is None:
+            path = resolve_model(self.config.model).path
+            self._task = "score" if EncoderConfig.from_hf(read_json(path / "config.json")).num_labels else "embed"
+        return self._task
 
     @property
     def tokenizer(self):

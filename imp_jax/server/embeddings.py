@@ -79,8 +79,9 @@ def pick_encoder(model: str | None, tasks: tuple[str, ...], route: str) -> Any:
     else:
         ranked = sorted((e for e in found.values() if task_of(e) in tasks), key=lambda e: tasks.index(task_of(e)))
         if not ranked:
-            raise InvalidRequestError(f"no model for {route} is loaded; start the server with --embedding-model "
-                                      "(or --rerank-model)", param="model", code="model_not_loaded")
+            how = "--embedding-model" if tasks == ("embed",) else "--rerank-model or --embedding-model"
+            raise InvalidRequestError(f"no model for {route} is loaded; start the server with {how}",
+                                      param="model", code="model_not_loaded")
         engine = ranked[0]
     if engine.state in ("loading", "warming_up"):
         raise unavailable(f"the model {engine.served_name} is still loading", "loading")
