@@ -94,6 +94,7 @@ class EncoderEngine:
         self._task: str | None = None
         self.compilations_after_warmup = 0
         self.batches = self.inputs = self.real_tokens = self.padded_tokens = 0
+        self.in_flight = 0   # requests submitted and not yet answered (the server's drain waits for them)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -155,6 +156,7 @@ class EncoderEngine:
     def stats(self) -> dict[str, Any]:
         return {"state": self.state, "task": self.task if self._loaded else None,
                 "compilations_after_warmup": self.compilations_after_warmup, "programs": len(self._exec),
+                "in_flight": self.in_flight,
                 "batches": self.batches, "inputs": self.inputs, "real_tokens": self.real_tokens,
                 "padded_tokens": self.padded_tokens}
 
@@ -176,8 +178,12 @@ class EncoderEngine:
             if not answer.done():
                 (answer.set_exception if isinstance(value, BaseException) else answer.set_result)(value)
 
-        self._inbox.put(_Job(list(items), lambda v: loop.call_soon_threadsafe(resolve, v)))
-        return await answer
+        self.in_flight += 1   # on the event loop's thread only
+        try:
+            self._inbox.put(_Job(list(items), lambda v: loop.call_soon_threadsafe(resolve, v)))
+            return await answer
+        finally:
+            self.in_flight -= 1
 
     async def embed(self, items: list[Item], dimensions: int | None = None) -> np.ndarray:
         """Embeddings [n, dimensions or hidden] (float32), truncated then normalised if the model normalises."""

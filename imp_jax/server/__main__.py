@@ -23,7 +23,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
-from imp_jax.server.encoders import install_encoders
+from imp_jax.server.encoders import encoders_of, install_encoders
 from imp_jax.server.models_dir import ModelDirectory, NoModel, in_flight
 
 if TYPE_CHECKING:
@@ -63,12 +63,12 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     async def shutdown_trigger() -> None:
         await stop.wait()
         state_of(app).draining = True   # new generation requests: 503 draining; /ready 503 draining
-        busy = in_flight(state_of(app).engine)
+        busy = busy_requests(app)
         log.info("shutting down: finishing %d in-flight request(s), at most %.0f s", busy, config.drain_timeout)
         deadline = loop.time() + config.drain_timeout
         while busy and loop.time() < deadline and not stop_now.is_set():
             await asyncio.sleep(0.1)
-            busy = in_flight(state_of(app).engine)
+            busy = busy_requests(app)
         if busy:
             log.warning("shutting down with %d request(s) unfinished after %.0f s", busy, config.drain_timeout)
 
@@ -78,6 +78,11 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     finally:
         state_of(app).engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted (daemon thread)
         log.info("stopped")
+
+
+def busy_requests(app: Quart) -> int:
+    """Requests the chat engine and the encoder engines hold: what a drain waits for."""
+    return in_flight(state_of(app).engine) + sum(e.in_flight for e in encoders_of(app).values())
 
 
 MALLOC_ARENAS = 2  # glibc's default is 8 per core, each grown to its thread's high-water mark
