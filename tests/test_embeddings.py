@@ -74,8 +74,9 @@ def emb(tmp_path_factory: pytest.TempPathFactory) -> Any:
     minilm_dir = resolve_model(MINILM).path
     cross_dir = tmp_path_factory.mktemp("enc") / CROSS
     hf_cross = _write_cross_encoder(cross_dir, minilm_dir)
-    engines = [EncoderEngine(EncoderEngineConfig(MINILM, max_batch=8, max_batch_tokens=1024)),
-               EncoderEngine(EncoderEngineConfig(str(cross_dir), max_batch=8, max_batch_tokens=1024))]
+    small = dict(max_batch=8, max_batch_tokens=1024, dtype="float32")   # few programs; float32 on any device
+    engines = [EncoderEngine(EncoderEngineConfig(MINILM, **small)),
+               EncoderEngine(EncoderEngineConfig(str(cross_dir), **small))]
     chat = FakeEngine(fake_tokenizer())
     chat.start()
     app = create_app(chat, ServerConfig())
@@ -134,12 +135,15 @@ def test_jobs_of_several_clients_run_in_one_padded_batch(emb: Any) -> None:
     from imp_jax.runtime.encoder_engine import _Job
 
     tok = emb.minilm.tokenizer
-    texts = [SENTENCES[:2], SENTENCES[2:4], [SENTENCES[4]]]
+    texts = [SENTENCES[:2], [SENTENCES[2]], [SENTENCES[3]]]   # 4 inputs: one call of the 4-row bucket
     answers: list[Any] = [None] * 3
     jobs = [_Job(tok.encode_batch(t), lambda v, i=i: answers.__setitem__(i, v)) for i, t in enumerate(texts)]
     before = emb.minilm.stats()["batches"]
     emb.minilm._serve(jobs)
     assert emb.minilm.stats()["batches"] - before == 1
+    before = emb.minilm.stats()["batches"]
+    asyncio.run(emb.minilm.run(tok.encode_batch(SENTENCES[:6])))   # 6 = 4 + 1 + 1: no call pads rows
+    assert emb.minilm.stats()["batches"] - before == 3
     for t, got in zip(texts, answers):
         alone = asyncio.run(emb.minilm.run(tok.encode_batch(t)))
         assert got.shape == alone.shape and np.abs(got - alone).max() <= 1e-5
