@@ -7,6 +7,8 @@ Offline: sentences/s embedding the same varied sentences (5-40 words) in request
 tokenizing included, with imp_jax's EncoderEngine (padded buckets compiled at start-up) and with
 transformers' BertModel + mean pooling + L2 normalisation (torch, --torch-threads threads, the
 whole request as one batch padded to its longest sentence), in the same process on the same CPU.
+The two alternate, --rounds rounds of at least 1 s each per batch size, and each keeps its best
+round: on a shared machine other tenants' load comes and goes, and alternating exposes both to it.
 Served: a real `python -m imp_jax.server --embedding-model MODEL`, `--clients` HTTP clients each
 sending one-sentence /v1/embeddings requests back to back; p50 / p90 latency and requests/s.
 """
@@ -36,7 +38,7 @@ def sentences(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))).capitalize() + "." for _ in range(n)]
 
 
-def rate(fn, n: int, min_s: float = 3.0, min_iters: int = 3) -> float:
+def rate(fn, n: int, min_s: float = 1.0, min_iters: int = 2) -> float:
     """Sentences per second of `fn()` (n sentences a call), after one warm call."""
     fn()
     iters, t0 = 0, time.perf_counter()
@@ -46,25 +48,20 @@ def rate(fn, n: int, min_s: float = 3.0, min_iters: int = 3) -> float:
     return n * iters / (time.perf_counter() - t0)
 
 
-def bench_imp(model: str, texts: list[str], batches: list[int], max_batch: int) -> tuple[dict, np.ndarray]:
+def imp_embedder(model: str, max_batch: int) -> tuple[object, dict]:
+    """imp_jax's embed(texts) on a started EncoderEngine, and its start-up facts."""
     from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
 
     t0 = time.perf_counter()
     engine = EncoderEngine(EncoderEngineConfig(model, max_batch=max_batch))
     engine.start()
     asyncio.run(engine.wait_ready())
-    startup = time.perf_counter() - t0
-    tok = engine.tokenizer
-    out = {"startup_s": startup, "programs": len(engine.buckets)}
-    for b in batches:
-        out[b] = rate(lambda: asyncio.run(engine.embed(tok.encode_batch(texts[:b]))), b)
-    vecs = asyncio.run(engine.embed(tok.encode_batch(texts[:8])))
-    out["compilations_after_warmup"] = engine.compilations_after_warmup
-    engine.shutdown()
-    return out, vecs
+    facts = {"startup_s": time.perf_counter() - t0, "programs": len(engine.buckets), "engine": engine}
+    return (lambda batch: asyncio.run(engine.embed(engine.tokenizer.encode_batch(batch)))), facts
 
 
-def bench_torch(path: Path, texts: list[str], batches: list[int], threads: int) -> tuple[dict, np.ndarray]:
+def torch_embedder(path: Path, threads: int):
+    """transformers' BertModel + mean pooling + L2 normalisation, as sentence-transformers computes it."""
     import torch
     import transformers
 
@@ -79,7 +76,17 @@ def bench_torch(path: Path, texts: list[str], batches: list[int], threads: int) 
         mask = enc["attention_mask"][..., None].float()
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1).numpy()
 
-    return {b: rate(lambda: embed(texts[:b]), b) for b in batches}, embed(texts[:8])
+    return embed
+
+
+def bench_offline(embedders: dict, texts: list[str], batches: list[int], rounds: int) -> dict:
+    """{name: {batch: best sentences/s}}, the embedders alternating round by round."""
+    best: dict = {name: {} for name in embedders}
+    for b in batches:
+        for _ in range(rounds):
+            for name, embed in embedders.items():
+                best[name][b] = max(best[name].get(b, 0.0), rate(lambda: embed(texts[:b]), b))
+    return best
 
 
 def bench_server(model: str, texts: list[str], clients: int, per_client: int, max_batch: int) -> dict:
@@ -130,6 +137,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--max-batch", type=int, default=32, help="the engine's --encoder-max-batch")
     ap.add_argument("--torch-threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per batch size (best kept)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--per-client", type=int, default=40)
     ap.add_argument("--no-server", action="store_true", help="skip the HTTP latency run")
@@ -140,8 +148,13 @@ def main() -> int:
 
     path = resolve_model(args.model).path
     texts = sentences(max(args.batches))
-    imp, v_imp = bench_imp(args.model, texts, args.batches, args.max_batch)
-    ref, v_ref = bench_torch(path, texts, args.batches, args.torch_threads)
+    imp_embed, facts = imp_embedder(args.model, args.max_batch)
+    torch_embed = torch_embedder(path, args.torch_threads)
+    v_imp, v_ref = imp_embed(texts[:8]), torch_embed(texts[:8])
+    best = bench_offline({"imp": imp_embed, "torch": torch_embed}, texts, args.batches, args.rounds)
+    imp, ref = {**facts, **best["imp"]}, best["torch"]
+    imp["compilations_after_warmup"] = facts["engine"].compilations_after_warmup
+    facts["engine"].shutdown()
     print(f"imp_jax encoder: start-up {imp['startup_s']:.1f}s, {imp['programs']} programs; "
           f"max |imp - torch| on 8 sentences {np.abs(v_imp - v_ref).max():.1e}")
     print(f"{'batch':>5} {'imp_jax sent/s':>15} {'torch sent/s':>13} {'ratio':>6}")
@@ -150,6 +163,7 @@ def main() -> int:
         rows.append({"batch": b, "imp_jax_sent_s": imp[b], "torch_sent_s": ref[b], "ratio": imp[b] / ref[b]})
         print(f"{b:5d} {imp[b]:15.1f} {ref[b]:13.1f} {imp[b] / ref[b]:6.2f}")
     results = {"model": args.model, "torch_threads": args.torch_threads, "max_batch": args.max_batch,
+               "rounds": args.rounds,
                "startup_s": imp["startup_s"], "programs": imp["programs"],
                "compilations_after_warmup": imp["compilations_after_warmup"], "offline": rows,
                "max_abs_diff_vs_torch": float(np.abs(v_imp - v_ref).max()), "load_average": os.getloadavg()}

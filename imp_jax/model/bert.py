@@ -112,10 +112,9 @@ class EncoderLayer(nnx.Module):
         H = cfg.num_heads
         D = E // H
         qkv = linear(x, self.qkv_w[...], self.qkv_b[...]).reshape(B, S, 3, H, D)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * D ** -0.5
-        probs = jax.nn.softmax(scores + bias, axis=-1).astype(x.dtype)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(B, S, E)
+        # jax's fused attention: on XLA:CPU ~3x faster than einsum + softmax + einsum at (32 x 64)
+        ctx = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], bias=bias.astype(x.dtype),
+                                           scale=D ** -0.5).reshape(B, S, E)
         x = layer_norm(x + linear(ctx, self.o_w[...], self.o_b[...]), self.attn_ln_w[...], self.attn_ln_b[...],
                        cfg.layer_norm_eps)
         h = jax.nn.gelu(linear(x, self.up_w[...], self.up_b[...]), approximate=False)

@@ -45,9 +45,11 @@ class EncoderEngineConfig:
 
 
 def encoder_buckets(max_len: int, max_batch: int, max_batch_tokens: int) -> list[tuple[int, int]]:
-    """(batch, seq) shapes: sequences in powers of two, batches in powers of four (fewer programs to
-    compile; a short batch pads to the next), both capped, every pair within the token budget."""
-    seqs = [s for s in pow2_buckets(MIN_SEQ_BUCKET, max_len) if s <= max_len]
+    """(batch, seq) shapes: sequences in powers of two and the 1.5x between them from 32 up (less
+    padding: sentences are short), batches in powers of four (the batcher fills them: 5 inputs run
+    as 4 + 1), both capped, every pair within the token budget."""
+    pow2 = pow2_buckets(MIN_SEQ_BUCKET, max_len)
+    seqs = sorted({s for s in pow2 + [p * 3 // 2 for p in pow2 if p >= 32] if s <= max_len})
     batches = [b for b in pow2_buckets(1, max_batch) if b & (b - 1) or b.bit_length() % 2 == 1 or b == max_batch]
     out = [(b, s) for s in seqs for b in batches if b * s <= max_batch_tokens]
     if not any(s == max_len for _, s in out):
