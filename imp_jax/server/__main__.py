@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from hypercorn.asyncio import serve
@@ -18,10 +18,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from quart import Quart
 
+from imp_jax.errors import ImpError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
+from imp_jax.server.encoders import encoders_of, install_encoders
 from imp_jax.server.models_dir import ModelDirectory, NoModel, in_flight
 
 if TYPE_CHECKING:
@@ -61,12 +63,12 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     async def shutdown_trigger() -> None:
         await stop.wait()
         state_of(app).draining = True   # new generation requests: 503 draining; /ready 503 draining
-        busy = in_flight(state_of(app).engine)
+        busy = busy_requests(app)
         log.info("shutting down: finishing %d in-flight request(s), at most %.0f s", busy, config.drain_timeout)
         deadline = loop.time() + config.drain_timeout
         while busy and loop.time() < deadline and not stop_now.is_set():
             await asyncio.sleep(0.1)
-            busy = in_flight(state_of(app).engine)
+            busy = busy_requests(app)
         if busy:
             log.warning("shutting down with %d request(s) unfinished after %.0f s", busy, config.drain_timeout)
 
@@ -76,6 +78,11 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
     finally:
         state_of(app).engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted (daemon thread)
         log.info("stopped")
+
+
+def busy_requests(app: Quart) -> int:
+    """Requests the chat engine and the encoder engines hold: what a drain waits for."""
+    return in_flight(state_of(app).engine) + sum(e.in_flight for e in encoders_of(app).values())
 
 
 MALLOC_ARENAS = 2  # glibc's default is 8 per core, each grown to its thread's high-water mark
@@ -122,8 +129,30 @@ def main(argv: list[str] | None = None) -> int:
             return AsyncEngine(dataclasses.replace(config.engine, model=str(path)))
 
         state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout)
+    try:
+        install_encoders(app, make_encoders(config))
+    except (ImpError, ValueError) as e:   # a missing or unsupported embedding / rerank model
+        print(f"python -m imp_jax.server: error: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 2
     asyncio.run(run(app, engine, config))
     return 0
+
+
+def make_encoders(config: ServerConfig) -> list[Any]:
+    """The EncoderEngines of --embedding-model and --rerank-model (not started; the app starts them)."""
+    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+
+    chat = None if not config.model_given and config.models_dir else Path(str(config.engine.model)).name
+    out = []
+    for path in (config.embedding_model, config.rerank_model):
+        if path:
+            engine = EncoderEngine(EncoderEngineConfig(path, max_batch=config.encoder_max_batch,
+                                                       dtype=config.engine.dtype,
+                                                       compilation_cache_dir=config.engine.compilation_cache_dir))
+            if engine.served_name == chat:
+                raise ValueError(f"the encoder model '{engine.served_name}' has the chat model's name")
+            out.append(engine)
+    return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from quart import Blueprint, Response, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.server.context import model_name, ready_engine, readiness, server
+from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
 from imp_jax.server.errors import unavailable
 from imp_jax.server.limits import field_limits
 from imp_jax.server.validation import check_model_name, parse_json
@@ -63,6 +64,8 @@ async def health() -> Any:
         "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), "suspended": False,
         "idle_suspended": False, **stats,
     }
+    if encoders():
+        body["encoder_models"] = {name: e.stats() for name, e in encoders().items()}
     if "kv_blocks_total" in stats:   # the pool's capacity, so a caller can check a prompt against it
         body.update(kv_capacity_tokens=stats["kv_blocks_total"] * stats["kv_block_size"],
                     kv_ceiling_blocks=stats["kv_blocks_total"], kv_pool_growable=False)
@@ -75,6 +78,8 @@ async def health() -> Any:
 @bp.get("/ready")
 async def ready() -> Any:
     is_ready, code = readiness()
+    if is_ready:   # the encoder models must be serving too
+        is_ready, code = encoders_ready()
     engine_state = getattr(server().engine, "state", "ready")
     if is_ready:
         return jsonify({"ready": True, "state": engine_state, "model": _model_name(),
@@ -123,7 +128,7 @@ def _model_card(name: str | None = None) -> dict[str, Any]:
     state = server()
     served = name is None or (state.engine.state != "no_model" and name == _model_name())
     card = {"id": name or _model_name(), "object": "model", "created": int(state.started_at), "owned_by": "imp_jax",
-            "loaded": served and readiness()[0]}
+            "loaded": served and readiness()[0], "task": "generate"}
     if served:
         card["max_model_len"] = _engine_setting("max_model_len")
     return card
@@ -136,9 +141,10 @@ def _served_card() -> list[dict[str, Any]]:
 @bp.get("/v1/models")
 async def models() -> Any:
     state = server()
+    extra = encoder_cards(int(state.started_at))   # the embedding / rerank models beside the chat model
     if state.models is None:
-        return jsonify({"object": "list", "data": _served_card()})
-    return jsonify({"object": "list", "data": [_model_card(name) for name in state.models.models()]})
+        return jsonify({"object": "list", "data": _served_card() + extra})
+    return jsonify({"object": "list", "data": [_model_card(name) for name in state.models.models()] + extra})
 
 
 @bp.get("/v1/models/<path:model_id>")
@@ -146,6 +152,9 @@ async def model(model_id: str) -> Any:
     state = server()
     if state.models is not None and model_id in state.models:
         return jsonify(_model_card(model_id))
+    for card in encoder_cards(int(state.started_at)):
+        if card["id"] == model_id:
+            return jsonify(card)
     check_model_name(model_id, _model_name())
     return jsonify(_model_card())
 

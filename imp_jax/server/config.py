@@ -85,6 +85,13 @@ class ServerConfig:
     otlp_endpoint: str | None = _field(None, "OTLP/HTTP traces URL of a collector "
                                              "(http://host:4318/v1/traces): export a span per generation request")
     otlp_service_name: str = _field("imp_jax", "service.name of the exported spans")
+    # encoder models beside the chat model (docs/API.md, embeddings and rerank)
+    embedding_model: str | None = _field(None, "an embedding model (HF BERT-family directory or alias, e.g. "
+                                         "all-minilm-l6-v2) served on /v1/embeddings and /v1/rerank beside the "
+                                         "chat model; a cross-encoder here is taken as the rerank model")
+    rerank_model: str | None = _field(None, "a cross-encoder (HF *ForSequenceClassification directory, 1 label) "
+                                      "served on /v1/rerank")
+    encoder_max_batch: int = _field(32, "inputs in one encoder program call at most (batched across clients)")
     engine: Any = dataclasses.field(default=None, metadata={"flag": False})
     model_given: bool = dataclasses.field(default=True, metadata={"flag": False})  # --model set (cli.parse_config)
 
@@ -107,6 +114,8 @@ class ServerConfig:
                      "max_stop_token_ids", "max_tools", "max_constraint_bytes", "max_json_depth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.encoder_max_batch < 1:
+            raise ValueError(f"encoder_max_batch must be >= 1, got {self.encoder_max_batch}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):

@@ -16,6 +16,7 @@ from imp_jax.server.admission import AdmissionGate
 from imp_jax.server.browsers import HostCheck, default_allowed_hosts
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
+from imp_jax.server.encoders import refuse_encoder_model
 from imp_jax.server.errors import unavailable
 from imp_jax.server.generation import Engine
 from imp_jax.server.models_dir import ModelDirectory
@@ -167,6 +168,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     check_pins(req)
     g.session_id = session_id_of(req)
     model = getattr(req, "model", None)
+    refuse_encoder_model(model, request.path)   # an embedding / rerank model's name: a 400 naming it
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
         await state.models.ensure(state, model)   # swaps first if another model is loaded
         g.model_lease = state.models   # released at the request's teardown (app.py)

@@ -13,7 +13,8 @@ from imp_jax.server.request_record import RequestRecord
 
 ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
              "/v1/messages": "messages", "/v1/responses": "responses", "/infill": "infill",
-             "/v1/score": "score", "/v1/decide": "decide"}
+             "/v1/score": "score", "/v1/decide": "decide",
+             "/v1/embeddings": "embeddings", "/v1/rerank": "rerank", "/rerank": "rerank"}
 REJECTIONS = {"invalid_api_key": "auth", "rate_limit_exceeded": "rate_limit", "queue_full": "queue_full",
               "request_too_large": "body_too_large"}
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -1,0 +1,326 @@
+"""EncoderEngine: the second, simpler core beside the generative one, for embeddings and rerank.
+
+No KV cache, no sampler. Requests from every client go into one inbox; the engine thread takes
+all that is waiting, sorts the inputs by length and runs them in padded (batch x sequence)
+buckets, each one program compiled at start-up (so serving compiles nothing: a counter proves
+it). A program returns the pooled vectors of an embedding model or the logits of a cross-encoder;
+truncation to `dimensions` and normalisation happen on the host, per row.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from imp_jax.errors import EngineError, ModelLoadError
+from imp_jax.model.bert import EncoderConfig
+from imp_jax.model.config import read_json
+from imp_jax.model.encoder_loader import LoadedEncoder, load_encoder
+from imp_jax.model.hub import resolve_model
+from imp_jax.model.loader import resolve_dtype
+from imp_jax.runtime.batch import pow2_buckets
+from imp_jax.runtime.vectors import finish_embeddings
+
+log = logging.getLogger("imp_jax.encoder")
+Item = tuple[list[int], list[int]]   # (token ids, token type ids) of one input
+MIN_SEQ_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderEngineConfig:
+    model: str
+    max_batch: int = 32              # inputs in one program call at most
+    max_batch_tokens: int = 8192     # padded tokens (batch x sequence bucket) in one call at most
+    dtype: str = "auto"
+    compilation_cache_dir: str | None = None
+
+
+def encoder_buckets(max_len: int, max_batch: int, max_batch_tokens: int) -> list[tuple[int, int]]:
+    """(batch, seq) shapes: sequences in powers of two and the 1.5x between them from 32 up (less
+    padding: sentences are short), batches in powers of four (the batcher fills them: 5 inputs run
+    as 4 + 1), both capped, every pair within the token budget."""
+    pow2 = pow2_buckets(MIN_SEQ_BUCKET, max_len)
+    seqs = sorted({s for s in pow2 + [p * 3 // 2 for p in pow2 if p >= 32] if s <= max_len})
+    batches = [b for b in pow2_buckets(1, max_batch) if b & (b - 1) or b.bit_length() % 2 == 1 or b == max_batch]
+    out = [(b, s) for s in seqs for b in batches if b * s <= max_batch_tokens]
+    if not any(s == max_len for _, s in out):
+        out.append((1, max_len))   # one input of the full length always fits
+    return sorted(out)
+
+
+def check_encoder(model: str) -> str:
+    """The served name of the encoder `model` names, after the checks that need no weights (an HF
+    directory whose config.json names an encoder architecture); a ModelLoadError otherwise, so a
+    wrong --embedding-model stops the server at start-up instead of faulting later."""
+    resolved = resolve_model(model)
+    if resolved.kind != "hf_dir":
+        raise ModelLoadError(f"{resolved.path}: an embedding or rerank model must be an HF directory "
+                             "(config.json, *.safetensors, tokenizer.json); GGUF and converted encoders are "
+                             "not supported")
+    config = resolved.path / "config.json"
+    EncoderConfig.from_hf(read_json(config), str(config))
+    return resolved.served_name
+
+
+@dataclasses.dataclass
+class _Job:
+    items: list[Item]
+    reply: Callable[[Any], None]
+    out: np.ndarray | None = None
+    left: int = 0
+
+
+class EncoderEngine:
+    """Start with `start()`; `embed()` / `classify()` from asyncio; `shutdown()` with the server."""
+
+    def __init__(self, config: EncoderEngineConfig, loaded: LoadedEncoder | None = None):
+        self.config = config
+        self.state = "loading"   # loading | warming_up | ready | faulted | stopped
+        self.error: str | None = None
+        self._loaded = loaded
+        self.served_name = loaded.served_name if loaded else check_encoder(config.model)
+        self._inbox: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"imp-encoder-{self.served_name}", daemon=True)
+        self._exec: dict[tuple[int, int], Any] = {}
+        self._warm = False
+        self._task: str | None = None
+        self.compilations_after_warmup = 0
+        self.batches = self.inputs = self.real_tokens = self.padded_tokens = 0
+        self.in_flight = 0   # requests submitted and not yet answered (the server's drain waits for them)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+        if self.state != "ready":
+            raise EngineError(f"encoder {self.served_name} failed to start: {self.error}")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.state = "stopped"
+        self._refuse_queued()
+
+    # -------------------------------------------------------------------- facts
+    @property
+    def loaded(self) -> LoadedEncoder:
+        if self._loaded is None or self.state in ("loading", "warming_up"):
+            raise EngineError(f"the model {self.served_name} is still loading", code="loading", status=503)
+        return self._loaded
+
+    @property
+    def task(self) -> str:
+        """'embed' or 'score' (a cross-encoder); known before the weights are (from config.json)."""
+        if self._loaded is not None:
+            return self._loaded.settings.task
+        if self._task is None:
+            path = resolve_model(self.config.model).path
+            self._task = "score" if EncoderConfig.from_hf(read_json(path / "config.json")).num_labels else "embed"
+        return self._task
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loaded.settings.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
+
+    @property
+    def dimensions(self) -> int:
+        return self.loaded.config.hidden_size
+
+    @property
+    def normalize(self) -> bool:
+        return self.loaded.settings.normalize
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return sorted(self._exec)
+
+    def stats(self) -> dict[str, Any]:
+        return {"state": self.state, "task": self.task if self._loaded else None,
+                "compilations_after_warmup": self.compilations_after_warmup, "programs": len(self._exec),
+                "in_flight": self.in_flight,
+                "batches": self.batches, "inputs": self.inputs, "real_tokens": self.real_tokens,
+                "padded_tokens": self.padded_tokens}
+
+    # ----------------------------------------------------------------- requests
+    async def run(self, items: list[Item]) -> np.ndarray:
+        """The program's rows for `items`: pooled vectors [n, hidden] or logits [n, num_labels]."""
+        if self.state != "ready":
+            code = "loading" if self.state in ("loading", "warming_up") else "engine_error"
+            raise EngineError(f"the model {self.served_name} is {self.state}"
+                              + (f": {self.error}" if self.error else ""), code=code, status=503)
+        too_long = [i for i, (ids, _) in enumerate(items) if not 0 < len(ids) <= self.max_model_len]
+        if too_long:   # the server checks first; this guards the engine's own contract
+            raise EngineError(f"input {too_long[0]} has {len(items[too_long[0]][0])} tokens", status=400,
+                              code="invalid_request_error")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def resolve(value: Any) -> None:
+            if not answer.done():
+                (answer.set_exception if isinstance(value, BaseException) else answer.set_result)(value)
+
+        self.in_flight += 1   # on the event loop's thread only
+        try:
+            self._inbox.put(_Job(list(items), lambda v: loop.call_soon_threadsafe(resolve, v)))
+            return await answer
+        finally:
+            self.in_flight -= 1
+
+    async def embed(self, items: list[Item], dimensions: int | None = None) -> np.ndarray:
+        """Embeddings [n, dimensions or hidden] (float32), truncated then normalised if the model normalises."""
+        vectors = await self.run(items)
+        return finish_embeddings(vectors, dimensions, self.normalize)
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            self._start_up()
+        except Exception as e:
+            log.exception("encoder %s failed to start", self.served_name)
+            self.error, self.state = str(e), "faulted"
+            self._ready.set()
+            return
+        self.state = "ready"
+        self._ready.set()
+        while True:
+            job = self._inbox.get()
+            if job is None:
+                return
+            jobs = [job]
+            while True:
+                try:
+                    more = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._inbox.put(None)
+                    break
+                jobs.append(more)
+            try:
+                self._serve(jobs)
+            except Exception as e:
+                log.exception("encoder %s: a batch failed", self.served_name)
+                for j in jobs:
+                    j.reply(EngineError(f"the encoder failed: {e}"))
+
+    def _start_up(self) -> None:
+        from imp_jax.runtime.builder import enable_compilation_cache
+        from imp_jax.runtime.config import EngineConfig
+
+        enable_compilation_cache(EngineConfig(compilation_cache_dir=self.config.compilation_cache_dir))
+        platform = jax.devices()[0].platform
+        if self._loaded is None:
+            self._loaded = load_encoder(self.config.model, resolve_dtype(self.config.dtype, platform))
+        self.state = "warming_up"
+        loaded = self._loaded
+        graphdef, state = nnx.split(loaded.model)
+        self._leaves, treedef = jax.tree.flatten(state)
+        pooling, classify = loaded.settings.pooling, loaded.settings.task == "score"
+
+        def program(leaves, ids, types, lengths):
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            hidden = model(ids, types, lengths)
+            return model.classify(hidden) if classify else model.pool(hidden, lengths, pooling)
+
+        self._jit = jax.jit(program)
+        self._leaf_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._leaves]
+        buckets = encoder_buckets(loaded.settings.max_len, self.config.max_batch, self.config.max_batch_tokens)
+        t0 = time.perf_counter()
+        for bucket in buckets:
+            self._program(bucket)
+            self._call(bucket, [([0], [0])])   # a program's first run costs more: pay it here
+        self._warm = True
+        log.info("encoder %s: %d programs compiled and run in %.1fs", self.served_name, len(buckets),
+                 time.perf_counter() - t0)
+
+    def _program(self, bucket: tuple[int, int]) -> Any:
+        exe = self._exec.get(bucket)
+        if exe is None:
+            B, S = bucket
+            spec = jax.ShapeDtypeStruct((B, S), jnp.int32)
+            exe = self._jit.lower(self._leaf_specs, spec, spec, jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
+            self._exec[bucket] = exe
+            if self._warm:
+                self.compilations_after_warmup += 1
+                log.warning("encoder %s: compiled a program for batch=%d seq=%d after warm-up", self.served_name, B, S)
+        return exe
+
+    def _bucket(self, n: int, longest: int) -> tuple[int, int] | None:
+        """The smallest compiled bucket holding n inputs of at most `longest` tokens (None if none does)."""
+        fits = [(b * s, b, s) for b, s in self._exec if b >= n and s >= longest]
+        return min(fits)[1:] if fits else None
+
+    def _call(self, bucket: tuple[int, int], items: list[Item]) -> np.ndarray:
+        B, S = bucket
+        ids = np.zeros((B, S), np.int32)
+        types = np.zeros((B, S), np.int32)
+        lengths = np.zeros(B, np.int32)
+        ids[:, :] = self._loaded.config.pad_token_id
+        for r, (tok, typ) in enumerate(items):
+            ids[r, :len(tok)] = tok
+            types[r, :len(typ)] = typ
+            lengths[r] = len(tok)
+        out = self._program(bucket)(self._leaves, ids, types, lengths)
+        return np.asarray(out)[:len(items)]
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        """Every input of `jobs`, sorted by length, in calls that fill their bucket's rows: each call takes
+        the largest compiled batch size that what is left fills (5 inputs run as 4 + 1, not as 16 rows
+        with 11 of padding); each job is answered when its last input is done."""
+        work = []
+        for j in jobs:
+            j.left = len(j.items)
+            work += [(len(item[0]), j, k) for k, item in enumerate(j.items)]
+        work.sort(key=lambda w: w[0])
+        sizes = sorted({b for b, _ in self._exec}, reverse=True)
+        start = 0
+        while start < len(work):
+            left = len(work) - start
+            n = next(b for b in sizes if b <= left and self._bucket(b, work[start + b - 1][0]) is not None)
+            chunk = work[start:start + n]
+            end = start + n
+            bucket = self._bucket(n, chunk[-1][0])
+            rows = self._call(bucket, [j.items[k] for _, j, k in chunk])
+            self.batches += 1
+            self.inputs += len(chunk)
+            self.real_tokens += sum(length for length, _, _ in chunk)
+            self.padded_tokens += bucket[0] * bucket[1]
+            for row, (_, j, k) in zip(rows, chunk):
+                if j.out is None:
+                    j.out = np.zeros((len(j.items), row.shape[0]), np.float32)
+                j.out[k] = row
+                j.left -= 1
+                if j.left == 0:
+                    j.reply(j.out)
+            start = end
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.reply(EngineError("the encoder stopped", code="engine_stopped", status=503))
+
