@@ -21,7 +21,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # module -> extra imports it may make, and why
 EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the process entry point builds the engine, behind a late import (jax loads only there)
-    "imp_jax.server.__main__": ("imp_jax.runtime.async_engine",),
+    "imp_jax.server.__main__": ("imp_jax.runtime.async_engine", "imp_jax.runtime.encoder_engine"),
+    # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract
+    "imp_jax.server.embeddings": ("imp_jax.runtime.vectors",),
     # whether the served model thinks: the engine's own test of the tokenizer (pure Python, no jax)
     "imp_jax.server.reasoning": ("imp_jax.runtime.reasoning",),
     # output constraints compile at parse time into the engine's own cache of grammars (llguidance, no jax)

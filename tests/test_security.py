@@ -466,6 +466,8 @@ def test_pins_and_priority_are_granted_per_api_key(ops_server: Any) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
         r = httpx.post(url, json={**chat, **extra}, headers=OpsServer.auth("key-file"), timeout=120)
         assert r.status_code == 200, r.text[:300]
+    closed = httpx.post(ops_server.url + "/v1/sessions/s-x/close", headers=OpsServer.auth("key-file"), timeout=30)
+    assert closed.status_code == 200, closed.text[:300]     # the pool back at its baseline for the next tests
     messages = {"model": "smollm2-135m-instruct", "max_tokens": 1, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}
     r = httpx.post(ops_server.url + "/v1/messages", json=messages, timeout=120,
