@@ -162,6 +162,23 @@ def test_wordpiece_from_the_gguf_vocabulary_gives_the_hf_ids(minilm_dir: Path, m
     ids, types = ours.encode("Hello world!")
     assert ids[0] == 101 and ids[-1] == 102 and types == [0] * len(ids)   # [CLS] ... [SEP]
     assert ours.encode("UPPER case")[0] == ours.encode("upper CASE")[0]   # an uncased vocabulary lowercases
+    fields = GGUFFile(minilm_gguf).fields   # an older file: the vocabulary in plain WordPiece spelling
+    plain = json.loads((minilm_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    fields["tokenizer.ggml.tokens"] = sorted(plain, key=plain.get)
+    assert EncoderTokenizer(gguf_wordpiece(fields, minilm_gguf)).encode_batch(texts) == hf.encode_batch(texts)
+
+
+def test_a_cased_vocabulary_keeps_case() -> None:
+    from imp_jax.model.encoder_loader import EncoderTokenizer
+    from imp_jax.model.gguf_encoder import gguf_wordpiece
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "\u2581Hello", "\u2581hello", "\u2581World", "\u2581world", "s"]
+    fields = {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": words,
+              "tokenizer.ggml.token_type": [3, 3, 3, 3, 1, 1, 1, 1, 1], "tokenizer.ggml.bos_token_id": 2,
+              "tokenizer.ggml.seperator_token_id": 3, "tokenizer.ggml.unknown_token_id": 1}
+    tok = EncoderTokenizer(gguf_wordpiece(fields, Path("cased.gguf")))
+    assert tok.encode("Hello worlds")[0] == [2, 4, 7, 8, 3]   # 'worlds' = world ##s
+    assert tok.encode("Hello", "World")[1] == [0, 0, 0, 1, 1]
 
 
 def test_minilm_gguf_embeds_as_the_hf_directory(minilm_dir: Path, minilm_gguf: Path) -> None:
