@@ -335,7 +335,7 @@ def test_a_model_that_is_no_encoder_stops_start_up(smollm2_gguf_path: Path, tiny
     from imp_jax.errors import ModelLoadError
     from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
 
-    with pytest.raises(ModelLoadError, match="must be an HF directory"):
-        EncoderEngine(EncoderEngineConfig(str(smollm2_gguf_path)))
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'llama' is not an encoder"):
+        EncoderEngine(EncoderEngineConfig(str(smollm2_gguf_path)))   # a BERT GGUF is: test_gguf_encoder.py
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
         EncoderEngine(EncoderEngineConfig(str(tiny_hf_dir)))

@@ -3,7 +3,8 @@
 Pooling and normalisation come from the checkpoint's sentence-transformers files: modules.json
 lists the modules (a `Pooling` module's config names the mode; a `Normalize` module means unit
 vectors) and sentence_bert_config.json may cap the input length (`max_seq_length`). Without them,
-an embedding model pools by mean and does not normalise. GGUF encoders are not read (yet).
+an embedding model pools by mean and does not normalise. A `.gguf` file is read by gguf_encoder.py
+(llama.cpp's `bert` architecture: its settings come from the file's metadata).
 """
 from __future__ import annotations
 
@@ -129,15 +130,32 @@ def load_encoder(name_or_path: str | Path, dtype: Any = jnp.float32) -> LoadedEn
     t0 = time.perf_counter()
     resolved = resolve_model(str(name_or_path))
     path = resolved.path
-    if resolved.kind != "hf_dir":
+    if resolved.kind == "gguf":
+        config, settings, tokenizer, weights = _read_gguf(path)
+    elif resolved.kind == "hf_dir":
+        config = EncoderConfig.from_hf(read_json(path / "config.json"), str(path / "config.json"))
+        settings = read_settings(path, config)
+        tokenizer = EncoderTokenizer.from_dir(path)
+        weights = WeightSource(SafetensorsDir(path), source=str(path))
+    else:
         raise ModelLoadError(f"{path}: an embedding or rerank model must be an HF directory (config.json, "
-                             "*.safetensors, tokenizer.json); GGUF and converted encoders are not supported")
-    config = EncoderConfig.from_hf(read_json(path / "config.json"), str(path / "config.json"))
-    settings = read_settings(path, config)
-    tokenizer = EncoderTokenizer.from_dir(path)
-    model = Encoder.from_hf_tensors(config, WeightSource(SafetensorsDir(path), source=str(path)), dtype)
+                             "*.safetensors, tokenizer.json) or a BERT GGUF file; converted encoders are not "
+                             "supported")
+    model = Encoder.from_hf_tensors(config, weights, dtype)
     log.info("loaded encoder %s (%s, %s, %d layers, hidden %d, %s pooling%s, max %d tokens) in %.1fs",
              resolved.served_name, config.architecture, settings.task, config.num_layers, config.hidden_size,
              settings.pooling, ", normalized" if settings.normalize else "", settings.max_len,
              time.perf_counter() - t0)
     return LoadedEncoder(model, config, settings, tokenizer, resolved.served_name, path, dtype)
+
+
+def _read_gguf(path: Path) -> tuple[EncoderConfig, EncoderSettings, EncoderTokenizer, WeightSource]:
+    """A llama.cpp `bert` GGUF: config, settings (always normalised), WordPiece tokenizer, float32 tensors."""
+    from imp_jax.model.gguf_encoder import gguf_encoder_tensors, gguf_wordpiece, read_gguf_encoder
+
+    reader, config, pooling, max_len = read_gguf_encoder(path)
+    tokenizer = EncoderTokenizer(gguf_wordpiece(reader.fields, path))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(f"{path}: {tokenizer.vocab_size} tokens for a {config.vocab_size}-row token_embd")
+    weights = WeightSource(gguf_encoder_tensors(reader, config, path), source=str(path))
+    return config, EncoderSettings("embed", pooling, True, max_len), tokenizer, weights

@@ -59,13 +59,20 @@ def encoder_buckets(max_len: int, max_batch: int, max_batch_tokens: int) -> list
 
 def check_encoder(model: str) -> str:
     """The served name of the encoder `model` names, after the checks that need no weights (an HF
-    directory whose config.json names an encoder architecture); a ModelLoadError otherwise, so a
-    wrong --embedding-model stops the server at start-up instead of faulting later."""
+    directory whose config.json names an encoder architecture, or a BERT GGUF file's header); a
+    ModelLoadError otherwise, so a wrong --embedding-model stops the server at start-up instead of
+    faulting later."""
     resolved = resolve_model(model)
+    if resolved.kind == "gguf":
+        from imp_jax.model.gguf_encoder import gguf_wordpiece, read_gguf_encoder
+
+        reader, _, _, _ = read_gguf_encoder(resolved.path)
+        gguf_wordpiece(reader.fields, resolved.path)
+        return resolved.served_name
     if resolved.kind != "hf_dir":
         raise ModelLoadError(f"{resolved.path}: an embedding or rerank model must be an HF directory "
-                             "(config.json, *.safetensors, tokenizer.json); GGUF and converted encoders are "
-                             "not supported")
+                             "(config.json, *.safetensors, tokenizer.json) or a BERT GGUF file; converted "
+                             "encoders are not supported")
     config = resolved.path / "config.json"
     EncoderConfig.from_hf(read_json(config), str(config))
     return resolved.served_name
@@ -127,8 +134,12 @@ class EncoderEngine:
         if self._loaded is not None:
             return self._loaded.settings.task
         if self._task is None:
-            path = resolve_model(self.config.model).path
-            self._task = "score" if EncoderConfig.from_hf(read_json(path / "config.json")).num_labels else "embed"
+            resolved = resolve_model(self.config.model)
+            if resolved.kind == "gguf":
+                self._task = "embed"   # GGUF cross-encoders are refused (model/gguf_encoder.py)
+            else:
+                config = EncoderConfig.from_hf(read_json(resolved.path / "config.json"))
+                self._task = "score" if config.num_labels else "embed"
         return self._task
 
     @property

@@ -87,7 +87,7 @@ class ServerConfig:
     otlp_service_name: str = _field("imp_jax", "service.name of the exported spans")
     # encoder models beside the chat model (docs/API.md, embeddings and rerank)
     embedding_model: str | None = _field(None, "an embedding model (HF BERT-family directory or alias, e.g. "
-                                         "all-minilm-l6-v2) served on /v1/embeddings and /v1/rerank beside the "
+                                         "all-minilm-l6-v2, or a llama.cpp BERT .gguf) served on /v1/embeddings and /v1/rerank beside the "
                                          "chat model; a cross-encoder here is taken as the rerank model")
     rerank_model: str | None = _field(None, "a cross-encoder (HF *ForSequenceClassification directory, 1 label) "
                                       "served on /v1/rerank")
