@@ -18,7 +18,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, kernels: K
     format w is stored in (model/lora.py)."""
     y = matmul_wt(x, w, kernels)
     if lora is not None:
-        y = y + lora(x)
+        y = y + lora(x, kernels)
     if b is not None:
         y = y + b
     return y.astype(out_dtype or x.dtype)

@@ -1,12 +1,15 @@
 """LoRA slabs: every adapter's low-rank matrices in fixed-size device arrays, one set per projection.
 
 A projection `name` fuses PEFT target modules (`qkv_proj` = q|k|v, `gate_up_proj` = gate|up), its
-`parts`. Per layer it has one A slab [in, P * N * r] (part-major, then slot, then rank: the x @ A of
-every part and slot is one GEMM) and one B slab per part [N * r, out_p], for N adapter slots of rank
-r (max_lora_rank; smaller ranks are zero-padded; the alpha/r scale is folded into B at load). Slot
-s (1..N) owns columns / rows [(s-1) r, s r); adapter index 0 is "no adapter" and owns none, so a
-base row's delta is exactly zero. Each token row picks its slot through a 0/1 column mask, so
-a batch mixes adapters freely and loading one only rewrites slab values (never a shape).
+`parts`. Per layer it has one A slab [P * N * r, in] (part-major, then slot, then rank: the x @ A^T
+of every part and slot is one GEMM) and one B slab per part [out_p, N * r], for N adapter slots of
+rank r (max_lora_rank; smaller ranks are zero-padded; the alpha/r scale is folded into B at load).
+Both are in the [out, in] layout of every other matrix, so the same GEMM (kernels_pallas/gemm.py)
+runs them. Slot s (1..N) owns rows of A / columns of B [(s-1) r, s r); adapter index 0 is "no
+adapter" and owns none, so a base row's delta is exactly zero. Each token row picks its slot
+through a 0/1 mask on the rank axis, so a batch mixes adapters freely (no gather, no per-adapter
+loop) and loading one only rewrites slab values, never a shape. The cost: every row multiplies
+all N slots' ranks, N * r extra columns per projection.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from imp_jax.kernels_pallas import XLA, Kernels, matmul_wt
 
 
 
@@ -48,17 +53,16 @@ class LoraSlab(nnx.Param):
 class LoraDelta:
     """One projection's slabs for one layer, with the step's per-row slot mask [T, N * r]."""
 
-    a: jax.Array                 # [in, P * N * r]
-    bs: tuple[jax.Array, ...]    # P x [N * r, out_p]
-    mask: jax.Array              # float32 [T, N * r]: 1 where the column belongs to the row's slot
+    a: jax.Array                 # [P * N * r, in]
+    bs: tuple[jax.Array, ...]    # P x [out_p, N * r]
+    mask: jax.Array              # float32 [T, N * r]: 1 where the rank column belongs to the row's slot
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x @ A[slot] @ B[slot] per row, float32 [T, sum(out_p)]."""
-        dot = lambda u, v: jax.lax.dot_general(u, v.astype(u.dtype), (((u.ndim - 1,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
-        h = dot(x, self.a) * jnp.tile(self.mask, (1, len(self.bs)))
+    def __call__(self, x: jax.Array, kernels: Kernels = XLA) -> jax.Array:
+        """x A[slot]^T B[slot]^T per row, float32 [T, sum(out_p)]."""
+        h = matmul_wt(x, self.a, kernels) * jnp.tile(self.mask, (1, len(self.bs)))
+        h = h.astype(x.dtype)
         parts = jnp.split(h, len(self.bs), axis=-1)
-        return jnp.concatenate([dot(p, b) for p, b in zip(parts, self.bs)], axis=-1)
+        return jnp.concatenate([matmul_wt(p, b, kernels) for p, b in zip(parts, self.bs)], axis=-1)
 
 
 class LoraSlabs(nnx.Module):
@@ -71,10 +75,10 @@ class LoraSlabs(nnx.Module):
         width = options.max_loras * options.max_rank
         for name, (in_dim, outs) in projections.items():
             setattr(self, name + "_a", nnx.List([
-                LoraSlab(jnp.zeros((in_dim, len(outs) * width), dtype), axes=(None, None))
+                LoraSlab(jnp.zeros((len(outs) * width, in_dim), dtype), axes=(None, None))
                 for _ in range(num_layers)]))
             setattr(self, name + "_b", nnx.List([
-                nnx.List([LoraSlab(jnp.zeros((width, out), dtype), axes=(None, None)) for out in outs])
+                nnx.List([LoraSlab(jnp.zeros((out, width), dtype), axes=(None, None)) for out in outs])
                 for _ in range(num_layers)]))
 
     def layer(self, name: str, i: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:

@@ -29,7 +29,8 @@ class AdapterError(ValueError):
 
 @dataclasses.dataclass
 class Adapter:
-    """An adapter ready for a slot: per (module, layer), A^T [in, r] and scale * B^T [r, out] in float32."""
+    """An adapter ready for a slot: per (module, layer), A [r, in] and scale * B [out, r] in float32
+    (PEFT's layouts, the [out, in] of the model's matrices)."""
 
     path: Path
     rank: int                                              # the largest module rank
@@ -88,7 +89,7 @@ def read_adapter(path: str | Path, targets: dict[str, LoraTarget], num_layers: i
             raise AdapterError(f"{path}: {full} has rank {r}, above --max-lora-rank {max_rank}")
         alpha = float(_pattern(cfg.get("alpha_pattern"), full, cfg["lora_alpha"]))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        out[(module, layer)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scale, np.float32))
+        out[(module, layer)] = (a, np.asarray(b * scale, np.float32))
         rank = max(rank, r)
     return Adapter(path, rank, out)
 

@@ -123,18 +123,18 @@ class AdapterSlots:
             for fused, (_, outs) in slabs.projections.items():
                 for layer in range(self.num_layers):
                     a_var = slabs.slab(fused, layer, "a")
-                    a = np.array(a_var.get_value())
+                    a = np.array(a_var.get_value())          # [P * N * r, in]
                     for p in range(len(outs)):
-                        cols = p * N * r + (slot - 1) * r
+                        start = p * N * r + (slot - 1) * r
                         b_var = slabs.slab(fused, layer, "b", p)
-                        b = np.array(b_var.get_value())
-                        a[:, cols:cols + r] = 0
-                        b[rows] = 0
+                        b = np.array(b_var.get_value())      # [out_p, N * r]
+                        a[start:start + r] = 0
+                        b[:, rows] = 0
                         w = adapter.weights.get((by_part[(fused, p)], layer)) if adapter else None
                         if w is not None:
-                            k = w[0].shape[1]
-                            a[:, cols:cols + k] = w[0]
-                            b[rows.start:rows.start + k] = w[1]
+                            k = w[0].shape[0]
+                            a[start:start + k] = w[0]
+                            b[:, rows.start:rows.start + k] = w[1]
                         b_var.set_value(b)
                     a_var.set_value(a)
 
