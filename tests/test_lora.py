@@ -356,3 +356,48 @@ def test_load_and_unload_under_traffic_lose_nothing(server, adapters):
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["baseline_free_blocks"]
     assert stats["compilations_after_warmup"] == 0
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2
+@pytest.mark.real_model
+def test_smollm2_adapter_matches_transformers_peft(smollm2_gguf_path, hf_smollm2, tmp_path):
+    """A PEFT adapter on transformers' SmolLM2 (the GGUF dequantised) gives imp_jax (Q4_1 kept, the delta in
+    float32) transformers + peft's logits and greedy tokens."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from test_smollm2 import NUM_TOKENS, chat_ids
+
+    torch.manual_seed(5)
+    peft_model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
+                                                                      init_lora_weights=False)).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.02)
+    peft_model.save_pretrained(tmp_path / "smol")
+    loaded = load_model(smollm2_gguf_path, dtype="float32")   # its own copy: enable_lora changes the model
+    model = loaded.model
+    model.enable_lora(LoraOptions(max_loras=1, max_rank=8))
+    slots = AdapterSlots(model, model.lora.options, lambda edit: edit(model))
+    slot = slots.load("smol", slots.read(str(tmp_path / "smol"))).slot
+    runner = PagedRunner(model, num_blocks=24, max_blocks=8)
+    prompt = chat_ids(loaded, "Name three colors of the rainbow.")
+    assert len(prompt) <= NUM_TOKENS
+    prefill = runner.run([SeqChunk(prompt, 0, [1, 2, 3, 4], slot)], num_tokens=NUM_TOKENS, num_seqs=1)[0]
+    tokens, last = [], prefill[-1]
+    for _ in range(12):
+        tokens.append(int(np.argmax(last)))
+        pos = len(prompt) + len(tokens) - 1
+        last = runner.run([SeqChunk([tokens[-1]], pos, [1, 2, 3, 4], slot)], num_tokens=NUM_TOKENS,
+                          num_seqs=1)[0][-1]
+    with torch.no_grad():
+        ref = peft_model(input_ids=torch.tensor([prompt])).logits[0].float().numpy()
+        hf_tokens = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                        pad_token_id=0)[0, len(prompt):].tolist()
+        with peft_model.disable_adapter():
+            base = peft_model(input_ids=torch.tensor([prompt])).logits[0].float().numpy()
+    assert np.max(np.abs(ref - base)) > 0.05 * np.ptp(ref), "the adapter should change the logits"
+    assert np.max(np.abs(prefill - ref)) / np.ptp(ref) <= 1e-3
+    assert hf_tokens and tokens[:len(hf_tokens)] == hf_tokens
