@@ -141,4 +141,5 @@ class AdapterSlots:
         self._write_params(edit)
 
     def describe(self) -> list[dict[str, Any]]:
-        return [a.describe() for a in self.by_name.values()]
+        """The loaded adapters (any thread: the dict is copied in one step under the GIL)."""
+        return [a.describe() for a in list(self.by_name.values())]
