@@ -1,5 +1,6 @@
-"""LoRA adapters on the wire: `POST /admin/lora/load` and `/admin/lora/unload`, the request field `lora`
-(every dialect), and the adapters' cards in `/v1/models` (with their `parent`, as vLLM lists them).
+"""LoRA adapters on the wire: `POST /admin/lora/load` and `/admin/lora/unload`, and the adapters' cards in
+`/v1/models` (with their `parent`, as vLLM lists them). The request field `lora` is read for every dialect
+in `context.engine_request` (validation.lora_of) and reaches the engine through `lifecycle.begin`.
 
 The engine does the work (runtime/lora.py): load reads and checks the PEFT directory, then fills a
 free slot; unload refuses new requests for the name at once and answers once those in flight ended.
