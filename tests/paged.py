@@ -29,9 +29,12 @@ class PagedRunner:
         self.kv = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
         graphdef, self.state = nnx.split(model)
 
-        def forward(state, kv, input_ids, positions, meta):
+        def forward(state, kv, input_ids, positions, meta, lora_ids):
             m = nnx.merge(graphdef, state)
-            hidden, kv = m(input_ids, positions, kv, meta)
+            if getattr(m, "lora", None) is not None:   # LoRA slabs: each token's slot (SeqChunk.lora_slot)
+                hidden, kv = m(input_ids, positions, kv, meta, lora_ids=lora_ids)
+            else:
+                hidden, kv = m(input_ids, positions, kv, meta)
             return m.logits(hidden), kv
 
         self._forward = jax.jit(forward, donate_argnums=1)
@@ -44,6 +47,6 @@ class PagedRunner:
                                  jnp.asarray(b.block_tables), jnp.asarray(b.slot_mapping),
                                  jnp.asarray(b.num_seqs))
         logits, self.kv = self._forward(self.state, self.kv, jnp.asarray(b.input_ids),
-                                        jnp.asarray(b.positions), meta)
+                                        jnp.asarray(b.positions), meta, jnp.asarray(b.lora_ids))
         logits = np.asarray(logits)
         return [logits[b.query_start_loc[i]:b.query_start_loc[i + 1]] for i in range(len(chunks))]

@@ -6,15 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.kernels_pallas import XLA, Kernels, ggml_blocks, matmul_wt
+from imp_jax.model.lora import LoraDelta
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, kernels: Kernels = XLA,
-           out_dtype: jnp.dtype | None = None) -> jax.Array:
+           out_dtype: jnp.dtype | None = None, lora: LoraDelta | None = None) -> jax.Array:
     """x @ w.T (+ b) for w in [out, in] layout (HF's, torch's), accumulated in float32 and returned
     as `out_dtype` (default: x's). Every projection and the LM head go through here, so the
     weights' storage formats (model/weights.py) and LoRA deltas have one home. `kernels` picks
-    the GEMM (kernels_pallas/gemm.py)."""
+    the GEMM (kernels_pallas/gemm.py); `lora` adds each row's low-rank delta in float32, whatever
+    format w is stored in (model/lora.py)."""
     y = matmul_wt(x, w, kernels)
+    if lora is not None:
+        y = y + lora(x, kernels)
     if b is not None:
         y = y + b
     return y.astype(out_dtype or x.dtype)

@@ -19,6 +19,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragg
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.layers import apply_rope, embed, linear, rms_norm, rope_tables
+from imp_jax.model.lora import LoraDelta, LoraOptions, LoraSlabs, LoraTarget, row_mask
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -61,13 +62,20 @@ class DecoderLayers(nnx.Module):
         return {name: tuple(p[...] for p in getattr(self, name)) for name in MATRICES}
 
 
+LoraLayers = tuple[tuple[jax.Array, ...], tuple[tuple[jax.Array, ...], ...], jax.Array]   # A_s, B_s, mask
+
+
 def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,
-                 kernels: Kernels) -> jax.Array:
-    """`linear(x, ws[i], b)` for a static or traced layer index, never copying ws[i]."""
+                 kernels: Kernels, lora: LoraLayers | None = None) -> jax.Array:
+    """`linear(x, ws[i], b)` (plus layer i's LoRA delta) for a static or traced layer index, never
+    copying ws[i] or its slabs."""
+    def one(x, ws, b, lora, j):
+        delta = None if lora is None else LoraDelta(lora[0][j], lora[1][j], lora[2])
+        return linear(x, ws[j], b, kernels=kernels, lora=delta)
     if isinstance(i, int):
-        return linear(x, ws[i], b, kernels=kernels)
-    branches = [lambda x, ws, b, j=j: linear(x, ws[j], b, kernels=kernels) for j in range(len(ws))]
-    return jax.lax.switch(i, branches, x, ws, b)
+        return one(x, ws, b, lora, i)
+    branches = [lambda x, ws, b, lora, j=j: one(x, ws, b, lora, j) for j in range(len(ws))]
+    return jax.lax.switch(i, branches, x, ws, b, lora)
 
 
 class DecoderLM(nnx.Module):
@@ -85,6 +93,25 @@ class DecoderLM(nnx.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         Matrix(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
                                axes=("vocab", "embed")))
+        self.lora: LoraSlabs | None = nnx.data(None)   # enable_lora
+
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        """The PEFT target modules an adapter may hold, by name, and where each lives."""
+        c = self.config
+        E, I, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+        return {"q_proj": LoraTarget("qkv_proj", 0, E, q), "k_proj": LoraTarget("qkv_proj", 1, E, kv),
+                "v_proj": LoraTarget("qkv_proj", 2, E, kv), "o_proj": LoraTarget("o_proj", 0, q, E),
+                "gate_proj": LoraTarget("gate_up_proj", 0, E, I), "up_proj": LoraTarget("gate_up_proj", 1, E, I),
+                "down_proj": LoraTarget("down_proj", 0, I, E)}
+
+    def enable_lora(self, options: LoraOptions) -> None:
+        """Give every projection zeroed adapter slabs (model/lora.py); the forward then takes `lora_ids`."""
+        projections: dict[str, tuple[int, list[int]]] = {}
+        for t in sorted(self.lora_targets().values(), key=lambda t: (t.fused, t.part)):
+            in_dim, outs = projections.setdefault(t.fused, (t.in_dim, []))
+            outs.append(t.out_dim)
+        self.lora = LoraSlabs({k: (i, tuple(o)) for k, (i, o) in projections.items()},
+                              self.config.num_layers, options, self.dtype)
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -96,17 +123,22 @@ class DecoderLM(nnx.Module):
         return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
-                 meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """Hidden states [T, hidden] (before the final norm) and the updated KV cache."""
+                 meta: AttentionMetadata, lora_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Hidden states [T, hidden] (before the final norm) and the updated KV cache. `lora_ids`
+        [T] (with `enable_lora`): each token's adapter slot, 0 = none."""
         cfg = self.config
         x = embed(self.embed[...], input_ids, self.dtype)   # the table may be stored narrow
         cos, sin = rope_tables(positions, cfg.rope_inv_freq())
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
+        loras: dict[str, LoraLayers] = {}
+        if self.lora is not None and lora_ids is not None:
+            mask = row_mask(lora_ids, self.lora.options)
+            loras = {name: (*self.lora.all_layers(name), mask) for name in self.lora.projections}
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             w, i = xs
-            x, k_cache, v_cache = self._layer(x, w, matrices, i, cos, sin, k_cache, v_cache, meta)
+            x, k_cache, v_cache = self._layer(x, w, matrices, loras, i, cos, sin, k_cache, v_cache, meta)
             return (x, k_cache, v_cache), None
 
         carry = (x, *kv)
@@ -119,12 +151,13 @@ class DecoderLM(nnx.Module):
         x, k_cache, v_cache = carry
         return x, (k_cache, v_cache)
 
-    def _layer(self, x, w, mats, i, cos, sin, k_cache, v_cache, meta):
-        """One decoder layer; `w` holds layer i's vectors, `mats` every layer's matrices."""
+    def _layer(self, x, w, mats, loras, i, cos, sin, k_cache, v_cache, meta):
+        """One decoder layer; `w` holds layer i's vectors, `mats` every layer's matrices, `loras`
+        every layer's adapter slabs (empty without LoRA)."""
         cfg, kernels = self.config, self.options.kernels
         T = x.shape[0]
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"), kernels)
+        qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"), kernels, loras.get("qkv_proj"))
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -136,10 +169,13 @@ class DecoderLM(nnx.Module):
         attn, k_cache, v_cache = ragged_paged_attention(
             q, k, v, k_cache, v_cache, meta, i, sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window, kernels=kernels)
-        x = x + layer_linear(attn.reshape(T, cfg.q_size), mats["o_proj"], i, None, kernels)
+        x = x + layer_linear(attn.reshape(T, cfg.q_size), mats["o_proj"], i, None, kernels,
+                             loras.get("o_proj"))
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels), 2, axis=-1)
-        x = x + layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels)
+        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
+                                                  loras.get("gate_up_proj")), 2, axis=-1)
+        x = x + layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels,
+                                  loras.get("down_proj"))
         return x, k_cache, v_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from imp_jax.errors import EngineError, ImpError
+from imp_jax.errors import EngineError, ImpError, InvalidRequestError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
@@ -80,7 +80,8 @@ class AsyncEngine:
                 item[2](EngineError("the engine stopped", code="engine_stopped", status=503))
             elif item[0] != "cancel":
                 stopped = {"suspend": {"status": "stopped"}, "resume": {"status": "stopped"},
-                           "close_session": False, "end_thinking": "unknown"}
+                           "close_session": False, "end_thinking": "unknown", "lora_unload": None,
+                           "lora_load": EngineError("the engine stopped", code="engine_stopped", status=503)}
                 item[-1](stopped[item[0]])
 
     # ------------------------------------------------------------------- model
@@ -194,6 +195,32 @@ class AsyncEngine:
         """Release a session's pinned KV blocks (runtime/sessions.py); whether it was open."""
         return await self._ask("close_session", session_id)
 
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read the PEFT adapter at `path` (off the engine thread), then put it in a free slot under `name`
+        (runtime/lora.py); an ImpError says why not (400 bad adapter, 409 name taken or slots full)."""
+        core = self.core
+        if core.loras is None:
+            raise InvalidRequestError("this server has no LoRA adapter slots; start it with --max-loras N",
+                                      code="lora_disabled", param="name")
+        adapter = await asyncio.get_running_loop().run_in_executor(None, core.loras.read, path)
+        answer = await self._ask("lora_load", name, adapter)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def unload_lora(self, name: str) -> dict[str, Any] | None:
+        """Free adapter `name`'s slot once the requests using it end (new ones are refused at once);
+        its description, or None when no adapter has that name."""
+        answer = await self._ask("lora_unload", name)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters (name, id, path, slot, rank, target_modules); [] without slots."""
+        core = self._core
+        return list(core.loras.describe()) if core is not None and core.loras is not None else []
+
     async def _ask(self, kind: str, *args: Any) -> Any:
         """A command answered by the engine thread."""
         loop = asyncio.get_running_loop()
@@ -297,6 +324,22 @@ class AsyncEngine:
         self.state = "ready"
         reply({"status": "resumed"})
 
+    def _load_lora(self, name: str, adapter: Any) -> Any:
+        """Engine thread: the loaded adapter's description, or the ImpError that refused it."""
+        if self.state == "suspended":
+            return ImpError("the engine is suspended; POST /admin/resume first", code="suspended", status=409)
+        if self.state == "faulted":
+            return EngineError(f"engine is faulted: {self.error}")
+        try:
+            if self.idle_suspended:
+                self._unpark("a LoRA adapter is loading")
+            return self._core.load_lora(name, adapter)
+        except ImpError as e:
+            return e
+        except Exception as e:   # never leave the caller waiting
+            log.exception("loading LoRA adapter %r failed", name)
+            return EngineError(f"loading the adapter failed: {e}")
+
     def _drain(self, block: bool) -> bool:
         """Apply queued submissions and cancellations; False when asked to stop."""
         try:
@@ -317,6 +360,16 @@ class AsyncEngine:
                 self._command_resume(item[1])
             elif kind == "close_session":
                 item[2](self._core.close_session(item[1]))
+            elif kind == "lora_load":
+                item[3](self._load_lora(item[1], item[2]))
+            elif kind == "lora_unload":
+                if self.state == "suspended":
+                    item[2](ImpError("the engine is suspended; POST /admin/resume first", code="suspended",
+                                     status=409))
+                else:
+                    if self.idle_suspended:
+                        self._unpark("a LoRA adapter is unloading")
+                    self._core.unload_lora(item[1], item[2])
             elif kind == "add":
                 _, req, emit = item
                 try:

@@ -14,6 +14,7 @@ class SeqChunk:
     token_ids: Sequence[int]
     start: int                     # tokens already in the KV cache before this chunk
     block_table: Sequence[int]
+    lora_slot: int = 0             # its LoRA adapter's slot (runtime/lora.py); 0 = none
 
 
 @dataclasses.dataclass
@@ -28,6 +29,7 @@ class StepBatch:
     slot_mapping: np.ndarray     # int32 [T]
     num_seqs: np.ndarray         # int32 []
     last_token_rows: np.ndarray  # int32 [S]: row of each sequence's last token (0 for padding)
+    lora_ids: np.ndarray         # int32 [T]: each token's LoRA slot, 0 = none (and for padding)
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -58,6 +60,7 @@ def build_step_batch(chunks: Sequence[SeqChunk], *, num_tokens: int, num_seqs: i
     seq_lens = np.zeros(S, np.int32)
     tables = np.zeros((S, max_blocks), np.int32)
     last_rows = np.zeros(S, np.int32)
+    lora_ids = np.zeros(T, np.int32)
     t = 0
     for s, c in enumerate(chunks):
         n = len(c.token_ids)
@@ -67,10 +70,11 @@ def build_step_batch(chunks: Sequence[SeqChunk], *, num_tokens: int, num_seqs: i
         positions[t:t + n] = pos
         slot_mapping[t:t + n] = table[pos // block_size] * block_size + pos % block_size
         tables[s, :len(table)] = table
+        lora_ids[t:t + n] = c.lora_slot
         seq_lens[s] = c.start + n
         t += n
         qsl[s + 1] = t
         last_rows[s] = t - 1
     qsl[len(chunks) + 1:] = t
     return StepBatch(input_ids, positions, qsl, seq_lens, tables, slot_mapping,
-                     np.asarray(len(chunks), np.int32), last_rows)
+                     np.asarray(len(chunks), np.int32), last_rows, lora_ids)

@@ -11,7 +11,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from imp_jax.errors import ImpError, ModelLoadError
 from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
+from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import attention_shape, build_model, open_checkpoint, resolve_dtype
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
@@ -55,6 +57,10 @@ def build_engine(config: EngineConfig, progress: Progress | None = None,
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels)
     loaded = build_model(ckpt, options, config.model_class)
+    if config.max_loras:
+        if not hasattr(loaded.model, "enable_lora"):
+            raise ModelLoadError(f"--max-loras: {type(loaded.model).__name__} has no LoRA support (enable_lora)")
+        loaded.model.enable_lora(LoraOptions(config.max_loras, config.max_lora_rank))
     free = None
     if platform != "cpu":
         stats = device.memory_stats() or {}
@@ -69,6 +75,12 @@ def build_engine(config: EngineConfig, progress: Progress | None = None,
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20)
     core = EngineCore(loaded, config, kv, blocks, mesh)
+    for name, path in config.lora_adapters():
+        try:
+            core.load_lora(name, core.loras.read(path))
+        except ImpError as e:
+            raise ModelLoadError(f"--lora {name}={path}: {e.message}") from None
+        log.info("LoRA adapter %r loaded from %s", name, path)
     progress("warming_up", 0.0)
     t0 = time.perf_counter()
 

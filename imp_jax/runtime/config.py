@@ -39,10 +39,30 @@ class EngineConfig:
     session_ttl_s: float = _field(600.0, "seconds a session_id's pinned KV blocks wait for its next turn")
     idle_unload_seconds: float = _field(0.0, "park the weights and KV cache in host memory after this many "
                                         "seconds without a request (0 = never); the next request resumes them")
+    lora: list[str] = dataclasses.field(default_factory=list, metadata={"help": (
+        "NAME=PATH: a PEFT LoRA adapter directory loaded at start-up under NAME (repeatable)")})
+    max_loras: int = _field(0, "LoRA adapter slots on the device (0 = no slabs, no LoRA cost; --lora alone "
+                            "implies max(4, its count)); POST /admin/lora/load fills them at run time")
+    max_lora_rank: int = _field(16, "the largest LoRA rank a slot holds (smaller ranks are zero-padded)")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        self.lora = list(self.lora or [])
+        for spec in self.lora:
+            name, _, path = spec.partition("=")
+            if not name or not path:
+                raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
+        if self.lora and not self.max_loras:
+            self.max_loras = max(4, len(self.lora))
+        if len(self.lora) > self.max_loras:
+            raise ValueError(f"{len(self.lora)} --lora adapters but --max-loras {self.max_loras}")
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """The start-up adapters as (name, path)."""
+        return [tuple(spec.split("=", 1)) for spec in self.lora]
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)

@@ -21,6 +21,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.lora import AdapterSlots, LoadedAdapter
 from imp_jax.runtime.prompt_logprobs import PromptScoring
 from imp_jax.runtime.reasoning import ANSWER, THINK, ThinkMarkers, ThinkTracker
 from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
@@ -59,6 +60,7 @@ class _RequestState:
     num_open: int
     prompt_logprobs: list | None = None   # sent once, on index 0's first event
     scoring: PromptScoring | None = None  # the prompt being scored; its sequences wait for it
+    adapter: LoadedAdapter | None = None  # its LoRA adapter, held until the request ends
 
 
 class EngineCore:
@@ -79,6 +81,9 @@ class EngineCore:
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
         self.requests: dict[str, _RequestState] = {}
+        slabs = getattr(loaded.model, "lora", None)
+        self.loras = (AdapterSlots(loaded.model, slabs.options, self.step_fn.write_params)
+                      if slabs is not None else None)   # None: started without --max-loras
         self.constraints = GrammarConstraints.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
         self.think_markers = ThinkMarkers.from_tokenizer(loaded.tokenizer)   # None: the model does not think
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str,
@@ -113,10 +118,20 @@ class EngineCore:
                 f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
                 f"while min_tokens are out)", param="logit_bias")
         max_tokens = params.max_tokens or room
+        if req.lora is not None and self.loras is None:
+            raise InvalidRequestError(f"no LoRA adapter named '{req.lora}' is loaded (this server has no adapter "
+                                      "slots: --max-loras 0)", code="lora_not_loaded", param="lora")
         matchers = [self.constraints.matcher(req.constraint) if req.constraint else None for _ in range(params.n)]
+        adapter = self.loras.acquire(req.lora) if req.lora is not None else None
         scoring = None
         if params.prompt_logprobs is not None:
-            scoring = PromptScoring.begin(self.pool, req.prompt_ids, params.prompt_logprobs)
+            try:
+                scoring = PromptScoring.begin(self.pool, req.prompt_ids, params.prompt_logprobs,
+                                              adapter.slot if adapter else 0)
+            except BaseException:
+                if adapter is not None:
+                    self.loras.release(adapter)
+                raise
         seqs: list[Sequence] = []
         think = self.think_markers if req.reasoning else None
         for i in range(params.n):
@@ -126,9 +141,10 @@ class EngineCore:
                 detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens),
                 stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
                 prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None, constraint=matchers[i],
-                reasoning=ThinkTracker(think, req.prompt_ids, req.reasoning_budget) if think else None)
+                reasoning=ThinkTracker(think, req.prompt_ids, req.reasoning_budget) if think else None,
+                lora_slot=adapter.slot if adapter else 0, lora_key=adapter.cache_key if adapter else None)
             seqs.append(seq)
-        state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring)
+        state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring, adapter=adapter)
         self.requests[req.request_id] = state
         if scoring is None:
             for seq in seqs:
@@ -157,6 +173,21 @@ class EngineCore:
             return "not_thinking" if trackers else "unknown"
         answers = [t.force_end() for t in trackers]
         return "ending" if "ending" in answers else "already_closed"
+
+    # --------------------------------------------------------------------- LoRA
+    def load_lora(self, name: str, adapter) -> dict:
+        """Put a read adapter (AdapterSlots.read) in a free slot; 400 when the server has no slots."""
+        if self.loras is None:
+            raise InvalidRequestError("this server has no LoRA adapter slots; start it with --max-loras N",
+                                      code="lora_disabled", param="name")
+        return self.loras.load(name, adapter).describe()
+
+    def unload_lora(self, name: str, reply: Callable) -> None:
+        """Free `name`'s slot once the requests using it end; `reply` gets its description, or None."""
+        if self.loras is None:
+            reply(None)
+        else:
+            self.loras.unload(name, reply)
 
     def expire_sessions(self) -> None:
         if self.sessions:
@@ -214,7 +245,7 @@ class EngineCore:
             return 0
         bs = self.config.block_size
         seq_chunks = [SeqChunk(c.seq.all_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
-                               c.seq.num_computed, c.seq.table.block_ids) for c in chunks]
+                               c.seq.num_computed, c.seq.table.block_ids, c.seq.lora_slot) for c in chunks]
         T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks))
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
                                  max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
@@ -310,7 +341,7 @@ class EngineCore:
         state = self.requests[seq.request.request_id]
         samples = chunk.samples  # read before num_computed moves
         seq.num_computed += chunk.num_tokens
-        self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.request.cache_salt)
+        self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.cache_key)
         if seq.request.cache_prompt and not seq.pinned and seq.num_computed >= len(seq.prompt_ids):
             self.pool.pin(seq.table)
             seq.pinned = True
@@ -423,6 +454,8 @@ class EngineCore:
                                                      if s.reasoning is not None))
             event.done = True
             del self.requests[seq.request.request_id]
+            if state.adapter is not None:
+                self.loras.release(state.adapter)
         self._send(state, event)
 
     @staticmethod

@@ -31,15 +31,16 @@ class PromptScoring:
     table: BlockTable
     entries: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
     start: int = 0
+    lora_slot: int = 0
 
     @classmethod
-    def begin(cls, pool: KVBlockPool, ids: Sequence[int], top_k: int) -> "PromptScoring":
+    def begin(cls, pool: KVBlockPool, ids: Sequence[int], top_k: int, lora_slot: int = 0) -> "PromptScoring":
         """Borrow the blocks the whole prompt needs (a 503 when the pool cannot lend them now)."""
         table = BlockTable()
         if not pool.allocate(table, ids, len(ids), extra_key=("prompt_logprobs", uuid.uuid4().hex)):
             raise InvalidRequestError("not enough free KV blocks to compute prompt_logprobs now; retry later",
                                       param="prompt_logprobs", status=503, code="overloaded")
-        return cls(ids, top_k, table)
+        return cls(ids, top_k, table, lora_slot=lora_slot)
 
     @property
     def done(self) -> bool:
@@ -49,7 +50,7 @@ class PromptScoring:
         """Score the next chunk of up to `step_fn.score_tokens` prompt tokens."""
         T = step_fn.score_tokens
         chunk = list(self.ids[self.start:self.start + T])
-        batch = build_step_batch([SeqChunk(chunk, self.start, self.table.block_ids)], num_tokens=T, num_seqs=1,
+        batch = build_step_batch([SeqChunk(chunk, self.start, self.table.block_ids, self.lora_slot)], num_tokens=T, num_seqs=1,
                                  max_blocks=step_fn.shapes.max_blocks, block_size=block_size)
         targets = np.zeros(T, np.int32)
         nxt = list(self.ids[self.start + 1:self.start + 1 + len(chunk)])

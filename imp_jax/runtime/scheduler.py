@@ -93,7 +93,7 @@ class Scheduler:
 
         Returns the token count of its first chunk (after the prefix-cache hits), 0 if it waits.
         """
-        ids, salt = seq.all_ids, seq.request.cache_salt
+        ids, salt = seq.all_ids, seq.cache_key
         needed = self.pool.blocks_needed(seq.table, ids, len(ids), salt)
         if needed > self.pool.num_free_blocks - self.reserved_blocks():
             return 0
@@ -122,7 +122,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Give `seq` blocks for n more tokens, preempting worse-ranked unscheduled sequences if need be."""
-        while not self.pool.allocate(seq.table, seq.all_ids, seq.num_computed + n, seq.request.cache_salt):
+        while not self.pool.allocate(seq.table, seq.all_ids, seq.num_computed + n, seq.cache_key):
             victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
             victim = max(victims, key=lambda s: (s.request.priority, s.arrival), default=None)
             if victim is None or (victim.request.priority, victim.arrival) < (seq.request.priority, seq.arrival):

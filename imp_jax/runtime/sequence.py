@@ -48,6 +48,15 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     constraint: Any = None              # its GrammarMatcher (runtime/constraints.py), if constrained
     reasoning: ThinkTracker | None = None  # its think-block tracker, when the request splits reasoning
+    lora_slot: int = 0                  # its LoRA adapter's slot (runtime/lora.py), 0 = none
+    lora_key: tuple[str, int] | None = None  # the adapter's (name, load generation)
+
+    @property
+    def cache_key(self) -> Any:
+        """Its prefix-cache extra key: the request's salt, with the adapter when it has one (blocks
+        computed under one adapter are never served to another, or to the base model)."""
+        salt = self.request.cache_salt
+        return salt if self.lora_key is None else (salt, "lora", *self.lora_key)
 
     @property
     def all_ids(self) -> list[int]:

@@ -80,22 +80,29 @@ class CompiledStep:
         self._warm = False
         graphdef = self.graphdef
         dynamic_skips = model.options.kernels.dynamic_skips
+        # with LoRA slabs (model/lora.py) each token's adapter slot is a step input; without, the
+        # program is the one it always was
+        self.with_lora = getattr(model, "lora", None) is not None
+        with_lora = self.with_lora
 
-        def forward(leaves, kv, input_ids, positions, meta):
+        def forward(leaves, kv, input_ids, positions, meta, lora_ids):
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            hidden, kv = model(input_ids, positions, kv, meta)
+            if with_lora:
+                hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids)
+            else:
+                hidden, kv = model(input_ids, positions, kv, meta)
             return model, hidden, kv
 
         def step(leaves, kv, ints, floats, layout):
-            input_ids, positions, meta, rows, sampling, step_no = unpack(layout, ints, floats)
-            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta)
+            input_ids, positions, meta, rows, sampling, step_no, lora_ids = unpack(layout, ints, floats)
+            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta, lora_ids)
             logits = model.logits(hidden[rows])
             key = jax.random.fold_in(jax.random.key(0), step_no)
             return sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips), kv
 
         def score(leaves, kv, ints, floats, layout):
-            input_ids, positions, meta, targets = unpack(layout, ints, floats)
-            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta)
+            input_ids, positions, meta, targets, lora_ids = unpack(layout, ints, floats)
+            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta, lora_ids)
             logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)   # raw: no sampling knobs
             target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
             rank = jnp.sum(logprobs > target, axis=-1) + 1
@@ -195,8 +202,8 @@ class CompiledStep:
         if key not in self._layouts:
             batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
                                      block_size=self._kv_spec[0].shape[2])
-            tree = (_step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
-                    else _score_inputs(batch, np.zeros(T, np.int32)))
+            tree = (self._step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
+                    else self._score_inputs(batch, np.zeros(T, np.int32)))
             self._layouts[key] = pack(tree)[0]
         return self._layouts[key]
 
@@ -222,7 +229,7 @@ class CompiledStep:
     def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch."""
         exe = self._score_program()
-        out, self.kv = exe(self._leaves, self.kv, *self._pack("score", _score_inputs(batch, targets)))
+        out, self.kv = exe(self._leaves, self.kv, *self._pack("score", self._score_inputs(batch, targets)))
         return tuple(np.asarray(x) for x in out)
 
     @property
@@ -258,6 +265,33 @@ class CompiledStep:
             raise ValueError(f"the {program} inputs for T={T} S={S} do not match the compiled layout")
         return ints, floats
 
+    def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> tuple[Any, ...]:
+        return (batch.input_ids, batch.positions, _meta(batch), batch.last_token_rows, sampling,
+                np.asarray(step_no, np.int32), batch.lora_ids if self.with_lora else None)
+
+    def _score_inputs(self, batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
+        return (batch.input_ids, batch.positions, _meta(batch), np.asarray(targets, np.int32),
+                batch.lora_ids if self.with_lora else None)
+
+    def write_params(self, edit: Callable[[Any], None]) -> None:
+        """Engine thread, between steps: `edit(model)` sets some parameters to host arrays of their
+        shapes and dtypes (LoRA slots: runtime/lora.py); those go to the device with their shardings.
+        The programs take parameters as inputs, so nothing compiles."""
+        if self.suspended:
+            raise RuntimeError("parameters cannot change while suspended")
+        model = nnx.merge(self.graphdef, self.state)
+        edit(model)
+        leaves = jax.tree.leaves(nnx.split(model)[1])
+        new = []
+        for old, leaf, spec in zip(self._leaves, leaves, self._leaf_specs):
+            if leaf is not old:
+                if tuple(np.shape(leaf)) != tuple(spec.shape):
+                    raise ValueError(f"a parameter of shape {spec.shape} was set to {np.shape(leaf)}")
+                leaf = jax.device_put(np.asarray(leaf, spec.dtype), spec.sharding)
+            new.append(leaf)
+        self._leaves = new
+        self.state = jax.tree.unflatten(self._treedef, new)
+
     def _dummy_sampling(self, rows: int) -> SamplingTensors:
         s = self.shapes
         return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=s.vocab_size,
@@ -283,7 +317,7 @@ class CompiledStep:
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
-        out, self.kv = exe(self._leaves, self.kv, *self._pack("step", _step_inputs(batch, sampling, step_no)))
+        out, self.kv = exe(self._leaves, self.kv, *self._pack("step", self._step_inputs(batch, sampling, step_no)))
         return SamplerOutput(*out)
 
 
@@ -295,15 +329,6 @@ def fetch(out: SamplerOutput) -> SamplerOutput:
 def _meta(batch: StepBatch) -> AttentionMetadata:
     return AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_tables,
                              batch.slot_mapping, batch.num_seqs)
-
-
-def _step_inputs(batch: StepBatch, sampling: SamplingTensors, step_no: int) -> tuple[Any, ...]:
-    return (batch.input_ids, batch.positions, _meta(batch), batch.last_token_rows, sampling,
-            np.asarray(step_no, np.int32))
-
-
-def _score_inputs(batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
-    return batch.input_ids, batch.positions, _meta(batch), np.asarray(targets, np.int32)
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:

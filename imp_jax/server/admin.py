@@ -14,6 +14,7 @@ from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
 from imp_jax.server.errors import unavailable
 from imp_jax.server.limits import field_limits
+from imp_jax.server.lora import adapter_cards, adapter_card
 from imp_jax.server.validation import check_model_name, parse_json
 
 bp = Blueprint("admin", __name__)
@@ -135,7 +136,8 @@ def _model_card(name: str | None = None) -> dict[str, Any]:
 
 
 def _served_card() -> list[dict[str, Any]]:
-    return [] if server().engine.state == "no_model" else [_model_card()]
+    state = server()
+    return [] if state.engine.state == "no_model" else [_model_card(), *adapter_cards(int(state.started_at))]
 
 
 @bp.get("/v1/models")
@@ -155,6 +157,9 @@ async def model(model_id: str) -> Any:
     for card in encoder_cards(int(state.started_at)):
         if card["id"] == model_id:
             return jsonify(card)
+    card = adapter_card(model_id, int(state.started_at))
+    if card is not None:
+        return jsonify(card)
     check_model_name(model_id, _model_name())
     return jsonify(_model_card())
 

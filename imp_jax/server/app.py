@@ -10,7 +10,7 @@ from quart import Quart, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, embeddings, infill, limits,
-                            reasoning, responses, scoring, sessions, tokens, ui)
+                            lora, reasoning, responses, scoring, sessions, tokens, ui)
 from imp_jax.server.browsers import check_json_content_type, loggable
 from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
@@ -20,7 +20,7 @@ from imp_jax.server.request_record import RequestRecord
 log = logging.getLogger("imp_jax.server")
 MAX_REQUEST_ID = 128
 BLUEPRINTS = (admin.bp, chat_completions.bp, completions.bp, tokens.bp, anthropic_messages.bp, responses.bp,
-              reasoning.bp, infill.bp, sessions.bp, scoring.bp, embeddings.bp)
+              reasoning.bp, infill.bp, sessions.bp, scoring.bp, embeddings.bp, lora.bp)
 
 
 def sanitize_request_id(value: str | None) -> str | None:

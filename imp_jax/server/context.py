@@ -22,7 +22,8 @@ from imp_jax.server.generation import Engine
 from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
-from imp_jax.server.validation import M, check_model_name, parse_json, parse_model, refuse_not_yet
+from imp_jax.server.validation import (M, check_model_name, is_adapter, lora_of, parse_json, parse_model,
+                                       refuse_not_yet)
 
 _KEY = "imp_jax"
 MAX_CLIENT_IDS = 4096   # client X-Request-Ids remembered for /v1/requests/{id}/... (oldest forgotten first)
@@ -167,6 +168,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     check_priority(req, granted("priority"))
     check_pins(req)
     g.session_id = session_id_of(req)
+    g.lora = lora_of(req)
     model = getattr(req, "model", None)
     refuse_encoder_model(model, request.path)   # an embedding / rerank model's name: a 400 naming it
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
@@ -175,7 +177,9 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
         engine = ready_engine()   # the readiness codes (suspended, engine_faulted, ...) apply here too
     else:
         engine = ready_engine()
-        if model is not None:
+        if model is not None and model != engine.served_name and is_adapter(engine, model):
+            g.lora = g.lora or model   # vLLM's spelling: the adapter's name as the model
+        elif model is not None:
             check_model_name(model, engine.served_name)
     limits.PROMPT_CHARS.set(state.prompt_chars(engine))
     for field in ("messages", "input"):   # more messages than the context has tokens cannot fit

@@ -12,6 +12,7 @@ from imp_jax.server.errors import from_validation_error
 from imp_jax.server.limits import field_limits
 
 M = TypeVar("M", bound=BaseModel)
+MAX_LORA_NAME = 128
 
 
 class WireModel(BaseModel):
@@ -83,7 +84,6 @@ def parse_model(cls: type[M], data: dict[str, Any]) -> M:
 # Spec fields (docs/API.md) this server does not implement yet, with the values that ask for nothing
 # (accepted); any other value is a 400 not_supported naming the field, never silently ignored.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "lora": (None,),                                  # LoRA adapters
     "dry_multiplier": (None, 0, 0.0),                 # DRY (its other dry_* knobs act only through this one)
     "mirostat": (None, 0),                            # mirostat (mirostat_tau / _eta act only through this one)
     "banned_strings": (None, []), "banned_regex": (None, []),
@@ -116,6 +116,23 @@ def check_model_name(requested: str, served_name: str) -> None:
     if requested != served_name:
         raise NotFoundError(f"model '{requested}' is not served here; this server serves '{served_name}'",
                             code="model_not_found", param="model")
+
+
+def lora_of(req: BaseModel) -> str | None:
+    """The body's `lora` (the name of a loaded adapter), checked: a non-empty string, or null / absent."""
+    value = (req.model_extra or {}).get("lora")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_LORA_NAME:
+        raise InvalidRequestError(f"'lora' must be the name of a loaded adapter (a string of 1 to {MAX_LORA_NAME} "
+                                  "characters; GET /v1/models lists them)", param="lora")
+    return value
+
+
+def is_adapter(engine: Any, name: str) -> bool:
+    """Whether `name` is a LoRA adapter the engine has loaded (server/lora.py)."""
+    lister = getattr(engine, "lora_adapters", None)
+    return lister is not None and any(a["name"] == name for a in lister())
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

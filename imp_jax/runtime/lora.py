@@ -1,0 +1,145 @@
+"""Adapter slots: which LoRA adapter holds which slot of the model's slabs (model/lora.py), and for how long.
+
+An adapter is loaded into a free slot (1..max_loras) by writing the slot's columns of every slab
+(a device update of parameter values: no program changes shape, nothing compiles). Requests name
+it; each running request holds it. Unloading takes the name away at once (new requests get
+`lora_not_loaded`), waits until the requests holding it end, then zeroes and frees the slot. Each
+load gets a new generation, which keys the prefix cache with the name, so blocks computed under
+an earlier adapter of the same name are never reused. Engine thread only, like the rest of the core.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import numpy as np
+
+from imp_jax.errors import ImpError, InvalidRequestError
+from imp_jax.model.lora import LoraOptions
+from imp_jax.model.peft import Adapter, AdapterError, read_adapter
+
+Reply = Callable[[Any], None]
+
+
+@dataclasses.dataclass
+class LoadedAdapter:
+    name: str
+    slot: int
+    path: str
+    generation: int
+    rank: int
+    modules: list[str]
+    active: int = 0                                 # requests holding it
+    unload_waiters: list[Reply] | None = None       # set once an unload was asked for
+
+    @property
+    def cache_key(self) -> tuple[str, int]:
+        return self.name, self.generation
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self.generation, "path": self.path, "slot": self.slot,
+                "rank": self.rank, "target_modules": self.modules}
+
+
+class AdapterSlots:
+    """The slots of a model with LoRA slabs, written through `write_params` (CompiledStep.write_params)."""
+
+    def __init__(self, model: Any, options: LoraOptions, write_params: Callable[[Callable[[Any], None]], None]):
+        self.options = options
+        self.targets = model.lora_targets()
+        self.num_layers = model.config.num_layers
+        self._write_params = write_params
+        self.by_name: dict[str, LoadedAdapter] = {}    # loaded and not being unloaded
+        self.unloading: list[LoadedAdapter] = []
+        self._free = list(range(1, options.max_loras + 1))
+        self._generations = itertools.count(1)
+
+    def read(self, path: str) -> Adapter:
+        """The adapter at `path`, checked against the model (any thread); 400 lora_load_failed if it does not fit."""
+        try:
+            return read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
+        except AdapterError as e:
+            raise InvalidRequestError(str(e), code="lora_load_failed", param="path") from None
+
+    def load(self, name: str, adapter: Adapter) -> LoadedAdapter:
+        """Put `adapter` in a free slot under `name`: 409 when the name is taken or every slot is."""
+        if name in self.by_name or any(a.name == name for a in self.unloading):
+            raise ImpError(f"a LoRA adapter named '{name}' is already loaded; unload it first",
+                           code="lora_already_loaded", status=409, param="name")
+        if not self._free:
+            raise ImpError(f"all {self.options.max_loras} LoRA slots are taken (--max-loras); unload an adapter "
+                           "first", code="lora_slots_full", status=409, param="name")
+        slot = self._free.pop(0)
+        try:
+            self._write(slot, adapter)
+        except BaseException:
+            self._free.insert(0, slot)
+            raise
+        loaded = LoadedAdapter(name, slot, str(adapter.path), next(self._generations), adapter.rank, adapter.modules)
+        self.by_name[name] = loaded
+        return loaded
+
+    def acquire(self, name: str) -> LoadedAdapter:
+        """The adapter a request names, held until `release`; 400 lora_not_loaded when there is none."""
+        adapter = self.by_name.get(name)
+        if adapter is None:
+            raise InvalidRequestError(f"no LoRA adapter named '{name}' is loaded (GET /v1/models lists them)",
+                                      code="lora_not_loaded", param="lora")
+        adapter.active += 1
+        return adapter
+
+    def release(self, adapter: LoadedAdapter) -> None:
+        adapter.active -= 1
+        self._finish_unloads()
+
+    def unload(self, name: str, reply: Reply) -> None:
+        """Take `name` away now and free its slot once no request holds it; `reply` gets its description,
+        or None when no adapter has that name."""
+        adapter = self.by_name.pop(name, None)
+        if adapter is None:
+            reply(None)
+            return
+        adapter.unload_waiters = [reply]
+        self.unloading.append(adapter)
+        self._finish_unloads()
+
+    def _finish_unloads(self) -> None:
+        for adapter in [a for a in self.unloading if a.active == 0]:
+            self._write(adapter.slot, None)
+            self.unloading.remove(adapter)
+            self._free.append(adapter.slot)
+            for reply in adapter.unload_waiters or ():
+                reply(adapter.describe())
+
+    def _write(self, slot: int, adapter: Adapter | None) -> None:
+        """Slot `slot` of every slab set to `adapter` (zeros where it has no module, or for None)."""
+        N, r = self.options.max_loras, self.options.max_rank
+        rows = slice((slot - 1) * r, slot * r)
+        by_part = {(t.fused, t.part): name for name, t in self.targets.items()}
+
+        def edit(model: Any) -> None:
+            slabs = model.lora
+            for fused, (_, outs) in slabs.projections.items():
+                for layer in range(self.num_layers):
+                    a_var = slabs.slab(fused, layer, "a")
+                    a = np.array(a_var.get_value())          # [P * N * r, in]
+                    for p in range(len(outs)):
+                        start = p * N * r + (slot - 1) * r
+                        b_var = slabs.slab(fused, layer, "b", p)
+                        b = np.array(b_var.get_value())      # [out_p, N * r]
+                        a[start:start + r] = 0
+                        b[:, rows] = 0
+                        w = adapter.weights.get((by_part[(fused, p)], layer)) if adapter else None
+                        if w is not None:
+                            k = w[0].shape[0]
+                            a[start:start + k] = w[0]
+                            b[:, rows.start:rows.start + k] = w[1]
+                        b_var.set_value(b)
+                    a_var.set_value(a)
+
+        self._write_params(edit)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The loaded adapters (any thread: the dict is copied in one step under the GIL)."""
+        return [a.describe() for a in list(self.by_name.values())]
