@@ -149,6 +149,16 @@ def test_jobs_of_several_clients_run_in_one_padded_batch(emb: Any) -> None:
         assert got.shape == alone.shape and np.abs(got - alone).max() <= 1e-5
 
 
+def test_the_batcher_splits_by_length_when_that_pads_less(emb: Any) -> None:
+    """Length-sorted inputs go in the calls with the fewest padded tokens (plus a cost per call): four short
+    and four long inputs run as 4 x 16 + 4 x 128, not 8 x 128; eight alike run as one call."""
+    engine = emb.minilm
+    assert engine._plan([5] * 4 + [100] * 4) == [4, 4]
+    assert engine._plan([100] * 8) == [8]
+    assert sorted(engine._plan([5] * 6)) == [1, 1, 4]          # no call pads rows
+    assert sum(engine._plan([3, 7, 20, 40, 60, 90, 120, 200, 250])) == 9
+
+
 def test_openai_client_float_base64_and_dimensions(emb: Any) -> None:
     import openai
 
