@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from tiny_models import write_tiny_bert
 
 SENTENCES = [
     "Hello world!", "The quick brown fox jumps over the lazy dog.", "a", "Why is the sky blue?",
@@ -46,21 +46,8 @@ CROSS = "tiny-cross-encoder"
 
 def _write_cross_encoder(path: Path, tokenizer_dir: Path):
     """A tiny random BertForSequenceClassification (1 label) with MiniLM's tokenizer files."""
-    import torch
-    import transformers
-
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=128, num_labels=1)
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(cfg).float().eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(tokenizer_dir / f, path / f)
-    return model
+    return write_tiny_bert(path, tokenizer_dir, classifier=True, hidden_size=32, intermediate_size=64,
+                           max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")

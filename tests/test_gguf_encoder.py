@@ -16,6 +16,7 @@ import pytest
 
 from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
 from test_embeddings import SENTENCES
+from tiny_models import write_tiny_bert
 
 MINILM = "all-minilm-l6-v2"
 EXTRA = ["[CLS] a literal [SEP] in the text [MASK]", "Crème brûlée à la française", "naïve café résumé",
@@ -99,23 +100,8 @@ def minilm_gguf(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="session")
 def tiny_bert_dir(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random BertModel with MiniLM's tokenizer files."""
-    import shutil
-
-    import torch
-    import transformers
-
     path = tmp_path_factory.mktemp("tiny_bert")
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.BertModel(cfg, add_pooling_layer=True).float().eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(minilm_dir / f, path / f)
+    write_tiny_bert(path, minilm_dir, hidden_size=64, intermediate_size=128, max_position_embeddings=64)
     return path
 
 

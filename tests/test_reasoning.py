@@ -18,7 +18,7 @@ import pytest
 
 from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker
 from server_fixtures import LiveServer, wait_for
-from tiny_models import write_thinking_model
+from tiny_models import THINKER_ARGS, write_thinking_model
 
 MODEL = "thinker"   # the served name: the model directory's
 GREEDY = {"temperature": 0}
@@ -35,8 +35,7 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 @pytest.fixture(scope="session")
 def thinking_server(thinking_model, tmp_path_factory: pytest.TempPathFactory):
     path, _ = thinking_model
-    live = LiveServer(["--model", str(path), "--max-model-len", "4096", "--max-num-seqs", "4",
-                       "--max-num-batched-tokens", "64", "--num-kv-blocks", "600"],
+    live = LiveServer(["--model", str(path), *THINKER_ARGS],
                       tmp_path_factory.mktemp("thinker-log") / "server.log")
     try:
         wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)

@@ -20,7 +20,7 @@ import pytest
 
 from server_fixtures import (FakeEngine, LiveServer, app_in_thread, fake_tokenizer, live_server,  # noqa: F401
                              wait_for, wait_idle)
-from tiny_models import write_thinking_model
+from tiny_models import THINKER_ARGS, write_thinking_model
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 NO_CHROMIUM = "no chromium executable on PATH (Debian: apt-get install chromium); the browser tests need one"
@@ -331,8 +331,7 @@ def keyed_thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServ
     path = tmp_path_factory.mktemp("ui-models") / "thinker"
     path.mkdir()
     write_thinking_model(path)
-    live = LiveServer(["--model", str(path), "--max-model-len", "4096", "--max-num-seqs", "4",
-                       "--max-num-batched-tokens", "64", "--num-kv-blocks", "600", "--api-key", THINK_KEY],
+    live = LiveServer(["--model", str(path), *THINKER_ARGS, "--api-key", THINK_KEY],
                       tmp_path_factory.mktemp("ui-thinker-log") / "server.log")
     try:
         wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)

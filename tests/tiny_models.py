@@ -116,3 +116,31 @@ def write_thinking_model(path: Path) -> dict[str, int]:
             head[ids[nxt], axis] = 10.0
     model.save_pretrained(path, safe_serialization=True)
     return ids
+
+
+THINKER_ARGS = ["--max-model-len", "4096", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                "--num-kv-blocks", "600"]   # a LiveServer for write_thinking_model's model (small, fast start)
+
+
+def write_tiny_bert(path: Path, tokenizer_dir: Path, classifier: bool = False, **config: int):
+    """A tiny random BERT (BertModel, or a 1-label BertForSequenceClassification) with the tokenizer files
+    of `tokenizer_dir` (MiniLM's), its 1-D parameters (biases, norms) jittered so none is trivial; the
+    transformers model it saved."""
+    import shutil
+
+    import torch
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=30522, num_hidden_layers=2, num_attention_heads=4,
+                                  num_labels=1, **config)
+    torch.manual_seed(0)
+    model = (transformers.BertForSequenceClassification(cfg) if classifier
+             else transformers.BertModel(cfg, add_pooling_layer=True)).float().eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / f, path / f)
+    return model
