@@ -327,7 +327,8 @@ class EngineCore:
 
     def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out, plus
-        a bias of 0 (a probe: the sampler reports its raw logprob) on each raw_logprob_ids entry."""
+        a bias of 0 (a probe: the sampler reports its raw logprob) on each raw_logprob_ids entry, in the
+        first slots (_advance reads them there)."""
         bias = {**dict.fromkeys(p.raw_logprob_ids, 0.0), **p.logit_bias} if p.raw_logprob_ids else p.logit_bias
         if num_output >= p.min_tokens:
             return bias
@@ -348,9 +349,9 @@ class EngineCore:
         if not samples:
             return
         raw = None
-        if seq.params.raw_logprob_ids:   # the ids' logit_bias slots, in the order _row_spec filled them
-            slots = list(self._logit_bias(seq.params, len(seq.output_ids)))
-            raw = {t: float(out.bias_raw_logprobs[row, slots.index(t)]) for t in seq.params.raw_logprob_ids}
+        if seq.params.raw_logprob_ids:   # the probes fill the first logit_bias slots, in order (_logit_bias)
+            raw = {t: float(out.bias_raw_logprobs[row, i])
+                   for i, t in enumerate(dict.fromkeys(seq.params.raw_logprob_ids))}
         token = int(out.tokens[row])
         seq.output_ids.append(token)
         kind = seq.reasoning.observe(token) if seq.reasoning is not None else ANSWER

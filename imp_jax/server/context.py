@@ -155,15 +155,21 @@ def ready_engine() -> Engine:
     return server().engine
 
 
+async def parse_body(cls: type[M]) -> M:
+    """The request body as `cls`, parsed off the event loop: 413 past the body limit, 400 if it is not one."""
+    body = await request.get_data()
+    limit = server().body_limit()
+    if len(body) > limit:   # a chunked body has no Content-Length for the access check
+        raise ImpError(f"the request body has {len(body)} bytes; this server takes at most {limit}",
+                       code="request_too_large", status=413)
+    return await limits.off_loop(lambda: parse_model(cls, parse_json(body)))
+
+
 async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     """The request body as `cls` (400 if it is not), the ready engine (503 if not), and a 404
     unless the body's `model`, when it names one, is the model served here."""
-    body = await request.get_data()
+    req = await parse_body(cls)
     state = server()
-    if len(body) > state.body_limit():   # a chunked body has no Content-Length for the access check
-        raise ImpError(f"the request body has {len(body)} bytes; this server takes at most {state.body_limit()}",
-                       code="request_too_large", status=413)
-    req = await limits.off_loop(lambda: parse_model(cls, parse_json(body)))
     refuse_not_yet(req)
     check_priority(req, granted("priority"))
     check_pins(req)

@@ -15,11 +15,11 @@ from quart import Blueprint, g, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.vectors import finish_embeddings
-from imp_jax.server.context import model_name, server
+from imp_jax.server.context import model_name, parse_body, server
 from imp_jax.server.encoders import TASK_ROUTES, encoders, task_of
 from imp_jax.server.errors import unavailable
 from imp_jax.server.limits import check_chars, max_prompt_chars, off_loop
-from imp_jax.server.validation import WireModel, check_token_ids, parse_json, parse_model
+from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("embeddings", __name__)
 MAX_INPUTS = 2048   # inputs of one /v1/embeddings request, documents of one /v1/rerank request
@@ -44,15 +44,6 @@ class RerankRequest(WireModel):
     return_documents: bool = True
     truncate: bool = False
     truncate_prompt_tokens: int | None = None
-
-
-async def _parse(cls: type) -> Any:
-    body = await request.get_data()
-    state = server()
-    if len(body) > state.body_limit():
-        raise ImpError(f"the request body has {len(body)} bytes; this server takes at most {state.body_limit()}",
-                       code="request_too_large", status=413)
-    return await off_loop(lambda: parse_model(cls, parse_json(body)))
 
 
 def pick_encoder(model: str | None, tasks: tuple[str, ...], route: str) -> Any:
@@ -187,7 +178,7 @@ async def _run(engine: Any, items: list[Item], endpoint: str) -> np.ndarray:
 
 @bp.post("/v1/embeddings")
 async def create_embeddings() -> Any:
-    req: EmbeddingRequest = await _parse(EmbeddingRequest)
+    req: EmbeddingRequest = await parse_body(EmbeddingRequest)
     engine = pick_encoder(req.model, ("embed",), "/v1/embeddings")
     if req.encoding_format not in ("float", "base64"):
         raise InvalidRequestError("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
@@ -236,7 +227,7 @@ def _documents(value: Any) -> list[str]:
 @bp.post("/v1/rerank")
 @bp.post("/rerank")
 async def rerank() -> Any:
-    req: RerankRequest = await _parse(RerankRequest)
+    req: RerankRequest = await parse_body(RerankRequest)
     engine = pick_encoder(req.model, ("score", "embed"), request.path)
     if not isinstance(req.query, str) or not req.query:
         raise InvalidRequestError("'query' must be a non-empty string", param="query")
