@@ -50,8 +50,8 @@ class PromptScoring:
         """Score the next chunk of up to `step_fn.score_tokens` prompt tokens."""
         T = step_fn.score_tokens
         chunk = list(self.ids[self.start:self.start + T])
-        batch = build_step_batch([SeqChunk(chunk, self.start, self.table.block_ids, self.lora_slot)], num_tokens=T, num_seqs=1,
-                                 max_blocks=step_fn.shapes.max_blocks, block_size=block_size)
+        batch = build_step_batch([SeqChunk(chunk, self.start, self.table.block_ids, self.lora_slot)], num_tokens=T,
+                                 num_seqs=1, max_blocks=step_fn.shapes.max_blocks, block_size=block_size)
         targets = np.zeros(T, np.int32)
         nxt = list(self.ids[self.start + 1:self.start + 1 + len(chunk)])
         targets[:len(nxt)] = nxt

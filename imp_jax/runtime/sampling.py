@@ -89,8 +89,8 @@ def sample(
     """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`. With `dynamic_skips`
     (CPUs, `Kernels.dynamic_skips`) each pass over the vocabulary runs only when some row needs it."""
     processed = process_logits(logits, t, dynamic_skips)
-    raw = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _raw_logprobs_at, lambda x, ids: jnp.zeros(ids.shape, jnp.float32),
-               logits, t.bias_ids)
+    raw = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _raw_logprobs_at,
+               lambda x, ids: jnp.zeros(ids.shape, jnp.float32), logits, t.bias_ids)
     lse = jax.nn.logsumexp(processed, axis=-1)   # logprobs are processed - lse, never materialised
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     tokens = cond(

@@ -43,15 +43,14 @@ class ApiKeys:
     def __init__(self, keys: Mapping[str, frozenset[str]] | list[str]):
         grants = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, frozenset())
         self._grants = {hashlib.sha256(k.encode()).digest(): g for k, g in grants.items()}
-        self._digests = list(self._grants)
 
     def __bool__(self) -> bool:
-        return bool(self._digests)
+        return bool(self._grants)
 
     def accepts(self, key: str) -> bool:
         probe = hashlib.sha256(key.encode()).digest()
         ok = False
-        for digest in self._digests:  # no early exit: the time does not say which key came close
+        for digest in self._grants:  # no early exit: the time does not say which key came close
             ok |= hmac.compare_digest(probe, digest)
         return ok
 
