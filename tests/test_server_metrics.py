@@ -71,7 +71,9 @@ TRAFFIC: tuple[tuple[str, str, dict, bool], ...] = (
     ("chat_completions", "/v1/chat/completions", {**CHAT, "max_tokens": 6}, False),   # a prefix-cache hit
     ("chat_completions", "/v1/chat/completions",
      {**CHAT, "max_tokens": 7, "stream_options": {"include_usage": True}}, True),
-    ("completions", "/v1/completions", {"model": MODEL, "prompt": "The capital of France is"}, False),  # --max-tokens
+    # no max_tokens: --max-tokens applies; greedy and ignore_eos so the answer cannot end early on EOS
+    ("completions", "/v1/completions",
+     {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "ignore_eos": True}, False),
     ("messages", "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": CHAT["messages"]}, True),
     ("responses", "/v1/responses", {"model": MODEL, "input": "Say hi.", "max_output_tokens": 4}, True),
 )
