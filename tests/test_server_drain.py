@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,3 +52,30 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0(smollm2_gguf_path: Pa
         assert "shutting down: finishing 1 in-flight request(s)" in live.log_text()
     finally:
         live.stop()
+
+
+def test_a_model_that_cannot_load_ends_the_process_with_1(tmp_path: Path) -> None:
+    """A bad --model is a start-up failure a restart policy sees (exit 1, one line naming the path),
+    not a server that stays up answering 503 engine_faulted."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    live = LiveServer(["--model", str(empty)], tmp_path / "server.log")
+    try:
+        assert live.proc.wait(120) == 1
+        log = live.log_text()
+        assert f"the model failed to load, exiting: engine failed to start: {empty}: not a model directory" in log
+        assert "Traceback" not in log
+    finally:
+        live.stop()
+
+
+def test_a_port_in_use_is_refused_before_loading_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "imp_jax.server", "--host", "127.0.0.1", "--port", str(port),
+                               "--model", "no-such-model-is-looked-up"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr and "no-such-model" not in proc.stderr

@@ -78,7 +78,7 @@ class AsyncEngine:
                 return
             if item[0] == "add":
                 item[2](EngineError("the engine stopped", code="engine_stopped", status=503))
-            elif item[0] != "cancel":
+            elif item[0] not in ("cancel", "stop"):   # "stop": ours, unread when the thread had already ended
                 stopped = {"suspend": {"status": "stopped"}, "resume": {"status": "stopped"},
                            "close_session": False, "end_thinking": "unknown", "lora_unload": None,
                            "lora_load": EngineError("the engine stopped", code="engine_stopped", status=503)}
@@ -247,8 +247,11 @@ class AsyncEngine:
             with self._compiler_lock:
                 if not self._core.step_fn.warm and not self._stopping:
                     self._compiler = compile_in_background(self._core)
-        except Exception as e:  # a failed load is reported by /ready and wait_ready, not a crash
-            log.exception("engine failed to start")
+        except Exception as e:  # reported by /ready and wait_ready (the server's start-up exits on it)
+            if isinstance(e, ImpError):   # a bad path, a corrupt or unsupported file: the message says it
+                log.error("engine failed to start: %s", e.message)
+            else:
+                log.exception("engine failed to start")
             self.error, self.state = str(e), "faulted"
             self._ready.set()
             return

@@ -38,7 +38,16 @@ class _HypercornConfig(HypercornConfig):
     the OS has it), so a client that stops reading a stream blocks the server's writes after ~100 KiB
     instead of after the kernel's autotuned send buffer (MiBs), and the stall timeout can see it."""
 
+    bound: Sockets | None = None   # made by `listen` before the model loads; hypercorn then serves on them
+
+    def listen(self) -> None:
+        """Bind now, so a port in use is a start-up error before a minute of model loading."""
+        self.bound = self.create_sockets()
+
     def create_sockets(self) -> Sockets:
+        if self.bound is not None:
+            sockets, self.bound = self.bound, None
+            return sockets
         sockets = super().create_sockets()
         option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
         for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
@@ -47,9 +56,15 @@ class _HypercornConfig(HypercornConfig):
         return sockets
 
 
-async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
+LOAD_FAILED = 1   # the exit code when the start-up model cannot be loaded
+CANNOT_LISTEN = 2   # ... when the address is taken or not ours to bind (before loading anything)
+
+
+async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> int:
     """Serve until SIGINT or SIGTERM; then new requests get 503 draining while the in-flight ones finish
-    (at most --drain-timeout seconds; a second signal stops waiting), and the process exits 0."""
+    (at most --drain-timeout seconds; a second signal stops waiting), and the process exits 0. A model
+    that fails to load at start-up (a bad path, a corrupt file) stops the server at once with exit
+    code 1, as llama-server and vLLM do, instead of serving 503s that no restart policy notices."""
     hc = _HypercornConfig()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
@@ -72,12 +87,37 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> None:
         if busy:
             log.warning("shutting down with %d request(s) unfinished after %.0f s", busy, config.drain_timeout)
 
+    try:
+        hc.listen()
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
+        return CANNOT_LISTEN
+    failed: list[str] = []
+
+    async def watch_load() -> None:
+        try:
+            await engine.wait_ready()
+        except ImpError as e:
+            failed.append(e.message)
+            log.error("the model failed to load, exiting: %s", e.message)
+            stop_now.set()
+            stop.set()
+
     engine.start()
+    watcher = asyncio.create_task(watch_load()) if isinstance(engine, _async_engine_class()) else None
     try:
         await serve(app, hc, shutdown_trigger=shutdown_trigger)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         state_of(app).engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted (daemon thread)
         log.info("stopped")
+    return LOAD_FAILED if failed else 0
+
+
+def _async_engine_class() -> type:
+    from imp_jax.runtime.async_engine import AsyncEngine
+    return AsyncEngine
 
 
 def busy_requests(app: Quart) -> int:
@@ -134,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ImpError, ValueError) as e:   # a missing or unsupported embedding / rerank model
         print(f"python -m imp_jax.server: error: {getattr(e, 'message', e)}", file=sys.stderr)
         return 2
-    asyncio.run(run(app, engine, config))
-    return 0
+    return asyncio.run(run(app, engine, config))
 
 
 def make_encoders(config: ServerConfig) -> list[Any]:
