@@ -54,7 +54,7 @@ def workload(core, batch: int, prompt_len: int, output_len: int, seed: int) -> d
 
     t0 = time.perf_counter()
     for i in range(batch):   # distinct prompts: no prefix-cache hits
-        prompt = rng.integers(100, 40000, prompt_len).tolist()
+        prompt = rng.integers(0, core.loaded.config.vocab_size, prompt_len).tolist()
         core.add_request(GenerationRequest(f"b{seed}-{i}", prompt, SamplingParams(
             temperature=0.0, max_tokens=output_len, ignore_eos=True)), emit)
     while core.has_work():

@@ -129,3 +129,23 @@ def test_server_with_tensor_parallel_2_answers_as_one_device(tmp_path, smollm2_g
         assert "tensor parallel over 2" in live.log_text()
     finally:
         assert live.stop() == 0, live.log_text()[-3000:]
+
+
+def test_one_device_program_has_no_shard_map_and_no_collectives(smollm2_loaded):
+    """--tensor-parallel-size 1 is the one-device program: no manual (shard_map) region, no all-reduce
+    (on 2 devices the same step has one shard_map and an all-reduce for the embedding, o_proj and
+    down_proj)."""
+    import jax
+    import jax.numpy as jnp
+
+    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.step import CompiledStep, StepShapes
+
+    kv = tuple(np.zeros(smollm2_loaded.model.kv_cache_shape(4, 16), np.float32) for _ in range(2))
+    step = CompiledStep(smollm2_loaded.model, kv, StepShapes(max_blocks=2, vocab_size=49152), [(1, 1)],
+                        default_mesh())
+    layout = step._layout("step", 1, 1)
+    text = step._step_jit.lower(step._leaf_specs, step._kv_spec, jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
+                                jax.ShapeDtypeStruct((layout.float_size,), jnp.float32), layout).as_text()
+    assert "stablehlo.sine" in text or "stablehlo.cosine" in text   # the text is the model's program
+    assert "manual_computation" not in text and "all_reduce" not in text and "all_gather" not in text

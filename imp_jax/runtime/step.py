@@ -61,6 +61,8 @@ class CompiledStep:
         self.mesh = mesh
         state_sh, kv_sh, rep = state_shardings(state, mesh), kv_sharding(mesh), replicated(mesh)
         self.state = jax.device_put(state, state_sh)
+        if mesh.size > 1:   # the loader left the weights on the host, shard-major: keep only the placed shards
+            nnx.update(model, self.state)
         self.kv = jax.device_put(kv, (kv_sh, kv_sh))
         # the programs take the parameters as a flat list (flattening nnx Variables on every call
         # cost more host time than the rest of the dispatch) and every host input as two packed
