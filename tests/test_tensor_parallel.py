@@ -2,8 +2,9 @@
 
 The comparisons run on 4 fake CPU devices in a child process (tests/tp_check.py: the device count is
 fixed when jax starts; this process has one device): SmolLM2 (3 KV heads: replicated on 2 and 4
-shards), a tiny Llama whose 4 KV heads split over 2 and 4, and a tiny Qwen2 (q/k/v biases) whose
-3 KV heads, 45-row MLP and 250-token vocabulary split over neither 2 nor 4 without padding.
+shards; a tied, vocab-parallel LM head), a tiny Llama whose 4 KV heads split over 2 and 4, and a
+tiny Qwen2 (q/k/v biases) whose 3 KV heads and 45-row MLP split over neither 2 nor 4 without
+padding, and whose 250-token vocabulary splits over 2 but is replicated on 4.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(ROOT)}
 TINY_LLAMA = dict(num_attention_heads=8, num_key_value_heads=4)                      # head_dim 8
 TINY_QWEN2 = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,      # head_dim 16
-                  intermediate_size=45, vocab_size=250)
+                  intermediate_size=45, vocab_size=250, tie_word_embeddings=False)   # tied, it echoes its input
 
 
 @pytest.fixture(scope="module")
