@@ -1,5 +1,6 @@
 """Ready to shard: every parameter and the KV cache name their axes, and the step's shardings come
-from those names (one device today, so every sharding is whole)."""
+from those names (here on one device, so every sharding is whole; several devices:
+test_tensor_parallel.py)."""
 from __future__ import annotations
 
 import jax

@@ -18,13 +18,14 @@ ARCHS = {
 }
 
 
-def write_tiny_hf(name: str, path: Path, seed: int = 0):
-    """Save a tiny random `name` model (an ARCHS key) as a HF dir; returns the transformers model."""
+def write_tiny_hf(name: str, path: Path, seed: int = 0, **overrides):
+    """Save a tiny random `name` model (an ARCHS key; `overrides` of its config) as a HF dir; returns
+    the transformers model."""
     import torch
     import transformers
 
     cfg_cls, extra = ARCHS[name]
-    cfg = getattr(transformers, cfg_cls)(**TINY, **extra)
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra, **overrides})
     arch = name.split("-")[0]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).float().eval()

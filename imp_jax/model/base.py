@@ -40,8 +40,12 @@ class ModelOptions:
     dtype: Any = jnp.float32          # compute and weight dtype (matrices may be stored narrower)
     layer_loop: str = "scan"          # "scan" over layers (fast compiles) or "unroll"
     kernels: Kernels = XLA            # attention and GEMM implementations (kernels_pallas.select_kernels)
+    tensor_parallel: int = 1          # shards the model's weights are laid out for (model/tensor_parallel.py);
+                                      # above 1 its forward runs under shard_map over the "tp" mesh axis
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
 

@@ -20,6 +20,7 @@ from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.layers import apply_rope, embed, linear, rms_norm, rope_tables
 from imp_jax.model.lora import LoraDelta, LoraOptions, LoraSlabs, LoraTarget, row_mask
+from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -28,12 +29,15 @@ MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class DecoderLayers(nnx.Module):
     """All layers' weights: matrices as one [out, in] Matrix per layer, vectors stacked [L, ...].
 
-    Fused axes: `qkv` is [q heads | k heads | v heads] x head_dim, `gate_up` is [gate | up].
+    Fused axes: `qkv` is [q heads | k heads | v heads] x head_dim, `gate_up` is [gate | up]; on N
+    tensor-parallel shards each is that order per shard, shard after shard (model/tensor_parallel.py).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        L, E, I, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        qkv = cfg.q_size + 2 * cfg.kv_size
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
+        L, E, D = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+        I = tp.n * tp.local_mlp                                   # the intermediate size, padded to N shards
+        qkv = tp.n * (tp.local_heads + 2 * tp.local_kv_heads) * D
+        q_size = tp.n * tp.local_heads * D
         init = nnx.initializers.normal(0.02)
         key = rngs.params
 
@@ -48,7 +52,7 @@ class DecoderLayers(nnx.Module):
         self.qkv_bias = stacked(jnp.zeros((L, qkv), dtype), "qkv") if cfg.attention_bias else None
         self.q_norm = stacked(jnp.ones((L, D), dtype), "head_dim") if cfg.qk_norm else None
         self.k_norm = stacked(jnp.ones((L, D), dtype), "head_dim") if cfg.qk_norm else None
-        self.o_proj = per_layer((E, cfg.q_size), ("embed", "heads"))
+        self.o_proj = per_layer((E, q_size), ("embed", "heads"))
         self.post_norm = stacked(jnp.ones((L, E), dtype), "embed")
         self.gate_up_proj = per_layer((2 * I, E), ("gate_up", "embed"))
         self.down_proj = per_layer((E, I), ("embed", "mlp"))
@@ -84,15 +88,18 @@ class DecoderLM(nnx.Module):
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         self.config = config
         self.options = options
+        self.tp = TensorParallel.of(config, options.tensor_parallel)
         dtype = options.dtype
         init = nnx.initializers.normal(0.02)
+        vocab = "vocab" if self.tp.n == 1 or self.tp.vocab_parallel else None   # None: replicated
+        self.logits_axes = (None, vocab)   # the sharding of `logits`' output on the mesh
         self.embed = Matrix(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
-                            axes=("vocab", "embed"))
-        self.layers = DecoderLayers(config, dtype, rngs)
+                            axes=(vocab, "embed"))
+        self.layers = DecoderLayers(config, dtype, rngs, self.tp)
         self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype), axes=("embed",))
         self.lm_head = (None if config.tie_word_embeddings else
                         Matrix(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
-                               axes=("vocab", "embed")))
+                               axes=(vocab, "embed")))
         self.lora: LoraSlabs | None = nnx.data(None)   # enable_lora
 
     def lora_targets(self) -> dict[str, LoraTarget]:
@@ -118,16 +125,17 @@ class DecoderLM(nnx.Module):
         return self.options.dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of K (and of V): [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Shape of K (and of V): [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; on N
+        shards the kv-head axis holds every shard's heads (N times them all when they are replicated)."""
         c = self.config
-        return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return (c.num_layers, num_blocks, block_size, self.tp.n * self.tp.local_kv_heads, c.head_dim)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
                  meta: AttentionMetadata, lora_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states [T, hidden] (before the final norm) and the updated KV cache. `lora_ids`
         [T] (with `enable_lora`): each token's adapter slot, 0 = none."""
         cfg = self.config
-        x = embed(self.embed[...], input_ids, self.dtype)   # the table may be stored narrow
+        x = self._embed(input_ids)
         cos, sin = rope_tables(positions, cfg.rope_inv_freq())
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
         loras: dict[str, LoraLayers] = {}
@@ -151,17 +159,33 @@ class DecoderLM(nnx.Module):
         x, k_cache, v_cache = carry
         return x, (k_cache, v_cache)
 
+    def _embed(self, input_ids: jax.Array) -> jax.Array:
+        """The tokens' embeddings; a vocab-parallel shard looks up the ids in its slice of the table
+        and the shards sum (exactly: one of them holds each row, the others add zeros)."""
+        table = self.embed[...]   # may be stored narrow
+        if not self.tp.vocab_parallel:
+            return embed(table, input_ids, self.dtype)
+        local = input_ids - jax.lax.axis_index(AXIS) * table.shape[0]
+        mine = (local >= 0) & (local < table.shape[0])
+        rows = embed(table, jnp.where(mine, local, 0), self.dtype)
+        return jax.lax.psum(jnp.where(mine[:, None], rows, 0), AXIS)
+
+    def _reduce(self, partial: jax.Array) -> jax.Array:
+        """The sum over shards of a row-parallel projection's partial outputs (itself on one device)."""
+        return partial if self.tp.n == 1 else jax.lax.psum(partial, AXIS)
+
     def _layer(self, x, w, mats, loras, i, cos, sin, k_cache, v_cache, meta):
         """One decoder layer; `w` holds layer i's vectors, `mats` every layer's matrices, `loras`
         every layer's adapter slabs (empty without LoRA)."""
         cfg, kernels = self.config, self.options.kernels
-        T = x.shape[0]
+        T, D = x.shape[0], cfg.head_dim
+        heads, kv_heads = self.tp.local_heads, self.tp.local_kv_heads   # this shard's (all on one device)
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
         qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"), kernels, loras.get("qkv_proj"))
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=-1)
+        q = q.reshape(T, heads, D)
+        k = k.reshape(T, kv_heads, D)
+        v = v.reshape(T, kv_heads, D)
         if cfg.qk_norm:
             q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
@@ -169,17 +193,18 @@ class DecoderLM(nnx.Module):
         attn, k_cache, v_cache = ragged_paged_attention(
             q, k, v, k_cache, v_cache, meta, i, sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window, kernels=kernels)
-        x = x + layer_linear(attn.reshape(T, cfg.q_size), mats["o_proj"], i, None, kernels,
-                             loras.get("o_proj"))
+        x = x + self._reduce(layer_linear(attn.reshape(T, heads * D), mats["o_proj"], i, None, kernels,
+                                          loras.get("o_proj")))
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
         gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
                                                   loras.get("gate_up_proj")), 2, axis=-1)
-        x = x + layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels,
-                                  loras.get("down_proj"))
+        x = x + self._reduce(layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels,
+                                          loras.get("down_proj")))
         return x, k_cache, v_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final norm + LM head on the rows to sample: float32 [R, vocab]."""
+        """Final norm + LM head on the rows to sample: float32 [R, vocab] (a vocab-parallel shard's
+        slice of it, which the mesh gathers: `logits_axes`)."""
         h = rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head   # both [vocab, hidden]
         return linear(h, head[...], kernels=self.options.kernels, out_dtype=jnp.float32)
@@ -190,12 +215,20 @@ class DecoderLM(nnx.Module):
         """Build from HF-named tensors (linears in [out, in]) without a random init; each Matrix is
         stored as `weights.matrix` hands it (the loader's choice, model/weights.py)."""
         model = nnx.eval_shape(lambda: cls(config, options, rngs=nnx.Rngs(0)))
+        tp = model.tp
+        # on N shards the weights stay host arrays, in shard-major order, and the engine puts each
+        # shard straight on its device (no whole copy on one device)
+        on_host = tp.n > 1
+        shard = {"qkv_proj": lambda w: take_rows(w, tp.qkv_index(config)),
+                 "o_proj": lambda w: take_columns(w, tp.o_index(config)),
+                 "gate_up_proj": lambda w: take_rows(w, tp.gate_up_index(config)),
+                 "down_proj": lambda w: take_columns(w, tp.down_index(config))} if on_host else {}
 
         def put(param: nnx.Param, value: np.ndarray) -> None:
             shape = ggml_blocks.matrix_shape(value) if ggml_blocks.format_of(value) else tuple(value.shape)
             if shape != tuple(param.shape):
                 raise ValueError(f"shape {value.shape} where {param.shape} was expected")
-            param.set_value(stored(value, options.dtype))
+            param.set_value(stored(value, options.dtype, on_host=on_host))
 
         pre = "model.layers.{}."
         def stacked(*names: str) -> np.ndarray:
@@ -203,9 +236,10 @@ class DecoderLM(nnx.Module):
             return np.stack([np.concatenate([weights.tensor(pre.format(i) + n) for n in names])
                              for i in range(config.num_layers)])
 
-        def per_layer(params: nnx.List, *names: str) -> None:
-            for i, param in enumerate(params):
-                put(param, weights.matrix(*(pre.format(i) + n for n in names)))
+        def per_layer(name: str, *names: str) -> None:
+            layout = shard.get(name, lambda w: w)
+            for i, param in enumerate(getattr(model.layers, name)):
+                put(param, layout(weights.matrix(*(pre.format(i) + n for n in names))))
 
         ly = model.layers
         put(model.embed, weights.matrix("model.embed_tokens.weight"))
@@ -214,12 +248,13 @@ class DecoderLM(nnx.Module):
             put(model.lm_head, weights.matrix("lm_head.weight"))
         put(ly.input_norm, stacked("input_layernorm.weight"))
         put(ly.post_norm, stacked("post_attention_layernorm.weight"))
-        per_layer(ly.qkv_proj, *(f"self_attn.{p}_proj.weight" for p in "qkv"))
-        per_layer(ly.o_proj, "self_attn.o_proj.weight")
-        per_layer(ly.gate_up_proj, "mlp.gate_proj.weight", "mlp.up_proj.weight")
-        per_layer(ly.down_proj, "mlp.down_proj.weight")
+        per_layer("qkv_proj", *(f"self_attn.{p}_proj.weight" for p in "qkv"))
+        per_layer("o_proj", "self_attn.o_proj.weight")
+        per_layer("gate_up_proj", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+        per_layer("down_proj", "mlp.down_proj.weight")
         if ly.qkv_bias is not None:
-            put(ly.qkv_bias, stacked(*(f"self_attn.{p}_proj.bias" for p in "qkv")))
+            bias = stacked(*(f"self_attn.{p}_proj.bias" for p in "qkv"))
+            put(ly.qkv_bias, take_columns(bias, tp.qkv_index(config)) if on_host else bias)
         if ly.q_norm is not None:
             put(ly.q_norm, stacked("self_attn.q_norm.weight"))
             put(ly.k_norm, stacked("self_attn.k_norm.weight"))

@@ -76,9 +76,11 @@ class WeightSource:
         return blocks(name) if blocks is not None and name in self._tensors else None
 
 
-def stored(value: np.ndarray, dtype: Any) -> jax.Array:
-    """A value from a WeightSource as a parameter holds it: GGML blocks as their bytes, floats as `dtype`."""
-    return jnp.asarray(value) if ggml_blocks.format_of(value) else jnp.asarray(value, dtype)
+def stored(value: np.ndarray, dtype: Any, on_host: bool = False) -> jax.Array | np.ndarray:
+    """A value from a WeightSource as a parameter holds it: GGML blocks as their bytes, floats as
+    `dtype`; on the default device, or `on_host` for the engine to place shard by shard."""
+    as_array = np.asarray if on_host else jnp.asarray
+    return as_array(value) if ggml_blocks.format_of(value) else as_array(value, dtype)
 
 
 def _join_blocks(parts: list[np.ndarray | None]) -> np.ndarray | None:
@@ -101,7 +103,7 @@ def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
         w = param.get_value()
         if w.dtype != jnp.float32 or w.ndim != 2 or np.any(np.asarray(w).view(np.uint32) & 0xFFFF):
             continue
-        param.set_value(jnp.asarray(w, jnp.bfloat16))
+        param.set_value(np.asarray(w, jnp.bfloat16) if isinstance(w, np.ndarray) else jnp.asarray(w, jnp.bfloat16))
         saved += w.nbytes // 2
     return saved
 

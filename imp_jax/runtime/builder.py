@@ -2,6 +2,7 @@
 compile every step bucket."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -15,11 +16,12 @@ from imp_jax.errors import ImpError, ModelLoadError
 from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
-from imp_jax.model.loader import attention_shape, build_model, open_checkpoint, resolve_dtype
+from imp_jax.model.loader import Checkpoint, attention_shape, build_model, open_checkpoint, resolve_dtype
+from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.sharding import default_mesh, kv_sharding
+from imp_jax.runtime.sharding import default_mesh, kv_sharding, tensor_parallel_mesh
 
 log = logging.getLogger("imp_jax.engine")
 Progress = Callable[[str, float], None]   # (phase, fraction done)
@@ -46,34 +48,47 @@ def build_engine(config: EngineConfig, progress: Progress | None = None,
     enable_compilation_cache(config)
     progress = progress or (lambda phase, frac: None)
     progress("loading", 0.0)
-    mesh = default_mesh()
+    n = config.tensor_parallel_size
+    try:
+        mesh = tensor_parallel_mesh(n) if n > 1 else default_mesh()
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     device = mesh.devices.flat[0]
     platform = device.platform
     ckpt = open_checkpoint(config.model)
+    tp = tensor_parallel_layout(config, ckpt)
     dtype = resolve_dtype(config.dtype, platform)
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)
+    shape = dataclasses.replace(shape, num_heads=tp.local_heads, num_kv_heads=tp.local_kv_heads)   # per shard
     kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
-    options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels)
+    options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = build_model(ckpt, options, config.model_class)
+    if n > 1:
+        log.info("%s", tp.describe(ckpt.config))
+        if getattr(loaded.model, "tp", None) != tp:
+            raise ModelLoadError(f"--tensor-parallel-size {n}: {type(loaded.model).__name__} does not lay its "
+                                 "weights out for tensor parallelism (model/tensor_parallel.py)")
     if config.max_loras:
         if not hasattr(loaded.model, "enable_lora"):
             raise ModelLoadError(f"--max-loras: {type(loaded.model).__name__} has no LoRA support (enable_lora)")
         loaded.model.enable_lora(LoraOptions(config.max_loras, config.max_lora_rank))
     free = None
-    if platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if platform != "cpu":   # per device: the least any device of the mesh has free
+        for d in mesh.devices.flat:
+            stats = d.memory_stats() or {}
+            if "bytes_limit" in stats:
+                left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                free = left if free is None else min(free, left)
     itemsize = jnp.dtype(kv_dtype).itemsize
-    blocks = num_kv_blocks(config, loaded.config, itemsize, platform, free)
+    blocks = num_kv_blocks(config, loaded.config, itemsize, platform, free, tp.local_kv_heads)
     kv_shape = loaded.model.kv_cache_shape(blocks, config.block_size)
     zeros = jax.jit(functools.partial(jnp.zeros, kv_shape, kv_storage_dtype(kv_dtype, platform)),
                     out_shardings=kv_sharding(mesh))   # made in place on the mesh, no host copy
     kv = (zeros(), zeros())
-    log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB)", blocks, config.block_size,
-             jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20)
+    log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB per device, %d device%s)", blocks, config.block_size,
+             jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20 / n, n, "s" if n > 1 else "")
     core = EngineCore(loaded, config, kv, blocks, mesh)
     for name, path in config.lora_adapters():
         try:
@@ -97,6 +112,22 @@ def build_engine(config: EngineConfig, progress: Progress | None = None,
         log.info("warm-up done: %d programs in %.1fs", len(core.step_fn.buckets), time.perf_counter() - t0)
     progress("ready", 1.0)
     return core
+
+
+def tensor_parallel_layout(config: EngineConfig, ckpt: Checkpoint) -> TensorParallel:
+    """How the model splits over --tensor-parallel-size devices; a ModelLoadError for what cannot split."""
+    n = config.tensor_parallel_size
+    if n > 1:
+        flag = f"--tensor-parallel-size {n}"
+        if ckpt.kind == "converted":
+            raise ModelLoadError(f"{flag}: converted checkpoints are stored for one device; serve the "
+                                 "HF directory or GGUF file (not yet)")
+        if config.max_loras:
+            raise ModelLoadError(f"{flag}: LoRA adapters (--lora, --max-loras) do not run tensor-parallel yet")
+        if ckpt.config.num_heads % ckpt.config.num_kv_heads:
+            raise ModelLoadError(f"{flag}: {ckpt.config.num_heads} query heads are not a multiple of "
+                                 f"{ckpt.config.num_kv_heads} KV heads")
+    return TensorParallel.of(ckpt.config, n)
 
 
 def compile_in_background(core: EngineCore) -> threading.Thread:

@@ -35,6 +35,9 @@ class EngineConfig:
     kv_cache_dtype: str = _field(
         "auto", "auto | float32 | bfloat16; auto = the model's dtype. bfloat16 under a float32 model "
         "halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
+    tensor_parallel_size: int = _field(
+        1, "devices of this host one model is split over (tensor parallelism: heads, MLP rows, vocabulary "
+        "and the KV cache's kv heads); each holds ~1/N of the weights and KV cache (docs/DEPLOYMENT.md)")
     compilation_cache_dir: str | None = _field(None, "JAX compilation cache; default $IMP_JAX_HOME/jax_cache")
     session_ttl_s: float = _field(600.0, "seconds a session_id's pinned KV blocks wait for its next turn")
     idle_unload_seconds: float = _field(0.0, "park the weights and KV cache in host memory after this many "
@@ -46,6 +49,8 @@ class EngineConfig:
     max_lora_rank: int = _field(16, "the largest LoRA rank a slot holds (smaller ranks are zero-padded)")
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         self.lora = list(self.lora or [])
@@ -92,17 +97,19 @@ DEFAULT_CPU_KV_BYTES = 1 << 30   # 1 GiB
 DEFAULT_GPU_KV_FRACTION = 0.9
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, itemsize: int) -> int:
-    """K and V bytes of one block across all layers."""
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+def kv_bytes_per_block(model: ModelConfig, block_size: int, itemsize: int, kv_heads: int | None = None) -> int:
+    """K and V bytes of one block across all layers, for `kv_heads` (default: all the model's; with
+    tensor parallelism, one device's)."""
+    return 2 * model.num_layers * block_size * (kv_heads or model.num_kv_heads) * model.head_dim * itemsize
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig, itemsize: int, backend: str,
-                  free_device_bytes: int | None) -> int:
-    """Pool size from --num-kv-blocks, else --kv-cache-memory (fraction of free memory on GPU, bytes on CPU)."""
+                  free_device_bytes: int | None, kv_heads_per_device: int | None = None) -> int:
+    """Pool size from --num-kv-blocks, else --kv-cache-memory (fraction of free memory on GPU, bytes on CPU),
+    a budget per device: each device holds `kv_heads_per_device` of every block."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, itemsize)
+    per_block = kv_bytes_per_block(model, config.block_size, itemsize, kv_heads_per_device)
     mem = config.kv_cache_memory
     if backend == "cpu" or free_device_bytes is None:
         budget = int(mem) if mem and mem > 1 else DEFAULT_CPU_KV_BYTES

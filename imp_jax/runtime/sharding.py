@@ -1,9 +1,10 @@
 """Where the engine's arrays live: a device mesh, and the map from logical axis names to its axes.
 
 Parameters and the KV cache name their axes (model/base.py: `axes` metadata, KV_CACHE_AXES); the
-compiled step takes explicit shardings built here. Today the mesh holds one device, so every
-sharding is trivial; tensor parallelism shards the names in RULES over the mesh's "tp" axis (the
-fused `qkv` and `gate_up` axes then need a shard-major row order, which the loader must write).
+compiled step takes explicit shardings built here. On one device every sharding is whole; with
+tensor parallelism the names in RULES are split over the mesh's "tp" axis (the fused `qkv` and
+`gate_up` axes are stored shard-major by the loader: model/tensor_parallel.py) and the step runs the
+model per shard under `shard_map` (runtime/step.py).
 """
 from __future__ import annotations
 
@@ -15,21 +16,32 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from imp_jax.model.base import KV_CACHE_AXES
+from imp_jax.model.tensor_parallel import AXIS
 
-TP = "tp"
+TP = AXIS
 RULES: dict[str, str] = {"vocab": TP, "heads": TP, "kv_heads": TP, "mlp": TP, "qkv": TP, "gate_up": TP}
 
 
 def make_mesh(devices: Sequence[Any]) -> Mesh:
-    """A one-axis ("tp") mesh over `devices`; one device until tensor parallelism lands."""
-    if len(devices) != 1:
-        raise ValueError(f"the engine runs on one device; got {len(devices)}")
+    """A one-axis ("tp") mesh over `devices`."""
+    if not devices:
+        raise ValueError("a mesh needs at least one device")
     return Mesh(np.asarray(devices).reshape(len(devices)), (TP,))
 
 
 def default_mesh() -> Mesh:
-    """A mesh of the default backend's first local device: what one engine runs on today."""
+    """A mesh of the default backend's first local device: what one engine runs on without TP."""
     return make_mesh(jax.local_devices()[:1])
+
+
+def tensor_parallel_mesh(size: int) -> Mesh:
+    """A "tp" mesh over the first `size` local devices of the default backend; a ValueError naming
+    the flag when there are fewer."""
+    devices = jax.local_devices()
+    if size < 1 or size > len(devices):
+        raise ValueError(f"--tensor-parallel-size {size}: this host has {len(devices)} "
+                         f"{devices[0].platform} device{'s' if len(devices) > 1 else ''}")
+    return make_mesh(devices[:size])
 
 
 def partition_spec(axes: Sequence[str | None] | None, ndim: int) -> PartitionSpec:

@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch, build_step_batch, pow2_buckets
 from imp_jax.runtime.packing import Layout, pack, unpack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
 from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
-from imp_jax.runtime.sharding import kv_sharding, replicated, state_shardings
+from imp_jax.runtime.sharding import kv_sharding, partition_spec, replicated, state_shardings
 
 log = logging.getLogger("imp_jax.step")
 Progress = Callable[[int, int, tuple[int, int], float], None]   # (i, n, bucket, seconds)
@@ -47,7 +47,10 @@ class CompiledStep:
 
     Two programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
     (T, S) bucket, and `score` (raw logprobs of every row, for prompt_logprobs) for one bucket.
-    Every array has an explicit sharding on `mesh` (runtime/sharding.py).
+    Every array has an explicit sharding on `mesh` (runtime/sharding.py). On a mesh of more than
+    one device the forward and the LM head run per shard under `shard_map` (the model's kernels are
+    custom calls GSPMD cannot split; the model sums its row-parallel outputs itself) and the
+    sampler runs on the gathered logits.
     """
 
     def __init__(self, model: Any, kv: tuple[jax.Array, jax.Array], shapes: StepShapes,
@@ -58,6 +61,8 @@ class CompiledStep:
         self.mesh = mesh
         state_sh, kv_sh, rep = state_shardings(state, mesh), kv_sharding(mesh), replicated(mesh)
         self.state = jax.device_put(state, state_sh)
+        if mesh.size > 1:   # the loader left the weights on the host, shard-major: keep only the placed shards
+            nnx.update(model, self.state)
         self.kv = jax.device_put(kv, (kv_sh, kv_sh))
         # the programs take the parameters as a flat list (flattening nnx Variables on every call
         # cost more host time than the rest of the dispatch) and every host input as two packed
@@ -85,25 +90,33 @@ class CompiledStep:
         self.with_lora = getattr(model, "lora", None) is not None
         with_lora = self.with_lora
 
-        def forward(leaves, kv, input_ids, positions, meta, lora_ids):
+        def forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows):
+            """Logits of `rows` (None: every row) and the updated cache."""
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
             if with_lora:
                 hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids)
             else:
                 hidden, kv = model(input_ids, positions, kv, meta)
-            return model, hidden, kv
+            return model.logits(hidden if rows is None else hidden[rows]), kv
+
+        if mesh.size > 1:
+            kv_spec = (kv_sh.spec, kv_sh.spec)
+            logits_spec = partition_spec(getattr(model, "logits_axes", None), 2)
+            forward_logits = jax.shard_map(
+                forward_logits, mesh=mesh, check_vma=False,
+                in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 5),
+                out_specs=(logits_spec, kv_spec))
 
         def step(leaves, kv, ints, floats, layout):
             input_ids, positions, meta, rows, sampling, step_no, lora_ids = unpack(layout, ints, floats)
-            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta, lora_ids)
-            logits = model.logits(hidden[rows])
+            logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
             key = jax.random.fold_in(jax.random.key(0), step_no)
             return sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips), kv
 
         def score(leaves, kv, ints, floats, layout):
             input_ids, positions, meta, targets, lora_ids = unpack(layout, ints, floats)
-            model, hidden, kv = forward(leaves, kv, input_ids, positions, meta, lora_ids)
-            logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)   # raw: no sampling knobs
+            logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, None)
+            logprobs = jax.nn.log_softmax(logits, axis=-1)   # raw: no sampling knobs
             target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
             rank = jnp.sum(logprobs > target, axis=-1) + 1
             top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
