@@ -32,6 +32,21 @@ def default_mesh() -> Mesh:
     return make_mesh(jax.local_devices()[:1])
 
 
+def replica_devices(replica: int, replicas: int, per_replica: int = 1) -> list[Any]:
+    """The local devices of data-parallel replica `replica` of `replicas`: disjoint groups of `per_replica`
+    devices in device order. Fewer local devices than the replicas need is a ValueError that says how
+    to get more on CPU (fake devices are never made behind the operator's back)."""
+    devices = jax.local_devices()
+    need = replicas * per_replica
+    if len(devices) < need:
+        platform = devices[0].platform if devices else "no"
+        hint = (f"; on CPU, ask for fake devices before start-up: "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={need}") if platform == "cpu" else ""
+        raise ValueError(f"--data-parallel-size {replicas} needs {need} devices; this host has "
+                         f"{len(devices)} {platform} device(s){hint}")
+    return devices[replica * per_replica:(replica + 1) * per_replica]
+
+
 def partition_spec(axes: Sequence[str | None] | None, ndim: int) -> PartitionSpec:
     """The mesh axes of an array whose leading axes are named `axes` (trailing ones, such as a GGML
     block's bytes, and unnamed ones are replicated)."""
