@@ -45,6 +45,14 @@ def check_devices(config: EngineConfig) -> None:
         replica_devices(config.data_parallel_size - 1, config.data_parallel_size)
 
 
+def _device_of(engine: AsyncEngine) -> str | None:
+    """The replica's device, as JAX names it (cpu:1, cuda:0), once it has loaded."""
+    try:
+        return str(engine.core.step_fn.mesh.devices.flat[0])
+    except Exception:   # still loading
+        return None
+
+
 @dataclasses.dataclass
 class _Load:
     """What the router has sent a replica and not seen end: rows (n per request) and unprefilled prompt tokens."""
@@ -145,7 +153,7 @@ class EngineReplicas:
         per = []
         for i, (r, load) in enumerate(zip(self.replicas, self._loads)):
             one = r.stats()
-            one.update(replica=i, requests_routed=load.routed)
+            one.update(replica=i, requests_routed=load.routed, routed_rows=load.rows, device=_device_of(r))
             per.append(one)
         total: dict[str, Any] = {"state": self.state, "suspended": self.state == "suspended",
                                  "idle_suspended": self.idle_suspended,
