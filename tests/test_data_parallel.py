@@ -128,6 +128,7 @@ def test_stats_sum_the_replicas_and_keep_each() -> None:
     assert (stats["kv_block_size"], stats["decode_batch_max"]) == (16, 7)
     assert [r["replica"] for r in stats["replicas"]] == [0, 1]
     assert stats["replicas"][1]["num_waiting"] == 5 and stats["data_parallel_size"] == 2
+    assert router.max_num_seqs == 2 * router.config.max_num_seqs   # /props total_slots, /info
 
 
 def test_too_few_devices_is_a_start_up_error_that_says_how_to_get_fake_ones() -> None:

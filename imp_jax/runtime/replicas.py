@@ -148,6 +148,11 @@ class EngineReplicas:
     def default_params(self) -> dict[str, Any]:
         return self.replicas[0].default_params
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the replicas run at once, together (/props total_slots, /info)."""
+        return self.config.max_num_seqs * len(self.replicas)
+
     def stats(self) -> dict[str, Any]:
         """Every replica's stats summed (MAX_KEYS: the largest), and each replica's own under `replicas`."""
         per = []
