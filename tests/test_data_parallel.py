@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from prometheus_text import parse
-from server_fixtures import MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, live_server, wait_for  # noqa: F401
+from server_fixtures import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, FakeEngine, LiveServer, app_in_thread,
+                             fake_tokenizer, live_server, wait_for)  # noqa: F401
 
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
@@ -129,6 +130,36 @@ def test_stats_sum_the_replicas_and_keep_each() -> None:
     assert [r["replica"] for r in stats["replicas"]] == [0, 1]
     assert stats["replicas"][1]["num_waiting"] == 5 and stats["data_parallel_size"] == 2
     assert router.max_num_seqs == 2 * router.config.max_num_seqs   # /props total_slots, /info
+    router.replicas[1]._stats = {}   # still loading: it has no counters yet
+    assert router.stats()["num_waiting"] == 2 and router.stats()["state"] == "ready"
+
+
+def test_the_server_over_replicas_routes_reports_each_and_refuses_when_one_faults() -> None:
+    """The app's wiring over EngineReplicas (FakeEngine replicas: the AsyncEngine's interface, no model)."""
+    from imp_jax.server.app import create_app
+
+    tok = fake_tokenizer()
+    router = EngineReplicas(EngineConfig(data_parallel_size=2), build=lambda i: FakeEngine(tok))
+    router.start()
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
+    with app_in_thread(create_app(router)) as url:
+        wait_for(url + "/ready", 200, timeout=30)
+        assert httpx.get(url + "/ready").json()["replica_states"] == ["ready", "ready"]
+        for _ in range(4):
+            assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+        replicas = httpx.get(url + "/health").json()["replicas"]
+        assert [r["requests_routed"] for r in replicas] == [2, 2] and [r["routed_rows"] for r in replicas] == [0, 0]
+        assert httpx.get(url + "/props").json()["total_slots"] == 2 * router.config.max_num_seqs
+        series = parse(httpx.get(url + "/metrics").text)
+        assert series[("imp_replica_ready", (("replica", "1"),))] == 1
+        router.replicas[1].state = "faulted"
+        ready = httpx.get(url + "/ready")
+        assert ready.status_code == 503 and ready.json()["code"] == "engine_faulted"
+        assert ready.json()["replica_states"] == ["ready", "faulted"]
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_faulted"
+        assert httpx.get(url + "/health").status_code == 503
+        assert parse(httpx.get(url + "/metrics").text)[("imp_replica_ready", (("replica", "1"),))] == 0
 
 
 def test_too_few_devices_is_a_start_up_error_that_says_how_to_get_fake_ones() -> None:

@@ -223,10 +223,9 @@ class AsyncEngine:
         adapter is not loaded here. Read from another thread (a dict lookup), for routing only."""
         if not req.lora:
             return req.cache_salt
-        adapter = self.core.loras.by_name[req.lora] if self.core.loras is not None else None
-        if adapter is None:
+        if self.core.loras is None:
             raise KeyError(req.lora)
-        return (req.cache_salt, "lora", *adapter.cache_key)
+        return (req.cache_salt, "lora", *self.core.loras.by_name[req.lora].cache_key)
 
     def holds_block(self, block_hash: bytes) -> bool:
         """Whether this engine's prefix cache holds a block of that hash (KVBlockPool.holds; any thread)."""

@@ -101,15 +101,16 @@ class EngineReplicas:
 
     @property
     def error(self) -> str | None:
-        return next((f"replica {i}: {r.error}" for i, r in enumerate(self.replicas) if r.error), None)
+        errors = ((i, getattr(r, "error", None)) for i, r in enumerate(self.replicas))
+        return next((f"replica {i}: {e}" for i, e in errors if e), None)
 
     @property
     def progress(self) -> float:
-        return min(r.progress for r in self.replicas)
+        return min(getattr(r, "progress", 1.0) for r in self.replicas)
 
     @property
     def idle_suspended(self) -> bool:
-        return any(r.idle_suspended for r in self.replicas)
+        return any(getattr(r, "idle_suspended", False) for r in self.replicas)
 
     # ------------------------------------------------------------------- model (the same on every replica)
     @property
@@ -158,14 +159,15 @@ class EngineReplicas:
         per = []
         for i, (r, load) in enumerate(zip(self.replicas, self._loads)):
             one = r.stats()
-            one.update(replica=i, requests_routed=load.routed, routed_rows=load.rows, device=_device_of(r))
+            one.update(replica=i, state=r.state, requests_routed=load.routed, routed_rows=load.rows,
+                       device=_device_of(r))
             per.append(one)
         total: dict[str, Any] = {"state": self.state, "suspended": self.state == "suspended",
                                  "idle_suspended": self.idle_suspended,
                                  "idle_unload_seconds": self.config.idle_unload_seconds,
                                  "data_parallel_size": len(self.replicas)}
-        for key in per[0]:
-            values = [one.get(key) for one in per]
+        for key in dict.fromkeys(k for one in per for k in one):   # a replica still loading has no counters yet
+            values = [one.get(key, 0) for one in per]
             if key in total or key == "replica" or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                            for v in values):
                 continue
@@ -182,12 +184,12 @@ class EngineReplicas:
             return self._sessions[session]
         per_step = max(1, self.config.max_num_batched_tokens)
         scores = [load.score(per_step) for load in self._loads]
-        least = min(scores)
         ready = [i for i, r in enumerate(self.replicas) if r.state == "ready"] or list(range(len(self.replicas)))
+        least = min(scores[i] for i in ready)
         hits = self.cached_blocks(req, ready)
         best = max(hits[i] for i in ready)
         pool = [i for i in ready if hits[i] == best and scores[i] <= least + self._slack] if best else []
-        pool = pool or [i for i in ready if scores[i] == min(scores[j] for j in ready)]
+        pool = pool or [i for i in ready if scores[i] == least]
         turn = next(self._turn)
         choice = pool[turn % len(pool)]
         if session is not None:
