@@ -61,7 +61,8 @@ def replicas(n: int = 2, **config: Any) -> EngineReplicas:
 
 
 def req(ids: list[int], session: str | None = None, salt: str | None = None) -> GenerationRequest:
-    return GenerationRequest(request_id=f"r{next(IDS)}", prompt_ids=ids, params=SamplingParams(max_tokens=1), session_id=session, cache_salt=salt)
+    return GenerationRequest(request_id=f"r{next(IDS)}", prompt_ids=ids, params=SamplingParams(max_tokens=1),
+                             session_id=session, cache_salt=salt)
 
 
 SYSTEM = list(range(100, 124))   # six full blocks

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 import threading
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
@@ -24,7 +23,6 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv_blocks import prefix_hashes
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
-log = logging.getLogger("imp_jax.engine")
 STATE_ORDER = ("faulted", "stopped", "loading", "warming_up", "suspended", "ready")   # worst first
 MAX_SESSIONS = 65536   # session ids remembered for stickiness (least recently used forgotten first)
 MAX_KEYS = ("kv_block_size", "decode_batch_max")   # stats that are not summed over replicas
