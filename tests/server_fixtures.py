@@ -105,6 +105,13 @@ class FakeEngine:
         """The fake keeps no KV, so no session is ever open."""
         return False
 
+    def prefix_key(self, req: GenerationRequest) -> Any:
+        return req.cache_salt
+
+    def holds_block(self, block_hash: bytes) -> bool:
+        """Nothing is cached (a router sees no prefix affinity)."""
+        return False
+
     async def resume(self) -> dict[str, Any]:
         if self.state != "suspended":
             return {"status": "not_suspended"}

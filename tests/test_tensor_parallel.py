@@ -107,7 +107,7 @@ def test_more_devices_than_the_host_has_is_a_start_up_error():
     from imp_jax.runtime.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
-    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 2: this host has 1 cpu device"):
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 2 needs 2 devices; this host has 1 cpu device"):
         build_engine(EngineConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)

@@ -28,8 +28,9 @@ log = logging.getLogger("imp_jax.engine")
 class AsyncEngine:
     """Start with `start()`; `generate()` streams EngineEvents; `cancel()` frees a request's blocks."""
 
-    def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None):
+    def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None, replica: int = 0):
         self.config = config
+        self.replica = replica          # its device group of config.data_parallel_size (runtime/replicas.py)
         self.state = "loading"          # loading | warming_up | ready | suspended | faulted | stopped
         self.idle_suspended = False     # parked for idleness: still "ready", the next request resumes
         self.progress = 0.0
@@ -38,7 +39,8 @@ class AsyncEngine:
         self._core: EngineCore | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="imp-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="imp-engine" + (f"-{replica}" if replica else ""),
+                                        daemon=True)
         self._compiler: threading.Thread | None = None   # background compiles (builder.compile_in_background)
         self._compiler_lock = threading.Lock()
         self._stopping = False
@@ -216,6 +218,19 @@ class AsyncEngine:
             raise answer
         return answer
 
+    def prefix_key(self, req: GenerationRequest) -> Any:
+        """The prefix-cache extra key `req`'s blocks get here (Sequence.cache_key); KeyError when its LoRA
+        adapter is not loaded here. Read from another thread (a dict lookup), for routing only."""
+        if not req.lora:
+            return req.cache_salt
+        if self.core.loras is None:
+            raise KeyError(req.lora)
+        return (req.cache_salt, "lora", *self.core.loras.by_name[req.lora].cache_key)
+
+    def holds_block(self, block_hash: bytes) -> bool:
+        """Whether this engine's prefix cache holds a block of that hash (KVBlockPool.holds; any thread)."""
+        return self._core is not None and self._core.pool.holds(block_hash)
+
     def lora_adapters(self) -> list[dict[str, Any]]:
         """The loaded adapters (name, id, path, slot, rank, target_modules); [] without slots."""
         core = self._core
@@ -242,7 +257,7 @@ class AsyncEngine:
             self.progress = frac
 
         try:
-            build = self._build or functools.partial(build_engine, background_compile=True)
+            build = self._build or functools.partial(build_engine, background_compile=True, replica=self.replica)
             self._core = build(self.config, progress)
             with self._compiler_lock:
                 if not self._core.step_fn.warm and not self._stopping:
@@ -257,7 +272,11 @@ class AsyncEngine:
             return
         self.state = "ready"
         self._ready.set()
-        core = self._core
+        import jax
+        with jax.default_device(self._core.step_fn.mesh.devices.flat[0]):   # what this thread makes: its device
+            self._serve(self._core)
+
+    def _serve(self, core: EngineCore) -> None:
         self._last_request = time.monotonic()
         while True:
             warming = not core.has_work() and core.step_fn.has_unrun()

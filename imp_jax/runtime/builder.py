@@ -21,7 +21,7 @@ from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.sharding import default_mesh, kv_sharding, tensor_parallel_mesh
+from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
 
 log = logging.getLogger("imp_jax.engine")
 Progress = Callable[[str, float], None]   # (phase, fraction done)
@@ -41,22 +41,31 @@ def enable_compilation_cache(config: EngineConfig) -> None:
 
 
 def build_engine(config: EngineConfig, progress: Progress | None = None,
-                 background_compile: bool = False) -> EngineCore:
+                 background_compile: bool = False, replica: int = 0) -> EngineCore:
     """A ready EngineCore: model loaded, KV allocated, every program compiled and run once (progress
     logged). With `background_compile`, only the serving set is compiled here; the caller then runs
-    `core.step_fn.compile_rest` on another thread (AsyncEngine does) and the first runs when idle."""
+    `core.step_fn.compile_rest` on another thread (AsyncEngine does) and the first runs when idle.
+    `replica` of `config.data_parallel_size` picks the device group (runtime/sharding.replica_devices):
+    the weights are built there, not on the first device and then copied."""
     enable_compilation_cache(config)
     progress = progress or (lambda phase, frac: None)
     progress("loading", 0.0)
-    n = config.tensor_parallel_size
     try:
-        mesh = tensor_parallel_mesh(n) if n > 1 else default_mesh()
+        mesh = make_mesh(replica_devices(replica, config.data_parallel_size, config.tensor_parallel_size))
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     device = mesh.devices.flat[0]
+    if config.data_parallel_size > 1:
+        log.info("replica %d of %d on %s", replica, config.data_parallel_size, device)
+    with jax.default_device(device):   # this thread's arrays: the model's weights, LoRA slabs
+        return _build_on(config, progress, background_compile, mesh, device)
+
+
+def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device) -> EngineCore:
     platform = device.platform
     ckpt = open_checkpoint(config.model)
     tp = tensor_parallel_layout(config, ckpt)
+    n = config.tensor_parallel_size
     dtype = resolve_dtype(config.dtype, platform)
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)

@@ -47,6 +47,9 @@ class EngineConfig:
     max_loras: int = _field(0, "LoRA adapter slots on the device (0 = no slabs, no LoRA cost; --lora alone "
                             "implies max(4, its count)); POST /admin/lora/load fills them at run time")
     max_lora_rank: int = _field(16, "the largest LoRA rank a slot holds (smaller ranks are zero-padded)")
+    data_parallel_size: int = _field(1, "engine replicas, one per device, each with its own weights, KV pool "
+                                     "and scheduler; requests are routed by prefix-cache affinity and load "
+                                     "(docs/DEPLOYMENT.md). On CPU: XLA_FLAGS=--xla_force_host_platform_device_count")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -58,6 +61,8 @@ class EngineConfig:
             name, _, path = spec.partition("=")
             if not name or not path:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
         if self.lora and not self.max_loras:

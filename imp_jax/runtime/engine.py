@@ -41,6 +41,7 @@ Emit = Callable[[EngineEvent], None]
 class EngineCounters:
     """Plain ints the engine thread bumps and `stats()` reads from any thread (no lock: an int is read whole)."""
 
+    requests: int = 0                # requests admitted (add_request passed)
     kv_pressure_rejections: int = 0  # requests refused or ended early because the pool could not hold them
     decode_steps: int = 0            # steps that ran at least one decode row
     decode_rows: int = 0             # decode rows over those steps
@@ -146,6 +147,7 @@ class EngineCore:
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring, adapter=adapter)
         self.requests[req.request_id] = state
+        self.counters.requests += 1
         if scoring is None:
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -481,7 +483,7 @@ class EngineCore:
                     sessions_open=len(self.sessions), session_pinned_blocks=self.sessions.num_blocks,
                     kv_blocks_total=self.baseline_free_blocks, kv_blocks_used=self.baseline_free_blocks - free,
                     kv_blocks_reserved=c.kv_blocks_reserved if busy else 0,
-                    kv_pressure_rejections=c.kv_pressure_rejections,
+                    kv_pressure_rejections=c.kv_pressure_rejections, requests_total=c.requests,
                     decode_batch_last_rows=c.decode_rows_last if busy else 0,
                     decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
                     decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,

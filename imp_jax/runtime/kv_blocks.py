@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 NULL_BLOCK = 0
@@ -50,6 +50,15 @@ def block_preimage(parent: bytes | None, token_ids: Sequence[int], extra_key: Ha
 def hash_block(preimage: bytes) -> bytes:
     """SHA-256 of a block's preimage: collision-resistant, unlike Python's 64-bit hash()."""
     return hashlib.sha256(preimage).digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, extra_key: Hashable = None) -> Iterator[bytes]:
+    """The chained hashes of the prompt's full blocks that a prefix lookup may hit (all but the block of the
+    last token, as in match_prefix), computed lazily: a caller that stops early pays only for what it read."""
+    parent = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(block_preimage(parent, token_ids[i * block_size:(i + 1) * block_size], extra_key))
+        yield parent
 
 
 @dataclass
@@ -106,6 +115,11 @@ class KVBlockPool:
     def stats(self) -> PrefixCacheStats:
         """A snapshot of the prefix-cache counters."""
         return replace(self._stats)
+
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether a block with this hash is cached (held or idle). One dict lookup: a router on another
+        thread may ask (replicas.py); the answer may be stale by the time it acts, which costs a miss."""
+        return block_hash in self._cached
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""

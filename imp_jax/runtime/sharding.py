@@ -34,14 +34,21 @@ def default_mesh() -> Mesh:
     return make_mesh(jax.local_devices()[:1])
 
 
-def tensor_parallel_mesh(size: int) -> Mesh:
-    """A "tp" mesh over the first `size` local devices of the default backend; a ValueError naming
-    the flag when there are fewer."""
+def replica_devices(replica: int, replicas: int, per_replica: int = 1) -> list[Any]:
+    """The local devices of data-parallel replica `replica` of `replicas`: disjoint groups of `per_replica`
+    (--tensor-parallel-size) devices in device order. Fewer local devices than that needs is a ValueError
+    naming the flags and, on CPU, how to get fake devices (never made behind the operator's back)."""
     devices = jax.local_devices()
-    if size < 1 or size > len(devices):
-        raise ValueError(f"--tensor-parallel-size {size}: this host has {len(devices)} "
-                         f"{devices[0].platform} device{'s' if len(devices) > 1 else ''}")
-    return make_mesh(devices[:size])
+    need = replicas * per_replica
+    if per_replica < 1 or len(devices) < need:
+        platform = devices[0].platform if devices else "no"
+        flags = " x ".join(f for f, n in ((f"--data-parallel-size {replicas}", replicas),
+                                          (f"--tensor-parallel-size {per_replica}", per_replica)) if n != 1)
+        hint = (f"; on CPU, ask for fake devices before start-up: "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={need}") if platform == "cpu" else ""
+        raise ValueError(f"{flags or '--tensor-parallel-size 0'} needs {need} devices; this host has "
+                         f"{len(devices)} {platform} device(s){hint}")
+    return devices[replica * per_replica:(replica + 1) * per_replica]
 
 
 def partition_spec(axes: Sequence[str | None] | None, ndim: int) -> PartitionSpec:

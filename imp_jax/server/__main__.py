@@ -104,7 +104,7 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> int:
             stop.set()
 
     engine.start()
-    watcher = asyncio.create_task(watch_load()) if isinstance(engine, _async_engine_class()) else None
+    watcher = None if isinstance(engine, NoModel) else asyncio.create_task(watch_load())
     try:
         await serve(app, hc, shutdown_trigger=shutdown_trigger)
     finally:
@@ -113,11 +113,6 @@ async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> int:
         state_of(app).engine.shutdown(timeout=2.0)  # a model still loading cannot be interrupted (daemon thread)
         log.info("stopped")
     return LOAD_FAILED if failed else 0
-
-
-def _async_engine_class() -> type:
-    from imp_jax.runtime.async_engine import AsyncEngine
-    return AsyncEngine
 
 
 def busy_requests(app: Quart) -> int:
@@ -151,14 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # process-wide: no `_created` twin of every counter on /metrics
-    from imp_jax.runtime.async_engine import AsyncEngine  # the engine (and jax) live behind this import
+    from imp_jax.runtime.replicas import check_devices  # the engine (and jax) live behind this import
+    from imp_jax.runtime.replicas import make_engine as engine_for
 
     models_dir = Path(config.models_dir) if config.models_dir else None
     if models_dir is not None and not models_dir.is_dir():
         print(f"python -m imp_jax.server: error: --models-dir {models_dir}: not a directory", file=sys.stderr)
         return 2
     # with --models-dir and no --model, start empty: the first request (or /admin/models/load) names one
-    engine = NoModel() if models_dir is not None and not config.model_given else AsyncEngine(config.engine)
+    try:
+        check_devices(config.engine)
+        engine = NoModel() if models_dir is not None and not config.model_given else engine_for(config.engine)
+    except ValueError as e:   # --data-parallel-size beyond the devices there are
+        print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
+        return 2
     try:
         app = create_app(engine, config)
     except ValueError as e:  # what only the app can check: the request log's file
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if models_dir is not None:
         def make_engine(path: Path) -> AsyncEngine:
-            return AsyncEngine(dataclasses.replace(config.engine, model=str(path)))
+            return engine_for(dataclasses.replace(config.engine, model=str(path)))
 
         state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout)
     try:

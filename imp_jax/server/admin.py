@@ -81,11 +81,13 @@ async def ready() -> Any:
     is_ready, code = readiness()
     if is_ready:   # the encoder models must be serving too
         is_ready, code = encoders_ready()
-    engine_state = getattr(server().engine, "state", "ready")
+    engine = server().engine
+    engine_state = getattr(engine, "state", "ready")
+    replicas = {"replica_states": [r.state for r in engine.replicas]} if hasattr(engine, "replicas") else {}
     if is_ready:
         return jsonify({"ready": True, "state": engine_state, "model": _model_name(),
-                        "idle_suspended": bool(getattr(server().engine, "idle_suspended", False))})
-    return jsonify({"ready": False, "code": code, "state": engine_state}), 503
+                        "idle_suspended": bool(getattr(engine, "idle_suspended", False)), **replicas})
+    return jsonify({"ready": False, "code": code, "state": engine_state, **replicas}), 503
 
 
 @bp.post("/admin/suspend")

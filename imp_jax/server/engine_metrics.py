@@ -49,6 +49,32 @@ ENGINE_COUNTERS = (
      "allowed-token masks of constrained rows before each step"),
 )
 
+# per replica (label `replica`; "0" alone without --data-parallel-size): (metric, stats key, help, is counter)
+REPLICA_SERIES = (
+    ("imp_replica_queue_depth", "queue_depth", "Sequences in this replica, running or waiting", False),
+    ("imp_replica_kv_blocks_used", "kv_blocks_used", "KV blocks held or pinned in this replica's pool", False),
+    ("imp_replica_kv_blocks_total", "kv_blocks_total", "KV blocks in this replica's pool", False),
+    ("imp_replica_ready", "ready", "1 while this replica serves (0 loading, suspended by the operator, "
+     "faulted)", False),
+    ("imp_replica_requests", "requests_total", "Requests this replica admitted", True),
+    ("imp_replica_engine_steps", "num_steps", "Engine steps this replica ran", True),
+    ("imp_replica_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens this replica found in its prefix "
+     "cache", True),
+)
+
+
+def replica_series(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The REPLICA_SERIES of each replica in `stats` (EngineReplicas: its `replicas`; one engine: itself)."""
+    replicas = stats.get("replicas") or [stats]
+    families = {name: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["replica"])
+                for name, _, doc, counter in REPLICA_SERIES}
+    for i, one in enumerate(replicas):
+        values = {**one, "queue_depth": int(one.get("num_running", 0)) + int(one.get("num_waiting", 0)),
+                  "ready": int(one.get("state") == "ready")}
+        for name, key, _, _ in REPLICA_SERIES:
+            families[name].add_metric([str(one.get("replica", i))], values.get(key, 0))
+    yield from families.values()
+
 
 class EngineCollector(Collector):
     """Yields the engine, queue, model and store series from callables read at each scrape."""
@@ -65,6 +91,7 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
         for name, key, doc in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        yield from replica_series(stats)
         yield GaugeMetricFamily("imp_queued_requests", "Generation requests submitted and waiting for their "
                                 "first token (--max-queued-requests)", value=self._gate.queued_requests)
         yield GaugeMetricFamily("imp_queued_prompt_tokens", "Prompt tokens of the requests waiting for their "
