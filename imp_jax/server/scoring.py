@@ -234,8 +234,9 @@ async def decide() -> Any:
     messages = decide_messages(req)
     tokenizer = engine.tokenizer
     letters = LETTERS[:len(req.options)]
-    letter_ids = [tokenizer.encode(L, add_special_tokens=False, parse_special=False)[0] for L in letters]
-    if len(set(letter_ids)) != len(letter_ids):
+    encoded = [tokenizer.encode(L, add_special_tokens=False, parse_special=False) for L in letters]
+    letter_ids = [e[0] if e else -1 for e in encoded]
+    if -1 in letter_ids or len(set(letter_ids)) != len(letter_ids):
         raise InvalidRequestError("this model's tokenizer does not give the option letters distinct first tokens",
                                   code="not_supported", param="options")
     ids = await off_loop(chat_ids, messages, tokenizer)
