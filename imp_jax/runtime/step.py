@@ -93,17 +93,20 @@ class CompiledStep:
                 hidden, kv = model(input_ids, positions, kv, meta)
             return model, hidden, kv
 
+        def logits_of(model, hidden, lora_ids):
+            return model.logits(hidden, lora_ids=lora_ids) if with_lora else model.logits(hidden)
+
         def step(leaves, kv, ints, floats, layout):
             input_ids, positions, meta, rows, sampling, step_no, lora_ids = unpack(layout, ints, floats)
             model, hidden, kv = forward(leaves, kv, input_ids, positions, meta, lora_ids)
-            logits = model.logits(hidden[rows])
+            logits = logits_of(model, hidden[rows], lora_ids[rows] if with_lora else None)
             key = jax.random.fold_in(jax.random.key(0), step_no)
             return sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips), kv
 
         def score(leaves, kv, ints, floats, layout):
             input_ids, positions, meta, targets, lora_ids = unpack(layout, ints, floats)
             model, hidden, kv = forward(leaves, kv, input_ids, positions, meta, lora_ids)
-            logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1)   # raw: no sampling knobs
+            logprobs = jax.nn.log_softmax(logits_of(model, hidden, lora_ids), axis=-1)   # raw: no sampling knobs
             target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
             rank = jnp.sum(logprobs > target, axis=-1) + 1
             top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
