@@ -185,8 +185,9 @@ def test_lm_head_and_embed_tokens_adapters_match_transformers_peft(_tiny_hf_temp
     assert np.max(np.abs(got[0] - ref)) <= 1e-3 * np.ptp(ref)
 
 
-@pytest.mark.parametrize("rank,parts,in_dim", [(8, (40, 24, 24), 64), (3, (13,), 21)])
-def test_cpu_kernel_matches_the_masked_xla_formulation(rank, parts, in_dim):
+@pytest.mark.parametrize("rank,parts,in_dim,dtype", [(8, (40, 24, 24), 64, "float32"), (3, (13,), 21, "float32"),
+                                                     (8, (40, 24, 24), 64, "float16")])
+def test_cpu_kernel_matches_the_masked_xla_formulation(rank, parts, in_dim, dtype):
     """Each row under its own slot (0 = none) whatever the mix; odd ranks and widths take the tails.
     The XLA formulation, without dynamic skips and with, is the oracle."""
     import dataclasses
@@ -201,8 +202,8 @@ def test_cpu_kernel_matches_the_masked_xla_formulation(rank, parts, in_dim):
         pytest.skip("no CPU LoRA kernel on this machine")
     rng = np.random.default_rng(0)
     n, rows = 3, 11
-    a = jnp.asarray(rng.standard_normal((n, len(parts) * rank, in_dim)), jnp.float32)
-    bt = jnp.asarray(rng.standard_normal((n, rank, sum(parts))), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((n, len(parts) * rank, in_dim)), dtype)
+    bt = jnp.asarray(rng.standard_normal((n, rank, sum(parts))), dtype)
     x = jnp.asarray(rng.standard_normal((rows, in_dim)), jnp.float32)
     ids = jnp.asarray([0, 1, 2, 3, 1, 0, 3, 3, 2, 0, 1], jnp.int32)
     got = np.asarray(cpu_lora.lora_delta_cpu(x, ids, a, bt, parts))

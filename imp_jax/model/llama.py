@@ -19,7 +19,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragg
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.layers import apply_rope, embed, linear, rms_norm, rope_tables
-from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget
+from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -110,7 +110,7 @@ class DecoderLM(nnx.Module):
             in_dim, outs = projections.setdefault(t.fused, (t.in_dim, []))
             outs.append(t.out_dim)
         self.lora = LoraSlabs({k: (i, tuple(o)) for k, (i, o) in projections.items()},
-                              self.config.num_layers, options, self.dtype)
+                              self.config.num_layers, options, slab_dtype(self.options.kernels, self.dtype))
 
     @property
     def dtype(self) -> jnp.dtype:

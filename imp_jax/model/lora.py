@@ -4,7 +4,7 @@ A projection `name` fuses PEFT target modules (`qkv_proj` = q|k|v, `gate_up_proj
 `parts`. Per layer it has one A slab [N, P * r, in] (slot, then part, then rank: the [out, in]
 layout of every other matrix) and one B slab [N, r, sum(out_p)] (slot, then rank; B transposed, the
 parts side by side), for N adapter slots of rank r (max_lora_rank; smaller ranks are zero-padded;
-the alpha/r scale is folded into B at load). Slot s (1..N) is index s - 1; adapter index 0 is "no
+the alpha/r scale is folded into B at load; float16 on a CPU: `slab_dtype`). Slot s (1..N) is index s - 1; adapter index 0 is "no
 adapter" and owns none, so a base row's delta is exactly zero. Each token row carries its slot
 (`lora_ids`), so a batch mixes adapters freely and loading one only rewrites slab values, never a
 shape. Two formulations, one result (to float32 rounding):
@@ -35,6 +35,13 @@ class LoraOptions:
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_rank < 1:
             raise ValueError(f"LoRA slabs need max_loras >= 1 and max_rank >= 1, got {self}")
+
+
+def slab_dtype(kernels: Kernels, dtype: jnp.dtype) -> jnp.dtype:
+    """The slabs' element type: float16 where the CPU kernel reads them for a float32 model (a decode
+    step streams every used slot's slabs, so half the bytes is most of their cost; float16 holds
+    bfloat16 and float16 adapters exactly and rounds float32 ones to 11 bits), else the model's."""
+    return jnp.dtype(jnp.float16) if kernels.gemm in ("cpu", "cpu_q8") and dtype == jnp.float32 else jnp.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)

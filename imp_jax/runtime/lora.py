@@ -50,6 +50,7 @@ class AdapterSlots:
         self.options = options
         self.targets = model.lora_targets()
         self.num_layers = model.config.num_layers
+        self.slab_dtype = np.dtype(model.lora.slab(next(iter(model.lora.projections)), 0, "a").get_value().dtype)
         self._write_params = write_params
         self.by_name: dict[str, LoadedAdapter] = {}    # loaded and not being unloaded
         self.unloading: list[LoadedAdapter] = []
@@ -59,7 +60,13 @@ class AdapterSlots:
     def read(self, path: str) -> Adapter:
         """The adapter at `path`, checked against the model (any thread); 400 lora_load_failed if it does not fit."""
         try:
-            return read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
+            adapter = read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
+            if self.slab_dtype == np.float16:   # model/lora.py slab_dtype
+                for (module, layer), (a, b) in adapter.weights.items():
+                    if max(np.abs(a).max(), np.abs(b).max()) > np.finfo(np.float16).max:
+                        raise AdapterError(f"{path}: {module} of layer {layer} holds values past float16's range "
+                                           "(the slabs' type on this CPU)")
+            return adapter
         except AdapterError as e:
             raise InvalidRequestError(str(e), code="lora_load_failed", param="path") from None
 
