@@ -39,6 +39,8 @@ def write_adapter(path: Path, model, rank: int, seed: int) -> Path:
     tensors = {}
     for layer in range(model.config.num_layers):
         for module, t in model.lora_targets().items():
+            if module not in TARGETS:   # the decoder layers' projections only (not lm_head, embed_tokens)
+                continue
             key = f"base_model.model.model.layers.{layer}.{TARGETS[module]}.{module}"
             tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, t.in_dim)) * 0.02).astype(np.float32)
             tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((t.out_dim, rank)) * 0.02).astype(np.float32)
