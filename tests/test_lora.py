@@ -150,11 +150,14 @@ def test_logits_match_transformers_peft_per_row_in_one_batch(_tiny_hf_template, 
     assert np.max(np.abs(hf_run(hf_peft, "a", PROMPT)[0] - base)) > 0.1 * np.ptp(base), "adapter a changes nothing"
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_lm_head_and_embed_tokens_adapters_match_transformers_peft(_tiny_hf_template, tmp_path, tied):
+@pytest.mark.parametrize("tied,xla", [(False, False), (True, True)])
+def test_lm_head_and_embed_tokens_adapters_match_transformers_peft(_tiny_hf_template, tmp_path, tied, xla):
     """PEFT's Linear LoRA on lm_head and Embedding LoRA on embed_tokens (beside q_proj), one row under the
     adapter and one without, in one call; also on a model whose LM head is its embedding (tied), where
-    PEFT keeps the two adapters apart."""
+    PEFT keeps the two adapters apart. `xla`: the portable formulation (masked slabs, float32, the
+    skip), as on a GPU, instead of the CPU kernel's float16 slabs."""
+    from imp_jax.kernels_pallas import XLA
+
     import shutil
 
     import transformers
@@ -166,13 +169,15 @@ def test_lm_head_and_embed_tokens_adapters_match_transformers_peft(_tiny_hf_temp
         _write_llama(base, tie_word_embeddings=True)
         for f in _tiny_hf_template.glob("tokenizer*"):
             shutil.copy(f, base / f.name)
-    path = make_adapter(base, tmp_path / "e", 7, r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens", "lm_head"])
-    model = load_model(base, kernels=host_kernels(ModelConfig.from_file(base / "config.json"))).model
+    path = make_adapter(base, tmp_path / "e", 7, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "embed_tokens", "lm_head"])
+    model = load_model(base, kernels=XLA if xla else host_kernels(ModelConfig.from_file(base / "config.json"))).model
     assert (model.lm_head is None) == tied
     model.enable_lora(LoraOptions(max_loras=2, max_rank=MAX_RANK))
     slots = AdapterSlots(model, model.lora.options, lambda edit: edit(model))
     slot = slots.load("e", slots.read(str(path))).slot
     assert slots.by_name["e"].modules == ["embed_tokens", "lm_head", "q_proj"]
+    assert slots.slab_dtype == (np.float32 if xla else np.float16)
     got = PagedRunner(model).run([SeqChunk(PROMPT, 0, [1], slot), SeqChunk(PROMPT, 0, [2], 0)])
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, path).eval()
@@ -212,7 +217,8 @@ def test_cpu_kernel_matches_the_masked_xla_formulation(rank, parts, in_dim, dtyp
     assert np.allclose(got, want, rtol=1e-5, atol=1e-4) and np.all(got[[0, 5, 9]] == 0)
     assert np.array_equal(np.asarray(delta(x, dataclasses.replace(XLA, dynamic_skips=False))), want)
     none = LoraDelta(a, bt, jnp.zeros(rows, jnp.int32), parts)
-    assert not np.any(np.asarray(none(x, XLA))) and not np.any(np.asarray(cpu_lora.lora_delta_cpu(x, none.ids, a, bt, parts)))
+    assert not np.any(np.asarray(none(x, XLA)))
+    assert not np.any(np.asarray(cpu_lora.lora_delta_cpu(x, none.ids, a, bt, parts)))
 
 
 # ------------------------------------------------------------------------------------------ engine

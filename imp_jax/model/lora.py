@@ -4,10 +4,10 @@ A projection `name` fuses PEFT target modules (`qkv_proj` = q|k|v, `gate_up_proj
 `parts`. Per layer it has one A slab [N, P * r, in] (slot, then part, then rank: the [out, in]
 layout of every other matrix) and one B slab [N, r, sum(out_p)] (slot, then rank; B transposed, the
 parts side by side), for N adapter slots of rank r (max_lora_rank; smaller ranks are zero-padded;
-the alpha/r scale is folded into B at load; float16 on a CPU: `slab_dtype`). Slot s (1..N) is index s - 1; adapter index 0 is "no
-adapter" and owns none, so a base row's delta is exactly zero. Each token row carries its slot
-(`lora_ids`), so a batch mixes adapters freely and loading one only rewrites slab values, never a
-shape. Two formulations, one result (to float32 rounding):
+the alpha/r scale is folded into B at load; float16 on a CPU: `slab_dtype`). Slot s (1..N) is
+index s - 1; adapter index 0 is "no adapter" and owns none, so a base row's delta is exactly zero.
+Each token row carries its slot (`lora_ids`), so a batch mixes adapters freely and loading one only
+rewrites slab values, never a shape. Two formulations, one result (to float32 rounding):
 - the CPU kernel (kernels_pallas/cpu/lora.py): each row multiplies its own slot's matrices only;
 - XLA's (any backend): every row multiplies all N slots' ranks, masked to its own, N * r columns
   per part; a step where no row has an adapter skips it (`lax.cond`, with `dynamic_skips`).

@@ -24,7 +24,8 @@ from imp_jax.model.lora import LoraTarget
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.[a-z_]+\.([a-z_0-9]+))\.lora_([AB])\.weight$")
 # the model-wide modules: a Linear LoRA on the LM head, PEFT's Embedding LoRA on the token embedding
-_GLOBAL_KEY = re.compile(r"^base_model\.model\.((?:model\.)?(lm_head|embed_tokens))\.lora_(?:embedding_)?([AB])(?:\.weight)?$")
+_GLOBAL_KEY = re.compile(
+    r"^base_model\.model\.((?:model\.)?(lm_head|embed_tokens))\.lora_(?:embedding_)?([AB])(?:\.weight)?$")
 # the copies of the frozen base embedding / head PEFT saves beside an adapter on them (save_embedding_layers)
 _BASE_COPY = re.compile(r"^base_model\.model\.(?:model\.)?(?:lm_head|embed_tokens)\.base_layer\.weight$")
 
