@@ -33,8 +33,8 @@ class PagedRunner:
             m = nnx.merge(graphdef, state)
             if getattr(m, "lora", None) is not None:   # LoRA slabs: each token's slot (SeqChunk.lora_slot)
                 hidden, kv = m(input_ids, positions, kv, meta, lora_ids=lora_ids)
-            else:
-                hidden, kv = m(input_ids, positions, kv, meta)
+                return m.logits(hidden, lora_ids=lora_ids), kv
+            hidden, kv = m(input_ids, positions, kv, meta)
             return m.logits(hidden), kv
 
         self._forward = jax.jit(forward, donate_argnums=1)

@@ -150,6 +150,77 @@ def test_logits_match_transformers_peft_per_row_in_one_batch(_tiny_hf_template, 
     assert np.max(np.abs(hf_run(hf_peft, "a", PROMPT)[0] - base)) > 0.1 * np.ptp(base), "adapter a changes nothing"
 
 
+@pytest.mark.parametrize("tied,xla", [(False, False), (True, True)])
+def test_lm_head_and_embed_tokens_adapters_match_transformers_peft(_tiny_hf_template, tmp_path, tied, xla):
+    """PEFT's Linear LoRA on lm_head and Embedding LoRA on embed_tokens (beside q_proj), one row under the
+    adapter and one without, in one call; also on a model whose LM head is its embedding (tied), where
+    PEFT keeps the two adapters apart. `xla`: the portable formulation (masked slabs, float32, the
+    skip), as on a GPU, instead of the CPU kernel's float16 slabs."""
+    from imp_jax.kernels_pallas import XLA
+
+    import shutil
+
+    import transformers
+    from peft import PeftModel
+
+    base = _tiny_hf_template
+    if tied:   # a checkpoint saved tied (one table), so both sides read the same head
+        base = tmp_path / "tied"
+        _write_llama(base, tie_word_embeddings=True)
+        for f in _tiny_hf_template.glob("tokenizer*"):
+            shutil.copy(f, base / f.name)
+    path = make_adapter(base, tmp_path / "e", 7, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "embed_tokens", "lm_head"])
+    model = load_model(base, kernels=XLA if xla else host_kernels(ModelConfig.from_file(base / "config.json"))).model
+    assert (model.lm_head is None) == tied
+    model.enable_lora(LoraOptions(max_loras=2, max_rank=MAX_RANK))
+    slots = AdapterSlots(model, model.lora.options, lambda edit: edit(model))
+    slot = slots.load("e", slots.read(str(path))).slot
+    assert slots.by_name["e"].modules == ["embed_tokens", "lm_head", "q_proj"]
+    assert slots.slab_dtype == (np.float32 if xla else np.float16)
+    got = PagedRunner(model).run([SeqChunk(PROMPT, 0, [1], slot), SeqChunk(PROMPT, 0, [2], 0)])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, path).eval()
+    with torch.no_grad():
+        ref = peft_model(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
+    assert np.max(np.abs(ref - plain)) > 0.1 * np.ptp(ref), "the adapter should change the logits"
+    assert np.max(np.abs(got[1] - plain)) <= 1e-3 * np.ptp(plain)
+    assert np.max(np.abs(got[0] - ref)) <= 1e-3 * np.ptp(ref)
+
+
+@pytest.mark.parametrize("rank,parts,in_dim,dtype", [(8, (40, 24, 24), 64, "float32"), (3, (13,), 21, "float32"),
+                                                     (8, (40, 24, 24), 64, "float16")])
+def test_cpu_kernel_matches_the_masked_xla_formulation(rank, parts, in_dim, dtype):
+    """Each row under its own slot (0 = none) whatever the mix; odd ranks and widths take the tails.
+    The XLA formulation, without dynamic skips and with, is the oracle."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from imp_jax.kernels_pallas import XLA
+    from imp_jax.kernels_pallas.cpu import lora as cpu_lora
+    from imp_jax.model.lora import LoraDelta
+
+    if not cpu_lora.available():
+        pytest.skip("no CPU LoRA kernel on this machine")
+    rng = np.random.default_rng(0)
+    n, rows = 3, 11
+    a = jnp.asarray(rng.standard_normal((n, len(parts) * rank, in_dim)), dtype)
+    bt = jnp.asarray(rng.standard_normal((n, rank, sum(parts))), dtype)
+    x = jnp.asarray(rng.standard_normal((rows, in_dim)), jnp.float32)
+    ids = jnp.asarray([0, 1, 2, 3, 1, 0, 3, 3, 2, 0, 1], jnp.int32)
+    got = np.asarray(cpu_lora.lora_delta_cpu(x, ids, a, bt, parts))
+    delta = LoraDelta(a, bt, ids, parts)
+    want = np.asarray(delta(x, XLA))
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-4) and np.all(got[[0, 5, 9]] == 0)
+    assert np.array_equal(np.asarray(delta(x, dataclasses.replace(XLA, dynamic_skips=False))), want)
+    none = LoraDelta(a, bt, jnp.zeros(rows, jnp.int32), parts)
+    assert not np.any(np.asarray(none(x, XLA)))
+    assert not np.any(np.asarray(cpu_lora.lora_delta_cpu(x, none.ids, a, bt, parts)))
+
+
 # ------------------------------------------------------------------------------------------ engine
 def test_greedy_tokens_match_and_a_mixed_batch_matches_each_row_alone(core, adapters, hf_peft):
     if "b" not in core.loras.by_name:
@@ -214,6 +285,21 @@ def test_unload_waits_for_its_requests_and_refuses_new_ones(core, adapters):
     assert core.step_fn.compilations_after_warmup == 0
 
 
+def test_an_unload_called_off_gives_the_adapter_back(core, adapters):
+    """What a timed-out unload does (AsyncEngine.unload_lora): the name serves again, the reply never comes."""
+    load(core, "c", adapters["b"])
+    out: list[int] = []
+    core.add_request(request(PROMPT, "c", max_tokens=8), lambda ev: out.extend(ev.token_ids))
+    core.step()
+    answers: list[Any] = []
+    core.unload_lora("c", answers.append)
+    assert "c" not in core.loras.by_name
+    assert core.keep_lora("c") == 1 and "c" in core.loras.by_name
+    assert len(run(core, request(PROMPT, "c"))[0]["tokens"]) == 6   # also ends the first request
+    assert answers == [] and len(out) == 8 and core.keep_lora("c") is None
+    assert unload_now(core, "c")["name"] == "c"
+
+
 def _bad(core: EngineCore, path: Path) -> str:
     with pytest.raises(ImpError) as e:
         core.loras.read(str(path))
@@ -234,8 +320,6 @@ def test_every_bad_adapter_is_a_clear_400(core, adapters, tmp_path, _tiny_hf_tem
     assert "adapter_model.safetensors missing" in _bad(core, no_weights)
     big = make_adapter(_tiny_hf_template, tmp_path / "big", 3, r=16, lora_alpha=16, target_modules=["q_proj"])
     assert "rank 16, above --max-lora-rank 8" in _bad(core, big)
-    head = make_adapter(_tiny_hf_template, tmp_path / "head", 3, r=4, target_modules=["q_proj", "lm_head"])
-    assert "lm_head" in _bad(core, head)
     odd = Path(shutil.copytree(adapters["a"], tmp_path / "odd"))
     zeros = np.zeros((4, 64), np.float32)
     save_file({"base_model.model.model.layers.0.mlp.foo_proj.lora_A.weight": zeros,
@@ -249,7 +333,7 @@ def test_every_bad_adapter_is_a_clear_400(core, adapters, tmp_path, _tiny_hf_tem
     other = tmp_path / "other_model"   # a Llama of another width: the first module it names is refused
     _write_llama(other, intermediate_size=96)
     msg = _bad(core, make_adapter(other, tmp_path / "other", 4, r=4, target_modules=["gate_proj"]))
-    assert "shape mismatch in model.layers.0.gate_proj" in msg and "64 -> 96" in msg
+    assert "shape mismatch in model.layers.0.mlp.gate_proj" in msg and "64 -> 96" in msg
     with pytest.raises(ImpError) as e:
         load(core, "a", adapters["b"])
     assert (e.value.status, e.value.code) == (409, "lora_already_loaded")
@@ -338,6 +422,66 @@ def test_routes_load_use_list_and_unload(server, adapters):
         r = c.post("/admin/lora/unload", json={"name": "b"})
         assert (r.status_code, r.json()["error"]["code"]) == (404, "lora_not_found")
         assert "b" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
+
+
+def _models_named(r: httpx.Response) -> set[str]:
+    """Every `model` a response names: the JSON body's, or each SSE event's (top level, `message`, `response`)."""
+    assert r.status_code == 200, r.text
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        return {r.json()["model"]}
+    found = set()
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            for obj in (event, event.get("message"), event.get("response")):
+                if isinstance(obj, dict) and "model" in obj:
+                    found.add(obj["model"])
+    return found
+
+
+def test_responses_name_the_adapter_asked_for(server):
+    """As vLLM does: `model` (or `lora`) naming an adapter makes every dialect's responses, streamed or not,
+    name the adapter; the base model's requests name the base model."""
+    url, engine = server
+    base = engine.served_name
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+              "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for path, body in bodies.items():
+            for stream in (False, True):
+                for ask, named in (({"model": "a"}, "a"), ({"model": base, "lora": "a"}, "a"), ({"model": base}, base)):
+                    r = c.post(path, json={**body, **ask, "stream": stream})
+                    assert _models_named(r) == {named}, (path, stream, ask)
+
+
+def test_unload_past_its_timeout_is_a_503_and_the_adapter_stays(server):
+    url, engine = server
+    body = {"model": engine.served_name, "prompt": "the quick brown fox", "max_tokens": 100, "temperature": 0,
+            "ignore_eos": True, "lora": "a", "stream": True}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            for bad in (0, -1, "5", True, 1e9):
+                r = await c.post("/admin/lora/unload", json={"name": "a", "timeout_s": bad})
+                assert (r.status_code, r.json()["error"]["param"]) == (400, "timeout_s"), bad
+            async with c.stream("POST", "/v1/completions", json=body) as stream:
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):   # the request is running
+                    pass
+                r = await c.post("/admin/lora/unload", json={"name": "a", "timeout_s": 0.01})
+                assert (r.status_code, r.json()["error"]["code"]) == (503, "lora_unload_timeout"), r.text
+                assert "a" in {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
+                r = await c.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                rest = [line async for line in lines]
+            assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
+
+    asyncio.run(main())
+    assert "a" in {a["name"] for a in engine.lora_adapters()}
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["baseline_free_blocks"]
 
 
 def test_load_and_unload_under_traffic_lose_nothing(server, adapters):

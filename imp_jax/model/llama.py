@@ -19,7 +19,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragg
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.layers import apply_rope, embed, linear, rms_norm, rope_tables
-from imp_jax.model.lora import LoraDelta, LoraOptions, LoraSlabs, LoraTarget, row_mask
+from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
@@ -66,15 +66,12 @@ class DecoderLayers(nnx.Module):
         return {name: tuple(p[...] for p in getattr(self, name)) for name in MATRICES}
 
 
-LoraLayers = tuple[tuple[jax.Array, ...], tuple[tuple[jax.Array, ...], ...], jax.Array]   # A_s, B_s, mask
-
-
 def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,
                  kernels: Kernels, lora: LoraLayers | None = None) -> jax.Array:
     """`linear(x, ws[i], b)` (plus layer i's LoRA delta) for a static or traced layer index, never
     copying ws[i] or its slabs."""
     def one(x, ws, b, lora, j):
-        delta = None if lora is None else LoraDelta(lora[0][j], lora[1][j], lora[2])
+        delta = None if lora is None else lora.layer(j)
         return linear(x, ws[j], b, kernels=kernels, lora=delta)
     if isinstance(i, int):
         return one(x, ws, b, lora, i)
@@ -109,7 +106,9 @@ class DecoderLM(nnx.Module):
         return {"q_proj": LoraTarget("qkv_proj", 0, E, q), "k_proj": LoraTarget("qkv_proj", 1, E, kv),
                 "v_proj": LoraTarget("qkv_proj", 2, E, kv), "o_proj": LoraTarget("o_proj", 0, q, E),
                 "gate_proj": LoraTarget("gate_up_proj", 0, E, I), "up_proj": LoraTarget("gate_up_proj", 1, E, I),
-                "down_proj": LoraTarget("down_proj", 0, I, E)}
+                "down_proj": LoraTarget("down_proj", 0, I, E),
+                "lm_head": LoraTarget("lm_head", 0, E, c.vocab_size),             # also when tied to the embedding
+                "embed_tokens": LoraTarget("embed_tokens", 0, c.vocab_size, E)}   # A [r, vocab], B [hidden, r]
 
     def enable_lora(self, options: LoraOptions) -> None:
         """Give every projection zeroed adapter slabs (model/lora.py); the forward then takes `lora_ids`."""
@@ -118,7 +117,7 @@ class DecoderLM(nnx.Module):
             in_dim, outs = projections.setdefault(t.fused, (t.in_dim, []))
             outs.append(t.out_dim)
         self.lora = LoraSlabs({k: (i, tuple(o)) for k, (i, o) in projections.items()},
-                              self.config.num_layers, options, self.dtype)
+                              self.config.num_layers, options, slab_dtype(self.options.kernels, self.dtype))
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -140,8 +139,10 @@ class DecoderLM(nnx.Module):
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
         loras: dict[str, LoraLayers] = {}
         if self.lora is not None and lora_ids is not None:
-            mask = row_mask(lora_ids, self.lora.options)
-            loras = {name: (*self.lora.all_layers(name), mask) for name in self.lora.projections}
+            loras = {name: self.lora.all_layers(name, lora_ids) for name in self.lora.layered}
+            embed_lora = self.lora.global_delta("embed_tokens", lora_ids)
+            if embed_lora is not None:
+                x = (x + embed_lora.embed(input_ids, self.options.kernels.dynamic_skips)).astype(x.dtype)
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
@@ -202,12 +203,15 @@ class DecoderLM(nnx.Module):
                                           loras.get("down_proj")))
         return x, k_cache, v_cache
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, lora_ids: jax.Array | None = None) -> jax.Array:
         """Final norm + LM head on the rows to sample: float32 [R, vocab] (a vocab-parallel shard's
-        slice of it, which the mesh gathers: `logits_axes`)."""
+        slice of it, which the mesh gathers: `logits_axes`). `lora_ids` [R] (with
+        `enable_lora`): each row's adapter slot, for adapters on the LM head."""
         h = rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head   # both [vocab, hidden]
-        return linear(h, head[...], kernels=self.options.kernels, out_dtype=jnp.float32)
+        lora = (self.lora.global_delta("lm_head", lora_ids)
+                if self.lora is not None and lora_ids is not None else None)
+        return linear(h, head[...], kernels=self.options.kernels, out_dtype=jnp.float32, lora=lora)
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,

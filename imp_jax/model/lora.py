@@ -1,15 +1,16 @@
-"""LoRA slabs: every adapter's low-rank matrices in fixed-size device arrays, one set per projection.
+"""LoRA slabs: every adapter's low-rank matrices in fixed-size device arrays, one pair per projection.
 
 A projection `name` fuses PEFT target modules (`qkv_proj` = q|k|v, `gate_up_proj` = gate|up), its
-`parts`. Per layer it has one A slab [P * N * r, in] (part-major, then slot, then rank: the x @ A^T
-of every part and slot is one GEMM) and one B slab per part [out_p, N * r], for N adapter slots of
-rank r (max_lora_rank; smaller ranks are zero-padded; the alpha/r scale is folded into B at load).
-Both are in the [out, in] layout of every other matrix, so the same GEMM (kernels_pallas/gemm.py)
-runs them. Slot s (1..N) owns rows of A / columns of B [(s-1) r, s r); adapter index 0 is "no
-adapter" and owns none, so a base row's delta is exactly zero. Each token row picks its slot
-through a 0/1 mask on the rank axis, so a batch mixes adapters freely (no gather, no per-adapter
-loop) and loading one only rewrites slab values, never a shape. The cost: every row multiplies
-all N slots' ranks, N * r extra columns per projection.
+`parts`. Per layer it has one A slab [N, P * r, in] (slot, then part, then rank: the [out, in]
+layout of every other matrix) and one B slab [N, r, sum(out_p)] (slot, then rank; B transposed, the
+parts side by side), for N adapter slots of rank r (max_lora_rank; smaller ranks are zero-padded;
+the alpha/r scale is folded into B at load; float16 on a CPU: `slab_dtype`). Slot s (1..N) is
+index s - 1; adapter index 0 is "no adapter" and owns none, so a base row's delta is exactly zero.
+Each token row carries its slot (`lora_ids`), so a batch mixes adapters freely and loading one only
+rewrites slab values, never a shape. Two formulations, one result (to float32 rounding):
+- the CPU kernel (kernels_pallas/cpu/lora.py): each row multiplies its own slot's matrices only;
+- XLA's (any backend): every row multiplies all N slots' ranks, masked to its own, N * r columns
+  per part; a step where no row has an adapter skips it (`lax.cond`, with `dynamic_skips`).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from imp_jax.kernels_pallas import XLA, Kernels, matmul_wt
-
+from imp_jax.kernels_pallas.cpu import lora as cpu_lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,13 @@ class LoraOptions:
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_rank < 1:
             raise ValueError(f"LoRA slabs need max_loras >= 1 and max_rank >= 1, got {self}")
+
+
+def slab_dtype(kernels: Kernels, dtype: jnp.dtype) -> jnp.dtype:
+    """The slabs' element type: float16 where the CPU kernel reads them for a float32 model (a decode
+    step streams every used slot's slabs, so half the bytes is most of their cost; float16 holds
+    bfloat16 and float16 adapters exactly and rounds float32 ones to 11 bits), else the model's."""
+    return jnp.dtype(jnp.float16) if kernels.gemm in ("cpu", "cpu_q8") and dtype == jnp.float32 else jnp.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,54 +58,113 @@ class LoraSlab(nnx.Param):
     """An adapter slab (zero in every slot nothing is loaded into); written only by the engine."""
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraDelta:
-    """One projection's slabs for one layer, with the step's per-row slot mask [T, N * r]."""
+    """One projection's slabs for one layer, with the step's per-row slots [T] (0 = none)."""
 
-    a: jax.Array                 # [P * N * r, in]
-    bs: tuple[jax.Array, ...]    # P x [out_p, N * r]
-    mask: jax.Array              # float32 [T, N * r]: 1 where the rank column belongs to the row's slot
+    a: jax.Array                 # [N, P * r, in]
+    bt: jax.Array                # [N, r, sum(out_p)]
+    ids: jax.Array               # int32 [T]
+    parts: tuple[int, ...] = dataclasses.field(metadata={"static": True})   # out_p of each part
 
     def __call__(self, x: jax.Array, kernels: Kernels = XLA) -> jax.Array:
         """x A[slot]^T B[slot]^T per row, float32 [T, sum(out_p)]."""
-        h = matmul_wt(x, self.a, kernels) * jnp.tile(self.mask, (1, len(self.bs)))
-        h = h.astype(x.dtype)
-        parts = jnp.split(h, len(self.bs), axis=-1)
-        return jnp.concatenate([matmul_wt(p, b, kernels) for p, b in zip(parts, self.bs)], axis=-1)
+        if kernels.gemm in ("cpu", "cpu_q8") and cpu_lora.takes(x, self.a, self.bt):
+            compute = lambda: cpu_lora.lora_delta_cpu(x, self.ids, self.a, self.bt, self.parts)
+        else:
+            compute = lambda: self._masked(x, kernels)
+        if not kernels.dynamic_skips:
+            return compute()
+        return jax.lax.cond(jnp.any(self.ids > 0), compute,
+                            lambda: jnp.zeros((x.shape[0], sum(self.parts)), jnp.float32))
+
+    def _masked(self, x: jax.Array, kernels: Kernels) -> jax.Array:
+        """Every slot's delta for every row, masked to the row's own slot."""
+        N, PR, K = self.a.shape
+        r, P = self.bt.shape[1], len(self.parts)
+        h = matmul_wt(x, self.a.reshape(N * PR, K), kernels).reshape(-1, N, P, r)
+        mask = self.ids[:, None] == jnp.arange(1, N + 1, dtype=self.ids.dtype)[None, :]
+        h = (h * mask[:, :, None, None]).astype(x.dtype)
+        bounds = np.cumsum((0,) + self.parts)
+        return jnp.concatenate([
+            jnp.einsum("tnr,nro->to", h[:, :, p], self.bt[:, :, bounds[p]:bounds[p + 1]],
+                       preferred_element_type=jnp.float32) for p in range(P)], axis=-1)
+
+
+    def embed(self, token_ids: jax.Array, dynamic_skips: bool = True) -> jax.Array:
+        """PEFT's Embedding LoRA, float32 [T, dim]: row t's B[slot] A[slot][:, token t] (A [N, r, vocab]
+        read by token id, not multiplied)."""
+        def compute() -> jax.Array:
+            N = self.a.shape[0]
+            h = jnp.transpose(self.a[:, :, token_ids], (2, 0, 1)).astype(jnp.float32)   # [T, N, r]
+            mask = self.ids[:, None] == jnp.arange(1, N + 1, dtype=self.ids.dtype)[None, :]
+            return jnp.einsum("tnr,nro->to", h * mask[:, :, None], self.bt, preferred_element_type=jnp.float32)
+        if not dynamic_skips:
+            return compute()
+        return jax.lax.cond(jnp.any(self.ids > 0), compute,
+                            lambda: jnp.zeros((token_ids.shape[0], sum(self.parts)), jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraLayers:
+    """One projection's slabs of every layer and the step's slots, for the layer loop's per-layer pick."""
+
+    a_s: tuple[jax.Array, ...]
+    bt_s: tuple[jax.Array, ...]
+    ids: jax.Array
+    parts: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+    def layer(self, i: int) -> LoraDelta:
+        return LoraDelta(self.a_s[i], self.bt_s[i], self.ids, self.parts)
 
 
 class LoraSlabs(nnx.Module):
-    """Per projection and layer: an A slab and a B slab per part (module docstring); all zeros at first."""
+    """Per projection and layer: an A slab and a B slab (module docstring); all zeros at first.
+
+    The model-wide modules (`lm_head`, `embed_tokens`: one "layer") also have a per-slot flag [N + 1]
+    (`<name>_on`, 1 where the slot's adapter has the module), so rows of adapters without it skip it:
+    the LM head's B slab is N * r * vocab, too large to multiply for nothing. `embed_tokens` is PEFT's
+    Embedding LoRA: its A [r, vocab] is read by token id (a gather), not multiplied.
+    """
+
+    GLOBAL = ("lm_head", "embed_tokens")
 
     def __init__(self, projections: dict[str, tuple[int, tuple[int, ...]]], num_layers: int,
                  options: LoraOptions, dtype: jnp.dtype):
         self.options = options
         self.projections = projections
-        width = options.max_loras * options.max_rank
+        N, r = options.max_loras, options.max_rank
         for name, (in_dim, outs) in projections.items():
+            layers = 1 if name in self.GLOBAL else num_layers
             setattr(self, name + "_a", nnx.List([
-                LoraSlab(jnp.zeros((len(outs) * width, in_dim), dtype), axes=(None, None))
-                for _ in range(num_layers)]))
+                LoraSlab(jnp.zeros((N, len(outs) * r, in_dim), dtype), axes=(None, None, None))
+                for _ in range(layers)]))
             setattr(self, name + "_b", nnx.List([
-                nnx.List([LoraSlab(jnp.zeros((out, width), dtype), axes=(None, None)) for out in outs])
-                for _ in range(num_layers)]))
+                LoraSlab(jnp.zeros((N, r, sum(outs)), dtype), axes=(None, None, None)) for _ in range(layers)]))
+            if name in self.GLOBAL:
+                setattr(self, name + "_on", LoraSlab(jnp.zeros((N + 1,), jnp.int32), axes=(None,)))
 
-    def layer(self, name: str, i: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """Projection `name`'s slabs of layer i."""
-        return getattr(self, name + "_a")[i][...], tuple(b[...] for b in getattr(self, name + "_b")[i])
+    @property
+    def layered(self) -> list[str]:
+        """The per-layer projections (every one but the model-wide modules)."""
+        return [name for name in self.projections if name not in self.GLOBAL]
 
-    def all_layers(self, name: str) -> tuple[tuple[jax.Array, ...], tuple[tuple[jax.Array, ...], ...]]:
-        """Every layer's (A, Bs) of `name`, for the layer loop's per-layer pick."""
-        n = len(getattr(self, name + "_a"))
-        a_s, b_s = zip(*(self.layer(name, i) for i in range(n)))
-        return a_s, b_s
+    def global_delta(self, name: str, ids: jax.Array) -> LoraDelta | None:
+        """Model-wide module `name`'s delta for rows of slots `ids`, rows of adapters without it as slot 0;
+        None when the model has no such module."""
+        if name not in self.projections:
+            return None
+        ids = ids * getattr(self, name + "_on")[...][ids]
+        return LoraDelta(getattr(self, name + "_a")[0][...], getattr(self, name + "_b")[0][...], ids,
+                         self.projections[name][1])
 
-    def slab(self, name: str, layer: int, which: str, part: int = 0) -> LoraSlab:
-        """The Variable holding one slab: which = "a" or "b" (then of part `part`)."""
-        return getattr(self, name + "_a")[layer] if which == "a" else getattr(self, name + "_b")[layer][part]
+    def all_layers(self, name: str, ids: jax.Array) -> LoraLayers:
+        """Every layer's slabs of projection `name`, with the step's slots."""
+        a_s, b_s = getattr(self, name + "_a"), getattr(self, name + "_b")
+        return LoraLayers(tuple(a[...] for a in a_s), tuple(b[...] for b in b_s), ids, self.projections[name][1])
 
-
-def row_mask(lora_ids: jax.Array, options: LoraOptions) -> jax.Array:
-    """float32 [T, N * r]: 1 in the r columns of each row's slot (lora_ids 1..N), none for 0."""
-    col_slot = jnp.arange(options.max_loras * options.max_rank, dtype=jnp.int32) // options.max_rank + 1
-    return (lora_ids[:, None] == col_slot[None, :]).astype(jnp.float32)
+    def slab(self, name: str, layer: int, which: str) -> LoraSlab:
+        """The Variable holding one slab: which = "a" or "b"."""
+        return getattr(self, f"{name}_{which}")[layer]

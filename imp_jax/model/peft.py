@@ -1,8 +1,10 @@
 """Read a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) for a model.
 
 Every check happens here, before a slot is touched: the config (plain LoRA only: no DoRA, no bias
-tensors, no modules_to_save), each tensor's module (one the model names in `lora_targets()`), its
-layer, rank (<= the slabs' max rank) and shapes against the model. A failure is an AdapterError
+tensors, no modules_to_save), each tensor's module (one the model names in `lora_targets()`: the
+decoder layers' projections, `lm_head`, and `embed_tokens` as PEFT's Embedding LoRA, whose
+lora_embedding_A [r, vocab] / lora_embedding_B [hidden, r] read as A and B; these two are "layer 0"),
+its layer, rank (<= the slabs' max rank) and shapes against the model. A failure is an AdapterError
 naming the module. The alpha / r scale (alpha / sqrt(r) with rsLoRA; alpha_pattern and rank_pattern
 honoured) is folded into B, so the engine only copies matrices into a slot.
 """
@@ -21,6 +23,11 @@ from imp_jax.model.lora import LoraTarget
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.[a-z_]+\.([a-z_0-9]+))\.lora_([AB])\.weight$")
+# the model-wide modules: a Linear LoRA on the LM head, PEFT's Embedding LoRA on the token embedding
+_GLOBAL_KEY = re.compile(
+    r"^base_model\.model\.((?:model\.)?(lm_head|embed_tokens))\.lora_(?:embedding_)?([AB])(?:\.weight)?$")
+# the copies of the frozen base embedding / head PEFT saves beside an adapter on them (save_embedding_layers)
+_BASE_COPY = re.compile(r"^base_model\.model\.(?:model\.)?(?:lm_head|embed_tokens)\.base_layer\.weight$")
 
 
 class AdapterError(ValueError):
@@ -57,12 +64,17 @@ def read_adapter(path: str | Path, targets: dict[str, LoraTarget], num_layers: i
         raise AdapterError(f"{path}: {WEIGHTS_FILE} missing{other}")
     tensors = _read_tensors(weights_file)
     pairs: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    names: dict[tuple[str, int], str] = {}
     for key, value in tensors.items():
-        m = _KEY.match(key)
-        if m is None:
-            raise AdapterError(f"{path}: tensor '{key}' is not a LoRA A/B matrix of a decoder layer projection; "
-                               f"imp_jax applies adapters to {', '.join(targets)} only")
-        full, layer, module, ab = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        if _BASE_COPY.match(key):
+            continue
+        m, g = _KEY.match(key), _GLOBAL_KEY.match(key)
+        if m is None and g is None:
+            raise AdapterError(f"{path}: tensor '{key}' is not a LoRA A/B matrix of a module imp_jax adapts "
+                               f"({', '.join(targets)})")
+        full, layer, module, ab = (m.group(1), int(m.group(2)), m.group(3), m.group(4)) if m else \
+            (g.group(1), 0, g.group(2), g.group(3))
+        names[(module, layer)] = full
         if module not in targets:
             raise AdapterError(f"{path}: target module '{module}' ({full}) is not one this model adapts; "
                                f"supported: {', '.join(targets)}")
@@ -74,7 +86,7 @@ def read_adapter(path: str | Path, targets: dict[str, LoraTarget], num_layers: i
     out: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
     rank = 0
     for (module, layer), ab in sorted(pairs.items()):
-        full = f"model.layers.{layer}.{module}"
+        full = names[(module, layer)]
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{path}: {full} has lora_{''.join(ab)} without its lora_{'B' if 'A' in ab else 'A'}")
         a, b, t = ab["A"], ab["B"], targets[module]

@@ -82,7 +82,7 @@ class AsyncEngine:
                 item[2](EngineError("the engine stopped", code="engine_stopped", status=503))
             elif item[0] not in ("cancel", "stop"):   # "stop": ours, unread when the thread had already ended
                 stopped = {"suspend": {"status": "stopped"}, "resume": {"status": "stopped"},
-                           "close_session": False, "end_thinking": "unknown", "lora_unload": None,
+                           "close_session": False, "end_thinking": "unknown", "lora_unload": None, "lora_keep": None,
                            "lora_load": EngineError("the engine stopped", code="engine_stopped", status=503)}
                 item[-1](stopped[item[0]])
 
@@ -210,10 +210,20 @@ class AsyncEngine:
             raise answer
         return answer
 
-    async def unload_lora(self, name: str) -> dict[str, Any] | None:
-        """Free adapter `name`'s slot once the requests using it end (new ones are refused at once);
-        its description, or None when no adapter has that name."""
-        answer = await self._ask("lora_unload", name)
+    async def unload_lora(self, name: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """Free adapter `name`'s slot once the requests using it end (new ones are refused meanwhile);
+        its description, or None when no adapter has that name. Past `timeout_s` with requests still
+        using it, the unload is called off, the adapter serves again, and a 503 lora_unload_timeout says so."""
+        answer = self._ask_future("lora_unload", name)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        except asyncio.TimeoutError:
+            active = await self._ask("lora_keep", name)
+            if active is not None:
+                raise ImpError(f"LoRA adapter '{name}' is still used by {active} request(s) after {timeout_s:g} s; "
+                               "it stays loaded (retry later, or with a longer 'timeout_s')",
+                               code="lora_unload_timeout", status=503, param="timeout_s") from None
+            answer = await answer   # it finished meanwhile: the unload's own answer is on its way
         if isinstance(answer, BaseException):
             raise answer
         return answer
@@ -238,6 +248,10 @@ class AsyncEngine:
 
     async def _ask(self, kind: str, *args: Any) -> Any:
         """A command answered by the engine thread."""
+        return await self._ask_future(kind, *args)
+
+    def _ask_future(self, kind: str, *args: Any) -> asyncio.Future[Any]:
+        """A command sent to the engine thread; the future of its answer."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Any] = loop.create_future()
 
@@ -246,7 +260,7 @@ class AsyncEngine:
                 answer.set_result(value)
 
         self._inbox.put((kind, *args, lambda value: loop.call_soon_threadsafe(resolve, value)))
-        return await answer
+        return answer
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -384,6 +398,8 @@ class AsyncEngine:
                 item[2](self._core.close_session(item[1]))
             elif kind == "lora_load":
                 item[3](self._load_lora(item[1], item[2]))
+            elif kind == "lora_keep":
+                item[2](self._core.keep_lora(item[1]))
             elif kind == "lora_unload":
                 if self.state == "suspended":
                     item[2](ImpError("the engine is suspended; POST /admin/resume first", code="suspended",

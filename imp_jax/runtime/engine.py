@@ -191,6 +191,10 @@ class EngineCore:
         else:
             self.loras.unload(name, reply)
 
+    def keep_lora(self, name: str) -> int | None:
+        """Call off `name`'s pending unload (runtime/lora.py AdapterSlots.keep)."""
+        return self.loras.keep(name) if self.loras is not None else None
+
     def expire_sessions(self) -> None:
         if self.sessions:
             self.sessions.expire()

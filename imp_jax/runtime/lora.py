@@ -3,7 +3,8 @@
 An adapter is loaded into a free slot (1..max_loras) by writing the slot's columns of every slab
 (a device update of parameter values: no program changes shape, nothing compiles). Requests name
 it; each running request holds it. Unloading takes the name away at once (new requests get
-`lora_not_loaded`), waits until the requests holding it end, then zeroes and frees the slot. Each
+`lora_not_loaded`), waits until the requests holding it end, then zeroes and frees the slot; an
+unload whose caller stopped waiting (`keep`) gives the name back instead. Each
 load gets a new generation, which keys the prefix cache with the name, so blocks computed under
 an earlier adapter of the same name are never reused. Engine thread only, like the rest of the core.
 """
@@ -49,6 +50,7 @@ class AdapterSlots:
         self.options = options
         self.targets = model.lora_targets()
         self.num_layers = model.config.num_layers
+        self.slab_dtype = np.dtype(model.lora.slab(next(iter(model.lora.projections)), 0, "a").get_value().dtype)
         self._write_params = write_params
         self.by_name: dict[str, LoadedAdapter] = {}    # loaded and not being unloaded
         self.unloading: list[LoadedAdapter] = []
@@ -58,7 +60,13 @@ class AdapterSlots:
     def read(self, path: str) -> Adapter:
         """The adapter at `path`, checked against the model (any thread); 400 lora_load_failed if it does not fit."""
         try:
-            return read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
+            adapter = read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
+            if self.slab_dtype == np.float16:   # model/lora.py slab_dtype
+                for (module, layer), (a, b) in adapter.weights.items():
+                    if max(np.abs(a).max(), np.abs(b).max()) > np.finfo(np.float16).max:
+                        raise AdapterError(f"{path}: {module} of layer {layer} holds values past float16's range "
+                                           "(the slabs' type on this CPU)")
+            return adapter
         except AdapterError as e:
             raise InvalidRequestError(str(e), code="lora_load_failed", param="path") from None
 
@@ -104,6 +112,18 @@ class AdapterSlots:
         self.unloading.append(adapter)
         self._finish_unloads()
 
+    def keep(self, name: str) -> int | None:
+        """Call off `name`'s pending unload (its timeout ran out): the adapter serves again, the unload's
+        reply is never called. The number of requests still holding it, or None when the unload has
+        already finished (then its reply has been called)."""
+        adapter = next((a for a in self.unloading if a.name == name), None)
+        if adapter is None:
+            return None
+        self.unloading.remove(adapter)
+        adapter.unload_waiters = None
+        self.by_name[name] = adapter
+        return adapter.active
+
     def _finish_unloads(self) -> None:
         for adapter in [a for a in self.unloading if a.active == 0]:
             self._write(adapter.slot, None)
@@ -114,29 +134,32 @@ class AdapterSlots:
 
     def _write(self, slot: int, adapter: Adapter | None) -> None:
         """Slot `slot` of every slab set to `adapter` (zeros where it has no module, or for None)."""
-        N, r = self.options.max_loras, self.options.max_rank
-        rows = slice((slot - 1) * r, slot * r)
+        r = self.options.max_rank
         by_part = {(t.fused, t.part): name for name, t in self.targets.items()}
 
         def edit(model: Any) -> None:
             slabs = model.lora
             for fused, (_, outs) in slabs.projections.items():
-                for layer in range(self.num_layers):
-                    a_var = slabs.slab(fused, layer, "a")
-                    a = np.array(a_var.get_value())          # [P * N * r, in]
+                bounds = np.cumsum((0,) + tuple(outs))
+                if fused in slabs.GLOBAL:   # the model-wide modules: one "layer", and a per-slot flag
+                    on_var = getattr(slabs, fused + "_on")
+                    on = np.array(on_var.get_value())
+                    on[slot] = adapter is not None and (by_part[(fused, 0)], 0) in adapter.weights
+                    on_var.set_value(on)
+                for layer in range(len(getattr(slabs, fused + "_a"))):
+                    a_var, b_var = slabs.slab(fused, layer, "a"), slabs.slab(fused, layer, "b")
+                    a = np.array(a_var.get_value())          # [N, P * r, in]
+                    bt = np.array(b_var.get_value())         # [N, r, sum(out_p)]
+                    a[slot - 1] = 0
+                    bt[slot - 1] = 0
                     for p in range(len(outs)):
-                        start = p * N * r + (slot - 1) * r
-                        b_var = slabs.slab(fused, layer, "b", p)
-                        b = np.array(b_var.get_value())      # [out_p, N * r]
-                        a[start:start + r] = 0
-                        b[:, rows] = 0
                         w = adapter.weights.get((by_part[(fused, p)], layer)) if adapter else None
                         if w is not None:
                             k = w[0].shape[0]
-                            a[start:start + k] = w[0]
-                            b[:, rows.start:rows.start + k] = w[1]
-                        b_var.set_value(b)
+                            a[slot - 1, p * r:p * r + k] = w[0]
+                            bt[slot - 1, :k, bounds[p]:bounds[p + 1]] = w[1].T
                     a_var.set_value(a)
+                    b_var.set_value(bt)
 
         self._write_params(edit)
 

@@ -18,7 +18,7 @@ from quart import Blueprint, Response, current_app, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
 from imp_jax.server import lifecycle, structured
-from imp_jax.server.context import engine_request, granted, set_response_id
+from imp_jax.server.context import answering_model, engine_request, granted, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -317,7 +317,7 @@ async def messages() -> Any:
     clamped = max_tokens < req.max_tokens
     if req.stream:
         shown = thinking if thinking.enabled and model_thinks(engine.tokenizer) else None
-        fmt = MessageStream(mid, engine.served_name, len(ids), clamped, tool_format, shown)
+        fmt = MessageStream(mid, answering_model(engine), len(ids), clamped, tool_format, shown)
         return sse_response(drive(engine, mid, events, fmt, keepalive_s=PING_INTERVAL_S))
     result = await collect(engine, greq, events)
     c = result.choices[0]
@@ -327,7 +327,7 @@ async def messages() -> Any:
         text, calls = reply.content, reply.calls
     reason = stop_reason(c.finish_reason, c.stop_reason, clamped, bool(calls))
     block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
-    return jsonify(message_json(mid, engine.served_name, text, reason, usage_json(result.usage), calls, block))
+    return jsonify(message_json(mid, answering_model(engine), text, reason, usage_json(result.usage), calls, block))
 
 
 @bp.post("/v1/messages/count_tokens")

@@ -10,7 +10,7 @@ from quart import Blueprint, jsonify
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
 from imp_jax.server import lifecycle, structured
-from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
+from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
 from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
@@ -166,10 +166,10 @@ async def chat_completions() -> Any:
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:
-        fmt = ChatStream(rid, engine.served_name, params.n, req.include_usage, token_text, tool_format)
+        fmt = ChatStream(rid, answering_model(engine), params.n, req.include_usage, token_text, tool_format)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(chat_response(rid, engine.served_name, result, token_text, bool(req.logprobs), tool_format))
+    return jsonify(chat_response(rid, answering_model(engine), result, token_text, bool(req.logprobs), tool_format))
 
 
 def chat_response(rid: str, model: str, result: Completion, token_text: TokenText, logprobs: bool,

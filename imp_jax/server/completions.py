@@ -9,7 +9,7 @@ from quart import Blueprint, jsonify
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
 from imp_jax.server import lifecycle, structured
-from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
+from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect
 from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
@@ -101,10 +101,11 @@ async def completions() -> Any:
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(tokenizer)
     if req.stream:
-        fmt = CompletionStream(rid, engine.served_name, req.include_usage, token_text, echo, req.logprobs is not None)
+        fmt = CompletionStream(rid, answering_model(engine), req.include_usage, token_text, echo,
+                               req.logprobs is not None)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(completion_response(rid, engine.served_name, result, token_text, echo, req, ids))
+    return jsonify(completion_response(rid, answering_model(engine), result, token_text, echo, req, ids))
 
 
 def completion_response(rid: str, model: str, result: Completion, token_text: TokenText, echo: str,

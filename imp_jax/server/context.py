@@ -113,6 +113,12 @@ def model_name(state: ServerContext) -> str:
     return Path(asked).name
 
 
+def answering_model(engine: Any) -> str:
+    """The `model` a generation's response names: the LoRA adapter the request asked for (by `model` or
+    `lora`, as vLLM echoes an adapter's name), else the served model."""
+    return g.get("lora") or engine.served_name
+
+
 def model_status(state: ServerContext) -> tuple[str, bool]:
     """(model name, loaded and serving)."""
     return model_name(state), getattr(state.engine, "state", "ready") == "ready"

@@ -11,7 +11,7 @@ from quart import Blueprint, jsonify
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
 from imp_jax.server import lifecycle
-from imp_jax.server.context import default_max_tokens, engine_request, set_response_id
+from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import openai_error_body
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -115,11 +115,12 @@ async def infill() -> Any:
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
-        return sse_response(drive(engine, rid, events, InfillStream(rid, engine.served_name)))
+        return sse_response(drive(engine, rid, events, InfillStream(rid, answering_model(engine))))
     result = await collect(engine, greq, events)
     (choice,) = result.choices
     return jsonify({"index": 0, "content": choice.text, "tokens": choice.token_ids,
-                    **final_fields(rid, engine.served_name, result.usage, choice.finish_reason, choice.stop_reason)})
+                    **final_fields(rid, answering_model(engine), result.usage, choice.finish_reason,
+                                   choice.stop_reason)})
 
 
 class InfillStream:

@@ -3,7 +3,8 @@
 in `context.engine_request` (validation.lora_of) and reaches the engine through `lifecycle.begin`.
 
 The engine does the work (runtime/lora.py): load reads and checks the PEFT directory, then fills a
-free slot; unload refuses new requests for the name at once and answers once those in flight ended.
+free slot; unload refuses new requests for the name at once and answers once those in flight ended,
+or, past its `timeout_s`, gives the name back and answers 503 (imp's answer to a drain that timed out).
 """
 from __future__ import annotations
 
@@ -47,10 +48,26 @@ async def load() -> Any:
     return jsonify({**adapter, "loaded": True})
 
 
+UNLOAD_TIMEOUT_S = 30.0   # how long an unload waits for the adapter's requests by default
+MAX_UNLOAD_TIMEOUT_S = 3600.0
+
+
+def _timeout(value: Any) -> float:
+    if value is None:
+        return UNLOAD_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_UNLOAD_TIMEOUT_S:
+        raise InvalidRequestError(f"'timeout_s' must be a number of seconds above 0 and at most "
+                                  f"{MAX_UNLOAD_TIMEOUT_S:g}", param="timeout_s")
+    return float(value)
+
+
 @bp.post("/admin/lora/unload")
 async def unload() -> Any:
-    """`{"name": ...}` (or `{"id": N}`): answers once the requests using the adapter ended; 404 lora_not_found."""
+    """`{"name": ...}` (or `{"id": N}`), optional `timeout_s` (default 30): answers once the requests using
+    the adapter ended; 404 lora_not_found; 503 lora_unload_timeout (the adapter stays loaded) when they
+    have not ended within `timeout_s`."""
     body = parse_json(await request.get_data())
+    timeout_s = _timeout(body.get("timeout_s"))
     engine = _lora_engine()
     if isinstance(body.get("id"), int) and not isinstance(body.get("id"), bool) and body.get("name") is None:
         match = [a["name"] for a in engine.lora_adapters() if a["id"] == body["id"]]
@@ -59,7 +76,7 @@ async def unload() -> Any:
             raise NotFoundError(f"no LoRA adapter has id {body['id']}", code="lora_not_found", param="id")
     else:
         name = _name(body.get("name"))
-    adapter = await engine.unload_lora(name)
+    adapter = await engine.unload_lora(name, timeout_s)
     if adapter is None:
         raise NotFoundError(f"no LoRA adapter named '{name}' is loaded", code="lora_not_found", param="name")
     return jsonify({**adapter, "unloaded": True})

@@ -20,7 +20,8 @@ from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check
 from imp_jax.server import lifecycle, structured
 from imp_jax.server.access import key_digest, presented_key
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
-from imp_jax.server.context import default_max_tokens, engine_request, server, set_response_id, state_of
+from imp_jax.server.context import (answering_model, default_max_tokens, engine_request, server, set_response_id,
+                                   state_of)
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -366,7 +367,7 @@ async def create_response() -> Any:
     max_tokens = room if asked is None else min(asked, room)
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
     constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
-    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", engine.served_name, req, conversation, store, caller_owner())
+    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", answering_model(engine), req, conversation, store, caller_owner())
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint)

@@ -23,7 +23,7 @@ from imp_jax.errors import EngineError, InvalidRequestError
 from imp_jax.runtime.request import MAX_LOGIT_BIAS, GenerationRequest, SamplingParams, check_context
 from imp_jax.server import lifecycle
 from imp_jax.server.chat_completions import ChatMessage, TextPart
-from imp_jax.server.context import engine_request, set_response_id
+from imp_jax.server.context import answering_model, engine_request, set_response_id
 from imp_jax.server.generation import Engine, collect
 from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import new_id, now
@@ -204,7 +204,7 @@ async def score() -> Any:
     probs = distribution(raw, token_ids)
     results = [{"index": i, "candidate": c, "token_id": t, "token": token_piece(tokenizer, t),
                 "logprob": raw[t], "probability": probs[t]} for i, (c, t) in enumerate(zip(req.candidates, token_ids))]
-    return jsonify({"id": g.response_id, "object": "score", "created": now(), "model": engine.served_name,
+    return jsonify({"id": g.response_id, "object": "score", "created": now(), "model": answering_model(engine),
                     "results": results, "truncated": truncated, "usage": usage_json(usage)})
 
 
@@ -247,5 +247,5 @@ async def decide() -> Any:
             for i, (L, o, t) in enumerate(zip(letters, req.options, letter_ids))]
     best = max(dist, key=lambda d: d["probability"])   # the first of equals
     pick = {k: best[k] for k in ("letter", "index", "option", "probability")}
-    return jsonify({"id": g.response_id, "object": "decision", "created": now(), "model": engine.served_name,
+    return jsonify({"id": g.response_id, "object": "decision", "created": now(), "model": answering_model(engine),
                     "pick": pick, "distribution": dist, "truncated": truncated, "usage": usage_json(usage)})
