@@ -36,8 +36,9 @@ class EngineConfig:
         "auto", "auto | float32 | bfloat16; auto = the model's dtype. bfloat16 under a float32 model "
         "halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
     tensor_parallel_size: int = _field(
-        1, "devices of this host one model is split over (tensor parallelism: heads, MLP rows, vocabulary "
-        "and the KV cache's kv heads); each holds ~1/N of the weights and KV cache (docs/DEPLOYMENT.md)")
+        1, "devices one model is split over, of this host (with --num-processes: of all processes together); "
+        "tensor parallelism: heads, MLP rows, vocabulary and the KV cache's kv heads; each holds ~1/N of the "
+        "weights and KV cache (docs/DEPLOYMENT.md)")
     compilation_cache_dir: str | None = _field(None, "JAX compilation cache; default $IMP_JAX_HOME/jax_cache")
     session_ttl_s: float = _field(600.0, "seconds a session_id's pinned KV blocks wait for its next turn")
     idle_unload_seconds: float = _field(0.0, "park the weights and KV cache in host memory after this many "
