@@ -9,6 +9,14 @@ runs the same executable on them. Idle, the leader broadcasts a no-op every PING
 process is found without waiting for a request. With `jax_enable_recoverability` a collective
 with a dead peer raises at once (without it the coordination service aborts the survivor): the
 leader's engine faults naming the lost process; a follower whose leader is gone exits.
+
+Every device computation the engine makes, and how it stays in step across processes:
+- KV cache zeros (builder), weights and cache `device_put` (CompiledStep): every process, at build;
+- warm-up compiles and first runs of every step bucket and the score program: every process, in
+  `CompiledStep.warm_up`'s order (background compilation and idle first runs are off);
+- step (`launch`) and prompt scoring (`score`): announced here, run by all;
+- suspend/resume (parking on the host), LoRA slots (`write_params`): refused with more than one
+  process; embedding / rerank encoders run on process 0's own device, no collective.
 """
 from __future__ import annotations
 
