@@ -21,8 +21,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # module -> extra imports it may make, and why
 EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the process entry point builds the engine, behind a late import (jax loads only there)
+    # (multihost: jax.distributed must start before any other JAX use; processes != 0 serve no HTTP)
     "imp_jax.server.__main__": ("imp_jax.runtime.async_engine", "imp_jax.runtime.replicas",
-                                "imp_jax.runtime.encoder_engine"),
+                                "imp_jax.runtime.encoder_engine", "imp_jax.runtime.multihost"),
     # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract
     "imp_jax.server.embeddings": ("imp_jax.runtime.vectors",),
     # whether the served model thinks: the engine's own test of the tokenizer (pure Python, no jax)

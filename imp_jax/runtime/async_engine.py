@@ -20,6 +20,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.event_buffer import EventBuffer
+from imp_jax.runtime.multihost import PEER_LOST
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
 log = logging.getLogger("imp_jax.engine")
@@ -287,8 +288,13 @@ class AsyncEngine:
         self.state = "ready"
         self._ready.set()
         import jax
-        with jax.default_device(self._core.step_fn.mesh.devices.flat[0]):   # what this thread makes: its device
-            self._serve(self._core)
+        leader = self._core.step_fn.leader   # multi-host process 0 (runtime/multihost.py)
+        try:
+            with jax.default_device(self._core.step_fn.mesh.devices.flat[0]):   # what this thread makes: its device
+                self._serve(self._core)
+        finally:
+            if leader is not None and self.state != "faulted":
+                leader.stop()
 
     def _serve(self, core: EngineCore) -> None:
         self._last_request = time.monotonic()
@@ -309,9 +315,12 @@ class AsyncEngine:
                     self._park("idle")
                 else:
                     core.expire_sessions()
+                    if core.step_fn.leader is not None:
+                        core.step_fn.leader.ping()   # finds a lost process before a request does
             except Exception as e:
                 log.exception("engine step failed; failing all requests")
-                self.error, self.state = f"device fault: {e}", "faulted"
+                self.error, self.state = f"device fault: {e}", "faulted"   # /ready says so at once
+                self.error = core.step_fn.fault_message(e)   # multi-host: names a lost process (takes seconds)
                 core.fail_all(self.error)
 
     def _idle_due(self) -> bool:
@@ -341,6 +350,9 @@ class AsyncEngine:
     def _command_suspend(self, reply: Callable[[Any], None]) -> None:
         if self.state == "faulted":
             reply({"status": "faulted"})
+            return
+        if self.config.multi_host:   # the other processes' shards cannot be parked from here
+            reply({"status": "unsupported"})
             return
         if self.state == "suspended" and not self._suspend_waiters:
             reply({"status": "already_suspended"})
@@ -412,7 +424,8 @@ class AsyncEngine:
                 _, req, emit = item
                 try:
                     if self.state == "faulted":
-                        raise EngineError(f"engine is faulted: {self.error}")
+                        raise EngineError(self.error if self.error.startswith(PEER_LOST) else
+                                          f"engine is faulted: {self.error}", code="engine_faulted")
                     if self.state == "suspended":
                         raise EngineError("the engine is suspended; POST /admin/resume", code="suspended",
                                           status=503)

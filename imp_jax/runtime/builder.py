@@ -21,6 +21,7 @@ from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.multihost import Leader
 from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
 
 log = logging.getLogger("imp_jax.engine")
@@ -50,15 +51,25 @@ def build_engine(config: EngineConfig, progress: Progress | None = None,
     enable_compilation_cache(config)
     progress = progress or (lambda phase, frac: None)
     progress("loading", 0.0)
-    try:
-        mesh = make_mesh(replica_devices(replica, config.data_parallel_size, config.tensor_parallel_size))
+    try:   # multi-host: the mesh spans every process's devices (runtime/multihost.py checked the count)
+        mesh = make_mesh(jax.devices() if config.multi_host else
+                         replica_devices(replica, config.data_parallel_size, config.tensor_parallel_size))
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    device = mesh.devices.flat[0]
+    device = local_devices(mesh)[0]
     if config.data_parallel_size > 1:
         log.info("replica %d of %d on %s", replica, config.data_parallel_size, device)
     with jax.default_device(device):   # this thread's arrays: the model's weights, LoRA slabs
-        return _build_on(config, progress, background_compile, mesh, device)
+        # multi-host: every process compiles and runs every program now, in the same order
+        core = _build_on(config, progress, background_compile and not config.multi_host, mesh, device)
+    if config.multi_host and jax.process_index() == 0:
+        core.step_fn.leader = Leader(config.num_processes)   # from now on each program is announced
+    return core
+
+
+def local_devices(mesh) -> list:
+    """The mesh's devices this process drives (all of them, unless multi-host)."""
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 
 
 def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device) -> EngineCore:
@@ -85,7 +96,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
         loaded.model.enable_lora(LoraOptions(config.max_loras, config.max_lora_rank))
     free = None
     if platform != "cpu":   # per device: the least any device of the mesh has free
-        for d in mesh.devices.flat:
+        for d in local_devices(mesh):
             stats = d.memory_stats() or {}
             if "bytes_limit" in stats:
                 left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

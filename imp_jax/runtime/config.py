@@ -36,8 +36,9 @@ class EngineConfig:
         "auto", "auto | float32 | bfloat16; auto = the model's dtype. bfloat16 under a float32 model "
         "halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
     tensor_parallel_size: int = _field(
-        1, "devices of this host one model is split over (tensor parallelism: heads, MLP rows, vocabulary "
-        "and the KV cache's kv heads); each holds ~1/N of the weights and KV cache (docs/DEPLOYMENT.md)")
+        1, "devices one model is split over, of this host (with --num-processes: of all processes together); "
+        "tensor parallelism: heads, MLP rows, vocabulary and the KV cache's kv heads; each holds ~1/N of the "
+        "weights and KV cache (docs/DEPLOYMENT.md)")
     compilation_cache_dir: str | None = _field(None, "JAX compilation cache; default $IMP_JAX_HOME/jax_cache")
     session_ttl_s: float = _field(600.0, "seconds a session_id's pinned KV blocks wait for its next turn")
     idle_unload_seconds: float = _field(0.0, "park the weights and KV cache in host memory after this many "
@@ -50,6 +51,12 @@ class EngineConfig:
     data_parallel_size: int = _field(1, "engine replicas, one per device, each with its own weights, KV pool "
                                      "and scheduler; requests are routed by prefix-cache affinity and load "
                                      "(docs/DEPLOYMENT.md). On CPU: XLA_FLAGS=--xla_force_host_platform_device_count")
+    coordinator: str | None = _field(None, "HOST:PORT of process 0's jax.distributed coordinator: serve one "
+                                     "tensor-parallel model across --num-processes hosts (docs/DEPLOYMENT.md)")
+    num_processes: int = _field(1, "processes (hosts) one model spans with --coordinator; "
+                                "--tensor-parallel-size counts the devices of all of them")
+    process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
+                             "the others run its steps")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -63,12 +70,20 @@ class EngineConfig:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"--process-id {self.process_id} must be in [0, --num-processes {self.num_processes})")
+        if (self.num_processes > 1) != (self.coordinator is not None):
+            raise ValueError("--coordinator HOST:PORT and --num-processes > 1 go together (multi-host)")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
         if self.lora and not self.max_loras:
             self.max_loras = max(4, len(self.lora))
         if len(self.lora) > self.max_loras:
             raise ValueError(f"{len(self.lora)} --lora adapters but --max-loras {self.max_loras}")
+
+    @property
+    def multi_host(self) -> bool:
+        return self.num_processes > 1
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """The start-up adapters as (name, path)."""

@@ -38,6 +38,8 @@ def make_engine(config: EngineConfig) -> Any:
 
 def check_devices(config: EngineConfig) -> None:
     """A ValueError (saying how to get fake CPU devices) unless this host has the devices every replica needs."""
+    if config.multi_host:   # every process's devices: runtime/multihost.initialize checked them
+        return
     if config.data_parallel_size > 1 or config.tensor_parallel_size > 1:
         from imp_jax.runtime.sharding import replica_devices
         replica_devices(config.data_parallel_size - 1, config.data_parallel_size, config.tensor_parallel_size)

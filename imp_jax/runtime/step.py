@@ -22,6 +22,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch, build_step_batch, pow2_buckets
+from imp_jax.runtime.multihost import SCORE, STEP, Leader
 from imp_jax.runtime.packing import Layout, pack, unpack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
 from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
@@ -83,6 +84,7 @@ class CompiledStep:
         self._score_unrun = False                      # the score program compiled, not yet run once
         self.compilations_after_warmup = 0
         self._warm = False
+        self.leader: Leader | None = None   # multi-host process 0: announces each program (runtime/multihost.py)
         graphdef = self.graphdef
         dynamic_skips = model.options.kernels.dynamic_skips
         # with LoRA slabs (model/lora.py) each token's adapter slot is a step input; without, the
@@ -248,8 +250,21 @@ class CompiledStep:
     def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch."""
         exe = self._score_program()
-        out, self.kv = exe(self._leaves, self.kv, *self._pack("score", self._score_inputs(batch, targets)))
+        ints, floats = self._pack("score", self._score_inputs(batch, targets))
+        if self.leader is not None:
+            self.leader.send(SCORE, (len(batch.input_ids), 1), ints, floats)
+        out, self.kv = exe(self._leaves, self.kv, ints, floats)
         return tuple(np.asarray(x) for x in out)
+
+    def run_packed(self, program: str, bucket: tuple[int, int], ints: np.ndarray, floats: np.ndarray) -> None:
+        """A multi-host follower: run the program the leader announced on its packed inputs, to the end."""
+        exe = (self._exec.get(bucket) or self._compile(bucket)) if program == "step" else self._score_program()
+        out, self.kv = exe(self._leaves, self.kv, ints, floats)
+        jax.block_until_ready(out)
+
+    def fault_message(self, error: BaseException) -> str:
+        """The engine's error when running a program raised (a lost process, when multi-host)."""
+        return self.leader.fault_message(error) if self.leader is not None else f"device fault: {error}"
 
     @property
     def suspended(self) -> bool:
@@ -336,7 +351,10 @@ class CompiledStep:
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
-        out, self.kv = exe(self._leaves, self.kv, *self._pack("step", self._step_inputs(batch, sampling, step_no)))
+        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no))
+        if self.leader is not None:
+            self.leader.send(STEP, bucket, ints, floats)
+        out, self.kv = exe(self._leaves, self.kv, ints, floats)
         return SamplerOutput(*out)
 
 

@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # process-wide: no `_created` twin of every counter on /metrics
+    if config.engine.multi_host:   # jax.distributed before any other JAX use; processes != 0 serve no HTTP
+        code = start_multi_host(config)
+        if code is not None:
+            return code
     from imp_jax.runtime.replicas import check_devices  # the engine (and jax) live behind this import
     from imp_jax.runtime.replicas import make_engine as engine_for
 
@@ -176,6 +180,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m imp_jax.server: error: {getattr(e, 'message', e)}", file=sys.stderr)
         return 2
     return asyncio.run(run(app, engine, config))
+
+
+def start_multi_host(config: ServerConfig) -> int | None:
+    """Join the process group (--coordinator); None on process 0, which goes on to serve HTTP; the others
+    follow its steps here and return their exit code (docs/DEPLOYMENT.md, tensor parallel across hosts)."""
+    from imp_jax.runtime.multihost import check_config, initialize, run_follower
+
+    try:
+        if config.models_dir:
+            raise ValueError("--models-dir cannot be combined with --num-processes > 1 (multi-host) yet")
+        check_config(config.engine)
+        initialize(config.engine)
+    except ValueError as e:
+        print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
+        return 2
+    if config.engine.process_id == 0:
+        return None
+    return run_follower(config.engine)
 
 
 def make_encoders(config: ServerConfig) -> list[Any]:

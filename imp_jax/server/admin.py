@@ -13,6 +13,7 @@ from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
 from imp_jax.server.errors import unavailable
+from imp_jax.server.generation import public_engine_message
 from imp_jax.server.limits import field_limits
 from imp_jax.server.lora import adapter_cards, adapter_card
 from imp_jax.server.validation import check_model_name, parse_json
@@ -87,7 +88,9 @@ async def ready() -> Any:
     if is_ready:
         return jsonify({"ready": True, "state": engine_state, "model": _model_name(),
                         "idle_suspended": bool(getattr(engine, "idle_suspended", False)), **replicas})
-    return jsonify({"ready": False, "code": code, "state": engine_state, **replicas}), 503
+    fault = {"message": public_engine_message(engine.error)} if code == "engine_faulted" and getattr(
+        engine, "error", None) else {}   # a lost multi-host process is named; a device fault's text is not
+    return jsonify({"ready": False, "code": code, "state": engine_state, **fault, **replicas}), 503
 
 
 @bp.post("/admin/suspend")
@@ -98,6 +101,9 @@ async def admin_suspend() -> Any:
     answer = await engine.suspend()
     if answer["status"] == "faulted":
         raise ImpError("the engine faulted; restart the server", code="engine_faulted", status=500)
+    if answer["status"] == "unsupported":
+        raise ImpError("suspend is not supported with --num-processes > 1 (multi-host)", code="not_supported",
+                       status=400)
     return jsonify(answer)
 
 
