@@ -170,6 +170,11 @@ def test_too_few_devices_is_a_start_up_error_that_says_how_to_get_fake_ones() ->
         check_devices(EngineConfig(data_parallel_size=3))
     assert "--data-parallel-size 3 needs 3 devices; this host has 1 cpu device(s)" in str(err.value)
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=3" in str(err.value)
+    with pytest.raises(ValueError) as err:   # each replica takes a group of --tensor-parallel-size devices
+        check_devices(EngineConfig(data_parallel_size=2, tensor_parallel_size=2))
+    assert "--data-parallel-size 2 x --tensor-parallel-size 2 needs 4 devices" in str(err.value)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 devices"):
+        check_devices(EngineConfig(tensor_parallel_size=2))
 
 
 def test_a_data_parallel_size_below_one_is_refused() -> None:
