@@ -65,6 +65,11 @@ class _Load:
         return self.rows + self.pending_tokens / tokens_per_step
 
 
+def _same_on_every_replica(name: str) -> property:
+    """A read-only attribute every replica has alike (the model's): replica 0's."""
+    return property(lambda self: getattr(self.replicas[0], name), doc=f"replica 0's {name}")
+
+
 class EngineReplicas:
     """The AsyncEngine's interface over `config.data_parallel_size` replicas (module docstring)."""
 
@@ -113,41 +118,15 @@ class EngineReplicas:
         return any(getattr(r, "idle_suspended", False) for r in self.replicas)
 
     # ------------------------------------------------------------------- model (the same on every replica)
-    @property
-    def core(self):
-        return self.replicas[0].core
-
-    @property
-    def tokenizer(self):
-        return self.replicas[0].tokenizer
-
-    @property
-    def served_name(self) -> str:
-        return self.replicas[0].served_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.replicas[0].max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.replicas[0].vocab_size
-
-    @property
-    def model_config(self):
-        return self.replicas[0].model_config
-
-    @property
-    def dtype(self) -> str:
-        return self.replicas[0].dtype
-
-    @property
-    def device(self) -> str:
-        return self.replicas[0].device
-
-    @property
-    def default_params(self) -> dict[str, Any]:
-        return self.replicas[0].default_params
+    core = _same_on_every_replica("core")
+    tokenizer = _same_on_every_replica("tokenizer")
+    served_name = _same_on_every_replica("served_name")
+    max_model_len = _same_on_every_replica("max_model_len")
+    vocab_size = _same_on_every_replica("vocab_size")
+    model_config = _same_on_every_replica("model_config")
+    dtype = _same_on_every_replica("dtype")
+    device = _same_on_every_replica("device")
+    default_params = _same_on_every_replica("default_params")
 
     @property
     def max_num_seqs(self) -> int:
