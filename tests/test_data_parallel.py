@@ -6,6 +6,7 @@ which runs on two fake CPU devices (XLA_FLAGS must be set before jax starts: a s
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -19,6 +20,7 @@ from prometheus_text import parse
 from server_fixtures import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, FakeEngine, LiveServer, app_in_thread,
                              fake_tokenizer, live_server, wait_for)  # noqa: F401
 
+from imp_jax.errors import ImpError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
 from imp_jax.runtime.replicas import EngineReplicas, check_devices
@@ -291,3 +293,36 @@ def test_dp2_pools_return_to_baseline_after_a_cancelled_stream_and_a_session(dp_
     assert series[("imp_kv_blocks_used", ())] == 0
     assert [series[("imp_replica_kv_blocks_used", (("replica", str(i)),))] for i in range(2)] == [0, 0]
     assert series[("imp_compilations_after_warmup_total", ())] == 0
+
+
+class AdapterReplica(PoolReplica):
+    """A replica that loads and unloads adapters by name; `busy` ones time out, as AsyncEngine.unload_lora does."""
+
+    def __init__(self, busy: bool):
+        super().__init__()
+        self.busy = busy
+        self.adapters: dict[str, str] = {"a": "/adapters/a"}
+        self.timeouts: list[float | None] = []
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        self.adapters[name] = path
+        return {"name": name, "path": path}
+
+    async def unload_lora(self, name: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        self.timeouts.append(timeout_s)
+        if self.busy:
+            raise ImpError("still used", code="lora_unload_timeout", status=503, param="timeout_s")
+        return {"name": name, "path": self.adapters.pop(name), "unloaded": True}
+
+
+def test_a_lora_unload_one_replica_refuses_leaves_the_adapter_on_every_replica() -> None:
+    idle, busy = AdapterReplica(busy=False), AdapterReplica(busy=True)
+    router = EngineReplicas(EngineConfig(data_parallel_size=2), build=lambda i: [idle, busy][i])
+    with pytest.raises(ImpError) as err:
+        asyncio.run(router.unload_lora("a", 0.5))
+    assert err.value.code == "lora_unload_timeout"
+    assert idle.timeouts == busy.timeouts == [0.5]                     # the body's timeout_s reaches each replica
+    assert idle.adapters == busy.adapters == {"a": "/adapters/a"}      # loaded again where it had gone
+    busy.busy = False
+    assert asyncio.run(router.unload_lora("a", 5)) == {"name": "a", "path": "/adapters/a", "unloaded": True}
+    assert idle.adapters == busy.adapters == {}

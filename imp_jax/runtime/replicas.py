@@ -244,22 +244,23 @@ class EngineReplicas:
 
     async def suspend(self) -> dict[str, Any]:
         """Every replica suspends; faulted if any is, already_suspended if all were."""
-        answers = await asyncio.gather(*(r.suspend() for r in self.replicas))
-        statuses = {a["status"] for a in answers}
-        if "faulted" in statuses:
-            return {"status": "faulted"}
-        if statuses == {"already_suspended"}:
-            return {"status": "already_suspended"}
+        answers, status = await self._on_every_replica("suspend", "already_suspended")
+        if status:
+            return {"status": status}
         return {"status": "suspended", "freed_bytes": sum(a.get("freed_bytes", 0) for a in answers)}
 
     async def resume(self) -> dict[str, Any]:
-        answers = await asyncio.gather(*(r.resume() for r in self.replicas))
+        _, status = await self._on_every_replica("resume", "not_suspended")
+        return {"status": status or "resumed"}
+
+    async def _on_every_replica(self, command: str, unchanged: str) -> tuple[list[dict[str, Any]], str | None]:
+        """Every replica's answer to `command`, and the status that speaks for all of them: faulted if
+        any replica is, `unchanged` if every replica answered it; None when the command took effect."""
+        answers = await asyncio.gather(*(getattr(r, command)() for r in self.replicas))
         statuses = {a["status"] for a in answers}
         if "faulted" in statuses:
-            return {"status": "faulted"}
-        if statuses == {"not_suspended"}:
-            return {"status": "not_suspended"}
-        return {"status": "resumed"}
+            return answers, "faulted"
+        return answers, unchanged if statuses == {unchanged} else None
 
     async def load_lora(self, name: str, path: str) -> dict[str, Any]:
         """Load the adapter on every replica; if one refuses, those that took it unload it again."""
@@ -271,12 +272,17 @@ class EngineReplicas:
         await asyncio.gather(*(r.unload_lora(name) for r in loaded), return_exceptions=True)
         raise failed
 
-    async def unload_lora(self, name: str) -> dict[str, Any] | None:
-        results = await asyncio.gather(*(r.unload_lora(name) for r in self.replicas), return_exceptions=True)
+    async def unload_lora(self, name: str, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """Unload the adapter on every replica; if one refuses (its requests outlast `timeout_s`), those
+        that unloaded it load it again from its path, so every replica keeps serving the same adapters."""
+        results = await asyncio.gather(*(r.unload_lora(name, timeout_s) for r in self.replicas),
+                                       return_exceptions=True)
         failed = next((e for e in results if isinstance(e, BaseException)), None)
-        if failed is not None:
-            raise failed
-        return next((res for res in results if res is not None), None)
+        if failed is None:
+            return next((res for res in results if res is not None), None)
+        unloaded = [(r, res) for r, res in zip(self.replicas, results) if isinstance(res, dict)]
+        await asyncio.gather(*(r.load_lora(name, res["path"]) for r, res in unloaded), return_exceptions=True)
+        raise failed
 
     def lora_adapters(self) -> list[dict[str, Any]]:
         return self.replicas[0].lora_adapters()
