@@ -92,20 +92,16 @@ class CompiledStep:
         self.with_lora = getattr(model, "lora", None) is not None
         with_lora = self.with_lora
 
-        def logits_of(model, hidden, lora_ids):
-            return model.logits(hidden, lora_ids=lora_ids) if with_lora else model.logits(hidden)
-
         def forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows):
             """Logits of `rows` (None: every row) and the updated cache."""
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            if with_lora:
-                hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids)
-            else:
+            if not with_lora:
                 hidden, kv = model(input_ids, positions, kv, meta)
+                return model.logits(hidden if rows is None else hidden[rows]), kv
+            hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids)
             if rows is not None:
-                hidden = hidden[rows]
-                lora_ids = lora_ids[rows] if with_lora else lora_ids
-            return logits_of(model, hidden, lora_ids), kv
+                hidden, lora_ids = hidden[rows], lora_ids[rows]
+            return model.logits(hidden, lora_ids=lora_ids), kv   # adapters on the LM head: each row's slot
 
         if mesh.size > 1:
             kv_spec = (kv_sh.spec, kv_sh.spec)
