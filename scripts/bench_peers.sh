@@ -15,7 +15,9 @@
 # Environment: MODEL (GGUF path; default: the SmolLM2 alias resolved by imp_jax), LEVELS ("1 8 32"),
 # REQUESTS (per level, default "8 32 64"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2),
 # PORT_LLAMA (18180), PORT_IMP (18181), OUT_DIR (bench_results/peers), SKIP_COLD=1 to skip the cold
-# imp_jax start (it clears imp_jax's compilation and kernel caches into a temporary home).
+# imp_jax start (it clears imp_jax's compilation and kernel caches into a temporary home), IMP_GEMMS
+# ("cpu": imp_jax's --gemm modes to serve and measure, each warm, in this order; e.g. "cpu cpu_q8" adds
+# the opt-in int8-activation arithmetic, which is llama.cpp's own).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +35,7 @@ OUTPUT_LEN="${OUTPUT_LEN:-128}"
 PORT_LLAMA="${PORT_LLAMA:-18180}"
 PORT_IMP="${PORT_IMP:-18181}"
 OUT_DIR="${OUT_DIR:-bench_results/peers}"
+IMP_GEMMS="${IMP_GEMMS:-cpu}"
 CTX=16384
 SERVER_PID=""
 NP=32
@@ -133,21 +136,26 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
     local iurl="http://127.0.0.1:$PORT_IMP"
     local icmd=(python -m imp_jax.server --model "$gguf" --host 127.0.0.1 --port "$PORT_IMP" --max-num-seqs "$NP")
     # imp_jax: cold in a fresh IMP_JAX_HOME (no compiled programs, no built kernels), then warm from
-    # what that start left there; SKIP_COLD=1 starts once, from the usual home
+    # what that start left there, once per --gemm mode; SKIP_COLD=1 starts from the usual home
     local run_home="${IMP_JAX_HOME:-}"
     if [[ "${SKIP_COLD:-0}" != 1 ]]; then
         run_home=$(mktemp -d)
         IMP_JAX_HOME="$run_home" time_to_ready imp_cold "$iurl/ready" "$OUT_DIR/imp_server_cold.log" "${icmd[@]}"
         stop_server
     fi
-    IMP_JAX_HOME="$run_home" time_to_ready imp_warm "$iurl/ready" "$OUT_DIR/imp_server.log" "${icmd[@]}"
-    serve_bench imp_jax "$iurl" "$OUT_DIR/serving_imp"
-    stop_server
+    local gemm suffix
+    for gemm in $IMP_GEMMS; do
+        suffix=$([[ "$gemm" == cpu ]] && echo "" || echo "_$gemm")   # the default mode keeps the plain names
+        IMP_JAX_HOME="$run_home" time_to_ready "imp_warm$suffix" "$iurl/ready" "$OUT_DIR/imp_server$suffix.log" \
+            "${icmd[@]}" --gemm "$gemm"
+        serve_bench "imp_jax$suffix" "$iurl" "$OUT_DIR/serving_imp$suffix"
+        stop_server
+        log "imp_jax batch-1, --gemm $gemm (bench_engine: prompt 512, 128 tokens)"
+        IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 512 \
+            --output-len 128 --max-num-batched-tokens 512 --no-transformers --gemm "$gemm" \
+            --out "$OUT_DIR/imp_engine$suffix.json" >&2
+    done
     [[ "${SKIP_COLD:-0}" == 1 ]] || rm -rf "$run_home"
-
-    log "imp_jax batch-1 (bench_engine: prompt 512, 128 tokens)"
-    python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 512 --output-len 128 \
-        --max-num-batched-tokens 512 --no-transformers --out "$OUT_DIR/imp_engine.json" >&2
     python -c "import json, sys; d = json.load(open(sys.argv[1])); d['loadavg_end'] = open('/proc/loadavg').read().split()[:3]; json.dump(d, open(sys.argv[1], 'w'))" "$OUT_DIR/run.json"
     python scripts/peers_table.py "$OUT_DIR"
 }
