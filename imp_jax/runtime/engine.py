@@ -52,6 +52,7 @@ class EngineCounters:
     mask_steps: int = 0              # steps with at least one grammar-constrained row
     mask_rows: int = 0               # constrained rows over those steps
     mask_seconds: float = 0.0        # host time computing their allowed-token masks (before each launch)
+    overlapped_steps: int = 0        # steps launched before the previous step was read (async scheduling)
 
 
 @dataclasses.dataclass
@@ -294,6 +295,7 @@ class EngineCore:
         self._num_launched += 1
         self._after_launch(launched)
         if prev is not None:
+            self.counters.overlapped_steps += 1
             # host time on the critical path: at most since the device was last known busy
             host = t1 - self._busy_at if idle else 0.0
             self._inflight = None
@@ -631,7 +633,8 @@ class EngineCore:
                     decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
                     decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
                     constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds,
-                    step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds)
+                    step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds,
+                    overlapped_steps_total=c.overlapped_steps)
 
 
 def _slice_ids(seq: Sequence, start: int, n: int) -> list[int]:
