@@ -417,9 +417,10 @@ def _async_workload(core, tok, prompts, greedy_alone, cancel_after: int | None =
     reqs = [req(prompts[0], max_tokens=2), req(prompts[1], ignore_eos=True, max_tokens=9),
             req(prompts[4], stop_token_ids=[ids4[m]], max_tokens=MAX_TOKENS),
             req(prompts[6], stop=[stop], max_tokens=MAX_TOKENS),
-            req(prompts[5], repetition_penalty=0.5, frequency_penalty=-1.0, presence_penalty=-2.0, max_tokens=8),
+            req(prompts[5], frequency_penalty=-1.0, presence_penalty=-2.0, logprobs=5, max_tokens=8),
             req(prompts[2], **SEEDED)]
     results = [Result() for _ in reqs]
+    core.pool.reset_prefix_cache()   # both runs compute every prompt (usage.cached_tokens alike)
     before = core.counters.overlapped_steps
     for r, res in zip(reqs, results):
         core.add_request(r, res.on_event)
@@ -443,15 +444,19 @@ def test_async_scheduling_gives_the_synchronous_outputs(core, tok, prompts, gree
     assert core.async_scheduling   # the default
     try:
         core.async_scheduling = False
-        sync, overlapped_sync = _async_workload(core, tok, prompts, greedy_alone, cancel_after=8)
+        sync, overlapped_sync = _async_workload(core, tok, prompts, greedy_alone, cancel_after=14)
     finally:
         core.async_scheduling = True
-    asyn, overlapped = _async_workload(core, tok, prompts, greedy_alone, cancel_after=8)
+    asyn, overlapped = _async_workload(core, tok, prompts, greedy_alone, cancel_after=14)
     assert overlapped_sync == 0 and overlapped >= 8
     for a, b in zip(asyn[:-1], sync[:-1]):
         assert (a.first.token_ids, a.first.text, a.first.finish_reason, a.first.stop_reason) == (
             b.first.token_ids, b.first.text, b.first.finish_reason, b.first.stop_reason)
         assert a.usage == b.usage
+        for x, y in zip(a.first.logprobs, b.first.logprobs):   # the penalised row's: history and all
+            assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
     finish = [r.first.finish_reason for r in asyn]
     assert finish == ["length", "length", "stop", "stop", "length", "length", "cancelled"]
     assert [len(r.ids) for r in asyn[:2]] == [2, 9] and asyn[0].ids == greedy_alone[0].ids[:2]
