@@ -112,6 +112,7 @@ class EngineCore:
         self.counters = EngineCounters()
         self.host_seconds = 0.0   # of the step loop's time, the part the device may have waited for the host
         self.loop_seconds = 0.0   # the step loop's wall time (`_run_batch`)
+        self.wait_seconds = 0.0   # of it, blocked reading steps: the rest is host work, overlapped or not
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest, emit: Emit) -> None:
@@ -399,6 +400,7 @@ class EngineCore:
         t = time.perf_counter()
         out = fetch(launched.out)
         self._fetched_at = time.perf_counter()
+        self.wait_seconds += self._fetched_at - t
         self.num_steps += 1
         for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
             self._advance(c.seq, samples, out, i)
