@@ -465,6 +465,25 @@ def test_async_scheduling_gives_the_synchronous_outputs(core, tok, prompts, gree
     assert core.step_fn.compilations_after_warmup == 0
 
 
+def test_async_scheduling_keeps_the_token_of_a_sequence_preempted_while_its_step_runs(core, prompts, greedy_alone):
+    """A decode that needs blocks preempts a sequence whose sampled token is still on the device: the
+    token joins the sequence when its step is read, and the sequence recomputes and ends as alone."""
+    a, b = req(prompts[0], max_tokens=MAX_TOKENS), req(prompts[1], max_tokens=MAX_TOKENS)
+    ra, rb = Result(), Result()
+    core.add_request(a, ra.on_event)
+    core.add_request(b, rb.on_event)
+    seq_b = core.requests[b.request_id].seqs[0]
+    step_until(core, lambda: len(rb.ids) >= 1 and seq_b.pending == 1)
+    assert core._inflight is not None and any(c.seq is seq_b for c in core._inflight.chunks)
+    core.scheduler.preempt(seq_b)   # what Scheduler._grow does for a decode short of blocks
+    n_out = len(seq_b.output_ids)
+    core.step()
+    assert len(seq_b.output_ids) == n_out + 1 and seq_b.pending == 0   # read, not lost
+    step_until(core, lambda: not core.has_work(), max_steps=100)
+    assert ra.ids == greedy_alone[0].ids and rb.ids == greedy_alone[1].ids
+    assert seq_b.num_preemptions == 1 and core.pool.num_free_blocks == core.baseline_free_blocks
+
+
 def test_async_scheduling_reads_a_grammar_rows_token_before_the_next_step(core, prompts):
     """A constrained row's next mask follows its last token: those steps are not overlapped, and the
     output still follows the grammar; the unconstrained neighbour overlaps again once it runs alone."""
