@@ -281,8 +281,8 @@ def main() -> int:
                 es = [e for e in results["engine"] if e["batch"] == b and e["async_scheduling"] == mode]
                 med = lambda k: float(np.median([e[k] for e in es]))
                 print(f"{b:5d} {mode:>5} {med('output_tok_s'):13.1f} tok/s, host {100 * med('host_fraction'):5.2f}%, "
-                      f"decode step {1e3 * med('decode_step_s'):.2f} ms, host work {1e3 * med('host_work_per_step_s'):.2f} "
-                      f"ms/step ({len(es)} runs)")
+                      f"decode step {1e3 * med('decode_step_s'):.2f} ms, "
+                      f"host work {1e3 * med('host_work_per_step_s'):.2f} ms/step ({len(es)} runs)")
     results["compilations_after_warmup"] = core.step_fn.compilations_after_warmup
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
