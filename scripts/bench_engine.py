@@ -2,6 +2,7 @@
 
     python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128]
                                    [--dtype auto|float32|bfloat16] [--kv-cache-dtype auto|bfloat16] [--out FILE]
+                                   [--async-scheduling on off] [--repeats N]
 
 Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
 tokens with ignore_eos). The roofline is weight bytes / measured memory read bandwidth.
@@ -142,19 +143,27 @@ def bench_engine(core, batch: int, prompt_len: int, output_len: int) -> dict:
     first: dict[str, float] = {}
     t0 = time.perf_counter()
     host0, dev0, steps0 = core.host_seconds, core.device_seconds, core.num_steps
+    work0 = core.loop_seconds - core.wait_seconds
     for i, ids in enumerate(prompts(core.tokenizer, batch, prompt_len)):
         rid = f"b{batch}-{i}-{time.time_ns()}"
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         core.add_request(GenerationRequest(rid, ids, params),
                          lambda ev, rid=rid: first.setdefault(rid, time.perf_counter()))
+    decode_from = None
     while core.has_work():
         core.step()
+        if decode_from is None and len(first) == batch:   # every prompt is in: decode steps from here
+            decode_from = (time.perf_counter(), core.num_steps)
     wall = time.perf_counter() - t0
     host, dev = core.host_seconds - host0, core.device_seconds - dev0
+    decode_steps = core.num_steps - decode_from[1]
+    decode_step_s = (time.perf_counter() - decode_from[0]) / max(1, decode_steps)
     ttft = sorted(t - t0 for t in first.values())
     return dict(batch=batch, wall_s=wall, output_tok_s=batch * output_len / wall,
                 ttft_median_s=ttft[len(ttft) // 2], ttft_max_s=ttft[-1], steps=core.num_steps - steps0,
-                host_fraction=host / (host + dev))
+                host_fraction=host / (host + dev), decode_step_s=decode_step_s,
+                # all the engine thread's step-loop work per step, on the critical path or overlapped
+                host_work_per_step_s=(core.loop_seconds - core.wait_seconds - work0) / max(1, core.num_steps - steps0))
 
 
 def decode_step_time(core, prompt_len: int, steps: int = 24) -> float:
@@ -200,6 +209,10 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help="auto | xla | cpu | pallas (the engine's flag)")
     ap.add_argument("--gemm", default="auto", help="auto | xla | cpu | cpu_q8 (the engine's flag)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
+    ap.add_argument("--async-scheduling", nargs="+", choices=("on", "off"), default=["on"],
+                    help="the engine's flag; several (on off) run each batch under each, interleaved")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each batch (and mode), interleaved; "
+                    "the summary gives medians")
     ap.add_argument("--out", default="bench_results/engine.json")
     args = ap.parse_args()
 
@@ -211,7 +224,7 @@ def main() -> int:
     core = build_engine(EngineConfig(model=args.model, max_model_len=args.prompt_len + args.output_len + 16,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                      dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention=args.attention,
-                                     gemm=args.gemm))
+                                     gemm=args.gemm, async_scheduling=args.async_scheduling[0]))
     startup = time.perf_counter() - t0
     bw = measure_bandwidth()
     weight_bytes = sum(x.nbytes for x in jax_leaves(core.step_fn.state))
@@ -241,10 +254,13 @@ def main() -> int:
     print(f"weights: {describe_weights(core.loaded.model)}; GEMMs: "
           f"{'the CPU GEMM kernel (--gemm %s; float32 matrices at %d-%d rows, narrow ones at all)' % (kernels.gemm, cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (--gemm xla, or no kernel here)'}; "
           f"attention: {kernels.attention}")
-    print(f"{'batch':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
-          f"{'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
-    for b in args.batches:
+    print(f"{'batch':>5} {'async':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
+          f"{'step ms':>8} {'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
+    runs = [(b, mode) for b in args.batches for _ in range(args.repeats) for mode in args.async_scheduling]
+    for b, mode in runs:
+        core.async_scheduling = mode == "on"
         e = bench_engine(core, b, args.prompt_len, args.output_len)
+        e["async_scheduling"] = mode
         e["ceiling_tok_s"] = ceiling_tok_s(core.loaded.model, b, args.prompt_len, args.output_len, gemm,
                                            weight_bytes, bw)
         e["peak_tok_s"] = (ceiling_tok_s(core.loaded.model, b, args.prompt_len, args.output_len, peak, 0, bw)
@@ -256,8 +272,17 @@ def main() -> int:
             results["transformers"].append(h)
         hf = f"{h['output_tok_s']:9.1f} {e['output_tok_s'] / h['output_tok_s']:6.2f}" if h else f"{'-':>9} {'-':>6}"
         pk = f"{e['peak_tok_s']:7.1f}" if peak else f"{'-':>7}"
-        print(f"{b:5d} {e['output_tok_s']:13.1f} {e['ttft_median_s']:9.2f} {e['ttft_max_s']:9.2f} "
-              f"{100 * e['host_fraction']:6.1f}% {e['ceiling_tok_s']:8.1f} {pk} {hf}")
+        print(f"{b:5d} {mode:>5} {e['output_tok_s']:13.1f} {e['ttft_median_s']:9.2f} {e['ttft_max_s']:9.2f} "
+              f"{100 * e['host_fraction']:6.1f}% {1e3 * e['decode_step_s']:8.2f} {e['ceiling_tok_s']:8.1f} {pk} {hf}")
+    if args.repeats > 1 or len(args.async_scheduling) > 1:
+        print("medians:")
+        for b in args.batches:
+            for mode in args.async_scheduling:
+                es = [e for e in results["engine"] if e["batch"] == b and e["async_scheduling"] == mode]
+                med = lambda k: float(np.median([e[k] for e in es]))
+                print(f"{b:5d} {mode:>5} {med('output_tok_s'):13.1f} tok/s, host {100 * med('host_fraction'):5.2f}%, "
+                      f"decode step {1e3 * med('decode_step_s'):.2f} ms, "
+                      f"host work {1e3 * med('host_work_per_step_s'):.2f} ms/step ({len(es)} runs)")
     results["compilations_after_warmup"] = core.step_fn.compilations_after_warmup
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -405,6 +405,106 @@ def test_max_tokens_finishes_with_length(mixed, greedy_alone):
     assert res.usage.completion_tokens == 4
 
 
+# ------------------------------------------------------------------ asynchronous scheduling
+def _async_workload(core, tok, prompts, greedy_alone, cancel_after: int | None = None) -> tuple[list[Result], int]:
+    """One batch whose choices end at different steps (max_tokens, a stop token id standing in for EOS,
+    a stop string), with penalties (the device fills the pending token's history slot) and a seeded
+    sampler; optionally one long request cancelled after `cancel_after` steps. Returns the results and
+    the steps launched before the previous one was read."""
+    stop, _, _ = spanning_stop(tok, greedy_alone[6].ids) or pytest.fail("no spanning stop string")
+    ids4 = greedy_alone[4].ids
+    m = next(i for i in range(1, len(ids4)) if ids4[i] not in ids4[:i] and ids4[i] not in tok.eos_ids)
+    reqs = [req(prompts[0], max_tokens=2), req(prompts[1], ignore_eos=True, max_tokens=9),
+            req(prompts[4], stop_token_ids=[ids4[m]], max_tokens=MAX_TOKENS),
+            req(prompts[6], stop=[stop], max_tokens=MAX_TOKENS),
+            req(prompts[5], frequency_penalty=-1.0, presence_penalty=-2.0, logprobs=5, max_tokens=8),
+            req(prompts[2], **SEEDED)]
+    results = [Result() for _ in reqs]
+    core.pool.reset_prefix_cache()   # both runs compute every prompt (usage.cached_tokens alike)
+    before = core.counters.overlapped_steps
+    for r, res in zip(reqs, results):
+        core.add_request(r, res.on_event)
+    cancelled = req(prompts[3], max_tokens=40)
+    if cancel_after is not None:
+        results.append(Result())
+        core.add_request(cancelled, results[-1].on_event)
+    for i in range(400):
+        if not core.has_work():
+            break
+        if i == cancel_after:
+            core.cancel(cancelled.request_id)
+        core.step()
+    assert not core.requests and core.pool.num_free_blocks == core.baseline_free_blocks
+    return results, core.counters.overlapped_steps - before
+
+
+def test_async_scheduling_gives_the_synchronous_outputs(core, tok, prompts, greedy_alone):
+    """--async-scheduling on launches each decode step before reading the last one; every choice's
+    tokens, text, finish and logprob-free events are those of the synchronous engine, greedy and seeded."""
+    assert core.async_scheduling   # the default
+    try:
+        core.async_scheduling = False
+        sync, overlapped_sync = _async_workload(core, tok, prompts, greedy_alone, cancel_after=14)
+    finally:
+        core.async_scheduling = True
+    asyn, overlapped = _async_workload(core, tok, prompts, greedy_alone, cancel_after=14)
+    assert overlapped_sync == 0 and overlapped >= 8
+    for a, b in zip(asyn[:-1], sync[:-1]):
+        assert (a.first.token_ids, a.first.text, a.first.finish_reason, a.first.stop_reason) == (
+            b.first.token_ids, b.first.text, b.first.finish_reason, b.first.stop_reason)
+        assert a.usage == b.usage
+        for x, y in zip(a.first.logprobs, b.first.logprobs):   # the penalised row's: history and all
+            assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
+    finish = [r.first.finish_reason for r in asyn]
+    assert finish == ["length", "length", "stop", "stop", "length", "length", "cancelled"]
+    assert [len(r.ids) for r in asyn[:2]] == [2, 9] and asyn[0].ids == greedy_alone[0].ids[:2]
+    assert asyn[-1].usage.completion_tokens == len(asyn[-1].ids) > 0
+    assert asyn[4].ids != run(core, req(prompts[5], max_tokens=8))[0].ids   # the penalties bite
+    assert core.step_fn.compilations_after_warmup == 0
+
+
+def test_async_scheduling_keeps_the_token_of_a_sequence_preempted_while_its_step_runs(core, prompts, greedy_alone):
+    """A decode that needs blocks preempts a sequence whose sampled token is still on the device: the
+    token joins the sequence when its step is read, and the sequence recomputes and ends as alone."""
+    a, b = req(prompts[0], max_tokens=MAX_TOKENS), req(prompts[1], max_tokens=MAX_TOKENS)
+    ra, rb = Result(), Result()
+    core.add_request(a, ra.on_event)
+    core.add_request(b, rb.on_event)
+    seq_b = core.requests[b.request_id].seqs[0]
+    step_until(core, lambda: len(rb.ids) >= 1 and seq_b.pending == 1)
+    assert core._inflight is not None and any(c.seq is seq_b for c in core._inflight.chunks)
+    core.scheduler.preempt(seq_b)   # what Scheduler._grow does for a decode short of blocks
+    n_out = len(seq_b.output_ids)
+    core.step()
+    assert len(seq_b.output_ids) == n_out + 1 and seq_b.pending == 0   # read, not lost
+    step_until(core, lambda: not core.has_work(), max_steps=100)
+    assert ra.ids == greedy_alone[0].ids and rb.ids == greedy_alone[1].ids
+    assert seq_b.num_preemptions == 1 and core.pool.num_free_blocks == core.baseline_free_blocks
+
+
+def test_async_scheduling_reads_a_grammar_rows_token_before_the_next_step(core, prompts):
+    """A constrained row's next mask follows its last token: those steps are not overlapped, and the
+    output still follows the grammar; the unconstrained neighbour overlaps again once it runs alone."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_regex(r"(yes|no), [0-9]{2}")
+    g = GenerationRequest("c-async", prompts[0], SamplingParams(temperature=0.0, max_tokens=30),
+                          constraint=grammar)
+    free = req(prompts[1], ignore_eos=True, max_tokens=24)
+    rg, rf = Result(), Result()
+    core.add_request(g, rg.on_event)
+    core.add_request(free, rf.on_event)
+    before = core.counters.overlapped_steps
+    step_until(core, lambda: rg.usage is not None, max_steps=100)
+    assert core.counters.overlapped_steps - before <= 1   # at most the step after the grammar row ended
+    assert re.fullmatch(r"(yes|no), [0-9]{2}", rg.first.text) and rg.first.finish_reason == "stop"
+    step_until(core, lambda: not core.has_work(), max_steps=100)
+    assert core.counters.overlapped_steps - before >= 3 and len(rf.ids) == 24
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
 def test_requests_that_cannot_fit_are_rejected_at_add_request(core, tiny_core, tok):
     long = (tok.encode(PASSAGE) * 3)[:MAX_MODEL_LEN]
     bad = [

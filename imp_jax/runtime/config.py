@@ -55,6 +55,10 @@ class EngineConfig:
                                      "tensor-parallel model across --num-processes hosts (docs/DEPLOYMENT.md)")
     num_processes: int = _field(1, "processes (hosts) one model spans with --coordinator; "
                                 "--tensor-parallel-size counts the devices of all of them")
+    async_scheduling: str = dataclasses.field(default="on", metadata={"choices": ("on", "off"), "help": (
+        "on: launch step N+1 before reading step N's tokens, so the device never waits for the host in "
+        "steady decode (grammar rows, think budgets, prompt_logprobs and multi-host fall back per step); "
+        "off: schedule, launch, read, one step at a time (docs/PERF.md)")})
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
 
@@ -68,6 +72,8 @@ class EngineConfig:
             name, _, path = spec.partition("=")
             if not name or not path:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        if self.async_scheduling not in ("on", "off"):
+            raise ValueError(f"--async-scheduling must be on or off, got {self.async_scheduling!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -26,7 +27,7 @@ from imp_jax.runtime.prompt_logprobs import PromptScoring
 from imp_jax.runtime.reasoning import ANSWER, THINK, ThinkMarkers, ThinkTracker
 from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
                                      check_context)
-from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, pack_allowed_tokens
+from imp_jax.runtime.sampling import RowSpec, SamplerOutput, build_sampling_tensors, pack_allowed_tokens
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
 from imp_jax.runtime.sessions import SessionPins
@@ -51,6 +52,18 @@ class EngineCounters:
     mask_steps: int = 0              # steps with at least one grammar-constrained row
     mask_rows: int = 0               # constrained rows over those steps
     mask_seconds: float = 0.0        # host time computing their allowed-token masks (before each launch)
+    overlapped_steps: int = 0        # steps launched before the previous step was read (async scheduling)
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A launched step whose output the host has not read yet."""
+
+    out: SamplerOutput                  # device arrays
+    tokens: jax.Array                   # its sampled tokens, padded (CompiledStep.last_tokens): the next step's prev
+    chunks: list[ScheduledChunk]
+    samples: list[bool]                 # per chunk: the step samples the sequence's next token
+    decode_rows: int
 
 
 @dataclasses.dataclass
@@ -90,10 +103,16 @@ class EngineCore:
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str,
                                    dict[int, float] | None]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
-        self.num_steps = 0
+        self.num_steps = 0        # steps read back
+        self._num_launched = 0    # steps launched (each one's sampler key)
+        self.async_scheduling = config.async_scheduling == "on"
+        self._inflight: _Launched | None = None   # asynchronous scheduling: the step launched, not yet read
+        self._fetched_at = 0.0    # when the host last read a step (perf_counter)
+        self._busy_at = 0.0       # when the device was last known busy with the step in flight
         self.counters = EngineCounters()
-        self.host_seconds = 0.0
-        self.device_seconds = 0.0
+        self.host_seconds = 0.0   # of the step loop's time, the part the device may have waited for the host
+        self.loop_seconds = 0.0   # the step loop's wall time (`_run_batch`)
+        self.wait_seconds = 0.0   # of it, blocked reading steps: the rest is host work, overlapped or not
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest, emit: Emit) -> None:
@@ -167,6 +186,8 @@ class EngineCore:
 
     def end_thinking(self, request_id: str) -> str:
         """Force the end of the request's think blocks: "ending", "already_closed", "unknown" or "not_thinking"."""
+        if self._inflight is not None and request_id in self.requests:
+            self._complete(self._take_inflight())   # the trackers see every sampled token before forcing
         state = self.requests.get(request_id)
         if state is None:
             return "unknown"
@@ -206,6 +227,7 @@ class EngineCore:
     def fail_all(self, message: str) -> None:
         """End every request with an error (a device fault)."""
         self._deferred = []
+        self._inflight = None
         for state in list(self._scoring):
             self._stop_scoring(state)
         for rid in list(self.requests):
@@ -215,7 +237,8 @@ class EngineCore:
                     self._finish(seq, "error", state, error=message)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred) or bool(self._scoring)
+        return (self.scheduler.has_work() or bool(self._deferred) or bool(self._scoring)
+                or self._inflight is not None)
 
     def _score_one_chunk(self) -> int:
         """One chunk of the oldest prompt being scored; a scored prompt's sequences join the scheduler."""
@@ -243,38 +266,148 @@ class EngineCore:
         return self._run_batch() + self._score_one_chunk()
 
     def _run_batch(self) -> int:
+        """One step. Synchronous (async_scheduling off): schedule, build, launch, read, advance.
+
+        Asynchronous (on): schedule step N+1 while N runs, as if every row of N continues (the
+        scheduler counts N's tokens as `Sequence.pending`), launch N+1 with N's sampled tokens as a
+        device input (a pending token's row reads N's output on the device), then read N and advance
+        it (tokens, stop checks, text, events) while N+1 runs. A row N ended gets one dropped token
+        in N+1. N is read before scheduling instead when a row's next step needs its token on the
+        host (`_overlappable`). Returns the number of sequences whose step was read."""
         t0 = time.perf_counter()
         self.expire_sessions()
+        ran, waited = 0, 0.0
+        if self._inflight is not None and not self._overlappable(self._inflight):
+            ran, waited = self._complete(self._take_inflight(), defer_text=True)
+        prev = self._inflight
         chunks = self.scheduler.schedule()
         if not chunks:
+            if prev is not None:
+                n, w = self._complete(self._take_inflight())
+                ran, waited = ran + n, waited + w
             self._emit_deferred()
-            return 0
+            self._account(t0, time.perf_counter() - t0 - waited)
+            return ran
+        batch, sampling, follow, samples, decode_rows = self._build(chunks, prev)
+        idle = prev is not None and prev.out.tokens.is_ready()   # N is done: the device waits for us
+        t1 = time.perf_counter()
+        out = self.step_fn.launch(batch, sampling, self._num_launched, follow, prev.tokens if prev else None)
+        launched = _Launched(out, self.step_fn.last_tokens, chunks, samples, decode_rows)
+        self._num_launched += 1
+        self._after_launch(launched)
+        if prev is not None:
+            self.counters.overlapped_steps += 1
+            # host time on the critical path: at most since the device was last known busy
+            host = t1 - self._busy_at if idle else 0.0
+            self._inflight = None
+            n, _ = self._complete(prev)   # waits for N (device time); its advance overlaps N+1
+            self._emit_deferred()
+            self._inflight = launched
+            self._busy_at = time.perf_counter() if not launched.out.tokens.is_ready() else self._fetched_at
+            self._account(t0, host)
+            return ran + n
+        host = (t1 - t0) - waited   # nothing ran while this step was prepared
+        if self.async_scheduling:
+            self._inflight = launched
+            self._busy_at = t1
+            self._emit_deferred()   # the text of a step read above, while this one runs
+            self._account(t0, host)
+            return ran
+        self._emit_deferred()   # the last step's text, while the device runs this one
+        n, _ = self._complete(launched, defer_text=True)
+        self._account(t0, host + time.perf_counter() - self._fetched_at)
+        return ran + n
+
+    def _account(self, t0: float, host: float) -> None:
+        self.host_seconds += host
+        self.loop_seconds += time.perf_counter() - t0
+
+    @property
+    def device_seconds(self) -> float:
+        """The step loop's time the host was not on the critical path (waiting for, or overlapping, steps)."""
+        return self.loop_seconds - self.host_seconds
+
+    def _overlappable(self, launched: _Launched) -> bool:
+        """Whether the next step may be scheduled and launched before `launched` is read: asynchronous
+        scheduling is on, and no row it samples needs its token on the host first (a grammar row's or a
+        forced think end's mask follows the token), and no prompt is being scored (prompt_logprobs)."""
+        if not self.async_scheduling or self._scoring or self.step_fn.leader is not None:
+            return False
+        for c, samples in zip(launched.chunks, launched.samples):
+            seq = c.seq
+            if samples and seq.status is not SeqStatus.FINISHED and (
+                    seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)):
+                return False
+        return True
+
+    def _take_inflight(self) -> _Launched:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    def _build(self, chunks: list[ScheduledChunk], prev: _Launched | None):
+        """The step's batch and sampling tensors; a pending token (sampled by `prev`, not read yet) gets
+        id 0 here and `follow` points its row at prev's output row (and a penalised row's history slot)."""
         bs = self.config.block_size
-        seq_chunks = [SeqChunk(c.seq.all_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
-                               c.seq.num_computed, c.seq.table.block_ids, c.seq.lora_slot) for c in chunks]
         T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks))
+        src = np.full(T, -1, np.int32)
+        hist_pos = np.full(S, -1, np.int32)
+        seq_chunks, rows, samples = [], [], []
+        masks = self._masks(chunks)
+        H = self.step_fn.shapes.history_len
+        t = decode_rows = 0
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            ids = _slice_ids(seq, seq.num_computed, c.num_tokens)
+            missing = c.num_tokens - len(ids)   # the newest token, sampled by prev, not read yet
+            if missing:
+                if missing != 1 or prev is None or seq.pending != 1:
+                    raise RuntimeError(f"sequence {seq.seq_id}: {missing} unknown tokens scheduled")
+                ids = ids + [0]
+                src[t + c.num_tokens - 1] = seq.pending_row
+            seq_chunks.append(SeqChunk(ids, seq.num_computed, seq.table.block_ids, seq.lora_slot))
+            samples.append(c.samples)
+            if not c.samples:
+                rows.append(RowSpec(temperature=0.0))
+            else:
+                row = self._row_spec(seq, masks.get(i), pending=missing)
+                if missing and row.history:
+                    hist_pos[i] = len(row.history) - 1
+                rows.append(row)
+            decode_rows += not seq.is_prefill
+            t += c.num_tokens
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
                                  max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
-        masks = self._masks(chunks)
-        rows = [self._row_spec(c.seq, masks.get(i)) if c.samples else RowSpec(temperature=0.0)
-                for i, c in enumerate(chunks)]
-        decode_rows = sum(1 for c in chunks if not c.seq.is_prefill)
         shapes = self.step_fn.shapes
         sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
-                                          history_len=shapes.history_len, max_bias=shapes.max_bias,
-                                          with_mask=True)
-        t1 = time.perf_counter()
-        running = self.step_fn.launch(batch, sampling, self.num_steps)
-        self._emit_deferred()   # the last step's text, while the device runs this one
-        out = fetch(running)
-        t2 = time.perf_counter()
+                                          history_len=H, max_bias=shapes.max_bias, with_mask=True)
+        follow = (src, hist_pos) if prev is not None else None
+        return batch, sampling, follow, samples, decode_rows
+
+    def _after_launch(self, launched: _Launched) -> None:
+        """The launched chunks' KV counts as written (later steps run after it on the device): the
+        scheduler moves on, and blocks made full by known tokens join the prefix cache now."""
+        for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            if c.num_tokens > 1 or not samples:   # a prefill chunk: siblings may look its blocks up next
+                self.pool.commit(seq.table, _slice_ids(seq, 0, seq.num_computed), seq.cache_key)
+            if samples:
+                seq.pending += 1
+                seq.pending_row = i
+
+    def _complete(self, launched: _Launched, defer_text: bool = False) -> tuple[int, float]:
+        """Read a launched step and advance its sequences; (sequences, seconds waited for it)."""
+        t = time.perf_counter()
+        out = fetch(launched.out)
+        self._fetched_at = time.perf_counter()
+        self.wait_seconds += self._fetched_at - t
         self.num_steps += 1
-        for i, c in enumerate(chunks):
-            self._advance(c, out, i)
-        self._count_step(decode_rows)
-        self.device_seconds += t2 - t1
-        self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        return len(chunks)
+        for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
+            self._advance(c.seq, samples, out, i)
+        self._count_step(launched.decode_rows)
+        if not defer_text:
+            self._emit_deferred()
+        return len(launched.chunks), self._fetched_at - t
 
     def _count_step(self, decode_rows: int) -> None:
         c = self.counters
@@ -285,16 +418,22 @@ class EngineCore:
             c.decode_rows_max = max(c.decode_rows_max, decode_rows)
         c.kv_blocks_reserved = self.scheduler.reserved_blocks()
 
-    def _row_spec(self, seq: Sequence, mask: np.ndarray | None) -> RowSpec:
+    def _row_spec(self, seq: Sequence, mask: np.ndarray | None, pending: int = 0) -> RowSpec:
+        """`pending`: the sequence's newest token is not read yet (its history slot holds 0 here; the
+        step fills it on the device)."""
         p = seq.params
+        H = self.step_fn.shapes.history_len
+        n_out = len(seq.output_ids) + pending
+        history = ()
+        if _has_penalty(p):
+            history = (_slice_ids(seq, max(0, seq.num_known - H + pending), H) + [0] * pending)[-H:]
         return RowSpec(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             typical_p=p.typical_p, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             seed=p.seed, position=seq.num_tokens,
-            history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
-            num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
-            logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs),
+            history=history, num_output_tokens=n_out if history else 0,
+            logit_bias=self._logit_bias(p, n_out), wants_top_logprobs=bool(p.logprobs),
             allowed_bitmask=mask)
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
@@ -341,25 +480,29 @@ class EngineCore:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
         return {**bias, **dict.fromkeys(banned, float("-inf"))}
 
-    def _advance(self, chunk: ScheduledChunk, out, row: int) -> None:
-        seq = chunk.seq
-        if seq.status is not SeqStatus.RUNNING:
+    def _advance(self, seq: Sequence, samples: bool, out, row: int) -> None:
+        """A read step's row: its sampled token joins the sequence (num_computed moved at launch). A
+        sequence preempted since the launch keeps its token (it recomputes its KV when readmitted)."""
+        if seq.status is SeqStatus.FINISHED:
             return
         state = self.requests[seq.request.request_id]
-        samples = chunk.samples  # read before num_computed moves
-        seq.num_computed += chunk.num_tokens
-        self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.cache_key)
-        if seq.request.cache_prompt and not seq.pinned and seq.num_computed >= len(seq.prompt_ids):
-            self.pool.pin(seq.table)
-            seq.pinned = True
+        token = None
+        if samples:
+            token = int(out.tokens[row])
+            seq.pending -= 1
+            seq.output_ids.append(token)
+        if seq.status is SeqStatus.RUNNING:
+            # every token with KV written (or being written by a launched step) is known now
+            self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.cache_key)
+            if seq.request.cache_prompt and not seq.pinned and seq.num_computed >= len(seq.prompt_ids):
+                self.pool.pin(seq.table)
+                seq.pinned = True
         if not samples:
             return
         raw = None
         if seq.params.raw_logprob_ids:   # the probes fill the first logit_bias slots, in order (_logit_bias)
             raw = {t: float(out.bias_raw_logprobs[row, i])
                    for i, t in enumerate(dict.fromkeys(seq.params.raw_logprob_ids))}
-        token = int(out.tokens[row])
-        seq.output_ids.append(token)
         kind = seq.reasoning.observe(token) if seq.reasoning is not None else ANSWER
         if seq.constraint is not None and kind == ANSWER and not seq.constraint.accept(token):
             # the grammar allowed no token the request's logit_bias left (the sampler drew from nothing)
@@ -385,7 +528,7 @@ class EngineCore:
         n_out = len(seq.output_ids)
         stops = (token in self.tokenizer.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
         return ((stops and n_out > p.min_tokens) or n_out >= seq.max_tokens
-                or self.pool.num_blocks_for(seq.num_tokens) > self.baseline_free_blocks)
+                or self.pool.num_blocks_for(seq.num_known) > self.baseline_free_blocks)
 
     def _emit_deferred(self) -> None:
         """The text events `_advance` deferred, in order; a sequence ended meanwhile (cancelled) has none."""
@@ -420,7 +563,7 @@ class EngineCore:
                 if matched is not None:
                     finish, stop_reason = "stop", matched
         # a sequence whose KV would outgrow the whole pool could never be scheduled again
-        too_big = self.pool.num_blocks_for(seq.num_tokens) > self.baseline_free_blocks
+        too_big = self.pool.num_blocks_for(seq.num_known) > self.baseline_free_blocks
         if finish is None and (n_out >= seq.max_tokens or too_big):
             finish = "length"
             if too_big and n_out < seq.max_tokens:
@@ -492,7 +635,16 @@ class EngineCore:
                     decode_batch_rows_total=c.decode_rows, decode_batch_steps_total=c.decode_steps,
                     decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
                     constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds,
-                    step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds)
+                    step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds,
+                    overlapped_steps_total=c.overlapped_steps)
+
+
+def _slice_ids(seq: Sequence, start: int, n: int) -> list[int]:
+    """The known token ids start..start+n-1 of `seq` (fewer at its end), without joining prompt and output."""
+    k = len(seq.prompt_ids)
+    if start >= k:
+        return seq.output_ids[start - k:start - k + n]
+    return seq.prompt_ids[start:start + n] + (seq.output_ids[:start + n - k] if start + n > k else [])
 
 
 def _has_penalty(p) -> bool:

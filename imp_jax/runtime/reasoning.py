@@ -115,6 +115,12 @@ class ThinkTracker:
         return self._forced[0] if self._forced else None
 
     @property
+    def may_force(self) -> bool:
+        """Whether observing a token may start (or is in) a forced end: the next step's mask then
+        depends on the token just sampled (the engine reads it before launching that step)."""
+        return bool(self._forced) or self._end_on_open or self.budget is not None
+
+    @property
     def constrained(self) -> bool:
         """Whether the answer's grammar applies to the next token (not inside the block or its forced end)."""
         return not self.thinking and not self._forced

@@ -50,6 +50,10 @@ class Sequence:
     reasoning: ThinkTracker | None = None  # its think-block tracker, when the request splits reasoning
     lora_slot: int = 0                  # its LoRA adapter's slot (runtime/lora.py), 0 = none
     lora_key: tuple[str, int] | None = None  # the adapter's (name, load generation)
+    # tokens sampled by launched steps the host has not read yet (asynchronous scheduling, engine.py):
+    # they count in num_tokens (the scheduler plans with them), not in output_ids / all_ids
+    pending: int = 0
+    pending_row: int = -1                # the newest pending token's row in its step's output
 
     @property
     def cache_key(self) -> Any:
@@ -64,6 +68,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens so far, the pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens the host has read (len(all_ids))."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property

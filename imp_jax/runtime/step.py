@@ -111,13 +111,24 @@ class CompiledStep:
                 in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 5),
                 out_specs=(logits_spec, kv_spec))
 
-        def step(leaves, kv, ints, floats, layout):
-            input_ids, positions, meta, rows, sampling, step_no, lora_ids = unpack(layout, ints, floats)
+        self.max_rows = max(s for _, s in self.buckets)   # the previous step's tokens, padded to this
+
+        def step(leaves, kv, ints, floats, prev, layout):
+            input_ids, positions, meta, rows, sampling, step_no, lora_ids, src, hist_pos = unpack(
+                layout, ints, floats)
+            # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
+            # step's sample at row src (-1: the host's id); a penalised row's history gets it too
+            input_ids = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], input_ids)
+            hist_rows = jnp.arange(hist_pos.shape[0])
+            history = sampling.history.at[hist_rows, jnp.where(hist_pos >= 0, hist_pos, sampling.history.shape[1])
+                                          ].set(input_ids[rows], mode="drop")
+            sampling = dataclasses.replace(sampling, history=history)
             logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
             key = jax.random.fold_in(jax.random.key(0), step_no)
-            return sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips), kv
+            out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)
+            return (out, jnp.pad(out.tokens, (0, self.max_rows - out.tokens.shape[0]))), kv
 
-        def score(leaves, kv, ints, floats, layout):
+        def score(leaves, kv, ints, floats, prev, layout):
             input_ids, positions, meta, targets, lora_ids = unpack(layout, ints, floats)
             logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, None)
             logprobs = jax.nn.log_softmax(logits, axis=-1)   # raw: no sampling knobs
@@ -126,8 +137,11 @@ class CompiledStep:
             top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
             return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv
 
-        ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep)   # params, kv, ints, floats
-        jit = lambda f: jax.jit(f, static_argnums=(4,), donate_argnums=(1,), in_shardings=ins,
+        # params, kv, ints, floats, the previous step's tokens (`last_tokens`)
+        ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep)
+        self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
+        self.last_tokens = self.no_prev   # the tokens of the step launched last, padded to max_rows
+        jit = lambda f: jax.jit(f, static_argnums=(5,), donate_argnums=(1,), in_shardings=ins,
                                 out_shardings=(rep, (kv_sh, kv_sh)))
         self._step_jit, self._score_jit = jit(step), jit(score)
         self._score_exec: Any = None
@@ -207,7 +221,9 @@ class CompiledStep:
         """Compile `jitted` for T tokens over S sequence slots (counted once warm-up is over)."""
         layout = self._layout(program, T, S)
         exe = jitted.lower(self._leaf_specs, self._kv_spec, jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
-                           jax.ShapeDtypeStruct((layout.float_size,), jnp.float32), layout).compile()
+                           jax.ShapeDtypeStruct((layout.float_size,), jnp.float32),
+                           jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.no_prev.sharding),
+                           layout).compile()
         if counted and self._warm:
             self.compilations_after_warmup += 1
             log.warning("compiled a %s program for T=%d S=%d after warm-up", program, T, S)
@@ -249,13 +265,13 @@ class CompiledStep:
         ints, floats = self._pack("score", self._score_inputs(batch, targets))
         if self.leader is not None:
             self.leader.send(SCORE, (len(batch.input_ids), 1), ints, floats)
-        out, self.kv = exe(self._leaves, self.kv, ints, floats)
+        out, self.kv = exe(self._leaves, self.kv, ints, floats, self.no_prev)
         return tuple(np.asarray(x) for x in out)
 
     def run_packed(self, program: str, bucket: tuple[int, int], ints: np.ndarray, floats: np.ndarray) -> None:
         """A multi-host follower: run the program the leader announced on its packed inputs, to the end."""
         exe = (self._exec.get(bucket) or self._compile(bucket)) if program == "step" else self._score_program()
-        out, self.kv = exe(self._leaves, self.kv, ints, floats)
+        out, self.kv = exe(self._leaves, self.kv, ints, floats, self.no_prev)
         jax.block_until_ready(out)
 
     def fault_message(self, error: BaseException) -> str:
@@ -295,9 +311,12 @@ class CompiledStep:
             raise ValueError(f"the {program} inputs for T={T} S={S} do not match the compiled layout")
         return ints, floats
 
-    def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> tuple[Any, ...]:
+    def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
+                     follow: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, ...]:
+        T, S = len(batch.input_ids), len(batch.seq_lens)
+        src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
         return (batch.input_ids, batch.positions, _meta(batch), batch.last_token_rows, sampling,
-                np.asarray(step_no, np.int32), batch.lora_ids if self.with_lora else None)
+                np.asarray(step_no, np.int32), batch.lora_ids if self.with_lora else None, src, hist_pos)
 
     def _score_inputs(self, batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
         return (batch.input_ids, batch.positions, _meta(batch), np.asarray(targets, np.int32),
@@ -339,18 +358,26 @@ class CompiledStep:
         """Run one step on host arrays; returns the sampler output as numpy arrays."""
         return fetch(self.launch(batch, sampling, step_no))
 
-    def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> SamplerOutput:
+    def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
+               follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
-        arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it."""
+        arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
+
+        `follow` = (src [T], hist_pos [S]) with `prev` (an earlier launch's `last_tokens`): token row t
+        takes prev[src[t]] when src[t] >= 0, and sampling row r's history slot hist_pos[r] (>= 0) gets
+        its last token's id (the engine's asynchronous scheduling). `last_tokens` is this step's."""
         bucket = (len(batch.input_ids), len(batch.seq_lens))
         exe = self._exec.get(bucket) or self._compile(bucket)
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
-        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no))
+        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow))
         if self.leader is not None:
+            if follow is not None:
+                raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")
             self.leader.send(STEP, bucket, ints, floats)
-        out, self.kv = exe(self._leaves, self.kv, ints, floats)
+        (out, self.last_tokens), self.kv = exe(self._leaves, self.kv, ints, floats,
+                                               self.no_prev if prev is None else prev)
         return SamplerOutput(*out)
 
 
