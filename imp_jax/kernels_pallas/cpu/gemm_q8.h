@@ -332,16 +332,29 @@ struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for on
                                            imp_q8::gemv<W, Vnni, 3>, imp_q8::gemv<W, Vnni, 4>};
 };
 
+// The int32 lanes of start + u . s (4 byte products a lane) on 512 bits: `start` from a zeroing idiom
+// when it is 0 (GCC would copy a zero register, an executed move, for each product), else copied.
+template <bool kZero>
+IMP_Q8_ZMM inline __m512i dpbusd_zmm(__m512i start, __m512i u, __m512i s) {
+  __m512i acc;
+  if constexpr (kZero) {
+    asm("vpxord %0, %0, %0\n\tvpdpbusd %2, %1, %0" : "=&v"(acc) : "v"(u), "v"(s));
+  } else {
+    acc = _mm512_dpbusd_epi32(start, u, s);
+  }
+  return acc;
+}
+
 // The AVX-512 MR x 2NP block of y for activation rows [r0, r0 + MR) and NP pairs of weight rows
 // (`ncols` of them real: an odd last row pairs with zeros, its outputs not stored): `w`, the pairs'
-// interleaved blocks [NP, nb, 64] (as `Gemm::prepare_zmm` stores them), `dd` the pairs' scale
-// products [MR, NP, ns, 2]. Each zmm accumulator holds two outputs' lanes, even lanes the first
+// interleaved blocks [nb, kZNP, 64] (as `Gemm::prepare_zmm` stores them), `dd` the pairs' scale
+// products [ns, kZMR, kZNP, 2] (one pointer and constant offsets for all the tile's operands). Each zmm accumulator holds two outputs' lanes, even lanes the first
 // row's, odd the second's; lane for lane the same fma of the same operands as `tile`.
 template <class W, int MR, int NP>
 IMP_Q8_ZMM void tile_zmm(const Activations& a, int64_t r0, const uint8_t* w, const float* dd, float* y, int64_t ldy,
                          int64_t ncols) {
   constexpr bool kBias = W::bias(true) != 0;
-  const int64_t nb = a.nb, ns = a.ns;
+  const int64_t nb = a.nb;
   const uint8_t* q[MR];
   const int32_t* init[MR];
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) q[r] = a.q2 + 64 * (r0 + r) * nb, init[r] = kBias ? a.lanes2 + 16 * (r0 + r) * nb : nullptr;
@@ -350,14 +363,14 @@ IMP_Q8_ZMM void tile_zmm(const Activations& a, int64_t r0, const uint8_t* w, con
     IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i wv[NP];
-    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + 64 * (p * nb + b));
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + 64 * (kZNP * b + p));
     IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
       const __m512i qx = _mm512_loadu_si512(q[r] + 64 * b);
       const __m512i start = kBias ? _mm512_loadu_si512(init[r] + 16 * b) : _mm512_setzero_si512();
       IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
         double both;   // [dd of the pair's first row, of its second]
-        std::memcpy(&both, dd + 2 * ((r * NP + p) * ns + b), 8);
-        const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wv[p], qx));
+        std::memcpy(&both, dd + kZMR * kZNR * b + kZNR * r + 2 * p, 8);
+        const __m512 lanes = _mm512_cvtepi32_ps(dpbusd_zmm<!kBias>(start, wv[p], qx));
         acc[r][p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(both)), lanes, acc[r][p]);
       }
     }
@@ -399,8 +412,8 @@ inline Isa best_isa() {
 
 // A work item's scratch for tiles of several rows: a weight tile's scales d (float32) and unpacked
 // bytes, a row tile's products d_w * d_x, and the item's offsets m.
-// (AVX-512: the scales d in pairs [kZNP, ns, 2], the bytes in interleaved pairs [kZNP, nb, 64], the
-// products [kZMR, kZNP, ns, 2].)
+// (AVX-512: the scales d in pairs [ns, kZNP, 2], the bytes in interleaved pairs [nb, kZNP, 64], the
+// products [ns, kZMR, kZNP, 2].)
 struct Scratch {
   static constexpr int64_t kW = std::max(kNR, kZNR), kDD = std::max(kMR * kNR, kZMR * kZNR);
   std::unique_ptr<float[]> floats;
@@ -480,7 +493,7 @@ struct Gemm {
       prepare_zmm(w + n * ldw, nr, s, pf, s.mt + (n - n0));
       for (int64_t m = m0; m < m1; m += kZMR) {
         const int64_t mr = std::min(kZMR, m1 - m);
-        products_zmm(m, mr, np, s);
+        products_zmm(m, mr, s);
         ZTiles<W>::fn[mr - 1][np - 1](a, m, s.bytes.get(), s.dd, y + m * N + n, N, nr);
       }
     }
@@ -491,7 +504,7 @@ struct Gemm {
   // bytes w + bias with the pair's 4-byte groups interleaved, their scales d side by side, and (Q4_1)
   // their offsets m into mt's columns [0, nr) (rows kColBlock apart); prefetching pf on the way.
   IMP_Q8_ZMM void prepare_zmm(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf, float* mt) const {
-    const int64_t nb = a.nb, ns = a.ns;
+    const int64_t nb = a.nb;
     const __m512i mix = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     float* dw = s.dw;
     uint8_t* bytes = s.bytes.get();
@@ -509,11 +522,11 @@ struct Gemm {
         const uint8_t *b0 = w0 + b * W::kBytes, *b1 = w1 + b * W::kBytes;
         const __m256i v0 = W::template weights<true>(b0);
         const __m256i v1 = two ? W::template weights<true>(b1) : _mm256_setzero_si256();
-        _mm512_storeu_si512(bytes + 64 * (p * nb + b),
+        _mm512_storeu_si512(bytes + 64 * (kZNP * b + p),
                             _mm512_permutex2var_epi32(_mm512_castsi256_si512(v0), mix, _mm512_castsi256_si512(v1)));
         const __m128 s0 = scales<W>(b0), s1 = two ? scales<W>(b1) : _mm_setzero_ps();   // [d, m]
-        dw[2 * (p * ns + b)] = _mm_cvtss_f32(s0);
-        dw[2 * (p * ns + b) + 1] = _mm_cvtss_f32(s1);
+        dw[kZNR * b + 2 * p] = _mm_cvtss_f32(s0);
+        dw[kZNR * b + 2 * p + 1] = _mm_cvtss_f32(s1);
         if constexpr (W::kOffset) {
           mt[b * kColBlock + 2 * p] = _mm_cvtss_f32(_mm_movehdup_ps(s0));
           if (two) mt[b * kColBlock + 2 * p + 1] = _mm_cvtss_f32(_mm_movehdup_ps(s1));
@@ -522,19 +535,15 @@ struct Gemm {
     }
   }
 
-  // s.dd[r, p, :, :] = s.dw[p, :, :] * d_x[m + r, :] (each rounded once, as `products`).
-  IMP_Q8_ZMM void products_zmm(int64_t m, int64_t mr, int64_t np, Scratch& s) const {
-    const int64_t ns = a.ns;
-    const float* dw = s.dw;
+  // s.dd[b, r, :] = s.dw[b, :] * d_x[m + r, b] (each rounded once, as `products`).
+  IMP_Q8_ZMM void products_zmm(int64_t m, int64_t mr, Scratch& s) const {
+    const int64_t nb = a.nb, ns = a.ns;
+    const float *d = a.d_at(m, 0), *dw = s.dw;
     float* dd = s.dd;
-    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    for (int64_t r = 0; r < mr; ++r) {
-      const float* d = a.d_at(m + r, 0);
-      for (int64_t b = 0; b < ns; b += 8) {
-        const __m512 dx = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(d + b)));
-        for (int64_t p = 0; p < np; ++p)
-          _mm512_storeu_ps(dd + 2 * ((r * np + p) * ns + b), _mm512_mul_ps(_mm512_loadu_ps(dw + 2 * (p * ns + b)), dx));
-      }
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 w = _mm256_loadu_ps(dw + kZNR * b);
+      for (int64_t r = 0; r < mr; ++r)
+        _mm256_storeu_ps(dd + kZMR * kZNR * b + kZNR * r, _mm256_mul_ps(w, _mm256_broadcast_ss(d + r * ns + b)));
     }
   }
 
