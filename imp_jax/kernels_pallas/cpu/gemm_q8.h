@@ -65,6 +65,7 @@ constexpr int64_t kStreamBytes = 32 << 10;   // one row of x: each of kGemvNR we
 constexpr int64_t kZMR = 4;        // AVX-512: rows of x per tile
 constexpr int64_t kZNP = 4;        // AVX-512: pairs of rows of w per tile (16 accumulators of 32 zmm)
 constexpr int64_t kZNR = 2 * kZNP;
+constexpr int64_t kZRowBlock = 256;   // AVX-512: rows of x per work item (a weight tile prepared once for them)
 
 // The integer-dot instruction sets, each a path of its own (chosen at run time; tests force each).
 enum Isa : int { kAvx2 = 0, kVnni = 1, kAvx512 = 2 };
@@ -375,12 +376,18 @@ IMP_Q8_ZMM void tile_zmm(const Activations& a, int64_t r0, const uint8_t* w, con
       }
     }
   }
-  const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  // `hsum` of both outputs at once, the interleaved lanes kept apart: lanes i + (i + 4), then those
+  // i + (i + 2), then 0 + 1, the same additions of the same operands.
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
     IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
-      const __m512 v = _mm512_permutexvar_ps(order, acc[r][p]);   // [first row's 8 lanes, second's]
-      y[r * ldy + 2 * p] = hsum(_mm512_castps512_ps256(v));
-      if (2 * p + 1 < ncols) y[r * ldy + 2 * p + 1] = hsum(_mm512_extractf32x8_ps(v, 1));
+      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1));
+      const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      const __m128 both = _mm_add_ps(q, _mm_movehl_ps(q, q));   // [first output, second]
+      float* out = y + r * ldy + 2 * p;
+      if (2 * p + 1 < ncols)
+        _mm_storel_pi(reinterpret_cast<__m64*>(out), both);
+      else
+        _mm_store_ss(out, both);
     }
 }
 
@@ -428,6 +435,7 @@ struct Scratch {
 template <class W, Isa I>
 struct Gemm {
   static constexpr bool Vnni = I != kAvx2;
+  static constexpr int64_t kRows = I == kAvx512 ? kZRowBlock : kRowBlock;   // rows of x per work item
   Activations a;
   const uint8_t* w;
   float* y;
@@ -439,7 +447,7 @@ struct Gemm {
   Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
       : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
         cols_per_item(M == 1 ? gemv_rows(N, ldw, workers) : kColBlock),
-        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRows - 1) / kRows)) {
     quantise(x, W::bias(Vnni), a);
     if (I == kAvx512 && M > 1) pair(a);
   }
@@ -456,7 +464,7 @@ struct Gemm {
   // the rows.
   void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
     const int64_t nb = a.nb;
-    const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
+    const int64_t m0 = (i / col_blocks) * kRows, m1 = std::min(a.M, m0 + kRows);
     const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
     if (m1 - m0 == 1) {   // kGemvNR streams of `span` weight rows each
       const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
@@ -506,12 +514,14 @@ struct Gemm {
   IMP_Q8_ZMM void prepare_zmm(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf, float* mt) const {
     const int64_t nb = a.nb;
     const __m512i mix = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i nibble_order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 0, 4, 1, 5, 2, 6, 3, 7);
+    const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     float* dw = s.dw;
     uint8_t* bytes = s.bytes.get();
     for (int64_t p = 0; 2 * p < nr; ++p) {
       const uint8_t* w0 = w + 2 * p * ldw;
       const bool two = 2 * p + 1 < nr;
-      const uint8_t* w1 = two ? w0 + ldw : w0;
+      const uint8_t* w1 = two ? w0 + ldw : w0;   // a missing row: the first again (its outputs are not stored)
       int64_t next_line = 0;
       for (int64_t b = 0; b < nb; ++b) {
         if (pf && (b + 1) * W::kBytes > next_line) {
@@ -520,16 +530,27 @@ struct Gemm {
           next_line += 64;
         }
         const uint8_t *b0 = w0 + b * W::kBytes, *b1 = w1 + b * W::kBytes;
-        const __m256i v0 = W::template weights<true>(b0);
-        const __m256i v1 = two ? W::template weights<true>(b1) : _mm256_setzero_si256();
-        _mm512_storeu_si512(bytes + 64 * (kZNP * b + p),
-                            _mm512_permutex2var_epi32(_mm512_castsi256_si512(v0), mix, _mm512_castsi256_si512(v1)));
-        const __m128 s0 = scales<W>(b0), s1 = two ? scales<W>(b1) : _mm_setzero_ps();   // [d, m]
-        dw[kZNR * b + 2 * p] = _mm_cvtss_f32(s0);
-        dw[kZNR * b + 2 * p + 1] = _mm_cvtss_f32(s1);
+        __m512i pairs;
+        if constexpr (W::kNibbles) {   // [row 0's nibbles, row 1's] to dwords in pair order, high nibbles in the upper half
+          const __m256i raw = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + W::kBytes - 16))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + W::kBytes - 16)), 1);
+          const __m512i spread = _mm512_permutexvar_epi32(nibble_order, _mm512_castsi256_si512(raw));
+          pairs = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), _mm512_set1_epi8(15));
+        } else {
+          pairs = _mm512_permutex2var_epi32(_mm512_castsi256_si512(W::template weights<true>(b0)), mix,
+                                            _mm512_castsi256_si512(W::template weights<true>(b1)));
+        }
+        _mm512_storeu_si512(bytes + 64 * (kZNP * b + p), pairs);
+        uint32_t h0 = 0, h1 = 0;   // [d, m] (m: Q4_1) of each row, as f16
+        std::memcpy(&h0, b0, W::kOffset ? 4 : 2);
+        std::memcpy(&h1, b1, W::kOffset ? 4 : 2);
         if constexpr (W::kOffset) {
-          mt[b * kColBlock + 2 * p] = _mm_cvtss_f32(_mm_movehdup_ps(s0));
-          if (two) mt[b * kColBlock + 2 * p + 1] = _mm_cvtss_f32(_mm_movehdup_ps(s1));
+          const __m128 v = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(h0), _mm_cvtsi32_si128(h1)));   // [d0, m0, d1, m1]
+          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
+          _mm_storel_pi(reinterpret_cast<__m64*>(mt + b * kColBlock + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 3, 1)));
+        } else {
+          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_cvtph_ps(_mm_cvtsi32_si128(h0 | h1 << 16)));
         }
       }
     }
