@@ -32,8 +32,9 @@
 // in pairs with their 4-byte groups interleaved (lane 2i: row 2p's group i, lane 2i + 1: row
 // 2p + 1's), each activation block with every 4-byte group twice, the scale products in pairs, so
 // one vpdpbusd, one conversion and one fma advance two outputs by exactly the operations the 8-lane
-// paths do; at the end each output's lanes are gathered back in order for the same `hsum`. The
-// outputs are therefore the same bits as the AVX2 and VNNI paths' (tests/test_cpu_gemm_q8.py).
+// paths do; at the end both outputs' lanes are summed as `hsum` sums them, the pairs kept apart.
+// The outputs are therefore the same bits as the AVX2 and VNNI paths' (tests/test_cpu_gemm_q8.py).
+// Its work items span 256 rows of x (a weight tile unpacked once for them); one row keeps `gemv`.
 #pragma once
 
 #include <immintrin.h>
