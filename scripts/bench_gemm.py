@@ -52,7 +52,8 @@ def main() -> int:
     head = model.embed if model.lm_head is None else model.lm_head
     kinds["lm_head"] = (head[...],)
     lib = cpu_gemm.build.load("gemm")
-    print(f"q8 integer dot: {'vpdpbusd (AVX512-VNNI)' if lib.imp_gemm_q8_vnni() else 'vpmaddubsw (AVX2)'}")
+    paths = ["vpmaddubsw (AVX2)", "vpdpbusd (AVX512-VNNI, 256-bit)", "AVX-512 tiles (vpdpbusd on 512 bits)"]
+    print(f"q8 integer dot: {paths[lib.imp_gemm_q8_isa()]}")
 
     modes = {"exact": False, "q8": True}
     progs = {m: jax.jit(lambda x, ws, q8=q8: [cpu_gemm.matmul_wt_cpu(x, w, q8) for w in ws]) for m, q8 in modes.items()}

@@ -1,6 +1,7 @@
 """The opt-in int8-activation GEMM (`--gemm cpu_q8`, kernels_pallas/cpu/gemm_q8.h): against a float64
 NumPy model of the same arithmetic, against the exact product within the bound its rounding allows,
-row independence, both integer-dot instruction sets, the dispatch, and SmolLM2 end to end."""
+row independence, every integer-dot path (AVX2, VNNI, AVX-512) giving the same bits, the dispatch, and
+SmolLM2 end to end."""
 from __future__ import annotations
 
 import ctypes
@@ -91,13 +92,17 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def run_q8(x: np.ndarray, blocks: np.ndarray, vnni: bool) -> np.ndarray:
-    """The q8 product on this thread, outside XLA, with vpdpbusd or vpmaddubsw."""
+# The kernel's paths (imp_q8::Isa), each forced by imp_gemm_q8_run.
+PATHS = {0: "AVX2 vpmaddubsw", 1: "VNNI vpdpbusd (256-bit)", 2: "AVX-512 tiles"}
+
+
+def run_q8(x: np.ndarray, blocks: np.ndarray, isa: int) -> np.ndarray:
+    """The q8 product on this thread, outside XLA, on path `isa` (PATHS)."""
     (m, k), n = x.shape, blocks.shape[0]
     x, blocks = np.ascontiguousarray(x), np.ascontiguousarray(blocks)
     y = np.zeros((m, n), np.float32)
-    assert library().imp_gemm_q8_run(blocks.shape[-1], int(vnni), x.ctypes.data, m, k, blocks.ctypes.data, n,
-                                     y.ctypes.data) == 0
+    assert library().imp_gemm_q8_run(blocks.shape[-1], isa, x.ctypes.data, m, k, blocks.ctypes.data, n,
+                                     y.ctypes.data) == 0, f"path {PATHS[isa]} refused"
     return y
 
 
@@ -151,26 +156,39 @@ def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
     """Bit-identical rows whatever the rows around them: one row (its own code path), small tiles,
-    and across the 64-row work items."""
+    and across the work items (64 rows; 256 with AVX-512)."""
     blocks, _ = ggml(qtype, 131, 320, 5)
-    w, x = jnp.asarray(blocks), activations(70, 320, 6)
+    w, x = jnp.asarray(blocks), activations(260, 320, 6)
     whole = np.asarray(q8_kernel(x, w))
-    for lo, hi in [(0, 1), (5, 6), (3, 10), (63, 65), (64, 70)]:
+    for lo, hi in [(0, 1), (5, 6), (3, 10), (63, 65), (64, 70), (250, 260)]:
         np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_avx2_and_vnni_integer_dots_give_the_same_bits(qtype):
-    """vpmaddubsw + vpmaddwd and vpdpbusd give the same int32 lanes, so the same outputs; both match
-    the custom call (which picks one for this CPU) at 1 and several rows."""
-    blocks, _ = ggml(qtype, 50, 1600, 7)
-    for m in (1, 9):
-        x = activations(m, 1600, m)
+@pytest.mark.parametrize("N,K,rows", [(50, 1600, (1, 9)), (53, 320, (2, 7, 70)), (19, 64, (258,))])
+def test_every_integer_dot_path_gives_the_same_bits(qtype, N, K, rows):
+    """vpmaddubsw + vpmaddwd, vpdpbusd on 256 bits and the AVX-512 tiles (two outputs' lanes a
+    register) give the same int32 lanes and the same float operations, so the same outputs; each
+    path this CPU has matches the custom call (which picks the best). Rows: one (its own path),
+    partial 4-row tiles, past the 256-row work items; N = 53: an odd weight row left without a pair."""
+    lib = library()
+    assert lib.imp_gemm_q8_isa() >= (1 if lib.imp_gemm_q8_vnni() else 0)
+    blocks, _ = ggml(qtype, N, K, 7)
+    for m in rows:
+        x = activations(m, K, m)
         via_xla = np.asarray(q8_kernel(x, jnp.asarray(blocks)))
-        np.testing.assert_array_equal(run_q8(x, blocks, vnni=False), via_xla)
-        if library().imp_gemm_q8_vnni():
-            np.testing.assert_array_equal(run_q8(x, blocks, vnni=True), via_xla)
+        for isa in range(lib.imp_gemm_q8_isa() + 1):
+            np.testing.assert_array_equal(run_q8(x, blocks, isa), via_xla, err_msg=PATHS[isa])
+
+
+@needs_kernel
+def test_a_path_this_cpu_lacks_is_refused():
+    lib, (blocks, _), x = library(), ggml("Q4_0", 4, 64, 1), activations(2, 64, 1)
+    y = np.zeros((2, 4), np.float32)
+    for isa in (-1, lib.imp_gemm_q8_isa() + 1):
+        assert lib.imp_gemm_q8_run(18, isa, x.ctypes.data, 2, 64, blocks.ctypes.data, 4, y.ctypes.data) == -1
+    assert lib.imp_gemm_q8_run(21, 0, x.ctypes.data, 2, 64, blocks.ctypes.data, 4, y.ctypes.data) == -1
 
 
 # ------------------------------------------------------------------------- the dispatch

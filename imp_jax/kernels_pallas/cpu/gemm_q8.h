@@ -25,6 +25,16 @@
 // in registers, its 4 weight rows far apart so that they are 4 long streams for the hardware
 // prefetcher; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
 // scale products d_w * d_x computed once for all the tiles of rows that meet it.
+//
+// AVX-512 (`Isa::kAvx512`, where the CPU has F, BW, VL, DQ and VNNI; compiled per function with
+// target attributes, so the library still runs on AVX2-only CPUs): the tiles of several rows use
+// 512-bit registers, each holding two outputs' 8 lanes side by side: a weight tile's rows are stored
+// in pairs with their 4-byte groups interleaved (lane 2i: row 2p's group i, lane 2i + 1: row
+// 2p + 1's), each activation block with every 4-byte group twice, the scale products in pairs, so
+// one vpdpbusd, one conversion and one fma advance two outputs by exactly the operations the 8-lane
+// paths do; at the end both outputs' lanes are summed as `hsum` sums them, the pairs kept apart.
+// The outputs are therefore the same bits as the AVX2 and VNNI paths' (tests/test_cpu_gemm_q8.py).
+// Its work items span 256 rows of x (a weight tile unpacked once for them); one row keeps `gemv`.
 #pragma once
 
 #include <immintrin.h>
@@ -53,6 +63,15 @@ constexpr int64_t kGemvNR = 4;     // rows of w per tile when a work item has on
 constexpr int64_t kRowBlock = 64;  // rows of x per work item
 constexpr int64_t kColBlock = 48;  // rows of w per work item
 constexpr int64_t kStreamBytes = 32 << 10;   // one row of x: each of kGemvNR weight streams this long
+constexpr int64_t kZMR = 4;        // AVX-512: rows of x per tile
+constexpr int64_t kZNP = 4;        // AVX-512: pairs of rows of w per tile (16 accumulators of 32 zmm)
+constexpr int64_t kZNR = 2 * kZNP;
+constexpr int64_t kZRowBlock = 256;   // AVX-512: rows of x per work item (a weight tile prepared once for them)
+
+// The integer-dot instruction sets, each a path of its own (chosen at run time; tests force each).
+enum Isa : int { kAvx2 = 0, kVnni = 1, kAvx512 = 2 };
+
+#define IMP_Q8_ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 
 inline float f16_at(const uint8_t* p) {
@@ -124,6 +143,10 @@ struct Activations {
   int8_t* q;
   float *d, *sd;
   int32_t* lanes;
+  // AVX-512 tiles only (`pair`): q with each 4-byte group twice [M, nb, 64], and so the lanes [M, nb, 16].
+  std::unique_ptr<uint8_t[]> paired;
+  const uint8_t* q2 = nullptr;
+  const int32_t* lanes2 = nullptr;
 
   Activations(int64_t M, int64_t K, bool biased)
       : M(M), K(K), nb(K / kBlock), ns((nb + 7) / 8 * 8),
@@ -170,6 +193,23 @@ inline void quantise(const float* x, int32_t bias, Activations& a) {
   for (int64_t m = 0; m < a.M; ++m)
     quantise_row(x + m * a.K, a.nb, bias, a.q + m * a.K, a.d + m * a.ns, a.sd + m * a.ns,
                  bias ? a.lanes + 8 * m * a.nb : nullptr);
+}
+
+// a's q and lanes with each 4-byte group (int32 lane) twice, for the AVX-512 tiles.
+IMP_Q8_ZMM inline __m512i twice(__m256i v) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castsi256_si512(v));
+}
+
+IMP_Q8_ZMM inline void pair(Activations& a) {
+  const int64_t blocks = a.M * a.nb;
+  a.paired.reset(new uint8_t[64 * blocks * (a.lanes ? 2 : 1)]);
+  uint8_t* q2 = a.paired.get();
+  int32_t* lanes2 = a.lanes ? reinterpret_cast<int32_t*>(q2 + 64 * blocks) : nullptr;
+  for (int64_t i = 0; i < blocks; ++i) {
+    _mm512_storeu_si512(q2 + 64 * i, twice(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + kBlock * i))));
+    if (lanes2) _mm512_storeu_si512(lanes2 + 16 * i, twice(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lanes + 8 * i))));
+  }
+  a.q2 = q2, a.lanes2 = lanes2;
 }
 
 // [d, m, 0, 0] of a block (m only where the format has one; the lane is unused otherwise).
@@ -294,26 +334,109 @@ struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for on
                                            imp_q8::gemv<W, Vnni, 3>, imp_q8::gemv<W, Vnni, 4>};
 };
 
+// The int32 lanes of start + u . s (4 byte products a lane) on 512 bits: `start` from a zeroing idiom
+// when it is 0 (GCC would copy a zero register, an executed move, for each product), else copied.
+template <bool kZero>
+IMP_Q8_ZMM inline __m512i dpbusd_zmm(__m512i start, __m512i u, __m512i s) {
+  __m512i acc;
+  if constexpr (kZero) {
+    asm("vpxord %0, %0, %0\n\tvpdpbusd %2, %1, %0" : "=&v"(acc) : "v"(u), "v"(s));
+  } else {
+    acc = _mm512_dpbusd_epi32(start, u, s);
+  }
+  return acc;
+}
+
+// The AVX-512 MR x 2NP block of y for activation rows [r0, r0 + MR) and NP pairs of weight rows
+// (`ncols` of them real: an odd last row pairs with zeros, its outputs not stored): `w`, the pairs'
+// interleaved blocks [nb, kZNP, 64] (as `Gemm::prepare_zmm` stores them), `dd` the pairs' scale
+// products [ns, kZMR, kZNP, 2] (one pointer and constant offsets for all the tile's operands). Each zmm accumulator holds two outputs' lanes, even lanes the first
+// row's, odd the second's; lane for lane the same fma of the same operands as `tile`.
+template <class W, int MR, int NP>
+IMP_Q8_ZMM void tile_zmm(const Activations& a, int64_t r0, const uint8_t* w, const float* dd, float* y, int64_t ldy,
+                         int64_t ncols) {
+  constexpr bool kBias = W::bias(true) != 0;
+  const int64_t nb = a.nb;
+  const uint8_t* q[MR];
+  const int32_t* init[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) q[r] = a.q2 + 64 * (r0 + r) * nb, init[r] = kBias ? a.lanes2 + 16 * (r0 + r) * nb : nullptr;
+  __m512 acc[MR][NP];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[NP];
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(w + 64 * (kZNP * b + p));
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512i qx = _mm512_loadu_si512(q[r] + 64 * b);
+      const __m512i start = kBias ? _mm512_loadu_si512(init[r] + 16 * b) : _mm512_setzero_si512();
+      IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
+        double both;   // [dd of the pair's first row, of its second]
+        std::memcpy(&both, dd + kZMR * kZNR * b + kZNR * r + 2 * p, 8);
+        const __m512 lanes = _mm512_cvtepi32_ps(dpbusd_zmm<!kBias>(start, wv[p], qx));
+        acc[r][p] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(both)), lanes, acc[r][p]);
+      }
+    }
+  }
+  // `hsum` of both outputs at once, the interleaved lanes kept apart: lanes i + (i + 4), then those
+  // i + (i + 2), then 0 + 1, the same additions of the same operands.
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
+      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[r][p]), _mm512_extractf32x8_ps(acc[r][p], 1));
+      const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      const __m128 both = _mm_add_ps(q, _mm_movehl_ps(q, q));   // [first output, second]
+      float* out = y + r * ldy + 2 * p;
+      if (2 * p + 1 < ncols)
+        _mm_storel_pi(reinterpret_cast<__m64*>(out), both);
+      else
+        _mm_store_ss(out, both);
+    }
+}
+
+using ZTileFn = void (*)(const Activations&, int64_t, const uint8_t*, const float*, float*, int64_t, int64_t);
+
+template <class W>
+struct ZTiles {   // fn[mr - 1][np - 1] for an mr x 2np block
+  static constexpr ZTileFn fn[kZMR][kZNP] = {
+      {tile_zmm<W, 1, 1>, tile_zmm<W, 1, 2>, tile_zmm<W, 1, 3>, tile_zmm<W, 1, 4>},
+      {tile_zmm<W, 2, 1>, tile_zmm<W, 2, 2>, tile_zmm<W, 2, 3>, tile_zmm<W, 2, 4>},
+      {tile_zmm<W, 3, 1>, tile_zmm<W, 3, 2>, tile_zmm<W, 3, 3>, tile_zmm<W, 3, 4>},
+      {tile_zmm<W, 4, 1>, tile_zmm<W, 4, 2>, tile_zmm<W, 4, 3>, tile_zmm<W, 4, 4>},
+  };
+};
+
 // Whether this CPU runs vpdpbusd on 256-bit registers.
 inline bool has_vnni() {
   __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 }
 
+// The best path this CPU runs.
+inline Isa best_isa() {
+  if (!has_vnni()) return kAvx2;
+  const bool zmm = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq");
+  return zmm ? kAvx512 : kVnni;
+}
+
 // A work item's scratch for tiles of several rows: a weight tile's scales d (float32) and unpacked
 // bytes, a row tile's products d_w * d_x, and the item's offsets m.
+// (AVX-512: the scales d in pairs [ns, kZNP, 2], the bytes in interleaved pairs [nb, kZNP, 64], the
+// products [ns, kZMR, kZNP, 2].)
 struct Scratch {
+  static constexpr int64_t kW = std::max(kNR, kZNR), kDD = std::max(kMR * kNR, kZMR * kZNR);
   std::unique_ptr<float[]> floats;
   std::unique_ptr<uint8_t[]> bytes;
   float *dw, *dd, *mt;   // [kNR, ns], [kMR * kNR, ns], [nb, kColBlock]
 
   Scratch(int64_t nb, int64_t ns)
-      : floats(new float[(kNR + kMR * kNR) * ns + kColBlock * nb]()), bytes(new uint8_t[kNR * nb * kBlock]),
-        dw(floats.get()), dd(dw + kNR * ns), mt(dd + kMR * kNR * ns) {}
+      : floats(new float[(kW + kDD) * ns + kColBlock * nb]()), bytes(new uint8_t[kW * nb * kBlock]()),
+        dw(floats.get()), dd(dw + kW * ns), mt(dd + kDD * ns) {}
 };
 
-template <class W, bool Vnni>
+template <class W, Isa I>
 struct Gemm {
+  static constexpr bool Vnni = I != kAvx2;
+  static constexpr int64_t kRows = I == kAvx512 ? kZRowBlock : kRowBlock;   // rows of x per work item
   Activations a;
   const uint8_t* w;
   float* y;
@@ -325,8 +448,9 @@ struct Gemm {
   Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
       : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
         cols_per_item(M == 1 ? gemv_rows(N, ldw, workers) : kColBlock),
-        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRows - 1) / kRows)) {
     quantise(x, W::bias(Vnni), a);
+    if (I == kAvx512 && M > 1) pair(a);
   }
 
   // Weight rows per item for one row of x: kGemvNR streams of about kStreamBytes each, but at least
@@ -341,7 +465,7 @@ struct Gemm {
   // the rows.
   void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
     const int64_t nb = a.nb;
-    const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
+    const int64_t m0 = (i / col_blocks) * kRows, m1 = std::min(a.M, m0 + kRows);
     const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
     if (m1 - m0 == 1) {   // kGemvNR streams of `span` weight rows each
       const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
@@ -353,6 +477,10 @@ struct Gemm {
     }
     if (!scratch) scratch = std::make_unique<Scratch>(nb, a.ns);
     Scratch& s = *scratch;
+    if constexpr (I == kAvx512) {
+      item_zmm(m0, m1, n0, n1, s);
+      return;
+    }
     for (int64_t n = n0; n < n1; n += kNR) {
       const int64_t nr = std::min(kNR, n1 - n);
       const uint8_t* pf = n + 2 * kNR <= N ? w + (n + kNR) * ldw : nullptr;
@@ -364,6 +492,102 @@ struct Gemm {
       }
     }
     if constexpr (W::kOffset) offsets(m0, m1, n0, n1, s.mt);
+  }
+
+  // `item`'s tiles of several rows with AVX-512: 8 weight rows at a time, in pairs.
+  IMP_Q8_ZMM void item_zmm(int64_t m0, int64_t m1, int64_t n0, int64_t n1, Scratch& s) const {
+    for (int64_t n = n0; n < n1; n += kZNR) {
+      const int64_t nr = std::min(kZNR, n1 - n), np = (nr + 1) / 2;
+      const uint8_t* pf = n + 2 * kZNR <= N ? w + (n + kZNR) * ldw : nullptr;
+      prepare_zmm(w + n * ldw, nr, s, pf, s.mt + (n - n0));
+      for (int64_t m = m0; m < m1; m += kZMR) {
+        const int64_t mr = std::min(kZMR, m1 - m);
+        products_zmm(m, mr, s);
+        ZTiles<W>::fn[mr - 1][np - 1](a, m, s.bytes.get(), s.dd, y + m * N + n, N, nr);
+      }
+    }
+    if constexpr (W::kOffset) offsets_zmm(m0, m1, n0, n1, s.mt);
+  }
+
+  // nr weight rows from w into the scratch in pairs (a missing last row as zeros): their blocks as
+  // bytes w + bias with the pair's 4-byte groups interleaved, their scales d side by side, and (Q4_1)
+  // their offsets m into mt's columns [0, nr) (rows kColBlock apart); prefetching pf on the way.
+  IMP_Q8_ZMM void prepare_zmm(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf, float* mt) const {
+    const int64_t nb = a.nb;
+    const __m512i mix = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i nibble_order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 0, 4, 1, 5, 2, 6, 3, 7);
+    const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    float* dw = s.dw;
+    uint8_t* bytes = s.bytes.get();
+    for (int64_t p = 0; 2 * p < nr; ++p) {
+      const uint8_t* w0 = w + 2 * p * ldw;
+      const bool two = 2 * p + 1 < nr;
+      const uint8_t* w1 = two ? w0 + ldw : w0;   // a missing row: the first again (its outputs are not stored)
+      int64_t next_line = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        if (pf && (b + 1) * W::kBytes > next_line) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf + 2 * p * ldw + next_line), _MM_HINT_T0);
+          if (two) _mm_prefetch(reinterpret_cast<const char*>(pf + (2 * p + 1) * ldw + next_line), _MM_HINT_T0);
+          next_line += 64;
+        }
+        const uint8_t *b0 = w0 + b * W::kBytes, *b1 = w1 + b * W::kBytes;
+        __m512i pairs;
+        if constexpr (W::kNibbles) {   // [row 0's nibbles, row 1's] to dwords in pair order, high nibbles in the upper half
+          const __m256i raw = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + W::kBytes - 16))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + W::kBytes - 16)), 1);
+          const __m512i spread = _mm512_permutexvar_epi32(nibble_order, _mm512_castsi256_si512(raw));
+          pairs = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), _mm512_set1_epi8(15));
+        } else {
+          pairs = _mm512_permutex2var_epi32(_mm512_castsi256_si512(W::template weights<true>(b0)), mix,
+                                            _mm512_castsi256_si512(W::template weights<true>(b1)));
+        }
+        _mm512_storeu_si512(bytes + 64 * (kZNP * b + p), pairs);
+        uint32_t h0 = 0, h1 = 0;   // [d, m] (m: Q4_1) of each row, as f16
+        std::memcpy(&h0, b0, W::kOffset ? 4 : 2);
+        std::memcpy(&h1, b1, W::kOffset ? 4 : 2);
+        if constexpr (W::kOffset) {
+          const __m128 v = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(h0), _mm_cvtsi32_si128(h1)));   // [d0, m0, d1, m1]
+          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
+          _mm_storel_pi(reinterpret_cast<__m64*>(mt + b * kColBlock + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 3, 1)));
+        } else {
+          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_cvtph_ps(_mm_cvtsi32_si128(h0 | h1 << 16)));
+        }
+      }
+    }
+  }
+
+  // s.dd[b, r, :] = s.dw[b, :] * d_x[m + r, b] (each rounded once, as `products`).
+  IMP_Q8_ZMM void products_zmm(int64_t m, int64_t mr, Scratch& s) const {
+    const int64_t nb = a.nb, ns = a.ns;
+    const float *d = a.d_at(m, 0), *dw = s.dw;
+    float* dd = s.dd;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 w = _mm256_loadu_ps(dw + kZNR * b);
+      for (int64_t r = 0; r < mr; ++r)
+        _mm256_storeu_ps(dd + kZMR * kZNR * b + kZNR * r, _mm256_mul_ps(w, _mm256_broadcast_ss(d + r * ns + b)));
+    }
+  }
+
+  // `offsets` with 16 columns to a vector, mt filled by prepare_zmm: the same operations per column.
+  IMP_Q8_ZMM void offsets_zmm(int64_t m0, int64_t m1, int64_t n0, int64_t n1, const float* mt) const {
+    constexpr int kGroups = kColBlock / 16;
+    static_assert(kColBlock % 16 == 0);
+    const int64_t nb = a.nb, cols = n1 - n0;
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* sd = a.sd_at(m, 0);
+      __m512 acc[kGroups];
+      IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512 s = _mm512_set1_ps(sd[b]);
+        IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g)
+          acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(_mm512_loadu_ps(mt + b * kColBlock + 16 * g), s));
+      }
+      alignas(64) float sums[kColBlock];
+      IMP_Q8_UNROLL for (int g = 0; g < kGroups; ++g) _mm512_store_ps(sums + 16 * g, acc[g]);
+      float* row = y + m * N + n0;
+      for (int64_t c = 0; c < cols; ++c) row[c] += sums[c];
+    }
   }
 
   // The scales d of nr weight rows from w as floats into s.dw and, for nibbles, the weights as bytes
@@ -435,12 +659,12 @@ struct Gemm {
 
 // y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes], with XLA's pool (or
 // on this thread alone when `pool` is null).
-template <class W, bool Vnni>
+template <class W, Isa I>
 void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
   if (M == 0 || N == 0) return;
   // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
   const int64_t threads = !pool || 2 * M * N * K < (1 << 18) ? 1 : std::max<int64_t>(1, pool->num_threads());
-  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y, threads);
+  auto g = std::make_shared<Gemm<W, I>>(x, M, K, w, N, y, threads);
   const int64_t helpers = std::min(threads, g->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
   g->work();
@@ -448,12 +672,13 @@ void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint
 }
 
 template <class W>
-void dispatch(ffi::ThreadPool* pool, bool vnni, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+void dispatch(ffi::ThreadPool* pool, Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
               float* y) {
-  if (vnni)
-    run<W, true>(pool, x, M, K, w, N, y);
-  else
-    run<W, false>(pool, x, M, K, w, N, y);
+  switch (isa) {
+    case kAvx512: run<W, kAvx512>(pool, x, M, K, w, N, y); break;
+    case kVnni: run<W, kVnni>(pool, x, M, K, w, N, y); break;
+    default: run<W, kAvx2>(pool, x, M, K, w, N, y);
+  }
 }
 
 }  // namespace imp_q8
