@@ -91,12 +91,21 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def run_q8(x: np.ndarray, blocks: np.ndarray, vnni: bool) -> np.ndarray:
-    """The q8 product on this thread, outside XLA, with vpdpbusd or vpmaddubsw."""
+ISAS = {0: "avx2", 1: "vnni", 2: "avx512"}   # imp_gemm_q8_run's kernels (gemm_q8_gemv.h)
+
+
+def isas_here() -> list[int]:
+    """The kernels this CPU runs: all up to the one the custom calls use."""
+    return list(range(library().imp_gemm_q8_vnni() + 1))
+
+
+def run_q8(x: np.ndarray, blocks: np.ndarray, isa: int) -> np.ndarray:
+    """The q8 product on this thread, outside XLA, with the kernels `isa` names: vpmaddubsw (0),
+    vpdpbusd (1), and vpdpbusd with the one-row path on zmm (2)."""
     (m, k), n = x.shape, blocks.shape[0]
     x, blocks = np.ascontiguousarray(x), np.ascontiguousarray(blocks)
     y = np.zeros((m, n), np.float32)
-    assert library().imp_gemm_q8_run(blocks.shape[-1], int(vnni), x.ctypes.data, m, k, blocks.ctypes.data, n,
+    assert library().imp_gemm_q8_run(blocks.shape[-1], isa, x.ctypes.data, m, k, blocks.ctypes.data, n,
                                      y.ctypes.data) == 0
     return y
 
@@ -161,16 +170,32 @@ def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_avx2_and_vnni_integer_dots_give_the_same_bits(qtype):
-    """vpmaddubsw + vpmaddwd and vpdpbusd give the same int32 lanes, so the same outputs; both match
-    the custom call (which picks one for this CPU) at 1 and several rows."""
+def test_every_kernel_gives_the_same_bits(qtype):
+    """vpmaddubsw + vpmaddwd, vpdpbusd on ymm and the one-row path on zmm give the same int32 lanes
+    and float operations, so the same outputs; each matches the custom call (which picks the best
+    for this CPU) at 1 and several rows, and the one-row path (N = 50 and 7: 4-stream passes of 1 to
+    4 rows, zmm pairs and the odd row) matches the same row inside a tile."""
     blocks, _ = ggml(qtype, 50, 1600, 7)
     for m in (1, 9):
         x = activations(m, 1600, m)
         via_xla = np.asarray(q8_kernel(x, jnp.asarray(blocks)))
-        np.testing.assert_array_equal(run_q8(x, blocks, vnni=False), via_xla)
-        if library().imp_gemm_q8_vnni():
-            np.testing.assert_array_equal(run_q8(x, blocks, vnni=True), via_xla)
+        for isa in isas_here():
+            np.testing.assert_array_equal(run_q8(x, blocks, isa), via_xla, err_msg=ISAS[isa])
+    x = activations(9, 1600, 3)
+    for n in (50, 7):
+        for isa in isas_here():
+            tiled = run_q8(x, blocks[:n], isa)
+            for r in (0, 4):
+                np.testing.assert_array_equal(run_q8(x[r:r + 1], blocks[:n], isa), tiled[r:r + 1], err_msg=ISAS[isa])
+
+
+@needs_kernel
+def test_the_kernel_choice_is_checked():
+    x, (blocks, _) = activations(1, 64, 1), ggml("Q4_1", 3, 64, 1)
+    y = np.zeros((1, 3), np.float32)
+    best = library().imp_gemm_q8_vnni()
+    for isa, block_bytes in [(best + 1, 20), (-1, 20), (0, 21)]:
+        assert library().imp_gemm_q8_run(block_bytes, isa, x.ctypes.data, 1, 64, blocks.ctypes.data, 3, y.ctypes.data) == -1
 
 
 # ------------------------------------------------------------------------- the dispatch

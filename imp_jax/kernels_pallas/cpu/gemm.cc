@@ -398,7 +398,7 @@ constexpr auto GemmQ4_0 = Blocks<Q4_0>;
 constexpr auto GemmQ4_1 = Blocks<Q4_1>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
-const bool kVnni = imp_q8::has_vnni();
+const int kIsa = imp_q8::best_isa();   // the best integer-dot kernels this CPU runs
 
 template <class W>
 ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
@@ -407,7 +407,7 @@ ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / 32, " +
                                        std::to_string(W::kBytes) + "] uint8 expected");
   const int64_t K = xd.back();
-  imp_q8::dispatch<W>(&pool, kVnni, x.typed_data(), K ? x.element_count() / K : 0, K,
+  imp_q8::dispatch<W>(&pool, kIsa, x.typed_data(), K ? x.element_count() / K : 0, K,
                       static_cast<const uint8_t*>(w.untyped_data()), wd[0], y->typed_data());
   return ffi::Error::Success();
 }
@@ -441,8 +441,9 @@ extern "C" int imp_kernel_cpu_supported() {
 }
 
 // For tests and benchmarks (ctypes): the q8 path outside XLA, on the calling thread alone.
-// Whether the q8 handlers use VNNI here.
-extern "C" int imp_gemm_q8_vnni() { return kVnni; }
+// The integer-dot kernels the q8 handlers use here: 0 AVX2 (vpmaddubsw), 1 VNNI (vpdpbusd on ymm),
+// 2 as 1 with the one-row path on zmm (AVX-512; gemm_q8_gemv.h).
+extern "C" int imp_gemm_q8_vnni() { return kIsa; }
 
 // x [M, K] quantised as the q8 path does: q [M, K] int8; d and sd [M, K / 32] float32 (d_x, d_x * sum q).
 extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sd) {
@@ -450,15 +451,15 @@ extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_
   for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
 }
 
-// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20), with vpdpbusd when
-// `vnni` (0 if this CPU lacks it, else 1), else vpmaddubsw; -1 for an unknown format or no VNNI here.
-extern "C" int imp_gemm_q8_run(int block_bytes, int vnni, const float* x, int64_t M, int64_t K,
+// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20), with the kernels
+// `isa` names (as imp_gemm_q8_vnni; at most its value here); -1 for an unknown format or isa.
+extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t M, int64_t K,
                                const uint8_t* w, int64_t N, float* y) {
-  if (vnni && !kVnni) return -1;
+  if (isa < 0 || isa > kIsa) return -1;
   switch (block_bytes) {
-    case imp_q8::Q8_0::kBytes: imp_q8::dispatch<imp_q8::Q8_0>(nullptr, vnni, x, M, K, w, N, y); return 0;
-    case imp_q8::Q4_0::kBytes: imp_q8::dispatch<imp_q8::Q4_0>(nullptr, vnni, x, M, K, w, N, y); return 0;
-    case imp_q8::Q4_1::kBytes: imp_q8::dispatch<imp_q8::Q4_1>(nullptr, vnni, x, M, K, w, N, y); return 0;
+    case imp_q8::Q8_0::kBytes: imp_q8::dispatch<imp_q8::Q8_0>(nullptr, isa, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_0::kBytes: imp_q8::dispatch<imp_q8::Q4_0>(nullptr, isa, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_1::kBytes: imp_q8::dispatch<imp_q8::Q4_1>(nullptr, isa, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

@@ -49,10 +49,8 @@ namespace ffi = xla::ffi;
 constexpr int64_t kBlock = 32;     // weights per GGML block, values per activation block
 constexpr int64_t kMR = 4;         // rows of x per tile (with kNR: 8 accumulators, 4 weight vectors)
 constexpr int64_t kNR = 2;         // rows of w per tile
-constexpr int64_t kGemvNR = 4;     // rows of w per tile when a work item has one row of x
 constexpr int64_t kRowBlock = 64;  // rows of x per work item
 constexpr int64_t kColBlock = 48;  // rows of w per work item
-constexpr int64_t kStreamBytes = 32 << 10;   // one row of x: each of kGemvNR weight streams this long
 
 
 inline float f16_at(const uint8_t* p) {
@@ -210,33 +208,11 @@ inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t 
   for (int64_t c = 0; c < rows; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + line), _MM_HINT_T0);
 }
 
-// One row of activations (row r) against NR weight rows, `stride` bytes apart from w (into y, ystride
-// floats apart), weights and scales converted in registers. The caller spaces the rows far apart: NR
-// long sequential streams are what the hardware prefetcher follows (NR adjacent rows read less than
-// half the memory bandwidth).
-template <class W, bool Vnni, int NR>
-void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y, int64_t ystride) {
-  __m256 acc[NR];
-  __m128 offsets[NR];   // lane 1: sum_b m_w * sd, one float32 rounding per product and per sum
-  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b)));
-    const __m128 xs = _mm_unpacklo_ps(_mm_load_ss(a.d_at(r, b)), _mm_load_ss(a.sd_at(r, b)));   // [d_x, sd]
-    const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b) : nullptr;
-    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-      const uint8_t* block = w + c * stride + b * W::kBytes;
-      const __m128 p = _mm_mul_ps(scales<W>(block), xs);   // [dd, m_w * sd]
-      if constexpr (W::kOffset) offsets[c] = _mm_add_ps(offsets[c], p);
-      const __m256i lanes = idot<W, Vnni>(W::template weights<Vnni>(block), qx, init);
-      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(lanes), acc[c]);
-    }
-  }
-  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-    float v = hsum(acc[c]);
-    if constexpr (W::kOffset) v += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
-    y[c * ystride] = v;
-  }
-}
+}  // namespace imp_q8
+
+#include "gemm_q8_gemv.h"   // the one-row path (gemv), on what is above
+
+namespace imp_q8 {
 
 // Where a tile reads its NR weight rows: for nibble formats their bytes, unpacked (32 a block,
 // `stride` bytes a row); else the blocks themselves (`stride` = ldw), converted in registers.
@@ -280,25 +256,16 @@ void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float
 }
 
 using TileFn = void (*)(const Activations&, int64_t, WeightRows, const float*, float*, int64_t, const uint8_t*);
-using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
 template <class W, bool Vnni>
-struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for one row against nr
+struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block
   static constexpr TileFn fn[kMR][kNR] = {
       {tile<W, Vnni, 1, 1>, tile<W, Vnni, 1, 2>},
       {tile<W, Vnni, 2, 1>, tile<W, Vnni, 2, 2>},
       {tile<W, Vnni, 3, 1>, tile<W, Vnni, 3, 2>},
       {tile<W, Vnni, 4, 1>, tile<W, Vnni, 4, 2>},
   };
-  static constexpr GemvFn gemv[kGemvNR] = {imp_q8::gemv<W, Vnni, 1>, imp_q8::gemv<W, Vnni, 2>,
-                                           imp_q8::gemv<W, Vnni, 3>, imp_q8::gemv<W, Vnni, 4>};
 };
-
-// Whether this CPU runs vpdpbusd on 256-bit registers.
-inline bool has_vnni() {
-  __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-}
 
 // A work item's scratch for tiles of several rows: a weight tile's scales d (float32) and unpacked
 // bytes, a row tile's products d_w * d_x, and the item's offsets m.
@@ -317,23 +284,17 @@ struct Gemm {
   Activations a;
   const uint8_t* w;
   float* y;
+  int isa;   // the one-row kernel (gemm_q8_gemv.h)
   int64_t N, ldw, cols_per_item, col_blocks, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   // `workers`: the threads that will take items.
-  Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
-      : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
-        cols_per_item(M == 1 ? gemv_rows(N, ldw, workers) : kColBlock),
+  Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers, int isa)
+      : a(M, K, W::bias(Vnni) != 0), w(w), y(y), isa(isa), N(N), ldw((K / kBlock) * W::kBytes),
+        cols_per_item(M == 1 ? gemv_rows(N, ldw, workers, kColBlock) : kColBlock),
         col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
     quantise(x, W::bias(Vnni), a);
-  }
-
-  // Weight rows per item for one row of x: kGemvNR streams of about kStreamBytes each, but at least
-  // two items a worker (so a late helper leaves little imbalance) and at least kColBlock rows.
-  static int64_t gemv_rows(int64_t N, int64_t ldw, int64_t workers) {
-    const int64_t streams = kGemvNR * ((kStreamBytes + ldw - 1) / ldw);
-    return std::max(kColBlock, std::min(streams, (N + 2 * workers - 1) / (2 * workers)));
   }
 
   // Item i: activation rows [m0, m1) against weight rows [n0, n1). One row goes through `gemv`;
@@ -343,14 +304,7 @@ struct Gemm {
     const int64_t nb = a.nb;
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
-    if (m1 - m0 == 1) {   // kGemvNR streams of `span` weight rows each
-      const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
-      for (int64_t j = 0; j < span; ++j) {
-        const int64_t nr = std::min(kGemvNR, (cols - j + span - 1) / span);
-        Tiles<W, Vnni>::gemv[nr - 1](a, m0, w + (n0 + j) * ldw, span * ldw, y + m0 * N + n0 + j, span);
-      }
-      return;
-    }
+    if (m1 - m0 == 1) return gemv_item<W, Vnni>(a, m0, w, ldw, n0, n1, y + m0 * N, isa);
     if (!scratch) scratch = std::make_unique<Scratch>(nb, a.ns);
     Scratch& s = *scratch;
     for (int64_t n = n0; n < n1; n += kNR) {
@@ -436,11 +390,11 @@ struct Gemm {
 // y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes], with XLA's pool (or
 // on this thread alone when `pool` is null).
 template <class W, bool Vnni>
-void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int isa) {
   if (M == 0 || N == 0) return;
   // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
   const int64_t threads = !pool || 2 * M * N * K < (1 << 18) ? 1 : std::max<int64_t>(1, pool->num_threads());
-  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y, threads);
+  auto g = std::make_shared<Gemm<W, Vnni>>(x, M, K, w, N, y, threads, isa);
   const int64_t helpers = std::min(threads, g->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
   g->work();
@@ -448,12 +402,12 @@ void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint
 }
 
 template <class W>
-void dispatch(ffi::ThreadPool* pool, bool vnni, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-              float* y) {
-  if (vnni)
-    run<W, true>(pool, x, M, K, w, N, y);
+void dispatch(ffi::ThreadPool* pool, int isa, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+              float* y) {   // isa: kAvx2, kVnni or kAvx512 (gemm_q8_gemv.h), at most best_isa()
+  if (isa >= kVnni)
+    run<W, true>(pool, x, M, K, w, N, y, isa);
   else
-    run<W, false>(pool, x, M, K, w, N, y);
+    run<W, false>(pool, x, M, K, w, N, y, isa);
 }
 
 }  // namespace imp_q8
