@@ -2,12 +2,14 @@
 activations (`--gemm cpu_q8`), per matrix kind and row count, and one step's GEMMs in all.
 
     python scripts/bench_gemm.py [--model smollm2-135m-instruct] [--rows 1 8 32 64 256] [--repeats 7]
-                                 [--modes exact q8]
+                                 [--modes exact q8] [--hot]
 
 Each timed program runs one kind of projection over every layer's matrix (distinct arrays, so a
 decode-sized product reads its weights from memory as a step does), best of `repeats`. 'step' is
 the sum over the kinds plus the LM head on the same rows: the GEMM time of a step of that many
-rows (a decode step samples every row).
+rows (a decode step samples every row). `--hot` gives every layer the first layer's matrix instead, so
+the weights come from the caches: the kernels' arithmetic and threading without DRAM's bandwidth
+(which on a shared VM varies from run to run).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hot", action="store_true", help="the same matrix in every layer: weights from the caches")
     ap.add_argument("--modes", nargs="+", choices=["exact", "q8"], default=["exact", "q8"],
                     help="which arithmetic to time (the speed-up column needs both)")
     args = ap.parse_args()
@@ -54,6 +57,8 @@ def main() -> int:
     kinds = dict(model.layers.matrices())
     head = model.embed if model.lm_head is None else model.lm_head
     kinds["lm_head"] = (head[...],)
+    if args.hot:
+        kinds = {kind: (ws[0],) * len(ws) for kind, ws in kinds.items()}
     lib = cpu_gemm.build.load("gemm")
     isa = ["vpmaddubsw (AVX2)", "vpdpbusd (AVX512-VNNI)", "vpdpbusd (AVX512-VNNI), one row on zmm (AVX-512)"]
     print(f"q8 integer dot: {isa[lib.imp_gemm_q8_vnni()]}")

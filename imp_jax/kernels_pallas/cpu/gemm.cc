@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -398,7 +399,14 @@ constexpr auto GemmQ4_0 = Blocks<Q4_0>;
 constexpr auto GemmQ4_1 = Blocks<Q4_1>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
-const int kIsa = imp_q8::best_isa();   // the best integer-dot kernels this CPU runs
+// kIsa: the best integer-dot kernels this CPU runs (gemm_q8_gemv.h), or fewer where the environment
+// variable IMP_JAX_Q8_ISA (0, 1 or 2: as imp_gemm_q8_vnni below) asks for less, to compare them.
+int q8_isa() {
+  const char* env = std::getenv("IMP_JAX_Q8_ISA");
+  const int best = imp_q8::best_isa();
+  return env && *env >= '0' && *env < '0' + best ? *env - '0' : best;
+}
+const int kIsa = q8_isa();
 
 template <class W>
 ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {

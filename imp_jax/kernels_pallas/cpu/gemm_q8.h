@@ -285,15 +285,18 @@ struct Gemm {
   const uint8_t* w;
   float* y;
   int isa;   // the one-row kernel (gemm_q8_gemv.h)
-  int64_t N, ldw, cols_per_item, col_blocks, items;
+  int64_t N, ldw;
+  std::vector<int64_t> starts;   // one row of x: where its items start (gemv_split); else empty
+  int64_t cols_per_item, col_blocks, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   // `workers`: the threads that will take items.
   Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers, int isa)
       : a(M, K, W::bias(Vnni) != 0), w(w), y(y), isa(isa), N(N), ldw((K / kBlock) * W::kBytes),
-        cols_per_item(M == 1 ? gemv_rows(N, ldw, workers, kColBlock) : kColBlock),
-        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+        starts(M == 1 ? gemv_split(N, ldw, workers) : std::vector<int64_t>()), cols_per_item(kColBlock),
+        col_blocks((N + cols_per_item - 1) / cols_per_item),
+        items(M == 1 ? starts.size() - 1 : col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
     quantise(x, W::bias(Vnni), a);
   }
 
@@ -301,10 +304,11 @@ struct Gemm {
   // more go through tiles, each weight tile's scales converted (and nibbles unpacked) once for all
   // the rows.
   void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
+    if (a.M == 1) return gemv_item<W, Vnni>(a, 0, w, ldw, starts[i], starts[i + 1], y, isa);
     const int64_t nb = a.nb;
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
-    if (m1 - m0 == 1) return gemv_item<W, Vnni>(a, m0, w, ldw, n0, n1, y + m0 * N, isa);
+    if (m1 - m0 == 1) return gemv_item<W, Vnni>(a, m0, w, ldw, n0, n1, y + m0 * N, isa);   // a last row alone
     if (!scratch) scratch = std::make_unique<Scratch>(nb, a.ns);
     Scratch& s = *scratch;
     for (int64_t n = n0; n < n1; n += kNR) {

@@ -8,9 +8,10 @@
 // Kernels ("isa", chosen at run time by the CPU, or forced by imp_gemm_q8_run for tests):
 //   0 (kAvx2)    `gemv` on ymm: vpmaddubsw + vpmaddwd;
 //   1 (kVnni)    `gemv` on ymm: vpdpbusd (AVX512-VNNI + VL);
-//   2 (kAvx512)  `gemv_zmm`: two weight rows' blocks in one zmm, vpdpbusd on 512 bits, compiled with
-//                `target` attributes (the library itself is built for AVX2), so it only runs where
-//                the CPU has AVX512-F/BW/VL/VNNI.
+//   2 (kAvx512)  `gemv_zmm`: two weight rows' blocks in one zmm, vpdpbusd on 512 bits, nibbles split
+//                by one vgf2p8affineqb (GFNI), compiled with `target` attributes (the library itself
+//                is built for AVX2), so it only runs where the CPU has AVX512-F/BW/DQ/VL/VNNI + GFNI.
+//                On Zen 4 (512-bit ops take two 256-bit pipes) it needs ~13% fewer cycles than 1.
 // All three give the same int32 lanes and the same float operations on each lane, so the same bits.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace imp_q8 {
 
@@ -28,7 +30,8 @@ enum Isa : int { kAvx2 = 0, kVnni = 1, kAvx512 = 2 };
 inline int best_isa() {
   __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return kAvx2;
-  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("gfni");
   return wide ? kAvx512 : kVnni;
 }
 
@@ -60,7 +63,7 @@ void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, flo
   }
 }
 
-#define IMP_Q8_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define IMP_Q8_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,gfni,avx2,fma,f16c")))
 
 // 2 * NP weight rows as `gemv` reads them, rows 2k and 2k + 1 sharing one zmm per block: the same
 // int32 lanes (vpdpbusd) and the same float operations on each lane as `gemv`, so the same bits.
@@ -68,6 +71,8 @@ void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, flo
 // nibbles, [2k: low nibbles (weights 0-15) | 2k+1: low | 2k: high (16-31) | 2k+1: high], which
 // unpacks two rows' 16 bytes with one shift and one and; the activations and -bias lanes are laid
 // out to match, and the accumulators put back in `gemv`'s order before the horizontal sums.
+constexpr int64_t kLow = 0x0102040800000000, kHigh = 0x1020408000000000;   // bit matrices for vgf2p8affineqb
+
 template <class W, int NP>
 IMP_Q8_AVX512 void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y,
                             int64_t ystride) {
@@ -76,7 +81,8 @@ IMP_Q8_AVX512 void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, i
   // dd of row 2k (lane 0 of the products) and of row 2k+1 (lane 2) to their quarters
   const __m512i spread = W::kNibbles ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i low4 = _mm512_set1_epi8(15);
+  // GF(2) affine maps of each byte: qwords 0-3 keep the low nibble (x & 15), 4-7 the high one (x >> 4)
+  const __m512i split = _mm512_setr_epi64(kLow, kLow, kLow, kLow, kHigh, kHigh, kHigh, kHigh);
   __m512 acc[NP];
   __m128 offsets[NP];   // lanes 1 and 3: rows 2k and 2k+1's sum_b m_w * sd, as `gemv`'s lane 1
   IMP_Q8_UNROLL for (int k = 0; k < NP; ++k) acc[k] = _mm512_setzero_ps(), offsets[k] = _mm_setzero_ps();
@@ -102,10 +108,10 @@ IMP_Q8_AVX512 void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, i
       __m512i wv;
       if constexpr (W::kNibbles) {
         constexpr int kAt = W::kOffset ? 4 : 2;
-        const __m256i raw = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kAt))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kAt)), 1);
-        wv = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low4);
+        const __m512i raw = _mm512_mask_broadcast_i32x4(   // [row 2k, 2k+1, 2k, 2k+1]'s 16 bytes
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kAt))), 0xf0f0,
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kAt)));
+        wv = _mm512_gf2p8affine_epi64_epi8(raw, split, 0);
       } else {
         wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
@@ -142,11 +148,20 @@ struct Gemvs {   // fn[isa][nr - 1]: one row against nr weight rows
   };
 };
 
-// Weight rows per work item for one row of x: kGemvNR streams of about kStreamBytes each, but at
-// least two items a worker (so a late helper leaves little imbalance) and at least `min_rows`.
-inline int64_t gemv_rows(int64_t N, int64_t ldw, int64_t workers, int64_t min_rows) {
+constexpr int64_t kGemvMinRows = 16;   // the smallest work item: 4 passes of kGemvNR rows
+
+// Where the work items of one row of x start, then N. Items of kGemvNR streams of about
+// kStreamBytes each while much is left; then each about 1 / (2 * workers) of what is left, down to
+// kGemvMinRows: a helper that joins late takes what is left in small pieces, and no thread waits at
+// the end on more than a small item of the other's.
+inline std::vector<int64_t> gemv_split(int64_t N, int64_t ldw, int64_t workers) {
   const int64_t streams = kGemvNR * ((kStreamBytes + ldw - 1) / ldw);
-  return std::max(min_rows, std::min(streams, (N + 2 * workers - 1) / (2 * workers)));
+  std::vector<int64_t> starts{0};
+  for (int64_t n = 0; n < N;) {
+    const int64_t rows = workers == 1 ? streams : std::max(kGemvMinRows, std::min(streams, (N - n) / (2 * workers)));
+    starts.push_back(n = std::min(N, n + rows));
+  }
+  return starts;
 }
 
 // Row r of x against weight rows [n0, n1) (w: row 0, ldw bytes a row) into y (row 0 of y's row r):
