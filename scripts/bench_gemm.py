@@ -2,11 +2,14 @@
 activations (`--gemm cpu_q8`), per matrix kind and row count, and one step's GEMMs in all.
 
     python scripts/bench_gemm.py [--model smollm2-135m-instruct] [--rows 1 8 32 64 256] [--repeats 7]
+                                 [--modes exact q8] [--hot]
 
 Each timed program runs one kind of projection over every layer's matrix (distinct arrays, so a
 decode-sized product reads its weights from memory as a step does), best of `repeats`. 'step' is
 the sum over the kinds plus the LM head on the same rows: the GEMM time of a step of that many
-rows (a decode step samples every row).
+rows (a decode step samples every row). `--hot` gives every layer the first layer's matrix instead, so
+the weights come from the caches: the kernels' arithmetic and threading without DRAM's bandwidth
+(which on a shared VM varies from run to run).
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hot", action="store_true", help="the same matrix in every layer: weights from the caches")
+    ap.add_argument("--modes", nargs="+", choices=["exact", "q8"], default=["exact", "q8"],
+                    help="which arithmetic to time (the speed-up column needs both)")
     args = ap.parse_args()
 
     import jax
@@ -51,11 +57,13 @@ def main() -> int:
     kinds = dict(model.layers.matrices())
     head = model.embed if model.lm_head is None else model.lm_head
     kinds["lm_head"] = (head[...],)
+    if args.hot:
+        kinds = {kind: (ws[0],) * len(ws) for kind, ws in kinds.items()}
     lib = cpu_gemm.build.load("gemm")
-    paths = ["vpmaddubsw (AVX2)", "vpdpbusd (AVX512-VNNI, 256-bit)", "AVX-512 tiles (vpdpbusd on 512 bits)"]
+    paths = ["vpmaddubsw (AVX2)", "vpdpbusd (AVX512-VNNI, 256-bit)", "AVX-512 (the one-row path and the tiles on 512 bits)"]
     print(f"q8 integer dot: {paths[lib.imp_gemm_q8_isa()]}")
 
-    modes = {"exact": False, "q8": True}
+    modes = {m: q8 for m, q8 in {"exact": False, "q8": True}.items() if m in args.modes}
     progs = {m: jax.jit(lambda x, ws, q8=q8: [cpu_gemm.matmul_wt_cpu(x, w, q8) for w in ws]) for m, q8 in modes.items()}
     print(f"{'matrix':<26} {'format':<6} {'rows':>5} " + " ".join(f"{m + ' GFLOP/s':>15}" for m in modes) + f" {'speed-up':>9}")
     step = {m: {r: 0.0 for r in args.rows} for m in modes}
@@ -72,9 +80,9 @@ def main() -> int:
                 rate[m] = flops / s / 1e9
             label = f"{kind} {n} x {k}" + (f" (x{len(ws)})" if len(ws) > 1 else "")
             print(f"{label:<26} {fmt:<6} {rows:5d} " + " ".join(f"{rate[m]:15.1f}" for m in modes)
-                  + f" {rate['q8'] / rate['exact']:8.2f}x")
+                  + (f" {rate['q8'] / rate['exact']:8.2f}x" if len(rate) == 2 else ""))
     print("one step's GEMMs (ms): " + "; ".join(
-        f"{r} rows: exact {step['exact'][r] * 1e3:.2f}, q8 {step['q8'][r] * 1e3:.2f}" for r in args.rows))
+        f"{r} rows: " + ", ".join(f"{m} {step[m][r] * 1e3:.2f}" for m in modes) for r in args.rows))
     return 0
 
 

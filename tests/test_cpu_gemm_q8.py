@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL:
 
 
 # The kernel's paths (imp_q8::Isa), each forced by imp_gemm_q8_run.
-PATHS = {0: "AVX2 vpmaddubsw", 1: "VNNI vpdpbusd (256-bit)", 2: "AVX-512 tiles"}
+PATHS = {0: "AVX2 vpmaddubsw", 1: "VNNI vpdpbusd (256-bit)", 2: "AVX-512 (one row and tiles on zmm)"}
 
 
 def run_q8(x: np.ndarray, blocks: np.ndarray, isa: int) -> np.ndarray:
@@ -189,6 +189,20 @@ def test_a_path_this_cpu_lacks_is_refused():
     for isa in (-1, lib.imp_gemm_q8_isa() + 1):
         assert lib.imp_gemm_q8_run(18, isa, x.ctypes.data, 2, 64, blocks.ctypes.data, 4, y.ctypes.data) == -1
     assert lib.imp_gemm_q8_run(21, 0, x.ctypes.data, 2, 64, blocks.ctypes.data, 4, y.ctypes.data) == -1
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_one_row_on_each_path_is_that_row_inside_a_tile(qtype):
+    """The one-row path (4-stream passes of 1 to 4 weight rows, zmm pairs, an odd last row: N = 50
+    and 7) gives each row the bits it gets inside a 9-row tile, on every path this CPU has."""
+    blocks, _ = ggml(qtype, 50, 1600, 7)
+    x = activations(9, 1600, 3)
+    for n in (50, 7):
+        for isa in range(library().imp_gemm_q8_isa() + 1):
+            tiled = run_q8(x, blocks[:n], isa)
+            for r in (0, 4):
+                np.testing.assert_array_equal(run_q8(x[r:r + 1], blocks[:n], isa), tiled[r:r + 1], err_msg=PATHS[isa])
 
 
 # ------------------------------------------------------------------------- the dispatch

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -398,7 +399,15 @@ constexpr auto GemmQ4_0 = Blocks<Q4_0>;
 constexpr auto GemmQ4_1 = Blocks<Q4_1>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
-const imp_q8::Isa kIsa = imp_q8::best_isa();
+// kIsa: the best integer-dot kernels this CPU runs (imp_q8::Isa: 0 AVX2, 1 VNNI on ymm, 2 AVX-512 for
+// the one-row path and the tiles), or fewer where the environment variable IMP_JAX_Q8_ISA (0, 1 or 2)
+// asks for less, to compare them.
+imp_q8::Isa q8_isa() {
+  const char* env = std::getenv("IMP_JAX_Q8_ISA");
+  const imp_q8::Isa best = imp_q8::best_isa();
+  return env && *env >= '0' && *env < '0' + best ? static_cast<imp_q8::Isa>(*env - '0') : best;
+}
+const imp_q8::Isa kIsa = q8_isa();
 
 template <class W>
 ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
@@ -452,7 +461,7 @@ extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_
 }
 
 // y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20) on the path `isa`:
-// 0 vpmaddubsw (AVX2), 1 vpdpbusd on 256 bits (VNNI), 2 the AVX-512 tiles (VNNI's one-row path);
+// 0 vpmaddubsw (AVX2), 1 vpdpbusd on 256 bits (VNNI), 2 AVX-512 (the one-row path and the tiles on zmm);
 // -1 for an unknown format or a path this CPU lacks.
 extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t M, int64_t K,
                                const uint8_t* w, int64_t N, float* y) {

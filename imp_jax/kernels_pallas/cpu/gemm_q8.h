@@ -26,7 +26,7 @@
 // prefetcher; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
 // scale products d_w * d_x computed once for all the tiles of rows that meet it.
 //
-// AVX-512 (`Isa::kAvx512`, where the CPU has F, BW, VL, DQ and VNNI; compiled per function with
+// AVX-512 (`Isa::kAvx512`, where the CPU has F, BW, VL, DQ, VNNI and GFNI; compiled per function with
 // target attributes, so the library still runs on AVX2-only CPUs): the tiles of several rows use
 // 512-bit registers, each holding two outputs' 8 lanes side by side: a weight tile's rows are stored
 // in pairs with their 4-byte groups interleaved (lane 2i: row 2p's group i, lane 2i + 1: row
@@ -59,17 +59,12 @@ namespace ffi = xla::ffi;
 constexpr int64_t kBlock = 32;     // weights per GGML block, values per activation block
 constexpr int64_t kMR = 4;         // rows of x per tile (with kNR: 8 accumulators, 4 weight vectors)
 constexpr int64_t kNR = 2;         // rows of w per tile
-constexpr int64_t kGemvNR = 4;     // rows of w per tile when a work item has one row of x
 constexpr int64_t kRowBlock = 64;  // rows of x per work item
 constexpr int64_t kColBlock = 48;  // rows of w per work item
-constexpr int64_t kStreamBytes = 32 << 10;   // one row of x: each of kGemvNR weight streams this long
 constexpr int64_t kZMR = 4;        // AVX-512: rows of x per tile
 constexpr int64_t kZNP = 4;        // AVX-512: pairs of rows of w per tile (16 accumulators of 32 zmm)
 constexpr int64_t kZNR = 2 * kZNP;
 constexpr int64_t kZRowBlock = 256;   // AVX-512: rows of x per work item (a weight tile prepared once for them)
-
-// The integer-dot instruction sets, each a path of its own (chosen at run time; tests force each).
-enum Isa : int { kAvx2 = 0, kVnni = 1, kAvx512 = 2 };
 
 #define IMP_Q8_ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
@@ -250,33 +245,11 @@ inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t 
   for (int64_t c = 0; c < rows; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + line), _MM_HINT_T0);
 }
 
-// One row of activations (row r) against NR weight rows, `stride` bytes apart from w (into y, ystride
-// floats apart), weights and scales converted in registers. The caller spaces the rows far apart: NR
-// long sequential streams are what the hardware prefetcher follows (NR adjacent rows read less than
-// half the memory bandwidth).
-template <class W, bool Vnni, int NR>
-void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y, int64_t ystride) {
-  __m256 acc[NR];
-  __m128 offsets[NR];   // lane 1: sum_b m_w * sd, one float32 rounding per product and per sum
-  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), offsets[c] = _mm_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b)));
-    const __m128 xs = _mm_unpacklo_ps(_mm_load_ss(a.d_at(r, b)), _mm_load_ss(a.sd_at(r, b)));   // [d_x, sd]
-    const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b) : nullptr;
-    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-      const uint8_t* block = w + c * stride + b * W::kBytes;
-      const __m128 p = _mm_mul_ps(scales<W>(block), xs);   // [dd, m_w * sd]
-      if constexpr (W::kOffset) offsets[c] = _mm_add_ps(offsets[c], p);
-      const __m256i lanes = idot<W, Vnni>(W::template weights<Vnni>(block), qx, init);
-      acc[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(lanes), acc[c]);
-    }
-  }
-  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-    float v = hsum(acc[c]);
-    if constexpr (W::kOffset) v += _mm_cvtss_f32(_mm_movehdup_ps(offsets[c]));
-    y[c * ystride] = v;
-  }
-}
+}  // namespace imp_q8
+
+#include "gemm_q8_gemv.h"   // the one-row path (gemv), on what is above
+
+namespace imp_q8 {
 
 // Where a tile reads its NR weight rows: for nibble formats their bytes, unpacked (32 a block,
 // `stride` bytes a row); else the blocks themselves (`stride` = ldw), converted in registers.
@@ -320,18 +293,15 @@ void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float
 }
 
 using TileFn = void (*)(const Activations&, int64_t, WeightRows, const float*, float*, int64_t, const uint8_t*);
-using GemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
 template <class W, bool Vnni>
-struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block; gemv[nr - 1] for one row against nr
+struct Tiles {   // fn[mr - 1][nr - 1] for an mr x nr block
   static constexpr TileFn fn[kMR][kNR] = {
       {tile<W, Vnni, 1, 1>, tile<W, Vnni, 1, 2>},
       {tile<W, Vnni, 2, 1>, tile<W, Vnni, 2, 2>},
       {tile<W, Vnni, 3, 1>, tile<W, Vnni, 3, 2>},
       {tile<W, Vnni, 4, 1>, tile<W, Vnni, 4, 2>},
   };
-  static constexpr GemvFn gemv[kGemvNR] = {imp_q8::gemv<W, Vnni, 1>, imp_q8::gemv<W, Vnni, 2>,
-                                           imp_q8::gemv<W, Vnni, 3>, imp_q8::gemv<W, Vnni, 4>};
 };
 
 // The int32 lanes of start + u . s (4 byte products a lane) on 512 bits: `start` from a zeroing idiom
@@ -404,20 +374,6 @@ struct ZTiles {   // fn[mr - 1][np - 1] for an mr x 2np block
   };
 };
 
-// Whether this CPU runs vpdpbusd on 256-bit registers.
-inline bool has_vnni() {
-  __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-}
-
-// The best path this CPU runs.
-inline Isa best_isa() {
-  if (!has_vnni()) return kAvx2;
-  const bool zmm = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512dq");
-  return zmm ? kAvx512 : kVnni;
-}
-
 // A work item's scratch for tiles of several rows: a weight tile's scales d (float32) and unpacked
 // bytes, a row tile's products d_w * d_x, and the item's offsets m.
 // (AVX-512: the scales d in pairs [ns, kZNP, 2], the bytes in interleaved pairs [nb, kZNP, 64], the
@@ -440,41 +396,31 @@ struct Gemm {
   Activations a;
   const uint8_t* w;
   float* y;
-  int64_t N, ldw, cols_per_item, col_blocks, items;
+  int64_t N, ldw;
+  std::vector<int64_t> starts;   // one row of x: where its items start (gemv_split); else empty
+  int64_t cols_per_item, col_blocks, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   // `workers`: the threads that will take items.
   Gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
       : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kBlock) * W::kBytes),
-        cols_per_item(M == 1 ? gemv_rows(N, ldw, workers) : kColBlock),
-        col_blocks((N + cols_per_item - 1) / cols_per_item), items(col_blocks * ((M + kRows - 1) / kRows)) {
+        starts(M == 1 ? gemv_split(N, ldw, workers) : std::vector<int64_t>()), cols_per_item(kColBlock),
+        col_blocks((N + cols_per_item - 1) / cols_per_item),
+        items(M == 1 ? starts.size() - 1 : col_blocks * ((M + kRows - 1) / kRows)) {
     quantise(x, W::bias(Vnni), a);
     if (I == kAvx512 && M > 1) pair(a);
-  }
-
-  // Weight rows per item for one row of x: kGemvNR streams of about kStreamBytes each, but at least
-  // two items a worker (so a late helper leaves little imbalance) and at least kColBlock rows.
-  static int64_t gemv_rows(int64_t N, int64_t ldw, int64_t workers) {
-    const int64_t streams = kGemvNR * ((kStreamBytes + ldw - 1) / ldw);
-    return std::max(kColBlock, std::min(streams, (N + 2 * workers - 1) / (2 * workers)));
   }
 
   // Item i: activation rows [m0, m1) against weight rows [n0, n1). One row goes through `gemv`;
   // more go through tiles, each weight tile's scales converted (and nibbles unpacked) once for all
   // the rows.
   void item(int64_t i, std::unique_ptr<Scratch>& scratch) const {
+    if (a.M == 1) return gemv_item<W, Vnni>(a, 0, w, ldw, starts[i], starts[i + 1], y, I);
     const int64_t nb = a.nb;
     const int64_t m0 = (i / col_blocks) * kRows, m1 = std::min(a.M, m0 + kRows);
     const int64_t n0 = (i % col_blocks) * cols_per_item, n1 = std::min(N, n0 + cols_per_item);
-    if (m1 - m0 == 1) {   // kGemvNR streams of `span` weight rows each
-      const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
-      for (int64_t j = 0; j < span; ++j) {
-        const int64_t nr = std::min(kGemvNR, (cols - j + span - 1) / span);
-        Tiles<W, Vnni>::gemv[nr - 1](a, m0, w + (n0 + j) * ldw, span * ldw, y + m0 * N + n0 + j, span);
-      }
-      return;
-    }
+    if (m1 - m0 == 1) return gemv_item<W, Vnni>(a, m0, w, ldw, n0, n1, y + m0 * N, I);   // a last row alone
     if (!scratch) scratch = std::make_unique<Scratch>(nb, a.ns);
     Scratch& s = *scratch;
     if constexpr (I == kAvx512) {
