@@ -312,3 +312,36 @@ def test_history_keeps_the_tail_and_flags_outputs() -> None:
 def test_builder_rejects_what_cannot_be_encoded(spec: RowSpec) -> None:
     with pytest.raises(ValueError):
         _tensors([spec], with_mask=True)
+
+
+
+def test_repetition_alone_on_history_ids_equals_the_dense_penalty_bitwise() -> None:
+    """The repetition-only path (values written at the history's ids) gives the very bits of the
+    whole-vocabulary penalty: repeated ids, padding, logits of both signs, penalties above and below 1."""
+    from imp_jax.runtime.sampling import _apply_penalties, _apply_repetition
+
+    rng = np.random.default_rng(7)
+    specs = [RowSpec(repetition_penalty=1.05, history=list(rng.integers(0, 12, 14)), num_output_tokens=5),
+             RowSpec(repetition_penalty=1.3, history=list(rng.integers(0, V, 40)), num_output_tokens=9),
+             RowSpec(repetition_penalty=0.8, history=[3, 3, 3, 5]),
+             RowSpec(repetition_penalty=1.7, history=[]),
+             RowSpec()]
+    t = _tensors(specs)
+    for seed in range(4):
+        logits = jnp.asarray(_logits(11 + seed))
+        sparse, dense = (np.asarray(jax.jit(f)(logits, t)) for f in (_apply_repetition, _apply_penalties))
+        np.testing.assert_array_equal(sparse.view(np.uint32), dense.view(np.uint32))
+        assert not np.array_equal(sparse, np.asarray(logits))   # something was penalised
+
+
+def test_first_argmax_is_argmax_with_ties_infinities_and_nans() -> None:
+    from imp_jax.runtime.sampling import first_argmax
+
+    x = _logits(3)
+    x[1, [5, 9]] = x[1].max() + 1          # a tie: the first wins
+    x[2] = -np.inf                          # every token removed
+    x[3, [7, 2]] = np.nan                   # NaN wins, the first one
+    x[4, 11] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))),
+                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
