@@ -294,7 +294,7 @@ class EngineCore:
             seed=p.seed, position=seq.num_tokens,
             history=seq.all_ids[-self.step_fn.shapes.history_len:] if _has_penalty(p) else (),
             num_output_tokens=len(seq.output_ids) if _has_penalty(p) else 0,
-            logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=bool(p.logprobs),
+            logit_bias=self._logit_bias(p, len(seq.output_ids)), wants_top_logprobs=p.logprobs is not None,
             allowed_bitmask=mask)
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
