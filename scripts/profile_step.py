@@ -1,7 +1,7 @@
 """Where a decode step's time goes: a jax.profiler trace of N greedy decode steps, summed per op.
 
     python scripts/profile_step.py [--model smollm2-135m-instruct] [--batch 1] [--steps 40]
-                                   [--gemm auto] [--top 25] [--out FILE]
+                                   [--gemm auto] [--repetition-penalty 1.0] [--top 25] [--out FILE]
 
 Builds the engine (`--max-num-seqs 8 --max-num-batched-tokens 64`), runs `--batch` greedy
 requests once to warm up, then traces the same workload and prints the trace's events summed by
@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gemm", default="auto", help="auto | xla | cpu | cpu_q8 (the engine's flag)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="the requests' (the server's default preset applies 1.05 even at temperature 0)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None, help="a directory to keep the trace in")
     return p.parse_args(argv)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.batch):
             prompt = [(100 + 7 * i + j) % core.loaded.config.vocab_size for j in range(args.prompt_len)]
             core.add_request(GenerationRequest(f"{tag}-{i}", prompt, SamplingParams(
-                temperature=0.0, repetition_penalty=1.0, max_tokens=args.steps + 1, ignore_eos=True)),
+                temperature=0.0, repetition_penalty=args.repetition_penalty, max_tokens=args.steps + 1, ignore_eos=True)),
                 lambda event: None)
         while core.scheduler.waiting or any(s.is_prefill for s in core.scheduler.running):
             core.step()   # prefill, not traced

@@ -38,7 +38,7 @@ def _tensors(specs: list[RowSpec], with_mask: bool = False) -> SamplingTensors:
 def _run(logits: np.ndarray, specs: list[RowSpec], key: int = 0, mask: bool = False):
     """Two compiled programs in all: unmasked with K top logprobs, masked with none."""
     k = 0 if mask else K
-    specs = [dataclasses.replace(s, wants_top_logprobs=k > 0) for s in specs]
+    specs = [dataclasses.replace(s, wants_top_logprobs=True) for s in specs]
     out = sample(jnp.asarray(logits), _tensors(specs, mask), jax.random.key(key), num_top_logprobs=k)
     return jax.tree.map(np.asarray, out)
 
@@ -312,3 +312,61 @@ def test_history_keeps_the_tail_and_flags_outputs() -> None:
 def test_builder_rejects_what_cannot_be_encoded(spec: RowSpec) -> None:
     with pytest.raises(ValueError):
         _tensors([spec], with_mask=True)
+
+
+
+def test_repetition_alone_on_history_ids_equals_the_dense_penalty_bitwise() -> None:
+    """The repetition-only path (values written at the history's ids) gives the very bits of the
+    whole-vocabulary penalty: repeated ids, padding, logits of both signs, penalties above and below 1."""
+    from imp_jax.runtime.sampling import _apply_penalties, _apply_repetition
+
+    rng = np.random.default_rng(7)
+    specs = [RowSpec(repetition_penalty=1.05, history=list(rng.integers(0, 12, 14)), num_output_tokens=5),
+             RowSpec(repetition_penalty=1.3, history=list(rng.integers(0, V, 40)), num_output_tokens=9),
+             RowSpec(repetition_penalty=0.8, history=[3, 3, 3, 5]),
+             RowSpec(repetition_penalty=1.7, history=[]),
+             RowSpec()]
+    t = _tensors(specs)
+    for seed in range(4):
+        logits = jnp.asarray(_logits(11 + seed))
+        sparse, dense = (np.asarray(jax.jit(f)(logits, t)) for f in (_apply_repetition, _apply_penalties))
+        np.testing.assert_array_equal(sparse.view(np.uint32), dense.view(np.uint32))
+        assert not np.array_equal(sparse, np.asarray(logits))   # something was penalised
+
+
+def test_first_argmax_is_argmax_with_ties_infinities_and_nans() -> None:
+    from imp_jax.runtime.sampling import first_argmax
+
+    x = _logits(3)
+    x[1, [5, 9]] = x[1].max() + 1          # a tie: the first wins
+    x[2] = -np.inf                          # every token removed
+    x[3, [7, 2]] = np.nan                   # NaN wins, the first one
+    x[4, 11] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))),
+                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+
+
+def test_greedy_rows_without_logprobs_take_the_fast_path_to_the_same_tokens() -> None:
+    """A batch of greedy rows that read no logprobs skips temperature and truncation: the same
+    tokens as the full path (top_k, top_p, min_p keep the largest value, ties included), logprobs 0."""
+    logits = _logits(5)
+    logits[2, [9, 40]] = logits[2].max() + 2.0                      # a tie at the top: the first wins
+    specs = [RowSpec(temperature=0.0, top_k=50, top_p=0.95, repetition_penalty=1.05, history=HIST,
+                     num_output_tokens=3),
+             RowSpec(temperature=0.0, top_k=3, min_p=0.5, presence_penalty=0.4, history=HIST, num_output_tokens=2),
+             RowSpec(temperature=0.0, top_p=0.01, logit_bias={7: 1.5}),
+             RowSpec(temperature=0.0, allowed_token_ids=[4, 11, 90]),
+             RowSpec(temperature=0.0)]
+
+    def run(wants: bool):
+        rows = [dataclasses.replace(s, wants_top_logprobs=wants) for s in specs]
+        return jax.tree.map(np.asarray, sample(jnp.asarray(logits), _tensors(rows, True), jax.random.key(0),
+                                               num_top_logprobs=K))
+
+    fast, full = run(False), run(True)
+    np.testing.assert_array_equal(fast.tokens, full.tokens)
+    assert not fast.logprob.any() and full.logprob[: len(specs)].all()   # the fast path computed none
+    assert fast.tokens[2] == 9 and fast.tokens[3] in (4, 11, 90)
+    for i, s in enumerate(specs):   # and the full path is the reference's argmax
+        assert full.tokens[i] == int(np.argmax(ref_logprobs(logits[i], s)))

@@ -433,7 +433,7 @@ class EngineCore:
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             seed=p.seed, position=seq.num_tokens,
             history=history, num_output_tokens=n_out if history else 0,
-            logit_bias=self._logit_bias(p, n_out), wants_top_logprobs=bool(p.logprobs),
+            logit_bias=self._logit_bias(p, n_out), wants_top_logprobs=p.logprobs is not None,
             allowed_bitmask=mask)
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:

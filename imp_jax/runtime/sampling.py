@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from imp_jax.runtime.truncation import cond, truncate
+from imp_jax.runtime.truncation import cond, switch, truncate
 
 # Tokens per block of the two-level inverse-CDF draw.
 DRAW_BLOCK = 256
@@ -61,8 +61,9 @@ class SamplingTensors:
     history_is_output: jax.Array  # bool[R, H]
     bias_ids: jax.Array  # i32[R, B], -1 = padding
     bias_values: jax.Array  # f32[R, B]
-    wants_top_logprobs: jax.Array | None = None  # bool[R]; None = every row (top-K is computed
-    #   only when some row wants it; rows that do not may get zeros)
+    wants_top_logprobs: jax.Array | None = None  # bool[R]: the row reads its logprobs (the sampled
+    #   token's, the top-K); None = every row. Top-K is computed only when some row wants it, and a
+    #   batch of greedy rows that all do not skips logprobs altogether; rows that do not may get zeros
     allowed_mask: jax.Array | None = None  # u32[R, ceil(V/32)], bit i%32 of word i//32
     masked: jax.Array | None = None  # bool[R]: the row's allowed_mask restricts it (None: every row)
 
@@ -87,36 +88,62 @@ def sample(
     dynamic_skips: bool = True,
 ) -> SamplerOutput:
     """Sample one token per row of `logits` (f32[R, V]) under the knobs in `t`. With `dynamic_skips`
-    (CPUs, `Kernels.dynamic_skips`) each pass over the vocabulary runs only when some row needs it."""
-    processed = process_logits(logits, t, dynamic_skips)
+    (CPUs, `Kernels.dynamic_skips`) each pass over the vocabulary runs only when some row needs it,
+    and a batch of greedy rows that read no logprobs (`wants_top_logprobs` all off) and have no
+    typical_p takes the argmax of the penalised, biased, masked logits at once: temperature is 1 for
+    greedy rows and top_k, top_p and min_p never remove the largest value (ties stay), so the token
+    is the one the full path takes; its logprobs read 0."""
     raw = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _raw_logprobs_at,
                lambda x, ids: jnp.zeros(ids.shape, jnp.float32), logits, t.bias_ids)
-    lse = jax.nn.logsumexp(processed, axis=-1)   # logprobs are processed - lse, never materialised
-    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    tokens = cond(
-        dynamic_skips, jnp.any(t.temperature > 0),
-        lambda: jnp.where(
-            t.temperature > 0, _draw(processed, t, step_key), greedy_tokens
-        ),
-        lambda: greedy_tokens,
-    )
-    logprob = jnp.take_along_axis(processed, tokens[:, None], axis=-1)[:, 0] - lse
     rows = logits.shape[0]
-    if num_top_logprobs > 0:
+    k = max(num_top_logprobs, 0)
+    penalised = _penalise(logits, t, dynamic_skips)
+
+    def full(x: jax.Array) -> tuple[jax.Array, ...]:
+        processed = _scale_and_truncate(x, t, dynamic_skips)
+        lse = jax.nn.logsumexp(processed, axis=-1)   # logprobs are processed - lse, never materialised
+        greedy_tokens = first_argmax(processed)
+        tokens = cond(
+            dynamic_skips, jnp.any(t.temperature > 0),
+            lambda: jnp.where(
+                t.temperature > 0, _draw(processed, t, step_key), greedy_tokens
+            ),
+            lambda: greedy_tokens,
+        )
+        logprob = jnp.take_along_axis(processed, tokens[:, None], axis=-1)[:, 0] - lse
+        if k == 0:
+            return tokens, logprob, jnp.zeros((rows, 0), jnp.float32), jnp.zeros((rows, 0), jnp.int32)
+
         def top() -> tuple[jax.Array, jax.Array]:
-            values, ids = lax.top_k(processed, num_top_logprobs)
-            return values - lse[:, None], ids
+            values, ids = lax.top_k(processed, k)
+            return values - lse[:, None], ids.astype(jnp.int32)
 
         def none_wanted() -> tuple[jax.Array, jax.Array]:
-            return (jnp.zeros((rows, num_top_logprobs), jnp.float32),
-                    jnp.zeros((rows, num_top_logprobs), jnp.int32))
+            return jnp.zeros((rows, k), jnp.float32), jnp.zeros((rows, k), jnp.int32)
 
         wanted = t.wants_top_logprobs
         top_logprobs, top_ids = top() if wanted is None else cond(dynamic_skips, jnp.any(wanted), top, none_wanted)
+        return tokens, logprob, top_logprobs, top_ids
+
+    def greedy_only(x: jax.Array) -> tuple[jax.Array, ...]:
+        return (first_argmax(x), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, k), jnp.float32),
+                jnp.zeros((rows, k), jnp.int32))
+
+    if t.wants_top_logprobs is None:   # every row reads its logprobs
+        tokens, logprob, top_logprobs, top_ids = full(penalised)
     else:
-        top_logprobs = jnp.zeros((rows, 0), jnp.float32)
-        top_ids = jnp.zeros((rows, 0), jnp.int32)
+        fast = jnp.all(t.temperature <= 0) & jnp.all(t.typical_p >= 1) & ~jnp.any(t.wants_top_logprobs)
+        tokens, logprob, top_logprobs, top_ids = cond(dynamic_skips, ~fast, full, greedy_only, penalised)
     return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs, raw)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN where a row has one) in
+    two plain reductions: XLA's CPU backend runs argmax's (value, index) reduce as a scalar loop,
+    ~0.3 ms over a 49k vocabulary, about twice a max and a min."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def _raw_logprobs_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
@@ -129,10 +156,17 @@ def _raw_logprobs_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 def process_logits(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool = True) -> jax.Array:
     """Steps 1-5 of the module docstring: the logits each row's token is drawn from."""
+    return _scale_and_truncate(_penalise(logits, t, dynamic_skips), t, dynamic_skips)
+
+
+def _penalise(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool) -> jax.Array:
+    """Steps 1-3: penalties, logit_bias, the allowed-token mask."""
     logits = logits.astype(jnp.float32)
-    penalised = (t.repetition_penalty != 1) | (t.presence_penalty != 0)
-    penalised |= t.frequency_penalty != 0
-    logits = cond(dynamic_skips, jnp.any(penalised), _apply_penalties, lambda x, _: x, logits, t)
+    # 0: no penalty; 1: repetition alone (the default preset's, even at temperature 0), on the
+    # history's ids only; 2: frequency or presence too, over the whole vocabulary
+    counted = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0))
+    which = jnp.where(counted, 2, jnp.where(jnp.any(t.repetition_penalty != 1), 1, 0))
+    logits = switch(dynamic_skips, which, [lambda x, _: x, _apply_repetition, _apply_penalties], logits, t)
     # Each step over the whole [R, V] array runs only when some row of the batch needs it.
     logits = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _apply_bias, lambda x, *_: x,
                   logits, t.bias_ids, t.bias_values)
@@ -140,9 +174,27 @@ def process_logits(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool = 
         apply = lambda x: jnp.where(_unpack_mask(t.allowed_mask, x.shape[1]), x, -jnp.inf)
         logits = apply(logits) if t.masked is None else cond(
             dynamic_skips, jnp.any(t.masked), apply, lambda x: x, logits)
+    return logits
+
+
+def _scale_and_truncate(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool) -> jax.Array:
+    """Steps 4-5: temperature, then top_k, top_p, min_p, typical_p."""
     scale = jnp.where(t.temperature > 0, t.temperature, 1.0)
     logits = cond(dynamic_skips, jnp.any(scale != 1), lambda x: x / scale[:, None], lambda x: x, logits)
     return truncate(logits, t, dynamic_skips)
+
+
+def _apply_repetition(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """The repetition penalty alone (every row's frequency and presence penalties 0): only the ids
+    in a row's history change, so their new values are computed on those [R, H] alone and written
+    back (a repeated id writes the same value twice), never as [R, V] arrays; the very bits of
+    `_apply_penalties` with those penalties 0 (tests/test_sampling.py)."""
+    rows, vocab = logits.shape
+    ids = jnp.where(t.history >= 0, t.history, vocab)  # out of range = dropped
+    old = jnp.take_along_axis(logits, jnp.minimum(ids, vocab - 1), axis=-1)
+    rep = t.repetition_penalty[:, None]
+    new = jnp.where(old > 0, old / rep, old * rep)
+    return logits.at[jnp.arange(rows)[:, None], ids].set(new, mode="drop")
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -232,7 +284,8 @@ class RowSpec:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     allowed_token_ids: Sequence[int] | None = None
     allowed_bitmask: np.ndarray | None = None  # u32/i32[ceil(V/32)], e.g. from llguidance
-    wants_top_logprobs: bool = False  # the row reads the top-K logprobs (the sampler skips them otherwise)
+    wants_top_logprobs: bool = False  # the row reads its logprobs, the top-K or the sampled token's alone
+    #   (the sampler may skip them otherwise)
 
 
 def pack_allowed_tokens(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:

@@ -103,11 +103,33 @@ struct Attention {
     for (int64_t j = 0; j < H * D; ++j) qs[j] = q[t * H * D + j] * sm_scale;
     const int64_t stride = KVH * D;        // between consecutive keys of a page
     const int32_t* table = tables + s * MB;
-    for (int64_t kp = lo; kp <= pos;) {
+    // Where the chunk of keys starting at kp lies in the caches, and how many keys it holds.
+    const auto chunk = [&](int64_t kp, int64_t& n) {
       const int64_t col = kp / BS, off = kp % BS;
-      const int64_t n = std::min({kChunk, BS - off, pos + 1 - kp});
+      n = std::min({kChunk, BS - off, pos + 1 - kp});
       const int64_t block = col < MB ? std::clamp<int64_t>(table[col], 0, NB - 1) : 0;
-      const int64_t base = ((layer * NB + block) * BS + off) * stride;
+      return ((layer * NB + block) * BS + off) * stride;
+    };
+    // At decode the caches come from memory (the step's weights went through the caches since
+    // this layer last ran), and a page is scattered: the next chunk's keys and values are
+    // fetched while this one computes. Prefetching changes no result.
+    const auto prefetch = [&](int64_t kp) {
+      if (kp > pos) return;
+      int64_t n;
+      const int64_t base = chunk(kp, n);
+      const char* kb = reinterpret_cast<const char*>(k_cache + base);
+      const char* vb = reinterpret_cast<const char*>(v_cache + base);
+      const int64_t bytes = n * stride * static_cast<int64_t>(sizeof(C));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch(kb + b, _MM_HINT_T0);
+        _mm_prefetch(vb + b, _MM_HINT_T0);
+      }
+    };
+    prefetch(lo);
+    for (int64_t kp = lo; kp <= pos;) {
+      int64_t n;
+      const int64_t base = chunk(kp, n);
+      prefetch(kp + n);
       for (int64_t h = 0; h < KVH; ++h)
         scores(qs + h * G * D, k_cache + base + h * D, stride, n, p + h * G * kChunk);
       for (int64_t g = 0; g < H; ++g) {
