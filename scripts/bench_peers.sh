@@ -93,6 +93,18 @@ time_to_ready() {
     log "$name ready in $secs s"
 }
 
+# wait_compiled URL: poll imp_jax's /health until its background compiles are done (programs_compiled
+# = programs_total), so that the load test does not share the cores with them.
+wait_compiled() {
+    local t0=$SECONDS
+    until python -c "import json, sys, urllib.request; d = json.load(urllib.request.urlopen(sys.argv[1]));
+sys.exit(0 if d.get('programs_compiled') == d.get('programs_total') else 1)" "$1" 2>/dev/null; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "the server died"; exit 1; fi
+        sleep 1
+    done
+    log "every program compiled ($((SECONDS - t0)) s after ready)"
+}
+
 stop_server() {
     kill -TERM "$SERVER_PID" 2>/dev/null || true
     wait "$SERVER_PID" 2>/dev/null || true
@@ -148,6 +160,7 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
         suffix=$([[ "$gemm" == cpu ]] && echo "" || echo "_$gemm")   # the default mode keeps the plain names
         IMP_JAX_HOME="$run_home" time_to_ready "imp_warm$suffix" "$iurl/ready" "$OUT_DIR/imp_server$suffix.log" \
             "${icmd[@]}" --gemm "$gemm"
+        wait_compiled "$iurl/health"   # serving starts before every program is; the load test measures after
         serve_bench "imp_jax$suffix" "$iurl" "$OUT_DIR/serving_imp$suffix"
         stop_server
         log "imp_jax batch-1, --gemm $gemm (bench_engine: prompt 512, 128 tokens)"
