@@ -136,7 +136,9 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
 
     # llama.cpp: llama-bench, then the server (its first start is its cold one: it keeps no caches)
     log "llama-bench pp512 / tg128, $THREADS threads"
-    "$BIN_DIR/llama-bench" -m "$gguf" -t "$THREADS" -p 512 -n 128 -r 3 -o json >"$OUT_DIR/llama_bench.json"
+    # tg128 from an empty context (depth 0) and after 512 tokens (depth 512): imp_jax's batch-1 decode
+    # step is measured at the matching contexts (64, the middle of 0..128, and 512)
+    "$BIN_DIR/llama-bench" -m "$gguf" -t "$THREADS" -p 512 -n 128 -d 0,512 -r 3 -o json >"$OUT_DIR/llama_bench.json"
     local lurl="http://127.0.0.1:$PORT_LLAMA"
     local lcmd=("$BIN_DIR/llama-server" -m "$gguf" -t "$THREADS" -c "$CTX" -np "$NP" --host 127.0.0.1 --port "$PORT_LLAMA")
     time_to_ready llama_cold "$lurl/health" "$OUT_DIR/llama_server_cold.log" "${lcmd[@]}"
@@ -167,6 +169,9 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
         IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 512 \
             --output-len 128 --max-num-batched-tokens 512 --no-transformers --gemm "$gemm" \
             --out "$OUT_DIR/imp_engine$suffix.json" >&2
+        IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 64 \
+            --output-len 32 --max-num-batched-tokens 512 --no-transformers --gemm "$gemm" \
+            --out "$OUT_DIR/imp_engine${suffix}_short.json" >&2
     done
     [[ "${SKIP_COLD:-0}" == 1 ]] || rm -rf "$run_home"
     python -c "import json, sys; d = json.load(open(sys.argv[1])); d['loadavg_end'] = open('/proc/loadavg').read().split()[:3]; json.dump(d, open(sys.argv[1], 'w'))" "$OUT_DIR/run.json"
