@@ -154,11 +154,6 @@ def _raw_logprobs_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.where(ids >= 0, picked, 0.0)
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool = True) -> jax.Array:
-    """Steps 1-5 of the module docstring: the logits each row's token is drawn from."""
-    return _scale_and_truncate(_penalise(logits, t, dynamic_skips), t, dynamic_skips)
-
-
 def _penalise(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool) -> jax.Array:
     """Steps 1-3: penalties, logit_bias, the allowed-token mask."""
     logits = logits.astype(jnp.float32)

@@ -66,7 +66,22 @@ constexpr int64_t kZNP = 4;        // AVX-512: pairs of rows of w per tile (16 a
 constexpr int64_t kZNR = 2 * kZNP;
 constexpr int64_t kZRowBlock = 256;   // AVX-512: rows of x per work item (a weight tile prepared once for them)
 
-#define IMP_Q8_ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+// The integer-dot paths (chosen at run time by the CPU; imp_gemm_q8_run forces each for tests):
+// AVX2 vpmaddubsw, VNNI vpdpbusd on ymm, AVX-512 (one row: gemm_q8_gemv.h; tiles: below).
+enum Isa : int { kAvx2 = 0, kVnni = 1, kAvx512 = 2 };
+
+// The best path this CPU runs.
+inline Isa best_isa() {
+  __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
+  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return kAvx2;
+  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("gfni");
+  return wide ? kAvx512 : kVnni;
+}
+
+// The AVX-512 path's functions (the library itself is built for AVX2: these run only where best_isa
+// found the instructions).
+#define IMP_Q8_ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,gfni,avx2,fma,f16c")))
 
 
 inline float f16_at(const uint8_t* p) {

@@ -24,17 +24,6 @@
 
 namespace imp_q8 {
 
-enum Isa : int { kAvx2 = 0, kVnni = 1, kAvx512 = 2 };
-
-// The best kernels this CPU runs (the one-row path's and the tiles' AVX-512 share the level).
-inline Isa best_isa() {
-  __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
-  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return kAvx2;
-  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("gfni");
-  return wide ? kAvx512 : kVnni;
-}
-
 // One row of activations (row r) against NR weight rows, `stride` bytes apart from w (into y, ystride
 // floats apart), weights and scales converted in registers. The caller spaces the rows far apart: NR
 // long sequential streams are what the hardware prefetcher follows (NR adjacent rows read less than
@@ -63,8 +52,6 @@ void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, flo
   }
 }
 
-#define IMP_Q8_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,gfni,avx2,fma,f16c")))
-
 // 2 * NP weight rows as `gemv` reads them, rows 2k and 2k + 1 sharing one zmm per block: the same
 // int32 lanes (vpdpbusd) and the same float operations on each lane as `gemv`, so the same bits.
 // Lane layout, in 128-bit quarters: Q8_0, [row 2k: weights 0-15, 16-31 | row 2k+1: 0-15, 16-31];
@@ -74,7 +61,7 @@ void gemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, flo
 constexpr int64_t kLow = 0x0102040800000000, kHigh = 0x1020408000000000;   // bit matrices for vgf2p8affineqb
 
 template <class W, int NP>
-IMP_Q8_AVX512 void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y,
+IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y,
                             int64_t ystride) {
   constexpr bool kBias = W::bias(true) != 0;
   constexpr int kQuarters = W::kNibbles ? 0x50 : 0x44;   // vshufi64x2: [0, 0, 1, 1] or [0, 1, 0, 1]
@@ -168,7 +155,7 @@ inline std::vector<int64_t> gemv_split(int64_t N, int64_t ldw, int64_t workers) 
 // kGemvNR streams of `span` rows each. `isa`: kAvx512 for gemv_zmm (Vnni must then be true).
 template <class W, bool Vnni>
 void gemv_item(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, int64_t n0, int64_t n1, float* y,
-               int isa) {
+               Isa isa) {
   const GemvFn* fn = Gemvs<W, Vnni>::fn[Vnni && isa >= kAvx512];
   const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
   for (int64_t j = 0; j < span; ++j) {
