@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from imp_jax.errors import InvalidRequestError
@@ -646,3 +647,40 @@ def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
     assert all(r.ids[:3] == g.ids[:3] for r, g in zip(alone, greedy_alone))
     assert engine.step_fn.kv[0].dtype == kv_storage_dtype(jnp.bfloat16, "cpu") and engine.step_fn.kv[0].dtype.itemsize == 2
     assert engine.step_fn.compilations_after_warmup == 0
+
+
+def test_device_block_tables_hold_every_launched_rows_blocks(core, tiny_core, tok, prompts, monkeypatch):
+    """The step reads block tables from device-resident rows it edits in place (runtime/block_tables.py):
+    after every launch, each scheduled sequence's row holds its blocks, through preemption (tiny_core),
+    prefix-cache hits written by the separate table program, and prompt scoring."""
+    checked = {"rows": 0}
+
+    def checking(step_fn, name):
+        original = getattr(step_fn, name)
+
+        def run(*args, **kwargs):
+            tables = args[3] if name == "launch" else args[2]
+            out = original(*args, **kwargs)
+            device = np.asarray(step_fn.tables)
+            for table in tables:
+                assert table.device_synced == len(table.block_ids)
+                assert list(device[table.device_slot, :len(table.block_ids)]) == table.block_ids
+                checked["rows"] += 1
+            return out
+        monkeypatch.setattr(step_fn, name, run)
+
+    for c in (core, tiny_core):
+        checking(c.step_fn, "launch")
+        checking(c.step_fn, "score")
+    ids = tok.encode(PASSAGE)
+    before = tiny_core.scheduler.num_preemptions
+    run(tiny_core, *(req(p, max_tokens=8) for p in (ids[:31], ids[40:71], ids[80:127], ids[110:157])),
+        req(prompts[1], **{**SEEDED, "max_tokens": 8}))
+    assert tiny_core.scheduler.num_preemptions > before
+    core.pool.reset_prefix_cache()
+    writes = core.step_fn.table_writes
+    run(core, req(prompts[2], max_tokens=2, cache_prompt=True))
+    again = run(core, req(prompts[2], max_tokens=2), req(prompts[2], max_tokens=2, prompt_logprobs=1))
+    assert again[0].usage.cached_tokens > 0 and again[1].events[0].prompt_logprobs
+    assert core.step_fn.table_writes > writes   # a long cached prefix: more edits than a step carries
+    assert checked["rows"] > 20

@@ -22,6 +22,7 @@ def run(model: str, n: int, cache_dir: str | None) -> dict:
     from imp_jax.runtime.batch import SeqChunk, build_step_batch
     from imp_jax.runtime.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.kv_blocks import BlockTable
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
     config = EngineConfig(model=model, tensor_parallel_size=n, max_num_seqs=1, max_num_batched_tokens=16,
@@ -34,11 +35,12 @@ def run(model: str, n: int, cache_dir: str | None) -> dict:
         core.step()
     tokens = [t for e in events for t in e.token_ids]
     step = core.step_fn
-    batch = build_step_batch([SeqChunk(PROMPT, 0, [1])], num_tokens=step.score_tokens, num_seqs=1,
-                             max_blocks=step.shapes.max_blocks, block_size=config.block_size)
+    table = BlockTable([1])
+    batch = build_step_batch([SeqChunk(PROMPT, 0, table.block_ids)], num_tokens=step.score_tokens, num_seqs=1,
+                             max_blocks=step.shapes.max_blocks, block_size=config.block_size, with_tables=False)
     targets = np.zeros(step.score_tokens, np.int32)
     targets[:len(PROMPT) - 1] = PROMPT[1:]
-    target_lp, _, top_ids, top_lp = step.score(batch, targets)
+    target_lp, _, top_ids, top_lp = step.score(batch, targets, [table])
     k = step.kv[0]
     return {"tokens": tokens, "target_logprobs": target_lp[:len(PROMPT) - 1].tolist(),
             "top_ids": top_ids[:len(PROMPT)].tolist(), "top_logprobs": top_lp[:len(PROMPT)].tolist(),

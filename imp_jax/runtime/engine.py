@@ -291,7 +291,8 @@ class EngineCore:
         batch, sampling, follow, samples, decode_rows = self._build(chunks, prev)
         idle = prev is not None and prev.out.tokens.is_ready()   # N is done: the device waits for us
         t1 = time.perf_counter()
-        out = self.step_fn.launch(batch, sampling, self._num_launched, follow, prev.tokens if prev else None)
+        out = self.step_fn.launch(batch, sampling, self._num_launched, [c.seq.table for c in chunks],
+                                  follow, prev.tokens if prev else None)
         launched = _Launched(out, self.step_fn.last_tokens, chunks, samples, decode_rows)
         self._num_launched += 1
         self._after_launch(launched)
@@ -376,7 +377,7 @@ class EngineCore:
             decode_rows += not seq.is_prefill
             t += c.num_tokens
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
-                                 max_blocks=self.step_fn.shapes.max_blocks, block_size=bs)
+                                 max_blocks=self.step_fn.shapes.max_blocks, block_size=bs, with_tables=False)
         shapes = self.step_fn.shapes
         sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
                                           history_len=H, max_bias=shapes.max_bias, with_mask=True)

@@ -70,6 +70,10 @@ class BlockTable:
     num_cached_tokens: int = 0  # tokens reused from the prefix cache at admission
     pinned_ids: list[int] = field(default_factory=list)  # pins taken via this table; free() keeps them
     collision_at: int | None = None  # first committed block whose hash was cached for other content
+    # its row in the device-resident tables (runtime/block_tables.py; 0: none yet) and how many leading
+    # block_ids that row holds: whatever changes an entry lowers `device_synced` to it
+    device_slot: int = 0
+    device_synced: int = 0
 
 
 @dataclass
@@ -176,6 +180,7 @@ class KVBlockPool:
             for b in hit_ids:  # before taking new blocks, so these are not the ones evicted
                 self._acquire(b)
             table.block_ids = list(hit_ids)
+            table.device_synced = 0
             table.block_hashes = list(hit_hashes)
             table.num_cached_tokens = len(hit_ids) * self.block_size
             self._stats.queries += len(token_ids)
@@ -228,6 +233,7 @@ class KVBlockPool:
         for b in reversed(table.block_ids):
             self._release(b)
         table.block_ids = []
+        table.device_synced = 0
         table.block_hashes = []
         table.num_cached_tokens = 0
         table.collision_at = None
@@ -243,6 +249,7 @@ class KVBlockPool:
         for b in reversed(table.block_ids[keep:]):
             self._release(b)
         del table.block_ids[keep:]
+        table.device_synced = min(table.device_synced, keep)
         self._drop_hashes(table, num_tokens // self.block_size)
         table.num_cached_tokens = min(table.num_cached_tokens, num_tokens)
         return self.ensure_writable_tail(table, num_tokens)
@@ -266,6 +273,7 @@ class KVBlockPool:
             raise OutOfBlocks("no free block to copy a shared tail into")
         dst = self._take()
         table.block_ids[i] = dst
+        table.device_synced = min(table.device_synced, i)
         self._release(b)
         return b, dst
 

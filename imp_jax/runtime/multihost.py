@@ -33,8 +33,8 @@ from imp_jax.runtime.config import EngineConfig
 log = logging.getLogger("imp_jax.multihost")
 HEARTBEAT_TIMEOUT_S = 10   # the coordinator counts a process silent this long as lost
 PING_S = 2.0               # the idle leader's no-op broadcast period
-NOOP, STEP, SCORE, STOP = 0, 1, 2, 3
-PROGRAMS = {STEP: "step", SCORE: "score"}
+NOOP, STEP, SCORE, STOP, TABLES = 0, 1, 2, 3, 4
+PROGRAMS = {STEP: "step", SCORE: "score", TABLES: "tables"}   # TABLES: block-table edits (runtime/block_tables.py)
 PEER_LOST = "multi-host: process"   # how the engine error of a lost process starts (shown to clients)
 
 

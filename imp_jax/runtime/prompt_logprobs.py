@@ -51,11 +51,12 @@ class PromptScoring:
         T = step_fn.score_tokens
         chunk = list(self.ids[self.start:self.start + T])
         batch = build_step_batch([SeqChunk(chunk, self.start, self.table.block_ids, self.lora_slot)], num_tokens=T,
-                                 num_seqs=1, max_blocks=step_fn.shapes.max_blocks, block_size=block_size)
+                                 num_seqs=1, max_blocks=step_fn.shapes.max_blocks, block_size=block_size,
+                                 with_tables=False)
         targets = np.zeros(T, np.int32)
         nxt = list(self.ids[self.start + 1:self.start + 1 + len(chunk)])
         targets[:len(nxt)] = nxt
-        lp, rank, top_ids, top_lp = step_fn.score(batch, targets)
+        lp, rank, top_ids, top_lp = step_fn.score(batch, targets, [self.table])
         for j, tok in enumerate(nxt):
             top = [(int(t), float(v)) for t, v in zip(top_ids[j, :self.top_k], top_lp[j, :self.top_k])]
             self.entries.append(TokenLogprob(int(tok), float(lp[j]), top, int(rank[j])))

@@ -22,7 +22,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch, build_step_batch, pow2_buckets
-from imp_jax.runtime.multihost import SCORE, STEP, Leader
+from imp_jax.runtime.block_tables import DeviceTables, edit_capacity
+from imp_jax.runtime.kv_blocks import BlockTable
+from imp_jax.runtime.multihost import SCORE, STEP, TABLES, Leader
 from imp_jax.runtime.packing import Layout, pack, unpack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
 from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
@@ -48,6 +50,8 @@ class CompiledStep:
 
     Two programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
     (T, S) bucket, and `score` (raw logprobs of every row, for prompt_logprobs) for one bucket.
+    Both read the block tables from device-resident rows (runtime/block_tables.py) that they edit
+    in place; a third, tiny program writes the edits a step has no room for.
     Every array has an explicit sharding on `mesh` (runtime/sharding.py). On a mesh of more than
     one device the forward and the LM head run per shard under `shard_map` (the model's kernels are
     custom calls GSPMD cannot split; the model sums its row-parallel outputs itself) and the
@@ -65,6 +69,12 @@ class CompiledStep:
         if mesh.size > 1:   # the loader left the weights on the host, shard-major: keep only the placed shards
             nnx.update(model, self.state)
         self.kv = jax.device_put(kv, (kv_sh, kv_sh))
+        self.max_rows = max(s for _, s in self.buckets)   # the previous step's tokens, padded to this
+        # every running sequence's block table, a row each; twice the rows a step holds, so finished and
+        # preempted sequences' rows are reclaimed in batches (block_tables.py)
+        self.device_tables = DeviceTables(2 * self.max_rows + 2, shapes.max_blocks)
+        self.tables = jax.device_put(np.zeros((self.device_tables.num_slots, shapes.max_blocks), np.int32), rep)
+        self._block_size = self.kv[0].shape[2]
         # the programs take the parameters as a flat list (flattening nnx Variables on every call
         # cost more host time than the rest of the dispatch) and every host input as two packed
         # buffers (packing.py); they are lowered from specs, never from the live (donated) buffers,
@@ -74,6 +84,7 @@ class CompiledStep:
         self._parked: tuple[list[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None   # suspend()
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._leaf_specs, self._kv_spec = [spec(a) for a in self._leaves], jax.tree.map(spec, self.kv)
+        self._tables_spec = spec(self.tables)
         self._layouts: dict[tuple[str, int, int], Layout] = {}
         self._exec: dict[tuple[int, int], Any] = {}
         self._compiled: list[tuple[int, int]] = []     # sorted; replaced whole, so readers need no lock
@@ -111,11 +122,16 @@ class CompiledStep:
                 in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 5),
                 out_specs=(logits_spec, kv_spec))
 
-        self.max_rows = max(s for _, s in self.buckets)   # the previous step's tokens, padded to this
+        def meta_of(tables, meta_in, table_rows, edits):
+            """The step's AttentionMetadata, its rows read from the device tables after this step's edits."""
+            tables = tables.at[edits[0], edits[1]].set(edits[2], mode="drop")
+            qsl, seq_lens, slot_mapping, num_seqs = meta_in
+            return AttentionMetadata(qsl, seq_lens, tables[table_rows], slot_mapping, num_seqs), tables
 
-        def step(leaves, kv, ints, floats, prev, layout):
-            input_ids, positions, meta, rows, sampling, step_no, lora_ids, src, hist_pos = unpack(
+        def step(leaves, kv, tables, ints, floats, prev, layout):
+            input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos = unpack(
                 layout, ints, floats)
+            meta, tables = meta_of(tables, meta, table_rows, edits)
             # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
             # step's sample at row src (-1: the host's id); a penalised row's history gets it too
             input_ids = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], input_ids)
@@ -126,25 +142,32 @@ class CompiledStep:
             logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
             key = jax.random.fold_in(jax.random.key(0), step_no)
             out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)
-            return (out, jnp.pad(out.tokens, (0, self.max_rows - out.tokens.shape[0]))), kv
+            return (out, jnp.pad(out.tokens, (0, self.max_rows - out.tokens.shape[0]))), kv, tables
 
-        def score(leaves, kv, ints, floats, prev, layout):
-            input_ids, positions, meta, targets, lora_ids = unpack(layout, ints, floats)
+        def score(leaves, kv, tables, ints, floats, prev, layout):
+            input_ids, positions, meta, table_rows, edits, targets, lora_ids = unpack(layout, ints, floats)
+            meta, tables = meta_of(tables, meta, table_rows, edits)
             logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, None)
             logprobs = jax.nn.log_softmax(logits, axis=-1)   # raw: no sampling knobs
             target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
             rank = jnp.sum(logprobs > target, axis=-1) + 1
             top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
-            return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv
+            return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv, tables
 
-        # params, kv, ints, floats, the previous step's tokens (`last_tokens`)
-        ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep)
+        # params, kv, block tables, ints, floats, the previous step's tokens (`last_tokens`)
+        ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
         self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
         self.last_tokens = self.no_prev   # the tokens of the step launched last, padded to max_rows
-        jit = lambda f: jax.jit(f, static_argnums=(5,), donate_argnums=(1,), in_shardings=ins,
-                                out_shardings=(rep, (kv_sh, kv_sh)))
+        jit = lambda f: jax.jit(f, static_argnums=(6,), donate_argnums=(1, 2), in_shardings=ins,
+                                out_shardings=(rep, (kv_sh, kv_sh), rep))
         self._step_jit, self._score_jit = jit(step), jit(score)
         self._score_exec: Any = None
+        # the edits a step has no room for, `table_chunk` at a time, before it
+        self.table_chunk = max(shapes.max_blocks, 64)
+        self.table_writes = 0   # runs of that program
+        write = lambda tables, edits: tables.at[edits[0], edits[1]].set(edits[2], mode="drop")
+        self._write_exec = jax.jit(write, donate_argnums=(0,), in_shardings=(rep, rep), out_shardings=rep).lower(
+            self._tables_spec, jax.ShapeDtypeStruct((3, self.table_chunk), jnp.int32)).compile()
         self.score_tokens = self.buckets[-1][0]   # prompt logprobs run one sequence, chunk by chunk
 
     def serving_set(self) -> list[tuple[int, int]]:
@@ -190,13 +213,17 @@ class CompiledStep:
         if bucket is None and not score:
             return False
         T, S = bucket or (self.score_tokens, 1)
-        batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
-                                 block_size=self._kv_spec[0].shape[2])
+        batch = self.empty_batch(T, S)
         if score:   # its first run keeps ~55 MiB of buffers: at start-up, not mid-traffic
-            self.score(batch, np.zeros(T, np.int32))
+            self.score(batch, np.zeros(T, np.int32), [])
         else:
-            self(batch, self._dummy_sampling(S), 0)
+            fetch(self.launch(batch, self._dummy_sampling(S), 0, []))
         return True
+
+    def empty_batch(self, T: int, S: int) -> StepBatch:
+        """An all-padding batch of a (T, S) program (it writes no KV and edits no table)."""
+        return build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
+                                block_size=self._block_size, with_tables=False)
 
     def has_unrun(self) -> bool:
         return not self.suspended and (bool(self._unrun) or self._score_unrun)
@@ -217,13 +244,19 @@ class CompiledStep:
         if progress:
             progress(i, len(self.buckets), bucket, time.perf_counter() - t0)
 
-    def _lower(self, jitted: Any, program: str, T: int, S: int, counted: bool = True) -> Any:
-        """Compile `jitted` for T tokens over S sequence slots (counted once warm-up is over)."""
+    def lowered(self, program: str, T: int, S: int) -> Any:
+        """The `program` ("step" or "score") for T tokens over S sequence slots, lowered, not compiled."""
         layout = self._layout(program, T, S)
-        exe = jitted.lower(self._leaf_specs, self._kv_spec, jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
-                           jax.ShapeDtypeStruct((layout.float_size,), jnp.float32),
-                           jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.no_prev.sharding),
-                           layout).compile()
+        jitted = self._step_jit if program == "step" else self._score_jit
+        return jitted.lower(self._leaf_specs, self._kv_spec, self._tables_spec,
+                            jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
+                            jax.ShapeDtypeStruct((layout.float_size,), jnp.float32),
+                            jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.no_prev.sharding),
+                            layout)
+
+    def _lower(self, program: str, T: int, S: int, counted: bool = True) -> Any:
+        """Compile `program` for T tokens over S sequence slots (counted once warm-up is over)."""
+        exe = self.lowered(program, T, S).compile()
         if counted and self._warm:
             self.compilations_after_warmup += 1
             log.warning("compiled a %s program for T=%d S=%d after warm-up", program, T, S)
@@ -233,8 +266,8 @@ class CompiledStep:
         """Where the packed inputs of a `program` ("step" or "score") for (T, S) lie (the same every call)."""
         key = (program, T, S)
         if key not in self._layouts:
-            batch = build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
-                                     block_size=self._kv_spec[0].shape[2])
+            batch = self.empty_batch(T, S)
+            self._attach_tables(batch, [])
             tree = (self._step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
                     else self._score_inputs(batch, np.zeros(T, np.int32)))
             self._layouts[key] = pack(tree)[0]
@@ -244,7 +277,7 @@ class CompiledStep:
         with self._compile_lock:
             if bucket in self._exec:
                 return self._exec[bucket]
-            exe = self._lower(self._step_jit, "step", *bucket, counted=counted)
+            exe = self._lower("step", *bucket, counted=counted)
             self._exec[bucket] = exe
             self._compiled = sorted(self._exec)
             with self._unrun_lock:
@@ -255,24 +288,46 @@ class CompiledStep:
         """The prompt-scoring program, compiled on first need (warm-up compiles it)."""
         with self._compile_lock:
             if self._score_exec is None:
-                self._score_exec = self._lower(self._score_jit, "score", self.score_tokens, 1, counted=counted)
+                self._score_exec = self._lower("score", self.score_tokens, 1, counted=counted)
                 self._score_unrun = True
             return self._score_exec
 
-    def score(self, batch: StepBatch, targets: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch."""
+    def score(self, batch: StepBatch, targets: np.ndarray, tables: list[BlockTable]) -> tuple[np.ndarray, ...]:
+        """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch
+        (`batch` built without tables; `tables`: its sequence's BlockTable)."""
         exe = self._score_program()
+        self._attach_tables(batch, tables)
         ints, floats = self._pack("score", self._score_inputs(batch, targets))
         if self.leader is not None:
             self.leader.send(SCORE, (len(batch.input_ids), 1), ints, floats)
-        out, self.kv = exe(self._leaves, self.kv, ints, floats, self.no_prev)
+        out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
         return tuple(np.asarray(x) for x in out)
 
     def run_packed(self, program: str, bucket: tuple[int, int], ints: np.ndarray, floats: np.ndarray) -> None:
         """A multi-host follower: run the program the leader announced on its packed inputs, to the end."""
+        if program == "tables":
+            self.tables = self._write_exec(self.tables, ints.reshape(3, -1))
+            return
         exe = (self._exec.get(bucket) or self._compile(bucket)) if program == "step" else self._score_program()
-        out, self.kv = exe(self._leaves, self.kv, ints, floats, self.no_prev)
+        out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
         jax.block_until_ready(out)
+
+    def _attach_tables(self, batch: StepBatch, tables: list[BlockTable]) -> None:
+        """Give `batch` (built without tables) its rows of the device tables and the edits that bring
+        them up to date: as many as its program takes, the rest written now by the table program (it
+        runs first: the tables pass through the programs in launch order)."""
+        T, S = len(batch.input_ids), len(batch.seq_lens)
+        rows, edits = self.device_tables.edits(tables, S)
+        room = edit_capacity(T, S, self._block_size)
+        while len(edits) > room:
+            n = min(len(edits) - room, self.table_chunk)
+            chunk, edits = edits[:n], edits[n:]
+            packed = self.device_tables.pack(chunk, self.table_chunk)
+            if self.leader is not None:
+                self.leader.send(TABLES, (0, 0), packed.ravel(), np.zeros(0, np.float32))
+            self.tables = self._write_exec(self.tables, packed)
+            self.table_writes += 1
+        batch.table_rows, batch.table_edits = rows, self.device_tables.pack(edits, room)
 
     def fault_message(self, error: BaseException) -> str:
         """The engine's error when running a program raised (a lost process, when multi-host)."""
@@ -285,7 +340,7 @@ class CompiledStep:
     def suspend(self) -> int:
         """Copy the parameters and the KV cache (prefix cache included) to host memory and free their
         device buffers; returns the bytes freed. Nothing may run until `resume()`."""
-        arrays = [*self._leaves, *self.kv]
+        arrays = [*self._leaves, *self.kv]   # the block tables (a few hundred KiB) stay
         host = [np.array(a, copy=True) for a in arrays]   # a copy: on a CPU the array may be the buffer
         freed = sum(a.nbytes for a in arrays)
         for a in arrays:
@@ -306,7 +361,7 @@ class CompiledStep:
     def _pack(self, program: str, tree: Any) -> tuple[np.ndarray, np.ndarray]:
         """The packed buffers of `tree`, checked against the layout the program was compiled for."""
         layout, ints, floats = pack(tree)
-        T, S = len(tree[0]), len(tree[2].seq_lens)
+        T, S = len(tree[0]), len(tree[2][1])
         if layout != self._layouts.get((program, T, S)):
             raise ValueError(f"the {program} inputs for T={T} S={S} do not match the compiled layout")
         return ints, floats
@@ -315,12 +370,13 @@ class CompiledStep:
                      follow: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, ...]:
         T, S = len(batch.input_ids), len(batch.seq_lens)
         src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
-        return (batch.input_ids, batch.positions, _meta(batch), batch.last_token_rows, sampling,
-                np.asarray(step_no, np.int32), batch.lora_ids if self.with_lora else None, src, hist_pos)
+        return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
+                batch.last_token_rows, sampling, np.asarray(step_no, np.int32),
+                batch.lora_ids if self.with_lora else None, src, hist_pos)
 
     def _score_inputs(self, batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
-        return (batch.input_ids, batch.positions, _meta(batch), np.asarray(targets, np.int32),
-                batch.lora_ids if self.with_lora else None)
+        return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
+                np.asarray(targets, np.int32), batch.lora_ids if self.with_lora else None)
 
     def write_params(self, edit: Callable[[Any], None]) -> None:
         """Engine thread, between steps: `edit(model)` sets some parameters to host arrays of their
@@ -354,14 +410,11 @@ class CompiledStep:
                 return T, S
         raise ValueError(f"no bucket holds {num_tokens} tokens and {num_seqs} sequences")
 
-    def __call__(self, batch: StepBatch, sampling: SamplingTensors, step_no: int) -> SamplerOutput:
-        """Run one step on host arrays; returns the sampler output as numpy arrays."""
-        return fetch(self.launch(batch, sampling, step_no))
-
-    def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
+    def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int, tables: list[BlockTable],
                follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
         arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
+        `batch` is built without tables (`with_tables=False`); `tables` are its sequences' BlockTables.
 
         `follow` = (src [T], hist_pos [S]) with `prev` (an earlier launch's `last_tokens`): token row t
         takes prev[src[t]] when src[t] >= 0, and sampling row r's history slot hist_pos[r] (>= 0) gets
@@ -371,13 +424,14 @@ class CompiledStep:
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
+        self._attach_tables(batch, tables)
         ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow))
         if self.leader is not None:
             if follow is not None:
                 raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")
             self.leader.send(STEP, bucket, ints, floats)
-        (out, self.last_tokens), self.kv = exe(self._leaves, self.kv, ints, floats,
-                                               self.no_prev if prev is None else prev)
+        (out, self.last_tokens), self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats,
+                                                            self.no_prev if prev is None else prev)
         return SamplerOutput(*out)
 
 
@@ -386,9 +440,9 @@ def fetch(out: SamplerOutput) -> SamplerOutput:
     return SamplerOutput(*(np.asarray(x) for x in out))
 
 
-def _meta(batch: StepBatch) -> AttentionMetadata:
-    return AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                             batch.slot_mapping, batch.num_seqs)
+def _meta(batch: StepBatch) -> tuple[np.ndarray, ...]:
+    """AttentionMetadata's host fields (its block tables come from the device rows)."""
+    return batch.query_start_loc, batch.seq_lens, batch.slot_mapping, batch.num_seqs
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:
