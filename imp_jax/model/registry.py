@@ -11,6 +11,8 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen2ForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen3ForCausalLM": "imp_jax.model.llama:DecoderLM",
+    "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
+    "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
 }
 
 
