@@ -23,6 +23,7 @@ from imp_jax.model.loader import SafetensorsDir, build_from_tensors, load_model
 from imp_jax.model.registry import get_model_class
 from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
+from imp_jax.runtime.defaults import arch_preset
 from paged import PagedRunner, host_kernels
 
 WINDOW = 8   # every prompt below is longer
@@ -89,6 +90,8 @@ def test_config_is_parsed_from_transformers_output(tiny):
     assert cfg.sliding_window == WINDOW and cfg.query_pre_attn_scalar == 24.0
     assert cfg.attn_logit_softcapping == hf.attn_logit_softcapping
     assert cfg.final_logit_softcapping == hf.final_logit_softcapping
+    preset = arch_preset(cfg.architecture)   # the spec's Gemma sampling preset
+    assert (preset["top_p"], preset["top_k"]) == (0.9, 20)
     if cfg.architecture == "Gemma3ForCausalLM":
         assert cfg.qk_norm and cfg.rope_local_theta == 500.0 and cfg.rope_theta == 1e5
         assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 2.0
@@ -162,7 +165,7 @@ def test_released_gemma_configs_get_their_defaults():
 
 
 @pytest.mark.parametrize("arch, extra, match", [
-    ("Gemma3ForConditionalGeneration", {}, "Gemma3ForConditionalGeneration.*vision"),
+    ("Gemma3ForConditionalGeneration", {}, "without a .text_config."),
     ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("Gemma2ForCausalLM", {"hidden_activation": "relu"}, "hidden_activation 'relu'"),
     ("Gemma2ForCausalLM", {"layer_types": ["sliding_attention"] * 6 + ["chunked"]}, "'chunked'"),
@@ -287,3 +290,28 @@ def test_engine_serves_gemma_greedy_like_transformers_without_compiling_after_wa
                                      eos_token_id=None)[0, len(p):].tolist()
         assert r.ids == want
     assert engine.step_fn.compilations_after_warmup == 0
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (text_config, `language_model.model.*` names, a
+    vision tower) loads its language model; text logits match transformers' multimodal model."""
+    import transformers
+
+    text = transformers.Gemma3TextConfig(**TINY, sliding_window_pattern=3)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(1)
+    hf_model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=300,
+        boi_token_index=298, eoi_token_index=299)).float().eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if p.ndim == 1 and "language_model" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.qk_norm and cfg.num_layers == 4
+    assert cfg.layer_types[2] == "full_attention" and cfg.rope_local_theta == 1e4
+    p = prompts([20], 298, seed=5)[0]
+    got = PagedRunner(build(cfg, SafetensorsDir(tmp_path), XLA)).run([SeqChunk(p, 0, [1, 2])], 32, 1)[0]
+    close(got, hf_logits(hf_model, p))

@@ -12,7 +12,13 @@ from imp_jax.errors import ModelLoadError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("sliding_attention", "full_attention")
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Gemma3TextConfig's defaults, which a multimodal Gemma 3's `text_config` relies on (it omits them)
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6, rope_local_base_freq=1e4,
+    bos_token_id=2, eos_token_id=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,12 @@ class ModelConfig:
         archs = hf.get("architectures")
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ModelLoadError(f"{source}: 'architectures' must be a non-empty list of names")
+        if archs[0] == "Gemma3ForConditionalGeneration":   # served text-only: its language model
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration without a 'text_config' object")
+            top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
+            hf = {**GEMMA3_TEXT_DEFAULTS, **top, **text, "architectures": archs}
 
         def need(key: str, typ: type = int) -> Any:
             if key not in hf or hf[key] is None:
@@ -125,11 +137,6 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         arch = archs[0]
-        if arch == "Gemma3ForConditionalGeneration":
-            raise ModelLoadError(
-                f"{source}: Gemma3ForConditionalGeneration (the multimodal Gemma 3) is not served: "
-                f"imp_jax has no vision tower; serve a text-only Gemma3ForCausalLM checkpoint "
-                f"(gemma-3-1b, or the 4b/12b/27b language model extracted)", code="unknown_architecture")
         window = hf.get("sliding_window")
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use
@@ -149,7 +156,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
@@ -184,7 +191,7 @@ def _gemma_fields(hf: dict[str, Any], arch: str, num_layers: int, source: str) -
     `rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}` and `layer_types`."""
     if arch not in GEMMA_ARCHITECTURES:
         return {}
-    g3 = arch == "Gemma3ForCausalLM"
+    g3 = arch != "Gemma2ForCausalLM"
     if hf.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding Gemma) is not supported "
                              f"by the causal-LM server")

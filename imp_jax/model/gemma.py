@@ -19,6 +19,7 @@ layers only mask what they read (their blocks beyond the window are not reclaime
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,9 @@ from imp_jax.model.lora import LoraLayers
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import WeightSource, stored
 
+# where a Gemma3ForConditionalGeneration checkpoint keeps its language model's `model.*` and `lm_head.*`
+MULTIMODAL_PREFIXES = (("language_model.model.", "language_model.lm_head."),
+                       ("model.language_model.", "lm_head."))
 NORMS = ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm")
 
 
@@ -191,7 +195,10 @@ class GemmaLM(DecoderLM):
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
                         options: ModelOptions = ModelOptions()) -> "GemmaLM":
-        """Build from HF-named tensors: DecoderLM's names plus the feed-forward norms."""
+        """Build from HF-named tensors: DecoderLM's names plus the feed-forward norms. A multimodal
+        Gemma 3 checkpoint's language model (`language_model.model.*` or `model.language_model.*`)
+        is read under the plain names; its vision tower is left unread."""
+        weights = _language_model(weights)
         model = super().from_hf_tensors(config, weights, options)
         on_host = model.tp.n > 1
         for name, hf in (("pre_ffn_norm", "pre_feedforward_layernorm"),
@@ -202,3 +209,39 @@ class GemmaLM(DecoderLM):
                 raise ValueError(f"{hf}: shape {value.shape} where {param.shape} was expected")
             param.set_value(stored(value, options.dtype, on_host=on_host))
         return model
+
+
+class _Renamed(Mapping[str, np.ndarray]):
+    """A WeightSource's tensors under Gemma3ForCausalLM's names: `model.*` read from `model`,
+    `lm_head.*` from `head` (the names from_hf_tensors asks for; not iterable)."""
+
+    def __init__(self, weights: WeightSource, model: str, head: str):
+        self._weights, self._model, self._head = weights, model, head
+
+    def _stored(self, name: str) -> str:
+        if name.startswith("model."):
+            return self._model + name[len("model."):]
+        return self._head + name[len("lm_head."):] if name.startswith("lm_head.") else name
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._weights.tensor(self._stored(name))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._stored(name) in self._weights
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("a renamed view is read by name only")
+
+    def __len__(self) -> int:
+        raise TypeError("a renamed view is read by name only")
+
+
+def _language_model(weights: WeightSource) -> WeightSource:
+    """`weights` itself, or, for a multimodal Gemma 3 checkpoint, its language model's tensors under
+    the names of a Gemma3ForCausalLM."""
+    if "model.embed_tokens.weight" in weights:
+        return weights
+    for model, head in MULTIMODAL_PREFIXES:
+        if model + "embed_tokens.weight" in weights:
+            return WeightSource(_Renamed(weights, model, head), weights.formats, weights.source)
+    return weights   # the first lookup names what is missing
