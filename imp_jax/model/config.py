@@ -11,6 +11,14 @@ import numpy as np
 from imp_jax.errors import ModelLoadError
 
 ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Gemma3TextConfig's defaults, which a multimodal Gemma 3's `text_config` relies on (it omits them)
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6, rope_local_base_freq=1e4,
+    bos_token_id=2, eos_token_id=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,29 @@ class ModelConfig:
     sliding_window: int | None = None  # attend to at most this many previous tokens (Mistral)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # --- Gemma 2 / Gemma 3 (model/gemma.py); the defaults leave every other family unchanged ---
+    query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcapping: float | None = None # logits -> cap * tanh(logits / cap)
+    layer_types: tuple[str, ...] = ()            # per layer "sliding_attention" | "full_attention";
+                                                 # () = every layer uses `sliding_window` as above
+    rope_local_theta: float | None = None        # Gemma 3: RoPE base of the sliding layers (no scaling)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_types, tuple):   # a list from JSON (converted checkpoints)
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ModelLoadError(f"layer_types: {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: it attends to the whole sequence)."""
+        if self.layer_types and self.layer_types[i] == "full_attention":
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -81,6 +112,12 @@ class ModelConfig:
         archs = hf.get("architectures")
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ModelLoadError(f"{source}: 'architectures' must be a non-empty list of names")
+        if archs[0] == "Gemma3ForConditionalGeneration":   # served text-only: its language model
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration without a 'text_config' object")
+            top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
+            hf = {**GEMMA3_TEXT_DEFAULTS, **top, **text, "architectures": archs}
 
         def need(key: str, typ: type = int) -> Any:
             if key not in hf or hf[key] is None:
@@ -103,7 +140,8 @@ class ModelConfig:
         window = hf.get("sliding_window")
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use
-        return cls(
+        gemma = _gemma_fields(hf, arch, num_layers=need("num_hidden_layers"), source=source)
+        fields = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -118,11 +156,12 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
         )
+        return cls(**{**fields, **gemma})
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -141,6 +180,60 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: malformed JSON ({e})") from None
+
+
+def _gemma_fields(hf: dict[str, Any], arch: str, num_layers: int, source: str) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 2 / 3 config (overriding the generic parse); {} for other families.
+
+    Gemma 2 alternates sliding and global layers (sliding first); Gemma 3 has `sliding_window_pattern`
+    - 1 sliding layers, then a global one, and RoPE bases per layer type: `rope_theta` (global,
+    with `rope_scaling`) and `rope_local_base_freq` (sliding). transformers 5 writes both as
+    `rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}` and `layer_types`."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    g3 = arch != "Gemma2ForCausalLM"
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding Gemma) is not supported "
+                             f"by the causal-LM server")
+    if hf.get("attention_bias"):
+        raise ModelLoadError(f"{source}: attention_bias is not supported for {arch}")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{source}: hidden_activation {act!r} is not supported for {arch} "
+                             f"(supported: gelu_pytorch_tanh)")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = int(hf.get("sliding_window_pattern") or (6 if g3 else 2))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ModelLoadError(f"{source}: 'layer_types' must be a list of strings")
+    window = hf.get("sliding_window", 4096)
+    if window is None and "sliding_attention" in types:
+        raise ModelLoadError(f"{source}: 'sliding_window' is null but layer_types has sliding layers")
+    out: dict[str, Any] = dict(
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+        attn_logit_softcapping=_opt_float(hf.get("attn_logit_softcapping", None if g3 else 50.0)),
+        final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping", None if g3 else 30.0)),
+        layer_types=tuple(types), sliding_window=int(window) if window else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    params = hf.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):   # transformers 5: per layer type
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        out["rope_theta"] = float(full.get("rope_theta", 1e6 if g3 else 10000.0))
+        out["rope_scaling"] = _parse_rope_scaling(full, source)
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: scaled RoPE on sliding layers is not supported")
+        out["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
+    elif g3:
+        out["rope_theta"] = float(hf.get("rope_theta") or params.get("rope_theta") or 1e6)
+        out["rope_local_theta"] = float(hf.get("rope_local_base_freq") or 10000.0)
+    if g3 and "rope_local_theta" not in out:
+        out["rope_local_theta"] = 10000.0
+    return out
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling:

@@ -23,7 +23,9 @@ from imp_jax.model.tokenizer import Tokenizer
 log = logging.getLogger("imp_jax.gguf")
 
 # GGUF `general.architecture` -> HF `architectures[0]`
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3")
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -32,6 +34,9 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer (llama's `ffn_norm` is Gemma's pre-feed-forward norm)
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -48,8 +53,9 @@ class GGUFCheckpoint:
 class GGUFTensors(Mapping[str, np.ndarray]):
     """HF-named float32 tensors, dequantised from the memory-mapped file on each access."""
 
-    def __init__(self, entries: dict[str, tuple[Any, int | None]]):
+    def __init__(self, entries: dict[str, tuple[Any, int | None]], minus_one: frozenset[str] = frozenset()):
         self._entries = entries  # hf name -> (gguf ReaderTensor, heads to un-permute rows by, or None)
+        self._minus_one = minus_one   # Gemma norms: llama.cpp stored HF's weight + 1
 
     def __getitem__(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
@@ -58,6 +64,8 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         w = dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
         if heads is not None:
             w = unpermute_rotary(w, heads)
+        if name in self._minus_one:
+            w = w.astype(np.float32) - np.float32(1.0)
         return np.require(w, np.float32, ["C", "W", "O"])  # an F32 tensor is copied out of the mmap
 
     def blocks(self, name: str) -> np.ndarray | None:
@@ -182,7 +190,51 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
     }
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    if arch in GEMMA:
+        cfg.update(_gemma_config(arch, meta, cfg))
     return cfg
+
+
+def _gemma_config(arch: str, meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3 keys as llama.cpp reads them: the attention scale is `attention.scale` when
+    written, else 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B models (46 or 62
+    layers), which is HF's `query_pre_attn_scalar`; the sliding-window pattern is
+    `attention.sliding_window_pattern` (a period, or a per-layer bool array, true = sliding) else
+    llama.cpp's fixed 2 (Gemma 2) or 6 (Gemma 3); the sliding layers' RoPE base is
+    `rope.freq_base_swa`, else 10000."""
+    a = lambda key: f"{arch}.{key}"  # noqa: E731
+    layers, g3 = cfg["num_hidden_layers"], arch == "gemma3"
+    scale = meta.get(a("attention.scale"))
+    if scale:
+        scalar = round(1.0 / float(scale) ** 2, 4)   # a float32 scale: 24 comes back as 23.999998
+    elif layers == (62 if g3 else 46):
+        scalar = cfg["hidden_size"] / cfg["num_attention_heads"]
+    else:
+        scalar = cfg["head_dim"]
+    pattern = meta.get(a("attention.sliding_window_pattern"), 6 if g3 else 2)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelLoadError(f"{meta.path}: {a('attention.sliding_window_pattern')} has {len(pattern)} "
+                                 f"entries for {layers} layers")
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _f32(scalar),
+        "attn_logit_softcapping": _opt_f32(meta.get(a("attn_logit_softcapping"))),
+        "final_logit_softcapping": _opt_f32(meta.get(a("final_logit_softcapping"))),
+        "sliding_window": meta.get(a("attention.sliding_window"), 4096),
+        "layer_types": types,
+    }
+    if g3:
+        out["rope_theta"] = _f32(meta.get(a("rope.freq_base"), 1e6))
+        out["rope_local_base_freq"] = _f32(meta.get(a("rope.freq_base_swa"), 10000.0))
+    return out
+
+
+def _opt_f32(x: float | None) -> float | None:
+    return None if x is None else _f32(x)
 
 
 def _f32(x: float) -> float:
@@ -235,6 +287,7 @@ def _llama3_factors(rs: dict[str, Any], theta: float, dim: int) -> np.ndarray:
 def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path) -> GGUFTensors:
     """Map GGUF tensor names to HF ones; llama Q/K rows get un-permuted (heads for q, kv heads for k)."""
     entries: dict[str, tuple[Any, int | None]] = {}
+    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
     unknown = []
     for name, tensor in raw.items():
         if name == "rope_freqs.weight":
@@ -244,14 +297,15 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
             entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
-        if not m or m[2] not in _LAYER_NAMES:
+        if not m or m[2] not in layer_names:
             unknown.append(name)
             continue
         heads = None
         if arch == "llama" and m[2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if m[2] == "attn_q" else cfg["num_key_value_heads"]
-        entries[f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"] = (tensor, heads)
+        entries[f"model.layers.{m[1]}.{layer_names[m[2]]}.{m[3]}"] = (tensor, heads)
     if unknown:
         raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "
                              f"(mixture-of-experts or another variant?): {', '.join(unknown[:8])}")
-    return GGUFTensors(entries)
+    minus_one = frozenset(n for n in entries if arch in GEMMA and n.endswith("norm.weight"))
+    return GGUFTensors(entries, minus_one)

@@ -11,6 +11,9 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen2ForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen3ForCausalLM": "imp_jax.model.llama:DecoderLM",
+    "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
+    "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
+    "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # text only: the vision tower is not loaded
 }
 
 

@@ -1,0 +1,317 @@
+"""Gemma 2 and Gemma 3 (model/gemma.py) on tiny random checkpoints vs transformers: ragged batches,
+chunked prefill then decode, greedy tokens, windows and soft-caps exercised beyond their lengths;
+config parsing; a GGUF written from the HF checkpoint; the engine with no compilation after warm-up."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.kernels_pallas import XLA
+from imp_jax.model.base import ModelOptions
+from imp_jax.model.config import ModelConfig
+from imp_jax.model.gguf_loader import load_gguf
+from imp_jax.model.loader import SafetensorsDir, build_from_tensors, load_model
+from imp_jax.model.registry import get_model_class
+from imp_jax.model.weights import WeightSource
+from imp_jax.runtime.batch import SeqChunk
+from imp_jax.runtime.defaults import arch_preset
+from paged import PagedRunner, host_kernels
+
+WINDOW = 8   # every prompt below is longer
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=WINDOW,
+            query_pre_attn_scalar=24)   # not head_dim: the scale is the config's
+CONFIGS = {
+    # soft-caps small enough to bind on random weights; layers sliding, full, sliding, full
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # layers sliding, sliding, full, sliding; global RoPE linearly scaled, local RoPE its own base
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
+        sliding_window_pattern=3, tie_word_embeddings=False, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+}
+
+
+def write_tiny_gemma(arch: str, path: Path):
+    """A tiny random `arch` checkpoint (1-D weights jittered so every norm matters); the transformers model."""
+    import transformers
+
+    cfg_cls, extra = CONFIGS[arch]
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(getattr(transformers, cfg_cls)(**TINY, **extra)).float().eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """(config, HF tensors, transformers model, path) for one tiny Gemma."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = write_tiny_gemma(request.param, path)
+    return ModelConfig.from_file(path / "config.json"), SafetensorsDir(path), hf_model, path
+
+
+def build(cfg, tensors, kernels, layer_loop="scan"):
+    options = ModelOptions(jnp.float32, layer_loop, kernels)
+    return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors), options)
+
+
+def prompts(lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def hf_logits(hf_model, prompt) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0].numpy()
+
+
+def close(got, ref, tol=1e-4):
+    assert np.max(np.abs(got - ref)) <= tol * np.ptp(ref), np.max(np.abs(got - ref)) / np.ptp(ref)
+
+
+def test_config_is_parsed_from_transformers_output(tiny):
+    cfg, _, hf_model, _ = tiny
+    hf = hf_model.config
+    assert cfg.layer_types == tuple(hf.layer_types) and len(set(cfg.layer_types)) == 2
+    assert cfg.sliding_window == WINDOW and cfg.query_pre_attn_scalar == 24.0
+    assert cfg.attn_logit_softcapping == hf.attn_logit_softcapping
+    assert cfg.final_logit_softcapping == hf.final_logit_softcapping
+    preset = arch_preset(cfg.architecture)   # the spec's Gemma sampling preset
+    assert (preset["top_p"], preset["top_k"]) == (0.9, 20)
+    if cfg.architecture == "Gemma3ForCausalLM":
+        assert cfg.qk_norm and cfg.rope_local_theta == 500.0 and cfg.rope_theta == 1e5
+        assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 2.0
+        assert cfg.layer_types == ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+    else:
+        assert not cfg.qk_norm and cfg.rope_local_theta is None and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("kernels", ["host", "xla"])
+def test_ragged_batch_chunked_prefill_and_decode_match_transformers(tiny, kernels):
+    """One model per kernel set, one compiled shape: a ragged batch on scattered pages, then a
+    chunked prefill mixed with decodes, each sequence's logits vs transformers on the whole prefix
+    (every prompt outruns the window, so sliding layers mask what global ones see)."""
+    cfg, tensors, hf_model, _ = tiny
+    runner = PagedRunner(build(cfg, tensors, host_kernels(cfg) if kernels == "host" else XLA))
+    ps = prompts([5, 20, 33, 1], cfg.vocab_size)
+    tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9]]
+    for p, got in zip(ps, runner.run([SeqChunk(p, 0, t) for p, t in zip(ps, tables)])):
+        close(got, hf_logits(hf_model, p))
+
+    a, b = prompts([30, 21], cfg.vocab_size, seed=1)
+    ta, tb = [10, 11], [12, 13]
+    first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb)])
+    second = runner.run([SeqChunk(a[13:27], 13, ta), SeqChunk([b[18]], 18, tb)])
+    steps = [runner.run([SeqChunk([a[i]], i, ta), SeqChunk([b[i - 8]], i - 8, tb)]) for i in (27, 28)]
+    close(np.concatenate([first[0], second[0]] + [s[0] for s in steps]), hf_logits(hf_model, a[:29]))
+    close(np.concatenate([first[1], second[1]] + [s[1] for s in steps]), hf_logits(hf_model, b[:21]))
+
+
+def test_greedy_tokens_match_transformers_under_both_layer_loops(tiny):
+    """Prefill then 12 decode steps, past the window, under `scan` (a lax.cond per layer picks
+    sliding or global attention) and `unroll` (static windows): transformers' greedy tokens."""
+    cfg, tensors, hf_model, _ = tiny
+    prompt = prompts([10], cfg.vocab_size, seed=2)[0]
+    with torch.no_grad():
+        want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+    for loop in ("scan", "unroll"):
+        runner = PagedRunner(build(cfg, tensors, host_kernels(cfg), loop))
+        seq, table = list(prompt), [3, 4]
+        last = runner.run([SeqChunk(prompt, 0, table)], num_tokens=16, num_seqs=1)[0][-1]
+        for _ in range(12):
+            seq.append(int(np.argmax(last)))
+            last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)], num_tokens=16, num_seqs=1)[0][-1]
+        assert seq[len(prompt):] == want, loop
+
+
+# ------------------------------------------------------------------------------------- config
+def hf_dict(arch: str, **extra) -> dict:
+    return {"architectures": [arch], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, **extra}
+
+
+def test_released_gemma_configs_get_their_defaults():
+    """Configs as Google released them (no layer_types; Gemma 3 with rope_local_base_freq and
+    sliding_window_pattern), as older transformers wrote them."""
+    g2 = ModelConfig.from_hf(hf_dict("Gemma2ForCausalLM", sliding_window=4096, query_pre_attn_scalar=256,
+                                     final_logit_softcapping=30.0, attn_logit_softcapping=50.0))
+    assert g2.layer_types == ("sliding_attention", "full_attention") * 3 + ("sliding_attention",)
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.tie_word_embeddings) == (50.0, 30.0, True)
+    assert g2.layer_window(0) == 4096 and g2.layer_window(1) is None
+    g3 = ModelConfig.from_hf(hf_dict("Gemma3ForCausalLM", sliding_window=512, sliding_window_pattern=6,
+                                     rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=256,
+                                     rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                     final_logit_softcapping=None, attn_logit_softcapping=None))
+    assert g3.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    assert g3.qk_norm and g3.attn_logit_softcapping is None and g3.final_logit_softcapping is None
+    llama = ModelConfig.from_hf(hf_dict("LlamaForCausalLM"))
+    assert llama.layer_types == () and llama.query_pre_attn_scalar is None and llama.rope_local_theta is None
+
+
+@pytest.mark.parametrize("arch, extra, match", [
+    ("Gemma3ForConditionalGeneration", {}, "without a .text_config."),
+    ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("Gemma2ForCausalLM", {"hidden_activation": "relu"}, "hidden_activation 'relu'"),
+    ("Gemma2ForCausalLM", {"layer_types": ["sliding_attention"] * 6 + ["chunked"]}, "'chunked'"),
+    ("Gemma2ForCausalLM", {"layer_types": ["full_attention"] * 3}, "3 entries for 7 layers"),
+])
+def test_unservable_gemma_configs_are_model_load_errors_naming_why(arch, extra, match):
+    with pytest.raises(ModelLoadError, match=match):
+        ModelConfig.from_hf(hf_dict(arch, **extra))
+
+
+# --------------------------------------------------------------------------------------- GGUF
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool) -> None:
+    """The HF checkpoint as llama.cpp's convert_hf_to_gguf writes a Gemma: its metadata, norms
+    stored with 1 added, Q/K not permuted, a SentencePiece vocabulary (padded to the vocab size).
+    `scale_key`: write `attention.scale` (else the reader falls back to 1/sqrt(head_dim))."""
+    from test_gguf_loader import sentencepiece_vocab
+
+    arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}[cfg.architecture]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    if scale_key:
+        w.add_attention_scale(cfg.query_pre_attn_scalar ** -0.5)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    tokens, types, scores = sentencepiece_vocab()
+    pad = cfg.vocab_size - len(tokens)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
+    w.add_token_types(types + [4] * pad)
+    w.add_token_scores(scores + [0.0] * pad)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id[0])
+    for name in tensors:
+        x = np.asarray(tensors[name], np.float32)
+        if name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, _, leaf = rest.rpartition(".")
+            gname = f"blk.{i}.{GGUF_LAYER[module]}.{leaf}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path):
+    """Config, tensors (norms less llama.cpp's 1) and logits of the GGUF equal the HF checkpoint's."""
+    cfg, tensors, hf_model, _ = tiny
+    g3 = cfg.architecture == "Gemma3ForCausalLM"
+    write_gemma_gguf(cfg, tensors, tmp_path / "m.gguf", scale_key=g3)
+    ckpt = load_gguf(tmp_path / "m.gguf")
+    got = ModelConfig.from_hf(ckpt.hf_config)
+    if not g3:   # no attention.scale: llama.cpp's 1/sqrt(head_dim) (this config's scalar is not head_dim)
+        assert got.query_pre_attn_scalar == cfg.head_dim
+        got = dataclasses.replace(got, query_pre_attn_scalar=cfg.query_pre_attn_scalar)
+    assert dataclasses.replace(got, max_position_embeddings=cfg.max_position_embeddings) == cfg
+    assert sorted(ckpt.tensors) == sorted(tensors)
+    for name in tensors:
+        np.testing.assert_allclose(ckpt.tensors[name], tensors[name], rtol=0, atol=2e-7 if "norm" in name else 0)
+    model = build(cfg, ckpt.tensors, XLA)
+    hf_ref = build(cfg, tensors, XLA)
+    runner = PagedRunner(hf_ref)
+    p = prompts([25], cfg.vocab_size, seed=3)[0]
+    from_hf = runner.run([SeqChunk(p, 0, [1, 2])], num_tokens=32, num_seqs=1)[0]
+    runner.state = nnx.state(model)   # the same program, the GGUF's weights
+    from_gguf = runner.run([SeqChunk(p, 0, [3, 4])], num_tokens=32, num_seqs=1)[0]
+    close(from_gguf, hf_logits(hf_model, p))
+    close(from_gguf, from_hf, tol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- engine
+def test_engine_serves_gemma_greedy_like_transformers_without_compiling_after_warm_up(tmp_path):
+    """Through EngineCore (chunked prefill on a budget of 16 tokens, then batched decode): two
+    greedy requests together give transformers' tokens, the pool comes back whole, and no step
+    compiles after warm-up."""
+    from conftest import write_tiny_tokenizer
+    from test_engine import make_engine, req, run
+
+    from imp_jax.runtime.config import EngineConfig
+
+    hf_model = write_tiny_gemma("Gemma3ForCausalLM", tmp_path)
+    write_tiny_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1]}))
+    loaded = load_model(tmp_path)
+    config = EngineConfig(model=str(tmp_path), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                          num_kv_blocks=24)
+    engine = make_engine(loaded, config, 24)
+    ps = prompts([23, 37], 160, seed=4)
+    results = run(engine, *(req(p, max_tokens=8, ignore_eos=True, repetition_penalty=1.0) for p in ps))
+    for p, r in zip(ps, results):
+        with torch.no_grad():
+            want = hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                     eos_token_id=None)[0, len(p):].tolist()
+        assert r.ids == want
+    assert engine.step_fn.compilations_after_warmup == 0
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (text_config, `language_model.model.*` names, a
+    vision tower) loads its language model; text logits match transformers' multimodal model."""
+    import transformers
+
+    text = transformers.Gemma3TextConfig(**TINY, sliding_window_pattern=3)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(1)
+    hf_model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=300,
+        boi_token_index=298, eoi_token_index=299)).float().eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if p.ndim == 1 and "language_model" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.qk_norm and cfg.num_layers == 4
+    assert cfg.layer_types[2] == "full_attention" and cfg.rope_local_theta == 1e4
+    p = prompts([20], 298, seed=5)[0]
+    got = PagedRunner(build(cfg, SafetensorsDir(tmp_path), XLA)).run([SeqChunk(p, 0, [1, 2])], 32, 1)[0]
+    close(got, hf_logits(hf_model, p))
