@@ -9,11 +9,11 @@
     cpu/                    the x86-64 C++ kernels (XLA FFI) and their build
 """
 from imp_jax.kernels_pallas import ggml_blocks
-from imp_jax.kernels_pallas.attention import ragged_paged_attention
+from imp_jax.kernels_pallas.attention import paged_attention, ragged_paged_attention
 from imp_jax.kernels_pallas.backends import XLA, Kernels, select_kernels
 from imp_jax.kernels_pallas.gemm import matmul_wt
 from imp_jax.kernels_pallas.kv_cache import kv_storage_dtype
 from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape
 
 __all__ = ["XLA", "AttentionMetadata", "AttentionShape", "Kernels", "ggml_blocks", "kv_storage_dtype", "matmul_wt",
-           "ragged_paged_attention", "select_kernels"]
+           "paged_attention", "ragged_paged_attention", "select_kernels"]

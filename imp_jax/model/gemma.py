@@ -26,10 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from imp_jax.kernels_pallas import AttentionMetadata, Kernels
-from imp_jax.kernels_pallas.cpu.attention import ragged_paged_attention_cpu
+from imp_jax.kernels_pallas import AttentionMetadata, paged_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
-from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig, RopeScaling
 from imp_jax.model.layers import apply_rope, linear, rms_norm, rope_tables
@@ -66,22 +64,6 @@ def gemma_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
-                    layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None,
-                    soft_cap: float | None, kernels: Kernels) -> jax.Array:
-    """The attention half of `kernels_pallas.ragged_paged_attention` (K/V already written): the
-    same backend dispatch, so `lax.cond` can pick a window without carrying the caches through."""
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if kernels.attention == "pallas":
-        from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas
-        return ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, **kw,
-                                             interpret=kernels.pallas_interpret)
-    if kernels.attention == "cpu":
-        return ragged_paged_attention_cpu(q, k_cache, v_cache, meta, layer, **kw)
-    return ragged_paged_attention_xla(q, k_cache, v_cache, meta, layer, **kw,
-                                      dynamic_skips=kernels.dynamic_skips)
 
 
 class GemmaLM(DecoderLM):
