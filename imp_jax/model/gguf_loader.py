@@ -23,7 +23,8 @@ from imp_jax.model.tokenizer import Tokenizer
 log = logging.getLogger("imp_jax.gguf")
 
 # GGUF `general.architecture` -> HF `architectures[0]`
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -31,7 +32,10 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",   # phi3: q|k|v fused, as HF's Phi3 stores it
 }
+# phi3: longrope's per-frequency divisors, folded into rope_scaling (not model weights)
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -153,7 +157,7 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         raise ModelLoadError(f"{meta.path}: per-layer KV head counts are not supported")
     hidden = int(meta.need(a("embedding_length")))
     head_dim = meta.get(a("attention.key_length"))
-    if head_dim is None and "blk.0.attn_q.weight" in raw:
+    if head_dim is None and "blk.0.attn_q.weight" in raw and "blk.0.attn_qkv.weight" not in raw:
         head_dim = int(raw["blk.0.attn_q.weight"].shape[1]) // heads  # ne[1] = output rows
     embed = raw.get("token_embd.weight")  # its rows are the logits width, whatever the metadata says
     vocab = int(embed.shape[1]) if embed is not None else meta.get(a("vocab_size")) or len(meta.need(
@@ -182,6 +186,16 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
     }
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    if arch == "phi3":   # issue 24: partial rotary (Phi-4-mini) and a sliding window (Phi-3-mini-4k)
+        rope_dims = meta.get(a("rope.dimension_count"))
+        if rope_dims:
+            cfg["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
+        window = meta.get(a("attention.sliding_window"))
+        if window:
+            cfg["sliding_window"] = int(window)
+        original = meta.get(a("rope.scaling.original_context_length"))
+        if original:
+            cfg["original_max_position_embeddings"] = int(original)
     return cfg
 
 
@@ -191,9 +205,12 @@ def _f32(x: float) -> float:
 
 
 def _rope_scaling(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any] | None:
-    """HF rope_scaling from `rope.scaling.*`, or llama3 parameters recognised in a `rope_freqs` tensor."""
+    """HF rope_scaling from `rope.scaling.*`, or llama3 parameters recognised in a `rope_freqs` tensor,
+    or phi3's longrope from its `rope_factors_long/short` tensors."""
     kind = meta.get(f"{arch}.rope.scaling.type")
     original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if all(name in raw for name in _ROPE_FACTOR_TENSORS):
+        return _longrope(arch, meta, raw, original)
     if kind and kind != "none":
         out: dict[str, Any] = {"rope_type": kind, "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
         if original:
@@ -221,6 +238,23 @@ def _rope_scaling(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, 
     return None
 
 
+def _longrope(arch: str, meta: _Metadata, raw: dict[str, Any], original: int | None) -> dict[str, Any]:
+    """phi3's longrope: the factor tensors, the original context and llama.cpp's attention factor."""
+    from gguf.quants import dequantize
+
+    if not original:
+        raise ModelLoadError(f"{meta.path}: rope_factors tensors without "
+                             f"'{arch}.rope.scaling.original_context_length'")
+    out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+    for name, key in zip(_ROPE_FACTOR_TENSORS, ("long_factor", "short_factor")):
+        t = raw[name]
+        out[key] = [float(f) for f in dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)]
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        out["attention_factor"] = _f32(attn)
+    return out
+
+
 def _llama3_factors(rs: dict[str, Any], theta: float, dim: int) -> np.ndarray:
     """The per-frequency divisors llama.cpp writes to `rope_freqs` for HF llama3 rope_scaling."""
     freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
@@ -236,8 +270,9 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
     """Map GGUF tensor names to HF ones; llama Q/K rows get un-permuted (heads for q, kv heads for k)."""
     entries: dict[str, tuple[Any, int | None]] = {}
     unknown = []
+    fused_gate_up = arch == "phi3" and "blk.0.ffn_gate.weight" not in raw   # ffn_up holds gate|up
     for name, tensor in raw.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or name in _ROPE_FACTOR_TENSORS:
             continue  # folded into rope_scaling
         stem, _, suffix = name.rpartition(".")
         if stem in _TOP_NAMES:
@@ -250,7 +285,8 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
         heads = None
         if arch == "llama" and m[2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if m[2] == "attn_q" else cfg["num_key_value_heads"]
-        entries[f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"] = (tensor, heads)
+        hf_leaf = "mlp.gate_up_proj" if fused_gate_up and m[2] == "ffn_up" else _LAYER_NAMES[m[2]]
+        entries[f"model.layers.{m[1]}.{hf_leaf}.{m[3]}"] = (tensor, heads)
     if unknown:
         raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "
                              f"(mixture-of-experts or another variant?): {', '.join(unknown[:8])}")
