@@ -240,9 +240,11 @@ def test_chat_template_and_end_token_stop(phi_dir):
     assert ids["<|end|>"] in ckpt.tokenizer.eos_ids and ids["<|endoftext|>"] in ckpt.tokenizer.eos_ids
 
 
-def write_phi3_gguf(path: Path, hf_dir: Path, hf_config: dict) -> Path:
-    """A phi3 GGUF of an HF Phi3 checkpoint, named as llama.cpp's converter names it (F32 tensors)."""
+def write_phi3_gguf(path: Path, hf_dir: Path, hf_config: dict, quantised: bool = False) -> Path:
+    """A phi3 GGUF of an HF Phi3 checkpoint, named as llama.cpp's converter names it: F32 tensors,
+    or with `quantised` layer 0's fused attn_qkv and ffn_up (gate|up) as Q8_0 blocks."""
     import gguf
+    from gguf.quants import quantize
 
     t = SafetensorsDir(hf_dir)
     c = hf_config
@@ -277,7 +279,12 @@ def write_phi3_gguf(path: Path, hf_dir: Path, hf_config: dict) -> Path:
               "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
     for i in range(c["num_hidden_layers"]):
         for leaf, hf_leaf in leaves.items():
-            w.add_tensor(f"blk.{i}.{leaf}.weight", t[f"model.layers.{i}.{hf_leaf}.weight"])
+            x = t[f"model.layers.{i}.{hf_leaf}.weight"]
+            if quantised and i == 0 and leaf in ("attn_qkv", "ffn_up"):
+                w.add_tensor(f"blk.{i}.{leaf}.weight", quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                w.add_tensor(f"blk.{i}.{leaf}.weight", x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -341,3 +348,24 @@ def test_the_engine_serves_phi_without_compiling_after_warm_up(phi_dir):
     assert [t for ev in events[2] for t in ev.token_ids] in ([], [ids["<|end|>"]])
     assert core.pool.num_free_blocks == core.baseline_free_blocks
     assert core.step_fn.compilations_after_warmup == 0
+
+
+def test_quantised_fused_phi3_matrices_stay_ggml_blocks(phi_dir, tmp_path):
+    """A Q8_0 attn_qkv / ffn_up is read whole (no split), so where the CPU GEMM kernel runs it stays
+    the file's blocks, and the model computes what its dequantised twin does."""
+    from imp_jax.kernels_pallas import ggml_blocks
+    from imp_jax.model.weights import WeightSource
+
+    path, _, _ = phi_dir
+    gguf_path = write_phi3_gguf(tmp_path / "phi-q8.gguf", path, json.loads((path / "config.json").read_text()),
+                                quantised=True)
+    kept = load_model(gguf_path, dtype="float32").model
+    if not kept.options.kernels.reads_narrow_weights:
+        pytest.skip("no CPU GEMM kernel here: every matrix is dequantised")
+    formats = {name: [ggml_blocks.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
+    assert formats["qkv_proj"] == ["Q8_0", None] and formats["gate_up_proj"] == ["Q8_0", None]
+    ckpt = open_checkpoint(gguf_path)
+    plain = Phi3LM.from_hf_tensors(ckpt.config, WeightSource(ckpt.tensors), kept.options)
+    chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]
+    np.testing.assert_allclose(PagedRunner(kept).run(chunks, 16, 1)[0], PagedRunner(plain).run(chunks, 16, 1)[0],
+                               rtol=1e-5, atol=1e-5)
