@@ -369,3 +369,42 @@ def test_quantised_fused_phi3_matrices_stay_ggml_blocks(phi_dir, tmp_path):
     chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]
     np.testing.assert_allclose(PagedRunner(kept).run(chunks, 16, 1)[0], PagedRunner(plain).run(chunks, 16, 1)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_phi_peft_adapter_on_its_fused_modules_matches_transformers_peft(phi_dir, tmp_path):
+    """PEFT's LoRA on qkv_proj / gate_up_proj / o_proj / down_proj: a row under the adapter and one
+    without, in one ragged call, against transformers + peft."""
+    import transformers
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from imp_jax.model.lora import LoraOptions
+    from imp_jax.runtime.lora import AdapterSlots
+
+    path, _, _ = phi_dir
+    torch.manual_seed(3)
+    peft_model = get_peft_model(transformers.Phi3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    hf = PeftModel.from_pretrained(transformers.Phi3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32),
+                                   tmp_path / "adapter").eval()
+    model = load_model(path, dtype="float32").model
+    model.enable_lora(LoraOptions(max_loras=1, max_rank=4))
+    slots = AdapterSlots(model, model.lora.options, lambda edit: edit(model))
+    slot = slots.load("a", slots.read(str(tmp_path / "adapter"))).slot
+    prompt = _prompts([20], seed=8)[0]
+    got = PagedRunner(model).run([SeqChunk(prompt, 0, [1, 2], slot), SeqChunk(prompt, 0, [3, 4], 0)])
+    rope = dict(hf.base_model.model.config.rope_parameters)
+    with torch.no_grad():   # the model is served with its long factors (512 > 64): force transformers' too
+        hf.base_model.model.model.rotary_emb.original_inv_freq = 1.0 / (torch.tensor(rope["long_factor"]) * (
+            rope["rope_theta"] ** (torch.arange(0, 12, 2).float() / 12)))   # 12 rotary dims
+        with_adapter = hf(torch.tensor([prompt])).logits[0].numpy()
+        with hf.disable_adapter():
+            base = hf(torch.tensor([prompt])).logits[0].numpy()
+    _close(got[0], with_adapter)
+    _close(got[1], base)
+    assert np.max(np.abs(with_adapter - base)) > 0.1 * np.ptp(base), "the adapter changes nothing"

@@ -19,6 +19,7 @@ import numpy as np
 from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.llama import DecoderLM
+from imp_jax.model.lora import LoraTarget
 from imp_jax.model.weights import WeightSource
 
 # DecoderLM asks for the split names; Phi stores each group fused under one name
@@ -46,6 +47,15 @@ class FusedPhiWeights(WeightSource):
 
 class Phi3LM(DecoderLM):
     """`Phi3ForCausalLM`: DecoderLM reading Phi's fused tensor names."""
+
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        """PEFT adapters of Phi name its fused modules: `qkv_proj` and `gate_up_proj` are each one
+        part spanning the whole projection."""
+        c, base = self.config, super().lora_targets()
+        E, I = c.hidden_size, c.intermediate_size
+        return {"qkv_proj": LoraTarget("qkv_proj", 0, E, c.q_size + 2 * c.kv_size),
+                "gate_up_proj": LoraTarget("gate_up_proj", 0, E, 2 * I),
+                **{k: base[k] for k in ("o_proj", "down_proj", "lm_head", "embed_tokens")}}
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
