@@ -279,7 +279,7 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
             entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
-        if not m or m[2] not in _LAYER_NAMES:
+        if not m or m[2] not in _LAYER_NAMES or (m[2] == "attn_qkv" and arch != "phi3"):
             unknown.append(name)
             continue
         heads = None
