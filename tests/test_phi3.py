@@ -8,7 +8,6 @@ import math
 import uuid
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -310,26 +309,24 @@ def test_phi3_gguf_loads_to_the_hf_checkpoints_model(phi_dir, tmp_path):
     _close(got, hf_logits(hf_variant(hf, rope_parameters={**rope, "short_factor": rope["long_factor"]}), prompt))
 
 
-def test_the_engine_serves_phi_without_compiling_after_warm_up(phi_dir):
-    """Greedy tokens through the engine (ragged batching, chunked prefill) equal transformers', no
-    step compiles after warm-up, every KV block comes back; `<|end|>` forced by logit_bias ends a
-    request with finish reason stop."""
+def test_the_engine_serves_phi_without_compiling_after_warm_up(phi_dir, caplog):
+    """Built as the server builds it, with a served context of 64 (= the original): the short
+    factors, said in the log. Greedy tokens through the engine (ragged batching, chunked prefill)
+    equal transformers', no step compiles after warm-up, every KV block comes back; `<|end|>`
+    forced by logit_bias ends a request with finish reason stop."""
+    import logging
+
+    from imp_jax.runtime.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
-    from imp_jax.runtime.sharding import default_mesh
 
     path, hf, ids = phi_dir
-    loaded = load_model(path, dtype="float32")
-    assert isinstance(loaded.model, Phi3LM)
-    config = EngineConfig(model=str(path), max_model_len=ORIGINAL, max_num_seqs=2, max_num_batched_tokens=16,
-                          block_size=16, num_kv_blocks=16)
-    # as the builder does: a served context of 64 = original, so the short factors
-    loaded.config = loaded.config.for_context(config.resolved_max_model_len(loaded.config))
-    loaded.model = build(loaded.config, SafetensorsDir(path))
-    kv_shape = loaded.model.kv_cache_shape(16, 16)
-    core = EngineCore(loaded, config, (jnp.zeros(kv_shape), jnp.zeros(kv_shape)), 16, default_mesh())
-    core.step_fn.warm_up()
+    with caplog.at_level(logging.INFO, logger="imp_jax"):
+        core = build_engine(EngineConfig(model=str(path), max_model_len=ORIGINAL, max_num_seqs=2,
+                                         max_num_batched_tokens=16, block_size=16, num_kv_blocks=16))
+    assert isinstance(core.loaded.model, Phi3LM)
+    assert not core.loaded.model.config.rope_scaling.use_long_factor
+    assert "longrope uses its short factors for every position" in caplog.text
     prompts = _prompts([23, 9], seed=6)   # 23 > 16 batched tokens: chunked prefill
     events: dict[int, list] = {0: [], 1: [], 2: []}
     for i, p in enumerate(prompts):
@@ -339,7 +336,7 @@ def test_the_engine_serves_phi_without_compiling_after_warm_up(phi_dir):
         temperature=0.0, max_tokens=5, logit_bias={ids["<|end|>"]: 100.0})), events[2].append)
     while core.has_work():
         core.step()
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts):   # 28 tokens at most: transformers too uses its short factors
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False,
                                pad_token_id=0)[0, len(p):].tolist()

@@ -23,8 +23,10 @@ from imp_jax.model.lora import LoraTarget
 from imp_jax.model.weights import WeightSource
 
 # DecoderLM asks for the split names; Phi stores each group fused under one name
-_FUSED = {("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"): "self_attn.qkv_proj.weight",
-          ("mlp.gate_proj.weight", "mlp.up_proj.weight"): "mlp.gate_up_proj.weight"}
+_FUSED = {
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"): "self_attn.qkv_proj.weight",
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"): "mlp.gate_up_proj.weight",
+}
 _LAYER = re.compile(r"(model\.layers\.\d+\.)(.+)")
 
 
