@@ -171,7 +171,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(rope, source, hf, head_dim, partial, max_pos),
+            rope_scaling=_parse_rope_scaling(rope, source, hf=hf, rotary_dim=int(head_dim * partial),
+                                             max_pos=max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
@@ -201,14 +202,16 @@ def read_json(path: Path) -> Any:
         raise ModelLoadError(f"{path}: malformed JSON ({e})") from None
 
 
-def _parse_rope_scaling(rs: dict[str, Any], source: str, hf: dict[str, Any], head_dim: int,
-                        partial: float, max_pos: int) -> RopeScaling:
+def _parse_rope_scaling(rs: dict[str, Any] | None, source: str, *, hf: dict[str, Any] | None = None,
+                        rotary_dim: int = 0, max_pos: int = 0) -> RopeScaling:
+    """`rs` as a RopeScaling; longrope also reads the whole config `hf` (a top-level
+    original_max_position_embeddings), the rotary dims and max_position_embeddings."""
     if not rs:
         return RopeScaling()
     kind = rs.get("rope_type") or rs.get("type") or "default"
     kind = ROPE_ALIASES.get(kind, kind)
     if kind == "longrope":
-        return _parse_longrope(rs, source, hf, int(head_dim * partial), max_pos)
+        return _parse_longrope(rs, source, hf or {}, rotary_dim, max_pos)
     if kind not in ROPE_TYPES:
         raise ModelLoadError(f"{source}: rope_scaling type '{kind}' is not supported "
                              f"(supported: {', '.join(ROPE_TYPES)})")
