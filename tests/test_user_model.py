@@ -60,3 +60,39 @@ def test_a_user_model_class_serves_through_the_engine(tiny_hf_dir):
     assert got == want
     assert core.pool.num_free_blocks == core.baseline_free_blocks
     assert core.step_fn.compilations_after_warmup == 0
+
+
+def test_a_user_model_class_serves_a_chat_through_the_server(tiny_hf_dir, tmp_path):
+    """The researcher's path end to end: `python -m imp_jax.server --model DIR --model-class
+    user_model_example:OneLayerLM` on loopback answers a chat request with the greedy tokens of the
+    NumPy math over the prompt the chat template renders."""
+    import os
+
+    import httpx
+
+    from imp_jax.model.tokenizer import Tokenizer
+    from server_fixtures import LiveServer, wait_for
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    live = LiveServer(["--model", str(tiny_hf_dir), "--model-class", "user_model_example:OneLayerLM",
+                       "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                       "--num-kv-blocks", "16"], tmp_path / "server.log",
+                      env={"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])})
+    try:
+        wait_for(live.url + "/ready", 200, timeout=300, proc=live.proc)
+        messages = [{"role": "user", "content": "hello world, the quick brown fox"}]
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": tiny_hf_dir.name, "messages": messages, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        tok = Tokenizer.from_hf_dir(tiny_hf_dir)
+        prompt = tok.encode_chat(tok.render_chat(messages, add_generation_prompt=True))
+        assert body["usage"] == {**body["usage"], "prompt_tokens": len(prompt), "completion_tokens": 6}
+        cfg = ModelConfig.from_file(tiny_hf_dir / "config.json")
+        want = numpy_greedy(cfg, WeightSource(SafetensorsDir(tiny_hf_dir)), prompt, 6)
+        # the NumPy math is OneLayerLM's (one layer), not that of the checkpoint's 2-layer Llama
+        assert tok.decode(want).strip()   # text, not only special tokens
+        assert body["choices"][0]["message"]["content"] == tok.decode(want)
+    finally:
+        assert live.stop() == 0, live.log_text()[-3000:]

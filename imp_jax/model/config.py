@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,8 @@ import numpy as np
 
 from imp_jax.errors import ModelLoadError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_ALIASES = {"su": "longrope"}   # Phi-3's early configs name longrope "su"
 LAYER_TYPES = ("sliding_attention", "full_attention")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # Gemma3TextConfig's defaults, which a multimodal Gemma 3's `text_config` relies on (it omits them)
@@ -23,13 +25,27 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """HF `rope_scaling`: `linear` divides positions by `factor`; `llama3` rescales low frequencies."""
+    """HF `rope_scaling`: `linear` divides positions by `factor`; `llama3` rescales low frequencies;
+    `longrope` (Phi-3/4) divides each frequency by its short or long factor and scales cos/sin by
+    `attention_factor`."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # --- longrope (Phi-3 / Phi-4, issue 24) ---------------------------------------------------
+    # transformers picks long or short factors per forward from the sequence length; a paged KV
+    # cache cannot re-rotate cached keys, so the choice is static: long factors when the served
+    # context exceeds original_max_position_embeddings (vLLM's rule; `ModelConfig.for_context`).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0       # cos and sin are multiplied by it (short and long alike)
+    use_long_factor: bool = False
+
+    def __post_init__(self) -> None:   # factors read back from JSON are lists: keep the config hashable
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +70,39 @@ class ModelConfig:
     sliding_window: int | None = None  # attend to at most this many previous tokens (Mistral)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # --- Phi-3 / Phi-4 (issue 24) -----------------------------------------------------------------
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims only (Phi-4-mini)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's leading dims RoPE rotates (all of them unless partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_attention_scale(self) -> float:
+        """What cos and sin are multiplied by (longrope's attention factor; 1 otherwise)."""
+        rs = self.rope_scaling
+        return rs.attention_factor if rs.rope_type == "longrope" else 1.0
+
+    def for_context(self, max_model_len: int) -> "ModelConfig":
+        """This config served with a context of `max_model_len` tokens: longrope takes its long
+        factors when that exceeds original_max_position_embeddings, else its short ones."""
+        rs = self.rope_scaling
+        if rs.rope_type != "longrope":
+            return self
+        long = max_model_len > rs.original_max_position_embeddings
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(rs, use_long_factor=long))
+
+    def describe_rope(self) -> str:
+        """One line on the RoPE variant in use (logged at start-up for longrope's static choice)."""
+        rs = self.rope_scaling
+        text = f"rope {rs.rope_type}, theta {self.rope_theta:g}, rotary dims {self.rotary_dim}/{self.head_dim}"
+        if rs.rope_type == "longrope":
+            which = "long" if rs.use_long_factor else "short"
+            text += (f"; longrope uses its {which} factors for every position (static: long when the "
+                     f"served context exceeds original_max_position_embeddings "
+                     f"{rs.original_max_position_embeddings}), attention factor {rs.attention_factor:.6g}")
+        return text
     # --- Gemma 2 / Gemma 3 (model/gemma.py); the defaults leave every other family unchanged ---
     query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (None: head_dim)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
@@ -87,11 +136,13 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [head_dim // 2] with the configured scaling applied (float64)."""
-        d = self.head_dim
+        """Inverse frequencies [rotary_dim // 2] with the configured scaling applied (float64)."""
+        d = self.rotary_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         rs = self.rope_scaling
-        if rs.rope_type == "linear":
+        if rs.rope_type == "longrope":
+            inv = inv / np.asarray(rs.long_factor if rs.use_long_factor else rs.short_factor, np.float64)
+        elif rs.rope_type == "linear":
             inv = inv / rs.factor
         elif rs.rope_type == "llama3":
             low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
@@ -140,6 +191,12 @@ class ModelConfig:
         window = hf.get("sliding_window")
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+        if not 0 < partial <= 1 or int(head_dim * partial) % 2:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {partial} must be in (0, 1] and rotate "
+                                 f"an even number of the {head_dim} head dims")
+        max_pos = int(hf.get("max_position_embeddings", 2048))
         gemma = _gemma_fields(hf, arch, num_layers=need("num_hidden_layers"), source=source)
         fields = dict(
             architecture=arch,
@@ -152,14 +209,16 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(hf.get("rope_scaling") or hf.get("rope_parameters"), source),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rope_scaling=_parse_rope_scaling(rope, source, hf=hf, rotary_dim=int(head_dim * partial),
+                                             max_pos=max_pos),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
+            partial_rotary_factor=partial,
         )
         return cls(**{**fields, **gemma})
 
@@ -236,10 +295,16 @@ def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
-def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling:
+def _parse_rope_scaling(rs: dict[str, Any] | None, source: str, *, hf: dict[str, Any] | None = None,
+                        rotary_dim: int = 0, max_pos: int = 0) -> RopeScaling:
+    """`rs` as a RopeScaling; longrope also reads the whole config `hf` (a top-level
+    original_max_position_embeddings), the rotary dims and max_position_embeddings."""
     if not rs:
         return RopeScaling()
     kind = rs.get("rope_type") or rs.get("type") or "default"
+    kind = ROPE_ALIASES.get(kind, kind)
+    if kind == "longrope":
+        return _parse_longrope(rs, source, hf or {}, rotary_dim, max_pos)
     if kind not in ROPE_TYPES:
         raise ModelLoadError(f"{source}: rope_scaling type '{kind}' is not supported "
                              f"(supported: {', '.join(ROPE_TYPES)})")
@@ -250,3 +315,28 @@ def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling:
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _parse_longrope(rs: dict[str, Any], source: str, hf: dict[str, Any], rotary_dim: int,
+                    max_pos: int) -> RopeScaling:
+    """Phi-3/4 longrope, as transformers' `_compute_longrope_parameters` reads it: the attention
+    factor is `attention_factor` if given, else sqrt(1 + ln(s) / ln(original)) for
+    s = `factor` or max_position_embeddings / original (1 when s <= 1)."""
+    original = rs.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError(f"{source}: longrope rope_scaling needs 'original_max_position_embeddings'")
+    original = int(original)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        f = rs.get(key)
+        if not isinstance(f, list) or len(f) != rotary_dim // 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f):
+            raise ModelLoadError(f"{source}: longrope '{key}' must be a list of {rotary_dim // 2} positive "
+                                 f"numbers (half the rotary dims), got {f!r}"[:300])
+        factors[key] = tuple(float(x) for x in f)
+    factor = float(rs.get("factor") or max_pos / original)
+    attention = rs.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), use_long_factor=max_pos > original, **factors)

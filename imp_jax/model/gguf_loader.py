@@ -24,7 +24,7 @@ log = logging.getLogger("imp_jax.gguf")
 
 # GGUF `general.architecture` -> HF `architectures[0]`
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3")
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -33,7 +33,10 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",   # phi3: q|k|v fused, as HF's Phi3 stores it
 }
+# phi3: longrope's per-frequency divisors, folded into rope_scaling (not model weights)
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma's four norms per layer (llama's `ffn_norm` is Gemma's pre-feed-forward norm)
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -161,7 +164,7 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         raise ModelLoadError(f"{meta.path}: per-layer KV head counts are not supported")
     hidden = int(meta.need(a("embedding_length")))
     head_dim = meta.get(a("attention.key_length"))
-    if head_dim is None and "blk.0.attn_q.weight" in raw:
+    if head_dim is None and "blk.0.attn_q.weight" in raw and "blk.0.attn_qkv.weight" not in raw:
         head_dim = int(raw["blk.0.attn_q.weight"].shape[1]) // heads  # ne[1] = output rows
     embed = raw.get("token_embd.weight")  # its rows are the logits width, whatever the metadata says
     vocab = int(embed.shape[1]) if embed is not None else meta.get(a("vocab_size")) or len(meta.need(
@@ -190,6 +193,16 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
     }
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
+    if arch == "phi3":   # issue 24: partial rotary (Phi-4-mini) and a sliding window (Phi-3-mini-4k)
+        rope_dims = meta.get(a("rope.dimension_count"))
+        if rope_dims:
+            cfg["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
+        window = meta.get(a("attention.sliding_window"))
+        if window:
+            cfg["sliding_window"] = int(window)
+        original = meta.get(a("rope.scaling.original_context_length"))
+        if original:
+            cfg["original_max_position_embeddings"] = int(original)
     if arch in GEMMA:
         cfg.update(_gemma_config(arch, meta, cfg))
     return cfg
@@ -243,9 +256,12 @@ def _f32(x: float) -> float:
 
 
 def _rope_scaling(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any] | None:
-    """HF rope_scaling from `rope.scaling.*`, or llama3 parameters recognised in a `rope_freqs` tensor."""
+    """HF rope_scaling from `rope.scaling.*`, or llama3 parameters recognised in a `rope_freqs` tensor,
+    or phi3's longrope from its `rope_factors_long/short` tensors."""
     kind = meta.get(f"{arch}.rope.scaling.type")
     original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if all(name in raw for name in _ROPE_FACTOR_TENSORS):
+        return _longrope(arch, meta, raw, original)
     if kind and kind != "none":
         out: dict[str, Any] = {"rope_type": kind, "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
         if original:
@@ -273,6 +289,23 @@ def _rope_scaling(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, 
     return None
 
 
+def _longrope(arch: str, meta: _Metadata, raw: dict[str, Any], original: int | None) -> dict[str, Any]:
+    """phi3's longrope: the factor tensors, the original context and llama.cpp's attention factor."""
+    from gguf.quants import dequantize
+
+    if not original:
+        raise ModelLoadError(f"{meta.path}: rope_factors tensors without "
+                             f"'{arch}.rope.scaling.original_context_length'")
+    out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+    for name, key in zip(_ROPE_FACTOR_TENSORS, ("long_factor", "short_factor")):
+        t = raw[name]
+        out[key] = [float(f) for f in dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)]
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        out["attention_factor"] = _f32(attn)
+    return out
+
+
 def _llama3_factors(rs: dict[str, Any], theta: float, dim: int) -> np.ndarray:
     """The per-frequency divisors llama.cpp writes to `rope_freqs` for HF llama3 rope_scaling."""
     freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
@@ -289,21 +322,23 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
     entries: dict[str, tuple[Any, int | None]] = {}
     layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
     unknown = []
+    fused_gate_up = arch == "phi3" and "blk.0.ffn_gate.weight" not in raw   # ffn_up holds gate|up
     for name, tensor in raw.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or name in _ROPE_FACTOR_TENSORS:
             continue  # folded into rope_scaling
         stem, _, suffix = name.rpartition(".")
         if stem in _TOP_NAMES:
             entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
-        if not m or m[2] not in layer_names:
+        if not m or m[2] not in layer_names or (m[2] == "attn_qkv" and arch != "phi3"):
             unknown.append(name)
             continue
         heads = None
         if arch == "llama" and m[2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if m[2] == "attn_q" else cfg["num_key_value_heads"]
-        entries[f"model.layers.{m[1]}.{layer_names[m[2]]}.{m[3]}"] = (tensor, heads)
+        hf_leaf = "mlp.gate_up_proj" if fused_gate_up and m[2] == "ffn_up" else layer_names[m[2]]
+        entries[f"model.layers.{m[1]}.{hf_leaf}.{m[3]}"] = (tensor, heads)
     if unknown:
         raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "
                              f"(mixture-of-experts or another variant?): {', '.join(unknown[:8])}")

@@ -58,15 +58,20 @@ def row_sum(x: jax.Array) -> jax.Array:
     return out
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [T, head_dim // 2] for integer positions."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, rotary_dim // 2] for integer positions, times `scale` (longrope's attention factor)."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [T, heads, D] by position, HF `rotate_half` layout (first half / second half)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    """Rotate x [T, heads, D] by position, HF `rotate_half` layout (first half / second half) over
+    its first 2 * cos.shape[-1] dims; the rest pass through (partial rotary, Phi-4-mini)."""
+    half = cos.shape[-1]
+    rot, rest = x[..., :2 * half], x[..., 2 * half:]
+    x1, x2 = rot[..., :half].astype(jnp.float32), rot[..., half:].astype(jnp.float32)
     c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)

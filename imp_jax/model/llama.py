@@ -135,7 +135,7 @@ class DecoderLM(nnx.Module):
         [T] (with `enable_lora`): each token's adapter slot, 0 = none."""
         cfg = self.config
         x = self._embed(input_ids)
-        cos, sin = rope_tables(positions, cfg.rope_inv_freq())
+        cos, sin = rope_tables(positions, cfg.rope_inv_freq(), cfg.rope_attention_scale)
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
         loras: dict[str, LoraLayers] = {}
         if self.lora is not None and lora_ids is not None:

@@ -11,6 +11,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen2ForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen3ForCausalLM": "imp_jax.model.llama:DecoderLM",
+    "Phi3ForCausalLM": "imp_jax.model.phi3:Phi3LM",   # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
     "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # text only: the vision tower is not loaded

@@ -75,6 +75,10 @@ def local_devices(mesh) -> list:
 def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device) -> EngineCore:
     platform = device.platform
     ckpt = open_checkpoint(config.model)
+    # longrope (Phi-3/4) picks short or long factors once, from the served context (model/config.py)
+    ckpt = dataclasses.replace(ckpt, config=ckpt.config.for_context(config.resolved_max_model_len(ckpt.config)))
+    if ckpt.config.rope_scaling.rope_type == "longrope":
+        log.info("%s", ckpt.config.describe_rope())
     tp = tensor_parallel_layout(config, ckpt)
     n = config.tensor_parallel_size
     dtype = resolve_dtype(config.dtype, platform)
