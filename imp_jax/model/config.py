@@ -11,6 +11,9 @@ import numpy as np
 from imp_jax.errors import ModelLoadError
 
 ROPE_TYPES = ("default", "linear", "llama3")
+QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # q/k/v biases unless the config says otherwise
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,21 @@ class ModelConfig:
     sliding_window: int | None = None  # attend to at most this many previous tokens (Mistral)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # --- mixture of experts (model/moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE). The defaults (no experts)
+    # leave every dense family as it was.
+    num_experts: int = 0                      # routed experts per sparse layer; 0: a dense model
+    num_experts_per_tok: int = 0              # top-k
+    moe_intermediate_size: int = 0            # each routed expert's; 0: intermediate_size (Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    norm_topk_prob: bool = False              # renormalise the k kept probabilities to sum to 1
+    router: str = "softmax_topk"              # "softmax_topk" or "topk_softmax" (softmax of the k logits)
+    decoder_sparse_step: int = 1              # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()     # ... and i is not listed here (dense MLP of intermediate_size)
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer i routes over experts (transformers' Qwen2-MoE rule; every layer for Mixtral)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
 
     @property
     def q_size(self) -> int:
@@ -117,11 +135,12 @@ class ModelConfig:
             rope_scaling=_parse_rope_scaling(hf.get("rope_scaling") or hf.get("rope_parameters"), source),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in QKV_BIAS_ARCHS))),
+            qk_norm=arch in QK_NORM_ARCHS,
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
+            **_moe_fields(hf, arch, source),
         )
 
     @classmethod
@@ -157,3 +176,28 @@ def _parse_rope_scaling(rs: dict[str, Any] | None, source: str) -> RopeScaling:
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _moe_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config (none for a dense one). Mixtral names its expert
+    count `num_local_experts` and always renormalises the top-k weights; the Qwen MoEs name it
+    `num_experts` (Qwen3-MoE configs written by transformers 5 say `num_local_experts`)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts:
+        return {}
+    try:
+        experts, k = int(experts), int(hf.get("num_experts_per_tok") or 0)
+        mlp_only = tuple(int(i) for i in hf.get("mlp_only_layers") or ())
+        fields = dict(
+            num_experts=experts, num_experts_per_tok=k,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=mlp_only)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: bad mixture-of-experts field ({e})") from None
+    if not 1 <= k <= experts:
+        raise ModelLoadError(f"{source}: 'num_experts_per_tok' must be in 1..{experts} (the experts), "
+                             f"got {hf.get('num_experts_per_tok')!r}")
+    return fields

@@ -11,6 +11,10 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen2ForCausalLM": "imp_jax.model.llama:DecoderLM",
     "Qwen3ForCausalLM": "imp_jax.model.llama:DecoderLM",
+    # mixture of experts (model/moe.py)
+    "MixtralForCausalLM": "imp_jax.model.moe:MoELM",
+    "Qwen2MoeForCausalLM": "imp_jax.model.moe:MoELM",
+    "Qwen3MoeForCausalLM": "imp_jax.model.moe:MoELM",
 }
 
 
