@@ -23,7 +23,10 @@ from imp_jax.model.tokenizer import Tokenizer
 log = logging.getLogger("imp_jax.gguf")
 
 # GGUF `general.architecture` -> HF `architectures[0]`
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# a `llama` GGUF with expert tensors is a Mixtral (llama.cpp's converter writes Mixtral so)
+MIXTRAL = "MixtralForCausalLM"
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -32,6 +35,17 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# mixture-of-experts tensors: stacked experts keep their [E, out, in] stack (model/moe.py reads it
+# whole; quantised ones are dequantised at load); `{moe}` is Mixtral's `block_sparse_moe` or the
+# Qwen MoEs' `mlp`, and the experts' names are Mixtral's w1/w3/w2 or gate/up/down_proj
+_MOE_NAMES = {
+    "ffn_gate_inp": "{moe}.gate", "ffn_gate_exps": "{moe}.experts.{gate}", "ffn_up_exps": "{moe}.experts.{up}",
+    "ffn_down_exps": "{moe}.experts.{down}", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_MOE_LEAVES = {MIXTRAL: dict(moe="block_sparse_moe", gate="w1", up="w3", down="w2"),
+               "other": dict(moe="mlp", gate="gate_proj", up="up_proj", down="down_proj")}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -180,8 +194,22 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what the dequantised tensors are; the loader picks the compute dtype
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe", "qwen3moe"):
         cfg["use_sliding_window"] = False
+    experts = meta.get(a("expert_count"))
+    if experts:   # mixture of experts (model/moe.py)
+        if arch == "llama":
+            cfg["architectures"] = [MIXTRAL]
+        cfg["num_local_experts" if arch == "llama" else "num_experts"] = int(experts)
+        cfg["num_experts_per_tok"] = int(meta.need(a("expert_used_count")))
+        if meta.get(a("expert_feed_forward_length")):
+            cfg["moe_intermediate_size"] = int(meta.get(a("expert_feed_forward_length")))
+        if meta.get(a("expert_shared_feed_forward_length")):
+            cfg["shared_expert_intermediate_size"] = int(meta.get(a("expert_shared_feed_forward_length")))
+        # llama.cpp renormalises the top-k weights of qwen3moe, not of qwen2moe, unless the file says
+        cfg["norm_topk_prob"] = bool(meta.get(a("expert_weights_norm"), arch == "qwen3moe"))
+        cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"])   # dense layers: no router
+                                  if f"blk.{i}.ffn_gate_inp.weight" not in raw]
     return cfg
 
 
@@ -244,6 +272,10 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
             entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
+        if m and m[2] in _MOE_NAMES and cfg.get("num_experts_per_tok"):
+            leaves = _MOE_LEAVES.get(cfg["architectures"][0], _MOE_LEAVES["other"])
+            entries[f"model.layers.{m[1]}.{_MOE_NAMES[m[2]].format(**leaves)}.{m[3]}"] = (tensor, None)
+            continue
         if not m or m[2] not in _LAYER_NAMES:
             unknown.append(name)
             continue

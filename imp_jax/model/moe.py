@@ -38,8 +38,8 @@ from imp_jax.model.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
-EXPERT_IMPLS = ("ragged", "dense", "gather")
-DEFAULT_IMPL = "ragged"   # measured on this CPU: docs/PERF.md "Mixture of experts"
+EXPERT_IMPLS = ("auto", "pairs", "dense", "ragged", "gather")
+DEFAULT_IMPL = "auto"   # measured on this CPU: docs/PERF.md "Mixture of experts"
 
 
 def route(logits: jax.Array, k: int, router: str = "softmax_topk",
@@ -62,10 +62,20 @@ def route(logits: jax.Array, k: int, router: str = "softmax_topk",
 
 
 def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array,
-               impl: str = DEFAULT_IMPL) -> jax.Array:
+               impl: str = DEFAULT_IMPL, num_tokens: jax.Array | None = None) -> jax.Array:
     """sum_j weights[t, j] * down_e(silu(gate_e(h_t)) * up_e(h_t)) for e = idx[t, j]: h [T, H],
-    weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums)."""
+    weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums).
+
+    `num_tokens` (traced): the rows that are real tokens (the rest are a bucket's padding, whose
+    rows come back unspecified). `auto` runs `pairs` while the real (token, expert) pairs are fewer
+    than the experts (each pair reads one expert's weights in place: decode of a few sequences),
+    else `dense` (every expert's weights read once)."""
     T, k = idx.shape
+    if impl == "auto":
+        n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
+        return jax.lax.cond(n * k < gate_up.shape[0],
+                            lambda: expert_ffn(h, weights, idx, gate_up, down, "pairs", n),
+                            lambda: expert_ffn(h, weights, idx, gate_up, down, "dense"))
     E = gate_up.shape[0]
     f32 = jnp.float32
 
@@ -73,6 +83,22 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         g, u = jnp.split(gu, 2, axis=-1)
         return jax.nn.silu(g) * u
 
+    if impl == "pairs":   # one (token, expert) pair at a time, real tokens only
+        n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
+        wf = weights.astype(f32)
+
+        def pair(p, out):
+            t, j = p // k, p % k
+            e = idx[t, j]
+            x = jax.lax.dynamic_index_in_dim(h, t, 0, keepdims=False)
+            gu = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), x,
+                                     (((1,), (0,)), ((), ())), preferred_element_type=f32)
+            y = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False),
+                                    act(gu).astype(h.dtype), (((1,), (0,)), ((), ())), preferred_element_type=f32)
+            return out.at[t].add(wf[t, j] * y)
+
+        out = jax.lax.fori_loop(0, n * k, pair, jnp.zeros(h.shape, f32))
+        return out.astype(h.dtype)
     if impl == "ragged":
         flat = idx.reshape(-1)                           # pair p = t * k + j
         order = jnp.argsort(flat, stable=True)           # pairs sorted by expert
