@@ -84,16 +84,21 @@ def write_models(root: Path, E: int, k: int, I: int) -> dict[str, Path]:
     return out
 
 
-def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, prompt_len: int, output_len: int) -> list[dict]:
+def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, prompt_len: int, output_len: int,
+                 impls: list[str]) -> list[dict]:
+    from imp_jax.model.moe import MoELM
     from imp_jax.runtime.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
     cores = {}
-    for name, path in paths.items():
+    builds = [("dense", paths["dense"], None)] + [(f"moe_{impl}", paths["moe"], impl) for impl in impls]
+    for name, path, impl in builds:
+        if impl:
+            MoELM.expert_impl = impl   # read when the step programs are traced, during the build's warm-up
         t0 = time.perf_counter()
         cores[name] = build_engine(EngineConfig(model=str(path), max_model_len=prompt_len + output_len + 16,
-                                                max_num_seqs=max(batches), max_num_batched_tokens=256))
+                                                max_num_seqs=max(batches), max_num_batched_tokens=64))
         print(f"{name}: built and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
     rng = np.random.default_rng(0)
 
@@ -101,7 +106,7 @@ def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, promp
         for i in range(batch):
             ids = [int(t) for t in rng.integers(4, 150, prompt_len)]
             core.add_request(GenerationRequest(f"r{time.time_ns()}-{i}", ids, SamplingParams(
-                temperature=0.0, max_tokens=output_len, ignore_eos=True)), lambda ev: None)
+                temperature=0.0, repetition_penalty=1.0, max_tokens=output_len, ignore_eos=True)), lambda ev: None)
         t0 = time.perf_counter()
         while core.has_work():
             core.step()
@@ -114,10 +119,12 @@ def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, promp
             for name, core in cores.items():
                 got[name].append(run(core, b))
         row = dict(batch=b, **{f"{n}_tok_s": float(np.median(v)) for n, v in got.items()})
-        row["moe_over_dense"] = row["moe_tok_s"] / row["dense_tok_s"]
+        for impl in impls:
+            row[f"moe_{impl}_over_dense"] = row[f"moe_{impl}_tok_s"] / row["dense_tok_s"]
         rows.append(row)
-        print(f"batch {b:3d}: MoE {row['moe_tok_s']:8.1f} tok/s  dense {row['dense_tok_s']:8.1f} tok/s  "
-              f"ratio {row['moe_over_dense']:.2f}", flush=True)
+        print(f"batch {b:3d}: dense {row['dense_tok_s']:8.1f} tok/s  " + "  ".join(
+            f"MoE/{impl} {row[f'moe_{impl}_tok_s']:8.1f} ({row[f'moe_{impl}_over_dense']:.2f}x)" for impl in impls),
+            flush=True)
     for name, core in cores.items():
         assert core.step_fn.compilations_after_warmup == 0, (name, core.step_fn.compilations_after_warmup)
     return rows
@@ -129,6 +136,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--impls", nargs="+", default=["auto", "dense", "ragged"],
+                    help="expert-FFN implementations to serve the MoE with in the engine part")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--expert-intermediate", type=int, default=512)
@@ -146,7 +155,8 @@ def main() -> int:
     if "engine" in args.part:
         with tempfile.TemporaryDirectory() as tmp:
             paths = write_models(Path(tmp), E, k, I)
-            results["engine"] = bench_engine(paths, args.batches, args.repeats, args.prompt_len, args.output_len)
+            results["engine"] = bench_engine(paths, args.batches, args.repeats, args.prompt_len, args.output_len,
+                                             args.impls)
     results["load_average_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

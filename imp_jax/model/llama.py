@@ -202,10 +202,10 @@ class DecoderLM(nnx.Module):
         x = x + self._reduce(layer_linear(attn.reshape(T, heads * D), mats["o_proj"], i, None, kernels,
                                           loras.get("o_proj")))
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-        x = x + self._mlp(h, mats, loras, i)
+        x = x + self._mlp(h, mats, loras, i, meta)
         return x, k_cache, v_cache
 
-    def _mlp(self, h, mats, loras, i):
+    def _mlp(self, h, mats, loras, i, meta):
         """Layer i's feed-forward block on the normed hidden states `h` (its residual added by the caller)."""
         kernels = self.options.kernels
         gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,

@@ -38,7 +38,8 @@ from imp_jax.model.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
-EXPERT_IMPLS = ("auto", "pairs", "dense", "ragged", "gather")
+EXPERT_IMPLS = ("auto", "tiles", "pairs", "dense", "ragged", "gather")
+TILE = 8   # rows per tile of the `tiles` grouped matmul
 DEFAULT_IMPL = "auto"   # measured on this CPU: docs/PERF.md "Mixture of experts"
 
 
@@ -67,15 +68,20 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
     weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums).
 
     `num_tokens` (traced): the rows that are real tokens (the rest are a bucket's padding, whose
-    rows come back unspecified). `auto` runs `pairs` while the real (token, expert) pairs are fewer
-    than the experts (each pair reads one expert's weights in place: decode of a few sequences),
-    else `dense` (every expert's weights read once)."""
+    rows come back unspecified). `auto` picks at run time, from the real (token, expert) pairs P,
+    what measured fastest on this CPU (docs/PERF.md): `pairs` while P <= E (each pair reads one
+    expert's weights in place: decode of a few sequences), `tiles` while P <= 4E when there are
+    many experts per chosen one (E >= 8k), else `dense` (every expert's weights read once)."""
     T, k = idx.shape
     if impl == "auto":
         n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
-        return jax.lax.cond(n * k < gate_up.shape[0],
-                            lambda: expert_ffn(h, weights, idx, gate_up, down, "pairs", n),
-                            lambda: expert_ffn(h, weights, idx, gate_up, down, "dense"))
+        E_ = gate_up.shape[0]
+        tiles_ok = E_ >= 8 * k
+        which = jnp.where(n * k <= E_, 0, jnp.where(tiles_ok & (n * k <= 4 * E_), 1, 2))
+        return jax.lax.switch(which, [
+            lambda: expert_ffn(h, weights, idx, gate_up, down, "pairs", n),
+            lambda: expert_ffn(h, weights, idx, gate_up, down, "tiles", n) if tiles_ok else h,
+            lambda: expert_ffn(h, weights, idx, gate_up, down, "dense")])
     E = gate_up.shape[0]
     f32 = jnp.float32
 
@@ -99,7 +105,39 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
 
         out = jax.lax.fori_loop(0, n * k, pair, jnp.zeros(h.shape, f32))
         return out.astype(h.dtype)
-    if impl == "ragged":
+    if impl == "tiles":   # a grouped matmul of tiles of TILE rows, each tile one expert's, real tokens only
+        n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
+        P, m, E_ = T * k, TILE, gate_up.shape[0]
+        real = jnp.arange(P) < n * k
+        flat = jnp.where(real, idx.reshape(-1), E_)            # padding pairs sort last, to no expert
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros((E_ + 1,), jnp.int32).at[flat].add(1)[:E_]
+        padded = (sizes + m - 1) // m * m                      # each expert's rows padded to whole tiles
+        pstart = jnp.cumsum(padded) - padded
+        start = jnp.cumsum(sizes) - sizes
+        e_sorted = flat[order]
+        e_safe = jnp.minimum(e_sorted, E_ - 1)
+        dest = jnp.where(e_sorted < E_, pstart[e_safe] + jnp.arange(P) - start[e_safe], -1)
+        n_tiles_max = -(-P // m) + E_
+        R = n_tiles_max * m
+        buf = jnp.zeros((R, h.shape[1]), h.dtype).at[dest].set(h[order // k], mode="drop")
+        ends = jnp.cumsum(padded)
+        tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles_max) * m, side="right"), E_ - 1)
+        n_tiles = ends[-1] // m
+
+        def tile(i, out):
+            e = tile_expert[i]
+            x = jax.lax.dynamic_slice_in_dim(buf, i * m, m)
+            gu = jax.lax.dot_general(x, jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False),
+                                     (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            y = jax.lax.dot_general(act(gu).astype(h.dtype), jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False),
+                                    (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, 0)
+
+        ys = jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((R, h.shape[1]), f32))
+        y_sorted = jnp.where((dest >= 0)[:, None], ys[jnp.maximum(dest, 0)], 0)
+        y = jnp.zeros((P, h.shape[1]), f32).at[order].set(y_sorted).reshape(T, k, -1)
+    elif impl == "ragged":
         flat = idx.reshape(-1)                           # pair p = t * k + j
         order = jnp.argsort(flat, stable=True)           # pairs sorted by expert
         sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
@@ -193,9 +231,11 @@ class MoELM(DecoderLM):
     def enable_lora(self, options) -> None:
         self.lora_targets()
 
-    def _mlp(self, h, mats, loras, i):
+    def _mlp(self, h, mats, loras, i, meta):
         blocks = [m.arrays() for m in self.layers.mlp]
-        fns = [self._sparse if self.config.is_sparse_layer(j) else self._dense for j in range(len(blocks))]
+        n = meta.query_start_loc[meta.num_seqs]   # the real tokens (the bucket's padding follows them)
+        sparse = lambda h, w: self._sparse(h, w, n)  # noqa: E731
+        fns = [sparse if self.config.is_sparse_layer(j) else self._dense for j in range(len(blocks))]
         if isinstance(i, int):
             return fns[i](h, blocks[i])
         return jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))], h, blocks)
@@ -205,11 +245,11 @@ class MoELM(DecoderLM):
         gate, up = jnp.split(linear(h, w["gate_up"], kernels=kernels), 2, axis=-1)
         return linear(jax.nn.silu(gate) * up, w["down"], kernels=kernels)
 
-    def _sparse(self, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    def _sparse(self, h: jax.Array, w: dict[str, jax.Array], num_tokens: jax.Array) -> jax.Array:
         cfg = self.config
         logits = jnp.einsum("th,eh->te", h, w["router"], preferred_element_type=jnp.float32)
         weights, idx = route(logits, cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob)
-        out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl)
+        out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens)
         if "shared_gate_up" in w:
             shared = self._dense(h, {"gate_up": w["shared_gate_up"], "down": w["shared_down"]})
             gate = jax.nn.sigmoid(jnp.einsum("th,oh->to", h, w["shared_gate"], preferred_element_type=jnp.float32))
