@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.kernels_pallas import ggml_blocks
+from imp_jax.kernels_pallas import XLA, Kernels, ggml_blocks, matmul_wt
 from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ROUTERS, ModelConfig
 from imp_jax.model.layers import linear
@@ -63,7 +63,7 @@ def route(logits: jax.Array, k: int, router: str = "softmax_topk",
 
 
 def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array,
-               impl: str = DEFAULT_IMPL, num_tokens: jax.Array | None = None) -> jax.Array:
+               impl: str = DEFAULT_IMPL, num_tokens: jax.Array | None = None, kernels: Kernels = XLA) -> jax.Array:
     """sum_j weights[t, j] * down_e(silu(gate_e(h_t)) * up_e(h_t)) for e = idx[t, j]: h [T, H],
     weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums).
 
@@ -81,7 +81,7 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         return jax.lax.switch(which, [
             lambda: expert_ffn(h, weights, idx, gate_up, down, "pairs", n),
             lambda: expert_ffn(h, weights, idx, gate_up, down, "tiles", n) if tiles_ok else h,
-            lambda: expert_ffn(h, weights, idx, gate_up, down, "dense")])
+            lambda: expert_ffn(h, weights, idx, gate_up, down, "dense", kernels=kernels)])
     E = gate_up.shape[0]
     f32 = jnp.float32
 
@@ -147,10 +147,13 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         gu = jax.lax.ragged_dot_general(rows, gate_up, sizes, dn, preferred_element_type=f32)
         y = jax.lax.ragged_dot_general(act(gu).astype(h.dtype), down, sizes, dn, preferred_element_type=f32)
         y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)   # back to pair order
-    elif impl == "dense":
-        gu = jnp.einsum("th,egh->teg", h, gate_up, preferred_element_type=f32)
-        y_all = jnp.einsum("tei,ehi->teh", act(gu).astype(h.dtype), down, preferred_element_type=f32)
-        y = jnp.take_along_axis(y_all, idx[:, :, None], axis=1)      # [T, k, H]
+    elif impl == "dense":   # one GEMM per expert over every token (`kernels`' GEMM: the CPU kernel's)
+        combine = jnp.zeros((T, E), f32).at[jnp.arange(T)[:, None], idx].add(weights.astype(f32))
+        out = jnp.zeros(h.shape, f32)
+        for e in range(E):
+            g = matmul_wt(act(matmul_wt(h, gate_up[e], kernels)).astype(h.dtype), down[e], kernels)
+            out = out + combine[:, e:e + 1] * g
+        return out.astype(h.dtype)
     elif impl == "gather":
         gu = jnp.einsum("th,tkgh->tkg", h, gate_up[idx], preferred_element_type=f32)
         y = jnp.einsum("tki,tkhi->tkh", act(gu).astype(h.dtype), down[idx], preferred_element_type=f32)
@@ -249,7 +252,8 @@ class MoELM(DecoderLM):
         cfg = self.config
         logits = jnp.einsum("th,eh->te", h, w["router"], preferred_element_type=jnp.float32)
         weights, idx = route(logits, cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob)
-        out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens)
+        out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens,
+                         self.options.kernels)
         if "shared_gate_up" in w:
             shared = self._dense(h, {"gate_up": w["shared_gate_up"], "down": w["shared_down"]})
             gate = jax.nn.sigmoid(jnp.einsum("th,oh->to", h, w["shared_gate"], preferred_element_type=jnp.float32))
