@@ -168,7 +168,7 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(famil
 def test_config_reads_each_familys_expert_fields(family):
     cfg, _, hf_model, _, _ = family
     hf = hf_model.config
-    assert cfg.num_experts == getattr(hf, "num_local_experts", None) or hf.num_experts
+    assert cfg.num_experts == (getattr(hf, "num_local_experts", None) or hf.num_experts) > 0
     assert cfg.num_experts_per_tok == hf.num_experts_per_tok
     if cfg.architecture == "MixtralForCausalLM":
         assert cfg.norm_topk_prob and cfg.moe_intermediate_size == 0 and all(map(cfg.is_sparse_layer, range(2)))
@@ -177,6 +177,14 @@ def test_config_reads_each_familys_expert_fields(family):
         assert [cfg.is_sparse_layer(i) for i in range(3)] == [True, False, True]
     if cfg.architecture == "Qwen3MoeForCausalLM":
         assert cfg.qk_norm and cfg.norm_topk_prob and cfg.moe_intermediate_size == 32
+
+
+@pytest.mark.parametrize("k", [None, 0, 9, "two"])
+def test_a_bad_top_k_is_a_load_error_naming_the_field(k):
+    hf = dict(architectures=["MixtralForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
+              num_hidden_layers=1, num_attention_heads=2, num_local_experts=8, num_experts_per_tok=k)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok|mixture-of-experts"):
+        ModelConfig.from_hf(hf)
 
 
 # ----------------------------------------------------------------------------------------- GGUF
@@ -295,7 +303,7 @@ def test_engine_batches_a_moe_like_alone_and_compiles_nothing_after_warmup(famil
     from imp_jax import LLM, SamplingParams
 
     write_tiny_tokenizer(path)
-    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
     prompts = ["hello world", "the quick brown fox jumps over the lazy dog", "12345"]
     params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
     together = llm.generate(prompts, params)
