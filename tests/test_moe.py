@@ -199,7 +199,7 @@ def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str
     from test_gguf_loader import byte_level_vocab
 
     mixtral = cfg.architecture == "MixtralForCausalLM"
-    arch = "llama" if mixtral else "qwen2moe"
+    arch = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}.get(cfg.architecture, "qwen3moe")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -213,7 +213,10 @@ def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if not mixtral:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "qwen3moe":
+        w.add_key_length(cfg.head_dim)
     tokens, types, merges = byte_level_vocab()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -249,6 +252,9 @@ def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str
             put(f"blk.{i}.{g}.weight", p + h + ".weight", t[p + h + ".weight"])
             if p + h + ".bias" in t:
                 put(f"blk.{i}.{g}.bias", p + h + ".bias", t[p + h + ".bias"])
+        if cfg.qk_norm:
+            for q in "qk":
+                put(f"blk.{i}.attn_{q}_norm.weight", p + f"self_attn.{q}_norm.weight", t[p + f"self_attn.{q}_norm.weight"])
         if not cfg.is_sparse_layer(i):
             for g in ("gate", "up", "down"):
                 put(f"blk.{i}.ffn_{g}.weight", p + f"mlp.{g}_proj.weight", t[p + f"mlp.{g}_proj.weight"])
@@ -270,11 +276,12 @@ def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str
     return held
 
 
-@pytest.mark.parametrize("name", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
     """A GGUF written as llama.cpp's converter does (Mixtral as `llama` with expert stacks, Qwen2-MoE
-    with its shared expert and a dense layer; one expert stack Q8_0) gives the config of the HF
-    checkpoint and the logits of the tensors it holds (the quantised one dequantised)."""
+    with its shared expert and a dense layer, Qwen3-MoE with q/k norms; one expert stack Q8_0) gives
+    the config of the HF checkpoint and the logits of the tensors it holds (the quantised one
+    dequantised)."""
     from imp_jax.model.gguf_loader import load_gguf
 
     write_tiny_moe(name, tmp_path)
@@ -283,7 +290,7 @@ def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
     ckpt = load_gguf(tmp_path / "m.gguf")
     gcfg = ModelConfig.from_hf(ckpt.hf_config)
     for field in ("architecture", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
-                  "norm_topk_prob", "attention_bias", "num_layers", "head_dim"):
+                  "norm_topk_prob", "attention_bias", "qk_norm", "num_layers", "head_dim"):
         assert getattr(gcfg, field) == getattr(cfg, field), field
     assert [gcfg.is_sparse_layer(i) for i in range(cfg.num_layers)] == [cfg.is_sparse_layer(i)
                                                                          for i in range(cfg.num_layers)]
