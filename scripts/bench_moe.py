@@ -59,7 +59,8 @@ def bench_kernels(tokens: list[int], repeats: int, E: int, k: int, H: int, I: in
         row = dict(tokens=n, bucket=T, experts=E, top_k=k, hidden=H, expert_intermediate=I,
                    **{f"{impl}_ms": 1e3 * float(np.median(ts)) for impl, ts in times.items()})
         rows.append(row)
-        print(f"tokens {n:4d} (bucket {T:4d}): " + "  ".join(f"{impl} {row[impl + '_ms']:.3f} ms" for impl in EXPERT_IMPLS), flush=True)
+        print(f"tokens {n:4d} (bucket {T:4d}): " + "  ".join(f"{impl} {row[impl + '_ms']:.3f} ms"
+                                                          for impl in EXPERT_IMPLS), flush=True)
     return rows
 
 

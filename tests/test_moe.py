@@ -254,7 +254,8 @@ def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str
                 put(f"blk.{i}.{g}.bias", p + h + ".bias", t[p + h + ".bias"])
         if cfg.qk_norm:
             for q in "qk":
-                put(f"blk.{i}.attn_{q}_norm.weight", p + f"self_attn.{q}_norm.weight", t[p + f"self_attn.{q}_norm.weight"])
+                name = p + f"self_attn.{q}_norm.weight"
+                put(f"blk.{i}.attn_{q}_norm.weight", name, t[name])
         if not cfg.is_sparse_layer(i):
             for g in ("gate", "up", "down"):
                 put(f"blk.{i}.ffn_{g}.weight", p + f"mlp.{g}_proj.weight", t[p + f"mlp.{g}_proj.weight"])
@@ -294,7 +295,8 @@ def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
         assert getattr(gcfg, field) == getattr(cfg, field), field
     assert [gcfg.is_sparse_layer(i) for i in range(cfg.num_layers)] == [cfg.is_sparse_layer(i)
                                                                          for i in range(cfg.num_layers)]
-    assert (gcfg.moe_intermediate_size or gcfg.intermediate_size) == (cfg.moe_intermediate_size or cfg.intermediate_size)
+    width = lambda c: c.moe_intermediate_size or c.intermediate_size  # noqa: E731
+    assert width(gcfg) == width(cfg)
     prompt = _prompts([9], cfg.vocab_size, seed=3)[0]
     got = PagedRunner(build(gcfg, ckpt.tensors)).run([SeqChunk(prompt, 0, [1])])[0]
     want = PagedRunner(build(cfg, held)).run([SeqChunk(prompt, 0, [1])])[0]

@@ -6,11 +6,13 @@ differs. A sparse layer routes each token to `num_experts_per_tok` of `num_exper
 [E, H, I], HF's [out, in] layout per expert, their leading axis named "experts" (the
 expert-parallel axis; runtime/sharding.py maps no mesh axis to it yet, so they are replicated).
 
-The experts run as a grouped matmul (`expert_ffn`): the T*k (token, expert) pairs are sorted by
-expert and `jax.lax.ragged_dot` multiplies each expert's run of rows by its weight, no token
-dropped. Two alternatives are kept for the measurement that chose it (scripts/bench_moe.py,
-docs/PERF.md): every expert on every token, masked ("dense"), and the k chosen experts' weights
-gathered per token ("gather").
+The experts (`expert_ffn`) never drop a token. Which computation runs is chosen at run time from
+the step's real (token, expert) pairs, by what measured fastest on this CPU (scripts/bench_moe.py,
+docs/PERF.md): each pair's expert read in place ("pairs", few tokens), tiles of pairs sorted by
+expert, one expert per tile ("tiles", many experts per chosen one), or one GEMM per expert over
+every token ("dense"). `jax.lax.ragged_dot` over the pairs sorted by expert ("ragged") and a
+per-token gather of the chosen experts' weights ("gather") are kept for that measurement: XLA:CPU
+runs ragged_dot about as densely as "dense", and slower.
 
 Layers that Qwen2-MoE's `decoder_sparse_step` / `mlp_only_layers` leave dense keep a plain MLP of
 `intermediate_size`. Under the `scan` layer loop each layer's feed-forward block is one branch of
@@ -18,7 +20,7 @@ a `lax.switch` on the layer index (as llama's projections are), so weights are r
 
 Not supported (clear ModelLoadErrors): tensor parallelism and LoRA adapters. Router ties go to
 the lowest expert index (jax.lax.top_k); torch.topk on CPU picks among tied values in no
-documented order, so transformers may route a exactly tied token elsewhere.
+documented order, so transformers may route an exactly tied token elsewhere.
 """
 from __future__ import annotations
 
