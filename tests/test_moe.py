@@ -52,8 +52,8 @@ def write_tiny_moe(name: str, path: Path, seed: int = 0):
     return model
 
 
-def build(cfg: ModelConfig, tensors, **options):
-    opts = ModelOptions(jnp.float32, "scan", host_kernels(cfg), **options)
+def build(cfg: ModelConfig, tensors, dtype=jnp.float32, **options):
+    opts = ModelOptions(dtype, "scan", host_kernels(cfg, dtype), **options)
     return build_from_tensors(MoELM, cfg, WeightSource(tensors), opts)
 
 
@@ -163,6 +163,13 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(famil
     _close(np.concatenate([first[0], second[0], third[0]]), _hf_logits(hf_model, a))
     _close(np.concatenate([first[1], second[1], third[1]]), _hf_logits(hf_model, b))
     _close(np.concatenate([first[2], second[2]]), _hf_logits(hf_model, c))
+
+
+def test_bfloat16_model_tracks_transformers_float32(family):
+    cfg, tensors, hf_model, _, _ = family
+    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    got = PagedRunner(build(cfg, tensors, jnp.bfloat16)).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
+    _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
 
 
 def test_config_reads_each_familys_expert_fields(family):
