@@ -86,7 +86,7 @@ def write_models(root: Path, E: int, k: int, I: int) -> dict[str, Path]:
 
 
 def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, prompt_len: int, output_len: int,
-                 impls: list[str]) -> list[dict]:
+                 impls: list[str], max_tokens: int = 64) -> list[dict]:
     from imp_jax.model.moe import MoELM
     from imp_jax.runtime.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
@@ -99,7 +99,7 @@ def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, promp
             MoELM.expert_impl = impl   # read when the step programs are traced, during the build's warm-up
         t0 = time.perf_counter()
         cores[name] = build_engine(EngineConfig(model=str(path), max_model_len=prompt_len + output_len + 16,
-                                                max_num_seqs=max(batches), max_num_batched_tokens=64))
+                                                max_num_seqs=max(batches), max_num_batched_tokens=max_tokens))
         print(f"{name}: built and compiled in {time.perf_counter() - t0:.1f}s", flush=True)
     rng = np.random.default_rng(0)
 
@@ -137,13 +137,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--impls", nargs="+", default=["auto", "dense", "ragged"],
+    ap.add_argument("--impls", nargs="+", default=["tiles", "pairs", "dense", "ragged"],
                     help="expert-FFN implementations to serve the MoE with in the engine part")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--expert-intermediate", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench_results/moe.json")
     args = ap.parse_args()
     E, k, I = args.experts, args.top_k, args.expert_intermediate
@@ -157,7 +158,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             paths = write_models(Path(tmp), E, k, I)
             results["engine"] = bench_engine(paths, args.batches, args.repeats, args.prompt_len, args.output_len,
-                                             args.impls)
+                                             args.impls, args.max_num_batched_tokens)
     results["load_average_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -112,7 +112,7 @@ def test_routing_matches_numpy_with_ties_to_the_lowest_expert(router, normalize)
 
 @pytest.mark.parametrize("impl", EXPERT_IMPLS)
 @pytest.mark.parametrize("real", [1, 5, 16])
-@pytest.mark.parametrize("E", [6, 16])   # auto: pairs at 1 token, then dense (6 experts) or tiles (16)
+@pytest.mark.parametrize("E", [6, 16])
 def test_expert_ffn_matches_numpy_on_the_real_tokens(impl, real, E):
     rng = np.random.default_rng(1)
     T, H, I, k = 16, 32, 24, 2

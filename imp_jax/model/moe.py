@@ -6,13 +6,14 @@ differs. A sparse layer routes each token to `num_experts_per_tok` of `num_exper
 [E, H, I], HF's [out, in] layout per expert, their leading axis named "experts" (the
 expert-parallel axis; runtime/sharding.py maps no mesh axis to it yet, so they are replicated).
 
-The experts (`expert_ffn`) never drop a token. Which computation runs is chosen at run time from
-the step's real (token, expert) pairs, by what measured fastest on this CPU (scripts/bench_moe.py,
-docs/PERF.md): each pair's expert read in place ("pairs", few tokens), tiles of pairs sorted by
-expert, one expert per tile ("tiles", many experts per chosen one), or one GEMM per expert over
-every token ("dense"). `jax.lax.ragged_dot` over the pairs sorted by expert ("ragged") and a
-per-token gather of the chosen experts' weights ("gather") are kept for that measurement: XLA:CPU
-runs ragged_dot about as densely as "dense", and slower.
+The experts (`expert_ffn`) never drop a token. They run as a grouped matmul over tiles: the
+step's real (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of
+TILE rows, one GEMM pair per used tile (the CPU GEMM kernel on an x86-64 CPU). It measured fastest
+on this CPU at 1 to 32 sequences and in prefill (scripts/bench_moe.py, docs/PERF.md) against each
+pair's expert read in place ("pairs"), one GEMM per expert over every token ("dense"),
+`jax.lax.ragged_dot` over the sorted pairs ("ragged": XLA:CPU runs it about as densely as "dense",
+and slower) and a per-token gather of the chosen experts' weights ("gather"), all kept for that
+measurement.
 
 Layers that Qwen2-MoE's `decoder_sparse_step` / `mlp_only_layers` leave dense keep a plain MLP of
 `intermediate_size`. Under the `scan` layer loop each layer's feed-forward block is one branch of
@@ -40,9 +41,9 @@ from imp_jax.model.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
-EXPERT_IMPLS = ("auto", "tiles", "pairs", "dense", "ragged", "gather")
+EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")
 TILE = 8   # rows per tile of the `tiles` grouped matmul
-DEFAULT_IMPL = "auto"   # measured on this CPU: docs/PERF.md "Mixture of experts"
+DEFAULT_IMPL = "tiles"   # measured on this CPU: docs/PERF.md "Mixture of experts"
 
 
 def route(logits: jax.Array, k: int, router: str = "softmax_topk",
@@ -70,20 +71,13 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
     weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums).
 
     `num_tokens` (traced): the rows that are real tokens (the rest are a bucket's padding, whose
-    rows come back unspecified). `auto` picks at run time, from the real (token, expert) pairs P,
-    what measured fastest on this CPU (docs/PERF.md): `pairs` while P <= E (each pair reads one
-    expert's weights in place: decode of a few sequences), `tiles` while P <= 4E when there are
-    many experts per chosen one (E >= 8k), else `dense` (every expert's weights read once)."""
+    rows come back unspecified). `kernels` pick the GEMM of `tiles` and `dense` (the CPU kernel on
+    an x86-64 CPU). Implementations (docs/PERF.md, Mixture of experts, has their measurements):
+    `tiles` (the default): the real pairs sorted by expert into tiles of TILE rows, one expert per
+    tile, a loop over the used tiles only; `pairs`: one pair at a time, its expert read in place;
+    `dense`: one GEMM per expert over every token; `ragged`: jax.lax.ragged_dot over the sorted
+    pairs; `gather`: each token's experts' weights gathered."""
     T, k = idx.shape
-    if impl == "auto":
-        n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
-        E_ = gate_up.shape[0]
-        tiles_ok = E_ >= 8 * k
-        which = jnp.where(n * k <= E_, 0, jnp.where(tiles_ok & (n * k <= 4 * E_), 1, 2))
-        return jax.lax.switch(which, [
-            lambda: expert_ffn(h, weights, idx, gate_up, down, "pairs", n),
-            lambda: expert_ffn(h, weights, idx, gate_up, down, "tiles", n) if tiles_ok else h,
-            lambda: expert_ffn(h, weights, idx, gate_up, down, "dense", kernels=kernels)])
     E = gate_up.shape[0]
     f32 = jnp.float32
 
@@ -130,10 +124,8 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         def tile(i, out):
             e = tile_expert[i]
             x = jax.lax.dynamic_slice_in_dim(buf, i * m, m)
-            gu = jax.lax.dot_general(x, jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False),
-                                     (((1,), (1,)), ((), ())), preferred_element_type=f32)
-            y = jax.lax.dot_general(act(gu).astype(h.dtype), jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False),
-                                    (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            gu = matmul_wt(x, jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), kernels)
+            y = matmul_wt(act(gu).astype(h.dtype), jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False), kernels)
             return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, 0)
 
         ys = jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((R, h.shape[1]), f32))
