@@ -28,9 +28,11 @@ SHAPE = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, num_
              max_position_embeddings=1024)
 
 
-def bench_kernels(tokens: list[int], repeats: int, E: int, k: int, H: int, I: int) -> list[dict]:
+def bench_kernels(tokens: list[int], repeats: int, E: int, k: int, H: int, I: int, gemm: str) -> list[dict]:
     import jax
     import jax.numpy as jnp
+
+    from imp_jax.kernels_pallas import AttentionShape, select_kernels
 
     from imp_jax.model.moe import EXPERT_IMPLS, expert_ffn, route
 
@@ -38,8 +40,10 @@ def bench_kernels(tokens: list[int], repeats: int, E: int, k: int, H: int, I: in
     gate_up = jnp.asarray(rng.normal(0, 0.02, (E, 2 * I, H)), jnp.float32)
     down = jnp.asarray(rng.normal(0, 0.02, (E, H, I)), jnp.float32)
     router = jnp.asarray(rng.normal(0, 1, (E, H)), jnp.float32)
+    kernels = select_kernels(jax.local_devices()[0], AttentionShape(jnp.dtype(jnp.float32), jnp.dtype(jnp.float32),
+                                                                     8, 4, 64, 16), gemm=gemm)
     fns = {impl: jax.jit(lambda h, n, impl=impl: expert_ffn(h, *route(h @ router.T, k, normalize=True),
-                                                            gate_up, down, impl, n)) for impl in EXPERT_IMPLS}
+                                                            gate_up, down, impl, n, kernels)) for impl in EXPERT_IMPLS}
     rows = []
     for n in tokens:
         T = max(16, 1 << (n - 1).bit_length())   # the engine's token bucket: n real tokens, the rest padding
@@ -145,15 +149,17 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
+    ap.add_argument("--gemm", default="cpu", help="the kernels part's GEMM for tiles / dense: cpu (the x86-64 "
+                    "kernel, what the engine picks there) or xla")
     ap.add_argument("--out", default="bench_results/moe.json")
     args = ap.parse_args()
     E, k, I = args.experts, args.top_k, args.expert_intermediate
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results: dict = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=commit,
+    results: dict = dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=commit,
                          load_average=os.getloadavg(), model=dict(SHAPE, experts=E, top_k=k, expert_intermediate=I,
                                                                  dense_intermediate=k * I))
     if "kernels" in args.part:
-        results["kernels"] = bench_kernels(args.tokens, args.repeats, E, k, SHAPE["hidden_size"], I)
+        results["kernels"] = bench_kernels(args.tokens, args.repeats, E, k, SHAPE["hidden_size"], I, args.gemm)
     if "engine" in args.part:
         with tempfile.TemporaryDirectory() as tmp:
             paths = write_models(Path(tmp), E, k, I)
