@@ -12,6 +12,9 @@ import numpy as np
 from imp_jax.errors import ModelLoadError
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # q/k/v biases unless the config says otherwise
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+ROUTERS = ("softmax_topk", "topk_softmax")
 ROPE_ALIASES = {"su": "longrope"}   # Phi-3's early configs name longrope "su"
 LAYER_TYPES = ("sliding_attention", "full_attention")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -126,6 +129,21 @@ class ModelConfig:
         if self.layer_types and self.layer_types[i] == "full_attention":
             return None
         return self.sliding_window
+    # --- mixture of experts (model/moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE). The defaults (no experts)
+    # leave every dense family as it was.
+    num_experts: int = 0                      # routed experts per sparse layer; 0: a dense model
+    num_experts_per_tok: int = 0              # top-k
+    moe_intermediate_size: int = 0            # each routed expert's; 0: intermediate_size (Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    norm_topk_prob: bool = False              # renormalise the k kept probabilities to sum to 1
+    router: str = "softmax_topk"              # "softmax_topk" or "topk_softmax" (softmax of the k logits)
+    decoder_sparse_step: int = 1              # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()     # ... and i is not listed here (dense MLP of intermediate_size)
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer i routes over experts (transformers' Qwen2-MoE rule; every layer for Mixtral)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
 
     @property
     def q_size(self) -> int:
@@ -213,12 +231,13 @@ class ModelConfig:
                                              max_pos=max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in QKV_BIAS_ARCHS))),
+            qk_norm=arch in QK_NORM_ARCHS,
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
             partial_rotary_factor=partial,
+            **_moe_fields(hf, arch, source),
         )
         return cls(**{**fields, **gemma})
 
@@ -340,3 +359,28 @@ def _parse_longrope(rs: dict[str, Any], source: str, hf: dict[str, Any], rotary_
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
                        attention_factor=float(attention), use_long_factor=max_pos > original, **factors)
+
+
+def _moe_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config (none for a dense one). Mixtral names its expert
+    count `num_local_experts` and always renormalises the top-k weights; the Qwen MoEs name it
+    `num_experts` (Qwen3-MoE configs written by transformers 5 say `num_local_experts`)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts:
+        return {}
+    try:
+        experts, k = int(experts), int(hf.get("num_experts_per_tok") or 0)
+        mlp_only = tuple(int(i) for i in hf.get("mlp_only_layers") or ())
+        fields = dict(
+            num_experts=experts, num_experts_per_tok=k,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=mlp_only)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: bad mixture-of-experts field ({e})") from None
+    if not 1 <= k <= experts:
+        raise ModelLoadError(f"{source}: 'num_experts_per_tok' must be in 1..{experts} (the experts), "
+                             f"got {hf.get('num_experts_per_tok')!r}")
+    return fields

@@ -24,8 +24,11 @@ log = logging.getLogger("imp_jax.gguf")
 
 # GGUF `general.architecture` -> HF `architectures[0]`
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3")
+# a `llama` GGUF with expert tensors is a Mixtral (llama.cpp's converter writes Mixtral so)
+MIXTRAL = "MixtralForCausalLM"
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -40,6 +43,17 @@ _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma's four norms per layer (llama's `ffn_norm` is Gemma's pre-feed-forward norm)
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# mixture-of-experts tensors: stacked experts keep their [E, out, in] stack (model/moe.py reads it
+# whole; quantised ones are dequantised at load); `{moe}` is Mixtral's `block_sparse_moe` or the
+# Qwen MoEs' `mlp`, and the experts' names are Mixtral's w1/w3/w2 or gate/up/down_proj
+_MOE_NAMES = {
+    "ffn_gate_inp": "{moe}.gate", "ffn_gate_exps": "{moe}.experts.{gate}", "ffn_up_exps": "{moe}.experts.{up}",
+    "ffn_down_exps": "{moe}.experts.{down}", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_MOE_LEAVES = {MIXTRAL: dict(moe="block_sparse_moe", gate="w1", up="w3", down="w2"),
+               "other": dict(moe="mlp", gate="gate_proj", up="up_proj", down="down_proj")}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -191,7 +205,7 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what the dequantised tensors are; the loader picks the compute dtype
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe", "qwen3moe"):
         cfg["use_sliding_window"] = False
     if arch == "phi3":   # issue 24: partial rotary (Phi-4-mini) and a sliding window (Phi-3-mini-4k)
         rope_dims = meta.get(a("rope.dimension_count"))
@@ -205,6 +219,20 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
             cfg["original_max_position_embeddings"] = int(original)
     if arch in GEMMA:
         cfg.update(_gemma_config(arch, meta, cfg))
+    experts = meta.get(a("expert_count"))
+    if experts:   # mixture of experts (model/moe.py)
+        if arch == "llama":
+            cfg["architectures"] = [MIXTRAL]
+        cfg["num_local_experts" if arch == "llama" else "num_experts"] = int(experts)
+        cfg["num_experts_per_tok"] = int(meta.need(a("expert_used_count")))
+        if meta.get(a("expert_feed_forward_length")):
+            cfg["moe_intermediate_size"] = int(meta.get(a("expert_feed_forward_length")))
+        if meta.get(a("expert_shared_feed_forward_length")):
+            cfg["shared_expert_intermediate_size"] = int(meta.get(a("expert_shared_feed_forward_length")))
+        # llama.cpp renormalises the top-k weights of qwen3moe, not of qwen2moe, unless the file says
+        cfg["norm_topk_prob"] = bool(meta.get(a("expert_weights_norm"), arch == "qwen3moe"))
+        cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"])   # dense layers: no router
+                                  if f"blk.{i}.ffn_gate_inp.weight" not in raw]
     return cfg
 
 
@@ -331,6 +359,10 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
             entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
+        if m and m[2] in _MOE_NAMES and cfg.get("num_experts_per_tok"):
+            leaves = _MOE_LEAVES.get(cfg["architectures"][0], _MOE_LEAVES["other"])
+            entries[f"model.layers.{m[1]}.{_MOE_NAMES[m[2]].format(**leaves)}.{m[3]}"] = (tensor, None)
+            continue
         if not m or m[2] not in layer_names or (m[2] == "attn_qkv" and arch != "phi3"):
             unknown.append(name)
             continue

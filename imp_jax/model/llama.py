@@ -33,6 +33,8 @@ class DecoderLayers(nnx.Module):
     tensor-parallel shards each is that order per shard, shard after shard (model/tensor_parallel.py).
     """
 
+    MATRICES = MATRICES   # the per-layer projections `matrices` hands the layer loop
+
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
         L, E, D = cfg.num_layers, cfg.hidden_size, cfg.head_dim
         I = tp.n * tp.local_mlp                                   # the intermediate size, padded to N shards
@@ -54,8 +56,9 @@ class DecoderLayers(nnx.Module):
         self.k_norm = stacked(jnp.ones((L, D), dtype), "head_dim") if cfg.qk_norm else None
         self.o_proj = per_layer((E, q_size), ("embed", "heads"))
         self.post_norm = stacked(jnp.ones((L, E), dtype), "embed")
-        self.gate_up_proj = per_layer((2 * I, E), ("gate_up", "embed"))
-        self.down_proj = per_layer((E, I), ("embed", "mlp"))
+        if "gate_up_proj" in self.MATRICES:   # a subclass may hold its MLPs otherwise (model/moe.py)
+            self.gate_up_proj = per_layer((2 * I, E), ("gate_up", "embed"))
+            self.down_proj = per_layer((E, I), ("embed", "mlp"))
 
     def vectors(self) -> dict[str, jax.Array]:
         """The stacked [L, ...] norm scales and biases (absent optional ones left out)."""
@@ -63,7 +66,7 @@ class DecoderLayers(nnx.Module):
 
     def matrices(self) -> dict[str, tuple[jax.Array, ...]]:
         """Each projection's per-layer [out, in] matrices."""
-        return {name: tuple(p[...] for p in getattr(self, name)) for name in MATRICES}
+        return {name: tuple(p[...] for p in getattr(self, name)) for name in self.MATRICES}
 
 
 def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,
@@ -82,6 +85,8 @@ def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b:
 class DecoderLM(nnx.Module):
     """A causal LM over a flat ragged token batch with a paged KV cache (model/base.py, the contract)."""
 
+    layers_class = DecoderLayers   # a subclass may swap the MLPs (model/moe.py: `_mlp`, `_load_mlp`)
+
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         self.config = config
         self.options = options
@@ -92,7 +97,7 @@ class DecoderLM(nnx.Module):
         self.logits_axes = (None, vocab)   # the sharding of `logits`' output on the mesh
         self.embed = Matrix(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
                             axes=(vocab, "embed"))
-        self.layers = DecoderLayers(config, dtype, rngs, self.tp)
+        self.layers = self.layers_class(config, dtype, rngs, self.tp)
         self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype), axes=("embed",))
         self.lm_head = (None if config.tie_word_embeddings else
                         Matrix(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype),
@@ -197,11 +202,16 @@ class DecoderLM(nnx.Module):
         x = x + self._reduce(layer_linear(attn.reshape(T, heads * D), mats["o_proj"], i, None, kernels,
                                           loras.get("o_proj")))
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
-                                                  loras.get("gate_up_proj")), 2, axis=-1)
-        x = x + self._reduce(layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels,
-                                          loras.get("down_proj")))
+        x = x + self._mlp(h, mats, loras, i, meta)
         return x, k_cache, v_cache
+
+    def _mlp(self, h, mats, loras, i, meta):
+        """Layer i's feed-forward block on the normed hidden states `h` (its residual added by the caller)."""
+        kernels = self.options.kernels
+        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
+                                          loras.get("gate_up_proj")), 2, axis=-1)
+        return self._reduce(layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels,
+                                         loras.get("down_proj")))
 
     def logits(self, hidden: jax.Array, lora_ids: jax.Array | None = None) -> jax.Array:
         """Final norm + LM head on the rows to sample: float32 [R, vocab] (a vocab-parallel shard's
@@ -254,8 +264,9 @@ class DecoderLM(nnx.Module):
         put(ly.post_norm, stacked("post_attention_layernorm.weight"))
         per_layer("qkv_proj", *(f"self_attn.{p}_proj.weight" for p in "qkv"))
         per_layer("o_proj", "self_attn.o_proj.weight")
-        per_layer("gate_up_proj", "mlp.gate_proj.weight", "mlp.up_proj.weight")
-        per_layer("down_proj", "mlp.down_proj.weight")
+        if "gate_up_proj" in ly.MATRICES:
+            per_layer("gate_up_proj", "mlp.gate_proj.weight", "mlp.up_proj.weight")
+            per_layer("down_proj", "mlp.down_proj.weight")
         if ly.qkv_bias is not None:
             bias = stacked(*(f"self_attn.{p}_proj.bias" for p in "qkv"))
             put(ly.qkv_bias, take_columns(bias, tp.qkv_index(config)) if on_host else bias)

@@ -15,6 +15,10 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # text only: the vision tower is not loaded
+    # mixture of experts (model/moe.py)
+    "MixtralForCausalLM": "imp_jax.model.moe:MoELM",
+    "Qwen2MoeForCausalLM": "imp_jax.model.moe:MoELM",
+    "Qwen3MoeForCausalLM": "imp_jax.model.moe:MoELM",
 }
 
 

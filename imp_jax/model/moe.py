@@ -1,0 +1,297 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with its sigmoid-gated shared expert) and Qwen3-MoE.
+
+Attention, norms, embedding and LM head are model/llama.py's DecoderLM; only the feed-forward block
+differs. A sparse layer routes each token to `num_experts_per_tok` of `num_experts` experts
+(`route`), and the experts are one stacked weight per projection: gate|up [E, 2I, H] and down
+[E, H, I], HF's [out, in] layout per expert, their leading axis named "experts" (the
+expert-parallel axis; runtime/sharding.py maps no mesh axis to it yet, so they are replicated).
+
+The experts (`expert_ffn`) never drop a token. They run as a grouped matmul over tiles: the
+step's real (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of
+TILE rows, one GEMM pair per used tile (the CPU GEMM kernel on an x86-64 CPU). It measured fastest
+on this CPU at 1 to 32 sequences and in prefill (scripts/bench_moe.py, docs/PERF.md) against each
+pair's expert read in place ("pairs"), one GEMM per expert over every token ("dense"),
+`jax.lax.ragged_dot` over the sorted pairs ("ragged": XLA:CPU runs it about as densely as "dense",
+and slower) and a per-token gather of the chosen experts' weights ("gather"), all kept for that
+measurement.
+
+Layers that Qwen2-MoE's `decoder_sparse_step` / `mlp_only_layers` leave dense keep a plain MLP of
+`intermediate_size`. Under the `scan` layer loop each layer's feed-forward block is one branch of
+a `lax.switch` on the layer index (as llama's projections are), so weights are read in place.
+
+Not supported (clear ModelLoadErrors): tensor parallelism and LoRA adapters. Router ties go to
+the lowest expert index (jax.lax.top_k); torch.topk on CPU picks among tied values in no
+documented order, so transformers may route an exactly tied token elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.kernels_pallas import XLA, Kernels, ggml_blocks, matmul_wt
+from imp_jax.model.base import ModelOptions
+from imp_jax.model.config import ROUTERS, ModelConfig
+from imp_jax.model.layers import linear
+from imp_jax.model.llama import DecoderLayers, DecoderLM
+from imp_jax.model.tensor_parallel import TensorParallel
+from imp_jax.model.weights import Matrix, WeightSource, stored
+
+EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")
+TILE = 8   # rows per tile of the `tiles` grouped matmul
+DEFAULT_IMPL = "tiles"   # measured on this CPU: docs/PERF.md "Mixture of experts"
+
+
+def route(logits: jax.Array, k: int, router: str = "softmax_topk",
+          normalize: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Each token's k experts and their weights from router logits [T, E] (float32): `softmax_topk`
+    takes the k largest softmax probabilities (renormalised to sum to 1 with `normalize`: Mixtral,
+    Qwen3-MoE), `topk_softmax` the softmax of the k largest logits. Ties go to the lower expert
+    index. Returns (weights float32 [T, k], expert ids int32 [T, k]), weights in descending order."""
+    logits = logits.astype(jnp.float32)
+    if router == "softmax_topk":
+        w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        if normalize:
+            w = w / jnp.sum(w, axis=-1, keepdims=True)
+    elif router == "topk_softmax":
+        top, idx = jax.lax.top_k(logits, k)
+        w = jax.nn.softmax(top, axis=-1)
+    else:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    return w, idx.astype(jnp.int32)
+
+
+def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array,
+               impl: str = DEFAULT_IMPL, num_tokens: jax.Array | None = None, kernels: Kernels = XLA) -> jax.Array:
+    """sum_j weights[t, j] * down_e(silu(gate_e(h_t)) * up_e(h_t)) for e = idx[t, j]: h [T, H],
+    weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums).
+
+    `num_tokens` (traced): the rows that are real tokens (the rest are a bucket's padding, whose
+    rows come back unspecified). `kernels` pick the GEMM of `tiles` and `dense` (the CPU kernel on
+    an x86-64 CPU). Implementations (docs/PERF.md, Mixture of experts, has their measurements):
+    `tiles` (the default): the real pairs sorted by expert into tiles of TILE rows, one expert per
+    tile, a loop over the used tiles only; `pairs`: one pair at a time, its expert read in place;
+    `dense`: one GEMM per expert over every token; `ragged`: jax.lax.ragged_dot over the sorted
+    pairs; `gather`: each token's experts' weights gathered."""
+    T, k = idx.shape
+    E = gate_up.shape[0]
+    f32 = jnp.float32
+
+    def act(gu):   # [..., 2I] -> [..., I]
+        g, u = jnp.split(gu, 2, axis=-1)
+        return jax.nn.silu(g) * u
+
+    if impl == "pairs":   # one (token, expert) pair at a time, real tokens only
+        n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
+        wf = weights.astype(f32)
+
+        def pair(p, out):
+            t, j = p // k, p % k
+            e = idx[t, j]
+            x = jax.lax.dynamic_index_in_dim(h, t, 0, keepdims=False)
+            gu = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), x,
+                                     (((1,), (0,)), ((), ())), preferred_element_type=f32)
+            y = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False),
+                                    act(gu).astype(h.dtype), (((1,), (0,)), ((), ())), preferred_element_type=f32)
+            return out.at[t].add(wf[t, j] * y)
+
+        out = jax.lax.fori_loop(0, n * k, pair, jnp.zeros(h.shape, f32))
+        return out.astype(h.dtype)
+    if impl == "tiles":   # a grouped matmul of tiles of TILE rows, each tile one expert's, real tokens only
+        n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
+        P, m, E_ = T * k, TILE, gate_up.shape[0]
+        real = jnp.arange(P) < n * k
+        flat = jnp.where(real, idx.reshape(-1), E_)            # padding pairs sort last, to no expert
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros((E_ + 1,), jnp.int32).at[flat].add(1)[:E_]
+        padded = (sizes + m - 1) // m * m                      # each expert's rows padded to whole tiles
+        pstart = jnp.cumsum(padded) - padded
+        start = jnp.cumsum(sizes) - sizes
+        e_sorted = flat[order]
+        e_safe = jnp.minimum(e_sorted, E_ - 1)
+        dest = jnp.where(e_sorted < E_, pstart[e_safe] + jnp.arange(P) - start[e_safe], -1)
+        n_tiles_max = -(-P // m) + E_
+        R = n_tiles_max * m
+        buf = jnp.zeros((R, h.shape[1]), h.dtype).at[dest].set(h[order // k], mode="drop")
+        ends = jnp.cumsum(padded)
+        tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles_max) * m, side="right"), E_ - 1)
+        n_tiles = ends[-1] // m
+
+        def tile(i, out):
+            e = tile_expert[i]
+            x = jax.lax.dynamic_slice_in_dim(buf, i * m, m)
+            gu = matmul_wt(x, jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), kernels)
+            y = matmul_wt(act(gu).astype(h.dtype), jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False), kernels)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, 0)
+
+        ys = jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((R, h.shape[1]), f32))
+        y_sorted = jnp.where((dest >= 0)[:, None], ys[jnp.maximum(dest, 0)], 0)
+        y = jnp.zeros((P, h.shape[1]), f32).at[order].set(y_sorted).reshape(T, k, -1)
+    elif impl == "ragged":
+        flat = idx.reshape(-1)                           # pair p = t * k + j
+        order = jnp.argsort(flat, stable=True)           # pairs sorted by expert
+        sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+        rows = h[order // k]                             # [T*k, H]
+        dn = jax.lax.RaggedDotDimensionNumbers(         # contract H with each expert's [out, in] rows
+            dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        gu = jax.lax.ragged_dot_general(rows, gate_up, sizes, dn, preferred_element_type=f32)
+        y = jax.lax.ragged_dot_general(act(gu).astype(h.dtype), down, sizes, dn, preferred_element_type=f32)
+        y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)   # back to pair order
+    elif impl == "dense":   # one GEMM per expert over every token (`kernels`' GEMM: the CPU kernel's)
+        combine = jnp.zeros((T, E), f32).at[jnp.arange(T)[:, None], idx].add(weights.astype(f32))
+        out = jnp.zeros(h.shape, f32)
+        for e in range(E):
+            g = matmul_wt(act(matmul_wt(h, gate_up[e], kernels)).astype(h.dtype), down[e], kernels)
+            out = out + combine[:, e:e + 1] * g
+        return out.astype(h.dtype)
+    elif impl == "gather":
+        gu = jnp.einsum("th,tkgh->tkg", h, gate_up[idx], preferred_element_type=f32)
+        y = jnp.einsum("tki,tkhi->tkh", act(gu).astype(h.dtype), down[idx], preferred_element_type=f32)
+    else:
+        raise ValueError(f"impl must be one of {EXPERT_IMPLS}, got {impl!r}")
+    return jnp.einsum("tk,tkh->th", weights.astype(f32), y).astype(h.dtype)
+
+
+class SparseMLP(nnx.Module):
+    """One sparse layer's router, stacked experts and optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any):
+        E, H = cfg.num_experts, cfg.hidden_size
+        I = cfg.moe_intermediate_size or cfg.intermediate_size
+        init = nnx.initializers.normal(0.02)
+        self.router = nnx.Param(init(key(), (E, H), dtype), axes=(None, "embed"))
+        self.gate_up = nnx.Param(init(key(), (E, 2 * I, H), dtype), axes=("experts", None, "embed"))
+        self.down = nnx.Param(init(key(), (E, H, I), dtype), axes=("experts", "embed", None))
+        S = cfg.shared_expert_intermediate_size
+        self.shared_gate_up = Matrix(init(key(), (2 * S, H), dtype), axes=(None, "embed")) if S else None
+        self.shared_down = Matrix(init(key(), (H, S), dtype), axes=("embed", None)) if S else None
+        self.shared_gate = nnx.Param(init(key(), (1, H), dtype), axes=(None, "embed")) if S else None
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {n: p[...] for n, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+
+class DenseMLP(nnx.Module):
+    """A dense layer's gate|up and down projections (Qwen2-MoE's `mlp_only_layers`)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any):
+        I, H = cfg.intermediate_size, cfg.hidden_size
+        init = nnx.initializers.normal(0.02)
+        self.gate_up = Matrix(init(key(), (2 * I, H), dtype), axes=(None, "embed"))
+        self.down = Matrix(init(key(), (H, I), dtype), axes=("embed", None))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {n: p[...] for n, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+
+class MoELayers(DecoderLayers):
+    """DecoderLayers' attention weights, and per layer a SparseMLP or a DenseMLP (`mlp`)."""
+
+    MATRICES = ("qkv_proj", "o_proj")
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
+        super().__init__(cfg, dtype, rngs, tp)
+        self.mlp = nnx.List([SparseMLP(cfg, dtype, rngs.params) if cfg.is_sparse_layer(i)
+                             else DenseMLP(cfg, dtype, rngs.params) for i in range(cfg.num_layers)])
+
+
+def check_moe_config(cfg: ModelConfig) -> None:
+    """A ModelLoadError for a config this module cannot run."""
+    if cfg.num_experts < 1:
+        raise ModelLoadError(f"{cfg.architecture}: the config names no experts "
+                             "('num_local_experts' / 'num_experts')")
+    if cfg.router not in ROUTERS:
+        raise ModelLoadError(f"{cfg.architecture}: router {cfg.router!r} is not one of {', '.join(ROUTERS)}")
+
+
+class MoELM(DecoderLM):
+    """A mixture-of-experts causal LM (module docstring); the model contract of model/base.py."""
+
+    layers_class = MoELayers
+    expert_impl = DEFAULT_IMPL
+
+    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
+        check_moe_config(config)
+        if options.tensor_parallel > 1:
+            raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel}: mixture-of-experts models "
+                                 f"({config.architecture}) run on one device only (not yet)")
+        super().__init__(config, options, rngs=rngs)
+
+    def lora_targets(self):
+        raise ModelLoadError(f"--max-loras: LoRA adapters are not supported for mixture-of-experts models "
+                             f"({self.config.architecture}) yet")
+
+    def enable_lora(self, options) -> None:
+        self.lora_targets()
+
+    def _mlp(self, h, mats, loras, i, meta):
+        blocks = [m.arrays() for m in self.layers.mlp]
+        n = meta.query_start_loc[meta.num_seqs]   # the real tokens (the bucket's padding follows them)
+        sparse = lambda h, w: self._sparse(h, w, n)  # noqa: E731
+        fns = [sparse if self.config.is_sparse_layer(j) else self._dense for j in range(len(blocks))]
+        if isinstance(i, int):
+            return fns[i](h, blocks[i])
+        return jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))], h, blocks)
+
+    def _dense(self, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+        kernels = self.options.kernels
+        gate, up = jnp.split(linear(h, w["gate_up"], kernels=kernels), 2, axis=-1)
+        return linear(jax.nn.silu(gate) * up, w["down"], kernels=kernels)
+
+    def _sparse(self, h: jax.Array, w: dict[str, jax.Array], num_tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        logits = jnp.einsum("th,eh->te", h, w["router"], preferred_element_type=jnp.float32)
+        weights, idx = route(logits, cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob)
+        out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens,
+                         self.options.kernels)
+        if "shared_gate_up" in w:
+            shared = self._dense(h, {"gate_up": w["shared_gate_up"], "down": w["shared_down"]})
+            gate = jax.nn.sigmoid(jnp.einsum("th,oh->to", h, w["shared_gate"], preferred_element_type=jnp.float32))
+            out = out + (gate * shared.astype(jnp.float32)).astype(h.dtype)
+        return out
+
+    @classmethod
+    def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
+                        options: ModelOptions = ModelOptions()) -> "MoELM":
+        """Build from HF-named tensors: attention as DecoderLM, the experts stacked at load from
+        per-expert tensors (Mixtral `block_sparse_moe.experts.{e}.w1/w2/w3`, Qwen `mlp.experts.{e}.
+        gate_proj/up_proj/down_proj`) or taken whole where the checkpoint stacks them (GGUF:
+        `mlp.experts.{gate,up,down}_proj.weight` [E, out, in], model/gguf_loader.py)."""
+        model = super().from_hf_tensors(config, weights, options)
+        mixtral = config.architecture == "MixtralForCausalLM"
+        moe = "block_sparse_moe" if mixtral else "mlp"
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+
+        def put(param: nnx.Param, value: np.ndarray) -> None:
+            got = ggml_blocks.matrix_shape(value) if ggml_blocks.format_of(value) else tuple(value.shape)
+            if got != tuple(param.shape):
+                raise ValueError(f"shape {value.shape} where {param.shape} was expected")
+            param.set_value(stored(value, options.dtype))
+
+        def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in]
+            whole = f"{pre}.experts.{name}.weight"
+            if whole in weights:
+                return weights.tensor(whole)
+            return np.stack([weights.tensor(f"{pre}.experts.{e}.{name}.weight") for e in range(config.num_experts)])
+
+        for i, mlp in enumerate(model.layers.mlp):
+            pre = f"model.layers.{i}.{moe}"
+            if isinstance(mlp, DenseMLP):
+                pre = f"model.layers.{i}.mlp"
+                put(mlp.gate_up, weights.matrix(f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"))
+                put(mlp.down, weights.matrix(f"{pre}.down_proj.weight"))
+                continue
+            put(mlp.router, weights.tensor(f"{pre}.gate.weight"))
+            gate, up, down = (experts(pre, n) for n in names)
+            put(mlp.gate_up, np.concatenate([gate, up], axis=1))
+            put(mlp.down, down)
+            if mlp.shared_gate_up is not None:
+                s = f"{pre}.shared_expert"
+                put(mlp.shared_gate_up, weights.matrix(f"{s}.gate_proj.weight", f"{s}.up_proj.weight"))
+                put(mlp.shared_down, weights.matrix(f"{s}.down_proj.weight"))
+                put(mlp.shared_gate, weights.tensor(f"{pre}.shared_expert_gate.weight").reshape(1, -1))
+        return model

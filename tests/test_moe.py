@@ -1,0 +1,344 @@
+"""Mixture-of-experts models (model/moe.py) on tiny random checkpoints: routing and the expert FFN vs
+NumPy, Mixtral / Qwen2-MoE / Qwen3-MoE vs transformers, GGUF vs safetensors, and the engine."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.model.base import ModelOptions
+from imp_jax.model.config import ModelConfig
+from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+from imp_jax.model.moe import EXPERT_IMPLS, MoELM, expert_ffn, route
+from imp_jax.model.weights import WeightSource
+from imp_jax.runtime.batch import SeqChunk
+from paged import PagedRunner, host_kernels
+from tiny_models import TINY
+
+# each family on a tiny config; Qwen2-MoE with a shared expert and a dense middle layer
+# (mlp_only_layers), Qwen3-MoE renormalising its top-k weights, Mixtral always does
+FAMILIES = {
+    "MixtralForCausalLM": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                   head_dim=32, norm_topk_prob=True)),
+}
+
+
+def write_tiny_moe(name: str, path: Path, seed: int = 0):
+    """Save a tiny random `name` (a FAMILIES key) HF dir; returns the transformers model. Norms and
+    biases get noise; routers and the LM head a scale that makes routing and greedy picks decisive
+    (no near-ties to flip on rounding)."""
+    import transformers
+
+    cfg_cls, extra = FAMILIES[name]
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
+                             "lm_head.weight")):
+                p.normal_(0, 0.5)   # decisive routers, and greedy tokens far apart
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def build(cfg: ModelConfig, tensors, dtype=jnp.float32, **options):
+    opts = ModelOptions(dtype, "scan", host_kernels(cfg, dtype), **options)
+    return build_from_tensors(MoELM, cfg, WeightSource(tensors), opts)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(config, HF tensors, transformers model, PagedRunner, path) for one MoE family."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = write_tiny_moe(request.param, path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    tensors = SafetensorsDir(path)
+    return cfg, tensors, hf_model, PagedRunner(build(cfg, tensors)), path
+
+
+def _prompts(lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _close(a, b, tol=1e-4):
+    scale = max(np.ptp(b), 1e-6)
+    assert np.max(np.abs(a - b)) <= tol * scale, np.max(np.abs(a - b)) / scale
+
+
+def _hf_logits(hf_model, ids):
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].numpy()
+
+
+# ---------------------------------------------------------------------------------------- routing
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("router,normalize", [("softmax_topk", False), ("softmax_topk", True),
+                                              ("topk_softmax", False)])
+def test_routing_matches_numpy_with_ties_to_the_lowest_expert(router, normalize):
+    rng = np.random.default_rng(0)
+    logits = rng.integers(0, 3, (64, 8)).astype(np.float32)   # values 0..2 over 8 experts: ties everywhere
+    logits[0] = 1.0                                             # a row of one value: experts 0, 1, 2
+    k = 3
+    w, idx = route(jnp.asarray(logits), k, router, normalize)
+    if router == "softmax_topk":
+        p = _softmax(logits.astype(np.float64))
+        ref_idx = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+        ref_w = np.take_along_axis(p, ref_idx, -1)
+        if normalize:
+            ref_w = ref_w / ref_w.sum(-1, keepdims=True)
+    else:
+        ref_idx = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        ref_w = _softmax(np.take_along_axis(logits, ref_idx, -1).astype(np.float64))
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx)
+    np.testing.assert_allclose(np.asarray(w), ref_w, rtol=1e-6)
+    assert np.asarray(idx)[0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("impl", EXPERT_IMPLS)
+@pytest.mark.parametrize("real", [1, 5, 16])
+@pytest.mark.parametrize("E", [6, 16])
+def test_expert_ffn_matches_numpy_on_the_real_tokens(impl, real, E):
+    rng = np.random.default_rng(1)
+    T, H, I, k = 16, 32, 24, 2
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    gate_up = rng.standard_normal((E, 2 * I, H)).astype(np.float32) * 0.2
+    down = rng.standard_normal((E, H, I)).astype(np.float32) * 0.2
+    w, idx = route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k, "softmax_topk", True)
+    w, idx = np.asarray(w, np.float64), np.asarray(idx)
+    ref = np.zeros((T, H))
+    for t in range(T):
+        for j in range(k):
+            e = idx[t, j]
+            gu = gate_up[e].astype(np.float64) @ h[t]
+            g, u = gu[:I], gu[I:]
+            ref[t] += w[t, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    got = np.asarray(expert_ffn(jnp.asarray(h), jnp.asarray(w, jnp.float32), jnp.asarray(idx), jnp.asarray(gate_up),
+                                jnp.asarray(down), impl, jnp.asarray(real)))
+    np.testing.assert_allclose(got[:real], ref[:real], rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ vs transformers
+def test_logits_and_greedy_tokens_match_transformers(family):
+    cfg, _, hf_model, runner, _ = family
+    prompt = _prompts([12], cfg.vocab_size, seed=2)[0]
+    ref = _hf_logits(hf_model, prompt)
+    with torch.no_grad():
+        hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    table = [20, 21]
+    logits = runner.run([SeqChunk(prompt, 0, table)])[0]
+    _close(logits, ref, 1e-4)
+    tokens, seq, last = [], list(prompt), logits[-1]
+    for _ in range(6):
+        tokens.append(int(np.argmax(last)))
+        seq.append(tokens[-1])
+        last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
+    assert tokens == hf_tokens
+
+
+def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(family):
+    cfg, _, hf_model, runner, _ = family
+    a, b, c = _prompts([30, 21, 3], cfg.vocab_size, seed=1)
+    ta, tb, tc = [10, 11], [12, 13], [14]
+    # a in two prefill chunks, b at once then decoding, c decoding beside them: one ragged batch each step
+    first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
+    second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
+    third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
+    _close(np.concatenate([first[0], second[0], third[0]]), _hf_logits(hf_model, a))
+    _close(np.concatenate([first[1], second[1], third[1]]), _hf_logits(hf_model, b))
+    _close(np.concatenate([first[2], second[2]]), _hf_logits(hf_model, c))
+
+
+def test_bfloat16_model_tracks_transformers_float32(family):
+    cfg, tensors, hf_model, _, _ = family
+    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    got = PagedRunner(build(cfg, tensors, jnp.bfloat16)).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
+    _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
+
+
+def test_config_reads_each_familys_expert_fields(family):
+    cfg, _, hf_model, _, _ = family
+    hf = hf_model.config
+    assert cfg.num_experts == (getattr(hf, "num_local_experts", None) or hf.num_experts) > 0
+    assert cfg.num_experts_per_tok == hf.num_experts_per_tok
+    if cfg.architecture == "MixtralForCausalLM":
+        assert cfg.norm_topk_prob and cfg.moe_intermediate_size == 0 and all(map(cfg.is_sparse_layer, range(2)))
+    if cfg.architecture == "Qwen2MoeForCausalLM":
+        assert cfg.attention_bias and cfg.shared_expert_intermediate_size == 48
+        assert [cfg.is_sparse_layer(i) for i in range(3)] == [True, False, True]
+    if cfg.architecture == "Qwen3MoeForCausalLM":
+        assert cfg.qk_norm and cfg.norm_topk_prob and cfg.moe_intermediate_size == 32
+
+
+@pytest.mark.parametrize("k", [None, 0, 9, "two"])
+def test_a_bad_top_k_is_a_load_error_naming_the_field(k):
+    hf = dict(architectures=["MixtralForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
+              num_hidden_layers=1, num_attention_heads=2, num_local_experts=8, num_experts_per_tok=k)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok|mixture-of-experts"):
+        ModelConfig.from_hf(hf)
+
+
+# ----------------------------------------------------------------------------------------- GGUF
+def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str, np.ndarray]:
+    """`t` (HF tensors of a Mixtral or Qwen2-MoE) as the GGUF llama.cpp's converter writes; the
+    `quantised` stacked-expert tensor in Q8_0. Returns the HF-named tensors the GGUF holds, dequantised."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from imp_jax.model.gguf_loader import permute_rotary
+    from test_gguf_loader import byte_level_vocab
+
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    arch = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}.get(cfg.architecture, "qwen3moe")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if not mixtral:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "qwen3moe":
+        w.add_key_length(cfg.head_dim)
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_merges(merges)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_eos_token_id(2)
+    held: dict[str, np.ndarray] = {}
+
+    def put(name: str, hf_name: str, x: np.ndarray) -> None:
+        held[hf_name] = x
+        if name.endswith("attn_q.weight") and mixtral:
+            x = permute_rotary(x, cfg.num_heads)
+        elif name.endswith("attn_k.weight") and mixtral:
+            x = permute_rotary(x, cfg.num_kv_heads)
+        if name.endswith(quantised):
+            q = quantize(x, Q.Q8_0)
+            w.add_tensor(name, q, raw_dtype=Q.Q8_0)
+            held[hf_name] = dequantize(q, Q.Q8_0).reshape(x.shape)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(x))
+
+    put("token_embd.weight", "model.embed_tokens.weight", t["model.embed_tokens.weight"])
+    put("output_norm.weight", "model.norm.weight", t["model.norm.weight"])
+    put("output.weight", "lm_head.weight", t["lm_head.weight"])
+    moe = "block_sparse_moe" if mixtral else "mlp"
+    names = dict(gate="w1", up="w3", down="w2") if mixtral else dict(gate="gate_proj", up="up_proj", down="down_proj")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for g, h in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                     ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                     ("attn_output", "self_attn.o_proj")):
+            put(f"blk.{i}.{g}.weight", p + h + ".weight", t[p + h + ".weight"])
+            if p + h + ".bias" in t:
+                put(f"blk.{i}.{g}.bias", p + h + ".bias", t[p + h + ".bias"])
+        if cfg.qk_norm:
+            for q in "qk":
+                name = p + f"self_attn.{q}_norm.weight"
+                put(f"blk.{i}.attn_{q}_norm.weight", name, t[name])
+        if not cfg.is_sparse_layer(i):
+            for g in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{g}.weight", p + f"mlp.{g}_proj.weight", t[p + f"mlp.{g}_proj.weight"])
+            continue
+        put(f"blk.{i}.ffn_gate_inp.weight", p + f"{moe}.gate.weight", t[p + f"{moe}.gate.weight"])
+        for g, leaf in names.items():
+            stack = np.stack([t[p + f"{moe}.experts.{e}.{leaf}.weight"] for e in range(cfg.num_experts)])
+            put(f"blk.{i}.ffn_{g}_exps.weight", p + f"{moe}.experts.{leaf}.weight", stack)
+        if cfg.shared_expert_intermediate_size:
+            for g in ("gate", "up", "down"):
+                put(f"blk.{i}.ffn_{g}_shexp.weight", p + f"mlp.shared_expert.{g}_proj.weight",
+                    t[p + f"mlp.shared_expert.{g}_proj.weight"])
+            put(f"blk.{i}.ffn_gate_inp_shexp.weight", p + "mlp.shared_expert_gate.weight",
+                t[p + "mlp.shared_expert_gate.weight"].reshape(-1))   # llama.cpp's is a vector
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
+    """A GGUF written as llama.cpp's converter does (Mixtral as `llama` with expert stacks, Qwen2-MoE
+    with its shared expert and a dense layer, Qwen3-MoE with q/k norms; one expert stack Q8_0) gives
+    the config of the HF checkpoint and the logits of the tensors it holds (the quantised one
+    dequantised)."""
+    from imp_jax.model.gguf_loader import load_gguf
+
+    write_tiny_moe(name, tmp_path)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    held = _write_moe_gguf(tmp_path / "m.gguf", cfg, SafetensorsDir(tmp_path), "ffn_up_exps.weight")
+    ckpt = load_gguf(tmp_path / "m.gguf")
+    gcfg = ModelConfig.from_hf(ckpt.hf_config)
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
+                  "norm_topk_prob", "attention_bias", "qk_norm", "num_layers", "head_dim"):
+        assert getattr(gcfg, field) == getattr(cfg, field), field
+    assert [gcfg.is_sparse_layer(i) for i in range(cfg.num_layers)] == [cfg.is_sparse_layer(i)
+                                                                         for i in range(cfg.num_layers)]
+    width = lambda c: c.moe_intermediate_size or c.intermediate_size  # noqa: E731
+    assert width(gcfg) == width(cfg)
+    prompt = _prompts([9], cfg.vocab_size, seed=3)[0]
+    got = PagedRunner(build(gcfg, ckpt.tensors)).run([SeqChunk(prompt, 0, [1])])[0]
+    want = PagedRunner(build(cfg, held)).run([SeqChunk(prompt, 0, [1])])[0]
+    _close(got, want, 1e-5)
+
+
+# --------------------------------------------------------------------------------------- engine
+def test_engine_batches_a_moe_like_alone_and_compiles_nothing_after_warmup(family):
+    cfg, _, hf_model, _, path = family
+    if cfg.architecture != "Qwen2MoeForCausalLM":
+        pytest.skip("one family through the engine (the shared expert and a dense layer)")
+    from conftest import write_tiny_tokenizer
+    from imp_jax import LLM, SamplingParams
+
+    write_tiny_tokenizer(path)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    prompts = ["hello world", "the quick brown fox jumps over the lazy dog", "12345"]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    alone = [llm.generate(p, params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    out = together[1]
+    with torch.no_grad():
+        ids = torch.tensor([out.prompt_token_ids])
+        exact = hf_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    assert out.outputs[0].token_ids == exact.tolist()
+    assert llm.core.step_fn.compilations_after_warmup == 0
+
+
+def test_tensor_parallel_and_lora_are_refused_clearly(family):
+    cfg, tensors, _, runner, _ = family
+    if cfg.architecture != "MixtralForCausalLM":
+        pytest.skip("one family suffices")
+    with pytest.raises(ModelLoadError, match="tensor-parallel"):
+        build(cfg, tensors, tensor_parallel=2)
+    model = build(cfg, tensors)
+    with pytest.raises(ModelLoadError, match="LoRA"):
+        model.enable_lora(None)
