@@ -87,22 +87,53 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
   }
 };
 
-// A GGML block format of `Bytes` bytes per 32 weights; `block` gives one block's weights.
-template <int64_t Bytes>
+// A GGML block format of `Bytes` bytes per `Weights` weights (32, or a K-quant's 256-weight
+// super-block); `block(row, k, v)` gives the 32 weights from k (k % 32 == 0) of a row. `offset`
+// is where weight k's bytes are, roughly (for prefetching; exact at a block's start).
+template <int64_t Bytes, int64_t Weights = kQBlock>
 struct GgmlBlocks {
   static constexpr bool kWide = false;
   static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = Bytes;
-  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+  static constexpr int64_t kWeights = Weights;
+  static int64_t offset(int64_t k) { return (k / kWeights) * kBytes + (k % kWeights) * kBytes / kWeights; }
+  // the block holding weight k, and which of its 32-weight sub-blocks k starts
+  static const uint8_t* at(const uint8_t* row, int64_t k, int& j) {
+    j = static_cast<int>((k % kWeights) / kQBlock);
+    return row + (k / kWeights) * kBytes;
+  }
 };
+
+// 32 bytes (weights in order) as four float vectors: unsigned or signed bytes.
+inline void widen_u8(__m256i q, __m256 v[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+inline void widen_i8(__m256i q, __m256 v[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// bits [shift, shift + width) of each of 32 bytes
+inline __m256i bit_field(__m256i bytes, int shift, int width) {
+  return _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>((1 << width) - 1)));
+}
 
 struct Q8_0 : GgmlBlocks<34> {   // f16 d, int8 q[32]: w = d * q
   static constexpr const char* kName = "imp_gemm_f32_q8_0w";
-  static void block(const uint8_t* b, __m256 v[4]) {   // one block's 32 weights
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {   // 32 weights
+    int j;
+    const uint8_t* b = at(row, k, j);
     const __m256 d = _mm256_set1_ps(f16(b));
-    for (int j = 0; j < 4; ++j) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
-      v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   }
 };
@@ -125,26 +156,164 @@ inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
   q[3] = _mm256_shuffle_epi8(high, second);
 }
 
+// Q5_0 / Q5_1: nibbles32 plus weight i's fifth bit, bit i of the little-endian uint32 at `qh`.
+inline void fives32(const uint8_t* qh, const uint8_t* qs, __m256i q[4]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  nibbles32(qs, q);
+  const __m256i all = _mm256_set1_epi32(static_cast<int32_t>(bits)), one = _mm256_set1_epi32(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(all, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i))), one);
+    q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(bit, 4));
+  }
+}
+
 struct Q4_0 : GgmlBlocks<18> {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
   static constexpr const char* kName = "imp_gemm_f32_q4_0w";
-  static void block(const uint8_t* b, __m256 v[4]) {
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
     const __m256 d = _mm256_set1_ps(f16(b));
     __m256i q[4];
     nibbles32(b + 2, q);
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8))));
   }
 };
 
 struct Q4_1 : GgmlBlocks<20> {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
   static constexpr const char* kName = "imp_gemm_f32_q4_1w";
-  static void block(const uint8_t* b, __m256 v[4]) {
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
     int32_t dm_bits;   // d and m side by side: one load, one conversion
     std::memcpy(&dm_bits, b, 4);
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
     const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     __m256i q[4];
     nibbles32(b + 4, q);
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
+  }
+};
+
+struct Q5_0 : GgmlBlocks<22> {   // f16 d, uint32 of fifth bits, 16 bytes of nibbles: w = d * (q - 16)
+  static constexpr const char* kName = "imp_gemm_f32_q5_0w";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const __m256 d = _mm256_set1_ps(f16(b));
+    __m256i q[4];
+    fives32(b + 2, b + 6, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(16))));
+  }
+};
+
+struct Q5_1 : GgmlBlocks<24> {   // f16 d, f16 m, uint32 of fifth bits, 16 bytes of nibbles: w = d * q + m
+  static constexpr const char* kName = "imp_gemm_f32_q5_1w";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+    __m256i q[4];
+    fives32(b + 4, b + 8, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);   // d * q exact: one rounding
+  }
+};
+
+// The K-quants: 256-weight super-blocks of 8 sub-blocks of 32 (or 16 of 16) with integer scales
+// under one or two f16 scales; layouts in ggml_blocks.py. Each scale product d * sc is exact in
+// float32, and so is (d * sc) * q but in Q6_K (one rounding there, as in gguf-py); the subtraction
+// of dmin * mn is then the one rounding, fused or not.
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 scale bytes s.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63, mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+struct Q4_K : GgmlBlocks<144, 256> {   // f16 d, f16 dmin, 12 scale bytes, 128 of nibbles
+  static constexpr const char* kName = "imp_gemm_f32_q4_kw";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j, sc, mn;
+    const uint8_t* b = at(row, k, j);
+    scale_min_k4(b + 4, j, sc, mn);
+    const __m256 d = _mm256_set1_ps(f16(b) * static_cast<float>(sc));
+    const __m256 m = _mm256_set1_ps(f16(b + 2) * static_cast<float>(mn));
+    widen_u8(bit_field(load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 4), v);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, v[i], m);
+  }
+};
+
+struct Q5_K : GgmlBlocks<176, 256> {   // Q4_K's fields, 32 bytes of fifth bits, 128 of nibbles
+  static constexpr const char* kName = "imp_gemm_f32_q5_kw";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j, sc, mn;
+    const uint8_t* b = at(row, k, j);
+    scale_min_k4(b + 4, j, sc, mn);
+    const __m256 d = _mm256_set1_ps(f16(b) * static_cast<float>(sc));
+    const __m256 m = _mm256_set1_ps(f16(b + 2) * static_cast<float>(mn));
+    const __m256i low = bit_field(load32(b + 48 + 32 * (j / 2)), 4 * (j % 2), 4);
+    const __m256i high = bit_field(load32(b + 16), j, 1);
+    widen_u8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), v);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, v[i], m);
+  }
+};
+
+struct Q6_K : GgmlBlocks<210, 256> {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d
+  static constexpr const char* kName = "imp_gemm_f32_q6_kw";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const int h = j / 4, jj = j % 4;   // half of the super-block, 32-weight quarter of it
+    const __m256i low = bit_field(load32(b + 64 * h + 32 * (jj % 2)), 4 * (jj / 2), 4);
+    const __m256i high = bit_field(load32(b + 128 + 32 * h), 2 * jj, 2);
+    widen_i8(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)), v);
+    const float d = f16(b + 208);
+    const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j])));
+    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j])));
+    v[0] = _mm256_mul_ps(d0, v[0]), v[1] = _mm256_mul_ps(d0, v[1]);
+    v[2] = _mm256_mul_ps(d1, v[2]), v[3] = _mm256_mul_ps(d1, v[3]);
+  }
+};
+
+struct Q3_K : GgmlBlocks<110, 256> {   // 32 bytes of high-bit mask, 64 of 2-bit q, 12 scale bytes, f16 d
+  static constexpr const char* kName = "imp_gemm_f32_q3_kw";
+  static int scale(const uint8_t* s, int t) {   // 6-bit scale t (of 16), minus 32
+    const int low = t < 8 ? s[t] & 15 : s[t - 8] >> 4;
+    const int high = (s[8 + t % 4] >> (2 * (t / 4))) & 3;
+    return (low | (high << 4)) - 32;
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const int h = j / 4, jj = j % 4;
+    const __m256i low = bit_field(load32(b + 32 + 32 * h), 2 * jj, 2);
+    const __m256i high = bit_field(load32(b), j, 1);   // a set bit: q as is; clear: q - 4
+    widen_i8(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), _mm256_set1_epi8(4)), v);
+    const float d = f16(b + 108);
+    const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(scale(b + 96, 2 * j)));
+    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(scale(b + 96, 2 * j + 1)));
+    v[0] = _mm256_mul_ps(d0, v[0]), v[1] = _mm256_mul_ps(d0, v[1]);
+    v[2] = _mm256_mul_ps(d1, v[2]), v[3] = _mm256_mul_ps(d1, v[3]);
+  }
+};
+
+struct Q2_K : GgmlBlocks<84, 256> {   // 16 scale bytes (scale | min << 4), 64 of 2-bit q, f16 d, f16 dmin
+  static constexpr const char* kName = "imp_gemm_f32_q2_kw";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const int h = j / 4, jj = j % 4;
+    widen_u8(bit_field(load32(b + 16 + 32 * h), 2 * jj, 2), v);
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    const uint8_t s0 = b[2 * j], s1 = b[2 * j + 1];
+    const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(s0 & 15)), m0 = _mm256_set1_ps(dmin * static_cast<float>(s0 >> 4));
+    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(s1 & 15)), m1 = _mm256_set1_ps(dmin * static_cast<float>(s1 >> 4));
+    v[0] = _mm256_fmsub_ps(d0, v[0], m0), v[1] = _mm256_fmsub_ps(d0, v[1], m0);
+    v[2] = _mm256_fmsub_ps(d1, v[2], m1), v[3] = _mm256_fmsub_ps(d1, v[3], m1);
   }
 };
 
@@ -218,7 +387,7 @@ void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
       const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
       for (int c = 0; c < NR; ++c) {
         __m256 v[4];
-        W::block(w + c * ldw + W::offset(k), v);
+        W::block(w + c * ldw, k, v);
         acc[c] = _mm256_fmadd_ps(x0, v[0], acc[c]);
         acc[c] = _mm256_fmadd_ps(x1, v[1], acc[c]);
         acc[c] = _mm256_fmadd_ps(x2, v[2], acc[c]);
@@ -320,7 +489,7 @@ struct Gemm {
             next_line += 64;
           }
           __m256 v[4];
-          W::block(w + c * ldw + W::offset(k), v);
+          W::block(w + c * ldw, k, v);
           for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + c * K + k + 8 * j, v[j]);
         }
       }
@@ -385,9 +554,9 @@ ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w
 template <class W>
 ffi::Error Blocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * kQBlock)
-    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / 32, " +
-                                       std::to_string(W::kBytes) + "] uint8 expected");
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * W::kWeights)
+    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / " + std::to_string(W::kWeights) +
+                                       ", " + std::to_string(W::kBytes) + "] uint8 expected");
   return Run<W>(pool, x.typed_data(), x.element_count(), w.untyped_data(), wd[0], xd.back(),
                 wd[1] * W::kBytes, y->typed_data());
 }
@@ -397,6 +566,13 @@ constexpr auto GemmBf16 = Plain<BF16, ffi::BF16>;
 constexpr auto GemmQ8_0 = Blocks<Q8_0>;
 constexpr auto GemmQ4_0 = Blocks<Q4_0>;
 constexpr auto GemmQ4_1 = Blocks<Q4_1>;
+constexpr auto GemmQ5_0 = Blocks<Q5_0>;
+constexpr auto GemmQ5_1 = Blocks<Q5_1>;
+constexpr auto GemmQ2_K = Blocks<Q2_K>;
+constexpr auto GemmQ3_K = Blocks<Q3_K>;
+constexpr auto GemmQ4_K = Blocks<Q4_K>;
+constexpr auto GemmQ5_K = Blocks<Q5_K>;
+constexpr auto GemmQ6_K = Blocks<Q6_K>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
 // kIsa: the best integer-dot kernels this CPU runs (imp_q8::Isa: 0 AVX2, 1 VNNI on ymm, 2 AVX-512 for
@@ -441,6 +617,13 @@ IMP_GEMM_HANDLER(ImpGemmBf16W, GemmBf16, ffi::BF16);
 IMP_GEMM_HANDLER(ImpGemmQ8_0W, GemmQ8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_0W, GemmQ4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_1W, GemmQ4_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ5_0W, GemmQ5_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ5_1W, GemmQ5_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ2_KW, GemmQ2_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ3_KW, GemmQ3_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ4_KW, GemmQ4_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ5_KW, GemmQ5_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ6_KW, GemmQ6_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
