@@ -3,12 +3,16 @@
 // one per weight format:
 //   imp_gemm_f32          float32 weights [N, K];
 //   imp_gemm_f32_bf16w    bfloat16 weights [N, K] (a bf16 checkpoint's matrices at half the bytes);
-//   imp_gemm_f32_q8_0w,   GGML blocks of 32 weights, uint8 [N, K / 32, block bytes], as a GGUF file
-//   imp_gemm_f32_q4_0w,   stores them (Q8_0: f16 d, 32 int8 q, w = d * q; Q4_0: f16 d, 32 nibbles,
-//   imp_gemm_f32_q4_1w    w = d * (q - 8); Q4_1: f16 d, f16 m, 32 nibbles, w = d * q + m).
+//   imp_gemm_f32_<fmt>w   GGML blocks, uint8 [N, K / W, block bytes], as a GGUF file stores them:
+//                         W = 32 for Q8_0 (w = d * q), Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m),
+//                         Q5_0 (w = d * (q - 16)), Q5_1 (w = d * q + m); W = 256 for the K-quants
+//                         Q2_K..Q6_K (super-blocks of 8 or 16 sub-blocks with integer scales under
+//                         f16 ones; layouts in ggml_blocks.py).
 // Every format is widened to float32 as it is read, and to exactly the float32 values a dequantised
-// copy holds (gguf-py's formulas: each product d * q is exact in float32, so the one rounding of
-// d * q + m is the same fused or not), so the products are the float32 kernel's, bit for bit.
+// copy holds (gguf-py's formulas: each product d * q, and each K-quant scale product d * sc, is exact
+// in float32, so the one rounding of d * q + m is the same fused or not; Q6_K / Q3_K's (d * sc) * q
+// is one rounding of an exact product in any grouping), so the products are the float32 kernel's,
+// bit for bit.
 //
 // Why: XLA's CPU GEMMs pack the weight matrix on every call. At the 1-64 rows of a decode step the
 // packing costs as much memory traffic as the product itself. Here nothing is packed: each output
@@ -21,11 +25,12 @@
 // depend on its neighbours, and a narrow format gives the bits its float32 copy would.
 //
 // Narrow formats: each NR-row weight tile is first widened into a float32 scratch that stays in L1
-// while its row tiles go by, so each weight is widened once per 64 rows (GGML blocks a block at a
-// time, one scale per 32 weights); bf16 weights meeting at most kMR rows (the memory-bound case)
-// are instead read straight into registers.
+// while its row tiles go by, so each weight is widened once per 64 rows (GGML blocks 32 weights at a
+// time: a block, or a K-quant super-block's sub-block, with its scales); bf16 weights meeting at
+// most kMR rows (the memory-bound case) are instead read straight into registers.
 //
-// gemm_q8.h is the opt-in int8-activation arithmetic for GGML blocks (imp_gemm_q8_*, bound below).
+// gemm_q8.h is the opt-in int8-activation arithmetic for Q8_0 / Q4_0 / Q4_1 blocks (imp_gemm_q8_*,
+// bound below); with it the other formats keep the exact widening (cpu/gemm.py).
 #include <immintrin.h>
 
 #include <algorithm>
