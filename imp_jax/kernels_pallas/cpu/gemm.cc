@@ -109,25 +109,25 @@ struct GgmlBlocks {
   }
 };
 
-// 32 bytes (weights in order) as four float vectors: unsigned or signed bytes.
-inline void widen_u8(__m256i q, __m256 v[4]) {
-  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-inline void widen_i8(__m256i q, __m256 v[4]) {
-  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-}
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// bits [shift, shift + width) of each of 32 bytes
+// 16 bytes at p in both 128-bit lanes.
+inline __m256i bcast16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// bits [shift, shift + width) of each byte (shift + width <= 8)
 inline __m256i bit_field(__m256i bytes, int shift, int width) {
   return _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>((1 << width) - 1)));
+}
+// The 32 weights' byte values as four int32 vectors (weights 0-7, 8-15, 16-23, 24-31): half(h)
+// gives weights 16h..16h+15 as 16 bytes in both lanes, which in-lane byte shuffles spread to
+// 32-bit lanes (as nibbles32 below: Zen's cross-lane widening shuffles would be the bottleneck).
+template <class Half>
+inline void spread32(Half half, __m256i q[4]) {
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i raw = half(h);
+    q[2 * h] = _mm256_shuffle_epi8(raw, first);
+    q[2 * h + 1] = _mm256_shuffle_epi8(raw, second);
+  }
 }
 
 struct Q8_0 : GgmlBlocks<34> {   // f16 d, int8 q[32]: w = d * q
@@ -247,8 +247,10 @@ struct Q4_K : GgmlBlocks<144, 256> {   // f16 d, f16 dmin, 12 scale bytes, 128 o
     scale_min_k4(b + 4, j, sc, mn);
     const __m256 d = _mm256_set1_ps(f16(b) * static_cast<float>(sc));
     const __m256 m = _mm256_set1_ps(f16(b + 2) * static_cast<float>(mn));
-    widen_u8(bit_field(load32(b + 16 + 32 * (j / 2)), 4 * (j % 2), 4), v);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, v[i], m);
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    __m256i q[4];
+    spread32([&](int h) { return bit_field(bcast16(qs + 16 * h), 4 * (j % 2), 4); }, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(q[i]), m);
   }
 };
 
@@ -260,10 +262,13 @@ struct Q5_K : GgmlBlocks<176, 256> {   // Q4_K's fields, 32 bytes of fifth bits,
     scale_min_k4(b + 4, j, sc, mn);
     const __m256 d = _mm256_set1_ps(f16(b) * static_cast<float>(sc));
     const __m256 m = _mm256_set1_ps(f16(b + 2) * static_cast<float>(mn));
-    const __m256i low = bit_field(load32(b + 48 + 32 * (j / 2)), 4 * (j % 2), 4);
-    const __m256i high = bit_field(load32(b + 16), j, 1);
-    widen_u8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), v);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, v[i], m);
+    const uint8_t *qs = b + 48 + 32 * (j / 2), *qh = b + 16;
+    __m256i q[4];
+    spread32([&](int h) {
+      return _mm256_or_si256(bit_field(bcast16(qs + 16 * h), 4 * (j % 2), 4),
+                             _mm256_slli_epi16(bit_field(bcast16(qh + 16 * h), j, 1), 4));
+    }, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(q[i]), m);
   }
 };
 
@@ -273,9 +278,13 @@ struct Q6_K : GgmlBlocks<210, 256> {   // 128 bytes of low nibbles, 64 of high 2
     int j;
     const uint8_t* b = at(row, k, j);
     const int h = j / 4, jj = j % 4;   // half of the super-block, 32-weight quarter of it
-    const __m256i low = bit_field(load32(b + 64 * h + 32 * (jj % 2)), 4 * (jj / 2), 4);
-    const __m256i high = bit_field(load32(b + 128 + 32 * h), 2 * jj, 2);
-    widen_i8(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)), v);
+    const uint8_t *ql = b + 64 * h + 32 * (jj % 2), *qh = b + 128 + 32 * h;
+    __m256i q[4];
+    spread32([&](int i) {
+      return _mm256_or_si256(bit_field(bcast16(ql + 16 * i), 4 * (jj / 2), 4),
+                             _mm256_slli_epi16(bit_field(bcast16(qh + 16 * i), 2 * jj, 2), 4));
+    }, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(32)));
     const float d = f16(b + 208);
     const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j])));
     const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j])));
@@ -295,9 +304,12 @@ struct Q3_K : GgmlBlocks<110, 256> {   // 32 bytes of high-bit mask, 64 of 2-bit
     int j;
     const uint8_t* b = at(row, k, j);
     const int h = j / 4, jj = j % 4;
-    const __m256i low = bit_field(load32(b + 32 + 32 * h), 2 * jj, 2);
-    const __m256i high = bit_field(load32(b), j, 1);   // a set bit: q as is; clear: q - 4
-    widen_i8(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), _mm256_set1_epi8(4)), v);
+    const uint8_t* qs = b + 32 + 32 * h;
+    __m256i q[4];
+    spread32([&](int i) {   // a set mask bit: q as is; clear: q - 4
+      return _mm256_or_si256(bit_field(bcast16(qs + 16 * i), 2 * jj, 2), _mm256_slli_epi16(bit_field(bcast16(b + 16 * i), j, 1), 2));
+    }, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(4)));
     const float d = f16(b + 108);
     const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(scale(b + 96, 2 * j)));
     const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(scale(b + 96, 2 * j + 1)));
@@ -312,7 +324,10 @@ struct Q2_K : GgmlBlocks<84, 256> {   // 16 scale bytes (scale | min << 4), 64 o
     int j;
     const uint8_t* b = at(row, k, j);
     const int h = j / 4, jj = j % 4;
-    widen_u8(bit_field(load32(b + 16 + 32 * h), 2 * jj, 2), v);
+    const uint8_t* qs = b + 16 + 32 * h;
+    __m256i q[4];
+    spread32([&](int i) { return bit_field(bcast16(qs + 16 * i), 2 * jj, 2); }, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(q[i]);
     const float d = f16(b + 80), dmin = f16(b + 82);
     const uint8_t s0 = b[2 * j], s1 = b[2 * j + 1];
     const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(s0 & 15)), m0 = _mm256_set1_ps(dmin * static_cast<float>(s0 >> 4));
