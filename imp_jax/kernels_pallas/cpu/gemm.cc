@@ -68,6 +68,8 @@ struct F32 {
   static constexpr const char* kName = "imp_gemm_f32";
   static constexpr bool kWide = true;     // already float32: no scratch tile
   static constexpr bool kBlocks = false;  // GGML blocks: widened a block (32 weights, one scale) at a time
+  static constexpr int64_t kWeights = 1;  // weights per block
+  static constexpr bool kMin = false;     // K-quants: whether a super-block has mins too
   static int64_t offset(int64_t k) { return 4 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) { return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k); }
   static float one(const uint8_t* w, int64_t k) { return reinterpret_cast<const float*>(w)[k]; }
@@ -77,6 +79,8 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
   static constexpr const char* kName = "imp_gemm_f32_bf16w";
   static constexpr bool kWide = false;
   static constexpr bool kBlocks = false;
+  static constexpr int64_t kWeights = 1;
+  static constexpr bool kMin = false;
   static int64_t offset(int64_t k) { return 2 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
@@ -101,6 +105,7 @@ struct GgmlBlocks {
   static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = Bytes;
   static constexpr int64_t kWeights = Weights;
+  static constexpr bool kMin = false;
   static int64_t offset(int64_t k) { return (k / kWeights) * kBytes + (k % kWeights) * kBytes / kWeights; }
   // the block holding weight k, and which of its 32-weight sub-blocks k starts
   static const uint8_t* at(const uint8_t* row, int64_t k, int& j) {
@@ -230,111 +235,138 @@ struct Q5_1 : GgmlBlocks<24> {   // f16 d, f16 m, uint32 of fifth bits, 16 bytes
 // float32, and so is (d * sc) * q but in Q6_K (one rounding there, as in gguf-py); the subtraction
 // of dmin * mn is then the one rounding, fused or not.
 
-// Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 scale bytes s.
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63, mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// Each K-quant gives `scales(b, d, m)`: per 16 weights of super-block b the float32 scale d * sc
+// and (kMin) the min dmin * mn; and `quants(b, j, q)`: sub-block j's 32 integer weights as four
+// int32 vectors. `ksub` makes sub-block j's floats from them, `kblock` the 32 weights from k.
+template <class W>
+inline void ksub(const uint8_t* b, int j, const float* d, const float* m, __m256 v[4]) {
+  __m256i q[4];
+  W::quants(b, j, q);
+  for (int i = 0; i < 4; ++i) {
+    const __m256 di = _mm256_broadcast_ss(d + 2 * j + i / 2), qi = _mm256_cvtepi32_ps(q[i]);
+    if constexpr (W::kMin)
+      v[i] = _mm256_fmsub_ps(di, qi, _mm256_broadcast_ss(m + 2 * j + i / 2));   // d * q exact: one rounding
+    else
+      v[i] = _mm256_mul_ps(di, qi);
+  }
+}
+
+template <class W>
+inline void kblock(const uint8_t* row, int64_t k, __m256 v[4]) {
+  int j;
+  const uint8_t* b = W::at(row, k, j);
+  alignas(32) float d[16], m[16];
+  W::scales(b, d, m);
+  ksub<W>(b, j, d, m, v);
+}
+
+// Q4_K / Q5_K: f16 d, f16 dmin, then 12 bytes of 8 6-bit scales and mins (ggml_blocks.py).
+inline void scales_k4(const uint8_t* b, float* d, float* m) {
+  const float dd = f16(b), dm = f16(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    d[2 * j] = d[2 * j + 1] = dd * static_cast<float>(sc);
+    m[2 * j] = m[2 * j + 1] = dm * static_cast<float>(mn);
   }
 }
 
 struct Q4_K : GgmlBlocks<144, 256> {   // f16 d, f16 dmin, 12 scale bytes, 128 of nibbles
   static constexpr const char* kName = "imp_gemm_f32_q4_kw";
-  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
-    int j, sc, mn;
-    const uint8_t* b = at(row, k, j);
-    scale_min_k4(b + 4, j, sc, mn);
-    const __m256 d = _mm256_set1_ps(f16(b) * static_cast<float>(sc));
-    const __m256 m = _mm256_set1_ps(f16(b + 2) * static_cast<float>(mn));
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* d, float* m) { scales_k4(b, d, m); }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
     const uint8_t* qs = b + 16 + 32 * (j / 2);
-    __m256i q[4];
     spread32([&](int h) { return bit_field(bcast16(qs + 16 * h), 4 * (j % 2), 4); }, q);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(q[i]), m);
   }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q4_K>(row, k, v); }
 };
 
 struct Q5_K : GgmlBlocks<176, 256> {   // Q4_K's fields, 32 bytes of fifth bits, 128 of nibbles
   static constexpr const char* kName = "imp_gemm_f32_q5_kw";
-  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
-    int j, sc, mn;
-    const uint8_t* b = at(row, k, j);
-    scale_min_k4(b + 4, j, sc, mn);
-    const __m256 d = _mm256_set1_ps(f16(b) * static_cast<float>(sc));
-    const __m256 m = _mm256_set1_ps(f16(b + 2) * static_cast<float>(mn));
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* d, float* m) { scales_k4(b, d, m); }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
     const uint8_t *qs = b + 48 + 32 * (j / 2), *qh = b + 16;
-    __m256i q[4];
     spread32([&](int h) {
       return _mm256_or_si256(bit_field(bcast16(qs + 16 * h), 4 * (j % 2), 4),
                              _mm256_slli_epi16(bit_field(bcast16(qh + 16 * h), j, 1), 4));
     }, q);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(q[i]), m);
   }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q5_K>(row, k, v); }
 };
 
 struct Q6_K : GgmlBlocks<210, 256> {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d
   static constexpr const char* kName = "imp_gemm_f32_q6_kw";
-  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
-    int j;
-    const uint8_t* b = at(row, k, j);
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* d, float*) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 dd = _mm256_set1_ps(f16(b + 208));
+    _mm256_storeu_ps(d, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+  }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
     const int h = j / 4, jj = j % 4;   // half of the super-block, 32-weight quarter of it
     const uint8_t *ql = b + 64 * h + 32 * (jj % 2), *qh = b + 128 + 32 * h;
-    __m256i q[4];
     spread32([&](int i) {
       return _mm256_or_si256(bit_field(bcast16(ql + 16 * i), 4 * (jj / 2), 4),
                              _mm256_slli_epi16(bit_field(bcast16(qh + 16 * i), 2 * jj, 2), 4));
     }, q);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(32)));
-    const float d = f16(b + 208);
-    const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j])));
-    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j])));
-    v[0] = _mm256_mul_ps(d0, v[0]), v[1] = _mm256_mul_ps(d0, v[1]);
-    v[2] = _mm256_mul_ps(d1, v[2]), v[3] = _mm256_mul_ps(d1, v[3]);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(32));
   }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q6_K>(row, k, v); }
 };
 
 struct Q3_K : GgmlBlocks<110, 256> {   // 32 bytes of high-bit mask, 64 of 2-bit q, 12 scale bytes, f16 d
   static constexpr const char* kName = "imp_gemm_f32_q3_kw";
-  static int scale(const uint8_t* s, int t) {   // 6-bit scale t (of 16), minus 32
-    const int low = t < 8 ? s[t] & 15 : s[t - 8] >> 4;
-    const int high = (s[8 + t % 4] >> (2 * (t / 4))) & 3;
-    return (low | (high << 4)) - 32;
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* d, float*) {   // 16 6-bit scales, minus 32
+    // scale t: low 4 bits from byte t's low nibble (t < 8) or byte t - 8's high one, high 2 bits
+    // from bits 2 (t / 4) of byte 8 + t % 4
+    const uint8_t* s = b + 96;
+    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+    int32_t hb;
+    std::memcpy(&hb, s + 8, 4);
+    const __m256i high = _mm256_cvtepu8_epi32(_mm_set1_epi32(hb));   // bytes 8-11, twice
+    const __m256 dd = _mm256_set1_ps(f16(b + 108));
+    const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i lo = half ? _mm256_srli_epi32(low, 4) : _mm256_and_si256(low, _mm256_set1_epi32(15));
+      const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(high, _mm256_add_epi32(shift, _mm256_set1_epi32(4 * half))), three);
+      const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
+      _mm256_storeu_ps(d + 8 * half, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sc)));
+    }
   }
-  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
-    int j;
-    const uint8_t* b = at(row, k, j);
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
     const int h = j / 4, jj = j % 4;
     const uint8_t* qs = b + 32 + 32 * h;
-    __m256i q[4];
     spread32([&](int i) {   // a set mask bit: q as is; clear: q - 4
       return _mm256_or_si256(bit_field(bcast16(qs + 16 * i), 2 * jj, 2), _mm256_slli_epi16(bit_field(bcast16(b + 16 * i), j, 1), 2));
     }, q);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(4)));
-    const float d = f16(b + 108);
-    const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(scale(b + 96, 2 * j)));
-    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(scale(b + 96, 2 * j + 1)));
-    v[0] = _mm256_mul_ps(d0, v[0]), v[1] = _mm256_mul_ps(d0, v[1]);
-    v[2] = _mm256_mul_ps(d1, v[2]), v[3] = _mm256_mul_ps(d1, v[3]);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(4));
   }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q3_K>(row, k, v); }
 };
 
 struct Q2_K : GgmlBlocks<84, 256> {   // 16 scale bytes (scale | min << 4), 64 of 2-bit q, f16 d, f16 dmin
   static constexpr const char* kName = "imp_gemm_f32_q2_kw";
-  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
-    int j;
-    const uint8_t* b = at(row, k, j);
-    const int h = j / 4, jj = j % 4;
-    const uint8_t* qs = b + 16 + 32 * h;
-    __m256i q[4];
-    spread32([&](int i) { return bit_field(bcast16(qs + 16 * i), 2 * jj, 2); }, q);
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(q[i]);
-    const float d = f16(b + 80), dmin = f16(b + 82);
-    const uint8_t s0 = b[2 * j], s1 = b[2 * j + 1];
-    const __m256 d0 = _mm256_set1_ps(d * static_cast<float>(s0 & 15)), m0 = _mm256_set1_ps(dmin * static_cast<float>(s0 >> 4));
-    const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(s1 & 15)), m1 = _mm256_set1_ps(dmin * static_cast<float>(s1 >> 4));
-    v[0] = _mm256_fmsub_ps(d0, v[0], m0), v[1] = _mm256_fmsub_ps(d0, v[1], m0);
-    v[2] = _mm256_fmsub_ps(d1, v[2], m1), v[3] = _mm256_fmsub_ps(d1, v[3], m1);
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(sc, mask), hi = _mm_and_si128(_mm_srli_epi16(sc, 4), mask);
+    const __m256 dd = _mm256_set1_ps(f16(b + 80)), dm = _mm256_set1_ps(f16(b + 82));
+    _mm256_storeu_ps(d, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))));
+    _mm256_storeu_ps(m, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
+    _mm256_storeu_ps(m + 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
   }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    const uint8_t* qs = b + 16 + 32 * (j / 4);
+    spread32([&](int i) { return bit_field(bcast16(qs + 16 * i), 2 * (j % 4), 2); }, q);
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q2_K>(row, k, v); }
 };
 
 using imp_simd::hsum;
@@ -396,6 +428,34 @@ void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
   __m256 acc[NR];
   for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps();
   int64_t k = 0, next_line = 0;
+  if constexpr (W::kBlocks && W::kWeights > kQBlock) {   // K-quants: a super-block's scales decoded once
+    for (; k + W::kWeights <= K; k += W::kWeights) {
+      for (; pf && W::offset(k + W::kWeights) > next_line; next_line += 64)
+        for (int c = 0; c < NR; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+      const uint8_t* b[NR];
+      alignas(32) float d[NR][16], m[NR][16];
+      for (int c = 0; c < NR; ++c) {
+        int j;
+        b[c] = W::at(w + c * ldw, k, j);
+        W::scales(b[c], d[c], m[c]);
+      }
+      for (int s = 0; s < W::kWeights / kQBlock; ++s) {   // the rows' NR accumulators interleaved, as below
+        const float* xs = x + k + kQBlock * s;
+        const __m256 x0 = _mm256_loadu_ps(xs), x1 = _mm256_loadu_ps(xs + 8);
+        const __m256 x2 = _mm256_loadu_ps(xs + 16), x3 = _mm256_loadu_ps(xs + 24);
+        for (int c = 0; c < NR; ++c) {
+          __m256 v[4];
+          ksub<W>(b[c], s, d[c], m[c], v);
+          acc[c] = _mm256_fmadd_ps(x0, v[0], acc[c]);
+          acc[c] = _mm256_fmadd_ps(x1, v[1], acc[c]);
+          acc[c] = _mm256_fmadd_ps(x2, v[2], acc[c]);
+          acc[c] = _mm256_fmadd_ps(x3, v[3], acc[c]);
+        }
+      }
+    }
+    for (int c = 0; c < NR; ++c) y[c] = hsum(acc[c]);
+    return;
+  }
   constexpr int64_t kStep = W::kBlocks ? kQBlock : 8;
   for (; k + kStep <= K; k += kStep) {
     if (pf && W::offset(k + kStep) > next_line) {
@@ -500,7 +560,24 @@ struct Gemm {
 
   // Rows [0, nr) of w as float32 into out (rows K apart), prefetching pf (the next tile) on the way.
   void widen(const uint8_t* w, int64_t nr, float* out, const uint8_t* pf) const {
-    if constexpr (W::kBlocks) {
+    if constexpr (W::kBlocks && W::kWeights > kQBlock) {   // K-quants: a super-block's scales decoded once
+      for (int64_t c = 0; c < nr; ++c) {
+        int64_t next_line = 0;
+        for (int64_t k = 0; k < K; k += W::kWeights) {
+          for (; pf && W::offset(k + W::kWeights) > next_line; next_line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+          int j;
+          const uint8_t* b = W::at(w + c * ldw, k, j);
+          alignas(32) float d[16], m[16];
+          W::scales(b, d, m);
+          for (int s = 0; s < W::kWeights / kQBlock; ++s) {
+            __m256 v[4];
+            ksub<W>(b, s, d, m, v);
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + c * K + k + kQBlock * s + 8 * i, v[i]);
+          }
+        }
+      }
+    } else if constexpr (W::kBlocks) {
       for (int64_t c = 0; c < nr; ++c) {
         int64_t next_line = 0;
         for (int64_t k = 0; k < K; k += kQBlock) {
