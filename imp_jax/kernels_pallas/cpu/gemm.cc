@@ -115,10 +115,13 @@ struct GgmlBlocks {
 };
 
 // 16 bytes at p in both 128-bit lanes.
-inline __m256i bcast16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i bcast16(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 // bits [shift, shift + width) of each byte (shift + width <= 8)
 inline __m256i bit_field(__m256i bytes, int shift, int width) {
-  return _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>((1 << width) - 1)));
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << width) - 1));
+  return _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), mask);
 }
 // The 32 weights' byte values as four int32 vectors (weights 0-7, 8-15, 16-23, 24-31): half(h)
 // gives weights 16h..16h+15 as 16 bytes in both lanes, which in-lane byte shuffles spread to
@@ -334,7 +337,8 @@ struct Q3_K : GgmlBlocks<110, 256> {   // 32 bytes of high-bit mask, 64 of 2-bit
     for (int half = 0; half < 2; ++half) {
       const __m256i lo = half ? _mm256_srli_epi32(low, 4) : _mm256_and_si256(low, _mm256_set1_epi32(15));
       const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(high, _mm256_add_epi32(shift, _mm256_set1_epi32(4 * half))), three);
+      const __m256i by = _mm256_add_epi32(shift, _mm256_set1_epi32(4 * half));
+      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(high, by), three);
       const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
       _mm256_storeu_ps(d + 8 * half, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sc)));
     }
@@ -343,7 +347,8 @@ struct Q3_K : GgmlBlocks<110, 256> {   // 32 bytes of high-bit mask, 64 of 2-bit
     const int h = j / 4, jj = j % 4;
     const uint8_t* qs = b + 32 + 32 * h;
     spread32([&](int i) {   // a set mask bit: q as is; clear: q - 4
-      return _mm256_or_si256(bit_field(bcast16(qs + 16 * i), 2 * jj, 2), _mm256_slli_epi16(bit_field(bcast16(b + 16 * i), j, 1), 2));
+      return _mm256_or_si256(bit_field(bcast16(qs + 16 * i), 2 * jj, 2),
+                             _mm256_slli_epi16(bit_field(bcast16(b + 16 * i), j, 1), 2));
     }, q);
     for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(4));
   }
