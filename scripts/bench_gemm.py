@@ -3,6 +3,8 @@ activations (`--gemm cpu_q8`), per matrix kind and row count, and one step's GEM
 
     python scripts/bench_gemm.py [--model smollm2-135m-instruct] [--rows 1 8 32 64 256] [--repeats 7]
                                  [--modes exact q8] [--hot]
+    python scripts/bench_gemm.py --formats Q4_1 Q4_K Q6_K [--shapes 2048x2048 8192x2048 2048x8192]
+                                 [--copies 8] [--rows 1 32] [--modes exact]
 
 Each timed program runs one kind of projection over every layer's matrix (distinct arrays, so a
 decode-sized product reads its weights from memory as a step does), best of `repeats`. 'step' is
@@ -10,6 +12,11 @@ the sum over the kinds plus the LM head on the same rows: the GEMM time of a ste
 rows (a decode step samples every row). `--hot` gives every layer the first layer's matrix instead, so
 the weights come from the caches: the kernels' arithmetic and threading without DRAM's bandwidth
 (which on a shared VM varies from run to run).
+
+`--formats` times synthetic matrices instead of a model's: for each shape N x K and each GGML
+format, `--copies` distinct matrices of random valid blocks (random bytes, finite f16 scales: the
+kernel's work does not depend on the values), so formats the model's file lacks (K-quants need K a
+multiple of 256, which SmolLM2-135M's 576 is not) can be compared at the same shapes.
 """
 from __future__ import annotations
 
@@ -32,6 +39,67 @@ def best_seconds(fn, args, repeats: int) -> float:
     return best
 
 
+def synthetic(formats: list[str], shapes: list[str], copies: int) -> dict[str, tuple]:
+    """{"<N> x <K> <format>": `copies` distinct matrices of random valid blocks} on the device."""
+    import jax.numpy as jnp
+
+    from imp_jax.kernels_pallas import ggml_blocks
+
+    f16_fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82],
+                  "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+    rng = np.random.default_rng(0)
+    kinds = {}
+    for shape in shapes:
+        n, k = (int(v) for v in shape.lower().split("x"))
+        for fmt in formats:
+            nb = k // ggml_blocks.WEIGHTS[fmt]
+            ws = []
+            for _ in range(copies):
+                b = rng.integers(0, 256, (n, nb, ggml_blocks.FORMATS[fmt]), dtype=np.uint8)
+                for at in f16_fields[fmt]:
+                    b[..., at:at + 2] = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16)[..., None].view(np.uint8)
+                ws.append(jnp.asarray(b))
+            kinds[f"{n} x {k} {fmt}"] = tuple(ws)
+    return kinds
+
+
+def bench_formats(args) -> int:
+    """--formats: per shape and row count, the formats timed in turn within each repeat (so drifts
+    in the machine's speed hit them alike); the median and best over the repeats, and the weight
+    bytes each pass streams."""
+    import jax
+    import jax.numpy as jnp
+
+    from imp_jax.kernels_pallas import ggml_blocks
+    from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+
+    kinds = synthetic(args.formats, args.shapes, args.copies)
+    q8 = args.modes == ["q8"]
+    prog = jax.jit(lambda x, ws: [cpu_gemm.matmul_wt_cpu(x, w, q8) for w in ws])
+    print(f"{'matrix':<22} {'MiB/pass':>8} {'rows':>5} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'GFLOP/s':>8}")
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.lower().split("x"))
+        for rows in args.rows:
+            x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
+            times = {fmt: [] for fmt in args.formats}
+            for fmt in args.formats:
+                best_seconds(prog, (x, kinds[f"{n} x {k} {fmt}"]), 1)   # compile and warm
+            for _ in range(args.repeats):
+                for fmt in args.formats:
+                    ws = kinds[f"{n} x {k} {fmt}"]
+                    t0 = time.perf_counter()
+                    for y in prog(x, ws):
+                        y.block_until_ready()
+                    times[fmt].append(time.perf_counter() - t0)
+            for fmt in args.formats:
+                ws = kinds[f"{n} x {k} {fmt}"]
+                nbytes = sum(w.nbytes for w in ws)
+                med, best = float(np.median(times[fmt])), min(times[fmt])
+                print(f"{n} x {k} {fmt:<6} (x{len(ws)}) {nbytes / 2**20:8.1f} {rows:5d} {med * 1e3:10.3f} {best * 1e3:9.3f}"
+                      f" {nbytes / med / 1e9:7.1f} {2 * rows * n * k * len(ws) / med / 1e9:8.1f}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -40,6 +108,10 @@ def main() -> int:
     ap.add_argument("--hot", action="store_true", help="the same matrix in every layer: weights from the caches")
     ap.add_argument("--modes", nargs="+", choices=["exact", "q8"], default=["exact", "q8"],
                     help="which arithmetic to time (the speed-up column needs both)")
+    ap.add_argument("--formats", nargs="+", help="time synthetic matrices in these GGML formats (no model)")
+    ap.add_argument("--shapes", nargs="+", default=["2048x2048", "8192x2048", "2048x8192"],
+                    help="N x K of the synthetic matrices (--formats)")
+    ap.add_argument("--copies", type=int, default=8, help="distinct matrices per shape and format (--formats)")
     args = ap.parse_args()
 
     import jax
@@ -52,6 +124,8 @@ def main() -> int:
     if not cpu_gemm.available():
         print("the CPU GEMM kernel is not available here")
         return 1
+    if args.formats:
+        return bench_formats(args)
     from imp_jax.kernels_pallas import Kernels
     model = load_model(args.model, dtype="float32", kernels=Kernels(attention="cpu", gemm="cpu")).model
     kinds = dict(model.layers.matrices())

@@ -3,7 +3,7 @@
     attention.py, gemm.py   the entry points models call, dispatching on `Kernels`
     backends.py             `Kernels` and `select_kernels`: the choice, made once per engine
     metadata.py, kv_cache.py  the contracts: batch metadata, the paged cache's layout and writes
-    ggml_blocks.py          GGUF block-quantised matrices (Q8_0, Q4_0, Q4_1)
+    ggml_blocks.py          GGUF block-quantised matrices (Q8_0, Q4_x, Q5_x, Q2_K-Q6_K)
     xla/                    plain XLA: the portable backend, and the attention oracle for tests
     pallas/                 the Mosaic GPU (Hopper) attention kernel
     cpu/                    the x86-64 C++ kernels (XLA FFI) and their build

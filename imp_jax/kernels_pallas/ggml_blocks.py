@@ -1,16 +1,30 @@
 """GGML block-quantised weight matrices, kept as a GGUF file stores them.
 
-A quantised [N, K] matrix is a uint8 array [N, K / 32, block bytes]: each row is K / 32 blocks of
-32 weights, byte for byte as in the GGUF file. The block size names the format:
+A quantised [N, K] matrix is a uint8 array [N, K / W, block bytes]: each row is K / W blocks of W
+weights (W = 32, or 256 for the K-quants' super-blocks), byte for byte as in the GGUF file. The
+block size in bytes names the format (each is distinct):
 
-    Q8_0  34 bytes: f16 d, int8 q[32]                     w = d * q
-    Q4_0  18 bytes: f16 d, 16 bytes of nibbles            w = d * (q - 8)
-    Q4_1  20 bytes: f16 d, f16 m, 16 bytes of nibbles     w = d * q + m
+    Q8_0   34 bytes / 32: f16 d, int8 q[32]                     w = d * q
+    Q4_0   18 bytes / 32: f16 d, 16 bytes of nibbles            w = d * (q - 8)
+    Q4_1   20 bytes / 32: f16 d, f16 m, 16 bytes of nibbles     w = d * q + m
+    Q5_0   22 bytes / 32: f16 d, 32 high bits, 16 of nibbles    w = d * (q - 16)
+    Q5_1   24 bytes / 32: f16 d, f16 m, 32 high bits, nibbles   w = d * q + m
+    Q2_K   84 bytes / 256: 16 4+4-bit scale/min, 2-bit q, f16 d, f16 dmin   w = (d * sc) * q - dmin * mn
+    Q3_K  110 bytes / 256: high-bit mask, 2-bit q, 16 6-bit scales, f16 d    w = (d * (sc - 32)) * q
+    Q4_K  144 bytes / 256: f16 d, f16 dmin, 8 6-bit scales and mins, nibbles w = (d * sc) * q - dmin * mn
+    Q5_K  176 bytes / 256: as Q4_K plus a high-bit plane                     w = (d * sc) * q - dmin * mn
+    Q6_K  210 bytes / 256: low nibbles, high 2 bits, 16 int8 scales, f16 d   w = (d * sc) * (q - 32)
 
-(nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its high nibble). The CPU
-GEMM kernel (cpu_gemm.cc) reads them directly; `dequantize` gives the float32 matrix, the same
-values as gguf-py's dequantisation, for XLA's dot and for embedding rows. Every product d * q is
-exact in float32, so w is the same whether d * q + m is fused or not.
+(Q4_0 / Q4_1 / Q5_x nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
+high one; the K-quants' layouts are spelled out in `_dequantize_*`.) The CPU GEMM kernel
+(cpu/gemm.cc) reads them directly; `dequantize` gives the float32 matrix, the same values as
+gguf-py's `gguf.quants.dequantize`, for XLA's dot and for embedding rows.
+
+Exactness: in every format the scale products d * sc and dmin * mn are exact in float32 (an f16's
+11 significant bits times an integer of at most 8 bits), and so is (d * sc) * q except in Q6_K,
+where it is one rounded product whichever way it is grouped; the one add or subtract that follows
+is the only other rounding. So each weight is one correctly rounded operation on exact operands:
+the same float32 whether a multiply and an add are fused or not, in any grouping.
 """
 from __future__ import annotations
 
@@ -18,8 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32
-FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}   # name -> bytes per block
+BLOCK = 32    # weights per block of the 32-weight formats (and per sub-block the kernel widens at a time)
+QK_K = 256    # weights per K-quant super-block
+FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,          # name -> bytes per block
+           "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+WEIGHTS = {name: QK_K if name.endswith("_K") else BLOCK for name in FORMATS}   # name -> weights per block
 _BY_BYTES = {b: name for name, b in FORMATS.items()}
 
 
@@ -31,10 +48,16 @@ def format_of(w: jax.Array | np.ndarray) -> str | None:
     return _BY_BYTES.get(int(w.shape[-1]))
 
 
+def weights_per_block(w: jax.Array | np.ndarray) -> int:
+    """Weights per block of a quantised matrix (32 or 256)."""
+    return WEIGHTS[format_of(w)]
+
+
 def matrix_shape(w: jax.Array | np.ndarray) -> tuple[int, int]:
     """[N, K] of a plain or quantised matrix."""
-    if format_of(w) is not None:
-        return int(w.shape[0]), int(w.shape[1]) * BLOCK
+    fmt = format_of(w)
+    if fmt is not None:
+        return int(w.shape[0]), int(w.shape[1]) * WEIGHTS[fmt]
     return int(w.shape[0]), int(w.shape[1])
 
 
@@ -48,8 +71,93 @@ def _nibbles(qs: jax.Array) -> jax.Array:
     return jnp.concatenate([qs & 15, qs >> 4], axis=-1).astype(jnp.int32)
 
 
+def _bits(b: jax.Array, n: int, width: int) -> jax.Array:
+    """Bytes [..., m] -> [..., n, m]: plane i is bits [width * i, width * (i + 1)) of each byte."""
+    shifts = (jnp.arange(n, dtype=jnp.uint8) * width)[:, None]
+    return (b[..., None, :] >> shifts) & ((1 << width) - 1)
+
+
+def _high_bits32(qh: jax.Array) -> jax.Array:
+    """4 bytes, a little-endian uint32 -> its 32 bits, bit j as weight j's (int32)."""
+    return _bits(qh, 8, 1).swapaxes(-1, -2).reshape(*qh.shape[:-1], 32).astype(jnp.int32)
+
+
+def _scales_mins_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K / Q5_K's 12 scale bytes -> 8 6-bit scales and 8 6-bit mins (float32). Bytes 0-3 hold
+    scales 0-3 in their low 6 bits, 4-7 mins 0-3; scales / mins 4-7 are the low / high nibbles of
+    bytes 8-11 with the top 2 bits of bytes 0-3 / 4-7 above them."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = jnp.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=-1)
+    mn = jnp.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=-1)
+    return sc.astype(jnp.float32), mn.astype(jnp.float32)
+
+
+def _dequantize_q4_k(b: jax.Array) -> jax.Array:
+    """[n, 144] -> [n, 256]: f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles. Sub-block j
+    (32 weights) is the low (j even) or high nibbles of bytes 32 * (j // 2) ..."""
+    sc, mn = _scales_mins_k4(b[:, 4:16])
+    d = _f16(b[:, 0:2])[:, None] * sc                       # [n, 8], exact
+    dm = _f16(b[:, 2:4])[:, None] * mn
+    q = _bits(b[:, 16:].reshape(-1, 4, 32), 2, 4).reshape(-1, 8, 32).astype(jnp.float32)
+    return (d[..., None] * q - dm[..., None]).reshape(-1, QK_K)
+
+
+def _dequantize_q5_k(b: jax.Array) -> jax.Array:
+    """[n, 176] -> [n, 256]: Q4_K's fields, then 32 bytes of high bits (bit j of byte i: weight
+    32 * j + i's fifth bit) before the nibbles."""
+    sc, mn = _scales_mins_k4(b[:, 4:16])
+    d = _f16(b[:, 0:2])[:, None] * sc
+    dm = _f16(b[:, 2:4])[:, None] * mn
+    low = _bits(b[:, 48:].reshape(-1, 4, 32), 2, 4).reshape(-1, 8, 32)
+    high = _bits(b[:, 16:48], 8, 1)                         # [n, 8, 32]
+    q = (low | (high << 4)).astype(jnp.float32)
+    return (d[..., None] * q - dm[..., None]).reshape(-1, QK_K)
+
+
+def _dequantize_q6_k(b: jax.Array) -> jax.Array:
+    """[n, 210] -> [n, 256]: 128 bytes of low nibbles (per half of 128 weights: 64 bytes, low
+    nibbles then high), 64 bytes of 2-bit high parts (per half: 32 bytes, 4 planes), 16 int8
+    scales (one per 16 weights), f16 d."""
+    low = _bits(b[:, 0:128].reshape(-1, 2, 64), 2, 4).reshape(-1, 8, 32)
+    high = _bits(b[:, 128:192].reshape(-1, 2, 32), 4, 2).reshape(-1, 8, 32)
+    q = ((low | (high << 4)).astype(jnp.int32) - 32).astype(jnp.float32).reshape(-1, 16, 16)
+    sc = jax.lax.bitcast_convert_type(b[:, 192:208], jnp.int8).astype(jnp.float32)
+    d = _f16(b[:, 208:210])[:, None] * sc                   # [n, 16], exact
+    return (d[..., None] * q).reshape(-1, QK_K)
+
+
+def _dequantize_q3_k(b: jax.Array) -> jax.Array:
+    """[n, 110] -> [n, 256]: 32 bytes of high-bit mask (bit j of byte i: weight 32 * j + i; a
+    clear bit subtracts 4), 64 bytes of 2-bit parts (per half: 32 bytes, 4 planes), 12 bytes of
+    16 6-bit scales (low nibbles in bytes 0-7, low then high nibble; 2 high bits in bytes 8-11,
+    4 planes), f16 d."""
+    s = b[:, 96:108]
+    low = _bits(s[:, 0:8], 2, 4).reshape(-1, 16)
+    high = _bits(s[:, 8:12], 4, 2).reshape(-1, 16)
+    sc = ((low | (high << 4)).astype(jnp.int32) - 32).astype(jnp.float32)
+    d = _f16(b[:, 108:110])[:, None] * sc                   # [n, 16], exact
+    ql = _bits(b[:, 32:96].reshape(-1, 2, 32), 4, 2).reshape(-1, 8, 32).astype(jnp.int32)
+    hm = _bits(b[:, 0:32], 8, 1).astype(jnp.int32)          # [n, 8, 32]
+    q = (ql - 4 * (1 - hm)).astype(jnp.float32).reshape(-1, 16, 16)
+    return (d[..., None] * q).reshape(-1, QK_K)
+
+
+def _dequantize_q2_k(b: jax.Array) -> jax.Array:
+    """[n, 84] -> [n, 256]: 16 scale bytes (low nibble scale, high nibble min, per 16 weights),
+    64 bytes of 2-bit q (per half: 32 bytes, 4 planes), f16 d, f16 dmin."""
+    s = b[:, 0:16]
+    dl = _f16(b[:, 80:82])[:, None] * (s & 15).astype(jnp.float32)   # [n, 16], exact
+    ml = _f16(b[:, 82:84])[:, None] * (s >> 4).astype(jnp.float32)
+    q = _bits(b[:, 16:80].reshape(-1, 2, 32), 4, 2).reshape(-1, 16, 16).astype(jnp.float32)
+    return (dl[..., None] * q - ml[..., None]).reshape(-1, QK_K)
+
+
+_K_QUANTS = {"Q2_K": _dequantize_q2_k, "Q3_K": _dequantize_q3_k, "Q4_K": _dequantize_q4_k,
+             "Q5_K": _dequantize_q5_k, "Q6_K": _dequantize_q6_k}
+
+
 def dequantize(w: jax.Array) -> jax.Array:
-    """A quantised matrix [..., K / 32, bytes] as float32 [..., K] (also for gathered rows)."""
+    """A quantised matrix [..., K / W, bytes] as float32 [..., K] (also for gathered rows)."""
     fmt = format_of(w)
     if fmt == "Q8_0":
         q = jax.lax.bitcast_convert_type(w[..., 2:], jnp.int8).astype(jnp.float32)
@@ -58,6 +166,14 @@ def dequantize(w: jax.Array) -> jax.Array:
         out = _f16(w[..., 0:2])[..., None] * (_nibbles(w[..., 2:]) - 8).astype(jnp.float32)
     elif fmt == "Q4_1":
         out = _f16(w[..., 0:2])[..., None] * _nibbles(w[..., 4:]).astype(jnp.float32) + _f16(w[..., 2:4])[..., None]
+    elif fmt == "Q5_0":
+        q = _nibbles(w[..., 6:]) | (_high_bits32(w[..., 2:6]) << 4)
+        out = _f16(w[..., 0:2])[..., None] * (q - 16).astype(jnp.float32)
+    elif fmt == "Q5_1":
+        q = _nibbles(w[..., 8:]) | (_high_bits32(w[..., 4:8]) << 4)
+        out = _f16(w[..., 0:2])[..., None] * q.astype(jnp.float32) + _f16(w[..., 2:4])[..., None]
+    elif fmt in _K_QUANTS:
+        out = _K_QUANTS[fmt](w.reshape(-1, w.shape[-1]))
     else:
         raise ValueError(f"not a quantised matrix: {w.dtype} {w.shape}")
-    return out.reshape(*w.shape[:-2], w.shape[-2] * BLOCK)
+    return out.reshape(*w.shape[:-2], w.shape[-2] * WEIGHTS[fmt])

@@ -86,14 +86,14 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         return np.require(w, np.float32, ["C", "W", "O"])  # an F32 tensor is copied out of the mmap
 
     def blocks(self, name: str) -> np.ndarray | None:
-        """A matrix's GGML blocks as stored, uint8 [rows, K / 32, block bytes] (kernels_pallas/ggml_blocks.py),
-        when its type is one the CPU GEMM kernel reads; else None. Q/K rows are un-permuted as in
-        `__getitem__`."""
+        """A matrix's GGML blocks as stored, uint8 [rows, K / 32 (256 for K-quants), block bytes]
+        (kernels_pallas/ggml_blocks.py), when its type is one the CPU GEMM kernel reads; else None.
+        Q/K rows are un-permuted as in `__getitem__`."""
         tensor, heads = self._entries[name]
         fmt, shape = tensor.tensor_type.name, self.shape(name)
-        if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.BLOCK:
+        if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[fmt]:
             return None
-        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.BLOCK, ggml_blocks.FORMATS[fmt])
+        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt])
         if heads is not None:
             b = unpermute_rotary(b, heads)
         return np.require(b, requirements=["C", "W", "O"])   # a copy out of the mmap

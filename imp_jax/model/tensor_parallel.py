@@ -103,15 +103,16 @@ def take_rows(value: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 def take_columns(value: np.ndarray, index: np.ndarray) -> np.ndarray:
     """value[:, index] (input columns) of a [out, in] matrix, zeros where -1. A GGML-block matrix
-    keeps its blocks when `index` moves whole aligned blocks of 32; else it is dequantised first."""
+    keeps its blocks when `index` moves whole aligned blocks (of 32 weights, 256 for K-quants); else it is dequantised first."""
     if ggml_blocks.format_of(value) is not None:
-        runs = index.reshape(-1, ggml_blocks.BLOCK) if index.size % ggml_blocks.BLOCK == 0 else None
+        size = ggml_blocks.weights_per_block(value)   # 32, or 256 for a K-quant
+        runs = index.reshape(-1, size) if index.size % size == 0 else None
         first = runs[:, :1] if runs is not None else None
         whole = runs is not None and bool(np.all(
-            ((runs == -1).all(axis=1)) | ((first[:, 0] % ggml_blocks.BLOCK == 0)
-                                          & (runs == first + np.arange(ggml_blocks.BLOCK)).all(axis=1))))
+            ((runs == -1).all(axis=1)) | ((first[:, 0] % size == 0)
+                                          & (runs == first + np.arange(size)).all(axis=1))))
         if whole:
-            blocks = np.where(first[:, 0] < 0, -1, first[:, 0] // ggml_blocks.BLOCK)
+            blocks = np.where(first[:, 0] < 0, -1, first[:, 0] // size)
             return np.swapaxes(take_rows(np.swapaxes(value, 0, 1), blocks), 0, 1).copy()
         value = np.asarray(ggml_blocks.dequantize(value))
     return np.swapaxes(take_rows(np.swapaxes(value, 0, 1), index), 0, 1).copy()

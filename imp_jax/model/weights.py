@@ -2,7 +2,8 @@
 
 A `Matrix` is a parameter the model reads only through `layers.linear` (projections, LM head) or
 `layers.embed` (the embedding table), so it may be stored in any format those read:
-- GGML blocks (kernels_pallas/ggml_blocks.py): a GGUF's Q8_0 / Q4_0 / Q4_1 matrices as stored;
+- GGML blocks (kernels_pallas/ggml_blocks.py): a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 and K-quant
+  (Q2_K..Q6_K) matrices as stored;
 - bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32).
 Both are exact: the products are those of the float32 matrices, at a quarter to half the bytes.
 They pay only where the GEMM reads them as they are (the x86-64 CPU kernel); XLA's dot would
@@ -31,7 +32,7 @@ class Matrix(nnx.Param):
 class WeightFormats:
     """The narrow storage the loader may give `Matrix` parameters."""
 
-    ggml_blocks: bool = False   # keep a GGUF's Q8_0 / Q4_0 / Q4_1 blocks as stored
+    ggml_blocks: bool = False   # keep a GGUF's quantised blocks (ggml_blocks.FORMATS) as stored
     exact_bf16: bool = False    # store an all-bfloat16-valued float32 matrix as bfloat16
 
     @classmethod

@@ -3,12 +3,16 @@
 // one per weight format:
 //   imp_gemm_f32          float32 weights [N, K];
 //   imp_gemm_f32_bf16w    bfloat16 weights [N, K] (a bf16 checkpoint's matrices at half the bytes);
-//   imp_gemm_f32_q8_0w,   GGML blocks of 32 weights, uint8 [N, K / 32, block bytes], as a GGUF file
-//   imp_gemm_f32_q4_0w,   stores them (Q8_0: f16 d, 32 int8 q, w = d * q; Q4_0: f16 d, 32 nibbles,
-//   imp_gemm_f32_q4_1w    w = d * (q - 8); Q4_1: f16 d, f16 m, 32 nibbles, w = d * q + m).
+//   imp_gemm_f32_<fmt>w   GGML blocks, uint8 [N, K / W, block bytes], as a GGUF file stores them:
+//                         W = 32 for Q8_0 (w = d * q), Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m),
+//                         Q5_0 (w = d * (q - 16)), Q5_1 (w = d * q + m); W = 256 for the K-quants
+//                         Q2_K..Q6_K (super-blocks of 8 or 16 sub-blocks with integer scales under
+//                         f16 ones; layouts in ggml_blocks.py).
 // Every format is widened to float32 as it is read, and to exactly the float32 values a dequantised
-// copy holds (gguf-py's formulas: each product d * q is exact in float32, so the one rounding of
-// d * q + m is the same fused or not), so the products are the float32 kernel's, bit for bit.
+// copy holds (gguf-py's formulas: each product d * q, and each K-quant scale product d * sc, is exact
+// in float32, so the one rounding of d * q + m is the same fused or not; Q6_K / Q3_K's (d * sc) * q
+// is one rounding of an exact product in any grouping), so the products are the float32 kernel's,
+// bit for bit.
 //
 // Why: XLA's CPU GEMMs pack the weight matrix on every call. At the 1-64 rows of a decode step the
 // packing costs as much memory traffic as the product itself. Here nothing is packed: each output
@@ -21,11 +25,12 @@
 // depend on its neighbours, and a narrow format gives the bits its float32 copy would.
 //
 // Narrow formats: each NR-row weight tile is first widened into a float32 scratch that stays in L1
-// while its row tiles go by, so each weight is widened once per 64 rows (GGML blocks a block at a
-// time, one scale per 32 weights); bf16 weights meeting at most kMR rows (the memory-bound case)
-// are instead read straight into registers.
+// while its row tiles go by, so each weight is widened once per 64 rows (GGML blocks 32 weights at a
+// time: a block, or a K-quant super-block's sub-block, with its scales); bf16 weights meeting at
+// most kMR rows (the memory-bound case) are instead read straight into registers.
 //
-// gemm_q8.h is the opt-in int8-activation arithmetic for GGML blocks (imp_gemm_q8_*, bound below).
+// gemm_q8.h is the opt-in int8-activation arithmetic for Q8_0 / Q4_0 / Q4_1 blocks (imp_gemm_q8_*,
+// bound below); with it the other formats keep the exact widening (cpu/gemm.py).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -63,6 +68,8 @@ struct F32 {
   static constexpr const char* kName = "imp_gemm_f32";
   static constexpr bool kWide = true;     // already float32: no scratch tile
   static constexpr bool kBlocks = false;  // GGML blocks: widened a block (32 weights, one scale) at a time
+  static constexpr int64_t kWeights = 1;  // weights per block
+  static constexpr bool kMin = false;     // K-quants: whether a super-block has mins too
   static int64_t offset(int64_t k) { return 4 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) { return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k); }
   static float one(const uint8_t* w, int64_t k) { return reinterpret_cast<const float*>(w)[k]; }
@@ -72,6 +79,8 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
   static constexpr const char* kName = "imp_gemm_f32_bf16w";
   static constexpr bool kWide = false;
   static constexpr bool kBlocks = false;
+  static constexpr int64_t kWeights = 1;
+  static constexpr bool kMin = false;
   static int64_t offset(int64_t k) { return 2 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
@@ -87,22 +96,57 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
   }
 };
 
-// A GGML block format of `Bytes` bytes per 32 weights; `block` gives one block's weights.
-template <int64_t Bytes>
+// A GGML block format of `Bytes` bytes per `Weights` weights (32, or a K-quant's 256-weight
+// super-block); `block(row, k, v)` gives the 32 weights from k (k % 32 == 0) of a row. `offset`
+// is where weight k's bytes are, roughly (for prefetching; exact at a block's start).
+template <int64_t Bytes, int64_t Weights = kQBlock>
 struct GgmlBlocks {
   static constexpr bool kWide = false;
   static constexpr bool kBlocks = true;
   static constexpr int64_t kBytes = Bytes;
-  static int64_t offset(int64_t k) { return (k / kQBlock) * kBytes; }
+  static constexpr int64_t kWeights = Weights;
+  static constexpr bool kMin = false;
+  static int64_t offset(int64_t k) { return (k / kWeights) * kBytes + (k % kWeights) * kBytes / kWeights; }
+  // the block holding weight k, and which of its 32-weight sub-blocks k starts
+  static const uint8_t* at(const uint8_t* row, int64_t k, int& j) {
+    j = static_cast<int>((k % kWeights) / kQBlock);
+    return row + (k / kWeights) * kBytes;
+  }
 };
+
+// 16 bytes at p in both 128-bit lanes.
+inline __m256i bcast16(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// bits [shift, shift + width) of each byte (shift + width <= 8)
+inline __m256i bit_field(__m256i bytes, int shift, int width) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << width) - 1));
+  return _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), mask);
+}
+// The 32 weights' byte values as four int32 vectors (weights 0-7, 8-15, 16-23, 24-31): half(h)
+// gives weights 16h..16h+15 as 16 bytes in both lanes, which in-lane byte shuffles spread to
+// 32-bit lanes (as nibbles32 below: Zen's cross-lane widening shuffles would be the bottleneck).
+template <class Half>
+inline void spread32(Half half, __m256i q[4]) {
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i raw = half(h);
+    q[2 * h] = _mm256_shuffle_epi8(raw, first);
+    q[2 * h + 1] = _mm256_shuffle_epi8(raw, second);
+  }
+}
 
 struct Q8_0 : GgmlBlocks<34> {   // f16 d, int8 q[32]: w = d * q
   static constexpr const char* kName = "imp_gemm_f32_q8_0w";
-  static void block(const uint8_t* b, __m256 v[4]) {   // one block's 32 weights
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {   // 32 weights
+    int j;
+    const uint8_t* b = at(row, k, j);
     const __m256 d = _mm256_set1_ps(f16(b));
-    for (int j = 0; j < 4; ++j) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
-      v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   }
 };
@@ -125,27 +169,209 @@ inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
   q[3] = _mm256_shuffle_epi8(high, second);
 }
 
+// Q5_0 / Q5_1: nibbles32 plus weight i's fifth bit, bit i of the little-endian uint32 at `qh`.
+inline void fives32(const uint8_t* qh, const uint8_t* qs, __m256i q[4]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  nibbles32(qs, q);
+  const __m256i all = _mm256_set1_epi32(static_cast<int32_t>(bits)), one = _mm256_set1_epi32(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(all, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i))), one);
+    q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(bit, 4));
+  }
+}
+
 struct Q4_0 : GgmlBlocks<18> {   // f16 d, 16 bytes of nibbles: w = d * (q - 8)
   static constexpr const char* kName = "imp_gemm_f32_q4_0w";
-  static void block(const uint8_t* b, __m256 v[4]) {
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
     const __m256 d = _mm256_set1_ps(f16(b));
     __m256i q[4];
     nibbles32(b + 2, q);
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8))));
   }
 };
 
 struct Q4_1 : GgmlBlocks<20> {   // f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
   static constexpr const char* kName = "imp_gemm_f32_q4_1w";
-  static void block(const uint8_t* b, __m256 v[4]) {
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
     int32_t dm_bits;   // d and m side by side: one load, one conversion
     std::memcpy(&dm_bits, b, 4);
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
     const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     __m256i q[4];
     nibbles32(b + 4, q);
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
   }
+};
+
+struct Q5_0 : GgmlBlocks<22> {   // f16 d, uint32 of fifth bits, 16 bytes of nibbles: w = d * (q - 16)
+  static constexpr const char* kName = "imp_gemm_f32_q5_0w";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const __m256 d = _mm256_set1_ps(f16(b));
+    __m256i q[4];
+    fives32(b + 2, b + 6, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(16))));
+  }
+};
+
+struct Q5_1 : GgmlBlocks<24> {   // f16 d, f16 m, uint32 of fifth bits, 16 bytes of nibbles: w = d * q + m
+  static constexpr const char* kName = "imp_gemm_f32_q5_1w";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+    __m256i q[4];
+    fives32(b + 4, b + 8, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);   // d * q exact: one rounding
+  }
+};
+
+// The K-quants: 256-weight super-blocks of 8 sub-blocks of 32 (or 16 of 16) with integer scales
+// under one or two f16 scales; layouts in ggml_blocks.py. Each scale product d * sc is exact in
+// float32, and so is (d * sc) * q but in Q6_K (one rounding there, as in gguf-py); the subtraction
+// of dmin * mn is then the one rounding, fused or not.
+
+// Each K-quant gives `scales(b, d, m)`: per 16 weights of super-block b the float32 scale d * sc
+// and (kMin) the min dmin * mn; and `quants(b, j, q)`: sub-block j's 32 integer weights as four
+// int32 vectors. `ksub` makes sub-block j's floats from them, `kblock` the 32 weights from k.
+template <class W>
+inline void ksub(const uint8_t* b, int j, const float* d, const float* m, __m256 v[4]) {
+  __m256i q[4];
+  W::quants(b, j, q);
+  for (int i = 0; i < 4; ++i) {
+    const __m256 di = _mm256_broadcast_ss(d + 2 * j + i / 2), qi = _mm256_cvtepi32_ps(q[i]);
+    if constexpr (W::kMin)
+      v[i] = _mm256_fmsub_ps(di, qi, _mm256_broadcast_ss(m + 2 * j + i / 2));   // d * q exact: one rounding
+    else
+      v[i] = _mm256_mul_ps(di, qi);
+  }
+}
+
+template <class W>
+inline void kblock(const uint8_t* row, int64_t k, __m256 v[4]) {
+  int j;
+  const uint8_t* b = W::at(row, k, j);
+  alignas(32) float d[16], m[16];
+  W::scales(b, d, m);
+  ksub<W>(b, j, d, m, v);
+}
+
+// Q4_K / Q5_K: f16 d, f16 dmin, then 12 bytes of 8 6-bit scales and mins (ggml_blocks.py).
+inline void scales_k4(const uint8_t* b, float* d, float* m) {
+  const float dd = f16(b), dm = f16(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    d[2 * j] = d[2 * j + 1] = dd * static_cast<float>(sc);
+    m[2 * j] = m[2 * j + 1] = dm * static_cast<float>(mn);
+  }
+}
+
+struct Q4_K : GgmlBlocks<144, 256> {   // f16 d, f16 dmin, 12 scale bytes, 128 of nibbles
+  static constexpr const char* kName = "imp_gemm_f32_q4_kw";
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* d, float* m) { scales_k4(b, d, m); }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    spread32([&](int h) { return bit_field(bcast16(qs + 16 * h), 4 * (j % 2), 4); }, q);
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q4_K>(row, k, v); }
+};
+
+struct Q5_K : GgmlBlocks<176, 256> {   // Q4_K's fields, 32 bytes of fifth bits, 128 of nibbles
+  static constexpr const char* kName = "imp_gemm_f32_q5_kw";
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* d, float* m) { scales_k4(b, d, m); }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    const uint8_t *qs = b + 48 + 32 * (j / 2), *qh = b + 16;
+    spread32([&](int h) {
+      return _mm256_or_si256(bit_field(bcast16(qs + 16 * h), 4 * (j % 2), 4),
+                             _mm256_slli_epi16(bit_field(bcast16(qh + 16 * h), j, 1), 4));
+    }, q);
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q5_K>(row, k, v); }
+};
+
+struct Q6_K : GgmlBlocks<210, 256> {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d
+  static constexpr const char* kName = "imp_gemm_f32_q6_kw";
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* d, float*) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 dd = _mm256_set1_ps(f16(b + 208));
+    _mm256_storeu_ps(d, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+  }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    const int h = j / 4, jj = j % 4;   // half of the super-block, 32-weight quarter of it
+    const uint8_t *ql = b + 64 * h + 32 * (jj % 2), *qh = b + 128 + 32 * h;
+    spread32([&](int i) {
+      return _mm256_or_si256(bit_field(bcast16(ql + 16 * i), 4 * (jj / 2), 4),
+                             _mm256_slli_epi16(bit_field(bcast16(qh + 16 * i), 2 * jj, 2), 4));
+    }, q);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(32));
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q6_K>(row, k, v); }
+};
+
+struct Q3_K : GgmlBlocks<110, 256> {   // 32 bytes of high-bit mask, 64 of 2-bit q, 12 scale bytes, f16 d
+  static constexpr const char* kName = "imp_gemm_f32_q3_kw";
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* d, float*) {   // 16 6-bit scales, minus 32
+    // scale t: low 4 bits from byte t's low nibble (t < 8) or byte t - 8's high one, high 2 bits
+    // from bits 2 (t / 4) of byte 8 + t % 4
+    const uint8_t* s = b + 96;
+    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+    int32_t hb;
+    std::memcpy(&hb, s + 8, 4);
+    const __m256i high = _mm256_cvtepu8_epi32(_mm_set1_epi32(hb));   // bytes 8-11, twice
+    const __m256 dd = _mm256_set1_ps(f16(b + 108));
+    const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i lo = half ? _mm256_srli_epi32(low, 4) : _mm256_and_si256(low, _mm256_set1_epi32(15));
+      const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+      const __m256i by = _mm256_add_epi32(shift, _mm256_set1_epi32(4 * half));
+      const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(high, by), three);
+      const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
+      _mm256_storeu_ps(d + 8 * half, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sc)));
+    }
+  }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    const int h = j / 4, jj = j % 4;
+    const uint8_t* qs = b + 32 + 32 * h;
+    spread32([&](int i) {   // a set mask bit: q as is; clear: q - 4
+      return _mm256_or_si256(bit_field(bcast16(qs + 16 * i), 2 * jj, 2),
+                             _mm256_slli_epi16(bit_field(bcast16(b + 16 * i), j, 1), 2));
+    }, q);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(4));
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q3_K>(row, k, v); }
+};
+
+struct Q2_K : GgmlBlocks<84, 256> {   // 16 scale bytes (scale | min << 4), 64 of 2-bit q, f16 d, f16 dmin
+  static constexpr const char* kName = "imp_gemm_f32_q2_kw";
+  static constexpr bool kMin = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(sc, mask), hi = _mm_and_si128(_mm_srli_epi16(sc, 4), mask);
+    const __m256 dd = _mm256_set1_ps(f16(b + 80)), dm = _mm256_set1_ps(f16(b + 82));
+    _mm256_storeu_ps(d, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))));
+    _mm256_storeu_ps(d + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))));
+    _mm256_storeu_ps(m, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
+    _mm256_storeu_ps(m + 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
+  }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    const uint8_t* qs = b + 16 + 32 * (j / 4);
+    spread32([&](int i) { return bit_field(bcast16(qs + 16 * i), 2 * (j % 4), 2); }, q);
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q2_K>(row, k, v); }
 };
 
 using imp_simd::hsum;
@@ -207,6 +433,34 @@ void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
   __m256 acc[NR];
   for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps();
   int64_t k = 0, next_line = 0;
+  if constexpr (W::kBlocks && W::kWeights > kQBlock) {   // K-quants: a super-block's scales decoded once
+    for (; k + W::kWeights <= K; k += W::kWeights) {
+      for (; pf && W::offset(k + W::kWeights) > next_line; next_line += 64)
+        for (int c = 0; c < NR; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+      const uint8_t* b[NR];
+      alignas(32) float d[NR][16], m[NR][16];
+      for (int c = 0; c < NR; ++c) {
+        int j;
+        b[c] = W::at(w + c * ldw, k, j);
+        W::scales(b[c], d[c], m[c]);
+      }
+      for (int s = 0; s < W::kWeights / kQBlock; ++s) {   // the rows' NR accumulators interleaved, as below
+        const float* xs = x + k + kQBlock * s;
+        const __m256 x0 = _mm256_loadu_ps(xs), x1 = _mm256_loadu_ps(xs + 8);
+        const __m256 x2 = _mm256_loadu_ps(xs + 16), x3 = _mm256_loadu_ps(xs + 24);
+        for (int c = 0; c < NR; ++c) {
+          __m256 v[4];
+          ksub<W>(b[c], s, d[c], m[c], v);
+          acc[c] = _mm256_fmadd_ps(x0, v[0], acc[c]);
+          acc[c] = _mm256_fmadd_ps(x1, v[1], acc[c]);
+          acc[c] = _mm256_fmadd_ps(x2, v[2], acc[c]);
+          acc[c] = _mm256_fmadd_ps(x3, v[3], acc[c]);
+        }
+      }
+    }
+    for (int c = 0; c < NR; ++c) y[c] = hsum(acc[c]);
+    return;
+  }
   constexpr int64_t kStep = W::kBlocks ? kQBlock : 8;
   for (; k + kStep <= K; k += kStep) {
     if (pf && W::offset(k + kStep) > next_line) {
@@ -218,7 +472,7 @@ void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
       const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
       for (int c = 0; c < NR; ++c) {
         __m256 v[4];
-        W::block(w + c * ldw + W::offset(k), v);
+        W::block(w + c * ldw, k, v);
         acc[c] = _mm256_fmadd_ps(x0, v[0], acc[c]);
         acc[c] = _mm256_fmadd_ps(x1, v[1], acc[c]);
         acc[c] = _mm256_fmadd_ps(x2, v[2], acc[c]);
@@ -311,7 +565,24 @@ struct Gemm {
 
   // Rows [0, nr) of w as float32 into out (rows K apart), prefetching pf (the next tile) on the way.
   void widen(const uint8_t* w, int64_t nr, float* out, const uint8_t* pf) const {
-    if constexpr (W::kBlocks) {
+    if constexpr (W::kBlocks && W::kWeights > kQBlock) {   // K-quants: a super-block's scales decoded once
+      for (int64_t c = 0; c < nr; ++c) {
+        int64_t next_line = 0;
+        for (int64_t k = 0; k < K; k += W::kWeights) {
+          for (; pf && W::offset(k + W::kWeights) > next_line; next_line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
+          int j;
+          const uint8_t* b = W::at(w + c * ldw, k, j);
+          alignas(32) float d[16], m[16];
+          W::scales(b, d, m);
+          for (int s = 0; s < W::kWeights / kQBlock; ++s) {
+            __m256 v[4];
+            ksub<W>(b, s, d, m, v);
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + c * K + k + kQBlock * s + 8 * i, v[i]);
+          }
+        }
+      }
+    } else if constexpr (W::kBlocks) {
       for (int64_t c = 0; c < nr; ++c) {
         int64_t next_line = 0;
         for (int64_t k = 0; k < K; k += kQBlock) {
@@ -320,7 +591,7 @@ struct Gemm {
             next_line += 64;
           }
           __m256 v[4];
-          W::block(w + c * ldw + W::offset(k), v);
+          W::block(w + c * ldw, k, v);
           for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + c * K + k + 8 * j, v[j]);
         }
       }
@@ -385,9 +656,9 @@ ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w
 template <class W>
 ffi::Error Blocks(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * kQBlock)
-    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / 32, " +
-                                       std::to_string(W::kBytes) + "] uint8 expected");
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * W::kWeights)
+    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / " + std::to_string(W::kWeights) +
+                                       ", " + std::to_string(W::kBytes) + "] uint8 expected");
   return Run<W>(pool, x.typed_data(), x.element_count(), w.untyped_data(), wd[0], xd.back(),
                 wd[1] * W::kBytes, y->typed_data());
 }
@@ -397,6 +668,13 @@ constexpr auto GemmBf16 = Plain<BF16, ffi::BF16>;
 constexpr auto GemmQ8_0 = Blocks<Q8_0>;
 constexpr auto GemmQ4_0 = Blocks<Q4_0>;
 constexpr auto GemmQ4_1 = Blocks<Q4_1>;
+constexpr auto GemmQ5_0 = Blocks<Q5_0>;
+constexpr auto GemmQ5_1 = Blocks<Q5_1>;
+constexpr auto GemmQ2_K = Blocks<Q2_K>;
+constexpr auto GemmQ3_K = Blocks<Q3_K>;
+constexpr auto GemmQ4_K = Blocks<Q4_K>;
+constexpr auto GemmQ5_K = Blocks<Q5_K>;
+constexpr auto GemmQ6_K = Blocks<Q6_K>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
 // kIsa: the best integer-dot kernels this CPU runs (imp_q8::Isa: 0 AVX2, 1 VNNI on ymm, 2 AVX-512 for
@@ -441,6 +719,13 @@ IMP_GEMM_HANDLER(ImpGemmBf16W, GemmBf16, ffi::BF16);
 IMP_GEMM_HANDLER(ImpGemmQ8_0W, GemmQ8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_0W, GemmQ4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_1W, GemmQ4_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ5_0W, GemmQ5_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ5_1W, GemmQ5_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ2_KW, GemmQ2_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ3_KW, GemmQ3_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ4_KW, GemmQ4_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ5_KW, GemmQ5_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ6_KW, GemmQ6_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);

@@ -4,7 +4,7 @@
 - float32 weights, on 2 to 64 rows (decode steps; see MIN_ROWS, MAX_ROWS);
 - narrow weights, on any number of rows, since XLA would first widen them to float32 on every
   call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/weights.py) and GGML
-  blocks (a GGUF file's Q8_0, Q4_0 and Q4_1 matrices, ggml_blocks.py).
+  blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and K-quant Q2_K..Q6_K matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
 first use (build.py).
 
@@ -12,7 +12,8 @@ first use (build.py).
 llama.cpp's arithmetic instead (gemm_q8.h): each row of x rounded to int8 per 32-wide block with a
 float32 scale, integer dot products with the blocks, float32 scaling and sums. Faster (the weights
 are not widened), but the outputs are no longer the float32 product's: they differ by the rounding
-of x. Plain (float32, bfloat16) weights are read as before.
+of x. Plain (float32, bfloat16) weights are read as before, and so are the formats gemm_q8.h has no
+integer path for (Q5_0, Q5_1 and the K-quants): the exact widening, the `--gemm cpu` result.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from imp_jax.kernels_pallas.cpu import build
 
 TARGET = "imp_gemm_f32"
 TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
-BLOCK_TARGETS = {"Q8_0": "imp_gemm_f32_q8_0w", "Q4_0": "imp_gemm_f32_q4_0w", "Q4_1": "imp_gemm_f32_q4_1w"}
+BLOCK_TARGETS = {name: f"imp_gemm_f32_{name.lower()}w" for name in ggml_blocks.FORMATS}   # every GGML format
 Q8_TARGETS = {"Q8_0": "imp_gemm_q8_q8_0w", "Q4_0": "imp_gemm_q8_q4_0w", "Q4_1": "imp_gemm_q8_q4_1w"}
 _HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
              **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()},
@@ -46,7 +47,10 @@ def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
     if w.ndim == 2 and w.dtype in (jnp.float32, jnp.bfloat16):
         return TARGET if w.dtype == jnp.float32 else TARGET_BF16W
     fmt = ggml_blocks.format_of(w)
-    return (Q8_TARGETS if int8_activations else BLOCK_TARGETS)[fmt] if fmt else None
+    if fmt is None:
+        return None
+    # int8 activations only for the formats gemm_q8.h has; the others (K-quants, Q5_x) are widened exactly
+    return Q8_TARGETS[fmt] if int8_activations and fmt in Q8_TARGETS else BLOCK_TARGETS[fmt]
 
 
 def takes(x: jax.Array, w: jax.Array) -> bool:

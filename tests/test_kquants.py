@@ -1,0 +1,205 @@
+"""Q5_0 / Q5_1 and the K-quants (Q2_K..Q6_K) kept as GGML blocks: dequantised bit for bit as
+gguf-py does, widened by the CPU GEMM kernel to those same values, loaded from a GGUF as blocks."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from imp_jax.kernels_pallas import Kernels, matmul_wt
+from imp_jax.kernels_pallas import ggml_blocks as quant
+from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+
+NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# byte offsets of each format's f16 scales: random bytes there could be inf / NaN
+F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208]}
+CPU, CPU_Q8 = Kernels(gemm="cpu"), Kernels(gemm="cpu_q8")
+
+
+def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05) -> np.ndarray:
+    """uint8 [n, blocks, bytes]: gguf-py's quantisation of a random matrix where gguf-py has one
+    (Q5_0, Q5_1), else random bytes with random finite f16 scales (every bit pattern of the rest is a
+    valid block)."""
+    rng = np.random.default_rng(seed)
+    if fmt in ("Q5_0", "Q5_1"):
+        x = rng.standard_normal((n, blocks * quant.WEIGHTS[fmt])).astype(np.float32)
+        return quantize(x, Q[fmt]).reshape(n, blocks, quant.FORMATS[fmt])
+    b = rng.integers(0, 256, (n, blocks, quant.FORMATS[fmt]), dtype=np.uint8)
+    for at in F16_FIELDS[fmt]:
+        b[..., at:at + 2] = (rng.standard_normal((n, blocks)) * scale).astype(np.float16)[..., None].view(np.uint8)
+    return b
+
+
+def gguf_py(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    return dequantize(blocks.reshape(blocks.shape[0], -1), Q[fmt]).reshape(blocks.shape[0], -1)
+
+
+@pytest.mark.parametrize("fmt", NEW_FORMATS)
+def test_dequantize_is_gguf_pys_bit_for_bit(fmt):
+    blocks = random_blocks(fmt, 5, 3, seed=1)
+    want = gguf_py(blocks, fmt)
+    assert quant.format_of(blocks) == fmt and quant.matrix_shape(blocks) == want.shape
+    got = np.asarray(quant.dequantize(jnp.asarray(blocks)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))   # -0.0 too
+    rows = np.asarray(quant.dequantize(jnp.asarray(blocks[[3, 0, 3]])))        # embedding rows
+    np.testing.assert_array_equal(rows.view(np.uint32), want[[3, 0, 3]].view(np.uint32))
+
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
+kernel = jax.jit(cpu_gemm.matmul_wt_cpu)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", NEW_FORMATS)
+def test_the_kernel_gives_the_float32_kernels_bits(fmt):
+    """The blocks widened in the kernel are gguf-py's floats: the product is the float32 kernel's on
+    gguf-py's dequantised matrix, bit for bit, at 1 row (gemv), a few, 64 (one row block) and 260
+    (several, threaded), odd N (tile edges, several column blocks)."""
+    for n, blocks in ((7, 2), (49, 3)):
+        w = random_blocks(fmt, n, blocks, seed=n)
+        dense = gguf_py(w, fmt)
+        k = dense.shape[1]
+        for m in (1, 7, 64, 260):
+            x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+            got = np.asarray(kernel(x, jnp.asarray(w)))
+            np.testing.assert_array_equal(got, np.asarray(kernel(x, dense)), err_msg=f"{n} x {k}, {m} rows")
+        np.testing.assert_allclose(got, x.astype(np.float64) @ dense.astype(np.float64).T, rtol=1e-4,
+                                   atol=1e-5 * np.sqrt(k) * np.abs(dense).max() * np.abs(x).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_1"])
+def test_cpu_q8_widens_the_formats_it_has_no_int8_path_for(fmt):
+    """`--gemm cpu_q8` has int8 arithmetic for Q8_0 / Q4_0 / Q4_1 only: the other formats take the
+    exact widening, the `--gemm cpu` result bit for bit (never a crash, never an int8 kernel
+    reading bytes of another layout)."""
+    w = jnp.asarray(random_blocks(fmt, 9, 2, seed=3))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, quant.matrix_shape(w)[1])).astype(np.float32))
+    text = jax.jit(lambda x, w: matmul_wt(x, w, CPU_Q8)).lower(x, w).as_text()
+    assert cpu_gemm.BLOCK_TARGETS[fmt] in text and not any(t in text for t in cpu_gemm.Q8_TARGETS.values())
+    np.testing.assert_array_equal(np.asarray(matmul_wt(x, w, CPU_Q8)), np.asarray(matmul_wt(x, w, CPU)))
+
+
+def test_tensor_parallel_columns_keep_whole_super_blocks():
+    from imp_jax.model.tensor_parallel import take_columns
+
+    w = random_blocks("Q4_K", 3, 4, seed=5)
+    dense = gguf_py(w, "Q4_K")
+    index = np.concatenate([np.arange(512, 768), np.full(256, -1)])   # super-block 2, then a zero one
+    kept = take_columns(w, index)
+    assert quant.format_of(kept) == "Q4_K" and kept.shape == (3, 2, 144)
+    np.testing.assert_array_equal(gguf_py(kept, "Q4_K")[:, :256], dense[:, 512:768])
+    assert not gguf_py(kept, "Q4_K")[:, 256:].any()
+    split = take_columns(w, np.arange(32, 288))                       # not super-block aligned: floats
+    assert split.dtype == np.float32
+    np.testing.assert_array_equal(split, dense[:, 32:288])
+
+
+# ------------------------------------------------------------------ a tiny mixed-type GGUF
+HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+# per layer: (GGUF leaf, shape, type); q/k/v and gate/up share a type so they stay fused as blocks
+LAYERS = [
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q3_K,
+     "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q2_K},
+    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1,
+     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K},
+]
+SHAPES = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+          "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+          "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+
+
+def write_mixed_gguf(path: Path) -> None:
+    from test_gguf_loader import sentencepiece_vocab
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(len(LAYERS))
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    tokens, types, scores = sentencepiece_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_vocab_size(len(tokens))
+
+    def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
+        fmt = qtype.name
+        blocks = random_blocks(fmt, shape[0], shape[1] // quant.WEIGHTS[fmt], seed=int(rng.integers(1 << 30)),
+                               scale=0.3 / shape[1])
+        w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=qtype)
+
+    put("token_embd.weight", (len(tokens), HIDDEN), Q.Q6_K)
+    put("output.weight", (len(tokens), HIDDEN), Q.Q4_K)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i, types_ in enumerate(LAYERS):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for leaf, qtype in types_.items():
+            put(f"blk.{i}.{leaf}.weight", SHAPES[leaf], qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-kquants.gguf"
+    write_mixed_gguf(path)
+    return path
+
+
+@needs_kernel
+def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed):
+    """Every matrix stays as the file's blocks (a matrix's bytes on the device == its bytes in the
+    file), and the model computes the dequantised model's logits bit for bit, with `--gemm cpu` and
+    with `--gemm cpu_q8` (which widens these formats exactly too)."""
+    from imp_jax.model.config import ModelConfig
+    from imp_jax.model.gguf_loader import load_gguf
+    from imp_jax.model.llama import DecoderLM
+    from imp_jax.model.loader import load_model
+    from imp_jax.model.weights import WeightSource
+    from imp_jax.runtime.batch import SeqChunk
+    from paged import PagedRunner
+
+    kept = load_model(mixed, dtype="float32").model
+    assert kept.options.kernels.gemm == "cpu"   # what an x86-64 host picks
+    formats = {name: [quant.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
+    assert formats == {"qkv_proj": ["Q4_K", "Q5_0"], "o_proj": ["Q3_K", "Q5_1"],
+                       "gate_up_proj": ["Q6_K", "Q5_K"], "down_proj": ["Q2_K", "Q6_K"]}
+    assert quant.format_of(kept.embed[...]) == "Q6_K" and quant.format_of(kept.lm_head[...]) == "Q4_K"
+    reader = gguf.GGUFReader(str(mixed))
+    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    assert kept.embed[...].nbytes == file_bytes["token_embd.weight"]
+    assert kept.layers.matrices()["down_proj"][0].nbytes == file_bytes["blk.0.ffn_down.weight"]
+    assert kept.layers.matrices()["qkv_proj"][0].nbytes == sum(file_bytes[f"blk.0.attn_{p}.weight"] for p in "qkv")
+
+    ckpt = load_gguf(mixed)
+    cfg = ModelConfig.from_hf(ckpt.hf_config, source=str(mixed))
+    plain = DecoderLM.from_hf_tensors(cfg, WeightSource(ckpt.tensors), kept.options)   # float32 matrices
+    assert all(w.ndim == 2 for ws in plain.layers.matrices().values() for w in ws)
+    chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]   # 9 rows: the float32 kernel's summation order
+    want = PagedRunner(plain).run(chunks, 16, 1)[0]
+    assert np.isfinite(want).all() and want.std() > 0
+    np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)
+    q8 = load_model(mixed, dtype="float32", kernels=dataclasses.replace(kept.options.kernels, gemm="cpu_q8")).model
+    np.testing.assert_array_equal(PagedRunner(q8).run(chunks, 16, 1)[0], want)
