@@ -115,8 +115,9 @@ class ModelConfig:
     rope_local_theta: float | None = None        # Gemma 3: RoPE base of the sliding layers (no scaling)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_types, tuple):   # a list from JSON (converted checkpoints)
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("layer_types", "mlp_only_layers"):   # lists from JSON (converted checkpoints)
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ModelLoadError(f"layer_types: {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
