@@ -311,10 +311,9 @@ def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- engine
+@pytest.mark.parametrize("family", ["Qwen2MoeForCausalLM"], indirect=True)   # the shared expert and a dense layer
 def test_engine_batches_a_moe_like_alone_and_compiles_nothing_after_warmup(family):
     cfg, _, hf_model, _, path = family
-    if cfg.architecture != "Qwen2MoeForCausalLM":
-        pytest.skip("one family through the engine (the shared expert and a dense layer)")
     from conftest import write_tiny_tokenizer
     from imp_jax import LLM, SamplingParams
 
@@ -333,10 +332,9 @@ def test_engine_batches_a_moe_like_alone_and_compiles_nothing_after_warmup(famil
     assert llm.core.step_fn.compilations_after_warmup == 0
 
 
+@pytest.mark.parametrize("family", ["MixtralForCausalLM"], indirect=True)   # one family suffices
 def test_tensor_parallel_and_lora_are_refused_clearly(family):
     cfg, tensors, _, runner, _ = family
-    if cfg.architecture != "MixtralForCausalLM":
-        pytest.skip("one family suffices")
     with pytest.raises(ModelLoadError, match="tensor-parallel"):
         build(cfg, tensors, tensor_parallel=2)
     model = build(cfg, tensors)

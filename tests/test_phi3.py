@@ -163,11 +163,10 @@ def test_the_variant_features_change_the_logits(phi):
         assert np.max(np.abs(long[1:] - short[1:])) > 0.05 * np.ptp(short)
 
 
+@pytest.mark.parametrize("phi", ["phi4mini-longrope"], indirect=True)   # the longrope variant only
 def test_longrope_past_the_original_context_matches_transformers_own_choice(phi):
     """An 80-token sequence (> original 64): transformers picks the long factors itself, unforced."""
     name, cfg, regimes = phi
-    if name != "phi4mini-longrope":
-        pytest.skip("longrope only")
     runner, _ = regimes["long"]
     _, plain_hf = regimes["short"]
     seq = _prompts([80], seed=4)[0]
