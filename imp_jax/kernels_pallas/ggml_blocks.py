@@ -177,3 +177,31 @@ def dequantize(w: jax.Array) -> jax.Array:
     else:
         raise ValueError(f"not a quantised matrix: {w.dtype} {w.shape}")
     return out.reshape(*w.shape[:-2], w.shape[-2] * WEIGHTS[fmt])
+
+
+# Formats whose every weight is d * (q - c) with q - c in int8 range: Q8_0 holds them exactly.
+WIDENS_TO_Q8_0 = frozenset({"Q8_0", "Q4_0", "Q5_0"})
+
+
+def to_q8_0(w: np.ndarray) -> np.ndarray:
+    """A Q4_0 / Q5_0 / Q8_0 matrix [N, K / 32, bytes] (host bytes) as Q8_0 blocks [N, K / 32, 34]
+    holding the same weights: the same f16 d, and q - 8 / q - 16 as int8, so every weight dequantises
+    (and widens in the GEMM kernel) to the same float32, d times the same integer. Used where a fused
+    matrix joins parts stored in different formats (llama.cpp's Q4_K_M gives attn_v a wider type)."""
+    fmt = format_of(w)
+    if fmt == "Q8_0":
+        return w
+    w = np.asarray(w)
+    nib = np.concatenate([w[..., -16:] & 15, w[..., -16:] >> 4], axis=-1).astype(np.int16)   # weight order
+    if fmt == "Q4_0":
+        q = nib - 8
+    elif fmt == "Q5_0":
+        qh = w[..., 2:6].copy().view("<u4")                                          # [..., 1]
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+        q = (nib | (high.astype(np.int16) << 4)) - 16
+    else:
+        raise ValueError(f"{fmt} blocks cannot be held exactly as Q8_0")
+    out = np.empty((*w.shape[:-1], FORMATS["Q8_0"]), np.uint8)
+    out[..., 0:2] = w[..., 0:2]
+    out[..., 2:] = q.astype(np.int8).view(np.uint8)
+    return out

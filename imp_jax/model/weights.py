@@ -86,9 +86,14 @@ def stored(value: np.ndarray, dtype: Any, on_host: bool = False) -> jax.Array | 
 
 def _join_blocks(parts: list[np.ndarray | None]) -> np.ndarray | None:
     """One matrix of `parts` (GGML blocks, or None for a tensor without readable ones) when they
-    share one format; else None."""
-    if any(p is None for p in parts) or len({ggml_blocks.format_of(p) for p in parts}) != 1:
+    share one format, or are all Q4_0 / Q5_0 / Q8_0 (then as Q8_0, which holds each exactly); else None."""
+    if any(p is None for p in parts):
         return None
+    formats = {ggml_blocks.format_of(p) for p in parts}
+    if len(formats) > 1:
+        if not formats <= ggml_blocks.WIDENS_TO_Q8_0:
+            return None
+        parts = [ggml_blocks.to_q8_0(p) for p in parts]   # exact: the same float32 weights
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
