@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Serving benchmark: imp_jax against llama.cpp's llama-server on the same GGUF, same client, same run.
 #
-#   bash scripts/bench_peers.sh [build|run|all]        (default: all)
+#   bash scripts/bench_peers.sh [build|quantize|run|all]        (default: all)
 #
-# build: llama.cpp's native llama-server and llama-bench, compiled once from the source vendored in
+# build: llama.cpp's native llama-server, llama-bench and llama-quantize, compiled once from the source vendored in
 #        the llama-cpp-python sdist (pip download --no-binary :all:), cached under $PEERS_DIR
 #        (default $IMP_JAX_HOME/peers, else ~/.cache/imp_jax/peers); about 9 minutes of 2 cores.
 #        Nothing of llama.cpp is written into the repository.
+# quantize: the formats people download, made by llama-quantize from the default SmolLM2 GGUF (its Q4_1
+#        weights, dequantised: --allow-requantize) into $PEERS_DIR/models: SmolLM2-135M-Instruct.Q4_K_M.gguf
+#        and .Q6_K.gguf; prints their paths. Serve or benchmark one with MODEL=<path> ... run.
 # run:   time to /ready (cold: empty caches; warm) for both servers, llama-bench tg128/pp512 beside
 #        imp_jax's batch-1 numbers (scripts/bench_engine.py), then scripts/bench_serving.py against
 #        llama-server and then imp_jax at the same concurrency levels with unique prompts; writes
@@ -43,7 +46,7 @@ NP=32
 log() { echo "# $(date -u +%H:%M:%S) $*" >&2; }
 
 build() {
-    if [[ -x "$BIN_DIR/llama-server" && -x "$BIN_DIR/llama-bench" ]]; then
+    if [[ -x "$BIN_DIR/llama-server" && -x "$BIN_DIR/llama-bench" && -x "$BIN_DIR/llama-quantize" ]]; then
         log "llama.cpp $LLAMA_VERSION already built: $BIN_DIR"
         return
     fi
@@ -62,11 +65,26 @@ build() {
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >&2
-    log "building llama-server and llama-bench (about 9 minutes on 2 cores)"
+    log "building llama-server, llama-bench and llama-quantize (about 9 minutes on 2 cores)"
     local t0=$SECONDS
-    cmake --build "$lc/build" --target llama-server llama-bench -j "$(nproc)" >&2
-    cp "$lc/build/bin/llama-server" "$lc/build/bin/llama-bench" "$BIN_DIR/"
+    cmake --build "$lc/build" --target llama-server llama-bench llama-quantize -j "$(nproc)" >&2
+    cp "$lc/build/bin/llama-server" "$lc/build/bin/llama-bench" "$lc/build/bin/llama-quantize" "$BIN_DIR/"
     log "built in $((SECONDS - t0)) s: $BIN_DIR"
+}
+
+quantize() {
+    local src out_dir="$PEERS_DIR/models" type
+    src=$(MODEL="" model_path)
+    mkdir -p "$out_dir"
+    for type in Q4_K_M Q6_K; do
+        local out="$out_dir/SmolLM2-135M-Instruct.$type.gguf"
+        if [[ ! -f "$out" ]]; then
+            log "llama-quantize $src -> $out"
+            "$BIN_DIR/llama-quantize" --allow-requantize "$src" "$out.tmp" "$type" "$THREADS" >"$out.log" 2>&1
+            mv "$out.tmp" "$out"
+        fi
+        echo "$out"
+    done
 }
 
 model_path() {
@@ -181,7 +199,8 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
 trap 'stop_server 2>/dev/null' EXIT
 case "${1:-all}" in
     build) build ;;
+    quantize) build; quantize ;;
     run) run ;;
     all) build; run ;;
-    *) echo "usage: $0 [build|run|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [build|quantize|run|all]" >&2; exit 2 ;;
 esac
