@@ -223,3 +223,33 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     got = PagedRunner(q8).run(chunks, 16, 1)[0]
     assert not np.array_equal(got, want)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * np.ptp(want))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_xla_keeps_the_blocks_and_dequantises_inside_the_program(mixed, dtype):
+    """`--quantized-weights keep` under XLA's dot (a GPU's default): every matrix stays as the file's
+    blocks and is dequantised in the program, matrix by matrix, to the values a load-time
+    dequantisation stores for the model's dtype: the logits are the dequantised model's, bit for bit."""
+    from imp_jax.kernels_pallas.backends import select_kernels
+    from imp_jax.model.loader import attention_shape, load_model, open_checkpoint
+    from imp_jax.runtime.batch import SeqChunk
+    from paged import PagedRunner
+
+    keep = Kernels(gemm="xla", quantized="keep")
+    assert keep.keeps_blocks and not Kernels(gemm="xla").keeps_blocks and CPU.keeps_blocks
+    assert not Kernels(gemm="cpu", quantized="dequantize").keeps_blocks
+    kept = load_model(mixed, dtype=dtype, kernels=keep).model
+    plain = load_model(mixed, dtype=dtype, kernels=Kernels(gemm="xla", quantized="dequantize")).model
+    assert quant.format_of(kept.lm_head[...]) == "Q4_K" and quant.format_of(plain.lm_head[...]) is None
+    assert {quant.format_of(w) for ws in kept.layers.matrices().values() for w in ws} == {
+        "Q4_K", "Q5_0", "Q8_0", "Q3_K", "Q5_1", "Q6_K", "Q5_K", "Q2_K"}
+    chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]
+    want = PagedRunner(plain).run(chunks, 16, 1)[0]
+    np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)
+
+    gpu = type("Device", (), {"platform": "gpu", "device_kind": "test"})()   # what a GPU resolves auto to
+    shape = attention_shape(open_checkpoint(mixed).config, jnp.bfloat16, jnp.bfloat16, 16, "gpu")
+    assert select_kernels(gpu, shape).keeps_blocks
+    assert not select_kernels(gpu, shape, quantized="dequantize").keeps_blocks
+    with pytest.raises(ValueError, match="quantized-weights"):
+        select_kernels(gpu, shape, quantized="int3")

@@ -18,6 +18,7 @@ from imp_jax.kernels_pallas.pallas import shapes as pallas_attention
 log = logging.getLogger("imp_jax.kernels")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
 GEMM_BACKENDS = ("auto", "xla", "cpu", "cpu_q8")
+QUANTIZED_CHOICES = ("auto", "keep", "dequantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,21 +34,32 @@ class Kernels:
         branch or loop iteration waits for the device to tell the host its predicate.
     pallas_interpret: run the Pallas kernel in the Mosaic GPU interpreter (tests on a CPU;
         `select_kernels` never sets it).
+    quantized: what becomes of a GGUF's quantised matrices: "keep" (stored as the file's blocks;
+        the CPU GEMM kernel reads them, XLA's dot dequantises each inside the program, so only the
+        matrix a step is multiplying is ever widened), "dequantize" (at load) or "auto" (keep where
+        the CPU GEMM kernel reads them; `select_kernels` resolves it to "keep" on a GPU).
     """
 
     attention: str = "xla"
     gemm: str = "xla"
     dynamic_skips: bool = True
     pallas_interpret: bool = False
+    quantized: str = "auto"
 
     @property
     def reads_narrow_weights(self) -> bool:
-        """Whether bf16 and GGML-block matrices pay: only the CPU GEMM kernel reads them as they
-        are; XLA's dot would widen them to float32 on every call."""
+        """Whether bf16 matrices pay: only the CPU GEMM kernel reads them as they are; XLA's dot
+        would widen them on every call."""
         return self.gemm in ("cpu", "cpu_q8")
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether a GGUF's quantised matrices stay as its blocks (`quantized`)."""
+        return self.quantized == "keep" or (self.quantized == "auto" and self.reads_narrow_weights)
+
     def describe(self) -> str:
-        return f"attention={self.attention} gemm={self.gemm} dynamic_skips={self.dynamic_skips}"
+        return (f"attention={self.attention} gemm={self.gemm} dynamic_skips={self.dynamic_skips} "
+                f"quantized={'keep' if self.keeps_blocks else 'dequantize'}")
 
 
 XLA = Kernels()   # portable: runs anywhere, the default for code that is not handed a choice
@@ -65,20 +77,24 @@ def is_hopper(device: Any) -> bool:
 
 
 def select_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto",
-                   gemm: str = "auto") -> Kernels:
+                   gemm: str = "auto", quantized: str = "auto") -> Kernels:
     """The kernels for a model of attention `shape` on `device` (a jax Device).
 
     auto: the Pallas kernel on a Hopper GPU and the C++ kernels on an x86-64 CPU, each where it
     takes the shape (and, for the C++ ones, where they build); XLA everywhere else. The inexact
-    `cpu_q8` GEMM only when asked for by name.
+    `cpu_q8` GEMM only when asked for by name. Quantised GGUF matrices (`quantized` auto): kept as
+    blocks where the CPU GEMM reads them and on GPUs (dequantised inside the program, matrix by
+    matrix), dequantised at load by a CPU running XLA's dot.
     """
+    if quantized not in QUANTIZED_CHOICES:
+        raise ValueError(f"--quantized-weights {quantized!r}: expected one of {', '.join(QUANTIZED_CHOICES)}")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_BACKENDS)}")
     on_cpu = device.platform == "cpu"
     return Kernels(attention=_attention(attention, device, shape, on_cpu), gemm=_gemm(gemm, on_cpu),
-                   dynamic_skips=on_cpu)
+                   dynamic_skips=on_cpu, quantized="keep" if quantized == "auto" and not on_cpu else quantized)
 
 
 def _attention(asked: str, device: Any, shape: AttentionShape, on_cpu: bool) -> str:

@@ -37,9 +37,11 @@ class WeightFormats:
 
     @classmethod
     def for_model(cls, kernels: Kernels, dtype: Any) -> "WeightFormats":
-        """Narrow formats for a float32 model whose GEMM reads them; none otherwise."""
-        narrow = kernels.reads_narrow_weights and jnp.dtype(dtype) == jnp.float32
-        return cls(ggml_blocks=narrow, exact_bf16=narrow)
+        """GGML blocks where `kernels.keeps_blocks` (for the CPU GEMM kernel: in a float32 model, the
+        activations it takes), bf16 storage of float32 matrices for a float32 model whose GEMM reads it."""
+        f32 = jnp.dtype(dtype) == jnp.float32
+        narrow = kernels.reads_narrow_weights and f32
+        return cls(ggml_blocks=kernels.keeps_blocks and (f32 or not kernels.reads_narrow_weights), exact_bf16=narrow)
 
 
 class WeightSource:

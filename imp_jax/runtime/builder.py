@@ -85,7 +85,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)
     shape = dataclasses.replace(shape, num_heads=tp.local_heads, num_kv_heads=tp.local_kv_heads)   # per shard
-    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm)
+    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm,
+                             quantized=config.quantized_weights)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = build_model(ckpt, options, config.model_class)

@@ -25,6 +25,10 @@ class EngineConfig:
     gemm: str = _field("auto", "projection GEMM: auto | xla | cpu | cpu_q8; auto = the C++ kernel on an x86-64 "
                        "CPU, else xla. cpu_q8 (opt-in): GGUF Q8_0/Q4_0/Q4_1 matrices meet activations rounded "
                        "to int8 (llama.cpp's arithmetic): faster decode, outputs differ slightly from exact")
+    quantized_weights: str = _field(
+        "auto", "a GGUF's quantised matrices: auto | keep | dequantize. keep: stored as the file's blocks (the "
+        "CPU GEMM kernel reads them; XLA dequantises each one inside the step, matrix by matrix); auto = keep "
+        "on GPUs and where the CPU GEMM kernel runs, dequantize (at load) under --gemm xla on a CPU")
     max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
     max_num_seqs: int = _field(32, "sequences in one step at most")
     max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")
