@@ -1,6 +1,13 @@
-"""`python -m imp_jax.convert SRC DST [--dtype float32|bfloat16]`: write any loadable model (GGUF,
-HF dir, alias) as a converted checkpoint, a directory that loads without dequantising or re-stacking
-weights. The format, and the reader the loader uses, are in imp_jax/model/converted.py.
+"""`python -m imp_jax.convert SRC DST [--dtype float32|bfloat16] [--quantize int8|int4]`: write any
+loadable model (GGUF, HF dir, alias) as a converted checkpoint, a directory that loads without
+dequantising or re-stacking weights. The format, and the reader the loader uses, are in
+imp_jax/model/converted.py.
+
+`--quantize` stores every projection matrix (embedding and LM head included) weight-only quantised
+per group of 32 input weights, as GGML blocks: int8 = Q8_0 (an f16 scale per group, symmetric), int4
+= Q4_1 (an f16 scale and f16 minimum per group, asymmetric, as GPTQ/AWQ-style int4 with zero points).
+The loader keeps them as blocks where the backend reads blocks (the CPU GEMM kernel; XLA's dot on a
+GPU, dequantising each matrix inside the step) and dequantises them at load elsewhere.
 """
 from __future__ import annotations
 
@@ -16,10 +23,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from imp_jax.errors import ImpError
 from imp_jax.kernels_pallas import ggml_blocks
-from imp_jax.model.converted import FORMAT, FORMAT_VERSION, STATE_DIR, pure_state
+from imp_jax.model.converted import FORMAT, FORMAT_VERSION, STATE_DIR, matrix_path, matrix_paths, pure_state
 from imp_jax.model.hub import CONVERTED_MARKER
 from imp_jax.model.loader import LoadedModel, load_model, resolve_dtype
 from imp_jax.model.tokenizer import Tokenizer
@@ -27,8 +35,11 @@ from imp_jax.model.tokenizer import Tokenizer
 log = logging.getLogger("imp_jax.convert")
 
 
+QUANTIZE = {"int8": "Q8_0", "int4": "Q4_1"}   # --quantize -> the GGML block format stored
+
+
 def convert(src: str | Path, dst: str | Path, *, dtype: str = "float32", model_class: str | None = None,
-            overwrite: bool = False) -> Path:
+            overwrite: bool = False, quantize: str | None = None) -> Path:
     """Load `src` (path or alias) and write it to `dst` as a converted checkpoint; returns `dst`."""
     dst = Path(dst).expanduser().absolute()
     if dst.is_file():
@@ -37,21 +48,26 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "float32", model_c
         if not overwrite:
             raise ImpError(f"{dst}: exists and is not empty (pass --overwrite to replace it)")
         shutil.rmtree(dst)
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ImpError(f"--quantize {quantize!r}: expected one of {', '.join(QUANTIZE)}")
     loaded = load_model(src, dtype=dtype, model_class=model_class)
-    save_converted(loaded, dst, source=str(src))
+    save_converted(loaded, dst, source=str(src), quantize=quantize)
     return dst
 
 
-def save_converted(loaded: LoadedModel, dst: Path, *, source: str = "") -> None:
-    """Write `loaded` under `dst`; the marker goes last, so a crash never leaves a loadable half-checkpoint."""
+def save_converted(loaded: LoadedModel, dst: Path, *, source: str = "", quantize: str | None = None) -> None:
+    """Write `loaded` under `dst` (its matrices quantised per `quantize`: QUANTIZE); the marker goes
+    last, so a crash never leaves a loadable half-checkpoint."""
     import orbax.checkpoint as ocp
 
     dst = Path(dst).absolute()
     dst.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    state = plain_state(loaded.model, loaded.dtype)
+    quantized = quantize_matrices(loaded.model, state, QUANTIZE[quantize]) if quantize else {}
     # uncompressed: zstd saves a third of the disk but makes restoring several times slower on CPU
     with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
-        ckptr.save(dst / STATE_DIR, args=ocp.args.PyTreeSave(plain_state(loaded.model, loaded.dtype)))
+        ckptr.save(dst / STATE_DIR, args=ocp.args.PyTreeSave(state))
     write_tokenizer(loaded.tokenizer, dst)
     _write_json(dst / "generation_config.json", _generation_config(loaded))
     cls = type(loaded.model)
@@ -65,6 +81,8 @@ def save_converted(loaded: LoadedModel, dst: Path, *, source: str = "") -> None:
         "source": source or str(loaded.path),
         "served_name": loaded.served_name,
     }
+    if quantized:
+        marker["quantized"] = quantized
     _write_json(dst / CONVERTED_MARKER, marker)
     log.info("wrote %s in %.1fs", dst, time.perf_counter() - t0)
 
@@ -104,6 +122,33 @@ def plain_state(model: Any, dtype: Any) -> dict[str, Any]:
     return jax.tree.map(plain, pure_state(model))
 
 
+def quantize_matrices(model: Any, state: dict[str, Any], fmt: str) -> dict[str, str]:
+    """Replace, in `state` (plain_state), each 2-D `Matrix` whose rows are whole groups of 32 with its
+    `fmt` blocks [N, K / 32, bytes] (gguf-py's quantisation of its float32 values); returns
+    {leaf path: fmt} for the marker. Other matrices (a row length not a multiple of 32, stacked MoE
+    experts) stay as they are."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    out: dict[str, str] = {}
+    qtype = GGMLQuantizationType[fmt]
+
+    def visit(tree: dict[str, Any], prefix: tuple[str, ...]) -> None:
+        for key, value in tree.items():
+            path = (*prefix, key)
+            if isinstance(value, dict):
+                visit(value, path)
+            elif matrix_path(path) in matrices and np.ndim(value) == 2 and np.shape(value)[1] % ggml_blocks.BLOCK == 0:
+                x = np.asarray(value, np.float32)
+                tree[key] = gguf_quantize(x, qtype).reshape(x.shape[0], -1, ggml_blocks.FORMATS[fmt])
+                out[matrix_path(path)] = fmt
+
+    matrices = set(matrix_paths(model))
+    visit(state, ())
+    log.info("quantised %d matrices to %s", len(out), fmt)
+    return out
+
+
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -114,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dst", help="output directory (created)")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                     help="weight dtype stored (float32 keeps a GGUF's dequantised values exactly)")
+    ap.add_argument("--quantize", default=None, choices=sorted(QUANTIZE),
+                    help="store the projection matrices weight-only quantised per 32-weight group: int8 "
+                         "(Q8_0 blocks) or int4 (Q4_1 blocks, scale + minimum)")
     ap.add_argument("--model-class", default=None, help="package.module:Class for a user model")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     args = ap.parse_args(argv)
@@ -122,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_dtype(args.dtype)
         dst = convert(args.src, args.dst, dtype=args.dtype, model_class=args.model_class,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, quantize=args.quantize)
     except ImpError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2

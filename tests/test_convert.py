@@ -167,6 +167,7 @@ def converted(tiny_hf_dir, tmp_path) -> Path:
     (lambda m: m.update(dtype="float16"), "'dtype'"),
     (lambda m: m["model_config"].update(num_layers="many"), "'num_layers' must be int"),
     (lambda m: m["model_config"].pop("hidden_size"), "bad 'model_config'"),
+    (lambda m: m.update(quantized={"embed": "Q3"}), "'quantized' must map"),
 ])
 def test_bad_marker_is_a_model_load_error(converted, edit, match):
     marker_file = converted / CONVERTED_MARKER
@@ -205,3 +206,34 @@ def test_smollm2_gguf_converted_gives_identical_logits(smollm2_loaded, tmp_path)
     assert got.config == smollm2_loaded.config
     ids = smollm2_loaded.tokenizer.encode("The capital of France is")
     assert np.array_equal(prefill_logits(got.model, ids), prefill_logits(smollm2_loaded.model, ids))
+
+
+@pytest.mark.parametrize("quantize, fmt, tol", [("int8", "Q8_0", 0.02), ("int4", "Q4_1", 0.2)])
+def test_weight_only_quantised_checkpoint(quantize, fmt, tol, tiny_hf_dir, tmp_path):
+    """`--quantize int8|int4` stores every projection matrix (embedding and LM head too) as Q8_0 / Q4_1
+    blocks of 32-weight groups: the CPU GEMM kernel keeps them (a quarter / an eighth of float32's
+    bytes) and computes exactly what the dequantised matrices give; XLA's dot on a CPU dequantises
+    them at load; the logits stay near the float model's."""
+    from imp_jax.kernels_pallas import Kernels, ggml_blocks
+
+    dst = tmp_path / quantize
+    assert main([str(tiny_hf_dir), str(dst), "--quantize", quantize]) == 0
+    marker = json.loads((dst / CONVERTED_MARKER).read_text())
+    assert set(marker["quantized"].values()) == {fmt} and "lm_head" in marker["quantized"]
+    kept = load_model(dst, dtype="float32", kernels=Kernels(gemm="cpu")).model
+    matrices = [w for ws in kept.layers.matrices().values() for w in ws] + [kept.embed[...], kept.lm_head[...]]
+    assert {ggml_blocks.format_of(w) for w in matrices} == {fmt}
+    plain = load_model(dst, dtype="float32", kernels=Kernels(gemm="cpu", quantized="dequantize")).model
+    assert ggml_blocks.format_of(plain.lm_head[...]) is None
+    ids = [5, 17, 99, 3, 42, 7]
+    want = prefill_logits(plain, ids)
+    assert np.array_equal(prefill_logits(kept, ids), want)
+    assert ggml_blocks.format_of(load_model(dst, dtype="float32", kernels=Kernels(gemm="xla")).model.lm_head[...]) is None
+    source = prefill_logits(load_model(tiny_hf_dir, dtype="float32").model, ids)
+    assert 0 < np.abs(want - source).max() <= tol * np.ptp(source)
+
+
+def test_cli_refuses_an_unknown_quantisation(tiny_hf_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tiny_hf_dir), str(tmp_path / "q"), "--quantize", "int3"])
+    assert "--quantize" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from imp_jax.errors import ModelLoadError
+from imp_jax.kernels_pallas import ggml_blocks
 from imp_jax.model.config import ModelConfig, RopeScaling, read_json
 from imp_jax.model.hub import CONVERTED_MARKER
 
@@ -32,23 +33,56 @@ def read_converted(path: Path) -> tuple[dict[str, Any], ModelConfig]:
     return marker, _model_config(marker, path)
 
 
-def restore_model(cls: type, config: ModelConfig, path: Path, options: Any, stored_dtype: str) -> Any:
+def restore_model(cls: type, config: ModelConfig, path: Path, options: Any, stored_dtype: str,
+                  quantized: dict[str, str] | None = None, keep_blocks: bool = False) -> Any:
     """Build `cls` abstractly (no random init) and fill it with the arrays under `path/state`, cast
     to the model's dtype as `from_hf_tensors` casts (so logits match the source bit for bit). The
-    arrays come back on the host; the engine places them on its devices."""
+    matrices `quantized` names ({leaf path: GGML format}, `convert --quantize`) are stored as blocks:
+    kept so when `keep_blocks`, else dequantised. The arrays come back on the host; the engine places
+    them on its devices."""
     try:
         model = nnx.eval_shape(lambda: cls(config, options, rngs=nnx.Rngs(0)))
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     if not (path / STATE_DIR).is_dir():
         raise ModelLoadError(f"{path / STATE_DIR}: weights directory missing")
-    stored = jnp.dtype(stored_dtype)
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, stored), pure_state(model))
+    stored, quantized = jnp.dtype(stored_dtype), quantized or {}
+
+    def spec(key: Any, a: Any) -> jax.ShapeDtypeStruct:
+        fmt = quantized.get(matrix_path(key))
+        if fmt is None:
+            return jax.ShapeDtypeStruct(a.shape, stored)
+        n, k = a.shape
+        return jax.ShapeDtypeStruct((n, k // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt]), jnp.uint8)
+
+    def value(key: Any, a: np.ndarray) -> Any:
+        if matrix_path(key) not in quantized:
+            return jnp.asarray(a, options.dtype)
+        return a if keep_blocks else ggml_blocks.dequantize(jnp.asarray(a)).astype(options.dtype)
+
+    target = jax.tree_util.tree_map_with_path(spec, pure_state(model))
     arrays = restore_arrays(path / STATE_DIR, target)
     state = nnx.state(model)
-    nnx.replace_by_pure_dict(state, _int_keys(jax.tree.map(lambda a: jnp.asarray(a, options.dtype), arrays)))
+    nnx.replace_by_pure_dict(state, _int_keys(jax.tree_util.tree_map_with_path(value, arrays)))
     nnx.update(model, state)
     return model
+
+
+def matrix_path(key: Any) -> str:
+    """A leaf's path in `pure_state` as the marker's "quantized" map names it: "layers/qkv_proj/0"."""
+    parts = [getattr(k, "key", k) for k in key]
+    return "/".join(str(p) for p in parts)
+
+
+def matrix_paths(model: Any) -> list[str]:
+    """The `pure_state` paths of the model's `Matrix` parameters (the projections `convert --quantize`
+    stores as blocks)."""
+    from imp_jax.model.weights import Matrix
+
+    def strings(t: Any) -> Any:
+        return {str(k): strings(v) for k, v in t.items()} if isinstance(t, dict) else t
+    tree = strings(nnx.to_pure_dict(nnx.state(model, Matrix)))
+    return [matrix_path(k) for k, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def pure_state(model: Any) -> dict[str, Any]:
@@ -112,6 +146,11 @@ def read_marker(path: Path) -> dict[str, Any]:
                              f"(this imp_jax reads version {FORMAT_VERSION}); convert the model again")
     if marker.get("dtype") not in ("float32", "bfloat16"):
         raise ModelLoadError(f"{f}: 'dtype' must be float32 or bfloat16, got {marker.get('dtype')!r}")
+    quantized = marker.get("quantized", {})
+    if not isinstance(quantized, dict) or any(
+            not isinstance(k, str) or v not in ggml_blocks.FORMATS for k, v in quantized.items()):
+        raise ModelLoadError(f"{f}: 'quantized' must map matrix paths to GGML block formats "
+                             f"({', '.join(ggml_blocks.FORMATS)})")
     return marker
 
 

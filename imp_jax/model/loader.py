@@ -58,6 +58,7 @@ class Checkpoint:
     generation_config: dict[str, Any]
     tensors: Mapping[str, np.ndarray] | None      # HF-named tensors; None for a converted checkpoint
     stored_dtype: str = "float32"                 # a converted checkpoint's array dtype
+    quantized: dict[str, str] | None = None       # a converted checkpoint's matrices stored as GGML blocks
 
 
 def resolve_dtype(dtype: str, platform: str = "cpu") -> Any:
@@ -85,7 +86,7 @@ def open_checkpoint(name_or_path: str | Path) -> Checkpoint:
     if resolved.kind == "converted":
         marker, config = read_converted(path)
         return Checkpoint("converted", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
-                          read_generation_config(path), None, marker["dtype"])
+                          read_generation_config(path), None, marker["dtype"], marker.get("quantized"))
     config = parse_config(lambda: ModelConfig.from_file(path / "config.json"), str(path / "config.json"))
     return Checkpoint("hf_dir", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
                       read_generation_config(path), SafetensorsDir(path))
@@ -99,7 +100,8 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
     cls = import_model_class(model_class) if model_class else get_model_class(ckpt.config.architecture)
     formats = WeightFormats.for_model(options.kernels, options.dtype)
     if ckpt.tensors is None:
-        model = restore_model(cls, ckpt.config, ckpt.path, options, ckpt.stored_dtype)
+        model = restore_model(cls, ckpt.config, ckpt.path, options, ckpt.stored_dtype, ckpt.quantized,
+                              keep_blocks=formats.ggml_blocks)
     else:
         model = build_from_tensors(cls, ckpt.config, WeightSource(ckpt.tensors, formats, str(ckpt.path)), options)
     narrow_exact_bf16(model, formats)
