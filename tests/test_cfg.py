@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_fixtures import fake_server  # noqa: F401
+from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 _ids = itertools.count()
 MAIN = [5, 17, 42, 99, 3, 77, 120, 8, 61, 200, 14, 33, 150, 9, 71, 240, 2, 57, 88, 130]   # 20 tokens
@@ -200,3 +200,23 @@ def test_other_routes_refuse_chat_only_fields(fake_server, route, field, value):
         assert error["param"] == field and error["code"] == "not_supported"
     ok = httpx.post(url + route, json={**OTHER_ROUTES[route], "cfg_scale": 1, "logit_lens": False}, timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+PIRATE = [{"role": "system", "content": "You are a pirate. Always answer like a pirate."},
+          {"role": "user", "content": "Say hello to me."}]
+
+
+@pytest.mark.real_model
+def test_chat_guidance_with_the_openai_client(openai_client, live_server):  # noqa: F811
+    kw = dict(model=MODEL, messages=PIRATE, max_tokens=8, temperature=0)
+    plain = openai_client.chat.completions.create(**kw)
+    guided = openai_client.chat.completions.create(**kw, extra_body={"cfg_scale": 3})
+    assert guided.usage.prompt_tokens == plain.usage.prompt_tokens   # the main prompt only
+    assert guided.usage.completion_tokens == 8 or guided.choices[0].finish_reason == "stop"
+    stream = openai_client.chat.completions.create(**kw, stream=True, extra_body={"cfg_scale": 3})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == guided.choices[0].message.content
+    negative = openai_client.chat.completions.create(
+        **kw, extra_body={"cfg_scale": 2, "cfg_negative_prompt": "You are a polite butler."})
+    assert negative.choices[0].message.content
+    stats = wait_idle(live_server.url)
+    assert stats["compilations_after_warmup"] == 0

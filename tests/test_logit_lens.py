@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from server_fixtures import fake_server, live_server, openai_client  # noqa: F401
 
 NEUTRAL = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0)
 _ids = itertools.count()
@@ -117,3 +118,53 @@ def test_lens_implies_logprobs_and_checks_its_range(tiny):
         with pytest.raises(InvalidRequestError) as e:
             run(core, PROMPT, max_tokens=2, logit_lens=bad)
         assert e.value.param == "logit_lens"
+
+
+# ------------------------------------------------------------------------------------------ the chat route
+from server_fixtures import MODEL  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "Name a colour."}]
+RAW = dict(temperature=1.0, top_p=1.0, seed=4)
+RAW_EXTRA = dict(top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0)
+
+
+def lens_of(entry) -> list[dict]:
+    return entry.model_dump()["logit_lens"]
+
+
+@pytest.mark.real_model
+def test_chat_logit_lens_with_the_openai_client(openai_client, live_server):  # noqa: F811
+    from server_fixtures import wait_idle
+
+    r = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **RAW,
+                                              extra_body={"logit_lens": 3, **RAW_EXTRA})
+    content = r.choices[0].logprobs.content   # logit_lens implies logprobs
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        layers = lens_of(entry)
+        assert len(layers) == 30 and all(set(x) == {"rank", "logprob", "entropy", "top"} for x in layers)
+        last = layers[-1]
+        assert last["logprob"] == pytest.approx(entry.logprob, abs=1e-4)   # knobs neutral: raw == processed
+        assert all(len(x["top"]) == 3 for x in layers)
+        if last["rank"] <= 3:
+            assert last["top"][last["rank"] - 1]["token"] == entry.token   # the same token rendering
+    streamed = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, stream=True,
+                                                     **RAW, extra_body={"logit_lens": True, **RAW_EXTRA})
+    entries = [e for chunk in streamed for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content]   # seeded: the same tokens
+    for got, want in zip(entries, content):
+        assert len(lens_of(got)[0]["top"]) == 5   # true = top 5
+        assert [x["rank"] for x in lens_of(got)] == [x["rank"] for x in lens_of(want)]
+    stats = wait_idle(live_server.url)
+    assert stats["compilations_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("value", [21, -1, 2.5, "yes", [1]])
+def test_chat_logit_lens_bad_values_are_400s(fake_server, value):  # noqa: F811
+    import httpx
+
+    url, _ = fake_server
+    r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                   json={"model": "fake-model", "messages": QUESTION, "max_tokens": 2, "logit_lens": value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "logit_lens"

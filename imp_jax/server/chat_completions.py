@@ -87,7 +87,7 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    logit_lens: bool | int | None = None     # true = top 5, 1..20 = top N per layer; implies logprobs
+    logit_lens: Any = None                   # true = top 5, 1..20 = top N per layer; implies logprobs
     cfg_scale: float | None = None           # classifier-free guidance, [1, 10], 1 = off
     cfg_negative_prompt: str | None = None   # the shadow's system message (else the conversation without one)
 
@@ -106,8 +106,9 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
                 raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-        if not isinstance(self.logit_lens, bool) and self.logit_lens is not None \
-                and not 0 <= self.logit_lens <= MAX_TOP_LOGPROBS:
+        lens = self.logit_lens
+        if lens is not None and not isinstance(lens, bool) and not (
+                isinstance(lens, int) and 0 <= lens <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"'logit_lens' must be true, false or in [1, {MAX_TOP_LOGPROBS}]",
                                       param="logit_lens")
         self._check_cfg()
