@@ -168,3 +168,23 @@ def test_chat_logit_lens_bad_values_are_400s(fake_server, value):  # noqa: F811
                    json={"model": "fake-model", "messages": QUESTION, "max_tokens": 2, "logit_lens": value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "logit_lens"
+
+
+def test_families_without_per_layer_residuals_refuse_the_lens(tiny):
+    from imp_jax.errors import InvalidRequestError
+    from imp_jax.model.gemma import GemmaLM
+    from imp_jax.model.llama import DecoderLM
+    from imp_jax.model.moe import MoELM
+    from imp_jax.model.phi3 import Phi3LM
+    from imp_jax.runtime.logit_lens import supports_lens
+
+    assert [supports_lens(c) for c in (DecoderLM, MoELM, Phi3LM, GemmaLM)] == [True, True, True, False]
+    core, _, _ = tiny
+    core.step_fn.supports_lens = False   # as a Gemma engine's
+    try:
+        with pytest.raises(InvalidRequestError) as e:
+            run(core, PROMPT, max_tokens=2, logit_lens=3)
+    finally:
+        core.step_fn.supports_lens = True
+    assert (e.value.param, e.value.code) == ("logit_lens", "not_supported")
+    assert not core.has_work()

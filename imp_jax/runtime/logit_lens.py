@@ -27,9 +27,10 @@ SCRATCH_SLOT = 0  # block 0, offset 0: where the re-run's own K/V go (never a li
 
 
 def supports_lens(model: Any) -> bool:
-    """Whether the model's forward can return its per-layer residuals (`residuals=True`, model/llama.py)."""
+    """Whether the model (or model class) can return its per-layer residuals (`residuals=True`, model/llama.py)."""
+    cls = model if isinstance(model, type) else type(model)
     try:
-        return "residuals" in inspect.signature(type(model).__call__).parameters
+        return "residuals" in inspect.signature(cls.__call__).parameters
     except (TypeError, ValueError):
         return False
 
