@@ -50,8 +50,10 @@ class StepShapes:
 class CompiledStep:
     """Owns the model state and the KV cache; runs one donated, in-place step per call.
 
-    Two programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
-    (T, S) bucket, and `score` (raw logprobs of every row, for prompt_logprobs) for one bucket.
+    Three programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
+    (T, S) bucket, `score` (raw logprobs of every row, for prompt_logprobs) for one bucket, and
+    `lens` (one token's per-layer readout, for logit_lens: runtime/logit_lens.py) when the model
+    returns per-layer residuals.
     Both read the block tables from device-resident rows (runtime/block_tables.py) that they edit
     in place; a third, tiny program writes the edits a step has no room for.
     Every array has an explicit sharding on `mesh` (runtime/sharding.py). On a mesh of more than
