@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 def guide(logits: jax.Array, shadow_rows: jax.Array, scale: jax.Array, dynamic_skips: bool = True) -> jax.Array:
-    """Row r with shadow_rows[r] >= 0: l_b + scale[r] * (l_r - l_b), l_b = logits[shadow_rows[r]]; others as they are."""
+    """Row r with shadow_rows[r] >= 0: l_b + scale[r] * (l_r - l_b), l_b = logits[shadow_rows[r]]; other rows
+    as they are, bit for bit."""
     def combine(x: jax.Array) -> jax.Array:
         on = shadow_rows >= 0
         l_b = x[jnp.maximum(shadow_rows, 0)]
