@@ -7,6 +7,7 @@ A model class (built in: llama.py; yours: `--model-class package.module:Class`) 
     model(input_ids[T], positions[T], kv, meta) -> (hidden[T, E], kv)        the ragged forward
     model.logits(hidden[R, E]) -> float32 [R, vocab]                         only the sampled rows
     model.kv_cache_shape(num_blocks, block_size) -> shape of K (and of V)
+    model(..., residuals=True) -> (hidden, kv, [L, T, E])                  optional: logit_lens
 
 `kv` is (K, V), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; `meta` is
 kernels_pallas.AttentionMetadata. A model calls `layers.linear` and

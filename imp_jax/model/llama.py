@@ -135,9 +135,11 @@ class DecoderLM(nnx.Module):
         return (c.num_layers, num_blocks, block_size, self.tp.n * self.tp.local_kv_heads, c.head_dim)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
-                 meta: AttentionMetadata, lora_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 meta: AttentionMetadata, lora_ids: jax.Array | None = None,
+                 residuals: bool = False) -> tuple[jax.Array, KVCache]:
         """Hidden states [T, hidden] (before the final norm) and the updated KV cache. `lora_ids`
-        [T] (with `enable_lora`): each token's adapter slot, 0 = none."""
+        [T] (with `enable_lora`): each token's adapter slot, 0 = none. `residuals` (logit_lens,
+        runtime/logit_lens.py): also return the residual after every layer, stacked [L, T, hidden]."""
         cfg = self.config
         x = self._embed(input_ids)
         cos, sin = rope_tables(positions, cfg.rope_inv_freq(), cfg.rope_attention_scale)
@@ -153,16 +155,21 @@ class DecoderLM(nnx.Module):
             x, k_cache, v_cache = carry
             w, i = xs
             x, k_cache, v_cache = self._layer(x, w, matrices, loras, i, cos, sin, k_cache, v_cache, meta)
-            return (x, k_cache, v_cache), None
+            return (x, k_cache, v_cache), (x if residuals else None)
 
         carry = (x, *kv)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         if self.options.layer_loop == "scan":
-            carry, _ = jax.lax.scan(layer, carry, (vectors, layer_ids))
+            carry, stack = jax.lax.scan(layer, carry, (vectors, layer_ids))
         else:
+            outs = []
             for i in range(cfg.num_layers):
-                carry, _ = layer(carry, ({k: w[i] for k, w in vectors.items()}, i))
+                carry, out = layer(carry, ({k: w[i] for k, w in vectors.items()}, i))
+                outs.append(out)
+            stack = jnp.stack(outs) if residuals else None
         x, k_cache, v_cache = carry
+        if residuals:
+            return x, (k_cache, v_cache), stack
         return x, (k_cache, v_cache)
 
     def _embed(self, input_ids: jax.Array) -> jax.Array:

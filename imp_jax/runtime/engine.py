@@ -18,10 +18,12 @@ from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.model.loader import LoadedModel
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
+from imp_jax.runtime import cfg as guidance
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.logit_lens import lens_batch, lens_layers
 from imp_jax.runtime.lora import AdapterSlots, LoadedAdapter
 from imp_jax.runtime.prompt_logprobs import PromptScoring
 from imp_jax.runtime.reasoning import ANSWER, THINK, ThinkMarkers, ThinkTracker
@@ -138,6 +140,8 @@ class EngineCore:
                 f"at most {self.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
                 f"while min_tokens are out)", param="logit_bias")
         max_tokens = params.max_tokens or room
+        params = self._check_lens(params)
+        guidance.check_request(req, max_tokens, self.max_model_len, vocab, self.pool, self.baseline_free_blocks)
         if req.lora is not None and self.loras is None:
             raise InvalidRequestError(f"no LoRA adapter named '{req.lora}' is loaded (this server has no adapter "
                                       "slots: --max-loras 0)", code="lora_not_loaded", param="lora")
@@ -163,6 +167,8 @@ class EngineCore:
                 prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None, constraint=matchers[i],
                 reasoning=ThinkTracker(think, req.prompt_ids, req.reasoning_budget) if think else None,
                 lora_slot=adapter.slot if adapter else 0, lora_key=adapter.cache_key if adapter else None)
+            if req.cfg_scale != 1:
+                guidance.attach_shadow(seq, req.cfg_prompt_ids)
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring, adapter=adapter)
         self.requests[req.request_id] = state
@@ -292,7 +298,8 @@ class EngineCore:
         idle = prev is not None and prev.out.tokens.is_ready()   # N is done: the device waits for us
         t1 = time.perf_counter()
         out = self.step_fn.launch(batch, sampling, self._num_launched, [c.seq.table for c in chunks],
-                                  follow, prev.tokens if prev else None)
+                                  follow, prev.tokens if prev else None,
+                                  cfg=guidance.step_inputs(chunks, len(batch.seq_lens)))
         launched = _Launched(out, self.step_fn.last_tokens, chunks, samples, decode_rows)
         self._num_launched += 1
         self._after_launch(launched)
@@ -339,6 +346,9 @@ class EngineCore:
             if samples and seq.status is not SeqStatus.FINISHED and (
                     seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)):
                 return False
+            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host
+            if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None):
+                return False
         return True
 
     def _take_inflight(self) -> _Launched:
@@ -367,7 +377,7 @@ class EngineCore:
                 src[t + c.num_tokens - 1] = seq.pending_row
             seq_chunks.append(SeqChunk(ids, seq.num_computed, seq.table.block_ids, seq.lora_slot))
             samples.append(c.samples)
-            if not c.samples:
+            if not c.samples or seq.main is not None:   # a CFG shadow's row only lends its logits
                 rows.append(RowSpec(temperature=0.0))
             else:
                 row = self._row_spec(seq, masks.get(i), pending=missing)
@@ -486,12 +496,18 @@ class EngineCore:
         sequence preempted since the launch keeps its token (it recomputes its KV when readmitted)."""
         if seq.status is SeqStatus.FINISHED:
             return
+        if seq.main is not None:   # a CFG shadow: its main's row feeds it (runtime/cfg.py); it emits nothing
+            if seq.status is SeqStatus.RUNNING:
+                self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.cache_key)
+            return
         state = self.requests[seq.request.request_id]
         token = None
         if samples:
             token = int(out.tokens[row])
             seq.pending -= 1
             seq.output_ids.append(token)
+            if seq.shadow is not None:
+                guidance.feed(seq.shadow, token)
         if seq.status is SeqStatus.RUNNING:
             # every token with KV written (or being written by a launched step) is known now
             self.pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.cache_key)
@@ -515,10 +531,29 @@ class EngineCore:
             k = seq.params.logprobs
             top = [(int(t), float(v)) for t, v in zip(out.top_ids[row, :k], out.top_logprobs[row, :k])]
             logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
+            if seq.params.logit_lens is not None and seq.status is SeqStatus.RUNNING:
+                logprobs[0].lens = self._lens(seq, token)
         if self._ends_without_text(seq, token):
             self._emit_token(seq, token, logprobs, state, kind, raw)
         else:
             self._deferred.append((seq, token, logprobs, state, kind, raw))
+
+    def _check_lens(self, params: SamplingParams) -> SamplingParams:
+        """logit_lens needs a model that returns per-layer residuals, one host, and implies logprobs."""
+        if params.logit_lens is None:
+            return params
+        if not self.step_fn.supports_lens or self.step_fn.leader is not None:
+            why = ("this model's architecture does not return per-layer residuals" if not self.step_fn.supports_lens
+                   else "it does not run multi-host")
+            raise InvalidRequestError(f"'logit_lens' is not supported here: {why}", code="not_supported",
+                                      param="logit_lens")
+        return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+
+    def _lens(self, seq: Sequence, token: int) -> list:
+        """logit_lens layers for `token`, just sampled by `seq` (its step read, its KV still held)."""
+        batch = lens_batch(seq.all_ids, seq.table.block_ids, seq.lora_slot, self.step_fn.shapes.max_blocks,
+                           self.config.block_size)
+        return lens_layers(lambda b, t: self.step_fn.lens(b, t, [seq.table]), batch, token, seq.params.logit_lens)
 
     def _ends_without_text(self, seq: Sequence, token: int) -> bool:
         """Whether `token` ends `seq` for a reason its text plays no part in (EOS, a stop token id,
@@ -529,7 +564,7 @@ class EngineCore:
         n_out = len(seq.output_ids)
         stops = (token in self.tokenizer.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
         return ((stops and n_out > p.min_tokens) or n_out >= seq.max_tokens
-                or self.pool.num_blocks_for(seq.num_known) > self.baseline_free_blocks)
+                or guidance.kv_blocks(self.pool, seq) > self.baseline_free_blocks)
 
     def _emit_deferred(self) -> None:
         """The text events `_advance` deferred, in order; a sequence ended meanwhile (cancelled) has none."""
@@ -564,7 +599,7 @@ class EngineCore:
                 if matched is not None:
                     finish, stop_reason = "stop", matched
         # a sequence whose KV would outgrow the whole pool could never be scheduled again
-        too_big = self.pool.num_blocks_for(seq.num_known) > self.baseline_free_blocks
+        too_big = guidance.kv_blocks(self.pool, seq) > self.baseline_free_blocks   # with a CFG shadow's
         if finish is None and (n_out >= seq.max_tokens or too_big):
             finish = "length"
             if too_big and n_out < seq.max_tokens:

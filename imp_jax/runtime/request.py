@@ -15,6 +15,7 @@ MAX_LOGIT_BIAS = 64                     # entries per request (a static width of
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 TOP_K_RANGE = (-(2**31), 2**31 - 1)     # <= 0 (or >= the vocabulary) is off
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_CFG_SCALE = 10.0                    # cfg_scale in [1, MAX_CFG_SCALE], 1 = off (runtime/cfg.py)
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
@@ -58,6 +59,7 @@ class SamplingParams:
     # token ids whose raw model logprob (log_softmax of the unprocessed logits) every sampled token's
     # event reports (EngineEvent.raw_logprobs; /v1/score, /v1/decide); each takes a logit_bias slot
     raw_logprob_ids: list[int] = dataclasses.field(default_factory=list)
+    logit_lens: int | None = None         # None = off; N = per layer, the sampled token's raw rank/logprob + top N
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -95,6 +97,8 @@ class SamplingParams:
                 bad("raw_logprob_ids", f"token id {tok} is outside the vocabulary [0, {vocab_size})")
         if len(set(self.logit_bias) | set(self.raw_logprob_ids)) > MAX_LOGIT_BIAS:
             bad("raw_logprob_ids", f"with logit_bias, at most {MAX_LOGIT_BIAS} distinct token ids")
+        if self.logit_lens is not None and not 1 <= self.logit_lens <= MAX_TOP_LOGPROBS:
+            bad("logit_lens", f"must be true or in [1, {MAX_TOP_LOGPROBS}]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             bad("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         for tok, val in self.logit_bias.items():
@@ -124,6 +128,8 @@ class GenerationRequest:
     constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
+    cfg_scale: float = 1.0         # classifier-free guidance (runtime/cfg.py); 1 = off
+    cfg_prompt_ids: list[int] | None = None  # the shadow prompt CFG guides away from (with cfg_scale != 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +141,16 @@ class StreamLimits:
 
 
 @dataclasses.dataclass
+class LensLayer:
+    """logit_lens: one layer's reading of the sampled token (runtime/logit_lens.py), of the raw distribution."""
+
+    rank: int                       # 1 = the layer's most likely token
+    logprob: float
+    entropy: float                  # nats
+    top: list[tuple[int, float]]    # (token id, logprob), best first
+
+
+@dataclasses.dataclass
 class TokenLogprob:
     """The sampled token's logprob and the top alternatives, of the processed distribution."""
 
@@ -142,6 +158,7 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     rank: int | None = None   # 1 = the most likely token (set for prompt logprobs)
+    lens: list[LensLayer] | None = None   # logit_lens: one per layer, first to last
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from imp_jax.runtime.cfg import split_budget
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.sequence import Sequence, SeqStatus
 
@@ -53,6 +54,9 @@ class Scheduler:
         self._release(seq)
         self.pool.unpin(seq.table)
         seq.status = SeqStatus.FINISHED
+        if seq.shadow is not None:   # CFG (runtime/cfg.py): the shadow ends with its main
+            self._release(seq.shadow)
+            seq.shadow.status = SeqStatus.FINISHED
 
     def has_work(self) -> bool:
         return bool(self.running) or any(s.can_start for s in self.waiting)
@@ -73,6 +77,11 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
+            if seq.shadow is not None:   # a CFG pair runs together (runtime/cfg.py)
+                pair = self._grow_pair(seq, budget, self.max_num_seqs - len(chunks), scheduled)
+                chunks += pair
+                budget -= sum(c.num_tokens for c in pair)
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self._grow(seq, n, scheduled):
                 chunks.append(ScheduledChunk(seq, n))
@@ -81,6 +90,12 @@ class Scheduler:
         for seq in sorted(self.waiting, key=lambda s: self._rank(s, now)):
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
+            if seq.shadow is not None:
+                pair = self._admit_pair(seq, budget, self.max_num_seqs - len(chunks), now) if seq.can_start else []
+                chunks += pair
+                scheduled.update(c.seq.seq_id for c in pair)
+                budget -= sum(c.num_tokens for c in pair)
+                continue
             n = self._admit(seq, budget, now) if seq.can_start else 0
             if n:
                 chunks.append(ScheduledChunk(seq, n))
@@ -111,11 +126,51 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         return n
 
+    def _admit_pair(self, seq: Sequence, budget: int, slots: int, now: float) -> list[ScheduledChunk]:
+        """Admit a CFG main sequence and its shadow together (both prompts must fit), with their first chunks."""
+        pair = (seq, seq.shadow)
+        needed = sum(self.pool.blocks_needed(s.table, s.all_ids, len(s.all_ids), s.cache_key) for s in pair)
+        if needed > self.pool.num_free_blocks - self.reserved_blocks():
+            return []
+        cached = [len(self.pool.match_prefix(s.all_ids, s.cache_key)[0]) * self.pool.block_size for s in pair]
+        sizes = split_budget(len(seq.all_ids) - cached[0], len(seq.shadow.all_ids) - cached[1], budget, slots)
+        if not any(sizes):
+            return []
+        if not self.pool.allocate(seq.table, seq.all_ids, cached[0] + sizes[0], seq.cache_key):
+            return []
+        if not self.pool.allocate(seq.shadow.table, seq.shadow.all_ids, cached[1] + sizes[1], seq.cache_key):
+            self.pool.free(seq.table)
+            return []
+        for s in pair:
+            s.num_computed = s.table.num_cached_tokens
+            s.status = SeqStatus.RUNNING
+        if seq.cached_prompt_tokens is None:
+            seq.cached_prompt_tokens = seq.num_computed
+        if seq.first_scheduled_at is None:
+            seq.first_scheduled_at = now
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return [ScheduledChunk(s, n) for s, n in zip(pair, sizes) if n]
+
+    def _grow_pair(self, seq: Sequence, budget: int, slots: int, scheduled: set[int]) -> list[ScheduledChunk]:
+        """A running CFG pair's chunks (runtime/cfg.py split_budget), growing both; [] if either was preempted."""
+        shadow = seq.shadow
+        sizes = split_budget(seq.num_tokens - seq.num_computed, shadow.num_tokens - shadow.num_computed,
+                             budget, slots)
+        scheduled.update((seq.seq_id, shadow.seq_id))   # neither is the other's victim
+        out = []
+        for s, n in zip((seq, shadow), sizes):
+            if n and not self._grow(s, n, scheduled):
+                return []   # _grow preempted the pair
+            if n:
+                out.append(ScheduledChunk(s, n))
+        return out
+
     def reserved_blocks(self) -> int:
         """Blocks promised to running sequences: what they need to finish their prefill, plus one per decode."""
         bs = self.pool.block_size
         total = 0
-        for s in self.running:
+        for s in self.running + [s.shadow for s in self.running if s.shadow is not None]:
             have = len(s.table.block_ids)
             total += max(0, -(-(s.num_tokens + 1) // bs) - have)
         return total
@@ -135,8 +190,9 @@ class Scheduler:
         """Free `seq`'s blocks and pins; it waits again and recomputes its KV (output so far kept).
 
         Dropping the cache_prompt pins too keeps two pinned requests from starving each other;
-        the engine pins again once the prompt is recomputed.
+        the engine pins again once the prompt is recomputed. A CFG pair is preempted whole.
         """
+        seq = seq.main if seq.main is not None else seq
         self.running.remove(seq)
         self._release(seq)
         self.pool.unpin(seq.table)
@@ -144,6 +200,9 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue(seq)
+        if seq.shadow is not None:
+            self._release(seq.shadow)
+            seq.shadow.status = SeqStatus.WAITING
 
     def _requeue(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -54,6 +54,9 @@ class Sequence:
     # they count in num_tokens (the scheduler plans with them), not in output_ids / all_ids
     pending: int = 0
     pending_row: int = -1                # the newest pending token's row in its step's output
+    # classifier-free guidance (runtime/cfg.py): a main sequence's shadow, and a shadow's main
+    shadow: "Sequence | None" = None
+    main: "Sequence | None" = None
 
     @property
     def cache_key(self) -> Any:

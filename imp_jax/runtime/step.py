@@ -23,7 +23,9 @@ from jax.sharding import Mesh, PartitionSpec
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch, build_step_batch, pow2_buckets
 from imp_jax.runtime.block_tables import DeviceTables, edit_capacity
+from imp_jax.runtime.cfg import guide
 from imp_jax.runtime.kv_blocks import BlockTable
+from imp_jax.runtime.logit_lens import lens_forward, lens_readout, supports_lens
 from imp_jax.runtime.multihost import SCORE, STEP, TABLES, Leader
 from imp_jax.runtime.packing import Layout, pack, unpack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
@@ -48,8 +50,10 @@ class StepShapes:
 class CompiledStep:
     """Owns the model state and the KV cache; runs one donated, in-place step per call.
 
-    Two programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
-    (T, S) bucket, and `score` (raw logprobs of every row, for prompt_logprobs) for one bucket.
+    Three programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
+    (T, S) bucket, `score` (raw logprobs of every row, for prompt_logprobs) for one bucket, and
+    `lens` (one token's per-layer readout, for logit_lens: runtime/logit_lens.py) when the model
+    returns per-layer residuals.
     Both read the block tables from device-resident rows (runtime/block_tables.py) that they edit
     in place; a third, tiny program writes the edits a step has no room for.
     Every array has an explicit sharding on `mesh` (runtime/sharding.py). On a mesh of more than
@@ -114,12 +118,21 @@ class CompiledStep:
                 hidden, lora_ids = hidden[rows], lora_ids[rows]
             return model.logits(hidden, lora_ids=lora_ids), kv   # adapters on the LM head: each row's slot
 
+        def forward_lens(leaves, kv, input_ids, positions, meta, lora_ids):
+            """logit_lens: logits [L, V] of token row 0 after each layer (runtime/logit_lens.py)."""
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            return lens_forward(model, input_ids, positions, kv, meta, lora_ids if with_lora else None)
+
         if mesh.size > 1:
             kv_spec = (kv_sh.spec, kv_sh.spec)
             logits_spec = partition_spec(getattr(model, "logits_axes", None), 2)
             forward_logits = jax.shard_map(
                 forward_logits, mesh=mesh, check_vma=False,
                 in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 5),
+                out_specs=(logits_spec, kv_spec))
+            forward_lens = jax.shard_map(
+                forward_lens, mesh=mesh, check_vma=False,
+                in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 4),
                 out_specs=(logits_spec, kv_spec))
 
         def meta_of(tables, meta_in, table_rows, edits):
@@ -129,8 +142,8 @@ class CompiledStep:
             return AttentionMetadata(qsl, seq_lens, tables[table_rows], slot_mapping, num_seqs), tables
 
         def step(leaves, kv, tables, ints, floats, prev, layout):
-            input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos = unpack(
-                layout, ints, floats)
+            (input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos,
+             (cfg_rows, cfg_scale)) = unpack(layout, ints, floats)
             meta, tables = meta_of(tables, meta, table_rows, edits)
             # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
             # step's sample at row src (-1: the host's id); a penalised row's history gets it too
@@ -140,6 +153,7 @@ class CompiledStep:
                                           ].set(input_ids[rows], mode="drop")
             sampling = dataclasses.replace(sampling, history=history)
             logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
+            logits = guide(logits, cfg_rows, cfg_scale, dynamic_skips)   # CFG rows (runtime/cfg.py); others as they are
             key = jax.random.fold_in(jax.random.key(0), step_no)
             out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)
             return (out, jnp.pad(out.tokens, (0, self.max_rows - out.tokens.shape[0]))), kv, tables
@@ -154,6 +168,12 @@ class CompiledStep:
             top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
             return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv, tables
 
+        def lens(leaves, kv, tables, ints, floats, prev, layout):
+            input_ids, positions, meta, table_rows, edits, target, lora_ids = unpack(layout, ints, floats)
+            meta, tables = meta_of(tables, meta, table_rows, edits)
+            logits, kv = forward_lens(leaves, kv, input_ids, positions, meta, lora_ids)
+            return lens_readout(logits, target), kv, tables
+
         # params, kv, block tables, ints, floats, the previous step's tokens (`last_tokens`)
         ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
         self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
@@ -161,7 +181,10 @@ class CompiledStep:
         jit = lambda f: jax.jit(f, static_argnums=(6,), donate_argnums=(1, 2), in_shardings=ins,
                                 out_shardings=(rep, (kv_sh, kv_sh), rep))
         self._step_jit, self._score_jit = jit(step), jit(score)
+        self._jits = {"step": self._step_jit, "score": self._score_jit, "lens": jit(lens)}
         self._score_exec: Any = None
+        self.supports_lens = supports_lens(model)   # logit_lens: the model returns per-layer residuals
+        self._lens_exec: Any = None
         # the edits a step has no room for, `table_chunk` at a time, before it
         self.table_chunk = max(shapes.max_blocks, 64)
         self.table_writes = 0   # runs of that program
@@ -196,6 +219,8 @@ class CompiledStep:
                 return
             self._compile_timed(bucket, done + i + 1, progress)
         self._score_program(counted=False)
+        if self.supports_lens:
+            self._lens_program(counted=False)
         self._warm = True
 
     def stop_compiling(self) -> None:
@@ -245,9 +270,9 @@ class CompiledStep:
             progress(i, len(self.buckets), bucket, time.perf_counter() - t0)
 
     def lowered(self, program: str, T: int, S: int) -> Any:
-        """The `program` ("step" or "score") for T tokens over S sequence slots, lowered, not compiled."""
+        """The `program` ("step", "score" or "lens") for T tokens over S sequence slots, lowered, not compiled."""
         layout = self._layout(program, T, S)
-        jitted = self._step_jit if program == "step" else self._score_jit
+        jitted = self._jits[program]
         return jitted.lower(self._leaf_specs, self._kv_spec, self._tables_spec,
                             jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
                             jax.ShapeDtypeStruct((layout.float_size,), jnp.float32),
@@ -269,6 +294,7 @@ class CompiledStep:
             batch = self.empty_batch(T, S)
             self._attach_tables(batch, [])
             tree = (self._step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
+                    else self._lens_inputs(batch, 0) if program == "lens"
                     else self._score_inputs(batch, np.zeros(T, np.int32)))
             self._layouts[key] = pack(tree)[0]
         return self._layouts[key]
@@ -291,6 +317,24 @@ class CompiledStep:
                 self._score_exec = self._lower("score", self.score_tokens, 1, counted=counted)
                 self._score_unrun = True
             return self._score_exec
+
+    def _lens_program(self, counted: bool = True) -> Any:
+        """The logit_lens program (one token, one sequence), compiled on first need (warm-up compiles it)."""
+        with self._compile_lock:
+            if self._lens_exec is None:
+                self._lens_exec = self._lower("lens", 1, 1, counted=counted)
+            return self._lens_exec
+
+    def lens(self, batch: StepBatch, token: int, tables: list[BlockTable]) -> tuple[np.ndarray, ...]:
+        """Per layer: the raw logprob, rank and entropy of `token` and the top LENS_TOP, at the one-token
+        `batch` (runtime/logit_lens.py lens_batch; `tables`: its sequence's BlockTable)."""
+        if self.leader is not None:
+            raise ValueError("logit_lens does not run multi-host")
+        exe = self._lens_program()
+        self._attach_tables(batch, tables)
+        ints, floats = self._pack("lens", self._lens_inputs(batch, token))
+        out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
+        return tuple(np.asarray(x) for x in out)
 
     def score(self, batch: StepBatch, targets: np.ndarray, tables: list[BlockTable]) -> tuple[np.ndarray, ...]:
         """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch
@@ -367,12 +411,18 @@ class CompiledStep:
         return ints, floats
 
     def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
-                     follow: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, ...]:
+                     follow: tuple[np.ndarray, np.ndarray] | None = None,
+                     cfg: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, ...]:
         T, S = len(batch.input_ids), len(batch.seq_lens)
         src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
+        cfg = cfg if cfg is not None else (np.full(S, -1, np.int32), np.ones(S, np.float32))
         return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
                 batch.last_token_rows, sampling, np.asarray(step_no, np.int32),
-                batch.lora_ids if self.with_lora else None, src, hist_pos)
+                batch.lora_ids if self.with_lora else None, src, hist_pos, cfg)
+
+    def _lens_inputs(self, batch: StepBatch, token: int) -> tuple[Any, ...]:
+        return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
+                np.asarray(token, np.int32), batch.lora_ids if self.with_lora else None)
 
     def _score_inputs(self, batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
         return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
@@ -411,21 +461,23 @@ class CompiledStep:
         raise ValueError(f"no bucket holds {num_tokens} tokens and {num_seqs} sequences")
 
     def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int, tables: list[BlockTable],
-               follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None) -> SamplerOutput:
+               follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None,
+               cfg: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
         arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
         `batch` is built without tables (`with_tables=False`); `tables` are its sequences' BlockTables.
 
         `follow` = (src [T], hist_pos [S]) with `prev` (an earlier launch's `last_tokens`): token row t
         takes prev[src[t]] when src[t] >= 0, and sampling row r's history slot hist_pos[r] (>= 0) gets
-        its last token's id (the engine's asynchronous scheduling). `last_tokens` is this step's."""
+        its last token's id (the engine's asynchronous scheduling). `last_tokens` is this step's.
+        `cfg` = (shadow row [S], scale [S]) guides row r's logits by row shadow[r] >= 0 (runtime/cfg.py)."""
         bucket = (len(batch.input_ids), len(batch.seq_lens))
         exe = self._exec.get(bucket) or self._compile(bucket)
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
         self._attach_tables(batch, tables)
-        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow))
+        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg))
         if self.leader is not None:
             if follow is not None:
                 raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")

@@ -8,7 +8,7 @@ from pydantic import field_validator
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
+from imp_jax.runtime.request import MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
 from imp_jax.server import lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
@@ -87,6 +87,9 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    logit_lens: Any = None                   # true = top 5, 1..20 = top N per layer; implies logprobs
+    cfg_scale: float | None = None           # classifier-free guidance, [1, 10], 1 = off
+    cfg_negative_prompt: str | None = None   # the shadow's system message (else the conversation without one)
 
     def check(self) -> None:
         self.check_common()
@@ -103,6 +106,12 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
                 raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        lens = self.logit_lens
+        if lens is not None and not isinstance(lens, bool) and not (
+                isinstance(lens, int) and 0 <= lens <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"'logit_lens' must be true, false or in [1, {MAX_TOP_LOGPROBS}]",
+                                      param="logit_lens")
+        self._check_cfg()
         self.tool_plan.check()
         self.tool_plan.admit(self.output_form)
         if self.continue_final_message:
@@ -112,6 +121,36 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
             names = ", ".join(f"'chat_template_kwargs.{k}'" for k in taken)
             raise InvalidRequestError(f"{names} may not be set: the request's own fields set them",
                                       param=f"chat_template_kwargs.{taken[0]}")
+
+    def _check_cfg(self) -> None:
+        """cfg_scale in [1, 10]; on (> 1) it needs a system message or cfg_negative_prompt, and takes no tools
+        or banned strings (images never reach here: content parts are text)."""
+        if self.cfg_scale is None:
+            return
+        if not 1 <= self.cfg_scale <= MAX_CFG_SCALE:
+            raise InvalidRequestError(f"'cfg_scale' must be in [1, {MAX_CFG_SCALE:g}] (1 = off)", param="cfg_scale")
+        if self.cfg_scale == 1:
+            return
+        if self.cfg_negative_prompt is None and not any(m.role in SYSTEM_ROLES for m in self.messages):
+            raise InvalidRequestError("'cfg_scale' needs a system message (the guidance leaves it out) or "
+                                      "'cfg_negative_prompt'", param="cfg_scale")
+        if self.tools:
+            raise InvalidRequestError("'cfg_scale' cannot be combined with 'tools'", param="cfg_scale")
+        extra = self.model_extra or {}
+        for name in ("banned_strings", "banned_regex"):
+            if getattr(self, name, None) or extra.get(name):
+                raise InvalidRequestError(f"'cfg_scale' cannot be combined with '{name}'", param="cfg_scale")
+
+    @property
+    def lens_top(self) -> int | None:
+        """logit_lens' top N, None when off."""
+        if isinstance(self.logit_lens, bool):
+            return 5 if self.logit_lens else None
+        return self.logit_lens or None
+
+    @property
+    def guided(self) -> bool:
+        return self.cfg_scale is not None and self.cfg_scale != 1
 
     def _check_continue(self) -> None:
         """continue_final_message: the last message is an assistant turn with text and no tool calls."""
@@ -137,17 +176,34 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
 
     @property
     def engine_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        return (self.top_logprobs or 0) if self.logprobs or self.lens_top else None
 
 
-def prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int]:
-    """Render the conversation with the model's chat template and tokenize it."""
+SYSTEM_ROLES = ("system", "developer")
+
+
+def prompt_ids(req: ChatRequest, tokenizer: Any, messages: list[dict[str, Any]] | None = None) -> list[int]:
+    """Render the conversation (or `messages`) with the model's chat template and tokenize it."""
     cont = req.continue_final_message
-    text = render_prompt(tokenizer, [m.for_template() for m in req.messages], req.tool_plan,
+    messages = [m.for_template() for m in req.messages] if messages is None else messages
+    text = render_prompt(tokenizer, messages, req.tool_plan,
                          add_generation_prompt=req.add_generation_prompt and not cont, continue_final_message=cont,
                          **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
     check_chars(text, "messages")
     return tokenizer.encode_chat(text)
+
+
+def shadow_prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int] | None:
+    """cfg_scale's shadow prompt: the conversation without its system messages, with cfg_negative_prompt
+    as the system message when given (None: guidance off)."""
+    if not req.guided:
+        return None
+    messages = [m.for_template() for m in req.messages if m.role not in SYSTEM_ROLES]
+    if not messages:
+        raise InvalidRequestError("'cfg_scale' needs a message besides the system message", param="cfg_scale")
+    if req.cfg_negative_prompt is not None:
+        messages.insert(0, {"role": "system", "content": req.cfg_negative_prompt})
+    return prompt_ids(req, tokenizer, messages)
 
 
 @bp.post("/v1/chat/completions")
@@ -158,18 +214,22 @@ async def chat_completions() -> Any:
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
+    params.logit_lens = req.lens_top
+    shadow_ids = await off_loop(shadow_prompt_ids, req, engine.tokenizer)
     constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     rid = new_id("chatcmpl")
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True, constraint=constraint)
+                             reasoning=True, constraint=constraint, cfg_scale=req.cfg_scale or 1.0,
+                             cfg_prompt_ids=shadow_ids)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:
         fmt = ChatStream(rid, answering_model(engine), params.n, req.include_usage, token_text, tool_format)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(chat_response(rid, answering_model(engine), result, token_text, bool(req.logprobs), tool_format))
+    return jsonify(chat_response(rid, answering_model(engine), result, token_text,
+                                 bool(req.logprobs or req.lens_top), tool_format))
 
 
 def chat_response(rid: str, model: str, result: Completion, token_text: TokenText, logprobs: bool,

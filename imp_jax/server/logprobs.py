@@ -40,6 +40,10 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> list[di
     for e in entries:
         item = _chat_entry(token_text(e.token_id), e.logprob)
         item["top_logprobs"] = [_chat_entry(token_text(t), lp) for t, lp in e.top]
+        if e.lens is not None:   # logit_lens: one reading per layer, first to last
+            item["logit_lens"] = [{"rank": layer.rank, "logprob": finite(layer.logprob), "entropy": layer.entropy,
+                                   "top": [{"token": token_text(t), "logprob": finite(lp)} for t, lp in layer.top]}
+                                  for layer in e.lens]
         out.append(item)
     return out
 

@@ -87,21 +87,30 @@ NOT_YET: dict[str, tuple[Any, ...]] = {
     "dry_multiplier": (None, 0, 0.0),                 # DRY (its other dry_* knobs act only through this one)
     "mirostat": (None, 0),                            # mirostat (mirostat_tau / _eta act only through this one)
     "banned_strings": (None, []), "banned_regex": (None, []),
-    "cfg_scale": (None, 1, 1.0),                      # classifier-free guidance (cfg_negative_prompt with it)
     "speculative": (None, False),                     # there is no drafter to switch on
-    "logit_lens": (None, False, 0),
     "xtc_probability": (None, 0, 0.0), "dynatemp_range": (None, 0, 0.0), "top_n_sigma": (None, -1, 0),
+}
+
+# Spec fields only /v1/chat/completions takes (its request model declares them, so they never reach
+# model_extra there); on other routes any value but these neutral ones is a 400 not_supported.
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "logit_lens": (None, False, 0),
+    "cfg_scale": (None, 1, 1.0), "cfg_negative_prompt": (None,),   # classifier-free guidance
 }
 
 
 def refuse_not_yet(req: BaseModel) -> None:
-    """400 not_supported for a spec field this server cannot honour yet (NOT_YET)."""
+    """400 not_supported for a spec field this server cannot honour yet (NOT_YET), or not on this route (CHAT_ONLY)."""
     for name, value in (req.model_extra or {}).items():
         neutral = NOT_YET.get(name)
         if neutral is not None and not any(_same(value, n) for n in neutral):
             off = f" (or send {json.dumps(neutral[1])})" if len(neutral) > 1 else ""
             raise InvalidRequestError(f"'{name}' is not supported by this server yet; leave it out{off}",
                                       code="not_supported", param=name)
+        neutral = CHAT_ONLY.get(name)
+        if neutral is not None and not any(_same(value, n) for n in neutral):
+            raise InvalidRequestError(f"'{name}' is not supported on this route; only /v1/chat/completions "
+                                      "takes it", code="not_supported", param=name)
 
 
 def _same(value: Any, neutral: Any) -> bool:
