@@ -22,6 +22,7 @@ from imp_jax.runtime import cfg as guidance
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
+from imp_jax.runtime.dry import BreakerTable, repeat_penalties, top_slots
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.logit_lens import lens_batch, lens_layers
 from imp_jax.runtime.lora import AdapterSlots, LoadedAdapter
@@ -101,6 +102,7 @@ class EngineCore:
         self.loras = (AdapterSlots(loaded.model, slabs.options, self.step_fn.write_params)
                       if slabs is not None else None)   # None: started without --max-loras
         self.constraints = GrammarConstraints.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
+        self.dry_breakers = BreakerTable(loaded.tokenizer, loaded.config.vocab_size)
         self.think_markers = ThinkMarkers.from_tokenizer(loaded.tokenizer)   # None: the model does not think
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str,
                                    dict[int, float] | None]] = []
@@ -338,7 +340,7 @@ class EngineCore:
     def _overlappable(self, launched: _Launched) -> bool:
         """Whether the next step may be scheduled and launched before `launched` is read: asynchronous
         scheduling is on, and no row it samples needs its token on the host first (a grammar row's or a
-        forced think end's mask follows the token), and no prompt is being scored (prompt_logprobs)."""
+        forced think end's mask follows the token, a DRY row's penalties too), and no prompt is being scored (prompt_logprobs)."""
         if not self.async_scheduling or self._scoring or self.step_fn.leader is not None:
             return False
         for c, samples in zip(launched.chunks, launched.samples):
@@ -349,6 +351,8 @@ class EngineCore:
             # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host
             if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None):
                 return False
+            if samples and seq.status is not SeqStatus.FINISHED and seq.params.dry.on:
+                return False   # its DRY penalties come from its full history, newest token included
         return True
 
     def _take_inflight(self) -> _Launched:
@@ -445,7 +449,21 @@ class EngineCore:
             seed=p.seed, position=seq.num_tokens,
             history=history, num_output_tokens=n_out if history else 0,
             logit_bias=self._logit_bias(p, n_out), wants_top_logprobs=p.logprobs is not None,
-            allowed_bitmask=mask)
+            allowed_bitmask=mask, dry=self._dry(seq, pending))
+
+    def _dry(self, seq: Sequence, pending: int) -> list[tuple[int, float]]:
+        """The row's DRY (token id, penalty) slots from its whole known history (dry.py); a DRY row is
+        never overlapped (`_overlappable`), so its newest token is known."""
+        d = seq.params.dry
+        if not d.on:
+            return []
+        if pending:
+            raise RuntimeError(f"sequence {seq.seq_id}: a DRY row was scheduled before its newest token was read")
+        n = self.max_model_len if d.penalty_last_n == -1 else min(d.penalty_last_n, self.max_model_len)
+        start = max(0, seq.num_known - n)
+        history = _slice_ids(seq, start, seq.num_known - start)
+        penalties = repeat_penalties(history, d, self.dry_breakers.breakers(d.sequence_breakers), self.max_model_len)
+        return top_slots(penalties)
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
         """Each sampling row's next-token bitmask, by row; a row without one samples any token.

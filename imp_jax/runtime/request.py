@@ -6,6 +6,8 @@ import time
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.dry import (DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_DRY_BASE, MAX_DRY_MULTIPLIER,
+                                 DryParams)
 
 # Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
 # dialects check the same values, from here, before a request reaches it.
@@ -15,6 +17,7 @@ MAX_LOGIT_BIAS = 64                     # entries per request (a static width of
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 TOP_K_RANGE = (-(2**31), 2**31 - 1)     # <= 0 (or >= the vocabulary) is off
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_DRY_ALLOWED_LENGTH = 1024
 MAX_CFG_SCALE = 10.0                    # cfg_scale in [1, MAX_CFG_SCALE], 1 = off (runtime/cfg.py)
 
 
@@ -60,6 +63,17 @@ class SamplingParams:
     # event reports (EngineEvent.raw_logprobs; /v1/score, /v1/decide); each takes a logit_bias slot
     raw_logprob_ids: list[int] = dataclasses.field(default_factory=list)
     logit_lens: int | None = None         # None = off; N = per layer, the sampled token's raw rank/logprob + top N
+    # DRY (runtime/dry.py): multiplier 0 = off; the others act only through it
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1          # -1 = the context size, 0 = off
+    dry_sequence_breakers: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_BREAKERS))
+
+    @property
+    def dry(self) -> DryParams:
+        return DryParams(self.dry_multiplier, self.dry_base, self.dry_allowed_length, self.dry_penalty_last_n,
+                         tuple(self.dry_sequence_breakers))
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -111,6 +125,22 @@ class SamplingParams:
                 bad("stop_token_ids", f"token id {tok} is outside the vocabulary")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        self._validate_dry(bad)
+
+    def _validate_dry(self, bad: Any) -> None:
+        if not 0 <= self.dry_multiplier <= MAX_DRY_MULTIPLIER:
+            bad("dry_multiplier", f"must be in [0, {MAX_DRY_MULTIPLIER:g}] (0 = off)")
+        if self.dry_multiplier > 0 and not 1 < self.dry_base <= MAX_DRY_BASE:
+            bad("dry_base", f"must be in (1, {MAX_DRY_BASE:g}]")
+        if not 0 <= self.dry_allowed_length <= MAX_DRY_ALLOWED_LENGTH:
+            bad("dry_allowed_length", f"must be in [0, {MAX_DRY_ALLOWED_LENGTH}]")
+        if self.dry_penalty_last_n < -1:
+            bad("dry_penalty_last_n", "must be >= -1 (-1 = the context size, 0 = off)")
+        breakers = self.dry_sequence_breakers
+        if len(breakers) > MAX_BREAKERS:
+            bad("dry_sequence_breakers", f"must hold at most {MAX_BREAKERS} strings")
+        if any(not isinstance(b, str) or not 0 < len(b) <= MAX_BREAKER_CHARS for b in breakers):
+            bad("dry_sequence_breakers", f"must be strings of 1 to {MAX_BREAKER_CHARS} characters")
 
 
 @dataclasses.dataclass

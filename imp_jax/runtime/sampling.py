@@ -6,7 +6,8 @@ mix of requests. Processing order, each step seeing the output of the one before
 1. penalties over the history window (tokens -1 are padding):
    repetition (HF/CTRL: seen token's logit l -> l / p if l > 0 else l * p, prompt and
    output tokens), then frequency and presence (OpenAI: l -= f * count + p * (count > 0),
-   output tokens only);
+   output tokens only); then DRY (dry.py): each row's (token id, penalty) slots, computed on the
+   host, subtracted;
 2. logit_bias: added to the named ids;
 3. allowed mask (structured output): disallowed tokens -> -inf;
 4. temperature: rows with temperature > 0 divide by it; greedy rows keep their logits;
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from imp_jax.runtime.dry import DRY_SLOTS
 from imp_jax.runtime.truncation import cond, switch, truncate
 
 # Tokens per block of the two-level inverse-CDF draw.
@@ -66,6 +68,8 @@ class SamplingTensors:
     #   batch of greedy rows that all do not skips logprobs altogether; rows that do not may get zeros
     allowed_mask: jax.Array | None = None  # u32[R, ceil(V/32)], bit i%32 of word i//32
     masked: jax.Array | None = None  # bool[R]: the row's allowed_mask restricts it (None: every row)
+    dry_ids: jax.Array | None = None  # i32[R, D]: tokens a DRY penalty applies to (dry.py), -1 = padding
+    dry_penalties: jax.Array | None = None  # f32[R, D]: subtracted from those tokens' logits
 
 
 class SamplerOutput(NamedTuple):
@@ -162,6 +166,9 @@ def _penalise(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool) -> jax
     counted = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0))
     which = jnp.where(counted, 2, jnp.where(jnp.any(t.repetition_penalty != 1), 1, 0))
     logits = switch(dynamic_skips, which, [lambda x, _: x, _apply_repetition, _apply_penalties], logits, t)
+    if t.dry_ids is not None:
+        logits = cond(dynamic_skips, jnp.any(t.dry_ids >= 0), _apply_bias, lambda x, *_: x,
+                      logits, t.dry_ids, -t.dry_penalties)
     # Each step over the whole [R, V] array runs only when some row of the batch needs it.
     logits = cond(dynamic_skips, jnp.any(t.bias_ids >= 0), _apply_bias, lambda x, *_: x,
                   logits, t.bias_ids, t.bias_values)
@@ -279,6 +286,7 @@ class RowSpec:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     allowed_token_ids: Sequence[int] | None = None
     allowed_bitmask: np.ndarray | None = None  # u32/i32[ceil(V/32)], e.g. from llguidance
+    dry: Sequence[tuple[int, float]] = ()  # DRY (token id, penalty) pairs, at most DRY_SLOTS (dry.py)
     wants_top_logprobs: bool = False  # the row reads its logprobs, the top-K or the sampled token's alone
     #   (the sampler may skip them otherwise)
 
@@ -319,6 +327,8 @@ def build_sampling_tensors(
     is_output = np.zeros((n, history_len), bool)
     bias_ids = np.full((n, max_bias), -1, np.int32)
     bias_values = np.zeros((n, max_bias), np.float32)
+    dry_ids = np.full((n, DRY_SLOTS), -1, np.int32)
+    dry_penalties = np.zeros((n, DRY_SLOTS), np.float32)
     mask = np.full((n, -(-vocab_size // 32)), 0xFFFFFFFF, np.uint32) if with_mask else None
     for i, r in enumerate(rows):
         tail = list(r.history)[-history_len:] if history_len else []
@@ -331,6 +341,12 @@ def build_sampling_tensors(
             if not 0 <= int(tok) < vocab_size:
                 raise ValueError(f"logit_bias token {tok} outside the vocabulary")
             bias_ids[i, j], bias_values[i, j] = int(tok), val
+        if len(r.dry) > DRY_SLOTS:
+            raise ValueError(f"{len(r.dry)} DRY penalties exceed {DRY_SLOTS}")
+        for j, (tok, pen) in enumerate(r.dry):
+            if not 0 <= int(tok) < vocab_size:
+                raise ValueError(f"DRY token {tok} outside the vocabulary")
+            dry_ids[i, j], dry_penalties[i, j] = int(tok), pen
         row_mask = _row_mask(r, vocab_size)
         if row_mask is not None:
             if mask is None:
@@ -356,6 +372,8 @@ def build_sampling_tensors(
         allowed_mask=mask,
         masked=np.array([r.allowed_bitmask is not None or r.allowed_token_ids is not None for r in rows]
                         + [False] * (n - len(rows))) if with_mask else None,
+        dry_ids=dry_ids,
+        dry_penalties=dry_penalties,
     )
 
 

@@ -51,6 +51,11 @@ class OpenAISampling(WireModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -133,10 +138,15 @@ class OpenAISampling(WireModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
             n=1 if self.n is None else self.n, logprobs=logprobs, logit_bias=self.logit_bias_ids(),
             skip_special_tokens=self.skip_special_tokens is not False,
-            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output), **self._dry_fields(),
         )
         params.validate(vocab_size)
         return params
+
+    def _dry_fields(self) -> dict[str, Any]:
+        """The DRY fields the request sets (the others keep SamplingParams' llama.cpp defaults)."""
+        names = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @property
     def include_usage(self) -> bool:

@@ -84,7 +84,6 @@ def parse_model(cls: type[M], data: dict[str, Any]) -> M:
 # Spec fields (docs/API.md) this server does not implement yet, with the values that ask for nothing
 # (accepted); any other value is a 400 not_supported naming the field, never silently ignored.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "dry_multiplier": (None, 0, 0.0),                 # DRY (its other dry_* knobs act only through this one)
     "mirostat": (None, 0),                            # mirostat (mirostat_tau / _eta act only through this one)
     "banned_strings": (None, []), "banned_regex": (None, []),
     "speculative": (None, False),                     # there is no drafter to switch on
