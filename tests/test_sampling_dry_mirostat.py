@@ -97,7 +97,7 @@ def test_top_slots_keep_the_largest() -> None:
 
 class _Tok:
     """A tokenizer over single characters plus a few words."""
-    vocab = ["a", "b", "\n", "x\n", "ab:", "q:", ":", "z"]
+    vocab = ("a", "b", "\n", "x\n", "ab:", "q:", ":", "z")
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(self.vocab[i] for i in ids)
@@ -180,8 +180,8 @@ def run(core, *reqs) -> list[list[int]]:
     return [[t for e in evs for t in e.token_ids] for evs in events]
 
 
-NEUTRAL = dict(top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0, temperature=0.0,
-               ignore_eos=True)
+NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repetition_penalty": 1.0,
+           "temperature": 0.0, "ignore_eos": True}
 
 
 def test_engine_dry_tokens_follow_the_reference_step_by_step(tiny) -> None:
@@ -189,7 +189,7 @@ def test_engine_dry_tokens_follow_the_reference_step_by_step(tiny) -> None:
 
     core, hf = tiny
     baseline = core.stats()["num_free_blocks"]
-    dry = dict(dry_multiplier=2.0, dry_base=1.5, dry_allowed_length=2)
+    dry = {"dry_multiplier": 2.0, "dry_base": 1.5, "dry_allowed_length": 2}
     overlapped0 = core.counters.overlapped_steps
     with_dry, plain = run(core, request(PROMPT, max_tokens=10, **NEUTRAL, **dry),
                           request(PROMPT, max_tokens=10, **NEUTRAL))
@@ -207,7 +207,7 @@ def test_engine_dry_tokens_follow_the_reference_step_by_step(tiny) -> None:
             order = np.argsort(-logits)
             assert tok == order[0] or logits[order[0]] - logits[tok] < 1e-4, k
     assert penalised_any
-    strong = dict(dry_multiplier=100.0, dry_base=1.75, dry_allowed_length=0)   # any seen token extends a repeat
+    strong = {"dry_multiplier": 100.0, "dry_base": 1.75, "dry_allowed_length": 0}   # any seen token extends a repeat
     (out,) = run(core, request(PROMPT, max_tokens=12, **NEUTRAL, **strong))
     exempt = {t for t, tails in breakers.items() if () in tails}
     for k, tok in enumerate(out):
@@ -217,6 +217,8 @@ def test_engine_dry_tokens_follow_the_reference_step_by_step(tiny) -> None:
     assert core.counters.overlapped_steps - overlapped0 <= 10   # only the plain row's steps overlap
     (alone,) = run(core, request(PROMPT, max_tokens=6, **NEUTRAL, **dry))
     assert alone == with_dry[:6]
+    (plain_alone,) = run(core, request(PROMPT, max_tokens=10, **NEUTRAL))
+    assert plain == plain_alone         # a row without DRY is unchanged beside a DRY row
 
 
 def test_engine_frees_blocks_and_never_overlaps_a_dry_row(tiny) -> None:

@@ -22,8 +22,9 @@ tokenisation of the rest, at most MAX_BREAKER_TAIL tokens).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.dry import (DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_DRY_BASE, MAX_DRY_MULTIPLIER,
-                                 DryParams)
+from imp_jax.runtime.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_DRY_BASE, MAX_DRY_MULTIPLIER
+from imp_jax.runtime.dry import DryParams
 
 # Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
 # dialects check the same values, from here, before a request reaches it.
