@@ -1,0 +1,70 @@
+"""Cost of DRY in the sampler: the compiled `sample` step on random logits of SmolLM2's vocabulary
+(49152) at 1 and 32 rows, without DRY vs with every row holding DRY_SLOTS penalties (greedy rows, the
+default skips of this backend), and the host's per-row penalty computation (runtime/dry.py) over a
+history of --history tokens. Medians of --repeats runs after a warm-up run.
+
+    PYTHONPATH=. python scripts/bench_sampler_dry_mirostat.py --repeats 50 --history 1024
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from imp_jax.runtime.dry import DRY_SLOTS, DryParams, repeat_penalties, top_slots
+from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
+
+VOCAB = 49152   # SmolLM2
+
+
+def time_sample(rows: int, dry: bool, repeats: int) -> float:
+    """Median seconds of one `sample` call (outputs waited for)."""
+    rng = np.random.default_rng(0)
+    logits = jax.device_put(rng.normal(size=(rows, VOCAB)).astype(np.float32))
+    slots = [(int(i), 0.5) for i in rng.choice(VOCAB, DRY_SLOTS, replace=False)] if dry else []
+    specs = [RowSpec(temperature=0.0, dry=slots) for _ in range(rows)]
+    t = build_sampling_tensors(specs, num_rows_bucket=rows, vocab_size=VOCAB, history_len=256, max_bias=64,
+                               with_mask=True)
+    t = jax.device_put(t)
+    key = jax.random.key(0)
+    jax.block_until_ready(sample(logits, t, key, num_top_logprobs=20))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(sample(logits, t, key, num_top_logprobs=20))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_host(history_len: int, repeats: int) -> float:
+    """Median seconds of one row's DRY penalties over a repetitive history (breakers: one token id)."""
+    rng = np.random.default_rng(1)
+    phrase = list(rng.integers(0, VOCAB, 40))
+    history = (phrase * (history_len // 40 + 1))[:history_len]
+    p = DryParams(multiplier=0.8)
+    breakers = {int(phrase[7]): [()]}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        top_slots(repeat_penalties(history, p, breakers, 8192))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--history", type=int, default=1024)
+    args = ap.parse_args()
+    print(f"backend {jax.default_backend()}, vocabulary {VOCAB}, DRY_SLOTS {DRY_SLOTS}")
+    for rows in (1, 32):
+        off, on = time_sample(rows, False, args.repeats), time_sample(rows, True, args.repeats)
+        print(f"sample, {rows:2d} rows: DRY off {off * 1e3:7.3f} ms, on {on * 1e3:7.3f} ms ({on / off:.2f}x)")
+    print(f"host DRY penalties, one row, history {args.history}: {time_host(args.history, args.repeats) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
