@@ -17,12 +17,13 @@ from jax.sharding import Mesh
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.model.loader import LoadedModel
+from imp_jax.runtime.banned import BannedFilter, BannedPhrases, RewindBudget
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime import cfg as guidance
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
-from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv_blocks import KVBlockPool, OutOfBlocks
 from imp_jax.runtime.logit_lens import lens_batch, lens_layers
 from imp_jax.runtime.lora import AdapterSlots, LoadedAdapter
 from imp_jax.runtime.prompt_logprobs import PromptScoring
@@ -55,6 +56,7 @@ class EngineCounters:
     mask_rows: int = 0               # constrained rows over those steps
     mask_seconds: float = 0.0        # host time computing their allowed-token masks (before each launch)
     overlapped_steps: int = 0        # steps launched before the previous step was read (async scheduling)
+    banned_rewinds: int = 0          # banned_strings / banned_regex rewinds (a completed phrase resampled)
 
 
 @dataclasses.dataclass
@@ -145,6 +147,8 @@ class EngineCore:
         if req.lora is not None and self.loras is None:
             raise InvalidRequestError(f"no LoRA adapter named '{req.lora}' is loaded (this server has no adapter "
                                       "slots: --max-loras 0)", code="lora_not_loaded", param="lora")
+        phrases = self._check_banned(req, params)
+        budget = RewindBudget()
         matchers = [self.constraints.matcher(req.constraint) if req.constraint else None for _ in range(params.n)]
         adapter = self.loras.acquire(req.lora) if req.lora is not None else None
         scoring = None
@@ -169,6 +173,8 @@ class EngineCore:
                 lora_slot=adapter.slot if adapter else 0, lora_key=adapter.cache_key if adapter else None)
             if req.cfg_scale != 1:
                 guidance.attach_shadow(seq, req.cfg_prompt_ids)
+            if phrases is not None:
+                seq.banned = BannedFilter(phrases, budget)
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring, adapter=adapter)
         self.requests[req.request_id] = state
@@ -202,6 +208,21 @@ class EngineCore:
             return "not_thinking" if trackers else "unknown"
         answers = [t.force_end() for t in trackers]
         return "ending" if "ending" in answers else "already_closed"
+
+    @staticmethod
+    def _check_banned(req: GenerationRequest, params: SamplingParams) -> BannedPhrases | None:
+        """The request's banned phrases (None without any); 400 with what a rewind cannot undo or follow:
+        an output constraint, mirostat, classifier-free guidance, raw logprob probes."""
+        if not (params.banned_strings or params.banned_regex):
+            return None
+        field = "banned_strings" if params.banned_strings else "banned_regex"
+        clash = ("structured output or enforced tool calls" if req.constraint else
+                 "'mirostat'" if getattr(params, "mirostat", 0) else
+                 "'cfg_scale'" if req.cfg_scale != 1 else
+                 "raw logprob probes (/v1/score, /v1/decide)" if params.raw_logprob_ids else None)
+        if clash is not None:
+            raise InvalidRequestError(f"'{field}' cannot be combined with {clash}", param=field)
+        return BannedPhrases(params.banned_strings, params.banned_regex)
 
     # --------------------------------------------------------------------- LoRA
     def load_lora(self, name: str, adapter) -> dict:
@@ -346,8 +367,10 @@ class EngineCore:
             if samples and seq.status is not SeqStatus.FINISHED and (
                     seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)):
                 return False
-            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host
-            if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None):
+            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host;
+            # a banned phrase may rewind the sequence, which the next step must not have run ahead of
+            if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None
+                            or (seq.banned is not None and seq.status is not SeqStatus.FINISHED)):
                 return False
         return True
 
@@ -444,7 +467,7 @@ class EngineCore:
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             seed=p.seed, position=seq.num_tokens,
             history=history, num_output_tokens=n_out if history else 0,
-            logit_bias=self._logit_bias(p, n_out), wants_top_logprobs=p.logprobs is not None,
+            logit_bias=self._logit_bias(p, n_out, seq.banned), wants_top_logprobs=p.logprobs is not None,
             allowed_bitmask=mask)
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
@@ -481,15 +504,22 @@ class EngineCore:
         c.mask_seconds += time.perf_counter() - t0
         return masks
 
-    def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
+    def _logit_bias(self, p: SamplingParams, num_output: int, phrases: BannedFilter | None = None
+                    ) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out, plus
         a bias of 0 (a probe: the sampler reports its raw logprob) on each raw_logprob_ids entry, in the
-        first slots (_advance reads them there)."""
+        first slots (_advance reads them there), plus the tokens a banned phrase was rewound from at this
+        position (as many as the sampler's bias slots leave room for, newest first)."""
         bias = {**dict.fromkeys(p.raw_logprob_ids, 0.0), **p.logit_bias} if p.raw_logprob_ids else p.logit_bias
-        if num_output >= p.min_tokens:
-            return bias
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
-        return {**bias, **dict.fromkeys(banned, float("-inf"))}
+        if num_output < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
+            bias = {**bias, **dict.fromkeys(banned, float("-inf"))}
+        rewound = phrases.bans.get(num_output) if phrases is not None else None
+        if rewound:
+            room = self.step_fn.shapes.max_bias - len(bias)
+            new = [t for t in reversed(rewound) if t not in bias][:max(0, room)]
+            bias = {**bias, **dict.fromkeys([t for t in rewound if t in bias] + new, float("-inf"))}
+        return bias
 
     def _advance(self, seq: Sequence, samples: bool, out, row: int) -> None:
         """A read step's row: its sampled token joins the sequence (num_computed moved at launch). A
@@ -533,7 +563,7 @@ class EngineCore:
             logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
             if seq.params.logit_lens is not None and seq.status is SeqStatus.RUNNING:
                 logprobs[0].lens = self._lens(seq, token)
-        if self._ends_without_text(seq, token):
+        if self._ends_without_text(seq, token) or seq.banned is not None:   # a rewind happens before the next step
             self._emit_token(seq, token, logprobs, state, kind, raw)
         else:
             self._deferred.append((seq, token, logprobs, state, kind, raw))
@@ -581,7 +611,12 @@ class EngineCore:
         n_out = len(seq.output_ids)
         is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
         is_stop_id = token in p.stop_token_ids
+        filtered = (seq.banned is not None and seq.banned.active and kind == ANSWER
+                    and not (is_eos or is_stop_id))
+        if seq.banned is not None and seq.banned.holding and not filtered and self._release_held(seq, state):
+            return   # the held text ended the sequence on a stop string
         finish, stop_reason, text, reasoning = None, None, "", ""
+        ids: list[int] = [token]
         if (is_eos or is_stop_id) and n_out > p.min_tokens:
             finish, stop_reason = "stop", token
         elif kind == THINK:
@@ -589,9 +624,13 @@ class EngineCore:
         elif kind != ANSWER:
             reasoning = seq.detok.flush()   # a marker: the block's held-back bytes end with it
         elif not (is_eos or is_stop_id):
-            delta = seq.detok.add([token])
-            if seq.reasoning is not None:
-                delta = seq.reasoning.answer_text(delta)
+            if filtered:
+                released = self._filter_banned(seq, token, logprobs)
+                if released is None:
+                    return   # rewound: the sequence samples this position again
+                ids, logprobs, delta = released
+            else:
+                delta = self._answer_delta(seq, token)
             if n_out <= p.min_tokens:
                 text = delta  # stop strings apply once min_tokens are out
             else:
@@ -607,9 +646,17 @@ class EngineCore:
         if finish is not None and not isinstance(stop_reason, str):
             if seq.reasoning is not None and seq.reasoning.thinking:
                 reasoning += seq.detok.flush()
-            tail, matched = seq.stops.feed(seq.detok.flush())
+            held_text = ""
+            if seq.banned is not None:   # the held tokens go out with the sequence's end
+                held_ids, held_logprobs, held_text = seq.banned.flush()
+                ids = ids + held_ids
+                if p.logprobs is not None:
+                    logprobs = (logprobs or []) + held_logprobs
+            tail, matched = seq.stops.feed(held_text + seq.detok.flush())
             text += tail + ("" if matched else seq.stops.flush())
-        event = EngineEvent(seq.request.request_id, seq.index, [token], text, reasoning_text=reasoning,
+        if finish is None and not ids:
+            return   # every token so far is held back (banned phrases may still complete)
+        event = EngineEvent(seq.request.request_id, seq.index, ids, text, reasoning_text=reasoning,
                             logprobs=logprobs, raw_logprobs=raw)
         if seq.index == 0 and state.prompt_logprobs is not None:
             event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
@@ -619,6 +666,60 @@ class EngineCore:
         seq.finish_reason = finish
         event.finish_reason, event.stop_reason = finish, stop_reason
         self._close(seq, state, event)
+
+    def _answer_delta(self, seq: Sequence, token: int) -> str:
+        delta = seq.detok.add([token])
+        return seq.reasoning.answer_text(delta) if seq.reasoning is not None else delta
+
+    def _filter_banned(self, seq: Sequence, token: int, logprobs) -> tuple[list[int], list, str] | None:
+        """Hold `token` back with its text until no banned phrase can complete in it; returns the
+        (ids, logprobs, text) safe to send now, or None when its text completed a phrase and the sequence
+        was rewound to the token the phrase starts in."""
+        f = seq.banned
+        f.push(len(seq.output_ids) - 1, token, logprobs, seq.detok.snapshot())
+        at = f.feed(self._answer_delta(seq, token))
+        if at is None:
+            ids, held_logprobs, text = f.release()
+            return ids, (held_logprobs if logprobs is not None else None), text
+        self._rewind(seq, f.rewind(at))
+        return None
+
+    def _rewind(self, seq: Sequence, held) -> None:
+        """Take the sequence back to just before `held` (the token a banned phrase starts in): its output,
+        detokenizer and KV. The token before it is fed again (its KV rewritten, the same values) so the
+        next step samples the position anew, with the token banned there (_logit_bias)."""
+        self.counters.banned_rewinds += 1
+        seq.detok.restore(held.detok)
+        del seq.output_ids[held.position:]
+        log.debug("banned_rewind request=%s index=%d position=%d token=%d rewinds_left=%d",
+                  seq.request.request_id, seq.index, held.position, held.token, seq.banned.budget.left)
+        if seq.status is not SeqStatus.RUNNING:
+            return   # preempted: it recomputes its KV from the shortened output when readmitted
+        keep = len(seq.prompt_ids) + held.position - 1
+        try:
+            copy = self.pool.truncate(seq.table, keep)
+        except OutOfBlocks:
+            self.scheduler.preempt(seq)
+            return
+        # a shared tail block was swapped for a fresh one: recompute its tokens rather than copy it on device
+        seq.num_computed = keep if copy is None else keep - keep % self.config.block_size
+
+    def _release_held(self, seq: Sequence, state: _RequestState) -> bool:
+        """Send the held tokens (a token without answer text follows, or phrases stopped applying);
+        whether their text completed a stop string, which ends the sequence."""
+        ids, logprobs, delta = seq.banned.flush()
+        text, matched = (delta, None) if len(seq.output_ids) <= seq.params.min_tokens else seq.stops.feed(delta)
+        event = EngineEvent(seq.request.request_id, seq.index, ids, text,
+                            logprobs=logprobs if seq.params.logprobs is not None else None)
+        if seq.index == 0 and state.prompt_logprobs is not None:
+            event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
+        if matched is None:
+            self._send(state, event)
+            return False
+        seq.finish_reason = event.finish_reason = "stop"
+        event.stop_reason = matched
+        self._close(seq, state, event)
+        return True
 
     def _finish(self, seq: Sequence, reason: str, state: _RequestState, error: str | None = None) -> None:
         seq.finish_reason = reason
@@ -672,7 +773,7 @@ class EngineCore:
                     decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
                     constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds,
                     step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds,
-                    overlapped_steps_total=c.overlapped_steps)
+                    overlapped_steps_total=c.overlapped_steps, banned_rewinds_total=c.banned_rewinds)
 
 
 def _slice_ids(seq: Sequence, start: int, n: int) -> list[int]:

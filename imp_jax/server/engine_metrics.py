@@ -45,6 +45,8 @@ ENGINE_COUNTERS = (
     ("imp_constrained_steps", "constrained_steps_total", "Steps with at least one structured-output "
      "(grammar-constrained) row"),
     ("imp_constrained_rows", "constrained_rows_total", "Grammar-constrained rows summed over those steps"),
+    ("imp_banned_rewinds", "banned_rewinds_total", "banned_strings / banned_regex rewinds: a completed banned "
+     "phrase taken back and its first token resampled"),
     ("imp_constraint_mask_seconds", "constraint_mask_seconds_total", "Host seconds computing the "
      "allowed-token masks of constrained rows before each step"),
 )

@@ -86,7 +86,6 @@ def parse_model(cls: type[M], data: dict[str, Any]) -> M:
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "dry_multiplier": (None, 0, 0.0),                 # DRY (its other dry_* knobs act only through this one)
     "mirostat": (None, 0),                            # mirostat (mirostat_tau / _eta act only through this one)
-    "banned_strings": (None, []), "banned_regex": (None, []),
     "speculative": (None, False),                     # there is no drafter to switch on
     "xtc_probability": (None, 0, 0.0), "dynatemp_range": (None, 0, 0.0), "top_n_sigma": (None, -1, 0),
 }
