@@ -126,12 +126,12 @@ def chat_prompt(tok, question: str) -> list[int]:
 def test_a_banned_phrase_never_comes_out_of_50_samples(engine) -> None:
     tok = engine.tokenizer
     prompt = chat_prompt(tok, QUESTION)
-    sampled = dict(temperature=0.8, max_tokens=12, n=4, logprobs=1)
-    control = run(engine, *[req(prompt, seed=s, **sampled) for s in range(2)])
+    sampled = dict(temperature=0.4, max_tokens=12, n=4, logprobs=1)
+    control = run(engine, *[req(prompt, seed=10 * s, **sampled) for s in range(2)])
     texts = [c.text for r in control for c in r.choices.values()]
-    assert sum("Paris" in t for t in texts) >= 6, texts   # the model says it unless banned
+    assert sum("Paris" in t for t in texts) >= 4, texts   # the model often says it unless banned
     before = engine.stats()["banned_rewinds_total"]
-    reqs = [req(prompt, seed=100 + s, banned_strings=["Paris"], banned_regex=[r"P\s*a\s*r\s*i\s*s"], **sampled)
+    reqs = [req(prompt, seed=100 + 10 * s, banned_strings=["Paris"], banned_regex=[r"P\s*a\s*r\s*i\s*s"], **sampled)
             for s in range(13)]
     reqs[-1].params.n = 2
     results = run(engine, *reqs)   # the pool is back at its baseline (run checks)
@@ -142,6 +142,36 @@ def test_a_banned_phrase_never_comes_out_of_50_samples(engine) -> None:
         assert len(c.logprobs) == len(c.token_ids)   # held-back tokens come with their logprobs
         assert c.text == tok.decode(c.token_ids)   # rewinds restored the detokenizer: the text is the tokens'
     assert engine.stats()["banned_rewinds_total"] - before >= 6
+    assert engine.step_fn.compilations_after_warmup == 0
+
+
+@pytest.mark.real_model
+def test_rewind_into_a_shared_prompt_block_and_async_scheduling(engine, monkeypatch) -> None:
+    """A first token banned when the prompt fills whole blocks, the last pinned (cache_prompt) and so shared:
+    the rewind recomputes that block instead of writing into it; the same with asynchronous scheduling."""
+    tok = engine.tokenizer
+    ids = tok.encode("Geography quiz. Question: which city is the capital of France? Answer: the capital is")
+    bs = engine.config.block_size
+    prompt = ids[len(ids) % bs:]
+    assert len(prompt) % bs == 0 and len(prompt) >= bs
+    control = req(prompt, max_tokens=3)
+    control.cache_salt = "control"   # its blocks must not be the cached copies the banned runs find
+    (plain,) = run(engine, control)
+    assert "Paris" in plain.first.text   # what greedy says unbanned
+    before = engine.stats()["banned_rewinds_total"]
+    truncate, copies = engine.pool.truncate, []
+    monkeypatch.setattr(engine.pool, "truncate", lambda *a: copies.append(truncate(*a)) or copies[-1])
+    for async_on in (False, True):
+        engine.async_scheduling = async_on
+        try:
+            banned = req(prompt, max_tokens=6, n=2, cache_prompt=True, banned_strings=["Paris"])
+            banned.cache_salt = f"async {async_on}"   # its prompt block pinned (cache_prompt) is its own
+            (res,) = run(engine, banned)
+        finally:
+            engine.async_scheduling = False
+        assert all("Paris" not in c.text and c.text == tok.decode(c.token_ids) for c in res.choices.values())
+    assert engine.stats()["banned_rewinds_total"] - before >= 4
+    assert any(c is not None for c in copies)   # the pinned tail block was swapped, its tokens recomputed
     assert engine.step_fn.compilations_after_warmup == 0
 
 

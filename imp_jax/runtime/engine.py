@@ -217,7 +217,7 @@ class EngineCore:
             return None
         field = "banned_strings" if params.banned_strings else "banned_regex"
         clash = ("structured output or enforced tool calls" if req.constraint else
-                 "'mirostat'" if getattr(params, "mirostat", 0) else
+                 "'mirostat'" if getattr(req.params, "mirostat", 0) or getattr(params, "mirostat", 0) else
                  "'cfg_scale'" if req.cfg_scale != 1 else
                  "raw logprob probes (/v1/score, /v1/decide)" if params.raw_logprob_ids else None)
         if clash is not None:
