@@ -9,11 +9,24 @@ import anthropic
 import openai
 import pytest
 from server_fixtures import MODEL, LiveServer, live_server  # noqa: F401
-from test_engine import BIG_POOL_BLOCKS, MAX_MODEL_LEN, TOKEN_BUDGET, make_engine, req, run
+from test_engine import (
+    BIG_POOL_BLOCKS,
+    MAX_MODEL_LEN,
+    TOKEN_BUDGET,
+    make_engine,
+    req,
+    run,
+)
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.banned import (MAX_REWINDS, BannedFilter, BannedPhrases, RewindBudget, check_phrases,
-                                    tail_chars)
+from imp_jax.runtime.banned import (
+    MAX_REWINDS,
+    BannedFilter,
+    BannedPhrases,
+    RewindBudget,
+    check_phrases,
+    tail_chars,
+)
 from imp_jax.runtime.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
@@ -126,7 +139,7 @@ def chat_prompt(tok, question: str) -> list[int]:
 def test_a_banned_phrase_never_comes_out_of_50_samples(engine) -> None:
     tok = engine.tokenizer
     prompt = chat_prompt(tok, QUESTION)
-    sampled = dict(temperature=0.4, max_tokens=12, n=4, logprobs=1)
+    sampled = {"temperature": 0.4, "max_tokens": 12, "n": 4, "logprobs": 1}
     control = run(engine, *[req(prompt, seed=10 * s, **sampled) for s in range(2)])
     texts = [c.text for r in control for c in r.choices.values()]
     assert sum("Paris" in t for t in texts) >= 4, texts   # the model often says it unless banned
@@ -218,8 +231,10 @@ ASK = [{"role": "user", "content": QUESTION}]
 @pytest.mark.real_model
 def test_server_routes_never_send_a_banned_phrase(oai, claude, live_server) -> None:  # noqa: F811
     from server_fixtures import wait_idle
-    chat = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=4, seed=1, extra_body=BAN)
+    chat = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=4, seed=1, logprobs=True,
+                                       extra_body=BAN)
     assert all("Paris" not in c.message.content for c in chat.choices)
+    assert sum(len(c.logprobs.content) for c in chat.choices) == chat.usage.completion_tokens   # held ones too
     stream = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=4, seed=2, stream=True,
                                          extra_body=BAN)
     texts = ["", "", "", ""]
