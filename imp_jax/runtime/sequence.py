@@ -57,6 +57,7 @@ class Sequence:
     # classifier-free guidance (runtime/cfg.py): a main sequence's shadow, and a shadow's main
     shadow: "Sequence | None" = None
     main: "Sequence | None" = None
+    spec: Any = None                     # its SpecState (runtime/speculative.py) when it may draft
 
     @property
     def cache_key(self) -> Any:
