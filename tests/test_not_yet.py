@@ -16,8 +16,7 @@ ROUTES = {
     "/v1/responses": {"model": "fake-model", "input": "hi", "max_output_tokens": 2},
 }
 ASKING = {"dry_multiplier": 0.8, "mirostat": 2, "banned_strings": ["foo"],
-          "banned_regex": ["a+"], "speculative": True,
-          "xtc_probability": 0.5, "dynatemp_range": 0.3, "top_n_sigma": 1.0}
+          "banned_regex": ["a+"], "xtc_probability": 0.5, "dynatemp_range": 0.3, "top_n_sigma": 1.0}
 
 
 def test_every_not_yet_field_is_listed_here() -> None:

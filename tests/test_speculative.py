@@ -223,3 +223,128 @@ def test_mtp_k_is_declined_in_usage(tiny) -> None:
     assert usage.spec["imp_spec_declined"] == 1 and usage.spec["imp_spec_declined_detail"] == "no_mtp_head"
     usage = run(tiny, request(PROMPT, False, max_tokens=3))[0][-1].usage
     assert usage.spec is None
+
+
+# ------------------------------------------------------------------------------ SmolLM2
+CHATS = [
+    "Repeat this sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the "
+    "river bank while the children watch from the old stone bridge.",
+    "Write a Python function that adds two numbers and a second one that multiplies them.",
+    "What is the capital of France?",
+    "Summarise in one sentence: The lighthouse keeper climbed the spiral stairs every evening at dusk, "
+    "counting the steps as his father had taught him, and lit the lamp for the fishing boats.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_loaded, smollm2_gguf_path: Path):
+    """The real SmolLM2 with test_engine's sizing (the same step programs, from the compilation cache)."""
+    import jax.numpy as jnp
+
+    from imp_jax.kernels_pallas import kv_storage_dtype
+    from imp_jax.runtime.builder import enable_compilation_cache
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.engine import EngineCore
+    from imp_jax.runtime.sharding import default_mesh
+
+    config = EngineConfig(model=str(smollm2_gguf_path), max_model_len=256, max_num_seqs=8,
+                          max_num_batched_tokens=16, num_kv_blocks=96)
+    enable_compilation_cache(config)
+    loaded = smollm2_loaded
+    shape = loaded.model.kv_cache_shape(96, config.block_size)
+    kv = tuple(jnp.zeros(shape, kv_storage_dtype(loaded.dtype, "cpu")) for _ in range(2))
+    core = EngineCore(loaded, config, kv, 96, default_mesh())
+    core.step_fn.warm_up()
+    return core
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smol) -> list[list[int]]:
+    tok = smol.tokenizer
+    return [tok.encode_chat(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True))
+            for c in CHATS]
+
+
+def test_greedy_chat_is_identical_with_and_without_speculation(smol, chat_prompts) -> None:
+    """Greedy with the model's default repetition penalty preset (left unset), alone and batched."""
+    knobs = dict(temperature=0.0, max_tokens=40)
+    plain = [tokens(run(smol, request(p, False, **knobs))[0]) for p in chat_prompts]
+    before = smol.stats()
+    alone = [tokens(run(smol, request(p, True, **knobs))[0]) for p in chat_prompts]
+    mid = smol.stats()
+    batched = [tokens(ev) for ev in run(smol, *[request(p, True, **knobs) for p in chat_prompts])]
+    after = smol.stats()
+    assert alone == plain
+    assert batched == plain
+    for a, b in ((before, mid), (mid, after)):
+        assert b["spec_accepted_total"] - a["spec_accepted_total"] >= 10   # the repeating answer drafted
+    assert smol.step_fn.compilations_after_warmup == 0
+
+
+def test_usage_counts_the_verify_steps(smol, chat_prompts) -> None:
+    ev = run(smol, request(chat_prompts[0], True, max_tokens=30))[0]
+    spec = ev[-1].usage.spec
+    assert spec["imp_spec_verify_steps"] > 0 and spec["imp_spec_accepted"] > 0
+    assert spec["imp_spec_drafted"] >= spec["imp_spec_accepted"]
+    assert spec["imp_spec_emitted"] == spec["imp_spec_accepted"] + spec["imp_spec_verify_steps"]
+    assert spec["imp_spec_emitted"] <= ev[-1].usage.completion_tokens
+
+
+# ------------------------------------------------------------------------------ the server
+REPEAT = CHATS[0]
+
+
+def _chat(url: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 30, "temperature": 0}
+    return httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=300)
+
+
+def test_usage_fields_on_every_dialect(live_server) -> None:  # noqa: F811
+    url = live_server.url
+    keys = ("imp_spec_drafted", "imp_spec_accepted", "imp_spec_emitted", "imp_spec_verify_steps")
+    details = _chat(url, speculative=True).json()["usage"]["completion_tokens_details"]
+    assert all(k in details for k in keys) and details["imp_spec_accepted"] > 0
+    plain = _chat(url, speculative=False).json()["usage"]["completion_tokens_details"]
+    assert not any(k in plain for k in keys)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": REPEAT + "\n" + REPEAT[:60],
+                                                  "max_tokens": 20, "temperature": 0, "speculative": True},
+                   timeout=300).json()
+    assert r["usage"]["completion_tokens_details"]["imp_spec_verify_steps"] > 0
+    m = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 30, "temperature": 0,
+                                               "messages": [{"role": "user", "content": REPEAT}],
+                                               "speculative": {"mtp_k": 2}}, timeout=300).json()
+    assert m["usage"]["imp_spec_declined"] == 1 and m["usage"]["imp_spec_declined_detail"] == "no_mtp_head"
+    assert m["usage"]["imp_spec_accepted"] > 0   # the n-gram matcher ran beside the declined head
+    resp = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": REPEAT, "max_output_tokens": 30,
+                                                   "temperature": 0, "speculative": True}, timeout=300).json()
+    assert resp["usage"]["output_tokens_details"]["imp_spec_verify_steps"] > 0
+    wait_idle(url)
+    metrics = httpx.get(url + "/metrics").text
+    for name in ("imp_spec_drafted_total", "imp_spec_accepted_total", "imp_spec_verify_steps_total",
+                 "imp_spec_miss_steps_total", "imp_spec_ngram_verify_wall_ms_total"):
+        assert name in metrics
+
+
+@pytest.mark.parametrize("value, param", [
+    ("yes", "speculative"), (3, "speculative"), ({"mtp_k": 17}, "speculative.mtp_k"),
+    ({"mtp_k": -1}, "speculative.mtp_k"), ({"mtp_k": True}, "speculative.mtp_k"),
+    ({"ngram_k": 2.5}, "speculative.ngram_k"), ({"depth": 2}, "speculative.depth")])
+def test_bad_speculative_values_are_400s(fake_server, value, param) -> None:  # noqa: F811
+    url, _ = fake_server
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                        ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = httpx.post(url + route, json={"model": "fake-model", **body, "speculative": value}, timeout=30)
+        assert r.status_code == 400, (route, r.text)
+        if route != "/v1/messages":
+            assert r.json()["error"]["param"] == param
+        else:
+            assert r.json()["type"] == "error" and param in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value", [True, False, {"mtp_k": 0}, {"mtp_k": 16, "ngram_k": 0}, None])
+def test_good_speculative_values_are_accepted(fake_server, value) -> None:  # noqa: F811
+    url, _ = fake_server
+    r = httpx.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2,
+                                                  "speculative": value}, timeout=30)
+    assert r.status_code == 200, r.text
