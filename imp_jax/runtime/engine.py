@@ -211,8 +211,12 @@ class EngineCore:
         if seq.reasoning is not None and (seq.reasoning.may_force or seq.reasoning.forced_token is not None):
             return []
         room = min(limit, seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
-        k = min(spec.depth(), room)
-        return ngram_draft(seq.all_ids, k) if k > 0 else []
+        k = spec.depth()
+        if k <= 0 or room <= 0:
+            return []
+        # a chunk of 1 + k tokens runs padded to a power of two: drafts that fill the padding cost nothing
+        # more (alone in its step) and may be accepted
+        return ngram_draft(seq.all_ids, min(2 ** (k + 1).bit_length() - 1 if k & (k + 1) else k, room, spec.max_k))
 
     def cancel(self, request_id: str) -> None:
         """Finish every sequence of the request as cancelled, freeing its blocks now."""
@@ -376,9 +380,11 @@ class EngineCore:
         forced think end's mask follows the token), and no prompt is being scored (prompt_logprobs)."""
         if not self.async_scheduling or self._scoring or self.step_fn.leader is not None:
             return False
+        # drafting reads the newest token; it needs sampled rows to spare (a full batch has none)
+        rows_spare = len(self.scheduler.running) + len(self.scheduler.waiting) < self.config.max_num_seqs
         for c, samples in zip(launched.chunks, launched.samples):
             seq = c.seq
-            if c.drafts or (samples and self._may_draft(seq)):   # drafting reads the newest token
+            if c.drafts or (samples and rows_spare and self._may_draft(seq)):
                 return False
             if samples and seq.status is not SeqStatus.FINISHED and (
                     seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)):

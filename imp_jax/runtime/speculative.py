@@ -24,7 +24,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 MAX_DRAFT = 16            # the largest draft depth a request may ask for (ngram_k, mtp_k)
 DEFAULT_MAX_DRAFT = 7     # --speculative-max-draft: a batch-1 verify chunk of 8 tokens (one bucket)
-NGRAM_SIZES = (3, 2, 1)   # suffix lengths tried, longest first
+NGRAM_SIZES = (3, 2)   # suffix lengths tried, longest first
 MAX_BACKOFF = 64          # plain steps a sequence waits at most before drafting again after misses
 
 
@@ -109,7 +109,7 @@ class SpecState:
         if accepted == 0:
             self.miss_steps += 1
             self.misses += 1
-            self.backoff = min(MAX_BACKOFF, 2 ** self.misses)
+            self.backoff = min(MAX_BACKOFF, 2 ** (self.misses + 1))
             self.k = 1
             return
         self.misses = 0
