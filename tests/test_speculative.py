@@ -30,7 +30,8 @@ def test_ngram_draft_continues_the_most_recent_longest_match() -> None:
     assert ngram_draft(ids, 3) == [4, 5, 9]
     # suffix (2, 3) last occurred at 6 (most recent), when 3-grams do not match
     assert ngram_draft([2, 3, 7, 8, 2, 3, 6, 0, 2, 3], 2, sizes=(3, 2)) == [6, 0]
-    assert ngram_draft([5, 6, 7, 5], 4) == [6, 7, 5]      # a 1-gram; the continuation stops at the end
+    assert ngram_draft([5, 6, 7, 5], 4, sizes=(2, 1)) == [6, 7, 5]   # a 1-gram; the continuation stops at the end
+    assert ngram_draft([5, 6, 7, 5], 4) == []             # by default 2-grams at least
     assert ngram_draft([1, 2, 3, 4], 4) == []             # nothing repeats
     assert ngram_draft([1, 2, 1, 2], 0) == []
     assert ngram_draft([7], 3) == [] and ngram_draft([], 3) == []
@@ -227,8 +228,9 @@ def test_mtp_k_is_declined_in_usage(tiny) -> None:
 
 # ------------------------------------------------------------------------------ SmolLM2
 CHATS = [
-    "Repeat this sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the "
-    "river bank while the children watch from the old stone bridge.",
+    "Repeat the following text exactly, word for word:\n\nThe lighthouse keeper climbed the spiral stairs every "
+    "evening at dusk, counting the steps as his father had taught him. Below, the harbour filled with fishing "
+    "boats returning from the grey northern sea.",
     "Write a Python function that adds two numbers and a second one that multiplies them.",
     "What is the capital of France?",
     "Summarise in one sentence: The lighthouse keeper climbed the spiral stairs every evening at dusk, "
@@ -306,7 +308,9 @@ def test_usage_fields_on_every_dialect(live_server) -> None:  # noqa: F811
     assert all(k in details for k in keys) and details["imp_spec_accepted"] > 0
     plain = _chat(url, speculative=False).json()["usage"]["completion_tokens_details"]
     assert not any(k in plain for k in keys)
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": REPEAT + "\n" + REPEAT[:60],
+    text = "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his father " \
+        "had taught him."
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": f"{text}\n{text}\n{text[:40]}",
                                                   "max_tokens": 20, "temperature": 0, "speculative": True},
                    timeout=300).json()
     assert r["usage"]["completion_tokens_details"]["imp_spec_verify_steps"] > 0
