@@ -7,7 +7,6 @@ and without speculation, alone and batched, drafts accepted on a prompt the answ
 the usage fields on each dialect through the real server."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 from types import SimpleNamespace

@@ -467,7 +467,8 @@ class EngineCore:
         for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
             seq = c.seq
             seq.num_computed += c.num_tokens
-            if (c.num_tokens > 1 or not samples) and not c.drafts:   # a prefill chunk: siblings may look its blocks up next
+            # a prefill chunk: siblings may look its blocks up next (a verify chunk's drafts are not known tokens)
+            if (c.num_tokens > 1 or not samples) and not c.drafts:
                 self.pool.commit(seq.table, _slice_ids(seq, 0, seq.num_computed), seq.cache_key)
             if samples:
                 seq.pending += 1

@@ -22,8 +22,8 @@ from imp_jax.server.generation import Engine
 from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
-from imp_jax.server.validation import (M, check_model_name, is_adapter, lora_of, parse_json, parse_model, speculative_of,
-                                       refuse_not_yet)
+from imp_jax.server.validation import (M, check_model_name, is_adapter, lora_of, parse_json, parse_model,
+                                       refuse_not_yet, speculative_of)
 
 _KEY = "imp_jax"
 MAX_CLIENT_IDS = 4096   # client X-Request-Ids remembered for /v1/requests/{id}/... (oldest forgotten first)
