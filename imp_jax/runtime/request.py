@@ -136,6 +136,9 @@ class GenerationRequest:
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
     cfg_scale: float = 1.0         # classifier-free guidance (runtime/cfg.py); 1 = off
     cfg_prompt_ids: list[int] | None = None  # the shadow prompt CFG guides away from (with cfg_scale != 1)
+    speculative: bool | None = None  # draft and verify (runtime/speculative.py); None = the server's --speculative
+    spec_ngram_k: int | None = None  # the n-gram drafter's depth for this request; None = --speculative-max-draft
+    spec_mtp_k: int | None = None    # the MTP head depth asked for (there is none: > 0 is declined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +176,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     reasoning_tokens: int = 0   # of completion_tokens: the think block's, markers included
+    # speculative decoding (runtime/speculative.py): imp_spec_* counters when a verify step ran or a
+    # drafter the request asked for was declined (imp_spec_declined, imp_spec_declined_detail)
+    spec: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass

@@ -59,6 +59,7 @@ class Sequence:
     shadow: "Sequence | None" = None
     main: "Sequence | None" = None
     banned: BannedFilter | None = None   # banned_strings / banned_regex: held tokens and bans (runtime/banned.py)
+    spec: Any = None                     # its SpecState (runtime/speculative.py) when it may draft
 
     @property
     def cache_key(self) -> Any:
