@@ -189,6 +189,18 @@ def test_rewind_into_a_shared_prompt_block_and_async_scheduling(engine, monkeypa
 
 
 @pytest.mark.real_model
+def test_stop_strings_apply_to_the_released_text(engine) -> None:
+    tok = engine.tokenizer
+    prompt = chat_prompt(tok, QUESTION)
+    (plain,) = run(engine, req(prompt, max_tokens=8))
+    assert plain.first.text.startswith("The capital of France is Paris")
+    (res,) = run(engine, req(prompt, max_tokens=8, stop=[" is"], banned_strings=["Paris", "France is"]))
+    c = res.first   # "France is" is rewound, so greedy goes another way; " is" still ends what is kept
+    assert c.text.startswith("The capital of") and "France is" not in c.text and "Paris" not in c.text
+    assert (c.finish_reason, c.stop_reason) == ("stop", " is"), c.text   # greedy: "... the French Republic is"
+
+
+@pytest.mark.real_model
 def test_rewind_cap_lets_phrases_pass(engine) -> None:
     tok = engine.tokenizer
     prompt = chat_prompt(tok, QUESTION)
