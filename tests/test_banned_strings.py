@@ -297,7 +297,10 @@ def test_openai_400s(oai, body, param) -> None:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("body,param", BAD[:4])
+@pytest.mark.parametrize("body,param", BAD + [
+    ({"banned_strings": ["x"], "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
+      "tool_choice": {"type": "any"}}, "banned_strings"),
+])
 def test_anthropic_400s(claude, body, param) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=2, messages=ASK, extra_body=body)
