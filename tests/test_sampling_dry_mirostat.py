@@ -284,3 +284,25 @@ def test_dry_through_the_openai_client(openai_client, live_server) -> None:  # n
     assert e.value.body["param"] == "dry_base"
     stats = wait_idle(live_server.url)
     assert stats["compilations_after_warmup"] == 0
+
+
+def test_a_dry_request_never_drafts(tiny) -> None:
+    """speculation_allowed keeps DRY sequences from drafting (their penalties would need the drafts'
+    history updated row by row): `speculative: true` changes nothing, on a prompt that drafts without DRY."""
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
+
+    core, _ = tiny
+    dry = {"dry_multiplier": 0.3, "dry_base": 1.2, "dry_allowed_length": 4}
+    drafted = core.counters.spec_drafted
+
+    def one(speculative: bool) -> list[int]:
+        params = SamplingParams(max_tokens=16, **NEUTRAL, **dry)
+        return run(core, GenerationRequest(f"dry-{next(_ids)}", PROMPT * 2, params, speculative=speculative))[0]
+
+    off, on = one(False), one(True)
+    assert core.counters.spec_drafted == drafted
+    assert on == off
+    run(core, GenerationRequest(f"dry-{next(_ids)}", PROMPT * 2, SamplingParams(max_tokens=16, **NEUTRAL),
+                                speculative=True))
+    assert core.counters.spec_drafted > drafted     # the same prompt without DRY does draft
+    assert core.step_fn.compilations_after_warmup == 0

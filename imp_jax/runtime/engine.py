@@ -580,7 +580,8 @@ class EngineCore:
 
     def _dry(self, seq: Sequence, pending: int, ahead: tuple[int, ...]) -> list[tuple[int, float]]:
         """The row's DRY (token id, penalty) slots from its whole known history plus the drafts before
-        it (dry.py); a DRY row is never overlapped (`_overlappable`), so its newest token is known."""
+        it (dry.py; speculation_allowed keeps DRY rows from drafting, so `ahead` is empty today); a DRY
+        row is never overlapped (`_overlappable`), so its newest token is known."""
         d = seq.params.dry
         if not d.on:
             return []
