@@ -157,6 +157,18 @@ def test_the_pallas_kernel_refuses_sinks_clearly():
                         sinks=jnp.zeros((q.shape[1],), jnp.float32))
 
 
+def test_kernel_choice_leaves_the_pallas_kernel_to_models_without_sinks(tiny):
+    from imp_jax.kernels_pallas.pallas import shapes as pallas_shapes
+    from imp_jax.model.loader import attention_shape
+
+    cfg, _, _, _ = tiny
+    shape = dataclasses.replace(attention_shape(cfg, jnp.bfloat16, jnp.bfloat16, 16, "gpu"), head_dim=64)
+    assert shape.sinks and not pallas_shapes.supports(shape)
+    assert pallas_shapes.supports(dataclasses.replace(shape, sinks=False))
+    if cpu_attention.available():   # the C++ CPU kernel has them
+        assert host_kernels(cfg).attention == "cpu"
+
+
 # ------------------------------------------------------------------------------ experts, router
 def _np_swiglu(g, u, alpha=1.702, limit=7.0):
     g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
