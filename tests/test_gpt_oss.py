@@ -322,6 +322,15 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny,
     _close(np.concatenate([first[2], second[2]]), _hf_logits(hf_model, c))
 
 
+def test_bfloat16_model_tracks_transformers_float32(tiny):
+    cfg, tensors, hf_model, _ = tiny
+    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    model = build(cfg, tensors, dtype=jnp.bfloat16)
+    assert model.layers.sinks[...].dtype == jnp.float32   # the sinks stay float32 in a bf16 model
+    got = PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
+    _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
+
+
 # --------------------------------------------------------------------------------------- engine
 def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
     cfg, _, hf_model, path = tiny
