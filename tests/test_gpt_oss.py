@@ -331,6 +331,22 @@ def test_bfloat16_model_tracks_transformers_float32(tiny):
     _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
 
 
+def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
+    """`python -m imp_jax.convert` of the gpt-oss dir: the same config (YaRN, sinks, SwiGLU fields)
+    and the same parameters, sinks and expert biases included."""
+    from conftest import write_tiny_tokenizer
+    from imp_jax.convert import main
+    from imp_jax.model.loader import load_model
+    from test_convert import _same_params
+
+    _, _, _, path = tiny
+    write_tiny_tokenizer(path)
+    assert main([str(path), str(tmp_path / "dst")]) == 0
+    ours, theirs = load_model(tmp_path / "dst", dtype="float32"), load_model(path, dtype="float32")
+    assert ours.config == theirs.config and isinstance(ours.model, GptOssLM)
+    _same_params(ours.model, theirs.model)
+
+
 # --------------------------------------------------------------------------------------- engine
 def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
     cfg, _, hf_model, path = tiny
