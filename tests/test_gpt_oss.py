@@ -366,3 +366,4 @@ def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
         exact = hf_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
     assert out.outputs[0].token_ids == exact.tolist()
     assert llm.core.step_fn.compilations_after_warmup == 0
+    assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks
