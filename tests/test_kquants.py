@@ -20,8 +20,10 @@ from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # byte offsets of each format's f16 scales: random bytes there could be inf / NaN
 F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208]}
+              "Q6_K": [208], "IQ4_NL": [0]}
 CPU, CPU_Q8 = Kernels(gemm="cpu"), Kernels(gemm="cpu_q8")
+BLOCK_BYTES = {**quant.FORMATS, "IQ4_NL": quant.IQ4_NL_BYTES}   # the file's block sizes (IQ4_NL loads as Q8_0)
+BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
 
 
 def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05) -> np.ndarray:
@@ -32,7 +34,7 @@ def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05)
     if fmt in ("Q5_0", "Q5_1", "Q4_0", "Q8_0"):
         x = rng.standard_normal((n, blocks * quant.WEIGHTS[fmt])).astype(np.float32)
         return quantize(x, Q[fmt]).reshape(n, blocks, quant.FORMATS[fmt])
-    b = rng.integers(0, 256, (n, blocks, quant.FORMATS[fmt]), dtype=np.uint8)
+    b = rng.integers(0, 256, (n, blocks, BLOCK_BYTES[fmt]), dtype=np.uint8)
     for at in F16_FIELDS[fmt]:
         b[..., at:at + 2] = (rng.standard_normal((n, blocks)) * scale).astype(np.float16)[..., None].view(np.uint8)
     return b
@@ -50,6 +52,18 @@ def test_q4_0_and_q5_0_blocks_widen_to_q8_0_exactly(fmt):
     widened = quant.to_q8_0(blocks)
     assert quant.format_of(widened) == "Q8_0" and widened.shape[:2] == blocks.shape[:2]
     np.testing.assert_array_equal(gguf_py(widened, "Q8_0").view(np.uint32), gguf_py(blocks, fmt).view(np.uint32))
+
+
+def test_iq4_nl_blocks_are_held_as_q8_0_exactly():
+    """IQ4_NL (18-byte blocks, Q4_0's size: the block size cannot name it) loads as Q8_0 blocks of the
+    same f16 scale and the table's int8 values, so gguf-py's dequantised values bit for bit."""
+    blocks = random_blocks("IQ4_NL", 6, 5, seed=4)
+    blocks[0, 0, 2:] = np.arange(16, dtype=np.uint8) * 17   # both nibbles of every byte: each table entry
+    widened = quant.iq4_nl_to_q8_0(blocks)
+    assert quant.format_of(widened) == "Q8_0" and widened.shape[:2] == blocks.shape[:2]
+    np.testing.assert_array_equal(gguf_py(widened, "Q8_0").view(np.uint32), gguf_py(blocks, "IQ4_NL").view(np.uint32))
+    with pytest.raises(ValueError, match="not IQ4_NL"):
+        quant.iq4_nl_to_q8_0(widened)
 
 
 @pytest.mark.parametrize("fmt", NEW_FORMATS)
@@ -117,12 +131,13 @@ def test_tensor_parallel_columns_keep_whole_super_blocks():
 HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 # per layer: (GGUF leaf, shape, type); q/k/v and gate/up share a type so they stay fused as blocks, or
-# (layer 2, as llama.cpp's Q4_K_M gives attn_v a wider type) mix Q4_0 / Q5_0 / Q8_0, fused as Q8_0
+# (layer 2, as llama.cpp's Q4_K_M gives attn_v a wider type) mix Q4_0 / Q5_0 / Q8_0, fused as Q8_0;
+# layer 1's IQ4_NL down_proj is held as Q8_0
 LAYERS = [
     {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q3_K,
      "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q2_K},
     {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1,
-     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K},
+     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.IQ4_NL},
     {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
      "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_K},
 ]
@@ -156,7 +171,7 @@ def write_mixed_gguf(path: Path) -> None:
 
     def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
         fmt = qtype.name
-        blocks = random_blocks(fmt, shape[0], shape[1] // quant.WEIGHTS[fmt], seed=int(rng.integers(1 << 30)),
+        blocks = random_blocks(fmt, shape[0], shape[1] // BLOCK_WEIGHTS[fmt], seed=int(rng.integers(1 << 30)),
                                scale=0.3 / shape[1])
         w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=qtype)
 
@@ -198,15 +213,16 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     assert kept.options.kernels.gemm == "cpu"   # what an x86-64 host picks
     formats = {name: [quant.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
     assert formats == {"qkv_proj": ["Q4_K", "Q5_0", "Q8_0"], "o_proj": ["Q3_K", "Q5_1", "Q4_K"],
-                       "gate_up_proj": ["Q6_K", "Q5_K", "Q8_0"], "down_proj": ["Q2_K", "Q6_K", "Q4_K"]}
+                       "gate_up_proj": ["Q6_K", "Q5_K", "Q8_0"], "down_proj": ["Q2_K", "Q8_0", "Q4_K"]}
     assert quant.format_of(kept.embed[...]) == "Q6_K" and quant.format_of(kept.lm_head[...]) == "Q4_K"
     reader = gguf.GGUFReader(str(mixed))
     file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
     assert kept.embed[...].nbytes == file_bytes["token_embd.weight"]
     assert kept.layers.matrices()["down_proj"][0].nbytes == file_bytes["blk.0.ffn_down.weight"]
     assert kept.layers.matrices()["qkv_proj"][0].nbytes == sum(file_bytes[f"blk.0.attn_{p}.weight"] for p in "qkv")
-    q8_0_bytes = lambda name: file_bytes[name] // quant.FORMATS[reader_type[name]] * quant.FORMATS["Q8_0"]
     reader_type = {t.name: t.tensor_type.name for t in reader.tensors}
+    q8_0_bytes = lambda name: file_bytes[name] // BLOCK_BYTES[reader_type[name]] * quant.FORMATS["Q8_0"]
+    assert kept.layers.matrices()["down_proj"][1].nbytes == q8_0_bytes("blk.1.ffn_down.weight")
     assert kept.layers.matrices()["qkv_proj"][2].nbytes == sum(q8_0_bytes(f"blk.2.attn_{p}.weight") for p in "qkv")
 
     ckpt = load_gguf(mixed)
@@ -218,11 +234,12 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     assert np.isfinite(want).all() and want.std() > 0
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)
     q8 = load_model(mixed, dtype="float32", kernels=dataclasses.replace(kept.options.kernels, gemm="cpu_q8")).model
-    # cpu_q8 widens the K-quants and Q5_x exactly, and runs layer 2's Q8_0 matrices (the widened fusions
-    # included) on int8 activations: close to the dequantised model, not its bits
+    # cpu_q8 widens the K-quants and Q5_x exactly, and runs the Q8_0 matrices (layer 2's widened fusions and
+    # layer 1's IQ4_NL included) on int8 activations: close to the dequantised model, not its bits
     got = PagedRunner(q8).run(chunks, 16, 1)[0]
     assert not np.array_equal(got, want)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * np.ptp(want))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.ptp(want))
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

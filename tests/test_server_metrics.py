@@ -25,6 +25,7 @@ ZERO_BEFORE_TRAFFIC = (
     "imp_decode_batch_rows_total", "imp_decode_batch_steps_total", "imp_decode_batch_max",
     "imp_compilations_after_warmup_total", "imp_engine_steps_total", "imp_responses_store_entries",
     "imp_constrained_steps_total", "imp_constrained_rows_total", "imp_constraint_mask_seconds_total",
+    "imp_banned_rewinds_total",
     "imp_responses_store_bytes", "imp_responses_store_evictions_total", "imp_responses_store_expirations_total",
     "imp_otlp_spans_exported_total", "imp_otlp_export_failures_total", "imp_otlp_unsampled_requests_total",
     "imp_request_log_dropped_total",

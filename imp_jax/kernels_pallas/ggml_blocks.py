@@ -15,7 +15,11 @@ block size in bytes names the format (each is distinct):
     Q5_K  176 bytes / 256: as Q4_K plus a high-bit plane                     w = (d * sc) * q - dmin * mn
     Q6_K  210 bytes / 256: low nibbles, high 2 bits, 16 int8 scales, f16 d   w = (d * sc) * (q - 32)
 
-(Q4_0 / Q4_1 / Q5_x nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
+A GGUF's IQ4_NL matrices (18 bytes / 32: f16 d, 16 bytes of nibbles indexing a table of 16 int8
+values, w = d * table[q]) are held as Q8_0 (`iq4_nl_to_q8_0`): the same d and table[q] as the int8,
+so the same float32 weights; 34 bytes per block instead of 18, never the float32 matrix's 128.
+
+(Q4_0 / Q4_1 / Q5_x / IQ4_NL nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
 high one; the K-quants' layouts are spelled out in `_dequantize_*`.) The CPU GEMM kernel
 (cpu/gemm.cc) reads them directly; `dequantize` gives the float32 matrix, the same values as
 gguf-py's `gguf.quants.dequantize`, for XLA's dot and for embedding rows.
@@ -201,7 +205,30 @@ def to_q8_0(w: np.ndarray) -> np.ndarray:
         q = (nib | (high.astype(np.int16) << 4)) - 16
     else:
         raise ValueError(f"{fmt} blocks cannot be held exactly as Q8_0")
-    out = np.empty((*w.shape[:-1], FORMATS["Q8_0"]), np.uint8)
-    out[..., 0:2] = w[..., 0:2]
+    return _q8_0_blocks(w[..., 0:2], q)
+
+
+# IQ4_NL's non-linear 4-bit grid (llama.cpp's kvalues_iq4nl)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+IQ4_NL_BYTES = 18
+
+
+def iq4_nl_to_q8_0(w: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks [N, K / 32, 18] (host bytes) as Q8_0 blocks [N, K / 32, 34] holding the same
+    weights: each weight is d * IQ4_NL_VALUES[q], an f16 times an int8, which a Q8_0 block stores
+    as is; gguf-py and the GEMM kernel both compute that one float32 product. (IQ4_NL's block is as
+    many bytes as Q4_0's, so it cannot be kept under its own name: `format_of` reads a format from
+    the block size.)"""
+    w = np.asarray(w)
+    if w.dtype != np.uint8 or w.shape[-1] != IQ4_NL_BYTES:
+        raise ValueError(f"not IQ4_NL blocks: {w.dtype} {w.shape}")
+    nib = np.concatenate([w[..., 2:] & 15, w[..., 2:] >> 4], axis=-1)   # weight order
+    return _q8_0_blocks(w[..., 0:2], IQ4_NL_VALUES[nib])
+
+
+def _q8_0_blocks(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks from f16 scale bytes [..., 2] and integer weights [..., 32] in int8 range."""
+    out = np.empty((*q.shape[:-1], FORMATS["Q8_0"]), np.uint8)
+    out[..., 0:2] = d
     out[..., 2:] = q.astype(np.int8).view(np.uint8)
     return out

@@ -67,6 +67,15 @@ class IncrementalDetokenizer:
         self._advance()
         return delta
 
+    def snapshot(self) -> tuple:
+        """The state before the next `add`, for `restore` (a banned phrase rewinds the output: runtime/banned.py)."""
+        return len(self._ids), self._prefix, self._read, self._prefix_len, self._held_emitted
+
+    def restore(self, state: tuple) -> None:
+        """Back to a `snapshot`: the tokens added since are forgotten, as is their text."""
+        n, self._prefix, self._read, self._prefix_len, self._held_emitted = state
+        del self._ids[n:]
+
     def _advance(self) -> None:
         """Everything so far is emitted: slide the window up to the tokens just read."""
         start = self._first_text_token(self._read, len(self._ids))

@@ -87,13 +87,18 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
     def blocks(self, name: str) -> np.ndarray | None:
         """A matrix's GGML blocks as stored, uint8 [rows, K / 32 (256 for K-quants), block bytes]
-        (kernels_pallas/ggml_blocks.py), when its type is one the CPU GEMM kernel reads; else None.
+        (kernels_pallas/ggml_blocks.py), when its type is one the CPU GEMM kernel reads (IQ4_NL as the
+        Q8_0 blocks that hold its weights exactly); else None.
         Q/K rows are un-permuted as in `__getitem__`."""
         tensor, heads = self._entries[name]
         fmt, shape = tensor.tensor_type.name, self.shape(name)
-        if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[fmt]:
+        stored = "Q4_0" if fmt == "IQ4_NL" else fmt   # IQ4_NL: Q4_0's block shape, other values
+        if stored not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[stored]:
             return None
-        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt])
+        per = ggml_blocks.WEIGHTS[stored]
+        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // per, ggml_blocks.FORMATS[stored])
+        if fmt == "IQ4_NL":
+            b = ggml_blocks.iq4_nl_to_q8_0(b)
         if heads is not None:
             b = unpermute_rotary(b, heads)
         return np.require(b, requirements=["C", "W", "O"])   # a copy out of the mmap

@@ -63,6 +63,11 @@ class EngineConfig:
         "on: launch step N+1 before reading step N's tokens, so the device never waits for the host in "
         "steady decode (grammar rows, think budgets, prompt_logprobs and multi-host fall back per step); "
         "off: schedule, launch, read, one step at a time (docs/PERF.md)")})
+    speculative: str = dataclasses.field(default="on", metadata={"choices": ("on", "off"), "help": (
+        "on: decoding sequences draft tokens by n-gram lookup in their prompt and output and verify them "
+        "in the same step (output unchanged; faster on text that repeats its input); off: plain decoding "
+        "unless a request sends speculative: true (docs/PERF.md)")})
+    speculative_max_draft: int = _field(7, "the most tokens one sequence drafts per step (0..16)")
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
 
@@ -78,6 +83,10 @@ class EngineConfig:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
         if self.async_scheduling not in ("on", "off"):
             raise ValueError(f"--async-scheduling must be on or off, got {self.async_scheduling!r}")
+        if self.speculative not in ("on", "off"):
+            raise ValueError(f"--speculative must be on or off, got {self.speculative!r}")
+        if not 0 <= self.speculative_max_draft <= 16:
+            raise ValueError(f"--speculative-max-draft must be in 0..16, got {self.speculative_max_draft}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:

@@ -17,12 +17,13 @@ from jax.sharding import Mesh
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.model.loader import LoadedModel
+from imp_jax.runtime.banned import BannedFilter, BannedPhrases, RewindBudget
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime import cfg as guidance
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.defaults import resolve_params
-from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv_blocks import KVBlockPool, OutOfBlocks
 from imp_jax.runtime.logit_lens import lens_batch, lens_layers
 from imp_jax.runtime.lora import AdapterSlots, LoadedAdapter
 from imp_jax.runtime.prompt_logprobs import PromptScoring
@@ -33,6 +34,7 @@ from imp_jax.runtime.sampling import RowSpec, SamplerOutput, build_sampling_tens
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
 from imp_jax.runtime.sequence import Sequence, SeqStatus
 from imp_jax.runtime.sessions import SessionPins
+from imp_jax.runtime.speculative import MAX_DRAFT, SpecState, accepted_prefix, ngram_draft, speculation_allowed
 from imp_jax.runtime.step import CompiledStep, StepShapes, fetch, step_buckets
 from imp_jax.runtime.stop import StopStringMatcher
 
@@ -55,6 +57,14 @@ class EngineCounters:
     mask_rows: int = 0               # constrained rows over those steps
     mask_seconds: float = 0.0        # host time computing their allowed-token masks (before each launch)
     overlapped_steps: int = 0        # steps launched before the previous step was read (async scheduling)
+    banned_rewinds: int = 0          # banned_strings / banned_regex rewinds (a completed phrase resampled)
+    spec_drafted: int = 0            # speculative decoding (runtime/speculative.py): drafts verified
+    spec_accepted: int = 0           # of them, accepted
+    spec_emitted: int = 0            # tokens verify rows emitted (accepted drafts + the token after them)
+    spec_verify_rows: int = 0        # verify rows (one sequence's drafts in one step)
+    spec_miss_rows: int = 0          # of them, accepting nothing
+    spec_verify_steps: int = 0       # steps with at least one verify row
+    spec_verify_seconds: float = 0.0  # their wall time, launch to read
 
 
 @dataclasses.dataclass
@@ -66,6 +76,8 @@ class _Launched:
     chunks: list[ScheduledChunk]
     samples: list[bool]                 # per chunk: the step samples the sequence's next token
     decode_rows: int
+    extra_rows: list[int] = dataclasses.field(default_factory=list)  # per chunk: its drafts' first sampled row
+    launched_at: float = 0.0            # perf_counter at launch
 
 
 @dataclasses.dataclass
@@ -92,6 +104,7 @@ class EngineCore:
         self.sessions = SessionPins(self.pool, config.session_ttl_s, max_blocks=self.baseline_free_blocks // 2)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
+        self.scheduler.drafter = self._draft
         max_blocks = -(-self.max_model_len // config.block_size)
         shapes = StepShapes(max_blocks=max_blocks, vocab_size=loaded.config.vocab_size)
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
@@ -145,6 +158,8 @@ class EngineCore:
         if req.lora is not None and self.loras is None:
             raise InvalidRequestError(f"no LoRA adapter named '{req.lora}' is loaded (this server has no adapter "
                                       "slots: --max-loras 0)", code="lora_not_loaded", param="lora")
+        phrases = self._check_banned(req, params)
+        budget = RewindBudget()
         matchers = [self.constraints.matcher(req.constraint) if req.constraint else None for _ in range(params.n)]
         adapter = self.loras.acquire(req.lora) if req.lora is not None else None
         scoring = None
@@ -169,6 +184,9 @@ class EngineCore:
                 lora_slot=adapter.slot if adapter else 0, lora_key=adapter.cache_key if adapter else None)
             if req.cfg_scale != 1:
                 guidance.attach_shadow(seq, req.cfg_prompt_ids)
+            if phrases is not None:
+                seq.banned = BannedFilter(phrases, budget)
+            seq.spec = self._spec_state(req, p)
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring, adapter=adapter)
         self.requests[req.request_id] = state
@@ -178,6 +196,33 @@ class EngineCore:
                 self.scheduler.add(seq)
         else:
             self._scoring.append(state)
+
+    def _spec_state(self, req: GenerationRequest, params: SamplingParams) -> SpecState | None:
+        """A sequence's drafting state when the request may speculate (runtime/speculative.py): the
+        request's `speculative` or else --speculative, at its n-gram depth or --speculative-max-draft,
+        capped so a verify chunk fits a step's sampled rows."""
+        on = req.speculative if req.speculative is not None else self.config.speculative == "on"
+        depth = req.spec_ngram_k if req.spec_ngram_k is not None else self.config.speculative_max_draft
+        depth = min(depth, MAX_DRAFT, self.config.max_num_seqs - 1, self.config.max_num_batched_tokens - 1)
+        if not on or depth <= 0 or not speculation_allowed(params, req) or self.step_fn.leader is not None:
+            return None
+        return SpecState(max_k=depth)
+
+    def _draft(self, seq: Sequence, limit: int) -> list[int]:
+        """Scheduler hook: up to `limit` drafts for a decoding sequence (none while a think budget may
+        force its next token, or past max_tokens and the context)."""
+        spec = seq.spec
+        if spec is None or seq.status is not SeqStatus.RUNNING:
+            return []
+        if seq.reasoning is not None and (seq.reasoning.may_force or seq.reasoning.forced_token is not None):
+            return []
+        room = min(limit, seq.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+        k = spec.depth()
+        if k <= 0 or room <= 0:
+            return []
+        # a chunk of 1 + k tokens runs padded to a power of two: drafts that fill the padding cost nothing
+        # more (alone in its step) and may be accepted
+        return ngram_draft(seq.all_ids, min(2 ** (k + 1).bit_length() - 1 if k & (k + 1) else k, room, spec.max_k))
 
     def cancel(self, request_id: str) -> None:
         """Finish every sequence of the request as cancelled, freeing its blocks now."""
@@ -202,6 +247,21 @@ class EngineCore:
             return "not_thinking" if trackers else "unknown"
         answers = [t.force_end() for t in trackers]
         return "ending" if "ending" in answers else "already_closed"
+
+    @staticmethod
+    def _check_banned(req: GenerationRequest, params: SamplingParams) -> BannedPhrases | None:
+        """The request's banned phrases (None without any); 400 with what a rewind cannot undo or follow:
+        an output constraint, mirostat, classifier-free guidance, raw logprob probes."""
+        if not (params.banned_strings or params.banned_regex):
+            return None
+        field = "banned_strings" if params.banned_strings else "banned_regex"
+        clash = ("structured output or enforced tool calls" if req.constraint else
+                 "'mirostat'" if getattr(req.params, "mirostat", 0) or getattr(params, "mirostat", 0) else
+                 "'cfg_scale'" if req.cfg_scale != 1 else
+                 "raw logprob probes (/v1/score, /v1/decide)" if params.raw_logprob_ids else None)
+        if clash is not None:
+            raise InvalidRequestError(f"'{field}' cannot be combined with {clash}", param=field)
+        return BannedPhrases(params.banned_strings, params.banned_regex)
 
     # --------------------------------------------------------------------- LoRA
     def load_lora(self, name: str, adapter) -> dict:
@@ -294,13 +354,13 @@ class EngineCore:
             self._emit_deferred()
             self._account(t0, time.perf_counter() - t0 - waited)
             return ran
-        batch, sampling, follow, samples, decode_rows = self._build(chunks, prev)
+        batch, sampling, follow, samples, decode_rows, extra_rows = self._build(chunks, prev)
         idle = prev is not None and prev.out.tokens.is_ready()   # N is done: the device waits for us
         t1 = time.perf_counter()
         out = self.step_fn.launch(batch, sampling, self._num_launched, [c.seq.table for c in chunks],
                                   follow, prev.tokens if prev else None,
                                   cfg=guidance.step_inputs(chunks, len(batch.seq_lens)))
-        launched = _Launched(out, self.step_fn.last_tokens, chunks, samples, decode_rows)
+        launched = _Launched(out, self.step_fn.last_tokens, chunks, samples, decode_rows, extra_rows, t1)
         self._num_launched += 1
         self._after_launch(launched)
         if prev is not None:
@@ -341,15 +401,28 @@ class EngineCore:
         forced think end's mask follows the token), and no prompt is being scored (prompt_logprobs)."""
         if not self.async_scheduling or self._scoring or self.step_fn.leader is not None:
             return False
+        # drafting reads the newest token; it needs sampled rows to spare (a full batch has none)
+        rows_spare = len(self.scheduler.running) + len(self.scheduler.waiting) < self.config.max_num_seqs
         for c, samples in zip(launched.chunks, launched.samples):
             seq = c.seq
+            if c.drafts or (samples and rows_spare and self._may_draft(seq)):
+                return False
             if samples and seq.status is not SeqStatus.FINISHED and (
                     seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)):
                 return False
-            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host
-            if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None):
+            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host;
+            # a banned phrase may rewind the sequence, which the next step must not have run ahead of
+            if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None
+                            or (seq.banned is not None and seq.status is not SeqStatus.FINISHED)):
                 return False
         return True
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        """Whether the sequence would draft at its next step (its known tokens end in an n-gram seen
+        before): then that step waits for its newest token instead of overlapping."""
+        spec = seq.spec
+        return (spec is not None and spec.depth() > 0 and seq.status is SeqStatus.RUNNING
+                and bool(ngram_draft(seq.all_ids, 1)))
 
     def _take_inflight(self) -> _Launched:
         launched, self._inflight = self._inflight, None
@@ -357,24 +430,35 @@ class EngineCore:
 
     def _build(self, chunks: list[ScheduledChunk], prev: _Launched | None):
         """The step's batch and sampling tensors; a pending token (sampled by `prev`, not read yet) gets
-        id 0 here and `follow` points its row at prev's output row (and a penalised row's history slot)."""
+        id 0 here and `follow` points its row at prev's output row (and a penalised row's history slot).
+
+        Chunk i samples row i (at its last token; a verify chunk's at its newest known token); a verify
+        chunk's drafts sample rows after every chunk's, from `extra_rows[i]` on, each seeing the drafts
+        before it (runtime/speculative.py)."""
         bs = self.config.block_size
-        T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks))
+        num_drafts = sum(len(c.drafts) for c in chunks)
+        T, S = self.step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks) + num_drafts)
         src = np.full(T, -1, np.int32)
         hist_pos = np.full(S, -1, np.int32)
-        seq_chunks, rows, samples = [], [], []
+        seq_chunks, rows, samples, extra_rows, extra_specs = [], [], [], [], []
         masks = self._masks(chunks)
         H = self.step_fn.shapes.history_len
         t = decode_rows = 0
         for i, c in enumerate(chunks):
             seq = c.seq
-            ids = _slice_ids(seq, seq.num_computed, c.num_tokens)
-            missing = c.num_tokens - len(ids)   # the newest token, sampled by prev, not read yet
+            ids = _slice_ids(seq, seq.num_computed, c.num_tokens - len(c.drafts))
+            missing = c.num_tokens - len(c.drafts) - len(ids)   # the newest token, sampled by prev, not read yet
             if missing:
                 if missing != 1 or prev is None or seq.pending != 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: {missing} unknown tokens scheduled")
                 ids = ids + [0]
                 src[t + c.num_tokens - 1] = seq.pending_row
+            if c.drafts:
+                extra_rows.append(len(chunks) + len(extra_specs))
+                extra_specs += [self._row_spec(seq, None, ahead=c.drafts[:j + 1]) for j in range(len(c.drafts))]
+                ids = ids + list(c.drafts)
+            else:
+                extra_rows.append(-1)
             seq_chunks.append(SeqChunk(ids, seq.num_computed, seq.table.block_ids, seq.lora_slot))
             samples.append(c.samples)
             if not c.samples or seq.main is not None:   # a CFG shadow's row only lends its logits
@@ -388,11 +472,17 @@ class EngineCore:
             t += c.num_tokens
         batch = build_step_batch(seq_chunks, num_tokens=T, num_seqs=S,
                                  max_blocks=self.step_fn.shapes.max_blocks, block_size=bs, with_tables=False)
+        for i, c in enumerate(chunks):
+            if c.drafts:   # row i verifies the first draft at the newest known token; the rest follow
+                start = int(batch.query_start_loc[i])
+                batch.last_token_rows[i] = start
+                e = extra_rows[i]
+                batch.last_token_rows[e:e + len(c.drafts)] = np.arange(start + 1, start + 1 + len(c.drafts))
         shapes = self.step_fn.shapes
-        sampling = build_sampling_tensors(rows, num_rows_bucket=S, vocab_size=shapes.vocab_size,
+        sampling = build_sampling_tensors(rows + extra_specs, num_rows_bucket=S, vocab_size=shapes.vocab_size,
                                           history_len=H, max_bias=shapes.max_bias, with_mask=True)
         follow = (src, hist_pos) if prev is not None else None
-        return batch, sampling, follow, samples, decode_rows
+        return batch, sampling, follow, samples, decode_rows, extra_rows
 
     def _after_launch(self, launched: _Launched) -> None:
         """The launched chunks' KV counts as written (later steps run after it on the device): the
@@ -400,7 +490,8 @@ class EngineCore:
         for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
             seq = c.seq
             seq.num_computed += c.num_tokens
-            if c.num_tokens > 1 or not samples:   # a prefill chunk: siblings may look its blocks up next
+            # a prefill chunk: siblings may look its blocks up next (a verify chunk's drafts are not known tokens)
+            if (c.num_tokens > 1 or not samples) and not c.drafts:
                 self.pool.commit(seq.table, _slice_ids(seq, 0, seq.num_computed), seq.cache_key)
             if samples:
                 seq.pending += 1
@@ -414,11 +505,44 @@ class EngineCore:
         self.wait_seconds += self._fetched_at - t
         self.num_steps += 1
         for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
+            if c.drafts:
+                self._verify(c, out, i, launched.extra_rows[i])
+                continue
+            if samples and c.seq.spec is not None:
+                c.seq.spec.plain_step()
             self._advance(c.seq, samples, out, i)
+        if any(launched.extra_rows[i] >= 0 for i in range(len(launched.chunks))):
+            self.counters.spec_verify_steps += 1
+            self.counters.spec_verify_seconds += self._fetched_at - launched.launched_at
         self._count_step(launched.decode_rows)
         if not defer_text:
             self._emit_deferred()
         return len(launched.chunks), self._fetched_at - t
+
+    def _verify(self, chunk: ScheduledChunk, out, row: int, extra: int) -> None:
+        """A read verify chunk (runtime/speculative.py): accept the drafts that equal the tokens sampled
+        at their rows, drop the rest's KV (KVBlockPool.truncate), then emit the accepted drafts and
+        the token sampled after them, one by one, as plain steps would have."""
+        seq, drafts = chunk.seq, chunk.drafts
+        if seq.status is SeqStatus.FINISHED:
+            return
+        rows = [row, *range(extra, extra + len(drafts))]
+        accepted = accepted_prefix(drafts, [int(out.tokens[r]) for r in rows])
+        seq.spec.record(len(drafts), accepted)
+        c = self.counters
+        c.spec_drafted += len(drafts)
+        c.spec_accepted += accepted
+        c.spec_emitted += accepted + 1
+        c.spec_verify_rows += 1
+        c.spec_miss_rows += accepted == 0
+        seq.num_computed -= len(drafts) - accepted   # the newest token and the accepted drafts keep their KV
+        if seq.status is SeqStatus.RUNNING and self.pool.truncate(seq.table, seq.num_computed) is not None:
+            raise RuntimeError(f"sequence {seq.seq_id}: a verify chunk wrote into a shared block")
+        self._emit_deferred()   # earlier tokens' text first: these are emitted now, in order
+        for j in range(accepted + 1):
+            self._advance(seq, True, out, rows[j], first=j == 0, defer=False)
+            if seq.status is SeqStatus.FINISHED:
+                break
 
     def _count_step(self, decode_rows: int) -> None:
         c = self.counters
@@ -429,22 +553,25 @@ class EngineCore:
             c.decode_rows_max = max(c.decode_rows_max, decode_rows)
         c.kv_blocks_reserved = self.scheduler.reserved_blocks()
 
-    def _row_spec(self, seq: Sequence, mask: np.ndarray | None, pending: int = 0) -> RowSpec:
+    def _row_spec(self, seq: Sequence, mask: np.ndarray | None, pending: int = 0,
+                  ahead: tuple[int, ...] = ()) -> RowSpec:
         """`pending`: the sequence's newest token is not read yet (its history slot holds 0 here; the
-        step fills it on the device)."""
+        step fills it on the device). `ahead`: the drafts before this row (a verify row samples as if
+        they were output: in its penalties' history, min_tokens count and seeded position)."""
         p = seq.params
         H = self.step_fn.shapes.history_len
-        n_out = len(seq.output_ids) + pending
+        n_out = len(seq.output_ids) + pending + len(ahead)
         history = ()
         if _has_penalty(p):
-            history = (_slice_ids(seq, max(0, seq.num_known - H + pending), H) + [0] * pending)[-H:]
+            known = _slice_ids(seq, max(0, seq.num_known - H + pending + len(ahead)), H)
+            history = (known + [0] * pending + list(ahead))[-H:]
         return RowSpec(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             typical_p=p.typical_p, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-            seed=p.seed, position=seq.num_tokens,
+            seed=p.seed, position=seq.num_tokens + len(ahead),
             history=history, num_output_tokens=n_out if history else 0,
-            logit_bias=self._logit_bias(p, n_out), wants_top_logprobs=p.logprobs is not None,
+            logit_bias=self._logit_bias(p, n_out, seq.banned), wants_top_logprobs=p.logprobs is not None,
             allowed_bitmask=mask)
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
@@ -481,19 +608,28 @@ class EngineCore:
         c.mask_seconds += time.perf_counter() - t0
         return masks
 
-    def _logit_bias(self, p: SamplingParams, num_output: int) -> dict[int, float]:
+    def _logit_bias(self, p: SamplingParams, num_output: int, phrases: BannedFilter | None = None
+                    ) -> dict[int, float]:
         """The request's logit_bias, plus a ban on EOS and stop token ids until min_tokens are out, plus
         a bias of 0 (a probe: the sampler reports its raw logprob) on each raw_logprob_ids entry, in the
-        first slots (_advance reads them there)."""
+        first slots (_advance reads them there), plus the tokens a banned phrase was rewound from at this
+        position (as many as the sampler's bias slots leave room for, newest first)."""
         bias = {**dict.fromkeys(p.raw_logprob_ids, 0.0), **p.logit_bias} if p.raw_logprob_ids else p.logit_bias
-        if num_output >= p.min_tokens:
-            return bias
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
-        return {**bias, **dict.fromkeys(banned, float("-inf"))}
+        if num_output < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_ids))
+            bias = {**bias, **dict.fromkeys(banned, float("-inf"))}
+        rewound = phrases.bans.get(num_output) if phrases is not None else None
+        if rewound:
+            room = self.step_fn.shapes.max_bias - len(bias)
+            new = [t for t in reversed(rewound) if t not in bias][:max(0, room)]
+            bias = {**bias, **dict.fromkeys([t for t in rewound if t in bias] + new, float("-inf"))}
+        return bias
 
-    def _advance(self, seq: Sequence, samples: bool, out, row: int) -> None:
+    def _advance(self, seq: Sequence, samples: bool, out, row: int, first: bool = True, defer: bool = True) -> None:
         """A read step's row: its sampled token joins the sequence (num_computed moved at launch). A
-        sequence preempted since the launch keeps its token (it recomputes its KV when readmitted)."""
+        sequence preempted since the launch keeps its token (it recomputes its KV when readmitted).
+        A verify chunk's later tokens (`first` False) were not counted pending; `defer` False emits
+        the token's text now (the next token joins the sequence only after)."""
         if seq.status is SeqStatus.FINISHED:
             return
         if seq.main is not None:   # a CFG shadow: its main's row feeds it (runtime/cfg.py); it emits nothing
@@ -504,7 +640,7 @@ class EngineCore:
         token = None
         if samples:
             token = int(out.tokens[row])
-            seq.pending -= 1
+            seq.pending -= first
             seq.output_ids.append(token)
             if seq.shadow is not None:
                 guidance.feed(seq.shadow, token)
@@ -533,7 +669,7 @@ class EngineCore:
             logprobs = [TokenLogprob(token, float(out.logprob[row]), top)]
             if seq.params.logit_lens is not None and seq.status is SeqStatus.RUNNING:
                 logprobs[0].lens = self._lens(seq, token)
-        if self._ends_without_text(seq, token):
+        if not defer or self._ends_without_text(seq, token) or seq.banned is not None:   # a rewind lands before the next step
             self._emit_token(seq, token, logprobs, state, kind, raw)
         else:
             self._deferred.append((seq, token, logprobs, state, kind, raw))
@@ -581,7 +717,12 @@ class EngineCore:
         n_out = len(seq.output_ids)
         is_eos = token in self.tokenizer.eos_ids and not p.ignore_eos
         is_stop_id = token in p.stop_token_ids
+        filtered = (seq.banned is not None and seq.banned.active and kind == ANSWER
+                    and not (is_eos or is_stop_id))
+        if seq.banned is not None and seq.banned.holding and not filtered and self._release_held(seq, state):
+            return   # the held text ended the sequence on a stop string
         finish, stop_reason, text, reasoning = None, None, "", ""
+        ids: list[int] = [token]
         if (is_eos or is_stop_id) and n_out > p.min_tokens:
             finish, stop_reason = "stop", token
         elif kind == THINK:
@@ -589,9 +730,13 @@ class EngineCore:
         elif kind != ANSWER:
             reasoning = seq.detok.flush()   # a marker: the block's held-back bytes end with it
         elif not (is_eos or is_stop_id):
-            delta = seq.detok.add([token])
-            if seq.reasoning is not None:
-                delta = seq.reasoning.answer_text(delta)
+            if filtered:
+                released = self._filter_banned(seq, token, logprobs)
+                if released is None:
+                    return   # rewound: the sequence samples this position again
+                ids, logprobs, delta = released
+            else:
+                delta = self._answer_delta(seq, token)
             if n_out <= p.min_tokens:
                 text = delta  # stop strings apply once min_tokens are out
             else:
@@ -607,9 +752,17 @@ class EngineCore:
         if finish is not None and not isinstance(stop_reason, str):
             if seq.reasoning is not None and seq.reasoning.thinking:
                 reasoning += seq.detok.flush()
-            tail, matched = seq.stops.feed(seq.detok.flush())
+            held_text = ""
+            if seq.banned is not None:   # the held tokens go out with the sequence's end
+                held_ids, held_logprobs, held_text = seq.banned.flush()
+                ids = ids + held_ids
+                if p.logprobs is not None:
+                    logprobs = (logprobs or []) + held_logprobs
+            tail, matched = seq.stops.feed(held_text + seq.detok.flush())
             text += tail + ("" if matched else seq.stops.flush())
-        event = EngineEvent(seq.request.request_id, seq.index, [token], text, reasoning_text=reasoning,
+        if finish is None and not ids:
+            return   # every token so far is held back (banned phrases may still complete)
+        event = EngineEvent(seq.request.request_id, seq.index, ids, text, reasoning_text=reasoning,
                             logprobs=logprobs, raw_logprobs=raw)
         if seq.index == 0 and state.prompt_logprobs is not None:
             event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
@@ -619,6 +772,60 @@ class EngineCore:
         seq.finish_reason = finish
         event.finish_reason, event.stop_reason = finish, stop_reason
         self._close(seq, state, event)
+
+    def _answer_delta(self, seq: Sequence, token: int) -> str:
+        delta = seq.detok.add([token])
+        return seq.reasoning.answer_text(delta) if seq.reasoning is not None else delta
+
+    def _filter_banned(self, seq: Sequence, token: int, logprobs) -> tuple[list[int], list, str] | None:
+        """Hold `token` back with its text until no banned phrase can complete in it; returns the
+        (ids, logprobs, text) safe to send now, or None when its text completed a phrase and the sequence
+        was rewound to the token the phrase starts in."""
+        f = seq.banned
+        f.push(len(seq.output_ids) - 1, token, logprobs, seq.detok.snapshot())
+        at = f.feed(self._answer_delta(seq, token))
+        if at is None:
+            ids, held_logprobs, text = f.release()
+            return ids, (held_logprobs if logprobs is not None else None), text
+        self._rewind(seq, f.rewind(at))
+        return None
+
+    def _rewind(self, seq: Sequence, held) -> None:
+        """Take the sequence back to just before `held` (the token a banned phrase starts in): its output,
+        detokenizer and KV. The token before it is fed again (its KV rewritten, the same values) so the
+        next step samples the position anew, with the token banned there (_logit_bias)."""
+        self.counters.banned_rewinds += 1
+        seq.detok.restore(held.detok)
+        del seq.output_ids[held.position:]
+        log.debug("banned_rewind request=%s index=%d position=%d token=%d rewinds_left=%d",
+                  seq.request.request_id, seq.index, held.position, held.token, seq.banned.budget.left)
+        if seq.status is not SeqStatus.RUNNING:
+            return   # preempted: it recomputes its KV from the shortened output when readmitted
+        keep = len(seq.prompt_ids) + held.position - 1
+        try:
+            copy = self.pool.truncate(seq.table, keep)
+        except OutOfBlocks:
+            self.scheduler.preempt(seq)
+            return
+        # a shared tail block was swapped for a fresh one: recompute its tokens rather than copy it on device
+        seq.num_computed = keep if copy is None else keep - keep % self.config.block_size
+
+    def _release_held(self, seq: Sequence, state: _RequestState) -> bool:
+        """Send the held tokens (a token without answer text follows, or phrases stopped applying);
+        whether their text completed a stop string, which ends the sequence."""
+        ids, logprobs, delta = seq.banned.flush()
+        text, matched = (delta, None) if len(seq.output_ids) <= seq.params.min_tokens else seq.stops.feed(delta)
+        event = EngineEvent(seq.request.request_id, seq.index, ids, text,
+                            logprobs=logprobs if seq.params.logprobs is not None else None)
+        if seq.index == 0 and state.prompt_logprobs is not None:
+            event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
+        if matched is None:
+            self._send(state, event)
+            return False
+        seq.finish_reason = event.finish_reason = "stop"
+        event.stop_reason = matched
+        self._close(seq, state, event)
+        return True
 
     def _finish(self, seq: Sequence, reason: str, state: _RequestState, error: str | None = None) -> None:
         seq.finish_reason = reason
@@ -637,12 +844,27 @@ class EngineCore:
                                 completion_tokens=sum(len(s.output_ids) for s in state.seqs),
                                 cached_tokens=first.cached_prompt_tokens or 0,
                                 reasoning_tokens=sum(s.reasoning.num_reasoning_tokens for s in state.seqs
-                                                     if s.reasoning is not None))
+                                                     if s.reasoning is not None),
+                                spec=self._spec_usage(state))
             event.done = True
             del self.requests[seq.request.request_id]
             if state.adapter is not None:
                 self.loras.release(state.adapter)
         self._send(state, event)
+
+    @staticmethod
+    def _spec_usage(state: _RequestState) -> dict | None:
+        """The request's imp_spec_* usage: its choices' verify counters when a verify step ran, and a
+        decline when it asked for an MTP head (this server has none)."""
+        specs = [s.spec for s in state.seqs if s.spec is not None]
+        usage: dict = {}
+        if any(sp.verify_steps for sp in specs):
+            usage = {key: sum(sp.usage()[key] for sp in specs) for key in specs[0].usage()}
+        if state.request.spec_mtp_k:
+            usage = {"imp_spec_drafted": 0, "imp_spec_accepted": 0, "imp_spec_emitted": 0,
+                     "imp_spec_verify_steps": 0, **usage,
+                     "imp_spec_declined": 1, "imp_spec_declined_detail": "no_mtp_head"}
+        return usage or None
 
     @staticmethod
     def _send(state: _RequestState, event: EngineEvent) -> None:
@@ -672,7 +894,10 @@ class EngineCore:
                     decode_batch_max=c.decode_rows_max, constrained_steps_total=c.mask_steps,
                     constrained_rows_total=c.mask_rows, constraint_mask_seconds_total=c.mask_seconds,
                     step_host_seconds_total=self.host_seconds, step_device_seconds_total=self.device_seconds,
-                    overlapped_steps_total=c.overlapped_steps)
+                    overlapped_steps_total=c.overlapped_steps, banned_rewinds_total=c.banned_rewinds,
+                    spec_drafted_total=c.spec_drafted, spec_accepted_total=c.spec_accepted,
+                    spec_emitted_total=c.spec_emitted, spec_verify_steps_total=c.spec_verify_rows,
+                    spec_miss_steps_total=c.spec_miss_rows, spec_verify_wall_ms_total=1000 * c.spec_verify_seconds)
 
 
 def _slice_ids(seq: Sequence, start: int, n: int) -> list[int]:

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.banned import check_phrases
 
 # Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
 # dialects check the same values, from here, before a request reaches it.
@@ -60,6 +61,9 @@ class SamplingParams:
     # event reports (EngineEvent.raw_logprobs; /v1/score, /v1/decide); each takes a logit_bias slot
     raw_logprob_ids: list[int] = dataclasses.field(default_factory=list)
     logit_lens: int | None = None         # None = off; N = per layer, the sampled token's raw rank/logprob + top N
+    # phrases the output must not contain: a completed one is rewound and resampled (runtime/banned.py)
+    banned_strings: list[str] = dataclasses.field(default_factory=list)
+    banned_regex: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first out-of-range field."""
@@ -111,6 +115,8 @@ class SamplingParams:
                 bad("stop_token_ids", f"token id {tok} is outside the vocabulary")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        if self.banned_strings or self.banned_regex:
+            check_phrases(self.banned_strings, self.banned_regex)
 
 
 @dataclasses.dataclass
@@ -130,6 +136,9 @@ class GenerationRequest:
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
     cfg_scale: float = 1.0         # classifier-free guidance (runtime/cfg.py); 1 = off
     cfg_prompt_ids: list[int] | None = None  # the shadow prompt CFG guides away from (with cfg_scale != 1)
+    speculative: bool | None = None  # draft and verify (runtime/speculative.py); None = the server's --speculative
+    spec_ngram_k: int | None = None  # the n-gram drafter's depth for this request; None = --speculative-max-draft
+    spec_mtp_k: int | None = None    # the MTP head depth asked for (there is none: > 0 is declined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +176,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     reasoning_tokens: int = 0   # of completion_tokens: the think block's, markers included
+    # speculative decoding (runtime/speculative.py): imp_spec_* counters when a verify step ran or a
+    # drafter the request asked for was declined (imp_spec_declined, imp_spec_declined_detail)
+    spec: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass

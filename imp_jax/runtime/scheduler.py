@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 from imp_jax.runtime.cfg import split_budget
 from imp_jax.runtime.kv_blocks import KVBlockPool
@@ -17,15 +18,18 @@ from imp_jax.runtime.sequence import Sequence, SeqStatus
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `seq` starting at `seq.num_computed` run this step."""
+    """`num_tokens` tokens of `seq` starting at `seq.num_computed` run this step; the last
+    len(drafts) of them are speculative drafts after its newest token (runtime/speculative.py),
+    each verified by a sampled row of its own."""
 
     seq: Sequence
     num_tokens: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's newest token, so the step samples its next one."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens - len(self.drafts) == self.seq.num_tokens
 
 
 class Scheduler:
@@ -40,6 +44,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # speculative decoding (runtime/speculative.py): a decoding sequence's drafts, at most the
+        # given count; None: no drafting
+        self.drafter: Callable[[Sequence, int], list[int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -101,6 +108,30 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
+        return self._add_drafts(chunks, budget) if self.drafter is not None else chunks
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
+        """Give decode chunks drafts from what the step has left: tokens of the budget, and sampled
+        rows (each draft takes one; the largest step samples `max_num_seqs` rows). Drafts never
+        take blocks from anyone: a sequence the pool cannot extend decodes plainly."""
+        rows = self.max_num_seqs - len(chunks)
+        free = self.pool.num_free_blocks
+        for i, c in enumerate(chunks):
+            if rows <= 0 or budget <= 0:
+                break
+            seq = c.seq
+            if c.num_tokens != 1 or not c.samples or seq.pending or seq.shadow is not None or seq.main is not None:
+                continue
+            drafts = self.drafter(seq, min(rows, budget))
+            if not drafts:
+                continue
+            n = 1 + len(drafts)
+            if self.pool.blocks_needed(seq.table, (), seq.num_computed + n) > free - self.reserved_blocks():
+                continue
+            self.pool.allocate(seq.table, (), seq.num_computed + n)
+            chunks[i] = ScheduledChunk(seq, n, tuple(drafts))
+            rows -= len(drafts)
+            budget -= len(drafts)
         return chunks
 
     def _admit(self, seq: Sequence, budget: int, now: float) -> int:

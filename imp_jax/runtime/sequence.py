@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from imp_jax.model.detokenizer import IncrementalDetokenizer
+from imp_jax.runtime.banned import BannedFilter
 from imp_jax.runtime.kv_blocks import BlockTable
 from imp_jax.runtime.reasoning import ThinkTracker
 from imp_jax.runtime.request import GenerationRequest, SamplingParams, TokenLogprob
@@ -57,6 +58,8 @@ class Sequence:
     # classifier-free guidance (runtime/cfg.py): a main sequence's shadow, and a shadow's main
     shadow: "Sequence | None" = None
     main: "Sequence | None" = None
+    banned: BannedFilter | None = None   # banned_strings / banned_regex: held tokens and bans (runtime/banned.py)
+    spec: Any = None                     # its SpecState (runtime/speculative.py) when it may draft
 
     @property
     def cache_key(self) -> Any:

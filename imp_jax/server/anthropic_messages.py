@@ -262,10 +262,11 @@ def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
     return tokenizer.encode_chat(text)
 
 
-def usage_json(usage: Usage) -> dict[str, int]:
-    """Anthropic usage: input_tokens excludes the prefix-cache hit, which is cache_read_input_tokens."""
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """Anthropic usage: input_tokens excludes the prefix-cache hit, which is cache_read_input_tokens; the
+    imp_spec_* counters (speculative decoding) are lifted to the top level."""
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens, **(usage.spec or {})}
 
 
 def stop_reason(finish: str | None, matched: str | int | None, clamped: bool,

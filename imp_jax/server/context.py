@@ -23,7 +23,7 @@ from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
 from imp_jax.server.validation import (M, check_model_name, is_adapter, lora_of, parse_json, parse_model,
-                                       refuse_not_yet)
+                                       refuse_not_yet, speculative_of)
 
 _KEY = "imp_jax"
 MAX_CLIENT_IDS = 4096   # client X-Request-Ids remembered for /v1/requests/{id}/... (oldest forgotten first)
@@ -181,6 +181,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     check_pins(req)
     g.session_id = session_id_of(req)
     g.lora = lora_of(req)
+    g.speculative = speculative_of(req)
     model = getattr(req, "model", None)
     refuse_encoder_model(model, request.path)   # an embedding / rerank model's name: a 400 naming it
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):

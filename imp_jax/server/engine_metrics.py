@@ -45,8 +45,23 @@ ENGINE_COUNTERS = (
     ("imp_constrained_steps", "constrained_steps_total", "Steps with at least one structured-output "
      "(grammar-constrained) row"),
     ("imp_constrained_rows", "constrained_rows_total", "Grammar-constrained rows summed over those steps"),
+    ("imp_banned_rewinds", "banned_rewinds_total", "banned_strings / banned_regex rewinds: a completed banned "
+     "phrase taken back and its first token resampled"),
     ("imp_constraint_mask_seconds", "constraint_mask_seconds_total", "Host seconds computing the "
      "allowed-token masks of constrained rows before each step"),
+    # speculative decoding (runtime/speculative.py): a verify step is one sequence's drafts checked in one
+    # engine step; the n-gram matcher is the only drafter, so the aggregate and imp_spec_ngram_* agree
+    ("imp_spec_drafted", "spec_drafted_total", "Draft tokens verified"),
+    ("imp_spec_accepted", "spec_accepted_total", "Draft tokens accepted"),
+    ("imp_spec_verify_steps", "spec_verify_steps_total", "Verify steps (one sequence's drafts in one engine step)"),
+    ("imp_spec_miss_steps", "spec_miss_steps_total", "Verify steps that accepted no draft"),
+    ("imp_spec_ngram_drafted", "spec_drafted_total", "Draft tokens the n-gram matcher proposed and were verified"),
+    ("imp_spec_ngram_accepted", "spec_accepted_total", "n-gram draft tokens accepted"),
+    ("imp_spec_ngram_emitted", "spec_emitted_total", "Tokens n-gram verify steps emitted (accepted drafts plus "
+     "the token after them)"),
+    ("imp_spec_ngram_verify_steps", "spec_verify_steps_total", "n-gram verify steps"),
+    ("imp_spec_ngram_verify_wall_ms", "spec_verify_wall_ms_total", "Wall milliseconds of engine steps that "
+     "verified drafts, launch to read"),
 )
 
 # per replica (label `replica`; "0" alone without --data-parallel-size): (metric, stats key, help, is counter)

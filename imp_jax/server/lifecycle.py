@@ -57,6 +57,8 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     req.cache_salt = req.cache_salt or cache_salt()
     req.session_id = engine_session_id(req.session_id or g.get("session_id"))   # any dialect's body
     req.lora = req.lora or g.get("lora")   # any dialect's body (server/lora.py)
+    if g.get("speculative") is not None:   # any dialect's body (validation.speculative_of)
+        req.speculative, req.spec_ngram_k, req.spec_mtp_k = g.speculative
     ticket = state.gate.admit(len(req.prompt_ids))
     tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout)
     rec.submitted_at = time.monotonic()

@@ -113,6 +113,16 @@ class OpenAISampling(WireModel):
             raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true",
                                       param="stream_options")
 
+    def banned(self, name: str) -> list[str]:
+        """`banned_strings` / `banned_regex` (a body extra on every route): a list of strings, or null / absent;
+        their limits are checked with the other fields (SamplingParams.validate)."""
+        value = (self.model_extra or {}).get(name)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise InvalidRequestError(f"'{name}' must be an array of strings", param=name)
+        return list(value)
+
     def logit_bias_ids(self) -> dict[int, float]:
         """logit_bias with its token-id keys as ints."""
         out = {}
@@ -134,6 +144,7 @@ class OpenAISampling(WireModel):
             n=1 if self.n is None else self.n, logprobs=logprobs, logit_bias=self.logit_bias_ids(),
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            banned_strings=self.banned("banned_strings"), banned_regex=self.banned("banned_regex"),
         )
         params.validate(vocab_size)
         return params
@@ -150,7 +161,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens, **(usage.spec or {})},
     }
 
 

@@ -242,7 +242,7 @@ def _install_store(state: BlueprintSetupState) -> None:
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens, **(usage.spec or {})},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 

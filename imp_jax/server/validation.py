@@ -86,8 +86,6 @@ def parse_model(cls: type[M], data: dict[str, Any]) -> M:
 NOT_YET: dict[str, tuple[Any, ...]] = {
     "dry_multiplier": (None, 0, 0.0),                 # DRY (its other dry_* knobs act only through this one)
     "mirostat": (None, 0),                            # mirostat (mirostat_tau / _eta act only through this one)
-    "banned_strings": (None, []), "banned_regex": (None, []),
-    "speculative": (None, False),                     # there is no drafter to switch on
     "xtc_probability": (None, 0, 0.0), "dynatemp_range": (None, 0, 0.0), "top_n_sigma": (None, -1, 0),
 }
 
@@ -125,6 +123,33 @@ def check_model_name(requested: str, served_name: str) -> None:
     if requested != served_name:
         raise NotFoundError(f"model '{requested}' is not served here; this server serves '{served_name}'",
                             code="model_not_found", param="model")
+
+
+MAX_SPEC_DEPTH = 16   # the device chain cap the spec names for mtp_k when no head is armed
+SPEC_KEYS = ("mtp_k", "ngram_k")
+
+
+def speculative_of(req: BaseModel) -> tuple[bool | None, int | None, int | None]:
+    """The body's `speculative` as (switch, ngram_k, mtp_k), checked. true / false switch drafting on or
+    off for the request; the object form {"mtp_k": N, "ngram_k": M} (N, M in 0..16) leaves the switch to
+    the server: mtp_k asks for an MTP head (none here: N > 0 is declined in usage), ngram_k sets the
+    n-gram matcher's depth (0: off). Absent or null: (None, None, None), the server's --speculative."""
+    value = (req.model_extra or {}).get("speculative")
+    if value is None or isinstance(value, bool):
+        return value, None, None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("'speculative' must be true, false or an object such as {\"mtp_k\": 0}",
+                                  param="speculative")
+    depths: dict[str, int] = {}
+    for key, depth in value.items():
+        if key not in SPEC_KEYS:
+            raise InvalidRequestError(f"'speculative.{key}' is not a field of 'speculative' (it takes "
+                                      f"{' and '.join(SPEC_KEYS)})", param=f"speculative.{key}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_SPEC_DEPTH:
+            raise InvalidRequestError(f"'speculative.{key}' must be an integer in 0..{MAX_SPEC_DEPTH}",
+                                      param=f"speculative.{key}")
+        depths[key] = depth
+    return None, depths.get("ngram_k"), depths.get("mtp_k")
 
 
 def lora_of(req: BaseModel) -> str | None:

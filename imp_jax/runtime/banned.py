@@ -1,0 +1,214 @@
+"""banned_strings / banned_regex: which banned phrase a sequence's new text completes, in which token it
+starts, and how much of the text must stay held back because a phrase may still complete in it.
+
+The engine (runtime/engine.py) feeds each answer token's text to a BannedFilter. A completed phrase
+makes the engine rewind the sequence to the token the phrase starts in, ban that token at that
+position and sample again; text is released to the client only once no phrase can still complete
+in it, so nothing streamed is ever taken back. Matching is case-sensitive, on the decoded text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import regex
+
+from imp_jax.errors import InvalidRequestError
+
+log = logging.getLogger("imp_jax.banned")
+
+MAX_BANNED_STRINGS = 64
+MAX_BANNED_REGEX = 16
+MAX_PHRASE_BYTES = 256     # each string or pattern, UTF-8
+REGEX_WINDOW_BYTES = 256   # a regex match must lie in the text's last 256 bytes and end in new text
+REGEX_HOLD_BYTES = 255     # with patterns, the last 255 bytes wait until later text passes them
+MAX_REWINDS = 64           # per request; past it, phrases pass
+REGEX_TIMEOUT_S = 0.05     # per pattern and token: a pathological pattern cannot stall the engine thread
+
+
+def _utf8_len(ch: str) -> int:
+    c = ord(ch)
+    return 1 if c < 0x80 else 2 if c < 0x800 else 3 if c < 0x10000 else 4
+
+
+def tail_chars(text: str, max_bytes: int) -> int:
+    """How many trailing characters of `text` fit in `max_bytes` UTF-8 bytes."""
+    n = total = 0
+    for ch in reversed(text):
+        total += _utf8_len(ch)
+        if total > max_bytes:
+            break
+        n += 1
+    return n
+
+
+@functools.lru_cache(maxsize=256)
+def compile_pattern(pattern: str) -> Any:
+    """A banned_regex pattern compiled (PCRE-like, the `regex` package); raises regex.error if it does not."""
+    return regex.compile(pattern)
+
+
+def check_phrases(strings: Sequence[str], patterns: Sequence[str]) -> None:
+    """400 naming the field for a list too long, a phrase empty or over 256 bytes, a pattern that does not
+    compile or that matches the empty string."""
+    for name, items, limit in (("banned_strings", strings, MAX_BANNED_STRINGS),
+                               ("banned_regex", patterns, MAX_BANNED_REGEX)):
+        if len(items) > limit:
+            raise InvalidRequestError(f"'{name}' has {len(items)} entries; at most {limit} are allowed", param=name)
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"'{name}' entries must be non-empty strings", param=name)
+            if len(s.encode("utf-8", "surrogatepass")) > MAX_PHRASE_BYTES:
+                raise InvalidRequestError(f"'{name}' entries must be at most {MAX_PHRASE_BYTES} bytes (UTF-8)",
+                                          param=name)
+    for p in patterns:
+        try:
+            compiled = compile_pattern(p)
+        except (regex.error, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"'banned_regex' pattern {p!r} does not compile: {e}",
+                                      param="banned_regex") from None
+        if compiled.search("") is not None:
+            raise InvalidRequestError(f"'banned_regex' pattern {p!r} matches the empty string", param="banned_regex")
+
+
+class BannedPhrases:
+    """A request's banned strings and compiled patterns (immutable, shared by its choices)."""
+
+    def __init__(self, strings: Sequence[str], patterns: Sequence[str]):
+        self.strings = tuple(dict.fromkeys(strings))
+        self.patterns = tuple(compile_pattern(p) for p in dict.fromkeys(patterns))
+        self._max_len = max((len(s) for s in self.strings), default=0)
+
+    def find(self, text: str, new_from: int) -> int | None:
+        """The start of the leftmost phrase in `text` that ends past `new_from` (in the new text), or None."""
+        best: int | None = None
+        for s in self.strings:   # an occurrence starting there or later ends in the new text
+            at = text.find(s, max(0, new_from - len(s) + 1))
+            if at >= 0 and (best is None or at < best):
+                best = at
+        if self.patterns:
+            start = len(text) - tail_chars(text, REGEX_WINDOW_BYTES)
+            for p in self.patterns:
+                at = self._first_regex(p, text, start, new_from)
+                if at is not None and (best is None or at < best):
+                    best = at
+        return best
+
+    @staticmethod
+    def _first_regex(p: Any, text: str, start: int, new_from: int) -> int | None:
+        """The leftmost non-empty match of `p` in text[start:] that ends past `new_from`; None on a timeout."""
+        try:
+            for m in p.finditer(text, pos=start, overlapped=True, timeout=REGEX_TIMEOUT_S):
+                if m.end() > new_from and m.end() > m.start():
+                    return m.start()
+        except TimeoutError:
+            log.warning("banned_regex_timeout pattern=%r", p.pattern)
+        return None
+
+    def hold(self, text: str) -> int:
+        """How many trailing characters of `text` a phrase may still complete in: the longest suffix that
+        is a proper prefix of a string, and with patterns at least the last 255 bytes."""
+        keep = tail_chars(text, REGEX_HOLD_BYTES) if self.patterns else 0
+        tail = text[-(self._max_len - 1):] if self._max_len > 1 else ""
+        for s in self.strings:
+            i = tail.find(s[0])
+            while 0 <= i and len(tail) - i > keep:
+                if s.startswith(tail[i:]):
+                    keep = len(tail) - i
+                    break
+                i = tail.find(s[0], i + 1)
+        return keep
+
+
+@dataclasses.dataclass
+class RewindBudget:
+    """A request's rewinds left, shared by its choices."""
+
+    left: int = MAX_REWINDS
+
+
+@dataclasses.dataclass
+class _Held:
+    position: int          # the token's index in the sequence's output
+    token: int
+    logprobs: list | None  # its TokenLogprob entries, emitted with it
+    start: int             # where its text begins in the filter's pending text
+    detok: tuple           # the detokenizer's state before the token (IncrementalDetokenizer.snapshot)
+
+
+class BannedFilter:
+    """One sequence's held-back tokens and text, and its bans: position -> token ids sampled there never again."""
+
+    def __init__(self, phrases: BannedPhrases, budget: RewindBudget):
+        self.phrases = phrases
+        self.budget = budget
+        self.bans: dict[int, list[int]] = {}
+        self._held: list[_Held] = []
+        self._text = ""   # the held tokens' text: nothing of it has reached the client
+
+    @property
+    def active(self) -> bool:
+        """Whether phrases are still enforced (the request has rewinds left)."""
+        return self.budget.left > 0
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def push(self, position: int, token: int, logprobs: list | None, detok_state: tuple) -> None:
+        """A sampled answer token, before its text is fed."""
+        self._held.append(_Held(position, token, logprobs, len(self._text), detok_state))
+
+    def feed(self, delta: str) -> int | None:
+        """The newest token's text; the held index of the token a completed phrase starts in, else None."""
+        new_from = len(self._text)
+        self._text += delta
+        if not delta:
+            return None
+        at = self.phrases.find(self._text, new_from)
+        if at is None:
+            return None
+        return max(i for i, h in enumerate(self._held) if h.start <= at)
+
+    def rewind(self, index: int) -> _Held:
+        """Drop held tokens index.. (their text too), ban the first at its position, spend one rewind;
+        returns that token's entry (its position and the detokenizer state to restore)."""
+        h = self._held[index]
+        del self._held[index:]
+        self._text = self._text[:h.start]
+        for p in [p for p in self.bans if p > h.position]:
+            del self.bans[p]   # later positions belong to the discarded continuation
+        self.bans.setdefault(h.position, []).append(h.token)
+        self.budget.left -= 1
+        return h
+
+    def release(self) -> tuple[list[int], list, str]:
+        """(token ids, their logprobs, their text) of the held tokens no phrase can still complete in:
+        whole tokens only, so a later rewind never takes back text that went out."""
+        cut = len(self._text) - self.phrases.hold(self._text)
+        n = 0
+        while n < len(self._held) and self._end(n) <= cut:
+            n += 1
+        return self._take(n)
+
+    def _end(self, n: int) -> int:
+        """Where held token n's text ends."""
+        return self._held[n + 1].start if n + 1 < len(self._held) else len(self._text)
+
+    def flush(self) -> tuple[list[int], list, str]:
+        """Every held token: at the end of the sequence, or once phrases no longer apply."""
+        return self._take(len(self._held))
+
+    def _take(self, n: int) -> tuple[list[int], list, str]:
+        if n == 0:
+            return [], [], ""
+        end = self._end(n - 1)
+        taken, self._held = self._held[:n], self._held[n:]
+        text, self._text = self._text[:end], self._text[end:]
+        for h in self._held:
+            h.start -= end
+        logprobs = [lp for h in taken for lp in (h.logprobs or [])]
+        return [h.token for h in taken], logprobs, text
