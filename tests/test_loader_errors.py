@@ -94,7 +94,7 @@ def test_config_that_is_not_json(tiny_hf_dir):
     (lambda c: c.update(num_key_value_heads="x"), "bad value in the model config"),
     (lambda c: c.update(rms_norm_eps="small"), "'small'"),
     (lambda c: c.update(num_key_value_heads=3), "not a multiple of num_key_value_heads 3"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+    (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling type 'dynamic'"),
 ], ids=["missing-field", "no-architectures", "wrong-type", "wrong-type-optional", "wrong-type-float",
         "bad-head-ratio", "unsupported-rope"])
 def test_bad_config_field_is_named(tiny_hf_dir, edit, expected):

@@ -15,6 +15,7 @@ def ragged_paged_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     meta: AttentionMetadata, layer: jax.Array | int, *, sm_scale: float,
     sliding_window: int | None = None, soft_cap: float | None = None, kernels: Kernels = XLA,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write k/v [T, KVH, D] at meta.slot_mapping into `layer` of the stacked caches, then attend.
 
@@ -22,23 +23,29 @@ def ragged_paged_attention(
     """
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer)
     out = paged_attention(q, k_cache, v_cache, meta, layer, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap, kernels=kernels)
+                          soft_cap=soft_cap, kernels=kernels, sinks=sinks)
     return out, k_cache, v_cache
 
 
 def paged_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, layer: jax.Array | int, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, kernels: Kernels = XLA,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The attention half of `ragged_paged_attention`, the step's K/V already in the caches: out [T, H, D].
     A model that picks a layer's window at run time (`lax.cond`, model/gemma.py) calls it in each branch,
-    which then only read the caches."""
+    which then only read the caches. `sinks` [H] (gpt-oss): per-head logits in each softmax's
+    denominator (XLA and CPU kernels; the Pallas kernel refuses them)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kernels.attention == "pallas":
+        if sinks is not None:
+            raise ValueError("--attention pallas: the Pallas kernel has no attention sinks (gpt-oss); "
+                             "run with --attention xla")
         # imported here: the Mosaic GPU modules take ~0.4 s to import, paid only where the kernel runs
         from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas
         return ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, **kw,
                                              interpret=kernels.pallas_interpret)
     if kernels.attention == "cpu":
-        return ragged_paged_attention_cpu(q, k_cache, v_cache, meta, layer, **kw)
-    return ragged_paged_attention_xla(q, k_cache, v_cache, meta, layer, **kw, dynamic_skips=kernels.dynamic_skips)
+        return ragged_paged_attention_cpu(q, k_cache, v_cache, meta, layer, **kw, sinks=sinks)
+    return ragged_paged_attention_xla(q, k_cache, v_cache, meta, layer, **kw, dynamic_skips=kernels.dynamic_skips,
+                                      sinks=sinks)

@@ -37,6 +37,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    sinks: bool = False         # per-head attention-sink logits (gpt-oss): not every kernel has them
 
     @classmethod
     def of(cls, q: jax.Array, k_cache: jax.Array) -> "AttentionShape":

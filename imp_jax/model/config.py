@@ -11,7 +11,7 @@ import numpy as np
 
 from imp_jax.errors import ModelLoadError
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # q/k/v biases unless the config says otherwise
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -43,8 +43,13 @@ class RopeScaling:
     # context exceeds original_max_position_embeddings (vLLM's rule; `ModelConfig.for_context`).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0       # cos and sin are multiplied by it (short and long alike)
+    attention_factor: float = 1.0       # cos and sin are multiplied by it (short and long alike; also YaRN's)
     use_long_factor: bool = False
+    # --- YaRN (gpt-oss): frequencies ramp from interpolated (/ factor) to extrapolated between the
+    # correction dims of beta_fast and beta_slow rotations over original_max_position_embeddings
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:   # factors read back from JSON are lists: keep the config hashable
         object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
@@ -85,7 +90,7 @@ class ModelConfig:
     def rope_attention_scale(self) -> float:
         """What cos and sin are multiplied by (longrope's attention factor; 1 otherwise)."""
         rs = self.rope_scaling
-        return rs.attention_factor if rs.rope_type == "longrope" else 1.0
+        return rs.attention_factor if rs.rope_type in ("longrope", "yarn") else 1.0
 
     def for_context(self, max_model_len: int) -> "ModelConfig":
         """This config served with a context of `max_model_len` tokens: longrope takes its long
@@ -138,6 +143,11 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
     norm_topk_prob: bool = False              # renormalise the k kept probabilities to sum to 1
     router: str = "softmax_topk"              # "softmax_topk" or "topk_softmax" (softmax of the k logits)
+    expert_bias: bool = False                 # router and experts carry biases (gpt-oss)
+    expert_act: str = "silu"                  # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's
+    swiglu_alpha: float = 1.702               # swiglu_clamped: gate * sigmoid(alpha * gate) * (up + 1),
+    swiglu_limit: float = 7.0                 # gate clamped above at limit, up to [-limit, limit]
+    attention_sinks: bool = False             # a learned per-head logit joins each softmax's denominator
     decoder_sparse_step: int = 1              # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()     # ... and i is not listed here (dense MLP of intermediate_size)
 
@@ -163,6 +173,8 @@ class ModelConfig:
             inv = inv / np.asarray(rs.long_factor if rs.use_long_factor else rs.short_factor, np.float64)
         elif rs.rope_type == "linear":
             inv = inv / rs.factor
+        elif rs.rope_type == "yarn":
+            inv = _yarn_inv_freq(inv, d, self.rope_theta, rs)
         elif rs.rope_type == "llama3":
             low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
             high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -217,6 +229,7 @@ class ModelConfig:
                                  f"an even number of the {head_dim} head dims")
         max_pos = int(hf.get("max_position_embeddings", 2048))
         gemma = _gemma_fields(hf, arch, num_layers=need("num_hidden_layers"), source=source)
+        gemma.update(_gpt_oss_fields(hf, arch, num_layers=need("num_hidden_layers"), source=source))
         fields = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -325,6 +338,8 @@ def _parse_rope_scaling(rs: dict[str, Any] | None, source: str, *, hf: dict[str,
     kind = ROPE_ALIASES.get(kind, kind)
     if kind == "longrope":
         return _parse_longrope(rs, source, hf or {}, rotary_dim, max_pos)
+    if kind == "yarn":
+        return _parse_yarn(rs, source, max_pos)
     if kind not in ROPE_TYPES:
         raise ModelLoadError(f"{source}: rope_scaling type '{kind}' is not supported "
                              f"(supported: {', '.join(ROPE_TYPES)})")
@@ -385,3 +400,67 @@ def _moe_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
         raise ModelLoadError(f"{source}: 'num_experts_per_tok' must be in 1..{experts} (the experts), "
                              f"got {hf.get('num_experts_per_tok')!r}")
     return fields
+
+
+def _parse_yarn(rs: dict[str, Any], source: str, max_pos: int) -> RopeScaling:
+    """YaRN as transformers' `_compute_yarn_parameters` reads it: `factor` (else max_position_embeddings
+    / original), the attention factor `attention_factor` if given, else 0.1 * ln(factor) + 1 (with
+    `mscale` / `mscale_all_dim`: their ratio of that form)."""
+    original = rs.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError(f"{source}: yarn rope_scaling needs 'original_max_position_embeddings'")
+    try:
+        original = int(original)
+        factor = float(rs.get("factor") or max_pos / original)
+        attention = rs.get("attention_factor")
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        if attention is None:
+            attention = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+                         if mscale and mscale_all else _yarn_mscale(factor))
+        return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                           attention_factor=float(attention), beta_fast=float(rs.get("beta_fast") or 32),
+                           beta_slow=float(rs.get("beta_slow") or 1), truncate=bool(rs.get("truncate", True)))
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: bad yarn rope_scaling field ({e})") from None
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv: np.ndarray, dim: int, base: float, rs: RopeScaling) -> np.ndarray:
+    """YaRN's blend of the extrapolated frequencies `inv` and the interpolated inv / factor."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    return inv / rs.factor * (1 - extrapolate) + inv * extrapolate
+
+
+def _gpt_oss_fields(hf: dict[str, Any], arch: str, num_layers: int, source: str) -> dict[str, Any]:
+    """ModelConfig fields of a gpt-oss config ({} for other families): alternating sliding / full
+    layers (sliding first unless `layer_types` says otherwise), attention sinks, the router's
+    softmax over the top-k logits, biased experts and the clamped SwiGLU."""
+    if arch != "GptOssForCausalLM":
+        return {}
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                      for i in range(num_layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ModelLoadError(f"{source}: 'layer_types' must be a list of strings")
+    window = hf.get("sliding_window", 128)
+    if not window and "sliding_attention" in types:
+        raise ModelLoadError(f"{source}: 'sliding_window' is null but layer_types has sliding layers")
+    try:
+        alpha, limit = float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{source}: 'swiglu_alpha' and 'swiglu_limit' must be numbers") from None
+    return dict(layer_types=tuple(types), sliding_window=int(window) if window else None,
+                attention_bias=bool(hf.get("attention_bias", True)), router="topk_softmax", norm_topk_prob=False,
+                expert_bias=True, expert_act="swiglu_clamped", swiglu_alpha=alpha, swiglu_limit=limit,
+                attention_sinks=True)

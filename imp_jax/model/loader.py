@@ -116,7 +116,7 @@ def attention_shape(config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: 
                     platform: str) -> AttentionShape:
     """The attention calls' shape for a model of `config` computing in `dtype` over a KV cache of `kv_dtype`."""
     return AttentionShape(jnp.dtype(dtype), kv_storage_dtype(kv_dtype, platform), config.num_heads,
-                          config.num_kv_heads, config.head_dim, block_size)
+                          config.num_kv_heads, config.head_dim, block_size, sinks=config.attention_sinks)
 
 
 def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str | None = None,

@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with its sigmoid-gated shared expert) and Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with its sigmoid-gated shared expert) and Qwen3-MoE;
+gpt-oss (model/gpt_oss.py) adds router and expert biases and its clamped SwiGLU (`ExpertAct`).
 
 Attention, norms, embedding and LM head are model/llama.py's DecoderLM; only the feed-forward block
 differs. A sparse layer routes each token to `num_experts_per_tok` of `num_experts` experts
@@ -25,6 +26,7 @@ documented order, so transformers may route an exactly tied token elsewhere.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -44,6 +46,29 @@ from imp_jax.model.weights import Matrix, WeightSource, stored
 EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")
 TILE = 8   # rows per tile of the `tiles` grouped matmul
 DEFAULT_IMPL = "tiles"   # measured on this CPU: docs/PERF.md "Mixture of experts"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertAct:
+    """The experts' gated activation on gate|up [..., 2I] -> [..., I]: "silu" is silu(gate) * up;
+    "swiglu_clamped" (gpt-oss) clamps gate above at `limit` and up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gu: jax.Array) -> jax.Array:
+        g, u = jnp.split(gu, 2, axis=-1)
+        if self.kind == "silu":
+            return jax.nn.silu(g) * u
+        if self.kind == "swiglu_clamped":
+            g, u = jnp.minimum(g, self.limit), jnp.clip(u, -self.limit, self.limit)
+            return g * jax.nn.sigmoid(g * self.alpha) * (u + 1)
+        raise ValueError(f"expert activation must be silu or swiglu_clamped, got {self.kind!r}")
+
+
+SILU = ExpertAct()
 
 
 def route(logits: jax.Array, k: int, router: str = "softmax_topk",
@@ -66,9 +91,13 @@ def route(logits: jax.Array, k: int, router: str = "softmax_topk",
 
 
 def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Array, down: jax.Array,
-               impl: str = DEFAULT_IMPL, num_tokens: jax.Array | None = None, kernels: Kernels = XLA) -> jax.Array:
+               impl: str = DEFAULT_IMPL, num_tokens: jax.Array | None = None, kernels: Kernels = XLA,
+               act: ExpertAct = SILU, gate_up_bias: jax.Array | None = None,
+               down_bias: jax.Array | None = None) -> jax.Array:
     """sum_j weights[t, j] * down_e(silu(gate_e(h_t)) * up_e(h_t)) for e = idx[t, j]: h [T, H],
     weights / idx [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in h's dtype (float32 sums).
+    `act` replaces silu(gate) * up; `gate_up_bias` [E, 2I] and `down_bias` [E, H] (gpt-oss) are
+    added to each expert's projections.
 
     `num_tokens` (traced): the rows that are real tokens (the rest are a bucket's padding, whose
     rows come back unspecified). `kernels` pick the GEMM of `tiles` and `dense` (the CPU kernel on
@@ -81,9 +110,8 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
     E = gate_up.shape[0]
     f32 = jnp.float32
 
-    def act(gu):   # [..., 2I] -> [..., I]
-        g, u = jnp.split(gu, 2, axis=-1)
-        return jax.nn.silu(g) * u
+    def bias(b: jax.Array | None, e: jax.Array) -> jax.Array | float:   # expert e's (or ids') bias rows
+        return 0.0 if b is None else jnp.take(b, e, axis=0).astype(f32)
 
     if impl == "pairs":   # one (token, expert) pair at a time, real tokens only
         n = jnp.asarray(T if num_tokens is None else num_tokens, jnp.int32)
@@ -94,9 +122,10 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
             e = idx[t, j]
             x = jax.lax.dynamic_index_in_dim(h, t, 0, keepdims=False)
             gu = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), x,
-                                     (((1,), (0,)), ((), ())), preferred_element_type=f32)
+                                     (((1,), (0,)), ((), ())), preferred_element_type=f32) + bias(gate_up_bias, e)
             y = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False),
-                                    act(gu).astype(h.dtype), (((1,), (0,)), ((), ())), preferred_element_type=f32)
+                                    act(gu).astype(h.dtype), (((1,), (0,)), ((), ())),
+                                    preferred_element_type=f32) + bias(down_bias, e)
             return out.at[t].add(wf[t, j] * y)
 
         out = jax.lax.fori_loop(0, n * k, pair, jnp.zeros(h.shape, f32))
@@ -125,7 +154,9 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
             e = tile_expert[i]
             x = jax.lax.dynamic_slice_in_dim(buf, i * m, m)
             gu = matmul_wt(x, jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), kernels)
+            gu = gu + bias(gate_up_bias, e)
             y = matmul_wt(act(gu).astype(h.dtype), jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False), kernels)
+            y = y + bias(down_bias, e)
             return jax.lax.dynamic_update_slice_in_dim(out, y, i * m, 0)
 
         ys = jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((R, h.shape[1]), f32))
@@ -138,26 +169,31 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         rows = h[order // k]                             # [T*k, H]
         dn = jax.lax.RaggedDotDimensionNumbers(         # contract H with each expert's [out, in] rows
             dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        e_sorted = flat[order]
         gu = jax.lax.ragged_dot_general(rows, gate_up, sizes, dn, preferred_element_type=f32)
+        gu = gu + bias(gate_up_bias, e_sorted)
         y = jax.lax.ragged_dot_general(act(gu).astype(h.dtype), down, sizes, dn, preferred_element_type=f32)
+        y = y + bias(down_bias, e_sorted)
         y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)   # back to pair order
     elif impl == "dense":   # one GEMM per expert over every token (`kernels`' GEMM: the CPU kernel's)
         combine = jnp.zeros((T, E), f32).at[jnp.arange(T)[:, None], idx].add(weights.astype(f32))
         out = jnp.zeros(h.shape, f32)
         for e in range(E):
-            g = matmul_wt(act(matmul_wt(h, gate_up[e], kernels)).astype(h.dtype), down[e], kernels)
+            gu = matmul_wt(h, gate_up[e], kernels) + bias(gate_up_bias, e)
+            g = matmul_wt(act(gu).astype(h.dtype), down[e], kernels) + bias(down_bias, e)
             out = out + combine[:, e:e + 1] * g
         return out.astype(h.dtype)
     elif impl == "gather":
-        gu = jnp.einsum("th,tkgh->tkg", h, gate_up[idx], preferred_element_type=f32)
-        y = jnp.einsum("tki,tkhi->tkh", act(gu).astype(h.dtype), down[idx], preferred_element_type=f32)
+        gu = jnp.einsum("th,tkgh->tkg", h, gate_up[idx], preferred_element_type=f32) + bias(gate_up_bias, idx)
+        y = jnp.einsum("tki,tkhi->tkh", act(gu).astype(h.dtype), down[idx],
+                       preferred_element_type=f32) + bias(down_bias, idx)
     else:
         raise ValueError(f"impl must be one of {EXPERT_IMPLS}, got {impl!r}")
     return jnp.einsum("tk,tkh->th", weights.astype(f32), y).astype(h.dtype)
 
 
 class SparseMLP(nnx.Module):
-    """One sparse layer's router, stacked experts and optional shared expert."""
+    """One sparse layer's router, stacked experts, optional shared expert and (gpt-oss) biases."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any):
         E, H = cfg.num_experts, cfg.hidden_size
@@ -170,6 +206,10 @@ class SparseMLP(nnx.Module):
         self.shared_gate_up = Matrix(init(key(), (2 * S, H), dtype), axes=(None, "embed")) if S else None
         self.shared_down = Matrix(init(key(), (H, S), dtype), axes=("embed", None)) if S else None
         self.shared_gate = nnx.Param(init(key(), (1, H), dtype), axes=(None, "embed")) if S else None
+        B = cfg.expert_bias
+        self.router_bias = nnx.Param(jnp.zeros((E,), dtype), axes=(None,)) if B else None
+        self.gate_up_bias = nnx.Param(jnp.zeros((E, 2 * I), dtype), axes=("experts", None)) if B else None
+        self.down_bias = nnx.Param(jnp.zeros((E, H), dtype), axes=("experts", "embed")) if B else None
 
     def arrays(self) -> dict[str, jax.Array]:
         return {n: p[...] for n, p in vars(self).items() if isinstance(p, nnx.Param)}
@@ -245,9 +285,12 @@ class MoELM(DecoderLM):
     def _sparse(self, h: jax.Array, w: dict[str, jax.Array], num_tokens: jax.Array) -> jax.Array:
         cfg = self.config
         logits = jnp.einsum("th,eh->te", h, w["router"], preferred_element_type=jnp.float32)
+        if "router_bias" in w:
+            logits = logits + w["router_bias"].astype(jnp.float32)
         weights, idx = route(logits, cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob)
+        act = ExpertAct(cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit)
         out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens,
-                         self.options.kernels)
+                         self.options.kernels, act, w.get("gate_up_bias"), w.get("down_bias"))
         if "shared_gate_up" in w:
             shared = self._dense(h, {"gate_up": w["shared_gate_up"], "down": w["shared_down"]})
             gate = jax.nn.sigmoid(jnp.einsum("th,oh->to", h, w["shared_gate"], preferred_element_type=jnp.float32))
@@ -262,6 +305,13 @@ class MoELM(DecoderLM):
         gate_proj/up_proj/down_proj`) or taken whole where the checkpoint stacks them (GGUF:
         `mlp.experts.{gate,up,down}_proj.weight` [E, out, in], model/gguf_loader.py)."""
         model = super().from_hf_tensors(config, weights, options)
+        cls._load_experts(model, config, weights, options)
+        return model
+
+    @classmethod
+    def _load_experts(cls, model: "MoELM", config: ModelConfig, weights: WeightSource,
+                      options: ModelOptions) -> None:
+        """Set every layer's feed-forward weights (`mlp`) from HF-named tensors."""
         mixtral = config.architecture == "MixtralForCausalLM"
         moe = "block_sparse_moe" if mixtral else "mlp"
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -294,4 +344,3 @@ class MoELM(DecoderLM):
                 put(mlp.shared_gate_up, weights.matrix(f"{s}.gate_proj.weight", f"{s}.up_proj.weight"))
                 put(mlp.shared_down, weights.matrix(f"{s}.down_proj.weight"))
                 put(mlp.shared_gate, weights.tensor(f"{pre}.shared_expert_gate.weight").reshape(1, -1))
-        return model

@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "imp_jax.model.moe:MoELM",
     "Qwen2MoeForCausalLM": "imp_jax.model.moe:MoELM",
     "Qwen3MoeForCausalLM": "imp_jax.model.moe:MoELM",
+    "GptOssForCausalLM": "imp_jax.model.gpt_oss:GptOssLM",   # attention sinks, MXFP4 experts dequantised
 }
 
 

@@ -76,6 +76,7 @@ struct Attention {
   const int32_t* qsl;      // [S + 1]
   const int32_t* seq_lens; // [S]
   const int32_t* tables;   // [S, MB]
+  const float* sinks;      // [H] attention-sink logits (gpt-oss), or nullptr: none
   float* out;              // [T, H, D]
   int64_t T, H, D, KVH, G, NB, BS, MB, layer, num_seqs, window;
   float sm_scale, soft_cap;
@@ -157,7 +158,9 @@ struct Attention {
       kp += n;
     }
     for (int64_t g = 0; g < H; ++g) {
-      const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;
+      // a sink adds exp(sink) to the softmax's denominator and nothing to its numerator
+      const float total = sinks && !std::isinf(m[g]) ? l[g] + std::exp(sinks[g] - m[g]) : l[g];
+      const float inv = total > 0 ? 1.0f / total : 0.0f;
       for (int64_t c = 0; c < D; ++c) o[g * D + c] = acc[g * D + c] * inv;
     }
   }
@@ -249,6 +252,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& 
                ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& layer,
                ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& seq_lens,
                ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& num_seqs,
+               ffi::Buffer<ffi::F32>& sinks,
                ffi::ResultBuffer<ffi::F32>& out, float sm_scale, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto vd = v_cache.dimensions();
@@ -256,10 +260,12 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& 
       v_cache.element_type() != k_cache.element_type() ||
       !std::equal(cd.begin(), cd.end(), vd.begin()) || qd[2] != cd[4] || cd[3] == 0 || qd[1] % cd[3] != 0 || qd[2] % 8 != 0 ||
       seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != td[0] ||
-      query_start_loc.dimensions().size() != 1 || query_start_loc.dimensions()[0] != td[0] + 1)
+      query_start_loc.dimensions().size() != 1 || query_start_loc.dimensions()[0] != td[0] + 1 ||
+      sinks.dimensions().size() != 1 || (sinks.dimensions()[0] != 0 && sinks.dimensions()[0] != qd[1]))
     return ffi::Error::InvalidArgument(
         "imp_ragged_paged_attention: q [T, H, D] with D % 8 == 0, caches [L, NB, BS, KVH, D] of one type "
-        "with H % KVH == 0, query_start_loc [S + 1], seq_lens [S], block_tables [S, MB] expected");
+        "with H % KVH == 0, query_start_loc [S + 1], seq_lens [S], block_tables [S, MB], "
+        "sinks [H] or [0] expected");
   auto a = std::make_shared<Attention<C>>();
   a->q = q.typed_data();
   a->k_cache = static_cast<const C*>(k_cache.untyped_data());
@@ -267,6 +273,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& 
   a->qsl = query_start_loc.typed_data();
   a->seq_lens = seq_lens.typed_data();
   a->tables = block_tables.typed_data();
+  a->sinks = sinks.dimensions()[0] ? sinks.typed_data() : nullptr;
   a->out = out->typed_data();
   a->T = qd[0], a->H = qd[1], a->D = qd[2];
   a->NB = cd[1], a->BS = cd[2], a->KVH = cd[3], a->G = qd[1] / cd[3];
@@ -299,16 +306,16 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> seq_lens,
                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
-                         ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
-                         float soft_cap) {
+                         ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                         int64_t sliding_window, float soft_cap) {
   switch (k_cache.element_type()) {
     case ffi::DataType::F32:
       return Run<float>(pool, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-                        num_seqs, out, sm_scale, sliding_window, soft_cap);
+                        num_seqs, sinks, out, sm_scale, sliding_window, soft_cap);
     case ffi::DataType::BF16:
     case ffi::DataType::U16:   // bfloat16 bits (how a CPU engine stores a bfloat16 cache)
       return Run<uint16_t>(pool, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-                           num_seqs, out, sm_scale, sliding_window, soft_cap);
+                           num_seqs, sinks, out, sm_scale, sliding_window, soft_cap);
     default:
       return ffi::Error::InvalidArgument("imp_ragged_paged_attention: float32 or bfloat16 (or its bits in uint16) caches expected");
   }
@@ -327,6 +334,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ImpRaggedPagedAttentionF32, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] (gpt-oss) or [0]: none
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")

@@ -19,12 +19,14 @@ TILE_ROWS = 64   # query rows per tile
 def ragged_paged_attention_xla(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
     layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
-    soft_cap: float | None = None, dynamic_skips: bool = True,
+    soft_cap: float | None = None, dynamic_skips: bool = True, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
     Causal inside each sequence; a sliding window keeps keys with pos - window < key_pos;
-    soft-cap applies cap * tanh(s / cap) to the scores. Padding tokens produce zeros.
+    soft-cap applies cap * tanh(s / cap) to the scores; `sinks` [H] (gpt-oss) are per-head logits
+    that join each softmax's denominator only (folded in after the online softmax). Padding
+    tokens produce zeros.
     The step's own K/V must already be written (`write_kv`).
 
     Query rows go in tiles of TILE_ROWS; each tile merges two parts with one online softmax,
@@ -141,6 +143,11 @@ def ragged_paged_attention_xla(
                 jnp.zeros((tile, KVH, G, D), jnp.float32))
         outs.append(cached_prefix(i, own_tokens(i, init)))
     m, l, acc = (jnp.concatenate(xs)[:T] for xs in zip(*outs))
+    if sinks is not None:   # one more column, of value sink, that adds to l and nothing to acc
+        sink = sinks.astype(jnp.float32).reshape(1, KVH, G)
+        m_new = jnp.maximum(m, sink)
+        scale = jnp.exp(jnp.where(jnp.isfinite(m), m - m_new, -jnp.inf))
+        l, acc = l * scale + jnp.exp(sink - m_new), acc * scale[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(T, H, D).astype(q.dtype)

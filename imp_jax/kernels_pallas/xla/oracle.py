@@ -11,12 +11,13 @@ from imp_jax.kernels_pallas.metadata import AttentionMetadata, token_positions
 def ragged_paged_attention_oracle(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
     layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    soft_cap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Each token of q [T, H, D] against every key its sequence's block table reaches.
 
     Causal; a sliding window keeps keys with pos - window < key_pos; soft-cap applies
     cap * tanh(s / cap) to the scores; padding tokens give zeros. K/V must already be written.
+    `sinks` [H] (gpt-oss): a logit per head joining the softmax as one more column, its value dropped.
     """
     T, H, D = q.shape
     KVH = k_cache.shape[3]
@@ -33,6 +34,11 @@ def ragged_paged_attention_oracle(
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(jnp.where(valid[:, None, None, None], s, 0.0), axis=-1)
+    s = jnp.where(valid[:, None, None, None], s, 0.0)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, KVH, H // KVH, 1), s.shape[:3] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("tkgn,tnkd->tkgd", p, v)
     return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, H, D).astype(q.dtype)

@@ -1,0 +1,147 @@
+"""gpt-oss (GptOssForCausalLM): model/moe.py's mixture of experts with gpt-oss's attention.
+
+What differs from MoELM:
+- attention sinks: a learned logit per head joins every softmax's denominator (and nothing to its
+  numerator), passed to the attention kernels (`sinks`; the Pallas GPU kernel refuses them);
+- layers alternate sliding-window and full attention (`config.layer_types`, sliding first), picked
+  per layer as model/gemma.py does: K/V written first, then a `lax.cond` between two attention calls
+  that only read the cache (under the `unroll` loop each layer's window is static);
+- q/k/v and o projections carry biases; RoPE is YaRN-scaled (model/config.py);
+- the router has a bias and takes the softmax of its top-k logits; the experts have biases and
+  gpt-oss's clamped SwiGLU (`moe.ExpertAct`).
+
+Checkpoints: HF stores each layer's experts stacked and transposed ([E, in, out], gate and up
+interleaved column by column), in bf16 or as MXFP4 (`*_blocks` of packed FP4 e2m1 pairs and
+`*_scales` of E8M0 exponents, one per 32 values of an input row); both are brought to MoELM's
+[E, out, in] gate|up layout at load, MXFP4 dequantised (`dequantize_mxfp4`). Harmony's channels
+(analysis / final) are not parsed: the server applies the checkpoint's chat template and returns the
+raw text.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from imp_jax.kernels_pallas.attention import paged_attention
+from imp_jax.kernels_pallas.kv_cache import write_kv
+from imp_jax.model.base import ModelOptions
+from imp_jax.model.config import ModelConfig
+from imp_jax.model.layers import apply_rope, rms_norm
+from imp_jax.model.llama import layer_linear
+from imp_jax.model.moe import MoELayers, MoELM
+from imp_jax.model.tensor_parallel import TensorParallel
+from imp_jax.model.weights import WeightSource, stored
+
+# FP4 e2m1 values by their 4-bit code (sign in the high bit)
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 as gpt-oss checkpoints store it -> float32 [..., rows, G * 32].
+
+    blocks uint8 [..., rows, G, 16]: each byte two FP4 codes, the low nibble first; scales uint8
+    [..., rows, G]: one E8M0 exponent (bias 127) per group of 32 values."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: expected "
+                         f"[..., G, 16] and [..., G]")
+    values = np.empty(blocks.shape[:-1] + (32,), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(blocks.shape[:-2] + (-1,))
+
+
+class GptOssLayers(MoELayers):
+    """MoELayers plus the o projection's bias and the attention sinks, stacked [L, ...]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
+        super().__init__(cfg, dtype, rngs, tp)
+        L = cfg.num_layers
+        self.o_bias = nnx.Param(jnp.zeros((L, cfg.hidden_size), dtype), axes=("layers", "embed"))
+        self.sinks = nnx.Param(jnp.zeros((L, cfg.num_heads), jnp.float32), axes=("layers", None))
+
+
+class GptOssLM(MoELM):
+    """GptOssForCausalLM over a ragged token batch and a paged KV cache (model/base.py, the contract)."""
+
+    layers_class = GptOssLayers
+
+    def sliding_layers(self) -> np.ndarray:
+        """bool [L]: which layers attend through the sliding window."""
+        c = self.config
+        return np.array([c.layer_window(i) is not None for i in range(c.num_layers)])
+
+    def _layer(self, x, w, mats, loras, i, cos, sin, k_cache, v_cache, meta):
+        """One gpt-oss layer; `i` a Python int (unrolled: the window is static) or traced (scan)."""
+        cfg, kernels = self.config, self.options.kernels
+        T, D = x.shape[0], cfg.head_dim
+        heads, kv_heads = self.tp.local_heads, self.tp.local_kv_heads
+        h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+        qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"), kernels)
+        q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=-1)
+        q, k, v = q.reshape(T, heads, D), k.reshape(T, kv_heads, D), v.reshape(T, kv_heads, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, i)
+
+        def attend(window):
+            return lambda q, kc, vc: paged_attention(q, kc, vc, meta, i, sm_scale=D ** -0.5, sliding_window=window,
+                                                     kernels=kernels, sinks=w["sinks"])
+        sliding = self.sliding_layers()
+        if isinstance(i, int) or len(set(sliding.tolist())) == 1:
+            window = cfg.sliding_window if sliding[i if isinstance(i, int) else 0] else None
+            attn = attend(window)(q, k_cache, v_cache)
+        else:
+            attn = jax.lax.cond(jnp.asarray(sliding)[i], attend(cfg.sliding_window), attend(None),
+                                q, k_cache, v_cache)
+        o = layer_linear(attn.astype(x.dtype).reshape(T, heads * D), mats["o_proj"], i, w["o_bias"], kernels)
+        x = x + o
+        h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
+        x = x + self._mlp(h, mats, loras, i, meta)
+        return x, k_cache, v_cache
+
+    @classmethod
+    def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
+                        options: ModelOptions = ModelOptions()) -> "GptOssLM":
+        """Build from a GptOssForCausalLM checkpoint's tensors: MoELM's attention and norms, then the
+        o projection's bias, the sinks and the experts (`_load_experts`)."""
+        model = super().from_hf_tensors(config, weights, options)
+        ly, L = model.layers, config.num_layers
+        o_bias = np.stack([weights.tensor(f"model.layers.{i}.self_attn.o_proj.bias") for i in range(L)])
+        sinks = np.stack([weights.tensor(f"model.layers.{i}.self_attn.sinks") for i in range(L)])
+        for param, value, dtype in ((ly.o_bias, o_bias, options.dtype), (ly.sinks, sinks, jnp.float32)):
+            if value.shape != tuple(param.shape):
+                raise ValueError(f"shape {value.shape} where {param.shape} was expected")
+            param.set_value(stored(value, dtype))
+        return model
+
+    @classmethod
+    def _load_experts(cls, model: "GptOssLM", config: ModelConfig, weights: WeightSource,
+                      options: ModelOptions) -> None:
+        """Router weight and bias; experts from `mlp.experts.{gate_up,down}_proj` ([E, in, out],
+        bf16 / float) or their MXFP4 `_blocks` / `_scales` ([E, out, in] once dequantised), gate and
+        up de-interleaved into MoELM's [gate | up] halves, with their biases."""
+        def put(param: nnx.Param, value: np.ndarray) -> None:
+            if value.shape != tuple(param.shape):
+                raise ValueError(f"shape {value.shape} where {param.shape} was expected")
+            param.set_value(stored(value, options.dtype))
+
+        def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in]
+            if f"{pre}.{name}_blocks" in weights:
+                return dequantize_mxfp4(weights.tensor(f"{pre}.{name}_blocks"), weights.tensor(f"{pre}.{name}_scales"))
+            return np.swapaxes(np.asarray(weights.tensor(f"{pre}.{name}")), 1, 2)
+
+        def halves(x: np.ndarray) -> np.ndarray:   # interleaved gate, up along axis 1 -> [gate | up]
+            return np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1)
+
+        for i, mlp in enumerate(model.layers.mlp):
+            pre = f"model.layers.{i}.mlp"
+            put(mlp.router, weights.tensor(f"{pre}.router.weight"))
+            put(mlp.router_bias, weights.tensor(f"{pre}.router.bias"))
+            put(mlp.gate_up, halves(experts(f"{pre}.experts", "gate_up_proj")))
+            put(mlp.gate_up_bias, halves(weights.tensor(f"{pre}.experts.gate_up_proj_bias")))
+            put(mlp.down, experts(f"{pre}.experts", "down_proj"))
+            put(mlp.down_bias, weights.tensor(f"{pre}.experts.down_proj_bias"))

@@ -1,0 +1,369 @@
+"""gpt-oss (model/gpt_oss.py) on a tiny random checkpoint: attention sinks in the XLA and CPU kernels vs
+the oracle, YaRN vs transformers, MXFP4 dequantisation, and the model vs transformers' GptOssForCausalLM
+(logits, greedy tokens, a ragged batch of prefill chunks and decodes, an MXFP4 checkpoint, the engine)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.kernels_pallas import Kernels
+from imp_jax.kernels_pallas.attention import paged_attention
+from imp_jax.kernels_pallas.cpu import attention as cpu_attention
+from imp_jax.kernels_pallas.kv_cache import write_kv
+from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
+from imp_jax.model.base import ModelOptions
+from imp_jax.model.config import ModelConfig
+from imp_jax.model.gpt_oss import FP4_VALUES, GptOssLM, dequantize_mxfp4
+from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+from imp_jax.model.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
+from imp_jax.model.registry import get_model_class
+from imp_jax.model.weights import WeightSource
+from imp_jax.runtime.batch import SeqChunk
+from paged import PagedRunner, host_kernels
+from test_pallas_attention import Case, make_batch
+from tiny_models import TINY
+
+YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=64)
+# 3 layers: sliding, full, sliding (window 5, so a 30-token prompt crosses it)
+GPT_OSS = dict(TINY, num_hidden_layers=3, head_dim=16, intermediate_size=32, num_local_experts=4,
+               num_experts_per_tok=2, sliding_window=5, rope_parameters=YARN)
+
+
+def write_tiny_gpt_oss(path: Path, seed: int = 0):
+    """Save a tiny random GptOssForCausalLM (eager attention, so the sinks are transformers' own
+    softmax column); returns the transformers model. Sinks, biases and norms get noise; router and LM
+    head a scale that keeps routing and greedy picks away from near-ties."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(**GPT_OSS)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("sinks"):
+                p.normal_(0, 1.0)
+            elif n.endswith("router.weight") or n.endswith("lm_head.weight"):
+                p.normal_(0, 0.5)
+            elif n.endswith(("gate_up_proj", "down_proj")):
+                p.normal_(0, 0.1)
+            elif p.ndim == 1 or n.endswith("_bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def build(cfg: ModelConfig, tensors, kernels: Kernels | None = None, dtype=jnp.float32, loop="scan"):
+    opts = ModelOptions(dtype, loop, kernels or host_kernels(cfg, dtype))
+    return build_from_tensors(GptOssLM, cfg, WeightSource(tensors), opts)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf_model = write_tiny_gpt_oss(path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    return cfg, SafetensorsDir(path), hf_model, path
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    cfg, tensors, _, _ = tiny
+    return PagedRunner(build(cfg, tensors))
+
+
+def _prompts(lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _close(a, b, tol=1e-4):
+    scale = max(np.ptp(b), 1e-6)
+    assert np.max(np.abs(a - b)) <= tol * scale, np.max(np.abs(a - b)) / scale
+
+
+def _hf_logits(hf_model, ids):
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].numpy()
+
+
+# ------------------------------------------------------------------------------------ attention sinks
+SINK_CASES = {
+    "prefill_and_decodes": Case(((0, 19), (30, 1), (9, 4)), group=2, head_dim=16, block_size=8, dtype=jnp.float32,
+                                num_tokens=32, num_slots=4, kv_heads=2),
+    "window": Case(((0, 40), (70, 1)), group=4, head_dim=32, block_size=16, dtype=jnp.float32, num_tokens=48,
+                   num_slots=2, kv_heads=1, sliding_window=7),
+}
+
+
+def _numpy_sink_attention(case, q, k_cache, v_cache, meta, layer, sinks):
+    """Float64 attention with a sink column per head, one token at a time (the definition)."""
+    q, kc, vc = (np.asarray(x, np.float64) for x in (q, k_cache[layer], v_cache[layer]))
+    qsl, lens, tables = (np.asarray(x) for x in (meta.query_start_loc, meta.seq_lens, meta.block_tables))
+    out = np.zeros_like(q)
+    H, G = q.shape[1], case.group
+    for s in range(int(meta.num_seqs)):
+        for t in range(qsl[s], qsl[s + 1]):
+            pos = lens[s] - (qsl[s + 1] - t)
+            keys = np.arange(pos + 1)
+            if case.sliding_window:
+                keys = keys[keys > pos - case.sliding_window]
+            blocks = tables[s, keys // case.block_size]
+            for h in range(H):
+                k = kc[blocks, keys % case.block_size, h // G]
+                v = vc[blocks, keys % case.block_size, h // G]
+                logits = np.append(k @ q[t, h] * case.head_dim ** -0.5, float(sinks[h]))
+                p = np.exp(logits - logits.max())
+                out[t, h] = (p[:-1] / p.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_attention_sinks_match_numpy_and_the_oracle(name, backend):
+    if backend == "cpu" and not cpu_attention.available():
+        pytest.skip("CPU attention kernel not built")
+    case = SINK_CASES[name]
+    q, k, v, k_cache, v_cache, meta = make_batch(case)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, 1)
+    H = q.shape[1]
+    sinks = jnp.asarray(np.linspace(-3, 6, H), jnp.float32)   # one sink that dominates the scores
+    kw = dict(sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window)
+    got = jax.jit(lambda *a: paged_attention(*a, **kw, kernels=Kernels(attention=backend), sinks=sinks))(
+        q, k_cache, v_cache, meta, jnp.int32(1))
+    want = _numpy_sink_attention(case, q, k_cache, v_cache, meta, 1, np.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
+    ref = ragged_paged_attention_oracle(q, k_cache, v_cache, meta, 1, **kw, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    plain = ragged_paged_attention_oracle(q, k_cache, v_cache, meta, 1, **kw)
+    assert not np.allclose(np.asarray(ref), np.asarray(plain), atol=1e-3), "sinks must change the output"
+    real = int(meta.query_start_loc[meta.num_seqs])
+    assert not np.asarray(got[real:]).any(), "padding rows must be zero"
+
+
+def test_the_pallas_kernel_refuses_sinks_clearly():
+    case = SINK_CASES["prefill_and_decodes"]
+    q, _, _, k_cache, v_cache, meta = make_batch(case)
+    with pytest.raises(ValueError, match="attention sinks"):
+        paged_attention(q, k_cache, v_cache, meta, 1, sm_scale=1.0, kernels=Kernels(attention="pallas"),
+                        sinks=jnp.zeros((q.shape[1],), jnp.float32))
+
+
+def test_kernel_choice_leaves_the_pallas_kernel_to_models_without_sinks(tiny):
+    from imp_jax.kernels_pallas.pallas import shapes as pallas_shapes
+    from imp_jax.model.loader import attention_shape
+
+    cfg, _, _, _ = tiny
+    shape = dataclasses.replace(attention_shape(cfg, jnp.bfloat16, jnp.bfloat16, 16, "gpu"), head_dim=64)
+    assert shape.sinks and not pallas_shapes.supports(shape)
+    assert pallas_shapes.supports(dataclasses.replace(shape, sinks=False))
+    if cpu_attention.available():   # the C++ CPU kernel has them
+        assert host_kernels(cfg).attention == "cpu"
+
+
+# ------------------------------------------------------------------------------ experts, router
+def _np_swiglu(g, u, alpha=1.702, limit=7.0):
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g / (1 + np.exp(-alpha * g)) * (u + 1)
+
+
+@pytest.mark.parametrize("impl", EXPERT_IMPLS)
+def test_biased_experts_with_the_clamped_swiglu_match_numpy(impl):
+    """Every expert implementation with gpt-oss's biases and activation, on activations well past
+    the clamp (|gate|, |up| up to ~20), against float64 NumPy on the real tokens."""
+    rng = np.random.default_rng(3)
+    T, H, I, E, k, real = 16, 32, 24, 6, 2, 11
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    gate_up = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
+    down = rng.standard_normal((E, H, I)).astype(np.float32) * 0.2
+    b_gu = rng.standard_normal((E, 2 * I)).astype(np.float32)
+    b_d = rng.standard_normal((E, H)).astype(np.float32)
+    w, idx = route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k, "topk_softmax")
+    w, idx = np.asarray(w, np.float64), np.asarray(idx)
+    ref = np.zeros((T, H))
+    for t in range(T):
+        for j in range(k):
+            e = idx[t, j]
+            gu = gate_up[e].astype(np.float64) @ h[t] + b_gu[e]
+            assert np.abs(gu).max() > 7 or t
+            ref[t] += w[t, j] * (down[e] @ _np_swiglu(gu[:I], gu[I:]) + b_d[e])
+    got = np.asarray(expert_ffn(jnp.asarray(h), jnp.asarray(w, jnp.float32), jnp.asarray(idx), jnp.asarray(gate_up),
+                                jnp.asarray(down), impl, jnp.asarray(real), act=ExpertAct("swiglu_clamped"),
+                                gate_up_bias=jnp.asarray(b_gu), down_bias=jnp.asarray(b_d)))
+    np.testing.assert_allclose(got[:real], ref[:real], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------- config, YaRN
+def test_config_reads_gpt_oss_fields_and_yarn_matches_transformers(tiny):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg, _, hf_model, _ = tiny
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [cfg.layer_window(i) for i in range(3)] == [5, None, 5]
+    assert cfg.attention_sinks and cfg.expert_bias and cfg.attention_bias
+    assert (cfg.router, cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit) == ("topk_softmax", "swiglu_clamped",
+                                                                                1.702, 7.0)
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_model.config)
+    np.testing.assert_allclose(cfg.rope_inv_freq(), inv.double().numpy(), rtol=1e-6)
+    assert cfg.rope_attention_scale == pytest.approx(scale) and scale > 1
+    assert get_model_class(cfg.architecture) is GptOssLM
+
+
+def test_yarn_truncation_and_a_missing_original_length():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    import transformers
+
+    rope = dict(YARN, truncate=True, factor=4.0, beta_fast=16.0, mscale=1.0, mscale_all_dim=0.5)
+    hf_cfg = transformers.GptOssConfig(**{**GPT_OSS, "rope_parameters": rope})
+    cfg = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": ["GptOssForCausalLM"]})
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    np.testing.assert_allclose(cfg.rope_inv_freq(), inv.double().numpy(), rtol=1e-6)
+    assert cfg.rope_attention_scale == pytest.approx(scale)
+    bad = {**hf_cfg.to_dict(), "architectures": ["GptOssForCausalLM"],
+           "rope_parameters": {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}}
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
+        ModelConfig.from_hf(bad)
+
+
+# ------------------------------------------------------------------------------------------ MXFP4
+def test_mxfp4_dequantises_known_values():
+    # one row of 64 values: two groups of 32, scales 2^0 and 2^-3
+    codes = np.arange(64) % 16
+    blocks = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8).reshape(1, 2, 16)
+    scales = np.array([[127, 124]], np.uint8)
+    got = dequantize_mxfp4(blocks, scales)
+    want = np.concatenate([FP4_VALUES[codes[:32]], FP4_VALUES[codes[32:]] / 8]).reshape(1, 64)
+    np.testing.assert_array_equal(got, want)
+    assert got[0, :16].tolist() == [0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6]
+    with pytest.raises(ValueError, match="MXFP4"):
+        dequantize_mxfp4(blocks, scales[:, :1])
+
+
+def _mxfp4(rng, shape_out_in):
+    """Random MXFP4 (blocks, scales) for an [E, out, in] weight and its exact value."""
+    E, out, inp = shape_out_in
+    blocks = rng.integers(0, 256, (E, out, inp // 32, 16)).astype(np.uint8)
+    scales = rng.integers(120, 126, (E, out, inp // 32)).astype(np.uint8)
+    return blocks, scales, dequantize_mxfp4(blocks, scales)
+
+
+def test_an_mxfp4_checkpoint_loads_dequantised_and_matches_transformers(tiny, tmp_path):
+    """A checkpoint whose experts are stored as MXFP4 `_blocks` / `_scales` (as gpt-oss ships) gives
+    the logits of transformers' model holding the dequantised values."""
+    import safetensors.numpy
+
+    cfg, tensors, hf_model, path = tiny
+    rng = np.random.default_rng(7)
+    hf = type(hf_model)(hf_model.config).float().eval()
+    hf.load_state_dict(hf_model.state_dict())
+    out = {n: tensors[n] for n in tensors._where}
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        for name, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32))):   # [E, out, in]
+            blocks, scales, value = _mxfp4(rng, shape)
+            del out[pre + name]
+            out[pre + name + "_blocks"], out[pre + name + "_scales"] = blocks, scales
+            with torch.no_grad():   # transformers holds [E, in, out]
+                getattr(hf.model.layers[i].mlp.experts, name).copy_(torch.from_numpy(value).transpose(1, 2))
+    ckpt = tmp_path / "mxfp4"
+    ckpt.mkdir()
+    safetensors.numpy.save_file({n: np.ascontiguousarray(v) for n, v in out.items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text((path / "config.json").read_text())
+    got_cfg = ModelConfig.from_file(ckpt / "config.json")
+    prompt = _prompts([11], cfg.vocab_size, seed=5)[0]
+    got = PagedRunner(build(got_cfg, SafetensorsDir(ckpt))).run([SeqChunk(prompt, 0, [3])])[0]
+    _close(got, _hf_logits(hf, prompt), 1e-4)
+
+
+# ------------------------------------------------------------------------------- vs transformers
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_logits_and_greedy_tokens_match_transformers(tiny, runner, loop):
+    cfg, tensors, hf_model, _ = tiny
+    if loop == "unroll":
+        runner = PagedRunner(build(cfg, tensors, loop="unroll"))
+    prompt = _prompts([12], cfg.vocab_size, seed=2)[0]
+    with torch.no_grad():
+        hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    table = [20, 21]
+    logits = runner.run([SeqChunk(prompt, 0, table)])[0]
+    _close(logits, _hf_logits(hf_model, prompt))
+    tokens, seq, last = [], list(prompt), logits[-1]
+    for _ in range(8):   # 12 + 8 tokens: past the sliding window of 5
+        tokens.append(int(np.argmax(last)))
+        seq.append(tokens[-1])
+        last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
+    assert tokens == hf_tokens
+
+
+@pytest.mark.parametrize("attention", ["xla", "cpu"])
+def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny, runner, attention):
+    cfg, tensors, hf_model, _ = tiny
+    kernels = host_kernels(cfg)
+    if attention != kernels.attention:
+        if attention == "cpu":
+            pytest.skip("CPU attention kernel not built")
+        runner = PagedRunner(build(cfg, tensors, dataclasses.replace(kernels, attention=attention)))
+    a, b, c = _prompts([30, 21, 3], cfg.vocab_size, seed=1)
+    ta, tb, tc = [10, 11], [12, 13], [14]
+    first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
+    second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
+    third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
+    _close(np.concatenate([first[0], second[0], third[0]]), _hf_logits(hf_model, a))
+    _close(np.concatenate([first[1], second[1], third[1]]), _hf_logits(hf_model, b))
+    _close(np.concatenate([first[2], second[2]]), _hf_logits(hf_model, c))
+
+
+def test_bfloat16_model_tracks_transformers_float32(tiny):
+    cfg, tensors, hf_model, _ = tiny
+    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    model = build(cfg, tensors, dtype=jnp.bfloat16)
+    assert model.layers.sinks[...].dtype == jnp.float32   # the sinks stay float32 in a bf16 model
+    got = PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
+    _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
+
+
+def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
+    """`python -m imp_jax.convert` of the gpt-oss dir: the same config (YaRN, sinks, SwiGLU fields)
+    and the same parameters, sinks and expert biases included."""
+    from conftest import write_tiny_tokenizer
+    from imp_jax.convert import main
+    from imp_jax.model.loader import load_model
+    from test_convert import _same_params
+
+    _, _, _, path = tiny
+    write_tiny_tokenizer(path)
+    assert main([str(path), str(tmp_path / "dst")]) == 0
+    ours, theirs = load_model(tmp_path / "dst", dtype="float32"), load_model(path, dtype="float32")
+    assert ours.config == theirs.config and isinstance(ours.model, GptOssLM)
+    _same_params(ours.model, theirs.model)
+
+
+# --------------------------------------------------------------------------------------- engine
+def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
+    cfg, _, hf_model, path = tiny
+    from conftest import write_tiny_tokenizer
+    from imp_jax import LLM, SamplingParams
+
+    write_tiny_tokenizer(path)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    prompts = ["hello world", "the quick brown fox jumps over the lazy dog", "12345"]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    alone = [llm.generate(p, params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    out = together[1]
+    with torch.no_grad():
+        ids = torch.tensor([out.prompt_token_ids])
+        exact = hf_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    assert out.outputs[0].token_ids == exact.tolist()
+    assert llm.core.step_fn.compilations_after_warmup == 0
+    assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks
