@@ -1,7 +1,8 @@
-"""Cost of DRY in the sampler: the compiled `sample` step on random logits of SmolLM2's vocabulary
-(49152) at 1 and 32 rows, without DRY vs with every row holding DRY_SLOTS penalties (greedy rows, the
-default skips of this backend), and the host's per-row penalty computation (runtime/dry.py) over a
-history of --history tokens. Medians of --repeats runs after a warm-up run.
+"""Cost of DRY and mirostat in the sampler: the compiled `sample` step on random logits of SmolLM2's
+vocabulary (49152) at 1 and 32 rows, without DRY vs with every row holding DRY_SLOTS penalties (greedy
+rows, the default skips of this backend), the host's per-row penalty computation (runtime/dry.py) over a
+history of --history tokens, and sampled rows (temperature 0.8, top_p 0.95) vs mirostat v1 / v2 rows.
+Medians of --repeats runs after a warm-up run.
 
     PYTHONPATH=. python scripts/bench_sampler_dry_mirostat.py --repeats 50 --history 1024
 """
@@ -20,12 +21,17 @@ from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
 VOCAB = 49152   # SmolLM2
 
 
-def time_sample(rows: int, dry: bool, repeats: int) -> float:
-    """Median seconds of one `sample` call (outputs waited for)."""
+def time_sample(rows: int, dry: bool, repeats: int, mirostat: int | None = None) -> float:
+    """Median seconds of one `sample` call (outputs waited for). `mirostat` None: greedy rows (with DRY
+    or not); 0: sampled rows with top_p; 1 / 2: mirostat rows of that version."""
     rng = np.random.default_rng(0)
-    logits = jax.device_put(rng.normal(size=(rows, VOCAB)).astype(np.float32))
+    logits = jax.device_put(rng.normal(size=(rows, VOCAB)).astype(np.float32) * 3)
     slots = [(int(i), 0.5) for i in rng.choice(VOCAB, DRY_SLOTS, replace=False)] if dry else []
-    specs = [RowSpec(temperature=0.0, dry=slots) for _ in range(rows)]
+    if mirostat is None:
+        specs = [RowSpec(temperature=0.0, dry=slots) for _ in range(rows)]
+    else:
+        specs = [RowSpec(temperature=0.8, top_p=0.95, mirostat=mirostat, mirostat_mu=10.0, seed=i)
+                 for i in range(rows)]
     t = build_sampling_tensors(specs, num_rows_bucket=rows, vocab_size=VOCAB, history_len=256, max_bias=64,
                                with_mask=True)
     t = jax.device_put(t)
@@ -64,6 +70,11 @@ def main() -> None:
         off, on = time_sample(rows, False, args.repeats), time_sample(rows, True, args.repeats)
         print(f"sample, {rows:2d} rows: DRY off {off * 1e3:7.3f} ms, on {on * 1e3:7.3f} ms ({on / off:.2f}x)")
     print(f"host DRY penalties, one row, history {args.history}: {time_host(args.history, args.repeats) * 1e3:.3f} ms")
+    for rows in (1, 32):
+        base = time_sample(rows, False, args.repeats, mirostat=0)
+        v1, v2 = (time_sample(rows, False, args.repeats, mirostat=m) for m in (1, 2))
+        print(f"sample, {rows:2d} sampled rows: top_p {base * 1e3:7.3f} ms, mirostat v1 {v1 * 1e3:7.3f} ms "
+              f"({v1 / base:.2f}x), v2 {v2 * 1e3:7.3f} ms ({v2 / base:.2f}x)")
 
 
 if __name__ == "__main__":

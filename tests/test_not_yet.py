@@ -15,7 +15,7 @@ ROUTES = {
     "/v1/messages": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/responses": {"model": "fake-model", "input": "hi", "max_output_tokens": 2},
 }
-ASKING = {"mirostat": 2,
+ASKING = {
           "xtc_probability": 0.5, "dynatemp_range": 0.3, "top_n_sigma": 1.0}
 
 

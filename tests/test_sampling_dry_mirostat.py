@@ -3,7 +3,9 @@ histories, breakers, allowed_length, penalty_last_n), the breaker table, the com
 slots; on the tiny random Llama, greedy DRY tokens vs the plain transformers logits minus the reference
 penalties step by step, DRY rows never overlapped, the pool back at its baseline, no compilation after
 warm-up; the 400s naming the field on the four routes over the FakeEngine; the real server through the
-openai client."""
+openai client. Mirostat (runtime/mirostat.py): the kept set and the mu update vs llama.cpp's algorithm in
+NumPy, greedy rows, mu carried from step to step through the engine, the 400s, the openai and anthropic
+clients."""
 from __future__ import annotations
 
 import itertools
@@ -306,3 +308,177 @@ def test_a_dry_request_never_drafts(tiny) -> None:
                                 speculative=True))
     assert core.counters.spec_drafted > drafted     # the same prompt without DRY does draft
     assert core.step_fn.compilations_after_warmup == 0
+
+
+# ------------------------------------------------------------------------- mirostat
+LN2 = np.log(2.0)
+
+
+def mirostat_reference(logits: np.ndarray, version: int, mu: float, vocab: int) -> np.ndarray:
+    """llama.cpp's mirostat truncation of one row (float64): the kept token ids, most likely first."""
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    ps = p[order]
+    if version == 2:
+        size = next((i for i, q in enumerate(ps) if -np.log2(q) > mu), len(ps))
+        return order[:max(size, 1)]
+    m = 100
+    num = den = 0.0
+    for i in range(min(m - 1, len(ps) - 1)):
+        ti = np.log((i + 2) / (i + 1))
+        num += ti * np.log(ps[i] / ps[i + 1])
+        den += ti * ti
+    s_hat = num / den
+    eps = s_hat - 1
+    k = ((eps * 2.0 ** mu) / (1 - vocab ** -eps)) ** (1 / s_hat)
+    return order[:max(int(k), 1)]
+
+
+def mirostat_rows(version: int, mus: list[float], temperature: float = 1.0, **knobs):
+    from imp_jax.runtime.sampling import RowSpec
+
+    return [RowSpec(temperature=temperature, mirostat=version, mirostat_mu=mu, mirostat_tau=3.0, mirostat_eta=0.2,
+                    seed=7, position=i, wants_top_logprobs=True, **knobs) for i, mu in enumerate(mus)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dynamic_skips", [True, False])
+def test_mirostat_keeps_llama_cpps_set_and_moves_mu_by_the_surprise(version: int, dynamic_skips: bool) -> None:
+    """The tokens a mirostat row may draw (the finite entries of its processed top 20) are llama.cpp's set
+    for its mu, the draw is one of them with its renormalised logprob, and the new mu is
+    mu - eta * (-log2 p - tau); top_k, top_p, min_p and typical_p do not apply to mirostat rows."""
+    import jax
+
+    from imp_jax.runtime.sampling import build_sampling_tensors, sample
+
+    vocab = 600
+    rng = np.random.default_rng(version)
+    logits = (rng.standard_normal((6, vocab)) * 2.5).astype(np.float32)
+    logits[:, :3] += 6                                      # a few likely tokens, a long tail
+    mus = [0.5, 1.5, 2.5, 4.0, 6.0, 9.0] if version == 2 else [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    rows = mirostat_rows(version, mus, temperature=0.8, top_k=1, top_p=0.1, min_p=0.9)
+    t = build_sampling_tensors(rows, num_rows_bucket=8, vocab_size=vocab, history_len=4, max_bias=2, with_mask=False)
+    padded = np.concatenate([logits, np.zeros((2, vocab), np.float32)])
+    out = sample(padded, t, jax.random.key(0), 20, dynamic_skips=dynamic_skips)
+    sizes = []
+    for r, mu in enumerate(mus):
+        kept = mirostat_reference(logits[r].astype(np.float64) / 0.8, version, mu, vocab)
+        sizes.append(len(kept))
+        finite = set(np.asarray(out.top_ids[r])[np.isfinite(np.asarray(out.top_logprobs[r]))].tolist())
+        if len(kept) <= 20:
+            assert finite == set(kept.tolist()), (r, mu)
+        else:
+            assert len(finite) == 20 and finite <= set(kept.tolist())
+        token = int(out.tokens[r])
+        assert token in set(kept.tolist())
+        p = np.exp(logits[r].astype(np.float64) / 0.8 - (logits[r] / 0.8).max())[kept]
+        want_lp = np.log(p[kept.tolist().index(token)] / p.sum())
+        assert float(out.logprob[r]) == pytest.approx(want_lp, abs=1e-4)
+        assert float(out.mirostat_mu[r]) == pytest.approx(mu - 0.2 * (-want_lp / LN2 - 3.0), abs=1e-4)
+    assert min(sizes) >= 1 and max(sizes) > 1 and len(set(sizes)) > 2   # the rows really differ
+    assert np.asarray(out.mirostat_mu[6:]).tolist() == [0.0, 0.0]      # padding rows keep theirs
+
+
+def test_a_greedy_mirostat_row_is_greedy_and_its_surprise_is_0() -> None:
+    """At temperature 0 llama.cpp keeps one token: the argmax, surprise 0, so mu rises by eta * tau."""
+    import jax
+
+    from imp_jax.runtime.sampling import build_sampling_tensors, sample
+
+    logits = np.random.default_rng(1).standard_normal((2, 300)).astype(np.float32)
+    rows = mirostat_rows(2, [4.0], temperature=0.0) + mirostat_rows(1, [4.0], temperature=0.0)
+    t = build_sampling_tensors(rows, num_rows_bucket=2, vocab_size=300, history_len=4, max_bias=2, with_mask=False)
+    out = sample(logits, t, jax.random.key(0), 0)
+    assert np.asarray(out.tokens).tolist() == logits.argmax(-1).tolist()
+    np.testing.assert_allclose(np.asarray(out.mirostat_mu), [4.0 + 0.2 * 3.0] * 2, rtol=1e-6)
+
+
+def test_engine_carries_mu_from_step_to_step(tiny, monkeypatch) -> None:
+    """Each step's row gets the mu the step before returned (first 2 * tau), which moved by that token's
+    surprise (its reported logprob is the renormalised one); mirostat rows are never overlapped; the pool
+    is back at baseline and nothing compiles."""
+    core, _ = tiny
+    baseline = core.stats()["num_free_blocks"]
+    seen: list[float] = []
+    real = core._row_spec
+
+    def spy(seq, *a, **k):
+        spec = real(seq, *a, **k)
+        if spec.mirostat:
+            seen.append(spec.mirostat_mu)
+        return spec
+
+    monkeypatch.setattr(core, "_row_spec", spy)
+    overlapped = core.counters.overlapped_steps
+    events: list = []
+    core.add_request(request(PROMPT, max_tokens=12, temperature=1.5, seed=11, ignore_eos=True, logprobs=0,
+                             mirostat=2, mirostat_tau=2.0, mirostat_eta=0.5), events.append)
+    while core.has_work():
+        core.step()
+    lps = [lp.logprob for e in events for lp in (e.logprobs or [])]
+    assert len(lps) == 12 and len(seen) == 12
+    mu = 4.0
+    for k, lp in enumerate(lps):
+        assert seen[k] == pytest.approx(mu, abs=1e-4), k
+        mu = mu - 0.5 * (-lp / LN2 - 2.0)
+    assert len(set(np.round(seen, 4))) > 3                      # mu really moved
+    assert core.counters.overlapped_steps == overlapped
+    assert core.stats()["num_free_blocks"] == baseline
+    assert core.step_fn.compilations_after_warmup == 0
+
+
+def test_engine_mirostat_with_a_tiny_target_is_greedy(tiny) -> None:
+    """tau near 0 keeps mu near 0: v2 keeps the most likely token only, and v1's k is 1."""
+    core, _ = tiny
+    (greedy,) = run(core, request(PROMPT, max_tokens=8, **NEUTRAL))
+    for version in (1, 2):
+        (miro,) = run(core, request(PROMPT, max_tokens=8, **{**NEUTRAL, "temperature": 1.0}, seed=5,
+                                    mirostat=version, mirostat_tau=0.01, mirostat_eta=0.01))
+        assert miro == greedy, version
+    (hot,) = run(core, request(PROMPT, max_tokens=8, **{**NEUTRAL, "temperature": 1.0}, seed=5,
+                               mirostat=2, mirostat_tau=20.0))
+    assert hot != greedy      # a high target leaves the tail in
+
+
+MIRO_BAD = [("mirostat", 3), ("mirostat", -1), ("mirostat", "x"), ("mirostat_tau", 0), ("mirostat_tau", 101),
+            ("mirostat_eta", 0), ("mirostat_eta", 1.5), ("mirostat_eta", "x")]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_mirostat_values_are_checked_on_every_route(fake_server, route: str) -> None:  # noqa: F811
+    url, _ = fake_server
+    for name, value in MIRO_BAD:
+        r = httpx.post(url + route, json={**ROUTES[route], "mirostat": 2, name: value}, timeout=30)
+        assert r.status_code == 400, (route, name, value, r.text)
+        error = r.json()["error"]
+        assert name in error["message"], (route, name, error)
+        if route != "/v1/messages":
+            assert error["param"] == name, error
+    ok = {**ROUTES[route], "mirostat": 1, "mirostat_tau": 4.0, "mirostat_eta": 0.2}
+    assert httpx.post(url + route, json=ok, timeout=30).status_code == 200
+    off = {**ROUTES[route], "mirostat": 0, "mirostat_tau": -1}   # tau and eta act only through mirostat
+    assert httpx.post(url + route, json=off, timeout=30).status_code == 200
+
+
+@pytest.mark.real_model
+def test_mirostat_through_the_clients(openai_client, live_server) -> None:  # noqa: F811
+    import anthropic
+
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about cats."}], max_tokens=12, seed=3,
+        extra_body={"mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.1})
+    assert chat.choices[0].message.content
+    text = openai_client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                            extra_body={"mirostat": 1})
+    assert text.choices[0].text
+    claude = anthropic.Anthropic(base_url=live_server.url, api_key="x")
+    msg = claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                 extra_body={"mirostat": 2})
+    assert msg.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                               extra_body={"mirostat": 2, "banned_strings": ["cat"]})
+    assert "mirostat" in str(e.value)
+    stats = wait_idle(live_server.url)
+    assert stats["compilations_after_warmup"] == 0

@@ -22,6 +22,7 @@ from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime import cfg as guidance
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
+from imp_jax.runtime import mirostat
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.dry import BreakerTable, repeat_penalties, top_slots
 from imp_jax.runtime.kv_blocks import KVBlockPool, OutOfBlocks
@@ -189,6 +190,7 @@ class EngineCore:
             if phrases is not None:
                 seq.banned = BannedFilter(phrases, budget)
             seq.spec = self._spec_state(req, p)
+            seq.mirostat_mu = mirostat.initial_mu(p.mirostat_tau)
             seqs.append(seq)
         state = _RequestState(req, seqs, emit, len(seqs), scoring=scoring, adapter=adapter)
         self.requests[req.request_id] = state
@@ -419,6 +421,8 @@ class EngineCore:
                 return False
             if samples and seq.status is not SeqStatus.FINISHED and seq.params.dry.on:
                 return False   # its DRY penalties come from its full history, newest token included
+            if samples and seq.status is not SeqStatus.FINISHED and seq.params.mirostat:
+                return False   # its next row needs the mu this step returns
         return True
 
     def _may_draft(self, seq: Sequence) -> bool:
@@ -576,7 +580,8 @@ class EngineCore:
             seed=p.seed, position=seq.num_tokens + len(ahead),
             history=history, num_output_tokens=n_out if history else 0,
             logit_bias=self._logit_bias(p, n_out, seq.banned), wants_top_logprobs=p.logprobs is not None,
-            allowed_bitmask=mask, dry=self._dry(seq, pending, ahead))
+            allowed_bitmask=mask, dry=self._dry(seq, pending, ahead), mirostat=p.mirostat,
+            mirostat_tau=p.mirostat_tau, mirostat_eta=p.mirostat_eta, mirostat_mu=seq.mirostat_mu)
 
     def _dry(self, seq: Sequence, pending: int, ahead: tuple[int, ...]) -> list[tuple[int, float]]:
         """The row's DRY (token id, penalty) slots from its whole known history plus the drafts before
@@ -660,6 +665,8 @@ class EngineCore:
         if samples:
             token = int(out.tokens[row])
             seq.pending -= first
+            if seq.params.mirostat:   # never overlapped (_overlappable): this step's mu is the next row's
+                seq.mirostat_mu = float(out.mirostat_mu[row])
             seq.output_ids.append(token)
             if seq.shadow is not None:
                 guidance.feed(seq.shadow, token)

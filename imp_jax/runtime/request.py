@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -9,6 +10,7 @@ from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_DRY_BASE, MAX_DRY_MULTIPLIER
 from imp_jax.runtime.banned import check_phrases
 from imp_jax.runtime.dry import DryParams
+from imp_jax.runtime import mirostat as miro
 
 # Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
 # dialects check the same values, from here, before a request reaches it.
@@ -67,6 +69,10 @@ class SamplingParams:
     # phrases the output must not contain: a completed one is rewound and resampled (runtime/banned.py)
     banned_strings: list[str] = dataclasses.field(default_factory=list)
     banned_regex: list[str] = dataclasses.field(default_factory=list)
+    # mirostat v1 / v2 (runtime/mirostat.py): 0 = off; tau and eta act only through it
+    mirostat: int = 0
+    mirostat_tau: float = miro.DEFAULT_TAU
+    mirostat_eta: float = miro.DEFAULT_ETA
     # DRY (runtime/dry.py): multiplier 0 = off; the others act only through it
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
@@ -132,6 +138,12 @@ class SamplingParams:
         if self.banned_strings or self.banned_regex:
             check_phrases(self.banned_strings, self.banned_regex)
         self._validate_dry(bad)
+        if self.mirostat not in (0, 1, 2):
+            bad("mirostat", "must be 0 (off), 1 or 2 (mirostat v1 / v2)")
+        if self.mirostat and not (0 < self.mirostat_tau <= miro.MAX_TAU and math.isfinite(self.mirostat_tau)):
+            bad("mirostat_tau", f"must be in (0, {miro.MAX_TAU:g}] (bits)")
+        if self.mirostat and not 0 < self.mirostat_eta <= 1:
+            bad("mirostat_eta", "must be in (0, 1]")
 
     def _validate_dry(self, bad: Any) -> None:
         if not 0 <= self.dry_multiplier <= MAX_DRY_MULTIPLIER:

@@ -15,6 +15,8 @@ mix of requests. Processing order, each step seeing the output of the one before
    top_k (k <= 0 or k >= V is off), top_p (smallest prefix by probability whose mass
    reaches top_p, at least one token), min_p (drop p < min_p * p_max), typical_p
    (HF TypicalLogitsWarper). Cuts are by value: tokens tied with the last kept one stay;
+   mirostat rows (mirostat.py) are truncated by mirostat v1 (a top_k from mu) or v2 (surprise at most
+   mu) instead, and the sampler returns their next mu;
 6. greedy rows take the argmax; other rows draw by inverse CDF (one uniform per row) with key
    fold_in(key(seed), position) when seeded, else fold_in(step_key, row_index).
 
@@ -27,6 +29,7 @@ a bias of 0 turns a slot into a probe (/v1/score, /v1/decide) without changing t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from imp_jax.runtime import mirostat as miro
 from imp_jax.runtime.dry import DRY_SLOTS
 from imp_jax.runtime.truncation import cond, switch, truncate
 
@@ -70,17 +74,22 @@ class SamplingTensors:
     masked: jax.Array | None = None  # bool[R]: the row's allowed_mask restricts it (None: every row)
     dry_ids: jax.Array | None = None  # i32[R, D]: tokens a DRY penalty applies to (dry.py), -1 = padding
     dry_penalties: jax.Array | None = None  # f32[R, D]: subtracted from those tokens' logits
+    mirostat: jax.Array | None = None  # i32[R]: 0 = off, 1 or 2 = that version (mirostat.py)
+    mirostat_tau: jax.Array | None = None  # f32[R]: target surprise, bits
+    mirostat_eta: jax.Array | None = None  # f32[R]: learning rate
+    mirostat_mu: jax.Array | None = None  # f32[R]: the sequence's current mu
 
 
 class SamplerOutput(NamedTuple):
-    """Sampled tokens, their processed logprobs, the top-K processed logprobs, and the raw logprobs
-    of the ids in each row's logit_bias slots."""
+    """Sampled tokens, their processed logprobs, the top-K processed logprobs, the raw logprobs
+    of the ids in each row's logit_bias slots, and each mirostat row's next mu."""
 
     tokens: jax.Array  # i32[R]
     logprob: jax.Array  # f32[R]
     top_ids: jax.Array  # i32[R, K], K = num_top_logprobs, best first
     top_logprobs: jax.Array  # f32[R, K]
     bias_raw_logprobs: jax.Array  # f32[R, B]: raw logprob of bias_ids[r, b]; 0 in padding slots
+    mirostat_mu: jax.Array  # f32[R]: mu after this token (mirostat.py); the input mu (or 0) elsewhere
 
 
 # ---------------------------------------------------------------------------- device
@@ -138,7 +147,9 @@ def sample(
     else:
         fast = jnp.all(t.temperature <= 0) & jnp.all(t.typical_p >= 1) & ~jnp.any(t.wants_top_logprobs)
         tokens, logprob, top_logprobs, top_ids = cond(dynamic_skips, ~fast, full, greedy_only, penalised)
-    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs, raw)
+    # greedy rows' mu ignores logprob (their surprise is 0), so the greedy-only path's zeros are fine
+    mu = jnp.zeros((rows,), jnp.float32) if t.mirostat is None else miro.next_mu(t, logprob)
+    return SamplerOutput(tokens, logprob, top_ids.astype(jnp.int32), top_logprobs, raw, mu)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -180,10 +191,15 @@ def _penalise(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool) -> jax
 
 
 def _scale_and_truncate(logits: jax.Array, t: SamplingTensors, dynamic_skips: bool) -> jax.Array:
-    """Steps 4-5: temperature, then top_k, top_p, min_p, typical_p."""
+    """Steps 4-5: temperature, then top_k, top_p, min_p, typical_p, or mirostat (mirostat.py)."""
     scale = jnp.where(t.temperature > 0, t.temperature, 1.0)
     logits = cond(dynamic_skips, jnp.any(scale != 1), lambda x: x / scale[:, None], lambda x: x, logits)
-    return truncate(logits, t, dynamic_skips)
+    if t.mirostat is None:
+        return truncate(logits, t, dynamic_skips)
+    # v1 is a top_k whose k comes from mu (a mirostat row's own top_k & co. are neutral: RowSpec)
+    top_k = cond(dynamic_skips, jnp.any(t.mirostat == 1), miro.v1_top_k, lambda x, t: t.top_k, logits, t)
+    logits = truncate(logits, dataclasses.replace(t, top_k=top_k), dynamic_skips)
+    return cond(dynamic_skips, jnp.any(t.mirostat == 2), miro.v2_truncate, lambda x, t: x, logits, t)
 
 
 def _apply_repetition(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -287,6 +303,11 @@ class RowSpec:
     allowed_token_ids: Sequence[int] | None = None
     allowed_bitmask: np.ndarray | None = None  # u32/i32[ceil(V/32)], e.g. from llguidance
     dry: Sequence[tuple[int, float]] = ()  # DRY (token id, penalty) pairs, at most DRY_SLOTS (dry.py)
+    mirostat: int = 0  # 0 = off, 1 / 2 = mirostat v1 / v2 (mirostat.py), which replaces top_k, top_p,
+    #   min_p and typical_p: build_sampling_tensors sets those neutral for the row
+    mirostat_tau: float = miro.DEFAULT_TAU
+    mirostat_eta: float = miro.DEFAULT_ETA
+    mirostat_mu: float = 0.0  # the sequence's mu (mirostat.initial_mu before its first token)
     wants_top_logprobs: bool = False  # the row reads its logprobs, the top-K or the sampled token's alone
     #   (the sampler may skip them otherwise)
 
@@ -317,6 +338,7 @@ def build_sampling_tensors(
     if len(rows) > num_rows_bucket:
         raise ValueError(f"{len(rows)} rows exceed the bucket of {num_rows_bucket}")
     n = num_rows_bucket
+    rows = [dataclasses.replace(r, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0) if r.mirostat else r for r in rows]
 
     def column(name: str, pad: float, dtype: type) -> np.ndarray:
         out = np.full(n, pad, dtype)
@@ -374,6 +396,10 @@ def build_sampling_tensors(
                         + [False] * (n - len(rows))) if with_mask else None,
         dry_ids=dry_ids,
         dry_penalties=dry_penalties,
+        mirostat=column("mirostat", 0, np.int32),
+        mirostat_tau=column("mirostat_tau", miro.DEFAULT_TAU, np.float32),
+        mirostat_eta=column("mirostat_eta", miro.DEFAULT_ETA, np.float32),
+        mirostat_mu=column("mirostat_mu", 0.0, np.float32),
     )
 
 

@@ -60,6 +60,7 @@ class Sequence:
     main: "Sequence | None" = None
     banned: BannedFilter | None = None   # banned_strings / banned_regex: held tokens and bans (runtime/banned.py)
     spec: Any = None                     # its SpecState (runtime/speculative.py) when it may draft
+    mirostat_mu: float = 0.0             # mirostat's running surprise bound (runtime/mirostat.py), when on
 
     @property
     def cache_key(self) -> Any:

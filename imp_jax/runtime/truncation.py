@@ -49,7 +49,7 @@ def truncate(logits: jax.Array, t: SamplingTensors, dynamic: bool = True) -> jax
         dynamic, prefix_branch,
         [
             lambda x: jnp.full(x.shape[:1], -jnp.inf, x.dtype),
-            lambda x: _prefix_cut(_top_values(x, width), t, k_on, p_on),
+            lambda x: _prefix_cut(top_values(x, width), t, k_on, p_on),
             lambda x: _threshold_cut(x, t, k_on, p_on, dynamic),
         ],
         logits,
@@ -66,7 +66,7 @@ def truncate(logits: jax.Array, t: SamplingTensors, dynamic: bool = True) -> jax
         dynamic, typical_branch,
         [
             lambda x: x,
-            lambda x: _apply_typical(x, _top_values(x, width), t.typical_p, typ_on),
+            lambda x: _apply_typical(x, top_values(x, width), t.typical_p, typ_on),
             lambda x: _apply_typical_full(x, t.typical_p, typ_on),
         ],
         logits,
@@ -80,7 +80,7 @@ def _cut_and_min_p(logits: jax.Array, cut: jax.Array, min_p: jax.Array) -> jax.A
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _top_values(x: jax.Array, k: int) -> jax.Array:
+def top_values(x: jax.Array, k: int) -> jax.Array:
     """Each row's k largest values, descending."""
     # The barrier stops XLA fusing TopK's slice into consumers, which on CPU turned the
     # TopK custom call back into a full sort (docs/PERF.md, the sampler section).

@@ -56,6 +56,9 @@ class OpenAISampling(WireModel):
     dry_allowed_length: int | None = None
     dry_penalty_last_n: int | None = None
     dry_sequence_breakers: list[str] | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -150,7 +153,7 @@ class OpenAISampling(WireModel):
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             banned_strings=self.banned("banned_strings"), banned_regex=self.banned("banned_regex"),
-            **self._dry_fields(),
+            **self._dry_fields(), **self._mirostat_fields(),
         )
         params.validate(vocab_size)
         return params
@@ -159,6 +162,10 @@ class OpenAISampling(WireModel):
         """The DRY fields the request sets (the others keep SamplingParams' llama.cpp defaults)."""
         names = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def _mirostat_fields(self) -> dict[str, Any]:
+        """The mirostat fields the request sets (the others keep llama.cpp's defaults: off, tau 5, eta 0.1)."""
+        return {n: getattr(self, n) for n in ("mirostat", "mirostat_tau", "mirostat_eta") if getattr(self, n) is not None}
 
     @property
     def include_usage(self) -> bool:

@@ -84,7 +84,6 @@ def parse_model(cls: type[M], data: dict[str, Any]) -> M:
 # Spec fields (docs/API.md) this server does not implement yet, with the values that ask for nothing
 # (accepted); any other value is a 400 not_supported naming the field, never silently ignored.
 NOT_YET: dict[str, tuple[Any, ...]] = {
-    "mirostat": (None, 0),                            # mirostat (mirostat_tau / _eta act only through this one)
     "xtc_probability": (None, 0, 0.0), "dynatemp_range": (None, 0, 0.0), "top_n_sigma": (None, -1, 0),
 }
 
