@@ -14,6 +14,71 @@ from imp_jax.model.loader import attention_shape
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 
 
+def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random token-id prompts of the given lengths."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def assert_close(a: np.ndarray, b: np.ndarray, tol: float = 1e-4) -> None:
+    """|a - b| at most `tol` times b's range, everywhere."""
+    scale = max(np.ptp(b), 1e-6)
+    assert np.max(np.abs(a - b)) <= tol * scale, np.max(np.abs(a - b)) / scale
+
+
+def hf_logits(hf_model, ids: Sequence[int]) -> np.ndarray:
+    """A transformers model's logits [len(ids), V] for one prompt."""
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor([list(ids)])).logits[0].numpy()
+
+
+def tiny_engine(path, num_blocks: int):
+    """An EngineCore on the tiny float32 model at `path` (max_model_len 128, 8 sequences, 32 tokens a step,
+    blocks of 16), warmed up, and the same model in transformers."""
+    import transformers
+
+    from imp_jax.model.loader import load_model
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.engine import EngineCore
+    from imp_jax.runtime.sharding import default_mesh
+
+    loaded = load_model(path, dtype="float32")
+    config = EngineConfig(model=str(path), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
+                          block_size=16, num_kv_blocks=num_blocks)
+    shape = loaded.model.kv_cache_shape(num_blocks, 16)
+    core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), num_blocks, default_mesh())
+    core.step_fn.warm_up()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32").eval()
+    return core, hf
+
+
+def check_llm_greedy(path, hf_model):
+    """Serve the tiny model at `path` (a tokenizer written beside it) with the offline LLM: three prompts
+    batched give the tokens each gives alone, the second's are transformers' greedy tokens, and nothing
+    compiles after warm-up. Returns the LLM for further checks."""
+    import torch
+    from conftest import write_tiny_tokenizer
+
+    from imp_jax import LLM, SamplingParams
+
+    write_tiny_tokenizer(path)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    prompts = ["hello world", "the quick brown fox jumps over the lazy dog", "12345"]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    alone = [llm.generate(p, params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    out = together[1]
+    with torch.no_grad():
+        ids = torch.tensor([out.prompt_token_ids])
+        exact = hf_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    assert out.outputs[0].token_ids == exact.tolist()
+    assert llm.core.step_fn.compilations_after_warmup == 0
+    return llm
+
+
 def host_kernels(cfg: ModelConfig, dtype=jnp.float32) -> Kernels:
     """The kernels an engine on this host picks for `cfg` (the C++ ones on an x86-64 CPU)."""
     device = jax.local_devices()[0]

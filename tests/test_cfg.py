@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from paged import tiny_engine
 from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 _ids = itertools.count()
@@ -21,22 +22,7 @@ POOL = 12   # 11 usable blocks of 16: three pairs of 20 + 40 and 12 + 40 tokens 
 
 @pytest.fixture(scope="module")
 def tiny(_tiny_hf_template: Path):
-    import jax.numpy as jnp
-    import transformers
-
-    from imp_jax.model.loader import load_model
-    from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
-
-    loaded = load_model(_tiny_hf_template, dtype="float32")
-    config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=8,
-                          max_num_batched_tokens=32, block_size=16, num_kv_blocks=POOL)
-    shape = loaded.model.kv_cache_shape(POOL, 16)
-    core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), POOL, default_mesh())
-    core.step_fn.warm_up()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(_tiny_hf_template, torch_dtype="float32").eval()
-    return core, hf
+    return tiny_engine(_tiny_hf_template, POOL)
 
 
 def request(prompt: list[int], shadow: list[int] | None = None, scale: float = 1.0, **params):

@@ -26,7 +26,7 @@ from imp_jax.model.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
 from imp_jax.model.registry import get_model_class
 from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
-from paged import PagedRunner, host_kernels
+from paged import PagedRunner, assert_close, check_llm_greedy, hf_logits, host_kernels, random_prompts
 from test_pallas_attention import Case, make_batch
 from tiny_models import TINY
 
@@ -78,21 +78,6 @@ def tiny(tmp_path_factory):
 def runner(tiny):
     cfg, tensors, _, _ = tiny
     return PagedRunner(build(cfg, tensors))
-
-
-def _prompts(lengths, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def _close(a, b, tol=1e-4):
-    scale = max(np.ptp(b), 1e-6)
-    assert np.max(np.abs(a - b)) <= tol * scale, np.max(np.abs(a - b)) / scale
-
-
-def _hf_logits(hf_model, ids):
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].numpy()
 
 
 # ------------------------------------------------------------------------------------ attention sinks
@@ -278,9 +263,9 @@ def test_an_mxfp4_checkpoint_loads_dequantised_and_matches_transformers(tiny, tm
     safetensors.numpy.save_file({n: np.ascontiguousarray(v) for n, v in out.items()}, str(ckpt / "model.safetensors"))
     (ckpt / "config.json").write_text((path / "config.json").read_text())
     got_cfg = ModelConfig.from_file(ckpt / "config.json")
-    prompt = _prompts([11], cfg.vocab_size, seed=5)[0]
+    prompt = random_prompts([11], cfg.vocab_size, seed=5)[0]
     got = PagedRunner(build(got_cfg, SafetensorsDir(ckpt))).run([SeqChunk(prompt, 0, [3])])[0]
-    _close(got, _hf_logits(hf, prompt), 1e-4)
+    assert_close(got, hf_logits(hf, prompt), 1e-4)
 
 
 # ------------------------------------------------------------------------------- vs transformers
@@ -289,13 +274,13 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, runner, loop):
     cfg, tensors, hf_model, _ = tiny
     if loop == "unroll":
         runner = PagedRunner(build(cfg, tensors, loop="unroll"))
-    prompt = _prompts([12], cfg.vocab_size, seed=2)[0]
+    prompt = random_prompts([12], cfg.vocab_size, seed=2)[0]
     with torch.no_grad():
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                       pad_token_id=0)[0, len(prompt):].tolist()
     table = [20, 21]
     logits = runner.run([SeqChunk(prompt, 0, table)])[0]
-    _close(logits, _hf_logits(hf_model, prompt))
+    assert_close(logits, hf_logits(hf_model, prompt))
     tokens, seq, last = [], list(prompt), logits[-1]
     for _ in range(8):   # 12 + 8 tokens: past the sliding window of 5
         tokens.append(int(np.argmax(last)))
@@ -312,23 +297,23 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny,
         if attention == "cpu":
             pytest.skip("CPU attention kernel not built")
         runner = PagedRunner(build(cfg, tensors, dataclasses.replace(kernels, attention=attention)))
-    a, b, c = _prompts([30, 21, 3], cfg.vocab_size, seed=1)
+    a, b, c = random_prompts([30, 21, 3], cfg.vocab_size, seed=1)
     ta, tb, tc = [10, 11], [12, 13], [14]
     first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
     second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
     third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
-    _close(np.concatenate([first[0], second[0], third[0]]), _hf_logits(hf_model, a))
-    _close(np.concatenate([first[1], second[1], third[1]]), _hf_logits(hf_model, b))
-    _close(np.concatenate([first[2], second[2]]), _hf_logits(hf_model, c))
+    assert_close(np.concatenate([first[0], second[0], third[0]]), hf_logits(hf_model, a))
+    assert_close(np.concatenate([first[1], second[1], third[1]]), hf_logits(hf_model, b))
+    assert_close(np.concatenate([first[2], second[2]]), hf_logits(hf_model, c))
 
 
 def test_bfloat16_model_tracks_transformers_float32(tiny):
     cfg, tensors, hf_model, _ = tiny
-    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    prompt = random_prompts([10], cfg.vocab_size, seed=4)[0]
     model = build(cfg, tensors, dtype=jnp.bfloat16)
     assert model.layers.sinks[...].dtype == jnp.float32   # the sinks stay float32 in a bf16 model
     got = PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
-    _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
+    assert_close(got, hf_logits(hf_model, prompt), tol=5e-2)
 
 
 def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
@@ -350,20 +335,5 @@ def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
 # --------------------------------------------------------------------------------------- engine
 def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
     cfg, _, hf_model, path = tiny
-    from conftest import write_tiny_tokenizer
-    from imp_jax import LLM, SamplingParams
-
-    write_tiny_tokenizer(path)
-    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
-    prompts = ["hello world", "the quick brown fox jumps over the lazy dog", "12345"]
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
-    together = llm.generate(prompts, params)
-    alone = [llm.generate(p, params)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
-    out = together[1]
-    with torch.no_grad():
-        ids = torch.tensor([out.prompt_token_ids])
-        exact = hf_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
-    assert out.outputs[0].token_ids == exact.tolist()
-    assert llm.core.step_fn.compilations_after_warmup == 0
+    llm = check_llm_greedy(path, hf_model)
     assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks

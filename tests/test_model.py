@@ -12,7 +12,7 @@ from imp_jax.model.loader import SafetensorsDir, build_from_tensors
 from imp_jax.model.registry import get_model_class
 from imp_jax.model.weights import WeightFormats, WeightSource, narrow_exact_bf16
 from imp_jax.runtime.batch import SeqChunk
-from paged import PagedRunner, host_kernels
+from paged import PagedRunner, assert_close, host_kernels, random_prompts
 from tiny_models import ARCHS, write_tiny_hf
 
 
@@ -85,28 +85,18 @@ def dense_forward(cfg: ModelConfig, t, ids) -> np.ndarray:
     return x @ head.T
 
 
-def _prompts(lengths, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def _close(a, b, tol=1e-4):
-    scale = max(np.ptp(b), 1e-6)
-    assert np.max(np.abs(a - b)) <= tol * scale, np.max(np.abs(a - b)) / scale
-
-
 def test_ragged_batch_matches_dense_attention(tiny):
     cfg, tensors, _, runner = tiny
-    prompts = _prompts([5, 17, 33, 1], cfg.vocab_size)
+    prompts = random_prompts([5, 17, 33, 1], cfg.vocab_size)
     tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9]]   # non-contiguous pages, not aligned to lengths
     out = runner.run([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
     for p, got in zip(prompts, out):
-        _close(got, dense_forward(cfg, tensors, p))
+        assert_close(got, dense_forward(cfg, tensors, p))
 
 
 def test_prefill_then_decode_equals_one_prefill(tiny):
     cfg, tensors, _, runner = tiny
-    a, b = _prompts([30, 21], cfg.vocab_size, seed=1)
+    a, b = random_prompts([30, 21], cfg.vocab_size, seed=1)
     ta, tb = [10, 11], [12, 13]
     # chunked prefill of a (two chunks) mixed with a one-shot prefill of b, then decodes of both
     first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb)])
@@ -115,13 +105,13 @@ def test_prefill_then_decode_equals_one_prefill(tiny):
              for i in range(27, 29)]
     got_a = np.concatenate([first[0], second[0]] + [s[0] for s in steps])
     got_b = np.concatenate([first[1], second[1]] + [s[1] for s in steps])
-    _close(got_a, dense_forward(cfg, tensors, a[:29]))
-    _close(got_b, dense_forward(cfg, tensors, b[:21]))
+    assert_close(got_a, dense_forward(cfg, tensors, a[:29]))
+    assert_close(got_b, dense_forward(cfg, tensors, b[:21]))
 
 
 def test_logits_and_greedy_tokens_match_transformers(tiny):
     cfg, _, hf_model, runner = tiny
-    prompt = _prompts([12], cfg.vocab_size, seed=2)[0]
+    prompt = random_prompts([12], cfg.vocab_size, seed=2)[0]
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0].numpy()
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
@@ -142,7 +132,7 @@ def test_scan_and_unrolled_layer_loops_agree(tmp_path):
     hf_model = write_tiny_hf("LlamaForCausalLM", tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")
     tensors = SafetensorsDir(tmp_path)
-    prompt = _prompts([9], cfg.vocab_size, seed=3)[0]
+    prompt = random_prompts([9], cfg.vocab_size, seed=3)[0]
     outs = []
     for loop in ("scan", "unroll"):
         model = build(cfg, tensors, layer_loop=loop)
@@ -153,9 +143,9 @@ def test_scan_and_unrolled_layer_loops_agree(tmp_path):
 def test_bfloat16_model_tracks_float32(tiny):
     cfg, tensors, _, _ = tiny
     model = build(cfg, tensors, jnp.bfloat16)
-    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    prompt = random_prompts([10], cfg.vocab_size, seed=4)[0]
     got = PagedRunner(model).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
-    _close(got, dense_forward(cfg, tensors, prompt), tol=5e-2)
+    assert_close(got, dense_forward(cfg, tensors, prompt), tol=5e-2)
 
 
 def test_a_bf16_checkpoint_keeps_its_matrices_in_bf16_with_the_same_logits(tmp_path):
@@ -173,7 +163,7 @@ def test_a_bf16_checkpoint_keeps_its_matrices_in_bf16_with_the_same_logits(tmp_p
     matrices = [w for ws in kept.layers.matrices().values() for w in ws] + [kept.embed[...], kept.lm_head[...]]
     assert {w.dtype for w in matrices} == {jnp.dtype(jnp.bfloat16)}
     assert saved == sum(w.size * 2 for w in matrices)
-    prompt = _prompts([9], cfg.vocab_size, seed=5)[0]
+    prompt = random_prompts([9], cfg.vocab_size, seed=5)[0]
     chunks = [SeqChunk(prompt, 0, [1])]
     # 9 rows: the float32 and the bf16 kernel, the same summation order, so the same bits
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], PagedRunner(plain).run(chunks, 16, 1)[0])

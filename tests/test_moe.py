@@ -16,7 +16,7 @@ from imp_jax.model.loader import SafetensorsDir, build_from_tensors
 from imp_jax.model.moe import EXPERT_IMPLS, MoELM, expert_ffn, route
 from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
-from paged import PagedRunner, host_kernels
+from paged import PagedRunner, assert_close, check_llm_greedy, hf_logits, host_kernels, random_prompts
 from tiny_models import TINY
 
 # each family on a tiny config; Qwen2-MoE with a shared expert and a dense middle layer
@@ -65,21 +65,6 @@ def family(request, tmp_path_factory):
     cfg = ModelConfig.from_file(path / "config.json")
     tensors = SafetensorsDir(path)
     return cfg, tensors, hf_model, PagedRunner(build(cfg, tensors)), path
-
-
-def _prompts(lengths, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def _close(a, b, tol=1e-4):
-    scale = max(np.ptp(b), 1e-6)
-    assert np.max(np.abs(a - b)) <= tol * scale, np.max(np.abs(a - b)) / scale
-
-
-def _hf_logits(hf_model, ids):
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].numpy()
 
 
 # ---------------------------------------------------------------------------------------- routing
@@ -136,14 +121,14 @@ def test_expert_ffn_matches_numpy_on_the_real_tokens(impl, real, E):
 # ------------------------------------------------------------------------------ vs transformers
 def test_logits_and_greedy_tokens_match_transformers(family):
     cfg, _, hf_model, runner, _ = family
-    prompt = _prompts([12], cfg.vocab_size, seed=2)[0]
-    ref = _hf_logits(hf_model, prompt)
+    prompt = random_prompts([12], cfg.vocab_size, seed=2)[0]
+    ref = hf_logits(hf_model, prompt)
     with torch.no_grad():
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                       pad_token_id=0)[0, len(prompt):].tolist()
     table = [20, 21]
     logits = runner.run([SeqChunk(prompt, 0, table)])[0]
-    _close(logits, ref, 1e-4)
+    assert_close(logits, ref, 1e-4)
     tokens, seq, last = [], list(prompt), logits[-1]
     for _ in range(6):
         tokens.append(int(np.argmax(last)))
@@ -154,22 +139,22 @@ def test_logits_and_greedy_tokens_match_transformers(family):
 
 def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(family):
     cfg, _, hf_model, runner, _ = family
-    a, b, c = _prompts([30, 21, 3], cfg.vocab_size, seed=1)
+    a, b, c = random_prompts([30, 21, 3], cfg.vocab_size, seed=1)
     ta, tb, tc = [10, 11], [12, 13], [14]
     # a in two prefill chunks, b at once then decoding, c decoding beside them: one ragged batch each step
     first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
     second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
     third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
-    _close(np.concatenate([first[0], second[0], third[0]]), _hf_logits(hf_model, a))
-    _close(np.concatenate([first[1], second[1], third[1]]), _hf_logits(hf_model, b))
-    _close(np.concatenate([first[2], second[2]]), _hf_logits(hf_model, c))
+    assert_close(np.concatenate([first[0], second[0], third[0]]), hf_logits(hf_model, a))
+    assert_close(np.concatenate([first[1], second[1], third[1]]), hf_logits(hf_model, b))
+    assert_close(np.concatenate([first[2], second[2]]), hf_logits(hf_model, c))
 
 
 def test_bfloat16_model_tracks_transformers_float32(family):
     cfg, tensors, hf_model, _, _ = family
-    prompt = _prompts([10], cfg.vocab_size, seed=4)[0]
+    prompt = random_prompts([10], cfg.vocab_size, seed=4)[0]
     got = PagedRunner(build(cfg, tensors, jnp.bfloat16)).run([SeqChunk(prompt, 0, [1])], num_tokens=16, num_seqs=1)[0]
-    _close(got, _hf_logits(hf_model, prompt), tol=5e-2)
+    assert_close(got, hf_logits(hf_model, prompt), tol=5e-2)
 
 
 def test_config_reads_each_familys_expert_fields(family):
@@ -304,32 +289,17 @@ def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
                                                                          for i in range(cfg.num_layers)]
     width = lambda c: c.moe_intermediate_size or c.intermediate_size  # noqa: E731
     assert width(gcfg) == width(cfg)
-    prompt = _prompts([9], cfg.vocab_size, seed=3)[0]
+    prompt = random_prompts([9], cfg.vocab_size, seed=3)[0]
     got = PagedRunner(build(gcfg, ckpt.tensors)).run([SeqChunk(prompt, 0, [1])])[0]
     want = PagedRunner(build(cfg, held)).run([SeqChunk(prompt, 0, [1])])[0]
-    _close(got, want, 1e-5)
+    assert_close(got, want, 1e-5)
 
 
 # --------------------------------------------------------------------------------------- engine
 @pytest.mark.parametrize("family", ["Qwen2MoeForCausalLM"], indirect=True)   # the shared expert and a dense layer
 def test_engine_batches_a_moe_like_alone_and_compiles_nothing_after_warmup(family):
     cfg, _, hf_model, _, path = family
-    from conftest import write_tiny_tokenizer
-    from imp_jax import LLM, SamplingParams
-
-    write_tiny_tokenizer(path)
-    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
-    prompts = ["hello world", "the quick brown fox jumps over the lazy dog", "12345"]
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
-    together = llm.generate(prompts, params)
-    alone = [llm.generate(p, params)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
-    out = together[1]
-    with torch.no_grad():
-        ids = torch.tensor([out.prompt_token_ids])
-        exact = hf_model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
-    assert out.outputs[0].token_ids == exact.tolist()
-    assert llm.core.step_fn.compilations_after_warmup == 0
+    check_llm_greedy(path, hf_model)
 
 
 @pytest.mark.parametrize("family", ["MixtralForCausalLM"], indirect=True)   # one family suffices

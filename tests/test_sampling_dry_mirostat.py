@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from paged import tiny_engine
 from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 from imp_jax.runtime.dry import DRY_SLOTS, BreakerTable, DryParams, repeat_penalties, top_slots
@@ -149,22 +150,7 @@ PROMPT = [5, 17, 42, 99, 3] * 4 + [5, 17]
 
 @pytest.fixture(scope="module")
 def tiny(_tiny_hf_template: Path):
-    import jax.numpy as jnp
-    import transformers
-
-    from imp_jax.model.loader import load_model
-    from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
-
-    loaded = load_model(_tiny_hf_template, dtype="float32")
-    config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=8,
-                          max_num_batched_tokens=32, block_size=16, num_kv_blocks=POOL)
-    shape = loaded.model.kv_cache_shape(POOL, 16)
-    core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), POOL, default_mesh())
-    core.step_fn.warm_up()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(_tiny_hf_template, torch_dtype="float32").eval()
-    return core, hf
+    return tiny_engine(_tiny_hf_template, POOL)
 
 
 def request(prompt: list[int], **params):

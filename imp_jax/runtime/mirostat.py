@@ -26,9 +26,6 @@ from imp_jax.runtime.truncation import top_values
 if TYPE_CHECKING:
     from imp_jax.runtime.sampling import SamplingTensors
 
-DEFAULT_TAU = 5.0
-DEFAULT_ETA = 0.1
-MAX_TAU = 100.0          # bits: far past any vocabulary's entropy
 V1_CANDIDATES = 100      # llama.cpp's m: the top probabilities v1 estimates its exponent from
 LN2 = 0.6931471805599453
 

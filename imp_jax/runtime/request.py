@@ -7,10 +7,15 @@ import time
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, MAX_DRY_BASE, MAX_DRY_MULTIPLIER
 from imp_jax.runtime.banned import check_phrases
-from imp_jax.runtime.dry import DryParams
-from imp_jax.runtime import mirostat as miro
+from imp_jax.runtime.dry import (
+    DEFAULT_BREAKERS,
+    MAX_BREAKER_CHARS,
+    MAX_BREAKERS,
+    MAX_DRY_BASE,
+    MAX_DRY_MULTIPLIER,
+    DryParams,
+)
 
 # Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
 # dialects check the same values, from here, before a request reaches it.
@@ -22,6 +27,8 @@ TOP_K_RANGE = (-(2**31), 2**31 - 1)     # <= 0 (or >= the vocabulary) is off
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_DRY_ALLOWED_LENGTH = 1024
 MAX_CFG_SCALE = 10.0                    # cfg_scale in [1, MAX_CFG_SCALE], 1 = off (runtime/cfg.py)
+MIROSTAT_TAU, MIROSTAT_ETA = 5.0, 0.1   # llama.cpp's defaults (runtime/mirostat.py)
+MAX_MIROSTAT_TAU = 100.0                # bits: far past any vocabulary's entropy
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
@@ -71,8 +78,8 @@ class SamplingParams:
     banned_regex: list[str] = dataclasses.field(default_factory=list)
     # mirostat v1 / v2 (runtime/mirostat.py): 0 = off; tau and eta act only through it
     mirostat: int = 0
-    mirostat_tau: float = miro.DEFAULT_TAU
-    mirostat_eta: float = miro.DEFAULT_ETA
+    mirostat_tau: float = MIROSTAT_TAU
+    mirostat_eta: float = MIROSTAT_ETA
     # DRY (runtime/dry.py): multiplier 0 = off; the others act only through it
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
@@ -140,8 +147,8 @@ class SamplingParams:
         self._validate_dry(bad)
         if self.mirostat not in (0, 1, 2):
             bad("mirostat", "must be 0 (off), 1 or 2 (mirostat v1 / v2)")
-        if self.mirostat and not (0 < self.mirostat_tau <= miro.MAX_TAU and math.isfinite(self.mirostat_tau)):
-            bad("mirostat_tau", f"must be in (0, {miro.MAX_TAU:g}] (bits)")
+        if self.mirostat and not (0 < self.mirostat_tau <= MAX_MIROSTAT_TAU and math.isfinite(self.mirostat_tau)):
+            bad("mirostat_tau", f"must be in (0, {MAX_MIROSTAT_TAU:g}] (bits)")
         if self.mirostat and not 0 < self.mirostat_eta <= 1:
             bad("mirostat_eta", "must be in (0, 1]")
 

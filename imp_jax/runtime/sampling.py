@@ -41,6 +41,7 @@ from jax import lax
 
 from imp_jax.runtime import mirostat as miro
 from imp_jax.runtime.dry import DRY_SLOTS
+from imp_jax.runtime.request import MIROSTAT_ETA, MIROSTAT_TAU
 from imp_jax.runtime.truncation import cond, switch, truncate
 
 # Tokens per block of the two-level inverse-CDF draw.
@@ -305,8 +306,8 @@ class RowSpec:
     dry: Sequence[tuple[int, float]] = ()  # DRY (token id, penalty) pairs, at most DRY_SLOTS (dry.py)
     mirostat: int = 0  # 0 = off, 1 / 2 = mirostat v1 / v2 (mirostat.py), which replaces top_k, top_p,
     #   min_p and typical_p: build_sampling_tensors sets those neutral for the row
-    mirostat_tau: float = miro.DEFAULT_TAU
-    mirostat_eta: float = miro.DEFAULT_ETA
+    mirostat_tau: float = MIROSTAT_TAU
+    mirostat_eta: float = MIROSTAT_ETA
     mirostat_mu: float = 0.0  # the sequence's mu (mirostat.initial_mu before its first token)
     wants_top_logprobs: bool = False  # the row reads its logprobs, the top-K or the sampled token's alone
     #   (the sampler may skip them otherwise)
@@ -397,8 +398,8 @@ def build_sampling_tensors(
         dry_ids=dry_ids,
         dry_penalties=dry_penalties,
         mirostat=column("mirostat", 0, np.int32),
-        mirostat_tau=column("mirostat_tau", miro.DEFAULT_TAU, np.float32),
-        mirostat_eta=column("mirostat_eta", miro.DEFAULT_ETA, np.float32),
+        mirostat_tau=column("mirostat_tau", MIROSTAT_TAU, np.float32),
+        mirostat_eta=column("mirostat_eta", MIROSTAT_ETA, np.float32),
         mirostat_mu=column("mirostat_mu", 0.0, np.float32),
     )
 
