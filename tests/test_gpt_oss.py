@@ -1,6 +1,7 @@
 """gpt-oss (model/gpt_oss.py) on a tiny random checkpoint: attention sinks in the XLA and CPU kernels vs
 the oracle, YaRN vs transformers, MXFP4 dequantisation, and the model vs transformers' GptOssForCausalLM
-(logits, greedy tokens, a ragged batch of prefill chunks and decodes, an MXFP4 checkpoint, the engine)."""
+(logits, greedy tokens, a ragged batch of prefill chunks and decodes, an MXFP4 checkpoint, the engine),
+and the same checkpoint written as a llama.cpp `gpt-oss` GGUF (float and MXFP4 experts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from imp_jax.errors import ModelLoadError
+from imp_jax.model.gguf_loader import load_gguf
 from imp_jax.kernels_pallas import Kernels
 from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
@@ -337,3 +339,171 @@ def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
     cfg, _, hf_model, path = tiny
     llm = check_llm_greedy(path, hf_model)
     assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks
+
+
+# ------------------------------------------------------------------------------------------- GGUF
+def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_window: int | None = 5) -> dict:
+    """Write `hf_model` as llama.cpp's convert_hf_to_gguf writes a gpt-oss: its metadata keys, HF's
+    interleaved gate_up split into [E, out, in] gate and up (biases too), down transposed, the sinks
+    as `attn_sinks.weight`; experts float32 or MXFP4 GGML blocks (gguf-py's quantiser). Returns the
+    experts' values as stored (dequantised), keyed by HF parameter name, [E, in, out] as HF holds them."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    c = hf_model.config
+    sd = {n: p.detach().numpy().astype(np.float32) for n, p in hf_model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(YARN["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(YARN["factor"])
+    w.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
+    alphabet = _byte_alphabet()[:255]
+    alphabet.append(alphabet[0] + alphabet[1])   # one merge, 256 tokens: the model's vocabulary
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(alphabet)
+    w.add_token_types([1] * len(alphabet))
+    w.add_token_merges([alphabet[0] + " " + alphabet[1]])
+    w.add_eos_token_id(0)
+    stored = {}
+
+    def put(name: str, x: np.ndarray, qtype: str = "F32") -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        if qtype == "F32":
+            w.add_tensor(name, x)
+            return x
+        q = gguf.GGMLQuantizationType[qtype]
+        blocks = quantize(x, q)
+        w.add_tensor(name, blocks, raw_dtype=q)
+        return dequantize(blocks, q).reshape(x.shape)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        pre, blk = f"model.layers.{i}.", f"blk.{i}."
+        put(blk + "attn_norm.weight", sd[pre + "input_layernorm.weight"])
+        put(blk + "post_attention_norm.weight", sd[pre + "post_attention_layernorm.weight"])
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                             ("attn_output", "o_proj")):
+            for leaf in ("weight", "bias"):
+                put(f"{blk}{ours}.{leaf}", sd[f"{pre}self_attn.{theirs}.{leaf}"])
+        put(blk + "attn_sinks.weight", sd[pre + "self_attn.sinks"])
+        put(blk + "ffn_gate_inp.weight", sd[pre + "mlp.router.weight"])
+        put(blk + "ffn_gate_inp.bias", sd[pre + "mlp.router.bias"])
+        gate_up = np.swapaxes(sd[pre + "mlp.experts.gate_up_proj"], 1, 2)   # [E, 2I (interleaved), H]
+        gate = put(blk + "ffn_gate_exps.weight", gate_up[:, 0::2], experts)
+        up = put(blk + "ffn_up_exps.weight", gate_up[:, 1::2], experts)
+        down = put(blk + "ffn_down_exps.weight", np.swapaxes(sd[pre + "mlp.experts.down_proj"], 1, 2), experts)
+        bias = sd[pre + "mlp.experts.gate_up_proj_bias"]
+        put(blk + "ffn_gate_exps.bias", bias[:, 0::2])
+        put(blk + "ffn_up_exps.bias", bias[:, 1::2])
+        put(blk + "ffn_down_exps.bias", sd[pre + "mlp.experts.down_proj_bias"])
+        interleaved = np.empty_like(gate_up)
+        interleaved[:, 0::2], interleaved[:, 1::2] = gate, up
+        stored[pre + "mlp.experts.gate_up_proj"] = np.swapaxes(interleaved, 1, 2)
+        stored[pre + "mlp.experts.down_proj"] = np.swapaxes(down, 1, 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: 256 single-character tokens."""
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny, tmp_path_factory):
+    _, _, hf_model, _ = tiny
+    path = tmp_path_factory.mktemp("gpt_oss_gguf") / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(path, hf_model)
+    return path
+
+
+def test_a_gguf_config_is_the_hf_directory_config(tiny, tiny_gguf):
+    """llama.cpp's gpt-oss metadata gives the config of the checkpoint it was converted from: expert
+    counts and width, alternating sliding window, YaRN (un-truncated, as HF's), sinks, biases."""
+    cfg, _, _, _ = tiny
+    ckpt = load_gguf(tiny_gguf)
+    assert ckpt.hf_config["architectures"] == ["GptOssForCausalLM"]
+    got = ModelConfig.from_hf(ckpt.hf_config, source=str(tiny_gguf))
+    assert dataclasses.replace(got, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id) == cfg
+    np.testing.assert_allclose(got.rope_inv_freq(), cfg.rope_inv_freq(), rtol=1e-6)
+    assert ckpt.tensors.shape("model.layers.0.mlp.experts.gate_proj.weight") == (4, 32, 64)
+    assert ckpt.tensors.shape("model.layers.2.self_attn.sinks") == (4,)
+
+
+def test_a_gguf_loads_to_the_hf_directory_model_and_transformers_logits(tiny, tiny_gguf, runner):
+    from imp_jax.model.loader import load_model
+
+    cfg, _, hf_model, _ = tiny
+    loaded = load_model(tiny_gguf, dtype="float32")
+    assert isinstance(loaded.model, GptOssLM)
+    prompt = _prompts([14], cfg.vocab_size, seed=8)[0]   # past the window of 5
+    got = PagedRunner(build(loaded.config, load_gguf(tiny_gguf).tensors)).run([SeqChunk(prompt, 0, [2, 3])])[0]
+    want = runner.run([SeqChunk(prompt, 0, [2, 3])])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    _close(got, _hf_logits(hf_model, prompt))
+
+
+def test_a_gguf_with_mxfp4_experts_matches_transformers_holding_their_values(tiny, tmp_path):
+    """Experts as GGML MXFP4 blocks (the type llama.cpp stores gpt-oss's experts in), dequantised
+    at load: the logits of transformers' model holding the dequantised values."""
+    cfg, _, hf_model, _ = tiny
+    path = tmp_path / "mxfp4.gguf"
+    stored = write_gpt_oss_gguf(path, hf_model, experts="MXFP4")
+    ckpt = load_gguf(path)
+    assert ckpt.tensors.qtype("model.layers.1.mlp.experts.down_proj.weight") == "MXFP4"
+    hf = type(hf_model)(hf_model.config).float().eval()
+    hf.load_state_dict(hf_model.state_dict())
+    with torch.no_grad():
+        for name, value in stored.items():
+            hf.get_parameter(name).copy_(torch.from_numpy(value))
+    assert not np.allclose(stored["model.layers.0.mlp.experts.down_proj"],
+                           hf_model.get_parameter("model.layers.0.mlp.experts.down_proj").detach().numpy())
+    prompt = _prompts([11], cfg.vocab_size, seed=6)[0]
+    got_cfg = ModelConfig.from_hf(ckpt.hf_config, source=str(path))
+    got = PagedRunner(build(got_cfg, ckpt.tensors)).run([SeqChunk(prompt, 0, [4])])[0]
+    _close(got, _hf_logits(hf, prompt), 1e-4)
+
+
+def test_a_gguf_without_its_sliding_window_is_refused_by_name(tiny, tmp_path):
+    _, _, hf_model, _ = tiny
+    write_gpt_oss_gguf(tmp_path / "nowindow.gguf", hf_model, sliding_window=None)
+    with pytest.raises(ModelLoadError, match="gpt-oss.attention.sliding_window"):
+        load_gguf(tmp_path / "nowindow.gguf")
+
+
+def test_ggml_mxfp4_blocks_hold_the_values_of_the_hf_blocks():
+    """The same FP4 codes and E8M0 scales laid out as GGML's MXFP4 block (scale byte, then 16 bytes
+    whose low nibbles are values 0..15 and high nibbles 16..31, as llama.cpp repacks HF's pairs) are
+    dequantised by gguf-py to exactly `dequantize_mxfp4`'s values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(11)
+    blocks, scales, want = _mxfp4(rng, (2, 3, 64))
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+    ggml = np.concatenate([scales[..., None], qs], axis=-1).reshape(2, 3, -1)
+    got = dequantize(ggml, GGMLQuantizationType.MXFP4).reshape(want.shape)
+    np.testing.assert_array_equal(got, want)

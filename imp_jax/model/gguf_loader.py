@@ -25,7 +25,8 @@ log = logging.getLogger("imp_jax.gguf")
 # GGUF `general.architecture` -> HF `architectures[0]`
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM"}
 GEMMA = ("gemma2", "gemma3")
 # a `llama` GGUF with expert tensors is a Mixtral (llama.cpp's converter writes Mixtral so)
 MIXTRAL = "MixtralForCausalLM"
@@ -52,6 +53,18 @@ _MOE_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# gpt-oss (model/gpt_oss.py): its own norm, sink and router names; llama.cpp's converter splits HF's
+# interleaved gate_up into stacked [E, out, in] gate and up tensors (biases [E, out] likewise), which
+# keep HF's Qwen-MoE-style names here and GptOssLM reads as they are
+_GPT_OSS_LAYER_NAMES = {
+    **_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# llama.cpp's fixed gpt-oss values: every other layer slides (the first does), YaRN's betas, the
+# clamped SwiGLU (GptOssConfig's defaults, which ModelConfig applies)
+_GPT_OSS_SWA_PERIOD = 2
+_GPT_OSS_YARN_BETAS = (32.0, 1.0)
 _MOE_LEAVES = {MIXTRAL: dict(moe="block_sparse_moe", gate="w1", up="w3", down="w2"),
                "other": dict(moe="mlp", gate="gate_proj", up="up_proj", down="down_proj")}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -224,6 +237,9 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
             cfg["original_max_position_embeddings"] = int(original)
     if arch in GEMMA:
         cfg.update(_gemma_config(arch, meta, cfg))
+    if arch == "gpt-oss":
+        cfg.update(_gpt_oss_config(meta, cfg))
+        return cfg
     experts = meta.get(a("expert_count"))
     if experts:   # mixture of experts (model/moe.py)
         if arch == "llama":
@@ -239,6 +255,37 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"])   # dense layers: no router
                                   if f"blk.{i}.ffn_gate_inp.weight" not in raw]
     return cfg
+
+
+def _gpt_oss_config(meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss keys as llama.cpp's converter writes them: the experts' width is
+    `expert_feed_forward_length` (HF's `intermediate_size`), the window `attention.sliding_window`
+    on every other layer from the first, YaRN as `rope.scaling.*` (betas from
+    `rope.scaling.yarn_beta_fast/slow`, else llama.cpp's 32 and 1). HF's gpt-oss YaRN does not
+    round the ramp's ends (`truncate: false`); llama.cpp does, which moves a few frequencies
+    slightly: we follow HF, so a GGUF and the checkpoint it came from load to the same model."""
+    a = lambda key: f"gpt-oss.{key}"  # noqa: E731
+    layers = cfg["num_hidden_layers"]
+    window = meta.get(a("attention.sliding_window"))
+    if not window:
+        raise ModelLoadError(f"{meta.path}: GGUF metadata lacks '{a('attention.sliding_window')}'")
+    out: dict[str, Any] = {
+        "intermediate_size": int(meta.get(a("expert_feed_forward_length")) or cfg["intermediate_size"]),
+        "num_local_experts": int(meta.need(a("expert_count"))),
+        "num_experts_per_tok": int(meta.need(a("expert_used_count"))),
+        "sliding_window": int(window),
+        "layer_types": ["sliding_attention" if i % _GPT_OSS_SWA_PERIOD == 0 else "full_attention"
+                        for i in range(layers)],
+    }
+    rope = cfg["rope_scaling"]
+    if rope is not None:
+        if rope["rope_type"] != "yarn":
+            raise ModelLoadError(f"{meta.path}: gpt-oss rope scaling '{rope['rope_type']}' is not supported "
+                                 f"(llama.cpp writes yarn)")
+        fast = meta.get(a("rope.scaling.yarn_beta_fast")) or _GPT_OSS_YARN_BETAS[0]
+        slow = meta.get(a("rope.scaling.yarn_beta_slow")) or _GPT_OSS_YARN_BETAS[1]
+        out["rope_scaling"] = {**rope, "beta_fast": _f32(fast), "beta_slow": _f32(slow), "truncate": False}
+    return out
 
 
 def _gemma_config(arch: str, meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +400,7 @@ def _llama3_factors(rs: dict[str, Any], theta: float, dim: int) -> np.ndarray:
 def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path) -> GGUFTensors:
     """Map GGUF tensor names to HF ones; llama Q/K rows get un-permuted (heads for q, kv heads for k)."""
     entries: dict[str, tuple[Any, int | None]] = {}
-    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA else _LAYER_NAMES
+    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA else _GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else _LAYER_NAMES
     unknown = []
     fused_gate_up = arch == "phi3" and "blk.0.ffn_gate.weight" not in raw   # ffn_up holds gate|up
     for name, tensor in raw.items():
@@ -364,7 +411,7 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
             entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
-        if m and m[2] in _MOE_NAMES and cfg.get("num_experts_per_tok"):
+        if m and m[2] in _MOE_NAMES and cfg.get("num_experts_per_tok") and arch != "gpt-oss":
             leaves = _MOE_LEAVES.get(cfg["architectures"][0], _MOE_LEAVES["other"])
             entries[f"model.layers.{m[1]}.{_MOE_NAMES[m[2]].format(**leaves)}.{m[3]}"] = (tensor, None)
             continue
@@ -375,6 +422,9 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
         if arch == "llama" and m[2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if m[2] == "attn_q" else cfg["num_key_value_heads"]
         hf_leaf = "mlp.gate_up_proj" if fused_gate_up and m[2] == "ffn_up" else layer_names[m[2]]
+        if m[2] == "attn_sinks":   # HF's sinks are a bare parameter, llama.cpp's a `.weight`
+            entries[f"model.layers.{m[1]}.{hf_leaf}"] = (tensor, None)
+            continue
         entries[f"model.layers.{m[1]}.{hf_leaf}.{m[3]}"] = (tensor, heads)
     if unknown:
         raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "

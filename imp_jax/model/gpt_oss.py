@@ -13,11 +13,15 @@ What differs from MoELM:
 Checkpoints: HF stores each layer's experts stacked and transposed ([E, in, out], gate and up
 interleaved column by column), in bf16 or as MXFP4 (`*_blocks` of packed FP4 e2m1 pairs and
 `*_scales` of E8M0 exponents, one per 32 values of an input row); both are brought to MoELM's
-[E, out, in] gate|up layout at load, MXFP4 dequantised (`dequantize_mxfp4`). Harmony's channels
+[E, out, in] gate|up layout at load, MXFP4 dequantised (`dequantize_mxfp4`). A GGUF (llama.cpp's
+`gpt-oss` architecture) holds them split into gate and up, [E, out, in], MXFP4 as GGML blocks that
+gguf-py dequantises (`_load_split_experts`). Harmony's channels
 (analysis / final) are not parsed: the server applies the checkpoint's chat template and returns the
 raw text.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +145,25 @@ class GptOssLM(MoELM):
             pre = f"model.layers.{i}.mlp"
             put(mlp.router, weights.tensor(f"{pre}.router.weight"))
             put(mlp.router_bias, weights.tensor(f"{pre}.router.bias"))
+            if f"{pre}.experts.gate_proj.weight" in weights:   # a GGUF's: already split, [E, out, in]
+                cls._load_split_experts(mlp, f"{pre}.experts", weights, put)
+                continue
             put(mlp.gate_up, halves(experts(f"{pre}.experts", "gate_up_proj")))
             put(mlp.gate_up_bias, halves(weights.tensor(f"{pre}.experts.gate_up_proj_bias")))
             put(mlp.down, experts(f"{pre}.experts", "down_proj"))
             put(mlp.down_bias, weights.tensor(f"{pre}.experts.down_proj_bias"))
+
+    @staticmethod
+    def _load_split_experts(mlp: nnx.Module, pre: str, weights: WeightSource,
+                            put: Callable[[nnx.Param, np.ndarray], None]) -> None:
+        """Experts as a gpt-oss GGUF holds them (model/gguf_loader.py): llama.cpp's converter has
+        de-interleaved gate and up into `gate_proj` / `up_proj` ([E, out, in], MXFP4 or float, read
+        dequantised) with [E, out] biases, so they only need joining into MoELM's [gate | up]."""
+        def pair(leaf: str) -> np.ndarray:
+            return np.concatenate([weights.tensor(f"{pre}.gate_proj.{leaf}"),
+                                   weights.tensor(f"{pre}.up_proj.{leaf}")], axis=1)
+
+        put(mlp.gate_up, pair("weight"))
+        put(mlp.gate_up_bias, pair("bias"))
+        put(mlp.down, weights.tensor(f"{pre}.down_proj.weight"))
+        put(mlp.down_bias, weights.tensor(f"{pre}.down_proj.bias"))
