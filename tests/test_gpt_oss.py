@@ -458,11 +458,11 @@ def test_a_gguf_loads_to_the_hf_directory_model_and_transformers_logits(tiny, ti
     cfg, _, hf_model, _ = tiny
     loaded = load_model(tiny_gguf, dtype="float32")
     assert isinstance(loaded.model, GptOssLM)
-    prompt = _prompts([14], cfg.vocab_size, seed=8)[0]   # past the window of 5
+    prompt = random_prompts([14], cfg.vocab_size, seed=8)[0]   # past the window of 5
     got = PagedRunner(build(loaded.config, load_gguf(tiny_gguf).tensors)).run([SeqChunk(prompt, 0, [2, 3])])[0]
     want = runner.run([SeqChunk(prompt, 0, [2, 3])])[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    _close(got, _hf_logits(hf_model, prompt))
+    assert_close(got, hf_logits(hf_model, prompt))
 
 
 def test_a_gguf_with_mxfp4_experts_matches_transformers_holding_their_values(tiny, tmp_path):
@@ -480,10 +480,10 @@ def test_a_gguf_with_mxfp4_experts_matches_transformers_holding_their_values(tin
             hf.get_parameter(name).copy_(torch.from_numpy(value))
     assert not np.allclose(stored["model.layers.0.mlp.experts.down_proj"],
                            hf_model.get_parameter("model.layers.0.mlp.experts.down_proj").detach().numpy())
-    prompt = _prompts([11], cfg.vocab_size, seed=6)[0]
+    prompt = random_prompts([11], cfg.vocab_size, seed=6)[0]
     got_cfg = ModelConfig.from_hf(ckpt.hf_config, source=str(path))
     got = PagedRunner(build(got_cfg, ckpt.tensors)).run([SeqChunk(prompt, 0, [4])])[0]
-    _close(got, _hf_logits(hf, prompt), 1e-4)
+    assert_close(got, hf_logits(hf, prompt), 1e-4)
 
 
 def test_a_gguf_without_its_sliding_window_is_refused_by_name(tiny, tmp_path):
