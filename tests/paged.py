@@ -79,6 +79,19 @@ def check_llm_greedy(path, hf_model):
     return llm
 
 
+def check_ragged_steps(runner: "PagedRunner", hf_model, vocab: int) -> None:
+    """Three steps of one ragged batch against transformers' logits: a 30-token prompt in two prefill
+    chunks then decoding, a 21-token one at once then decoding, a 3-token one decoding beside them."""
+    a, b, c = random_prompts([30, 21, 3], vocab, seed=1)
+    ta, tb, tc = [10, 11], [12, 13], [14]
+    first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
+    second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
+    third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
+    assert_close(np.concatenate([first[0], second[0], third[0]]), hf_logits(hf_model, a))
+    assert_close(np.concatenate([first[1], second[1], third[1]]), hf_logits(hf_model, b))
+    assert_close(np.concatenate([first[2], second[2]]), hf_logits(hf_model, c))
+
+
 def host_kernels(cfg: ModelConfig, dtype=jnp.float32) -> Kernels:
     """The kernels an engine on this host picks for `cfg` (the C++ ones on an x86-64 CPU)."""
     device = jax.local_devices()[0]

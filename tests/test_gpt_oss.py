@@ -28,7 +28,8 @@ from imp_jax.model.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
 from imp_jax.model.registry import get_model_class
 from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
-from paged import PagedRunner, assert_close, check_llm_greedy, hf_logits, host_kernels, random_prompts
+from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
+                   random_prompts)
 from test_pallas_attention import Case, make_batch
 from tiny_models import TINY
 
@@ -299,14 +300,7 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny,
         if attention == "cpu":
             pytest.skip("CPU attention kernel not built")
         runner = PagedRunner(build(cfg, tensors, dataclasses.replace(kernels, attention=attention)))
-    a, b, c = random_prompts([30, 21, 3], cfg.vocab_size, seed=1)
-    ta, tb, tc = [10, 11], [12, 13], [14]
-    first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
-    second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
-    third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
-    assert_close(np.concatenate([first[0], second[0], third[0]]), hf_logits(hf_model, a))
-    assert_close(np.concatenate([first[1], second[1], third[1]]), hf_logits(hf_model, b))
-    assert_close(np.concatenate([first[2], second[2]]), hf_logits(hf_model, c))
+    check_ragged_steps(runner, hf_model, cfg.vocab_size)
 
 
 def test_bfloat16_model_tracks_transformers_float32(tiny):

@@ -16,7 +16,8 @@ from imp_jax.model.loader import SafetensorsDir, build_from_tensors
 from imp_jax.model.moe import EXPERT_IMPLS, MoELM, expert_ffn, route
 from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
-from paged import PagedRunner, assert_close, check_llm_greedy, hf_logits, host_kernels, random_prompts
+from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
+                   random_prompts)
 from tiny_models import TINY
 
 # each family on a tiny config; Qwen2-MoE with a shared expert and a dense middle layer
@@ -139,15 +140,7 @@ def test_logits_and_greedy_tokens_match_transformers(family):
 
 def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(family):
     cfg, _, hf_model, runner, _ = family
-    a, b, c = random_prompts([30, 21, 3], cfg.vocab_size, seed=1)
-    ta, tb, tc = [10, 11], [12, 13], [14]
-    # a in two prefill chunks, b at once then decoding, c decoding beside them: one ragged batch each step
-    first = runner.run([SeqChunk(a[:13], 0, ta), SeqChunk(b[:18], 0, tb), SeqChunk(c[:2], 0, tc)])
-    second = runner.run([SeqChunk(a[13:28], 13, ta), SeqChunk([b[18]], 18, tb), SeqChunk([c[2]], 2, tc)])
-    third = runner.run([SeqChunk(a[28:], 28, ta), SeqChunk(b[19:], 19, tb)])
-    assert_close(np.concatenate([first[0], second[0], third[0]]), hf_logits(hf_model, a))
-    assert_close(np.concatenate([first[1], second[1], third[1]]), hf_logits(hf_model, b))
-    assert_close(np.concatenate([first[2], second[2]]), hf_logits(hf_model, c))
+    check_ragged_steps(runner, hf_model, cfg.vocab_size)
 
 
 def test_bfloat16_model_tracks_transformers_float32(family):
