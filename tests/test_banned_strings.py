@@ -217,8 +217,7 @@ def test_engine_refuses_what_a_rewind_cannot_undo(engine) -> None:
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request(GenerationRequest("c", [1, 2, 3], params, constraint='start: "x"'), lambda ev: None)
     assert e.value.param == "banned_strings"
-    miro = dataclasses.replace(params, banned_strings=[], banned_regex=["y+"])
-    miro.mirostat = 2   # the field another change adds; checked with getattr
+    miro = dataclasses.replace(params, banned_strings=[], banned_regex=["y+"], mirostat=2)
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request(GenerationRequest("m", [1, 2, 3], miro), lambda ev: None)
     assert e.value.param == "banned_regex" and "mirostat" in str(e.value)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 from imp_jax.runtime import engine as engine_module
+from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.runtime.speculative import MAX_BACKOFF, SpecState, accepted_prefix, ngram_draft, speculation_allowed
 
 _ids = itertools.count()
@@ -70,17 +70,17 @@ def test_depth_grows_on_hits_and_backs_off_on_misses() -> None:
 
 
 def test_speculation_allowed_only_where_rows_are_independent() -> None:
-    params = SimpleNamespace(logit_lens=None)
-    request = SimpleNamespace(constraint=None, cfg_scale=1.0, speculative=None)
+    params = SamplingParams()
+    request = GenerationRequest("r", [1], params)
     assert speculation_allowed(params, request)
-    assert not speculation_allowed(params, SimpleNamespace(constraint=None, cfg_scale=1.0, speculative=False))
-    assert not speculation_allowed(params, SimpleNamespace(constraint='{"type": "object"}', cfg_scale=1.0))
-    assert not speculation_allowed(params, SimpleNamespace(constraint=None, cfg_scale=2.0))
-    assert not speculation_allowed(SimpleNamespace(logit_lens=3), request)
+    assert not speculation_allowed(params, GenerationRequest("r", [1], params, speculative=False))
+    assert not speculation_allowed(params, GenerationRequest("r", [1], params, constraint='{"type": "object"}'))
+    assert not speculation_allowed(params, GenerationRequest("r", [1], params, cfg_scale=2.0))
+    assert not speculation_allowed(SamplingParams(logit_lens=3), request)
     for field, value in (("dry_multiplier", 0.8), ("mirostat", 2), ("banned_strings", ["x"]), ("banned_regex", ["a+"])):
-        assert not speculation_allowed(SimpleNamespace(logit_lens=None, **{field: value}), request), field
-    for field, value in (("dry_multiplier", 0.0), ("mirostat", 0), ("banned_strings", []), ("banned_regex", None)):
-        assert speculation_allowed(SimpleNamespace(logit_lens=None, **{field: value}), request), field
+        assert not speculation_allowed(SamplingParams(**{field: value}), request), field
+    for field, value in (("dry_multiplier", 0.0), ("mirostat", 0), ("banned_strings", []), ("banned_regex", [])):
+        assert speculation_allowed(SamplingParams(**{field: value}), request), field
 
 
 # ------------------------------------------------------------------------------ tiny engine

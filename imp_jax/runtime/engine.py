@@ -260,7 +260,7 @@ class EngineCore:
             return None
         field = "banned_strings" if params.banned_strings else "banned_regex"
         clash = ("structured output or enforced tool calls" if req.constraint else
-                 "'mirostat'" if getattr(req.params, "mirostat", 0) or getattr(params, "mirostat", 0) else
+                 "'mirostat'" if params.mirostat else
                  "'cfg_scale'" if req.cfg_scale != 1 else
                  "raw logprob probes (/v1/score, /v1/decide)" if params.raw_logprob_ids else None)
         if clash is not None:
@@ -419,10 +419,9 @@ class EngineCore:
             if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None
                             or (seq.banned is not None and seq.status is not SeqStatus.FINISHED)):
                 return False
-            if samples and seq.status is not SeqStatus.FINISHED and seq.params.dry.on:
-                return False   # its DRY penalties come from its full history, newest token included
-            if samples and seq.status is not SeqStatus.FINISHED and seq.params.mirostat:
-                return False   # its next row needs the mu this step returns
+            # DRY penalties come from the full history, newest token included; mirostat's next mu from this step
+            if samples and seq.status is not SeqStatus.FINISHED and (seq.params.dry.on or seq.params.mirostat):
+                return False
         return True
 
     def _may_draft(self, seq: Sequence) -> bool:

@@ -17,10 +17,13 @@ Host-side NumPy; a sequence with no match drafts nothing and decodes as a plain 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
 MAX_DRAFT = 16            # the largest draft depth a request may ask for (ngram_k, mtp_k)
 DEFAULT_MAX_DRAFT = 7     # --speculative-max-draft: a batch-1 verify chunk of 8 tokens (one bucket)
@@ -55,20 +58,15 @@ def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     return a
 
 
-def speculation_allowed(params: Any, request: Any) -> bool:
+def speculation_allowed(params: SamplingParams, request: GenerationRequest) -> bool:
     """Whether a request's sequences may draft. Not where a row's processing depends on host state
     that the drafts before it would have to update first (a grammar's mask, DRY and mirostat
     state, banned-phrase rewinds), nor with logit_lens (its program reads one token) or CFG (the
-    shadow pair samples together). Fields other helpers add are read with getattr defaults."""
-    if getattr(request, "speculative", None) is False:
+    shadow pair samples together)."""
+    if request.speculative is False or request.constraint or request.cfg_scale != 1:
         return False
-    if getattr(request, "constraint", None) or getattr(request, "cfg_scale", 1) != 1:
-        return False
-    if getattr(params, "logit_lens", None) is not None:
-        return False
-    if getattr(params, "dry_multiplier", 0) or getattr(params, "mirostat", 0):
-        return False
-    return not (getattr(params, "banned_strings", None) or getattr(params, "banned_regex", None))
+    return not (params.logit_lens is not None or params.dry.on or params.mirostat
+                or params.banned_strings or params.banned_regex)
 
 
 @dataclasses.dataclass
