@@ -1,4 +1,4 @@
-"""Q5_0 / Q5_1 and the K-quants (Q2_K..Q6_K) kept as GGML blocks: dequantised bit for bit as
+"""Q5_0 / Q5_1, the K-quants (Q2_K..Q6_K) and IQ4_XS kept as GGML blocks: dequantised bit for bit as
 gguf-py does, widened by the CPU GEMM kernel to those same values, loaded from a GGUF as blocks."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from imp_jax.kernels_pallas import Kernels, matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
-NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 # byte offsets of each format's f16 scales: random bytes there could be inf / NaN
 F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "IQ4_NL": [0]}
+              "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 CPU, CPU_Q8 = Kernels(gemm="cpu"), Kernels(gemm="cpu_q8")
 BLOCK_BYTES = {**quant.FORMATS, "IQ4_NL": quant.IQ4_NL_BYTES}   # the file's block sizes (IQ4_NL loads as Q8_0)
 BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
@@ -132,13 +132,13 @@ HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 # per layer: (GGUF leaf, shape, type); q/k/v and gate/up share a type so they stay fused as blocks, or
 # (layer 2, as llama.cpp's Q4_K_M gives attn_v a wider type) mix Q4_0 / Q5_0 / Q8_0, fused as Q8_0;
-# layer 1's IQ4_NL down_proj is held as Q8_0
+# layer 1's IQ4_NL down_proj is held as Q8_0, layer 2's IQ4_XS o_proj as itself
 LAYERS = [
     {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q3_K,
      "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q2_K},
     {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1,
      "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.IQ4_NL},
-    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
+    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.IQ4_XS,
      "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_K},
 ]
 SHAPES = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
@@ -171,8 +171,10 @@ def write_mixed_gguf(path: Path) -> None:
 
     def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
         fmt = qtype.name
+        # IQ4_XS's random bytes give weights about 4x a K-quant's for the same d (|sc - 32| * |table[q]|)
+        scale = 0.3 / shape[1] / (4 if fmt == "IQ4_XS" else 1)
         blocks = random_blocks(fmt, shape[0], shape[1] // BLOCK_WEIGHTS[fmt], seed=int(rng.integers(1 << 30)),
-                               scale=0.3 / shape[1])
+                               scale=scale)
         w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=qtype)
 
     put("token_embd.weight", (len(tokens), HIDDEN), Q.Q6_K)
@@ -212,13 +214,14 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     kept = load_model(mixed, dtype="float32").model
     assert kept.options.kernels.gemm == "cpu"   # what an x86-64 host picks
     formats = {name: [quant.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
-    assert formats == {"qkv_proj": ["Q4_K", "Q5_0", "Q8_0"], "o_proj": ["Q3_K", "Q5_1", "Q4_K"],
+    assert formats == {"qkv_proj": ["Q4_K", "Q5_0", "Q8_0"], "o_proj": ["Q3_K", "Q5_1", "IQ4_XS"],
                        "gate_up_proj": ["Q6_K", "Q5_K", "Q8_0"], "down_proj": ["Q2_K", "Q8_0", "Q4_K"]}
     assert quant.format_of(kept.embed[...]) == "Q6_K" and quant.format_of(kept.lm_head[...]) == "Q4_K"
     reader = gguf.GGUFReader(str(mixed))
     file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
     assert kept.embed[...].nbytes == file_bytes["token_embd.weight"]
     assert kept.layers.matrices()["down_proj"][0].nbytes == file_bytes["blk.0.ffn_down.weight"]
+    assert kept.layers.matrices()["o_proj"][2].nbytes == file_bytes["blk.2.attn_output.weight"]   # IQ4_XS
     assert kept.layers.matrices()["qkv_proj"][0].nbytes == sum(file_bytes[f"blk.0.attn_{p}.weight"] for p in "qkv")
     reader_type = {t.name: t.tensor_type.name for t in reader.tensors}
     q8_0_bytes = lambda name: file_bytes[name] // BLOCK_BYTES[reader_type[name]] * quant.FORMATS["Q8_0"]
@@ -259,7 +262,7 @@ def test_xla_keeps_the_blocks_and_dequantises_inside_the_program(mixed, dtype):
     plain = load_model(mixed, dtype=dtype, kernels=Kernels(gemm="xla", quantized="dequantize")).model
     assert quant.format_of(kept.lm_head[...]) == "Q4_K" and quant.format_of(plain.lm_head[...]) is None
     assert {quant.format_of(w) for ws in kept.layers.matrices().values() for w in ws} == {
-        "Q4_K", "Q5_0", "Q8_0", "Q3_K", "Q5_1", "Q6_K", "Q5_K", "Q2_K"}
+        "Q4_K", "Q5_0", "Q8_0", "Q3_K", "Q5_1", "Q6_K", "Q5_K", "Q2_K", "IQ4_XS"}
     chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]
     want = PagedRunner(plain).run(chunks, 16, 1)[0]
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)

@@ -14,19 +14,24 @@ block size in bytes names the format (each is distinct):
     Q4_K  144 bytes / 256: f16 d, f16 dmin, 8 6-bit scales and mins, nibbles w = (d * sc) * q - dmin * mn
     Q5_K  176 bytes / 256: as Q4_K plus a high-bit plane                     w = (d * sc) * q - dmin * mn
     Q6_K  210 bytes / 256: low nibbles, high 2 bits, 16 int8 scales, f16 d   w = (d * sc) * (q - 32)
+    IQ4_XS 136 bytes / 256: f16 d, 8 6-bit scales, nibbles indexing a table   w = (d * (sc - 32)) * table[q]
 
 A GGUF's IQ4_NL matrices (18 bytes / 32: f16 d, 16 bytes of nibbles indexing a table of 16 int8
 values, w = d * table[q]) are held as Q8_0 (`iq4_nl_to_q8_0`): the same d and table[q] as the int8,
 so the same float32 weights; 34 bytes per block instead of 18, never the float32 matrix's 128.
 
-(Q4_0 / Q4_1 / Q5_x / IQ4_NL nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
+IQ4_XS (the "i-quant" llama.cpp's imatrix releases use most) is kept under its own name: its table is
+IQ4_NL's, its 32-weight sub-blocks carry 6-bit scales under one f16 d like the K-quants'.
+
+(Q4_0 / Q4_1 / Q5_x / IQ4_NL / IQ4_XS nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
 high one; the K-quants' layouts are spelled out in `_dequantize_*`.) The CPU GEMM kernel
 (cpu/gemm.cc) reads them directly; `dequantize` gives the float32 matrix, the same values as
 gguf-py's `gguf.quants.dequantize`, for XLA's dot and for embedding rows.
 
 Exactness: in every format the scale products d * sc and dmin * mn are exact in float32 (an f16's
 11 significant bits times an integer of at most 8 bits), and so is (d * sc) * q except in Q6_K,
-where it is one rounded product whichever way it is grouped; the one add or subtract that follows
+where it is one rounded product whichever way it is grouped (IQ4_XS's d * (sc - 32) * table[q]
+is exact too: 11 + 6 + 7 significant bits); the one add or subtract that follows
 is the only other rounding. So each weight is one correctly rounded operation on exact operands:
 the same float32 whether a multiply and an add are fused or not, in any grouping.
 """
@@ -39,9 +44,12 @@ import numpy as np
 BLOCK = 32    # weights per block of the 32-weight formats (and per sub-block the kernel widens at a time)
 QK_K = 256    # weights per K-quant super-block
 FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,          # name -> bytes per block
-           "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-WEIGHTS = {name: QK_K if name.endswith("_K") else BLOCK for name in FORMATS}   # name -> weights per block
+           "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+SUPER_BLOCKED = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})   # 256-weight super-blocks
+WEIGHTS = {name: QK_K if name in SUPER_BLOCKED else BLOCK for name in FORMATS}   # name -> weights per block
 _BY_BYTES = {b: name for name, b in FORMATS.items()}
+# IQ4_NL's and IQ4_XS's non-linear 4-bit grid (llama.cpp's kvalues_iq4nl)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def format_of(w: jax.Array | np.ndarray) -> str | None:
@@ -156,8 +164,21 @@ def _dequantize_q2_k(b: jax.Array) -> jax.Array:
     return (dl[..., None] * q - ml[..., None]).reshape(-1, QK_K)
 
 
+def _dequantize_iq4_xs(b: jax.Array) -> jax.Array:
+    """[n, 136] -> [n, 256]: f16 d, a little-endian uint16 of the 8 scales' high 2 bits (scale j:
+    bits 2j, 2j + 1), 4 bytes of their low nibbles (scale j: byte j // 2, low nibble for even j),
+    then per 32-weight sub-block 16 bytes of nibbles (weight i < 16 low, i + 16 high) indexing
+    IQ4_NL_VALUES. Scales are 6-bit, minus 32."""
+    high = _bits(b[:, 2:4], 4, 2).swapaxes(-1, -2).reshape(-1, 8)          # byte 2's 4 pairs, then byte 3's
+    low = _bits(b[:, 4:8], 2, 4).swapaxes(-1, -2).reshape(-1, 8)
+    sc = ((low | (high << 4)).astype(jnp.int32) - 32).astype(jnp.float32)
+    d = _f16(b[:, 0:2])[:, None] * sc                                       # [n, 8], exact
+    q = jnp.asarray(IQ4_NL_VALUES, jnp.float32)[_nibbles(b[:, 8:].reshape(-1, 8, 16))]
+    return (d[..., None] * q).reshape(-1, QK_K)
+
+
 _K_QUANTS = {"Q2_K": _dequantize_q2_k, "Q3_K": _dequantize_q3_k, "Q4_K": _dequantize_q4_k,
-             "Q5_K": _dequantize_q5_k, "Q6_K": _dequantize_q6_k}
+             "Q5_K": _dequantize_q5_k, "Q6_K": _dequantize_q6_k, "IQ4_XS": _dequantize_iq4_xs}
 
 
 def dequantize(w: jax.Array) -> jax.Array:
@@ -208,8 +229,6 @@ def to_q8_0(w: np.ndarray) -> np.ndarray:
     return _q8_0_blocks(w[..., 0:2], q)
 
 
-# IQ4_NL's non-linear 4-bit grid (llama.cpp's kvalues_iq4nl)
-IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 IQ4_NL_BYTES = 18
 
 

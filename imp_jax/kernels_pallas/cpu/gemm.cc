@@ -7,7 +7,8 @@
 //                         W = 32 for Q8_0 (w = d * q), Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m),
 //                         Q5_0 (w = d * (q - 16)), Q5_1 (w = d * q + m); W = 256 for the K-quants
 //                         Q2_K..Q6_K (super-blocks of 8 or 16 sub-blocks with integer scales under
-//                         f16 ones; layouts in ggml_blocks.py).
+//                         f16 ones; layouts in ggml_blocks.py) and IQ4_XS (a K-quant-like super-block
+//                         whose nibbles index a table of 16 int8 values).
 // Every format is widened to float32 as it is read, and to exactly the float32 values a dequantised
 // copy holds (gguf-py's formulas: each product d * q, and each K-quant scale product d * sc, is exact
 // in float32, so the one rounding of d * q + m is the same fused or not; Q6_K / Q3_K's (d * sc) * q
@@ -374,6 +375,35 @@ struct Q2_K : GgmlBlocks<84, 256> {   // 16 scale bytes (scale | min << 4), 64 o
   static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q2_K>(row, k, v); }
 };
 
+// IQ4_XS: f16 d, a uint16 of the 8 sub-block scales' high 2 bits, 4 bytes of their low nibbles, then
+// per 32-weight sub-block 16 bytes of nibbles (weight i < 16 low, i + 16 high) indexing IQ4_NL's
+// table of 16 int8 values. w = (d * (sc - 32)) * table[q]: both products exact in float32.
+struct IQ4_XS : GgmlBlocks<136, 256> {
+  static constexpr const char* kName = "imp_gemm_f32_iq4_xsw";
+  static constexpr bool kMin = false;
+  static void scales(const uint8_t* b, float* d, float*) {
+    const float dd = f16(b);
+    const int high = b[2] | (b[3] << 8);
+    for (int j = 0; j < 8; ++j) {
+      const int sc = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+      d[2 * j] = d[2 * j + 1] = dd * static_cast<float>(sc - 32);
+    }
+  }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) {
+    // the table plus 128 (all within a byte), looked up by nibble, spread, then the 128 taken off
+    const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
+        static_cast<char>(141), static_cast<char>(153), static_cast<char>(166), static_cast<char>(181),
+        static_cast<char>(197), static_cast<char>(217), static_cast<char>(241),
+        1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
+        static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
+        static_cast<char>(241));
+    const uint8_t* qs = b + 8 + 16 * j;
+    spread32([&](int h) { return _mm256_shuffle_epi8(table, bit_field(bcast16(qs), 4 * h, 4)); }, q);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(128));
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<IQ4_XS>(row, k, v); }
+};
+
 using imp_simd::hsum;
 
 // The MR x NR block of y at (x, w); x and y rows are K and ldy floats apart, w rows ldw bytes. A
@@ -675,6 +705,7 @@ constexpr auto GemmQ3_K = Blocks<Q3_K>;
 constexpr auto GemmQ4_K = Blocks<Q4_K>;
 constexpr auto GemmQ5_K = Blocks<Q5_K>;
 constexpr auto GemmQ6_K = Blocks<Q6_K>;
+constexpr auto GemmIQ4_XS = Blocks<IQ4_XS>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
 // kIsa: the best integer-dot kernels this CPU runs (imp_q8::Isa: 0 AVX2, 1 VNNI on ymm, 2 AVX-512 for
@@ -726,6 +757,7 @@ IMP_GEMM_HANDLER(ImpGemmQ3_KW, GemmQ3_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ4_KW, GemmQ4_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ5_KW, GemmQ5_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ6_KW, GemmQ6_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmIQ4_XSW, GemmIQ4_XS, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
