@@ -1,7 +1,8 @@
-"""gpt-oss (model/gpt_oss.py) on a tiny random checkpoint: attention sinks in the XLA and CPU kernels vs
-the oracle, YaRN vs transformers, MXFP4 dequantisation, and the model vs transformers' GptOssForCausalLM
-(logits, greedy tokens, a ragged batch of prefill chunks and decodes, an MXFP4 checkpoint, the engine),
-and the same checkpoint written as a llama.cpp `gpt-oss` GGUF (float and MXFP4 experts)."""
+"""gpt-oss (model/gpt_oss.py) on a tiny random checkpoint: attention sinks in the XLA, CPU and Pallas
+(interpreted) kernels vs the oracle, YaRN vs transformers, MXFP4 dequantisation, and the model vs
+transformers' GptOssForCausalLM (logits, greedy tokens, a ragged batch of prefill chunks and decodes on
+every attention backend, an MXFP4 checkpoint, the engine), and the same checkpoint written as a
+llama.cpp `gpt-oss` GGUF (float and MXFP4 experts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,7 +115,7 @@ def _numpy_sink_attention(case, q, k_cache, v_cache, meta, layer, sinks):
     return out
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu"])
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])   # pallas: the Mosaic GPU interpreter
 @pytest.mark.parametrize("name", list(SINK_CASES))
 def test_attention_sinks_match_numpy_and_the_oracle(name, backend):
     if backend == "cpu" and not cpu_attention.available():
@@ -125,7 +126,8 @@ def test_attention_sinks_match_numpy_and_the_oracle(name, backend):
     H = q.shape[1]
     sinks = jnp.asarray(np.linspace(-3, 6, H), jnp.float32)   # one sink that dominates the scores
     kw = dict(sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window)
-    got = jax.jit(lambda *a: paged_attention(*a, **kw, kernels=Kernels(attention=backend), sinks=sinks))(
+    kernels = Kernels(attention=backend, pallas_interpret=backend == "pallas")
+    got = jax.jit(lambda *a: paged_attention(*a, **kw, kernels=kernels, sinks=sinks))(
         q, k_cache, v_cache, meta, jnp.int32(1))
     want = _numpy_sink_attention(case, q, k_cache, v_cache, meta, 1, np.asarray(sinks))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
@@ -137,22 +139,13 @@ def test_attention_sinks_match_numpy_and_the_oracle(name, backend):
     assert not np.asarray(got[real:]).any(), "padding rows must be zero"
 
 
-def test_the_pallas_kernel_refuses_sinks_clearly():
-    case = SINK_CASES["prefill_and_decodes"]
-    q, _, _, k_cache, v_cache, meta = make_batch(case)
-    with pytest.raises(ValueError, match="attention sinks"):
-        paged_attention(q, k_cache, v_cache, meta, 1, sm_scale=1.0, kernels=Kernels(attention="pallas"),
-                        sinks=jnp.zeros((q.shape[1],), jnp.float32))
-
-
-def test_kernel_choice_leaves_the_pallas_kernel_to_models_without_sinks(tiny):
+def test_kernel_choice_takes_sinks_everywhere(tiny):
     from imp_jax.kernels_pallas.pallas import shapes as pallas_shapes
     from imp_jax.model.loader import attention_shape
 
     cfg, _, _, _ = tiny
     shape = dataclasses.replace(attention_shape(cfg, jnp.bfloat16, jnp.bfloat16, 16, "gpu"), head_dim=64)
-    assert shape.sinks and not pallas_shapes.supports(shape)
-    assert pallas_shapes.supports(dataclasses.replace(shape, sinks=False))
+    assert shape.sinks and pallas_shapes.supports(shape)   # the Pallas GPU kernel has them
     if cpu_attention.available():   # the C++ CPU kernel has them
         assert host_kernels(cfg).attention == "cpu"
 
@@ -292,14 +285,15 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, runner, loop):
     assert tokens == hf_tokens
 
 
-@pytest.mark.parametrize("attention", ["xla", "cpu"])
+@pytest.mark.parametrize("attention", ["xla", "cpu", "pallas"])   # pallas: the Mosaic GPU interpreter
 def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny, runner, attention):
     cfg, tensors, hf_model, _ = tiny
     kernels = host_kernels(cfg)
     if attention != kernels.attention:
         if attention == "cpu":
             pytest.skip("CPU attention kernel not built")
-        runner = PagedRunner(build(cfg, tensors, dataclasses.replace(kernels, attention=attention)))
+        kernels = dataclasses.replace(kernels, attention=attention, pallas_interpret=attention == "pallas")
+        runner = PagedRunner(build(cfg, tensors, kernels))
     check_ragged_steps(runner, hf_model, cfg.vocab_size)
 
 

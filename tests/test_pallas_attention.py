@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -135,6 +136,40 @@ def test_kernel_matches_the_oracle(name: str) -> None:
     assert not np.asarray(got[real:], np.float32).any(), "padding rows must be zero"
 
 
+SINK_CASES = {
+    "decode_gqa": CASES["decode_only"],              # 8 heads a kv head, default (auto) splits: 2
+    "mixed_window": CASES["mixed_window"],           # prefill + decodes + a window, one split
+    "split_16_soft_cap": dataclasses.replace(SPLIT_CASES["split_long_decode"], kv_splits=16),
+    # the first slice (the one holding the sinks) sees no key for the chunk's last rows
+    "masked_rows_in_the_sink_slice": SPLIT_CASES["split_prefill_window"],
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_kernel_with_sinks_matches_the_xla_backend(name: str) -> None:
+    """gpt-oss's sinks: a logit per query head in each softmax's denominator, counted once across
+    kv slices, never soft-capped; heads of one kv group get different sinks, one dominating."""
+    case = SINK_CASES[name]
+    q, k, v, k_cache, v_cache, meta = make_batch(case, seed=2)
+    sinks = jnp.asarray(np.random.RandomState(4).permutation(np.linspace(-3, 6, q.shape[1])), jnp.float32)
+    kw = {"sm_scale": case.head_dim ** -0.5, "sliding_window": case.sliding_window, "soft_cap": case.soft_cap}
+
+    @jax.jit
+    def run(q, k, v, k_cache, v_cache, meta, sinks):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, 1)
+        return (ragged_paged_attention_xla(q, k_cache, v_cache, meta, 1, **kw, sinks=sinks),
+                ragged_paged_attention_oracle(q, k_cache, v_cache, meta, 1, **kw),
+                ragged_paged_attention_pallas(q, k_cache, v_cache, meta, 1, **kw, interpret=True,
+                                              kv_splits=case.kv_splits, sinks=sinks))
+
+    want, plain, got = (np.asarray(x, np.float32) for x in run(q, k, v, k_cache, v_cache, meta, sinks))
+    tol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    assert np.abs(want - plain).max() > 10 * tol, "the sinks must change the output"
+    real = int(meta.query_start_loc[meta.num_seqs])
+    assert not got[real:].any(), "padding rows must be zero"
+
+
 def dense_attention(case: Case, q, k_cache, v_cache, meta, layer: int) -> np.ndarray:
     """float64 NumPy oracle: each sequence's keys read in order through its block table."""
     q, kc, vc = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
@@ -195,12 +230,14 @@ def test_xla_attention_and_the_oracle_match_dense_numpy(name: str, impl: str) ->
 
 
 @pytest.mark.parametrize("kv_splits", [1, None, 16])
-@pytest.mark.parametrize("group,head_dim,block_size,dtype,window,cap", [
-    (1, 128, 16, jnp.bfloat16, None, None), (3, 64, 32, jnp.float16, 40, 5.0),
-    (8, 128, 16, jnp.bfloat16, None, 30.0), (128, 64, 64, jnp.bfloat16, 100, None),
-    (2, 256, 16, jnp.bfloat16, None, None)])
+@pytest.mark.parametrize("group,head_dim,block_size,dtype,window,cap,sinks", [
+    (1, 128, 16, jnp.bfloat16, None, None, False), (3, 64, 32, jnp.float16, 40, 5.0, True),
+    (8, 128, 16, jnp.bfloat16, None, 30.0, False), (128, 64, 64, jnp.bfloat16, 100, None, False),
+    (2, 256, 16, jnp.bfloat16, None, None, True),
+    (8, 64, 16, jnp.bfloat16, 128, None, True)])    # gpt-oss: 64 heads / 8 kv heads, sinks, window 128
 def test_kernel_lowers_to_mosaic_gpu(group: int, head_dim: int, block_size: int, dtype: type,
-                                     window: int | None, cap: float | None, kv_splits: int | None) -> None:
+                                     window: int | None, cap: float | None, sinks: bool,
+                                     kv_splits: int | None) -> None:
     """Cross-platform lowering runs the whole Pallas -> Mosaic GPU pipeline (layouts, TMA, wgmma
     shape rules) on CPU; only PTX compilation and the run itself need the GPU. Split-KV adds f32
     partial and lse tile stores in a second SMEM scope (head_dim 256: it must reuse the first's)."""
@@ -209,9 +246,10 @@ def test_kernel_lowers_to_mosaic_gpu(group: int, head_dim: int, block_size: int,
     cache = jax.ShapeDtypeStruct((2, 32, block_size, kvh, head_dim), dtype)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     meta = AttentionMetadata(i32(s + 1), i32(s), i32(s, 16), i32(t), i32())
-    fn = jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=0.1, sliding_window=window,
-                                                          soft_cap=cap, kv_splits=kv_splits))
-    text = fn.trace(q, cache, cache, meta, i32()).lower(lowering_platforms=("cuda",)).as_text()
+    sink = jax.ShapeDtypeStruct((kvh * group,), jnp.float32) if sinks else None
+    fn = jax.jit(lambda *a, sinks=None: ragged_paged_attention_pallas(
+        *a, sm_scale=0.1, sliding_window=window, soft_cap=cap, kv_splits=kv_splits, sinks=sinks))
+    text = fn.trace(q, cache, cache, meta, i32(), sinks=sink).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "wgmma.mma_async" in text
 
 
@@ -241,6 +279,17 @@ def test_supports_only_what_the_compiled_kernel_takes() -> None:
     assert not supports(shape(jnp.bfloat16, cache=jnp.float32))
     assert not supports(shape(jnp.bfloat16, head_dim=80))
     assert not supports(shape(jnp.bfloat16, block_size=12))      # pages off the 8-row tile
+    assert supports(dataclasses.replace(shape(jnp.bfloat16, head_dim=64), sinks=True))   # gpt-oss
+
+
+def test_auto_picks_pallas_on_hopper_for_gpt_oss() -> None:
+    """`auto` on a Hopper GPU takes the Pallas kernel for gpt-oss's shape (bf16, 64 heads / 8 kv
+    heads of 64, sinks); a Blackwell GPU stays on XLA. Devices stand in by the attributes read."""
+    gpt_oss = AttentionShape(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), 64, 8, 64, 16, sinks=True)
+    gpu = lambda cc: SimpleNamespace(platform="gpu", compute_capability=cc, device_kind=f"sm_{cc}")
+    assert select_kernels(gpu("9.0"), gpt_oss).attention == "pallas"
+    assert select_kernels(gpu("9.0"), gpt_oss, attention="pallas").attention == "pallas"
+    assert select_kernels(gpu("10.0"), gpt_oss).attention == "xla"
 
 
 def test_backends_are_chosen_once_and_pallas_needs_a_hopper_gpu() -> None:

@@ -35,17 +35,13 @@ def paged_attention(
     """The attention half of `ragged_paged_attention`, the step's K/V already in the caches: out [T, H, D].
     A model that picks a layer's window at run time (`lax.cond`, model/gemma.py) calls it in each branch,
     which then only read the caches. `sinks` [H] (gpt-oss): per-head logits in each softmax's
-    denominator (XLA and CPU kernels; the Pallas kernel refuses them)."""
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    denominator, never soft-capped (every backend takes them)."""
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if kernels.attention == "pallas":
-        if sinks is not None:
-            raise ValueError("--attention pallas: the Pallas kernel has no attention sinks (gpt-oss); "
-                             "run with --attention xla")
         # imported here: the Mosaic GPU modules take ~0.4 s to import, paid only where the kernel runs
         from imp_jax.kernels_pallas.pallas.ragged_paged_attention import ragged_paged_attention_pallas
         return ragged_paged_attention_pallas(q, k_cache, v_cache, meta, layer, **kw,
                                              interpret=kernels.pallas_interpret)
     if kernels.attention == "cpu":
-        return ragged_paged_attention_cpu(q, k_cache, v_cache, meta, layer, **kw, sinks=sinks)
-    return ragged_paged_attention_xla(q, k_cache, v_cache, meta, layer, **kw, dynamic_skips=kernels.dynamic_skips,
-                                      sinks=sinks)
+        return ragged_paged_attention_cpu(q, k_cache, v_cache, meta, layer, **kw)
+    return ragged_paged_attention_xla(q, k_cache, v_cache, meta, layer, **kw, dynamic_skips=kernels.dynamic_skips)

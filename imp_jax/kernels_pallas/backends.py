@@ -104,8 +104,7 @@ def _attention(asked: str, device: Any, shape: AttentionShape, on_cpu: bool) -> 
                              f"{getattr(device, 'device_kind', device.platform)}")
         if not pallas_attention.supports(shape):
             raise ValueError(f"--attention pallas: the kernel does not take {shape} (it needs 16-bit "
-                             f"queries and caches, head_dim a multiple of 64 up to 256, pages of 8k tokens, "
-                             f"no attention sinks: gpt-oss runs with --attention xla there)")
+                             f"queries and caches, head_dim a multiple of 64 up to 256, pages of 8k tokens)")
         return "pallas"
     if asked == "cpu":
         if not (on_cpu and cpu_attention.available()):

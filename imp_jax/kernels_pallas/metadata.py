@@ -37,7 +37,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    sinks: bool = False         # per-head attention-sink logits (gpt-oss): not every kernel has them
+    sinks: bool = False         # per-head attention-sink logits (gpt-oss): every kernel takes them today
 
     @classmethod
     def of(cls, q: jax.Array, k_cache: jax.Array) -> "AttentionShape":

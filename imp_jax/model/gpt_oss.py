@@ -2,7 +2,7 @@
 
 What differs from MoELM:
 - attention sinks: a learned logit per head joins every softmax's denominator (and nothing to its
-  numerator), passed to the attention kernels (`sinks`; the Pallas GPU kernel refuses them);
+  numerator), passed to the attention kernels (`sinks`; every backend takes them);
 - layers alternate sliding-window and full attention (`config.layer_types`, sliding first), picked
   per layer as model/gemma.py does: K/V written first, then a `lax.cond` between two attention calls
   that only read the cache (under the `unroll` loop each layer's window is static);

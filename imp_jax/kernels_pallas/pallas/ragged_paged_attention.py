@@ -12,10 +12,13 @@ query tokens of one sequence; grid = (work items, kv heads[, kv splits]). A work
 tokens x the G query heads of its kv head as the 64 MMA rows (GQA: K/V are read once per group),
 walks its sequence's pages through `block_tables` (never a dense context) in steps of `block_kv`
 keys, and keeps an f32 online softmax. Causal, sliding-window and soft-cap masking are per row.
+Attention sinks (gpt-oss: a logit per query head, of value 0) are the softmax's starting state:
+m = sink, l = 1, acc = 0, as if the sink were a key already seen; never soft-capped.
 Split-KV (`split_kv.py`): when few (work item, kv head) programs would leave most SMs idle (a
 small-batch decode), each item's steps are cut into up to 16 slices, one program each; programs
-then write f32 partial outputs and log-sum-exps, merged exactly in XLA. With one split (the
-default for prefill-heavy buckets) the kernel writes the final output itself.
+then write f32 partial outputs and log-sum-exps, merged exactly in XLA; only the first slice of
+each item starts from the sinks, so they count once. With one split (the default for
+prefill-heavy buckets) the kernel writes the final output itself.
 The new K/V are written right before the kernel by `kv_cache.write_kv` (an XLA scatter,
 in place when the step donates the caches). On CPU the same kernel runs in JAX's Mosaic GPU
 interpreter (`interpret=True`), which is how CI tests it; two interpreter gaps are bridged there
@@ -104,6 +107,19 @@ def _kv_steps(work: jax.Array, block_kv: int, sliding_window: int | None) -> jax
     return jnp.concatenate([work, lo[:, None], end[:, None]], axis=1)
 
 
+def _sink_rows(sinks: jax.Array | None, kv_heads: int, group: int, block_q: int, rows_m: int,
+               splits: int) -> jax.Array:
+    """f32 [KVH, splits, rows_m]: each kernel row's starting softmax max. Row r of kv head h is
+    query head h * group + r % group, so it starts at that head's sink in the first kv slice only
+    (the sink counts once when slices merge); other slices, padding rows and calls without sinks
+    start at -1e30, where the first visible key's rescale exp(-1e30 - m) wipes the initial l = 1."""
+    none = jnp.full((kv_heads, splits, rows_m), _MASKED, jnp.float32)
+    if sinks is None:
+        return none
+    rows = jnp.tile(jnp.maximum(sinks.astype(jnp.float32), _MASKED).reshape(kv_heads, group), (1, block_q))
+    return none.at[:, 0, :block_q * group].set(rows)
+
+
 def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
     """An SMEM buffer tiled and swizzled the way TMA and wgmma want 2D operands."""
     tile = SWIZZLE // jnp.dtype(dtype).itemsize
@@ -113,11 +129,13 @@ def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
                                                 plgpu.SwizzleTransform(SWIZZLE)))
 
 
-def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any,
-            o_ref: Any, lse_ref: Any = None, *, group: int, block_kv: int, sm_scale: float,
+def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, sinks_ref: Any, q_ref: Any, k_ref: Any,
+            v_ref: Any, o_ref: Any, lse_ref: Any = None, *, group: int, block_kv: int, sm_scale: float,
             sliding_window: int | None, soft_cap: float | None, splits: int, interpret: bool) -> None:
     """One (work item, kv head[, kv slice]): online-softmax attention of its rows over its
-    sequence's pages (its slice of them when splits > 1: then the f32 partial and lse go out)."""
+    sequence's pages (its slice of them when splits > 1: then the f32 partial and lse go out).
+    The softmax starts from m = the rows' sink logits (`_sink_rows`), l = 1, acc = 0: the sink as
+    a key already seen, of value 0; a sink of -1e30 (no sinks, later slices) is no key at all."""
     _, _, bs, _, d = k_ref.shape
     rows_m = q_ref.shape[2]
     pages = block_kv // bs
@@ -126,6 +144,7 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: A
     w, h = lax.axis_index("work"), lax.axis_index("kv_head")
     seq, pos0, n_rows = work_ref[w, 0], work_ref[w, 1], work_ref[w, 2]
     step_lo, step_end = work_ref[w, 3], work_ref[w, 4]
+    split = 0
     if splits > 1:
         split, per = lax.axis_index("kv_split"), work_ref[w, 5]
         step_lo = step_lo + split * per
@@ -134,9 +153,10 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: A
     # register layouts only mean something to the Mosaic GPU compiler; the interpreter has no rule
     lay = (lambda x, _: x) if interpret else plgpu.layout_cast
 
-    def scoped(q_smem: Any, k_smem: Any, v_smem: Any, p_smem: Any, kt_smem: Any,
+    def scoped(q_smem: Any, k_smem: Any, v_smem: Any, p_smem: Any, kt_smem: Any, sink_smem: Any,
                q_bar: Any, k_bar: Any, v_bar: Any) -> None:
         plgpu.copy_gmem_to_smem(q_ref.at[w, h], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(sinks_ref.at[h, split], sink_smem, q_bar.at[0])
 
         def fetch(step: jax.Array, slot: jax.Array | int) -> None:
             for p in range(pages):  # one TMA per page; each barrier expects `pages` arrivals
@@ -191,8 +211,8 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: A
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv(slot)
             return m_new, l, acc
 
-        m = lay(jnp.full((rows_m,), _MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = lay(jnp.full((rows_m,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        m = lay(sink_smem[...], plgpu.Layout.WGMMA.reduce(1))
+        l = lay(jnp.full((rows_m,), 1.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = lay(jnp.full((rows_m, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         m, l, acc = lax.fori_loop(0, step_end - step_lo, body, (m, l, acc))
         if splits > 1:
@@ -222,7 +242,8 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, q_ref: Any, k_ref: A
             scoped,
             _smem((rows_m, d), dtype), _smem((2, block_kv, d), dtype), _smem((2, block_kv, d), dtype),
             _smem((rows_m, block_kv), dtype), _smem((d, block_kv), dtype) if interpret else None,
-            plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_arrivals=pages, num_barriers=2),
+            plgpu.SMEM((rows_m,), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1), plgpu.Barrier(num_arrivals=pages, num_barriers=2),
             plgpu.Barrier(num_arrivals=pages, num_barriers=2),
         )
         if splits > 1:
@@ -234,11 +255,12 @@ def ragged_paged_attention_pallas(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata,
     layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
     soft_cap: float | None = None, interpret: bool = False, block_kv: int = 64,
-    kv_splits: int | None = None,
+    kv_splits: int | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
-    Same contract as `xla.oracle.ragged_paged_attention_oracle`; K/V must already be written.
+    Same contract as `xla.oracle.ragged_paged_attention_oracle` (sinks [H] included: one more
+    logit per head in each softmax's denominator, never soft-capped); K/V must already be written.
     kv_splits: slices of each work item's keys, one program each (None: `split_kv.default_kv_splits`
     of the static shapes; 1: no split, no combine).
     """
@@ -281,7 +303,8 @@ def ragged_paged_attention_pallas(
                         compiler_params=plgpu.CompilerParams(),
                         **({"interpret": interpret_params()} if interpret else {}))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    out = call(work, meta.block_tables.astype(jnp.int32), layer_arr, qw, k_cache, v_cache)
+    sink_rows = _sink_rows(sinks, KVH, G, block_q, rows_m, splits)
+    out = call(work, meta.block_tables.astype(jnp.int32), layer_arr, sink_rows, qw, k_cache, v_cache)
 
     rows = block_q * G
     if splits == 1:

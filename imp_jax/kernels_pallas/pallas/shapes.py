@@ -17,11 +17,11 @@ def block_kv_for(block_size: int, block_kv: int = 64) -> int:
 
 
 def supports(shape: AttentionShape) -> bool:
-    """Whether the compiled (GPU) kernel takes a model of this shape: 16-bit queries and caches,
-    TMA/wgmma-friendly tiles, and no attention sinks (gpt-oss: the kernel has none)."""
+    """Whether the compiled (GPU) kernel takes a model of this shape: 16-bit queries and caches and
+    TMA/wgmma-friendly tiles. Attention sinks (gpt-oss) are no constraint: the kernel takes them."""
     bk = block_kv_for(shape.block_size)
     group = shape.num_heads // shape.num_kv_heads
     sixteen = (jnp.bfloat16, jnp.float16)
-    return (not shape.sinks and shape.cache_dtype in sixteen and shape.q_dtype in sixteen
+    return (shape.cache_dtype in sixteen and shape.q_dtype in sixteen
             and shape.head_dim % 64 == 0 and shape.head_dim <= 256
             and shape.block_size % 8 == 0 and bk % 64 == 0 and bk <= 256 and group <= 2 * MMA_ROWS)

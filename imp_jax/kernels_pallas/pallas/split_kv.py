@@ -10,7 +10,9 @@ the sum of exp(s - m)); `combine` merges the slices with the usual max rescaling
     out = sum_s exp(lse_s - max lse) * o_s / sum_s exp(lse_s - max lse)
 
 which equals the one-pass softmax. A row that saw no visible key in a slice has m = -1e30 there, so
-its weight is exp(-1e30 - max lse) = 0; a slice that never ran is masked by `live`.
+its weight is exp(-1e30 - max lse) = 0; a slice that never ran is masked by `live`. Attention sinks
+join slice 0 only (a live slice whenever the item has rows): there a row's lse includes its sink,
+and one that saw no key keeps o = 0 with lse = sink, which is exactly the sink's share.
 """
 from __future__ import annotations
 
