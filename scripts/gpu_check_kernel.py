@@ -3,8 +3,10 @@
 
 Runs the kernel test cases of tests/test_pallas_attention.py (float32 ones as bfloat16: the compiled
 kernel takes 16-bit caches only) plus GPU-sized ones (batch-1 decode at 32k, a batch of 8 long decodes,
-a windowed prefill), each at kv_splits 1, the default rule's count and a forced count, and checks the
-error against the case's dtype tolerance and that padding rows are zero. Exit status 1 on any failure.
+a windowed prefill) and gpt-oss's layout with attention sinks (cases named `+sinks`: a logit per
+head, one of them dominating), each at kv_splits 1, the default rule's count and a forced count, and
+checks the error against the case's dtype tolerance and that padding rows are zero. Exit status 1 on
+any failure.
 
     python scripts/gpu_check_kernel.py --out kernel.json            # on an H100/H200
     python scripts/gpu_check_kernel.py --interpret --out kernel.json  # CPU dry run
@@ -43,7 +45,16 @@ GPU_CASES = {
                                dtype=jnp.float16, num_tokens=832, num_slots=4, kv_heads=8,
                                sliding_window=1024),
 }
-INTERPRETED = ("decode_only", "split_prefill_window")   # the CPU dry run: a few seconds each
+# gpt-oss-20b's attention: 64 heads over 8 kv heads of 64, sinks, window 128 on every other layer
+GPT_OSS = {"group": 8, "head_dim": 64, "block_size": 16, "dtype": jnp.bfloat16, "kv_heads": 8}
+SINK_CASES = {
+    "gpt_oss_decode_batch8+sinks": Case(((8191, 1), (100, 1), (0, 1), (2047, 1), (16383, 1), (5, 1), (700, 1),
+                                         (4000, 1)), num_tokens=16, num_slots=16, **GPT_OSS),
+    "gpt_oss_mixed_window+sinks": Case(((1000, 300), (0, 40), (5000, 1), (130, 1)), num_tokens=352, num_slots=4,
+                                       sliding_window=128, **GPT_OSS),
+    "split_prefill_window+sinks": KERNEL_CASES["split_prefill_window"],
+}
+INTERPRETED = ("decode_only", "split_prefill_window", "split_prefill_window+sinks")   # CPU dry run: seconds each
 FORCED_SPLITS = 5
 
 
@@ -52,6 +63,9 @@ def check_case(name: str, case: Case, splits: list[int | None], interpret: bool)
     already chose is not run twice): error, padding rows, finiteness, timings."""
     q, k, v, k_cache, v_cache, meta = make_batch(case)
     kw = dict(sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    if name.endswith("+sinks"):
+        heads = q.shape[1]
+        kw["sinks"] = jnp.asarray(np.random.RandomState(4).permutation(np.linspace(-3, 6, heads)), jnp.float32)
     auto = auto_kv_splits(q, k_cache, meta, case.sliding_window)
     k_cache, v_cache = jax.jit(write_kv)(k_cache, v_cache, k, v, meta.slot_mapping, 1)
     args = (q, k_cache, v_cache, meta, jnp.int32(1))
@@ -96,10 +110,10 @@ def main() -> int:
         print(f"no Hopper GPU here ({device.device_kind}); pass --interpret for the CPU dry run", file=sys.stderr)
         return 2
     if a.interpret:
-        cases = {n: KERNEL_CASES[n] for n in INTERPRETED}
+        cases = {n: {**KERNEL_CASES, **SINK_CASES}[n] for n in INTERPRETED}
     else:  # the compiled kernel takes 16-bit caches: float32 cases run as bfloat16
         cases = {n: c if c.dtype != jnp.float32 else dataclasses.replace(c, dtype=jnp.bfloat16)
-                 for n, c in {**GPU_CASES, **KERNEL_CASES}.items()}
+                 for n, c in {**GPU_CASES, **SINK_CASES, **KERNEL_CASES}.items()}
     how = "interpreted" if a.interpret else "compiled"
     print(f"device {device.device_kind}; jax {jax.__version__}; kernel {how}")
     rows = []
@@ -110,7 +124,7 @@ def main() -> int:
             detail = row.get("error") or (f"err {row['max_abs_err']:.2e} (tol {row['tolerance']:.0e}) "
                                           f"padding {'zero' if row['padding_zero'] else 'NONZERO'} "
                                           f"{row['call_ms']:.3f} ms")
-            print(f"{status} {name:24s} {row['dtype']:8s} splits {row['kv_splits']:2d}"
+            print(f"{status} {name:28s} {row['dtype']:8s} splits {row['kv_splits']:2d}"
                   f"{' (default)' if row['default'] else '          '} {detail}", flush=True)
         if a.out:  # after every case, so a run stopped part way keeps what it checked
             Path(a.out).write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__,
