@@ -41,13 +41,13 @@ GPT_OSS = dict(TINY, num_hidden_layers=3, head_dim=16, intermediate_size=32, num
                num_experts_per_tok=2, sliding_window=5, rope_parameters=YARN)
 
 
-def write_tiny_gpt_oss(path: Path, seed: int = 0):
+def write_tiny_gpt_oss(path: Path, seed: int = 0, **overrides):
     """Save a tiny random GptOssForCausalLM (eager attention, so the sinks are transformers' own
     softmax column); returns the transformers model. Sinks, biases and norms get noise; router and LM
-    head a scale that keeps routing and greedy picks away from near-ties."""
+    head a scale that keeps routing and greedy picks away from near-ties. `overrides`: of GPT_OSS."""
     import transformers
 
-    cfg = transformers.GptOssConfig(**GPT_OSS)
+    cfg = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.GptOssForCausalLM(cfg).float().eval()

@@ -32,14 +32,14 @@ FAMILIES = {
 }
 
 
-def write_tiny_moe(name: str, path: Path, seed: int = 0):
-    """Save a tiny random `name` (a FAMILIES key) HF dir; returns the transformers model. Norms and
+def write_tiny_moe(name: str, path: Path, seed: int = 0, **overrides):
+    """Save a tiny random `name` (a FAMILIES key; `overrides` of its config) HF dir; returns the transformers model. Norms and
     biases get noise; routers and the LM head a scale that makes routing and greedy picks decisive
     (no near-ties to flip on rounding)."""
     import transformers
 
     cfg_cls, extra = FAMILIES[name]
-    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, name)(cfg).float().eval()
     with torch.no_grad():
@@ -173,7 +173,7 @@ def test_a_bad_top_k_is_a_load_error_naming_the_field(k):
 
 
 # ----------------------------------------------------------------------------------------- GGUF
-def _write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str, np.ndarray]:
+def write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str, np.ndarray]:
     """`t` (HF tensors of a Mixtral or Qwen2-MoE) as the GGUF llama.cpp's converter writes; the
     `quantised` stacked-expert tensor in Q8_0. Returns the HF-named tensors the GGUF holds, dequantised."""
     import gguf
@@ -272,7 +272,7 @@ def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
 
     write_tiny_moe(name, tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")
-    held = _write_moe_gguf(tmp_path / "m.gguf", cfg, SafetensorsDir(tmp_path), "ffn_up_exps.weight")
+    held = write_moe_gguf(tmp_path / "m.gguf", cfg, SafetensorsDir(tmp_path), "ffn_up_exps.weight")
     ckpt = load_gguf(tmp_path / "m.gguf")
     gcfg = ModelConfig.from_hf(ckpt.hf_config)
     for field in ("architecture", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
@@ -296,10 +296,8 @@ def test_engine_batches_a_moe_like_alone_and_compiles_nothing_after_warmup(famil
 
 
 @pytest.mark.parametrize("family", ["MixtralForCausalLM"], indirect=True)   # one family suffices
-def test_tensor_parallel_and_lora_are_refused_clearly(family):
+def test_lora_is_refused_clearly(family):
     cfg, tensors, _, runner, _ = family
-    with pytest.raises(ModelLoadError, match="tensor-parallel"):
-        build(cfg, tensors, tensor_parallel=2)
     model = build(cfg, tensors)
     with pytest.raises(ModelLoadError, match="LoRA"):
         model.enable_lora(None)

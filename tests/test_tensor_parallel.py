@@ -4,7 +4,10 @@ The comparisons run on 4 fake CPU devices in a child process (tests/tp_check.py:
 fixed when jax starts; this process has one device): SmolLM2 (3 KV heads: replicated on 2 and 4
 shards; a tied, vocab-parallel LM head), a tiny Llama whose 4 KV heads split over 2 and 4, and a
 tiny Qwen2 (q/k/v biases) whose 3 KV heads and 45-row MLP split over neither 2 nor 4 without
-padding, and whose 250-token vocabulary splits over 2 but is replicated on 4.
+padding, and whose 250-token vocabulary splits over 2 but is replicated on 4. Mixtures of experts
+(model/moe.py) in the same child run: a tiny Mixtral, a Qwen2-MoE (shared expert, a dense layer; expert,
+shared and dense widths 33, 45 and 50, which 2 or 4 does not divide) from its HF directory and from a
+GGUF with a Q8_0 expert stack, and a gpt-oss (biases, sinks, sliding and full layers; width 30).
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ FAKE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHON
 TINY_LLAMA = dict(num_attention_heads=8, num_key_value_heads=4)                      # head_dim 8
 TINY_QWEN2 = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,      # head_dim 16
                   intermediate_size=45, vocab_size=250, tie_word_embeddings=False)   # tied, it echoes its input
+TINY_QWEN2_MOE = {"moe_intermediate_size": 33, "shared_expert_intermediate_size": 45, "intermediate_size": 50}
+TINY_GPT_OSS = {"intermediate_size": 30}
+MOE_MODELS = ["mixtral", "qwen2moe", "qwen2moe_gguf", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +45,7 @@ def tp_runs(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -
         write_tiny_tokenizer(tmp / name)
         models[name] = str(tmp / name)
     models["smollm2"] = str(smollm2_gguf_path)
+    models.update(_write_moe_models(tmp))
     out = tmp / "runs.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_check.py"), str(out), *models.values()],
                           env={**os.environ, **FAKE_DEVICES}, capture_output=True, text=True, timeout=900)
@@ -47,7 +54,26 @@ def tp_runs(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -
     return {f"{name}|{n}": runs[f"{path}|{n}"] for name, path in models.items() for n in (1, 2, 4)}
 
 
-@pytest.mark.parametrize("model", ["smollm2", "llama", "qwen2"])
+def _write_moe_models(tmp: Path) -> dict[str, str]:
+    """The mixtures of experts tp_runs compares: HF directories (a tokenizer beside each) and a GGUF."""
+    from imp_jax.model.config import ModelConfig
+    from imp_jax.model.loader import SafetensorsDir
+    from test_gpt_oss import write_tiny_gpt_oss
+    from test_moe import write_moe_gguf, write_tiny_moe
+
+    write_tiny_moe("MixtralForCausalLM", tmp / "mixtral")
+    write_tiny_moe("Qwen2MoeForCausalLM", tmp / "qwen2moe", **TINY_QWEN2_MOE)
+    write_tiny_gpt_oss(tmp / "gpt_oss", **TINY_GPT_OSS)
+    for name in ("mixtral", "qwen2moe", "gpt_oss"):
+        write_tiny_tokenizer(tmp / name)
+    gguf = tmp / "qwen2moe.gguf"
+    write_moe_gguf(gguf, ModelConfig.from_file(tmp / "qwen2moe" / "config.json"), SafetensorsDir(tmp / "qwen2moe"),
+                   "ffn_up_exps.weight")
+    return {"mixtral": str(tmp / "mixtral"), "qwen2moe": str(tmp / "qwen2moe"), "qwen2moe_gguf": str(gguf),
+            "gpt_oss": str(tmp / "gpt_oss")}
+
+
+@pytest.mark.parametrize("model", ["smollm2", "llama", "qwen2", *MOE_MODELS])
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensor_parallel_matches_one_device(tp_runs, model, n):
     """Same greedy tokens, and the prompt's raw logprobs (the chosen token's and the top 20 of
@@ -148,3 +174,48 @@ def test_one_device_program_has_no_shard_map_and_no_collectives(smollm2_loaded):
     text = step.lowered("step", 1, 1).as_text()
     assert "stablehlo.sine" in text or "stablehlo.cosine" in text   # the text is the model's program
     assert "manual_computation" not in text and "all_reduce" not in text and "all_gather" not in text
+
+
+def test_expert_stacks_are_stored_shard_major_with_zero_pads(tmp_path):
+    """gpt-oss's experts (width 30) on 4 shards, as the loader hands them to the mesh: shard d's slice
+    of gate|up (and its bias) is its 8 gate rows then its 8 up rows, of down its 8 columns, the last
+    shard's last 2 of each zero; the down bias stays whole (shard 0 adds it); the sinks follow the
+    shard-major query heads (2 KV heads of 2 query heads each, replicated on 4 shards: shard 0 holds
+    query heads 0 and 2, shard 1 heads 1 and 3, shards 2 and 3 only zero pads)."""
+    from imp_jax.model.base import ModelOptions
+    from imp_jax.model.config import ModelConfig
+    from imp_jax.model.gpt_oss import GptOssLM
+    from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+    from imp_jax.model.weights import WeightSource
+    from paged import host_kernels
+    from test_gpt_oss import write_tiny_gpt_oss
+
+    hf = write_tiny_gpt_oss(tmp_path, **TINY_GPT_OSS)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    opts = ModelOptions(np.float32, "scan", host_kernels(cfg, np.float32), tensor_parallel=4)
+    model = build_from_tensors(GptOssLM, cfg, WeightSource(SafetensorsDir(tmp_path)), opts)
+    sd = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+    I, local = 30, 8
+    gate_up = sd["model.layers.0.mlp.experts.gate_up_proj"]                  # [E, H, 2I], gate and up interleaved
+    gate, up = np.swapaxes(gate_up[..., 0::2], 1, 2), np.swapaxes(gate_up[..., 1::2], 1, 2)   # [E, I, H]
+    bias = sd["model.layers.0.mlp.experts.gate_up_proj_bias"]
+    down = np.swapaxes(sd["model.layers.0.mlp.experts.down_proj"], 1, 2)    # [E, H, I]
+
+    def pad(x: np.ndarray, axis: int) -> np.ndarray:   # I rows -> 4 x 8, zeros after
+        return np.concatenate([x, np.zeros(x.shape[:axis] + (local * 4 - I,) + x.shape[axis + 1:], x.dtype)], axis=axis)
+
+    gate, up, down = pad(gate, 1), pad(up, 1), pad(down, 2)
+    g_bias, u_bias = pad(bias[:, 0::2], 1), pad(bias[:, 1::2], 1)
+    mlp = model.layers.mlp[0]
+    got_gu, got_bias, got_down = (np.asarray(p[...]) for p in (mlp.gate_up, mlp.gate_up_bias, mlp.down))
+    assert got_gu.shape == (4, 2 * 4 * local, 64) and got_down.shape == (4, 64, 4 * local)
+    for d in range(4):
+        rows, mine = slice(d * local, (d + 1) * local), slice(2 * d * local, 2 * (d + 1) * local)
+        np.testing.assert_array_equal(got_gu[:, mine], np.concatenate([gate[:, rows], up[:, rows]], axis=1))
+        np.testing.assert_array_equal(got_bias[:, mine], np.concatenate([g_bias[:, rows], u_bias[:, rows]], axis=1))
+        np.testing.assert_array_equal(got_down[:, :, rows], down[:, :, rows])
+    assert not got_gu[:, -2:].any() and not got_down[..., -2:].any()
+    np.testing.assert_array_equal(np.asarray(mlp.down_bias[...]), sd["model.layers.0.mlp.experts.down_proj_bias"])
+    sinks = sd["model.layers.0.self_attn.sinks"]
+    np.testing.assert_array_equal(np.asarray(model.layers.sinks[...])[0],
+                                  [sinks[0], sinks[2], sinks[1], sinks[3], 0, 0, 0, 0])

@@ -15,13 +15,11 @@ interleaved column by column), in bf16 or as MXFP4 (`*_blocks` of packed FP4 e2m
 `*_scales` of E8M0 exponents, one per 32 values of an input row); both are brought to MoELM's
 [E, out, in] gate|up layout at load, MXFP4 dequantised (`dequantize_mxfp4`). A GGUF (llama.cpp's
 `gpt-oss` architecture) holds them split into gate and up, [E, out, in], MXFP4 as GGML blocks that
-gguf-py dequantises (`_load_split_experts`). Harmony's channels
+gguf-py dequantises (`_split_experts`). Harmony's channels
 (analysis / final) are not parsed: the server applies the checkpoint's chat template and returns the
 raw text.
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +32,9 @@ from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.layers import apply_rope, rms_norm
 from imp_jax.model.llama import layer_linear
-from imp_jax.model.moe import MoELayers, MoELM
+from imp_jax.model.moe import MoELayers, MoELM, shard_putter
 from imp_jax.model.tensor_parallel import TensorParallel
-from imp_jax.model.weights import WeightSource, stored
+from imp_jax.model.weights import WeightSource
 
 # FP4 e2m1 values by their 4-bit code (sign in the high bit)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -66,7 +64,7 @@ class GptOssLayers(MoELayers):
         super().__init__(cfg, dtype, rngs, tp)
         L = cfg.num_layers
         self.o_bias = nnx.Param(jnp.zeros((L, cfg.hidden_size), dtype), axes=("layers", "embed"))
-        self.sinks = nnx.Param(jnp.zeros((L, cfg.num_heads), jnp.float32), axes=("layers", None))
+        self.sinks = nnx.Param(jnp.zeros((L, tp.n * tp.local_heads), jnp.float32), axes=("layers", "heads"))
 
 
 class GptOssLM(MoELM):
@@ -101,8 +99,9 @@ class GptOssLM(MoELM):
         else:
             attn = jax.lax.cond(jnp.asarray(sliding)[i], attend(cfg.sliding_window), attend(None),
                                 q, k_cache, v_cache)
-        o = layer_linear(attn.astype(x.dtype).reshape(T, heads * D), mats["o_proj"], i, w["o_bias"], kernels)
-        x = x + o
+        o = layer_linear(attn.astype(x.dtype).reshape(T, heads * D), mats["o_proj"], i, self._once(w["o_bias"]),
+                         kernels)
+        x = x + self._reduce(o)
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
         x = x + self._mlp(h, mats, loras, i, meta)
         return x, k_cache, v_cache
@@ -116,10 +115,8 @@ class GptOssLM(MoELM):
         ly, L = model.layers, config.num_layers
         o_bias = np.stack([weights.tensor(f"model.layers.{i}.self_attn.o_proj.bias") for i in range(L)])
         sinks = np.stack([weights.tensor(f"model.layers.{i}.self_attn.sinks") for i in range(L)])
-        for param, value, dtype in ((ly.o_bias, o_bias, options.dtype), (ly.sinks, sinks, jnp.float32)):
-            if value.shape != tuple(param.shape):
-                raise ValueError(f"shape {value.shape} where {param.shape} was expected")
-            param.set_value(stored(value, dtype))
+        shard_putter(model.tp, options.dtype)(ly.o_bias, o_bias)
+        shard_putter(model.tp, jnp.float32)(ly.sinks, sinks, model.tp.head_index(config), 1)   # per query head
         return model
 
     @classmethod
@@ -128,10 +125,8 @@ class GptOssLM(MoELM):
         """Router weight and bias; experts from `mlp.experts.{gate_up,down}_proj` ([E, in, out],
         bf16 / float) or their MXFP4 `_blocks` / `_scales` ([E, out, in] once dequantised), gate and
         up de-interleaved into MoELM's [gate | up] halves, with their biases."""
-        def put(param: nnx.Param, value: np.ndarray) -> None:
-            if value.shape != tuple(param.shape):
-                raise ValueError(f"shape {value.shape} where {param.shape} was expected")
-            param.set_value(stored(value, options.dtype))
+        put = shard_putter(model.tp, options.dtype)
+        gate_up, down = model.tp.fused_index(config.intermediate_size), model.tp.split_index(config.intermediate_size)
 
         def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in]
             if f"{pre}.{name}_blocks" in weights:
@@ -146,24 +141,26 @@ class GptOssLM(MoELM):
             put(mlp.router, weights.tensor(f"{pre}.router.weight"))
             put(mlp.router_bias, weights.tensor(f"{pre}.router.bias"))
             if f"{pre}.experts.gate_proj.weight" in weights:   # a GGUF's: already split, [E, out, in]
-                cls._load_split_experts(mlp, f"{pre}.experts", weights, put)
-                continue
-            put(mlp.gate_up, halves(experts(f"{pre}.experts", "gate_up_proj")))
-            put(mlp.gate_up_bias, halves(weights.tensor(f"{pre}.experts.gate_up_proj_bias")))
-            put(mlp.down, experts(f"{pre}.experts", "down_proj"))
-            put(mlp.down_bias, weights.tensor(f"{pre}.experts.down_proj_bias"))
+                gu, gu_bias, dn, dn_bias = cls._split_experts(f"{pre}.experts", weights)
+            else:
+                gu = halves(experts(f"{pre}.experts", "gate_up_proj"))
+                gu_bias = halves(weights.tensor(f"{pre}.experts.gate_up_proj_bias"))
+                dn = experts(f"{pre}.experts", "down_proj")
+                dn_bias = weights.tensor(f"{pre}.experts.down_proj_bias")
+            put(mlp.gate_up, gu, gate_up, 1)
+            put(mlp.gate_up_bias, gu_bias, gate_up, 1)   # split with its rows
+            put(mlp.down, dn, down, 2)
+            put(mlp.down_bias, dn_bias)                  # whole on every shard, added by shard 0 (MoELM._sparse)
 
     @staticmethod
-    def _load_split_experts(mlp: nnx.Module, pre: str, weights: WeightSource,
-                            put: Callable[[nnx.Param, np.ndarray], None]) -> None:
+    def _split_experts(pre: str, weights: WeightSource) -> tuple[np.ndarray, ...]:
         """Experts as a gpt-oss GGUF holds them (model/gguf_loader.py): llama.cpp's converter has
         de-interleaved gate and up into `gate_proj` / `up_proj` ([E, out, in], MXFP4 or float, read
-        dequantised) with [E, out] biases, so they only need joining into MoELM's [gate | up]."""
+        dequantised) with [E, out] biases, so they only need joining into MoELM's [gate | up].
+        Returns gate|up, its bias, down, its bias."""
         def pair(leaf: str) -> np.ndarray:
             return np.concatenate([weights.tensor(f"{pre}.gate_proj.{leaf}"),
                                    weights.tensor(f"{pre}.up_proj.{leaf}")], axis=1)
 
-        put(mlp.gate_up, pair("weight"))
-        put(mlp.gate_up_bias, pair("bias"))
-        put(mlp.down, weights.tensor(f"{pre}.down_proj.weight"))
-        put(mlp.down_bias, weights.tensor(f"{pre}.down_proj.bias"))
+        return (pair("weight"), pair("bias"), weights.tensor(f"{pre}.down_proj.weight"),
+                weights.tensor(f"{pre}.down_proj.bias"))

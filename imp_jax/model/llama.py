@@ -187,6 +187,11 @@ class DecoderLM(nnx.Module):
         """The sum over shards of a row-parallel projection's partial outputs (itself on one device)."""
         return partial if self.tp.n == 1 else jax.lax.psum(partial, AXIS)
 
+    def _once(self, bias: jax.Array) -> jax.Array:
+        """A row-parallel projection's bias as one shard adds it: whole on shard 0, zeros elsewhere,
+        so `_reduce` adds it exactly once (itself on one device)."""
+        return bias if self.tp.n == 1 else jnp.where(jax.lax.axis_index(AXIS) == 0, bias, jnp.zeros_like(bias))
+
     def _layer(self, x, w, mats, loras, i, cos, sin, k_cache, v_cache, meta):
         """One decoder layer; `w` holds layer i's vectors, `mats` every layer's matrices, `loras`
         every layer's adapter slabs (empty without LoRA)."""

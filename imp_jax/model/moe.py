@@ -4,8 +4,7 @@ gpt-oss (model/gpt_oss.py) adds router and expert biases and its clamped SwiGLU 
 Attention, norms, embedding and LM head are model/llama.py's DecoderLM; only the feed-forward block
 differs. A sparse layer routes each token to `num_experts_per_tok` of `num_experts` experts
 (`route`), and the experts are one stacked weight per projection: gate|up [E, 2I, H] and down
-[E, H, I], HF's [out, in] layout per expert, their leading axis named "experts" (the
-expert-parallel axis; runtime/sharding.py maps no mesh axis to it yet, so they are replicated).
+[E, H, I], HF's [out, in] layout per expert, their leading axis named "experts".
 
 The experts (`expert_ffn`) never drop a token. They run as a grouped matmul over tiles: the
 step's real (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of
@@ -20,13 +19,23 @@ Layers that Qwen2-MoE's `decoder_sparse_step` / `mlp_only_layers` leave dense ke
 `intermediate_size`. Under the `scan` layer loop each layer's feed-forward block is one branch of
 a `lax.switch` on the layer index (as llama's projections are), so weights are read in place.
 
-Not supported (clear ModelLoadErrors): tensor parallelism and LoRA adapters. Router ties go to
+Tensor parallelism is Megatron's, per expert: every shard holds every expert's slice of the
+intermediate axis (gate|up rows shard-major, `gate_up`; down's columns, `mlp`: ceil(I/N) each,
+zero-padded, as a dense MLP's), routes every token itself (the router is replicated and its input is
+too, so each shard picks the same experts), runs the grouped matmul on its slice and sums the
+shards' partial outputs in the one psum after down. The shared expert and dense layers split as
+dense MLPs; the shared expert's sigmoid gate is replicated; gpt-oss's gate|up bias splits with its
+rows and its down bias is added on shard 0 only (`_once`). Expert parallelism proper (experts split
+across devices, tokens moved by all-to-all) is not done: the "experts" axis maps to no mesh axis.
+
+Not supported (a clear ModelLoadError): LoRA adapters. Router ties go to
 the lowest expert index (jax.lax.top_k); torch.topk on CPU picks among tied values in no
 documented order, so transformers may route an exactly tied token elsewhere.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,7 +49,7 @@ from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ROUTERS, ModelConfig
 from imp_jax.model.layers import linear
 from imp_jax.model.llama import DecoderLayers, DecoderLM
-from imp_jax.model.tensor_parallel import TensorParallel
+from imp_jax.model.tensor_parallel import TensorParallel, take
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
 EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")
@@ -195,20 +204,20 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
 class SparseMLP(nnx.Module):
     """One sparse layer's router, stacked experts, optional shared expert and (gpt-oss) biases."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any, tp: TensorParallel):
         E, H = cfg.num_experts, cfg.hidden_size
-        I = cfg.moe_intermediate_size or cfg.intermediate_size
+        I = tp.padded(expert_width(cfg))   # the intermediate axes, padded to the shards (shard-major)
         init = nnx.initializers.normal(0.02)
         self.router = nnx.Param(init(key(), (E, H), dtype), axes=(None, "embed"))
-        self.gate_up = nnx.Param(init(key(), (E, 2 * I, H), dtype), axes=("experts", None, "embed"))
-        self.down = nnx.Param(init(key(), (E, H, I), dtype), axes=("experts", "embed", None))
-        S = cfg.shared_expert_intermediate_size
-        self.shared_gate_up = Matrix(init(key(), (2 * S, H), dtype), axes=(None, "embed")) if S else None
-        self.shared_down = Matrix(init(key(), (H, S), dtype), axes=("embed", None)) if S else None
+        self.gate_up = nnx.Param(init(key(), (E, 2 * I, H), dtype), axes=("experts", "gate_up", "embed"))
+        self.down = nnx.Param(init(key(), (E, H, I), dtype), axes=("experts", "embed", "mlp"))
+        S = tp.padded(cfg.shared_expert_intermediate_size)
+        self.shared_gate_up = Matrix(init(key(), (2 * S, H), dtype), axes=("gate_up", "embed")) if S else None
+        self.shared_down = Matrix(init(key(), (H, S), dtype), axes=("embed", "mlp")) if S else None
         self.shared_gate = nnx.Param(init(key(), (1, H), dtype), axes=(None, "embed")) if S else None
         B = cfg.expert_bias
         self.router_bias = nnx.Param(jnp.zeros((E,), dtype), axes=(None,)) if B else None
-        self.gate_up_bias = nnx.Param(jnp.zeros((E, 2 * I), dtype), axes=("experts", None)) if B else None
+        self.gate_up_bias = nnx.Param(jnp.zeros((E, 2 * I), dtype), axes=("experts", "gate_up")) if B else None
         self.down_bias = nnx.Param(jnp.zeros((E, H), dtype), axes=("experts", "embed")) if B else None
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -218,11 +227,11 @@ class SparseMLP(nnx.Module):
 class DenseMLP(nnx.Module):
     """A dense layer's gate|up and down projections (Qwen2-MoE's `mlp_only_layers`)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any):
-        I, H = cfg.intermediate_size, cfg.hidden_size
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any, tp: TensorParallel):
+        I, H = tp.padded(cfg.intermediate_size), cfg.hidden_size
         init = nnx.initializers.normal(0.02)
-        self.gate_up = Matrix(init(key(), (2 * I, H), dtype), axes=(None, "embed"))
-        self.down = Matrix(init(key(), (H, I), dtype), axes=("embed", None))
+        self.gate_up = Matrix(init(key(), (2 * I, H), dtype), axes=("gate_up", "embed"))
+        self.down = Matrix(init(key(), (H, I), dtype), axes=("embed", "mlp"))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {n: p[...] for n, p in vars(self).items() if isinstance(p, nnx.Param)}
@@ -235,8 +244,29 @@ class MoELayers(DecoderLayers):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
         super().__init__(cfg, dtype, rngs, tp)
-        self.mlp = nnx.List([SparseMLP(cfg, dtype, rngs.params) if cfg.is_sparse_layer(i)
-                             else DenseMLP(cfg, dtype, rngs.params) for i in range(cfg.num_layers)])
+        self.mlp = nnx.List([SparseMLP(cfg, dtype, rngs.params, tp) if cfg.is_sparse_layer(i)
+                             else DenseMLP(cfg, dtype, rngs.params, tp) for i in range(cfg.num_layers)])
+
+
+def expert_width(cfg: ModelConfig) -> int:
+    """Each routed expert's intermediate size I."""
+    return cfg.moe_intermediate_size or cfg.intermediate_size
+
+
+def shard_putter(tp: TensorParallel, dtype: Any) -> Callable[..., None]:
+    """`put(param, value, index=None, axis=0)`: set a parameter from a checkpoint value; on N > 1
+    shards `value` is first reordered shard-major along `axis` (`index`: tensor_parallel's
+    fused_index / split_index; -1 a zero pad) and kept on the host for the engine to place."""
+    on_host = tp.n > 1
+
+    def put(param: nnx.Param, value: np.ndarray, index: np.ndarray | None = None, axis: int = 0) -> None:
+        if on_host and index is not None:
+            value = take(value, index, axis)
+        got = ggml_blocks.matrix_shape(value) if ggml_blocks.format_of(value) else tuple(value.shape)
+        if got != tuple(param.shape):
+            raise ValueError(f"shape {value.shape} where {param.shape} was expected")
+        param.set_value(stored(value, dtype, on_host=on_host))
+    return put
 
 
 def check_moe_config(cfg: ModelConfig) -> None:
@@ -256,9 +286,6 @@ class MoELM(DecoderLM):
 
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         check_moe_config(config)
-        if options.tensor_parallel > 1:
-            raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel}: mixture-of-experts models "
-                                 f"({config.architecture}) run on one device only (not yet)")
         super().__init__(config, options, rngs=rngs)
 
     def lora_targets(self):
@@ -274,15 +301,19 @@ class MoELM(DecoderLM):
         sparse = lambda h, w: self._sparse(h, w, n)  # noqa: E731
         fns = [sparse if self.config.is_sparse_layer(j) else self._dense for j in range(len(blocks))]
         if isinstance(i, int):
-            return fns[i](h, blocks[i])
-        return jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))], h, blocks)
+            return self._reduce(fns[i](h, blocks[i]))
+        return self._reduce(jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))],
+                                           h, blocks))
 
     def _dense(self, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+        """A dense MLP on this shard's rows: its partial output (`_mlp` sums the shards')."""
         kernels = self.options.kernels
         gate, up = jnp.split(linear(h, w["gate_up"], kernels=kernels), 2, axis=-1)
         return linear(jax.nn.silu(gate) * up, w["down"], kernels=kernels)
 
     def _sparse(self, h: jax.Array, w: dict[str, jax.Array], num_tokens: jax.Array) -> jax.Array:
+        """Routing (the same on every shard) and the experts on this shard's rows, plus the gated
+        shared expert's: a partial output (`_mlp` sums the shards')."""
         cfg = self.config
         logits = jnp.einsum("th,eh->te", h, w["router"], preferred_element_type=jnp.float32)
         if "router_bias" in w:
@@ -290,7 +321,8 @@ class MoELM(DecoderLM):
         weights, idx = route(logits, cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob)
         act = ExpertAct(cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit)
         out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens,
-                         self.options.kernels, act, w.get("gate_up_bias"), w.get("down_bias"))
+                         self.options.kernels, act, w.get("gate_up_bias"),
+                         self._once(w["down_bias"]) if "down_bias" in w else None)
         if "shared_gate_up" in w:
             shared = self._dense(h, {"gate_up": w["shared_gate_up"], "down": w["shared_down"]})
             gate = jax.nn.sigmoid(jnp.einsum("th,oh->to", h, w["shared_gate"], preferred_element_type=jnp.float32))
@@ -315,12 +347,8 @@ class MoELM(DecoderLM):
         mixtral = config.architecture == "MixtralForCausalLM"
         moe = "block_sparse_moe" if mixtral else "mlp"
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-
-        def put(param: nnx.Param, value: np.ndarray) -> None:
-            got = ggml_blocks.matrix_shape(value) if ggml_blocks.format_of(value) else tuple(value.shape)
-            if got != tuple(param.shape):
-                raise ValueError(f"shape {value.shape} where {param.shape} was expected")
-            param.set_value(stored(value, options.dtype))
+        tp, I, S = model.tp, expert_width(config), config.shared_expert_intermediate_size
+        put = shard_putter(tp, options.dtype)
 
         def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in]
             whole = f"{pre}.experts.{name}.weight"
@@ -332,15 +360,17 @@ class MoELM(DecoderLM):
             pre = f"model.layers.{i}.{moe}"
             if isinstance(mlp, DenseMLP):
                 pre = f"model.layers.{i}.mlp"
-                put(mlp.gate_up, weights.matrix(f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"))
-                put(mlp.down, weights.matrix(f"{pre}.down_proj.weight"))
+                put(mlp.gate_up, weights.matrix(f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"),
+                    tp.gate_up_index(config), 0)
+                put(mlp.down, weights.matrix(f"{pre}.down_proj.weight"), tp.down_index(config), 1)
                 continue
             put(mlp.router, weights.tensor(f"{pre}.gate.weight"))
             gate, up, down = (experts(pre, n) for n in names)
-            put(mlp.gate_up, np.concatenate([gate, up], axis=1))
-            put(mlp.down, down)
+            put(mlp.gate_up, np.concatenate([gate, up], axis=1), tp.fused_index(I), 1)
+            put(mlp.down, down, tp.split_index(I), 2)
             if mlp.shared_gate_up is not None:
                 s = f"{pre}.shared_expert"
-                put(mlp.shared_gate_up, weights.matrix(f"{s}.gate_proj.weight", f"{s}.up_proj.weight"))
-                put(mlp.shared_down, weights.matrix(f"{s}.down_proj.weight"))
+                put(mlp.shared_gate_up, weights.matrix(f"{s}.gate_proj.weight", f"{s}.up_proj.weight"),
+                    tp.fused_index(S), 0)
+                put(mlp.shared_down, weights.matrix(f"{s}.down_proj.weight"), tp.split_index(S), 1)
                 put(mlp.shared_gate, weights.tensor(f"{pre}.shared_expert_gate.weight").reshape(1, -1))

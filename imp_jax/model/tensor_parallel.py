@@ -5,7 +5,8 @@ Attention: when N divides the KV heads, shard d holds KV heads [d*KVH/N, (d+1)*K
 query heads. Otherwise every shard holds every KV head (the cache is replicated, computed on every
 shard) and each query group of g heads is split into N runs of ceil(g/N), zero-padded, so shard d
 holds run d of every group: its local query head j still reads local KV head j // (heads per group).
-MLP: ceil(I/N) intermediate rows per shard, zero-padded. Vocabulary: split when N divides it,
+MLP: ceil(I/N) intermediate rows per shard, zero-padded; a mixture of experts' stacked experts, shared
+expert and dense layers split the same way, each by its own width (`rows`, `fused_index`). Vocabulary: split when N divides it,
 else the embedding and LM head are replicated. Padding is zero weights: padded heads and rows add
 exactly nothing after the row-parallel projections (o_proj, down_proj) and their psum.
 With N = 1 every order is the checkpoint's own and nothing is padded.
@@ -51,9 +52,11 @@ class TensorParallel:
         kv = (f"{self.local_kv_heads} KV heads per shard" if self.kv_sharded else
               f"KV heads replicated ({cfg.num_kv_heads} on every shard: {self.n} does not divide them)")
         pad = self.n * self.local_heads - cfg.num_heads
+        experts = (f", {self.padded(cfg.moe_intermediate_size or cfg.intermediate_size) // self.n} rows of "
+                   f"each of {cfg.num_experts} experts per shard" if cfg.num_experts else "")
         return (f"tensor parallel over {self.n}: {self.local_heads} query heads per shard"
-                f"{f' ({pad} zero-padded in all)' if pad else ''}, {kv}, {self.local_mlp} MLP rows per shard, "
-                f"vocabulary {'split' if self.vocab_parallel else 'replicated'}")
+                f"{f' ({pad} zero-padded in all)' if pad else ''}, {kv}, {self.local_mlp} MLP rows per shard"
+                f"{experts}, vocabulary {'split' if self.vocab_parallel else 'replicated'}")
 
     # -- which global rows each shard holds (-1: a zero pad)
     def q_heads(self, cfg: ModelConfig, d: int) -> list[int]:
@@ -69,8 +72,26 @@ class TensorParallel:
             else list(range(cfg.num_kv_heads))
 
     def mlp_rows(self, cfg: ModelConfig, d: int) -> list[int]:
-        return [r if r < cfg.intermediate_size else -1
-                for r in range(d * self.local_mlp, (d + 1) * self.local_mlp)]
+        return self.rows(cfg.intermediate_size, d)
+
+    def padded(self, size: int) -> int:
+        """An axis of `size` rows split over the shards: ceil(size / N) per shard, N times."""
+        return self.n * -(-size // self.n)
+
+    def rows(self, size: int, d: int) -> list[int]:
+        """The rows of an axis of `size` that shard d holds (-1: a zero pad)."""
+        local = self.padded(size) // self.n
+        return [r if r < size else -1 for r in range(d * local, (d + 1) * local)]
+
+    def split_index(self, size: int) -> np.ndarray:
+        """The shard-major indices of an axis of `size` rows (a row-parallel input axis)."""
+        return np.asarray([r for d in range(self.n) for r in self.rows(size, d)])
+
+    def fused_index(self, size: int) -> np.ndarray:
+        """The shard-major indices into a fused [gate | up] axis of 2 x `size` rows: per shard, its
+        gate rows, then its up rows."""
+        return np.asarray([i for d in range(self.n) for rows in (self.rows(size, d),)
+                           for i in rows + [r + size if r >= 0 else -1 for r in rows]])
 
     # -- the shard-major indices of the fused axes, into the checkpoint's [q | k | v] and [gate | up]
     def qkv_index(self, cfg: ModelConfig) -> np.ndarray:
@@ -80,18 +101,20 @@ class TensorParallel:
                            heads(self.q_heads(cfg, d), 0) + heads(self.kv_heads(cfg, d), q)
                            + heads(self.kv_heads(cfg, d), q + cfg.kv_size)])
 
+    def head_index(self, cfg: ModelConfig) -> np.ndarray:
+        """The shard-major query heads (-1: a zero pad), for per-head vectors (gpt-oss's sinks)."""
+        return np.asarray([h for d in range(self.n) for h in self.q_heads(cfg, d)])
+
     def o_index(self, cfg: ModelConfig) -> np.ndarray:
         D = cfg.head_dim
         return np.asarray([h * D + j if h >= 0 else -1 for d in range(self.n)
                            for h in self.q_heads(cfg, d) for j in range(D)])
 
     def gate_up_index(self, cfg: ModelConfig) -> np.ndarray:
-        I = cfg.intermediate_size
-        return np.asarray([i for d in range(self.n) for rows in (self.mlp_rows(cfg, d),)
-                           for i in rows + [r + I if r >= 0 else -1 for r in rows]])
+        return self.fused_index(cfg.intermediate_size)
 
     def down_index(self, cfg: ModelConfig) -> np.ndarray:
-        return np.asarray([r for d in range(self.n) for r in self.mlp_rows(cfg, d)])
+        return self.split_index(cfg.intermediate_size)
 
 
 def take_rows(value: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -116,3 +139,11 @@ def take_columns(value: np.ndarray, index: np.ndarray) -> np.ndarray:
             return np.swapaxes(take_rows(np.swapaxes(value, 0, 1), blocks), 0, 1).copy()
         value = np.asarray(ggml_blocks.dequantize(value))
     return np.swapaxes(take_rows(np.swapaxes(value, 0, 1), index), 0, 1).copy()
+
+
+def take(value: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+    """value's entries `index` along `axis`, zeros where -1: a GGML-block matrix's rows (axis 0) or
+    columns (axis 1 or -1, `take_columns`), any axis of a float array (a stack of experts, a bias)."""
+    if ggml_blocks.format_of(value) is not None:
+        return take_rows(value, index) if axis == 0 else take_columns(value, index)
+    return np.ascontiguousarray(np.moveaxis(take_rows(np.moveaxis(np.asarray(value), axis, 0), index), 0, axis))
