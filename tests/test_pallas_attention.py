@@ -19,8 +19,8 @@ from imp_jax.kernels_pallas import (AttentionMetadata, AttentionShape, Kernels, 
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.kernels_pallas.pallas import split_kv
-from imp_jax.kernels_pallas.pallas.ragged_paged_attention import (auto_kv_splits, ragged_paged_attention_pallas,
-                                                                  supports)
+from imp_jax.kernels_pallas.pallas.ragged_paged_attention import (_kv_steps, auto_kv_splits,
+                                                                  ragged_paged_attention_pallas, supports)
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
 from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
@@ -251,6 +251,20 @@ def test_kernel_lowers_to_mosaic_gpu(group: int, head_dim: int, block_size: int,
         *a, sm_scale=0.1, sliding_window=window, soft_cap=cap, kv_splits=kv_splits, sinks=sinks))
     text = fn.trace(q, cache, cache, meta, i32(), sinks=sink).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "wgmma.mma_async" in text
+
+
+@pytest.mark.parametrize("window", [None, 1, 20, 64, 100, 1000])
+def test_a_work_item_walks_only_the_kv_steps_its_rows_can_see(window: int | None) -> None:
+    """`_kv_steps`: [lo, end) are exactly the block_kv steps holding a key some row of the item sees
+    (keys pos0 - window + 1 .. pos0 + rows - 1), so pages wholly before the window are never fetched."""
+    rng = np.random.RandomState(5)
+    pos0 = rng.randint(0, 3000, 200)
+    rows = rng.randint(0, 65, 200)
+    work = _kv_steps(jnp.asarray(np.stack([np.zeros_like(pos0), pos0, rows], 1), jnp.int32), 64, window)
+    for (p, n), (lo, end) in zip(zip(pos0, rows), np.asarray(work)[:, 3:5]):
+        first = 0 if window is None else max(0, p - window + 1)
+        seen = {k // 64 for k in range(first, p + n)} if n else set()   # empty items walk nothing
+        assert set(range(lo, end)) == seen, (p, n, lo, end)
 
 
 def test_default_kv_splits_fill_the_gpu_only_when_programs_are_few() -> None:
