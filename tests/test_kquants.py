@@ -66,6 +66,23 @@ def test_iq4_nl_blocks_are_held_as_q8_0_exactly():
         quant.iq4_nl_to_q8_0(widened)
 
 
+def kept_iq4_nl(n: int, blocks: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random IQ4_NL file blocks [n, 2 * blocks, 18] as kept (pairs, [n, blocks, 36]), and gguf-py's floats."""
+    file_blocks = random_blocks("IQ4_NL", n, 2 * blocks, seed=seed)
+    file_blocks[0, 0, 2:] = np.arange(16, dtype=np.uint8) * 17   # every table entry, in both nibbles
+    return quant.iq4_nl_pairs(file_blocks), gguf_py(file_blocks, "IQ4_NL")
+
+
+def test_iq4_nl_is_kept_in_pairs_of_blocks():
+    """IQ4_NL rows of a multiple of 64 weights keep the file's bytes as 36-byte pairs of blocks (a
+    size no other format has), dequantised as gguf-py does, bit for bit; odd block counts cannot pair."""
+    kept, want = kept_iq4_nl(5, 3, seed=6)
+    assert quant.format_of(kept) == "IQ4_NL" and quant.matrix_shape(kept) == want.shape == (5, 192)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(jnp.asarray(kept))).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.iq4_nl_pairs(random_blocks("IQ4_NL", 2, 3, seed=1))
+
+
 @pytest.mark.parametrize("fmt", NEW_FORMATS)
 def test_dequantize_is_gguf_pys_bit_for_bit(fmt):
     blocks = random_blocks(fmt, 5, 3, seed=1)
@@ -82,14 +99,14 @@ kernel = jax.jit(cpu_gemm.matmul_wt_cpu)
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", NEW_FORMATS)
+@pytest.mark.parametrize("fmt", [*NEW_FORMATS, "IQ4_NL"])
 def test_the_kernel_gives_the_float32_kernels_bits(fmt):
     """The blocks widened in the kernel are gguf-py's floats: the product is the float32 kernel's on
     gguf-py's dequantised matrix, bit for bit, at 1 row (gemv), a few, 64 (one row block) and 260
     (several, threaded), odd N (tile edges, several column blocks)."""
     for n, blocks in ((7, 2), (49, 3)):
-        w = random_blocks(fmt, n, blocks, seed=n)
-        dense = gguf_py(w, fmt)
+        w, dense = kept_iq4_nl(n, blocks, seed=n) if fmt == "IQ4_NL" else (w := random_blocks(fmt, n, blocks, seed=n),
+                                                                          gguf_py(w, fmt))
         k = dense.shape[1]
         for m in (1, 7, 64, 260):
             x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
@@ -132,7 +149,7 @@ HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 # per layer: (GGUF leaf, shape, type); q/k/v and gate/up share a type so they stay fused as blocks, or
 # (layer 2, as llama.cpp's Q4_K_M gives attn_v a wider type) mix Q4_0 / Q5_0 / Q8_0, fused as Q8_0;
-# layer 1's IQ4_NL down_proj is held as Q8_0, layer 2's IQ4_XS o_proj as itself
+# layer 1's IQ4_NL down_proj is kept in pairs of blocks, layer 2's IQ4_XS o_proj as itself
 LAYERS = [
     {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q3_K,
      "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q2_K},
@@ -171,8 +188,10 @@ def write_mixed_gguf(path: Path) -> None:
 
     def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
         fmt = qtype.name
-        # IQ4_XS's random bytes give weights about 4x a K-quant's for the same d (|sc - 32| * |table[q]|)
-        scale = 0.3 / shape[1] / (4 if fmt == "IQ4_XS" else 1)
+        # small enough that the random model is not chaotic (cpu_q8's int8 rounding stays a 0.5% change
+        # of the logits, not a different trajectory); IQ4_XS's random bytes give weights about 4x a
+        # K-quant's for the same d (|sc - 32| * |table[q]|)
+        scale = 0.2 / shape[1] / (4 if fmt == "IQ4_XS" else 1)
         blocks = random_blocks(fmt, shape[0], shape[1] // BLOCK_WEIGHTS[fmt], seed=int(rng.integers(1 << 30)),
                                scale=scale)
         w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=qtype)
@@ -215,7 +234,7 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     assert kept.options.kernels.gemm == "cpu"   # what an x86-64 host picks
     formats = {name: [quant.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
     assert formats == {"qkv_proj": ["Q4_K", "Q5_0", "Q8_0"], "o_proj": ["Q3_K", "Q5_1", "IQ4_XS"],
-                       "gate_up_proj": ["Q6_K", "Q5_K", "Q8_0"], "down_proj": ["Q2_K", "Q8_0", "Q4_K"]}
+                       "gate_up_proj": ["Q6_K", "Q5_K", "Q8_0"], "down_proj": ["Q2_K", "IQ4_NL", "Q4_K"]}
     assert quant.format_of(kept.embed[...]) == "Q6_K" and quant.format_of(kept.lm_head[...]) == "Q4_K"
     reader = gguf.GGUFReader(str(mixed))
     file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
@@ -225,7 +244,7 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     assert kept.layers.matrices()["qkv_proj"][0].nbytes == sum(file_bytes[f"blk.0.attn_{p}.weight"] for p in "qkv")
     reader_type = {t.name: t.tensor_type.name for t in reader.tensors}
     q8_0_bytes = lambda name: file_bytes[name] // BLOCK_BYTES[reader_type[name]] * quant.FORMATS["Q8_0"]
-    assert kept.layers.matrices()["down_proj"][1].nbytes == q8_0_bytes("blk.1.ffn_down.weight")
+    assert kept.layers.matrices()["down_proj"][1].nbytes == file_bytes["blk.1.ffn_down.weight"]   # IQ4_NL
     assert kept.layers.matrices()["qkv_proj"][2].nbytes == sum(q8_0_bytes(f"blk.2.attn_{p}.weight") for p in "qkv")
 
     ckpt = load_gguf(mixed)
@@ -237,8 +256,8 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     assert np.isfinite(want).all() and want.std() > 0
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)
     q8 = load_model(mixed, dtype="float32", kernels=dataclasses.replace(kept.options.kernels, gemm="cpu_q8")).model
-    # cpu_q8 widens the K-quants and Q5_x exactly, and runs the Q8_0 matrices (layer 2's widened fusions and
-    # layer 1's IQ4_NL included) on int8 activations: close to the dequantised model, not its bits
+    # cpu_q8 widens the K-quants, Q5_x and IQ4_x exactly, and runs the Q8_0 matrices (layer 2's widened
+    # fusions included) on int8 activations: close to the dequantised model, not its bits
     got = PagedRunner(q8).run(chunks, 16, 1)[0]
     assert not np.array_equal(got, want)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.ptp(want))
@@ -262,7 +281,7 @@ def test_xla_keeps_the_blocks_and_dequantises_inside_the_program(mixed, dtype):
     plain = load_model(mixed, dtype=dtype, kernels=Kernels(gemm="xla", quantized="dequantize")).model
     assert quant.format_of(kept.lm_head[...]) == "Q4_K" and quant.format_of(plain.lm_head[...]) is None
     assert {quant.format_of(w) for ws in kept.layers.matrices().values() for w in ws} == {
-        "Q4_K", "Q5_0", "Q8_0", "Q3_K", "Q5_1", "Q6_K", "Q5_K", "Q2_K", "IQ4_XS"}
+        "Q4_K", "Q5_0", "Q8_0", "Q3_K", "Q5_1", "Q6_K", "Q5_K", "Q2_K", "IQ4_XS", "IQ4_NL"}
     chunks = [SeqChunk([3, 1, 4, 1, 5, 9, 2, 6, 5], 0, [1])]
     want = PagedRunner(plain).run(chunks, 16, 1)[0]
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)

@@ -15,10 +15,13 @@ block size in bytes names the format (each is distinct):
     Q5_K  176 bytes / 256: as Q4_K plus a high-bit plane                     w = (d * sc) * q - dmin * mn
     Q6_K  210 bytes / 256: low nibbles, high 2 bits, 16 int8 scales, f16 d   w = (d * sc) * (q - 32)
     IQ4_XS 136 bytes / 256: f16 d, 8 6-bit scales, nibbles indexing a table   w = (d * (sc - 32)) * table[q]
+    IQ4_NL  36 bytes / 64: two 18-byte blocks, f16 d, 16 bytes of nibbles     w = d * table[q]
 
 A GGUF's IQ4_NL matrices (18 bytes / 32: f16 d, 16 bytes of nibbles indexing a table of 16 int8
-values, w = d * table[q]) are held as Q8_0 (`iq4_nl_to_q8_0`): the same d and table[q] as the int8,
-so the same float32 weights; 34 bytes per block instead of 18, never the float32 matrix's 128.
+values, w = d * table[q]) have Q4_0's block size, so the block size cannot name them: they are kept
+as pairs of blocks, 36 bytes / 64 weights ("IQ4_NL" here; `iq4_nl_pairs`, a reshape of the file's
+bytes), where a row's length is a multiple of 64, else held as Q8_0 (`iq4_nl_to_q8_0`: the same d
+and table[q] as the int8, so the same float32 weights, at 34 bytes per 32).
 
 IQ4_XS (the "i-quant" llama.cpp's imatrix releases use most) is kept under its own name: its table is
 IQ4_NL's, its 32-weight sub-blocks carry 6-bit scales under one f16 d like the K-quants'.
@@ -44,9 +47,12 @@ import numpy as np
 BLOCK = 32    # weights per block of the 32-weight formats (and per sub-block the kernel widens at a time)
 QK_K = 256    # weights per K-quant super-block
 FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,          # name -> bytes per block
-           "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+           "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136,
+           "IQ4_NL": 36}
 SUPER_BLOCKED = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})   # 256-weight super-blocks
-WEIGHTS = {name: QK_K if name in SUPER_BLOCKED else BLOCK for name in FORMATS}   # name -> weights per block
+IQ4_NL_PAIR = 2 * BLOCK   # weights per kept IQ4_NL "block": two of the file's
+WEIGHTS = {name: QK_K if name in SUPER_BLOCKED else IQ4_NL_PAIR if name == "IQ4_NL" else BLOCK
+           for name in FORMATS}   # name -> weights per block
 _BY_BYTES = {b: name for name, b in FORMATS.items()}
 # IQ4_NL's and IQ4_XS's non-linear 4-bit grid (llama.cpp's kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -197,6 +203,9 @@ def dequantize(w: jax.Array) -> jax.Array:
     elif fmt == "Q5_1":
         q = _nibbles(w[..., 8:]) | (_high_bits32(w[..., 4:8]) << 4)
         out = _f16(w[..., 0:2])[..., None] * q.astype(jnp.float32) + _f16(w[..., 2:4])[..., None]
+    elif fmt == "IQ4_NL":   # pairs of (f16 d, 16 bytes of nibbles)
+        b = w.reshape(*w.shape[:-1], 2, IQ4_NL_BYTES)
+        out = _f16(b[..., 0:2])[..., None] * jnp.asarray(IQ4_NL_VALUES, jnp.float32)[_nibbles(b[..., 2:])]
     elif fmt in _K_QUANTS:
         out = _K_QUANTS[fmt](w.reshape(-1, w.shape[-1]))
     else:
@@ -232,12 +241,19 @@ def to_q8_0(w: np.ndarray) -> np.ndarray:
 IQ4_NL_BYTES = 18
 
 
+def iq4_nl_pairs(w: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks [N, K / 32, 18] as kept, [N, K / 64, 36] (K a multiple of 64): the same bytes."""
+    w = np.asarray(w)
+    if w.dtype != np.uint8 or w.shape[-1] != IQ4_NL_BYTES or w.shape[-2] % 2:
+        raise ValueError(f"not IQ4_NL blocks of rows a multiple of 64 weights: {w.dtype} {w.shape}")
+    return w.reshape(*w.shape[:-2], w.shape[-2] // 2, FORMATS["IQ4_NL"])
+
+
 def iq4_nl_to_q8_0(w: np.ndarray) -> np.ndarray:
     """IQ4_NL blocks [N, K / 32, 18] (host bytes) as Q8_0 blocks [N, K / 32, 34] holding the same
     weights: each weight is d * IQ4_NL_VALUES[q], an f16 times an int8, which a Q8_0 block stores
-    as is; gguf-py and the GEMM kernel both compute that one float32 product. (IQ4_NL's block is as
-    many bytes as Q4_0's, so it cannot be kept under its own name: `format_of` reads a format from
-    the block size.)"""
+    as is; gguf-py and the GEMM kernel both compute that one float32 product. For rows whose length
+    is not a multiple of 64 (`iq4_nl_pairs` keeps the others at their own 4.5 bits)."""
     w = np.asarray(w)
     if w.dtype != np.uint8 or w.shape[-1] != IQ4_NL_BYTES:
         raise ValueError(f"not IQ4_NL blocks: {w.dtype} {w.shape}")

@@ -100,18 +100,21 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
     def blocks(self, name: str) -> np.ndarray | None:
         """A matrix's GGML blocks as stored, uint8 [rows, K / 32 (256 for K-quants), block bytes]
-        (kernels_pallas/ggml_blocks.py), when its type is one the CPU GEMM kernel reads (IQ4_NL as the
-        Q8_0 blocks that hold its weights exactly); else None.
+        (kernels_pallas/ggml_blocks.py), when its type is one the CPU GEMM kernel reads (IQ4_NL as pairs
+        of blocks, or where K is not a multiple of 64 as the Q8_0 blocks that hold its weights exactly);
+        else None.
         Q/K rows are un-permuted as in `__getitem__`."""
         tensor, heads = self._entries[name]
         fmt, shape = tensor.tensor_type.name, self.shape(name)
-        stored = "Q4_0" if fmt == "IQ4_NL" else fmt   # IQ4_NL: Q4_0's block shape, other values
-        if stored not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[stored]:
-            return None
-        per = ggml_blocks.WEIGHTS[stored]
-        b = np.asarray(tensor.data).reshape(shape[0], shape[1] // per, ggml_blocks.FORMATS[stored])
-        if fmt == "IQ4_NL":
-            b = ggml_blocks.iq4_nl_to_q8_0(b)
+        if fmt == "IQ4_NL":   # the file's 32-weight blocks: kept in pairs, else as Q8_0
+            if len(shape) != 2 or shape[1] % ggml_blocks.BLOCK:
+                return None
+            b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.BLOCK, ggml_blocks.IQ4_NL_BYTES)
+            b = ggml_blocks.iq4_nl_pairs(b) if shape[1] % ggml_blocks.IQ4_NL_PAIR == 0 else ggml_blocks.iq4_nl_to_q8_0(b)
+        else:
+            if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[fmt]:
+                return None
+            b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt])
         if heads is not None:
             b = unpermute_rotary(b, heads)
         return np.require(b, requirements=["C", "W", "O"])   # a copy out of the mmap

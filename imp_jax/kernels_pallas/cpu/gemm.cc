@@ -8,7 +8,8 @@
 //                         Q5_0 (w = d * (q - 16)), Q5_1 (w = d * q + m); W = 256 for the K-quants
 //                         Q2_K..Q6_K (super-blocks of 8 or 16 sub-blocks with integer scales under
 //                         f16 ones; layouts in ggml_blocks.py) and IQ4_XS (a K-quant-like super-block
-//                         whose nibbles index a table of 16 int8 values).
+//                         whose nibbles index a table of 16 int8 values), IQ4_NL (W = 64: pairs of
+//                         the file's 32-weight blocks, w = d * table[q]).
 // Every format is widened to float32 as it is read, and to exactly the float32 values a dequantised
 // copy holds (gguf-py's formulas: each product d * q, and each K-quant scale product d * sc, is exact
 // in float32, so the one rounding of d * q + m is the same fused or not; Q6_K / Q3_K's (d * sc) * q
@@ -71,6 +72,7 @@ struct F32 {
   static constexpr bool kBlocks = false;  // GGML blocks: widened a block (32 weights, one scale) at a time
   static constexpr int64_t kWeights = 1;  // weights per block
   static constexpr bool kMin = false;     // K-quants: whether a super-block has mins too
+  static constexpr bool kSuper = false;   // K-quant-style 256-weight super-blocks (scales(), quants())
   static int64_t offset(int64_t k) { return 4 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) { return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k); }
   static float one(const uint8_t* w, int64_t k) { return reinterpret_cast<const float*>(w)[k]; }
@@ -82,6 +84,7 @@ struct BF16 {   // the bfloat16's bits are the top half of its float32
   static constexpr bool kBlocks = false;
   static constexpr int64_t kWeights = 1;
   static constexpr bool kMin = false;
+  static constexpr bool kSuper = false;
   static int64_t offset(int64_t k) { return 2 * k; }
   static __m256 load8(const uint8_t* w, int64_t k) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
@@ -107,6 +110,7 @@ struct GgmlBlocks {
   static constexpr int64_t kBytes = Bytes;
   static constexpr int64_t kWeights = Weights;
   static constexpr bool kMin = false;
+  static constexpr bool kSuper = Weights == 256;   // a K-quant-style super-block: scales(), quants()
   static int64_t offset(int64_t k) { return (k / kWeights) * kBytes + (k % kWeights) * kBytes / kWeights; }
   // the block holding weight k, and which of its 32-weight sub-blocks k starts
   static const uint8_t* at(const uint8_t* row, int64_t k, int& j) {
@@ -375,6 +379,18 @@ struct Q2_K : GgmlBlocks<84, 256> {   // 16 scale bytes (scale | min << 4), 64 o
   static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<Q2_K>(row, k, v); }
 };
 
+// IQ4_NL / IQ4_XS: 16 bytes of nibbles (weight i < 16 low, i + 16 high) -> the 32 weights' table
+// values (llama.cpp's kvalues_iq4nl) as four int32 vectors: the table plus 128 (each then fits a
+// byte) looked up by nibble with an in-lane byte shuffle, spread, and the 128 taken off.
+inline void iq4_table32(const uint8_t* qs, __m256i q[4]) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+      1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
+      static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
+      static_cast<char>(241)));
+  spread32([&](int h) { return _mm256_shuffle_epi8(table, bit_field(bcast16(qs), 4 * h, 4)); }, q);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(128));
+}
+
 // IQ4_XS: f16 d, a uint16 of the 8 sub-block scales' high 2 bits, 4 bytes of their low nibbles, then
 // per 32-weight sub-block 16 bytes of nibbles (weight i < 16 low, i + 16 high) indexing IQ4_NL's
 // table of 16 int8 values. w = (d * (sc - 32)) * table[q]: both products exact in float32.
@@ -389,19 +405,22 @@ struct IQ4_XS : GgmlBlocks<136, 256> {
       d[2 * j] = d[2 * j + 1] = dd * static_cast<float>(sc - 32);
     }
   }
-  static void quants(const uint8_t* b, int j, __m256i q[4]) {
-    // the table plus 128 (all within a byte), looked up by nibble, spread, then the 128 taken off
-    const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
-        static_cast<char>(141), static_cast<char>(153), static_cast<char>(166), static_cast<char>(181),
-        static_cast<char>(197), static_cast<char>(217), static_cast<char>(241),
-        1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
-        static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
-        static_cast<char>(241));
-    const uint8_t* qs = b + 8 + 16 * j;
-    spread32([&](int h) { return _mm256_shuffle_epi8(table, bit_field(bcast16(qs), 4 * h, 4)); }, q);
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(128));
-  }
+  static void quants(const uint8_t* b, int j, __m256i q[4]) { iq4_table32(b + 8 + 16 * j, q); }
   static void block(const uint8_t* row, int64_t k, __m256 v[4]) { kblock<IQ4_XS>(row, k, v); }
+};
+
+// IQ4_NL, kept as pairs of the file's 18-byte blocks (64 weights; ggml_blocks.py): each block an f16 d
+// and 16 bytes of nibbles (weight i < 16 low, i + 16 high) indexing the table; w = d * table[q], exact.
+struct IQ4_NL : GgmlBlocks<36, 64> {
+  static constexpr const char* kName = "imp_gemm_f32_iq4_nlw";
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j) + 18 * j;
+    const __m256 d = _mm256_set1_ps(f16(b));
+    __m256i q[4];
+    iq4_table32(b + 2, q);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i]));
+  }
 };
 
 using imp_simd::hsum;
@@ -463,7 +482,7 @@ void gemv(const float* x, const uint8_t* w, int64_t ldw, float* y, int64_t K, in
   __m256 acc[NR];
   for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps();
   int64_t k = 0, next_line = 0;
-  if constexpr (W::kBlocks && W::kWeights > kQBlock) {   // K-quants: a super-block's scales decoded once
+  if constexpr (W::kSuper) {   // K-quants: a super-block's scales decoded once
     for (; k + W::kWeights <= K; k += W::kWeights) {
       for (; pf && W::offset(k + W::kWeights) > next_line; next_line += 64)
         for (int c = 0; c < NR; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf + c * ldw + next_line), _MM_HINT_T0);
@@ -595,7 +614,7 @@ struct Gemm {
 
   // Rows [0, nr) of w as float32 into out (rows K apart), prefetching pf (the next tile) on the way.
   void widen(const uint8_t* w, int64_t nr, float* out, const uint8_t* pf) const {
-    if constexpr (W::kBlocks && W::kWeights > kQBlock) {   // K-quants: a super-block's scales decoded once
+    if constexpr (W::kSuper) {   // K-quants: a super-block's scales decoded once
       for (int64_t c = 0; c < nr; ++c) {
         int64_t next_line = 0;
         for (int64_t k = 0; k < K; k += W::kWeights) {
@@ -706,6 +725,7 @@ constexpr auto GemmQ4_K = Blocks<Q4_K>;
 constexpr auto GemmQ5_K = Blocks<Q5_K>;
 constexpr auto GemmQ6_K = Blocks<Q6_K>;
 constexpr auto GemmIQ4_XS = Blocks<IQ4_XS>;
+constexpr auto GemmIQ4_NL = Blocks<IQ4_NL>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
 // kIsa: the best integer-dot kernels this CPU runs (imp_q8::Isa: 0 AVX2, 1 VNNI on ymm, 2 AVX-512 for
@@ -758,6 +778,7 @@ IMP_GEMM_HANDLER(ImpGemmQ4_KW, GemmQ4_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ5_KW, GemmQ5_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ6_KW, GemmQ6_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmIQ4_XSW, GemmIQ4_XS, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmIQ4_NLW, GemmIQ4_NL, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
