@@ -1,9 +1,9 @@
 """Tensor parallelism against one device, on fake CPU devices: run as its own process (the device
 count is fixed when jax starts), by tests/test_tensor_parallel.py.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=. python tests/tp_check.py OUT.json MODEL...
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=. python tests/tp_check.py OUT.json MODEL[@1,2]...
 
-For each model and TP size in (1, 2, 4): build the engine as the server does, generate greedily,
+For each model and TP size in (1, 2, 4) (or the sizes after its `@`): build the engine as the server does, generate greedily,
 score the prompt (raw log-softmax rows), and write tokens, scores, per-device KV bytes and the
 compilations after warm-up as JSON, keyed "model|n".
 """
@@ -52,7 +52,11 @@ def run(model: str, n: int, cache_dir: str | None) -> dict:
 def main(argv: list[str]) -> int:
     out, *models = argv
     cache_dir = None
-    results = {f"{m}|{n}": run(m, n, cache_dir) for m in models for n in SIZES}
+    results = {}
+    for arg in models:
+        model, _, sizes = arg.partition("@")
+        for n in (tuple(int(x) for x in sizes.split(",")) if sizes else SIZES):
+            results[f"{model}|{n}"] = run(model, n, cache_dir)
     with open(out, "w") as f:
         json.dump(results, f)
     return 0
