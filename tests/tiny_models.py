@@ -77,9 +77,8 @@ def write_thinking_model(path: Path) -> dict[str, int]:
 
     import torch
     import transformers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -145,3 +144,56 @@ def write_tiny_bert(path: Path, tokenizer_dir: Path, classifier: bool = False, *
     for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(tokenizer_dir / f, path / f)
     return model
+
+
+# ------------------------------------------------------------------------- a harmony (gpt-oss) vocabulary
+HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                    "<|call|>", "<|constrain|>"]
+# A minimal harmony template (the official gpt-oss one renders these parts the same way): reasoning_effort in
+# the system message, tools in a developer message, replayed reasoning (`thinking`) as an analysis message,
+# a replayed call on the commentary channel to its recipient, its result from `functions.NAME`.
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort | default('medium')) + '<|end|>' -}}"
+    "{%- if tools %}{{- '<|start|>developer<|message|># Tools' -}}"
+    "{%- for t in tools %}{{ ' ' + t.function.name }}{% endfor %}{{- '<|end|>' -}}{% endif -%}"
+    "{%- set ns = namespace(last=none) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if m.thinking is defined and m.thinking -%}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' -}}{%- endif -%}"
+    "{%- if m.tool_calls is defined and m.tool_calls -%}{%- set c = m.tool_calls[0].function -%}"
+    "{{- '<|start|>assistant to=functions.' + c.name + '<|channel|>commentary <|constrain|>json<|message|>' -}}"
+    "{{- c.arguments | tojson -}}{{- '<|call|>' -}}{%- set ns.last = c.name -%}"
+    "{%- else -%}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' -}}{%- endif -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|start|>functions.' + ns.last + ' to=assistant<|channel|>commentary<|message|>' + m.content + '<|end|>' -}}"
+    "{%- else -%}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}")
+HARMONY_WORDS = ["GO", "CALL", "SUNNY", "TRAIL"]   # plain added tokens: the scripted model's triggers
+
+
+def write_harmony_tokenizer(path: Path) -> None:
+    """A tiny byte-level BPE tokenizer.json with gpt-oss's harmony special tokens, and a tokenizer_config.json
+    with HARMONY_TEMPLATE (EOS <|return|>; generation_config.json adds <|call|>, as gpt-oss's does)."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["assistant analysis final commentary to=functions.get_weather json user system developer",
+              "Hmm so the user wants weather. Let me check. Yes done, it is sunny in Paris.",
+              '{"city": "Paris"} Reasoning: medium high low # Tools'] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=500, show_progress=False, special_tokens=HARMONY_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in HARMONY_WORDS])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|return|>", "pad_token": "<|endoftext|>", "chat_template": HARMONY_TEMPLATE}))
+    call_id = tok.token_to_id("<|call|>")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.token_to_id("<|return|>"), call_id, tok.token_to_id("<|endoftext|>")]}))

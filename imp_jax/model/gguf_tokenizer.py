@@ -46,7 +46,9 @@ PRE_TOKENIZER_SPLITS = {
 }
 # control tokens llama.cpp also treats as end-of-generation, beyond the file's eos/eot/eom ids
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
-              "<|end_of_text|>", "<｜end▁of▁sentence｜>"}
+              "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>"}
+# harmony (gpt-oss): <|return|> and <|call|> end a reply; its <|end|> only ends one message of it
+_HARMONY_ENDS = {"<|return|>", "<|call|>"}
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -73,6 +75,8 @@ def gguf_tokenizer(meta: Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     extra += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS]
+    if _HARMONY_ENDS <= {t for t, ty in zip(tokens, types) if ty == _CONTROL}:   # as llama.cpp does
+        extra = [i for i in extra if i is None or not 0 <= i < len(tokens) or tokens[i] != "<|end|>"]
     extra_eos = tuple(dict.fromkeys(i for i in extra if i is not None and i != eos_id))
     fim = {k: token(f"fim_{k[:3]}_token_id") or token(f"{k}_token_id") for k in ("prefix", "suffix", "middle")}
     wrapped = Tokenizer(

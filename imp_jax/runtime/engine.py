@@ -25,11 +25,12 @@ from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime import mirostat
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.dry import BreakerTable, repeat_penalties, top_slots
+from imp_jax.runtime.harmony import HarmonyMarkers
 from imp_jax.runtime.kv_blocks import KVBlockPool, OutOfBlocks
 from imp_jax.runtime.logit_lens import lens_batch, lens_layers
 from imp_jax.runtime.lora import AdapterSlots, LoadedAdapter
 from imp_jax.runtime.prompt_logprobs import PromptScoring
-from imp_jax.runtime.reasoning import ANSWER, THINK, ThinkMarkers, ThinkTracker
+from imp_jax.runtime.reasoning import ANSWER, THINK, ThinkMarkers
 from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
                                      check_context)
 from imp_jax.runtime.sampling import RowSpec, SamplerOutput, build_sampling_tensors, pack_allowed_tokens
@@ -117,7 +118,9 @@ class EngineCore:
                       if slabs is not None else None)   # None: started without --max-loras
         self.constraints = GrammarConstraints.for_tokenizer(loaded.tokenizer, loaded.config.vocab_size)
         self.dry_breakers = BreakerTable(loaded.tokenizer, loaded.config.vocab_size)
-        self.think_markers = ThinkMarkers.from_tokenizer(loaded.tokenizer)   # None: the model does not think
+        # how the model's replies split into reasoning and answer (None: they do not)
+        self.think_markers = HarmonyMarkers.from_tokenizer(loaded.tokenizer) or ThinkMarkers.from_tokenizer(
+            loaded.tokenizer)
         self._deferred: list[tuple[Sequence, int, list[TokenLogprob] | None, _RequestState, str,
                                    dict[int, float] | None]] = []
         self._scoring: list[_RequestState] = []   # prompt_logprobs requests, oldest first
@@ -183,7 +186,7 @@ class EngineCore:
                 detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens),
                 stops=StopStringMatcher(p.stop, p.include_stop_str_in_output),
                 prompt_ids=list(req.prompt_ids), parent=seqs[0] if seqs else None, constraint=matchers[i],
-                reasoning=ThinkTracker(think, req.prompt_ids, req.reasoning_budget) if think else None,
+                reasoning=think.tracker(req.prompt_ids, req.reasoning_budget) if think else None,
                 lora_slot=adapter.slot if adapter else 0, lora_key=adapter.cache_key if adapter else None)
             if req.cfg_scale != 1:
                 guidance.attach_shadow(seq, req.cfg_prompt_ids)
@@ -682,7 +685,8 @@ class EngineCore:
             raw = {t: float(out.bias_raw_logprobs[row, i])
                    for i, t in enumerate(dict.fromkeys(seq.params.raw_logprob_ids))}
         kind = seq.reasoning.observe(token) if seq.reasoning is not None else ANSWER
-        if seq.constraint is not None and kind == ANSWER and not seq.constraint.accept(token):
+        if (seq.constraint is not None and kind == ANSWER and (seq.reasoning is None or seq.reasoning.constrained)
+                and not seq.constraint.accept(token)):
             # the grammar allowed no token the request's logit_bias left (the sampler drew from nothing)
             self._finish(seq, "error", state, error=f"the output constraint allowed no token the request's "
                          f"logit_bias permits ({seq.constraint.failed})")
@@ -783,7 +787,8 @@ class EngineCore:
                 ids = ids + held_ids
                 if p.logprobs is not None:
                     logprobs = (logprobs or []) + held_logprobs
-            tail, matched = seq.stops.feed(held_text + seq.detok.flush())
+            owed = seq.reasoning.finish_text() if seq.reasoning is not None else ""
+            tail, matched = seq.stops.feed(held_text + seq.detok.flush() + owed)
             text += tail + ("" if matched else seq.stops.flush())
         if finish is None and not ids:
             return   # every token so far is held back (banned phrases may still complete)

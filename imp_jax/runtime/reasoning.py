@@ -37,6 +37,9 @@ class ThinkMarkers:
             return None
         return cls(start, end, (end, *tokenizer.encode(_after_end(tokenizer), add_special_tokens=False)))
 
+    def tracker(self, prompt_ids: Sequence[int], budget: int | None = None) -> ThinkTracker:
+        return ThinkTracker(self, prompt_ids, budget)
+
     def opens_think(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends inside a think block (a template or prefill left `<think>` open)."""
         for t in reversed(prompt_ids):
@@ -136,3 +139,7 @@ class ThinkTracker:
             delta = delta.lstrip("\n")
             self._strip_newlines = not delta
         return delta
+
+    def finish_text(self) -> str:
+        """Answer text owed at the end of the reply (a harmony tracker may owe some; this one never does)."""
+        return ""

@@ -1,8 +1,9 @@
 """Reasoning on the wire: what reaches the chat template, Anthropic's `thinking` opt-in, the
 reasoning parts of the dialects' replies, and `POST /v1/requests/{id}/end_thinking`.
 
-The engine splits a thinking model's think block from its answer (runtime/reasoning.py) into
-each event's `reasoning_text` and `text`; the dialects only place the two.
+The engine splits a thinking model's think block (runtime/reasoning.py), or a harmony reply's analysis
+channel (runtime/harmony.py, gpt-oss), from its answer into each event's `reasoning_text` and `text`; the
+dialects only place the two.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 from quart import Blueprint, current_app, jsonify
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
+from imp_jax.runtime.harmony import HarmonyMarkers
 from imp_jax.runtime.reasoning import ThinkMarkers
 from imp_jax.server.context import ready_engine, server
 from imp_jax.server.errors import not_supported
@@ -43,11 +45,12 @@ def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None 
 
 
 def model_thinks(tokenizer: Any) -> bool:
-    """Whether the served model thinks in <think> blocks (the engine splits them; ThinkMarkers)."""
+    """Whether the served model thinks, in <think> blocks (ThinkMarkers) or harmony's analysis channel
+    (HarmonyMarkers): the engine splits its reasoning from the answer."""
     cache: dict[int, bool] = current_app.extensions.setdefault(_THINKS_KEY, {})
     key = id(tokenizer)
     if key not in cache:
-        cache[key] = ThinkMarkers.from_tokenizer(tokenizer) is not None
+        cache[key] = (HarmonyMarkers.from_tokenizer(tokenizer) or ThinkMarkers.from_tokenizer(tokenizer)) is not None
     return cache[key]
 
 

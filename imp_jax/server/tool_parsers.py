@@ -4,7 +4,9 @@
   and the generic preamble of templates with no tool support);
 - llama3_json: the reply *is* the call(s): `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>`, several joined by `;`;
-- mistral: text, then `[TOOL_CALLS]` and a JSON array of calls, or `[TOOL_CALLS]name[ARGS]{...}`.
+- mistral: text, then `[TOOL_CALLS]` and a JSON array of calls, or `[TOOL_CALLS]name[ARGS]{...}`;
+- harmony (gpt-oss): a message to `functions.NAME`, as the engine's harmony tracker writes it into the
+  answer: `<|start|>HEADER<|message|>{...}`, then `<|end|>` or the end of the reply.
 
 One incremental parser per format; the whole-text parse is the same parser fed everything at once,
 so streamed and whole replies agree. A call is announced (CallStart) as soon as its name is known
@@ -409,8 +411,73 @@ class MistralParser(ToolCallParser):
                 self._open_call(out, "", name.strip(), bare=True)
 
 
+class HarmonyParser(ToolCallParser):
+    """gpt-oss's calls as the engine's harmony tracker writes them into the answer (runtime/harmony.py):
+    `<|start|>HEADER<|message|>ARGS`, closed by `<|end|>` (or the reply's end). A header addressed to
+    `functions.NAME` is a call of NAME; any other recipient (a built-in tool) keeps its message as text."""
+
+    OPEN, MESSAGE, CLOSE = "<|start|>", "<|message|>", "<|end|>"
+    _RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._header: str | None = None   # the header being read (after <|start|>), None outside one
+
+    def _run(self, out: list[ParseEvent], final: bool) -> None:
+        while self._buf or final and self._header is not None:
+            call = self._call
+            if call is None and self._header is None:
+                self._buf, found = _emit_text_until(out, self._buf, self.OPEN, final)
+                if not found:
+                    return
+                self._header = ""
+            elif call is None:
+                self._header += self._buf
+                self._buf, at = "", self._header.find(self.MESSAGE)
+                if at < 0:
+                    if final:   # a header never finished: text
+                        out.append(TextDelta(self.OPEN + self._header))
+                        self._header = None
+                    return
+                header, self._buf = self._header[:at], self._header[at + len(self.MESSAGE):]
+                self._header, markup = None, self.OPEN + header + self.MESSAGE
+                m = self._RECIPIENT.search(header)
+                if m is None:
+                    out.append(TextDelta(markup))
+                else:
+                    self._open_call(out, markup, m.group(1), bare=True)
+            elif call.end is not None:   # the arguments closed: <|end|> may follow
+                rest = self._buf.lstrip()
+                if rest.startswith(self.CLOSE):
+                    tail = self._buf[:len(self._buf) - len(rest) + len(self.CLOSE)]
+                    self._buf = self._buf[len(tail):]
+                    self._end_call(out, tail)
+                elif rest and not self.CLOSE.startswith(rest) or final:
+                    self._end_call(out)
+                else:
+                    return
+            elif not call.raw and not self._buf.startswith("{"):
+                rest = self._buf.lstrip()
+                self._markup += self._buf[:len(self._buf) - len(rest)]
+                self._buf = rest
+                if rest and not rest.startswith("{"):   # arguments that are no JSON object: not a valid call
+                    self._text_call(out)
+            elif not self._feed_call(out):
+                return
+
+    def _text_call(self, out: list[ParseEvent]) -> None:
+        """Arguments that are not an object: the call is invalid, its message kept as text to its end."""
+        call = self._call
+        assert call is not None
+        at = self._buf.find(self.CLOSE)
+        body = self._buf if at < 0 else self._buf[:at + len(self.CLOSE)]
+        self._buf = self._buf[len(body):]
+        call.end = CallEnd(call.index, "", False, "")
+        self._end_call(out, body)
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                            "mistral": MistralParser}
+                                            "mistral": MistralParser, "harmony": HarmonyParser}
 
 
 def answer_events(parser: ToolCallParser | None, text: str, last: bool) -> list[ParseEvent]:

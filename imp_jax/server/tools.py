@@ -5,7 +5,9 @@ and the grammar that enforces a `required` or named choice.
   otherwise (SmolLM2, most small models) through a system preamble in the Hermes convention, and
   replayed calls and tool results are rendered as Hermes text (`<tool_call>`, `<tool_response>`).
 - The template also picks the call format the reply is parsed in (tool_parsers.py): Hermes/Qwen
-  `<tool_call>`, Llama 3 JSON, or Mistral `[TOOL_CALLS]`; Hermes when the template names none.
+  `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, or harmony (gpt-oss: a template with `<|channel|>`);
+  Hermes when the template names none. Under harmony a `required` or named choice is not enforced by a
+  grammar (the reply is parsed as under `auto`).
 - `auto`: free text, parsed afterwards (and while streaming). `required` / a named tool: the reply
   is constrained by an llguidance grammar to one or more calls (one when parallel calls are off)
   whose arguments follow the tool's JSON schema; it is compiled like any output format
@@ -146,8 +148,9 @@ class ToolPlan:
 
     def output_format(self, fmt: str) -> OutputFormat | None:
         """The grammar a `required` or named choice decodes under, else None; structured.constraint compiles
-        it as any output format (off the event loop, cached, a 400 before the stream)."""
-        if not self.enforced:
+        it as any output format (off the event loop, cached, a 400 before the stream). A harmony reply's
+        call follows headers the engine reads outside any grammar (runtime/harmony.py): not enforced there."""
+        if not self.enforced or fmt == "harmony":
             return None
         return OutputFormat(_grammar(fmt, self._choosable(), self.parallel), self.choice_param, self.choice_param)
 
@@ -345,7 +348,9 @@ def template_tools(source: str | None) -> TemplateTools:
         native = "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source))
     except jinja2.TemplateError:
         native = False
-    if "[TOOL_CALLS]" in source:
+    if "<|channel|>" in source and "<|message|>" in source:
+        fmt = "harmony"
+    elif "[TOOL_CALLS]" in source:
         fmt = "mistral"
     elif "<tool_call>" in source:
         fmt = "hermes"
@@ -381,7 +386,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan
     offered = plan.offered if plan is not None else []
     if support.native:
         tools = [t.as_function() for t in offered] or None
-        return tokenizer.render_chat(native_messages(messages), tools=tools, **kwargs)
+        return tokenizer.render_chat(native_messages(messages, support.fmt), tools=tools, **kwargs)
     return tokenizer.render_chat(hermes_messages(messages, offered), **kwargs)
 
 
@@ -401,8 +406,10 @@ def _arguments_object(arguments: Any) -> Any:
     return arguments
 
 
-def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for a template with tool support: call arguments as objects (as vLLM hands them over)."""
+def native_messages(messages: list[dict[str, Any]], fmt: str = "hermes") -> list[dict[str, Any]]:
+    """Messages for a template with tool support: call arguments as objects (as vLLM hands them over).
+    A harmony template (gpt-oss) reads replayed reasoning from `thinking`, and refuses it beside content
+    in a turn with calls: there the content (a preamble) gives way, as llama.cpp does."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
@@ -411,6 +418,13 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 fn = _function(call)
                 if "arguments" in fn:
                     fn["arguments"] = _arguments_object(fn["arguments"])
+        if fmt == "harmony" and m.get("role") == "assistant":
+            reasoning = m.get("thinking") or m.get("reasoning_content") or m.get("reasoning")
+            if reasoning:
+                m = {k: v for k, v in m.items() if k not in ("reasoning_content", "reasoning")}
+                m["thinking"] = reasoning
+                if m.get("tool_calls"):
+                    m.pop("content", None)
         out.append(m)
     return out
 

@@ -1,0 +1,141 @@
+"""A gpt-oss-style (harmony) model served on loopback, checked with the official openai and anthropic clients:
+the analysis channel comes back as reasoning and the final channel as the answer on all three dialects,
+whole and streamed, with no header text; `<|end|>` between messages does not end the reply.
+
+The model is scripted_model.ScriptedLM over tiny_models.write_harmony_tokenizer's vocabulary: a random
+tiny model cannot be made to write harmony (nor can a token chain: harmony repeats its headers with a
+different channel after them), so the reply is a fixed token script chosen by a trigger word in the last
+message. Everything from the sampler to the wire runs for real on it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+from scripted_model import write_scripted_model
+from server_fixtures import LiveServer, wait_for
+from tiny_models import write_harmony_tokenizer
+
+from imp_jax.model.tokenizer import Tokenizer
+
+MODEL = "harmonic"
+GREEDY = {"temperature": 0}
+SUFFIX = "<|end|><|start|>assistant"   # what follows a trigger (the last message's last word) in the prompt
+REASON, ANSWER = "Hmm so the user wants weather.", "Yes done, it is sunny."
+SCRIPTS = {
+    "GO": f"<|channel|>analysis<|message|>{REASON}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
+          "<|return|>",
+}
+HELLO = [{"role": "user", "content": "hello GO"}]
+
+
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / MODEL
+    path.mkdir()
+    write_harmony_tokenizer(path)
+    tok = Tokenizer.from_hf_dir(path)
+    scripts = {tok.token_to_id(word): tok.encode(SUFFIX + reply, add_special_tokens=False)
+               for word, reply in SCRIPTS.items()}
+    write_scripted_model(path, tok.vocab_size, scripts, pad=tok.token_to_id("<|return|>"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def harmony_server(harmony_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    live = LiveServer(["--model", str(harmony_model), "--model-class", "scripted_model:ScriptedLM",
+                       "--max-model-len", "512", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+                       "--num-kv-blocks", "96"], tmp_path_factory.mktemp("harmony-log") / "server.log",
+                      env={"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])})
+    try:
+        wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)
+        yield live
+    finally:
+        assert live.stop() == 0, live.log_text()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def oai(harmony_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def claude(harmony_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=harmony_server.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def tok(harmony_model: Path) -> Tokenizer:
+    return Tokenizer.from_hf_dir(harmony_model)
+
+
+@pytest.fixture(autouse=True)
+def _back_to_baseline(request):
+    """After each test, every request has ended and the KV pool is whole again."""
+    yield
+    if "harmony_server" not in request.fixturenames:
+        return
+    url = request.getfixturevalue("harmony_server").url
+    deadline = time.monotonic() + 30
+    while True:
+        health = httpx.get(url + "/health").json()
+        if health["num_running"] == 0 and health["num_free_blocks"] == health["baseline_free_blocks"]:
+            return
+        assert time.monotonic() < deadline, health
+        time.sleep(0.1)
+
+
+def _count(tok: Tokenizer, text: str) -> int:
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+# ------------------------------------------------------------------------------------------ reasoning
+def test_chat_reasoning_content_answer_and_usage(oai, tok, harmony_server):
+    r = oai.chat.completions.create(model=MODEL, messages=HELLO, **GREEDY)
+    msg, reply = r.choices[0].message, SCRIPTS["GO"]
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == (REASON, ANSWER, "stop")
+    analysis = reply[:reply.index("<|start|>")]   # the analysis message, header to <|end|>
+    assert r.usage.completion_tokens == _count(tok, reply)
+    assert r.usage.completion_tokens_details.reasoning_tokens == _count(tok, analysis)
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == REASON
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == _count(tok, analysis)
+    # a stop string applies to the answer only ("so" is in the reasoning)
+    r = oai.chat.completions.create(model=MODEL, messages=HELLO, stop=["so", "sunny"], **GREEDY)
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (REASON, "Yes done, it is ")
+
+
+def test_messages_thinking_blocks(claude):
+    opt_in = {"type": "enabled", "budget_tokens": 1024}
+    m = claude.messages.create(model=MODEL, max_tokens=200, messages=HELLO, thinking=opt_in, extra_body=GREEDY)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [
+        ("thinking", REASON), ("text", ANSWER)]
+    assert m.stop_reason == "end_turn"
+    with claude.messages.stream(model=MODEL, max_tokens=200, messages=HELLO, thinking=opt_in,
+                                extra_body=GREEDY) as stream:
+        text = "".join(ev.delta.text for ev in stream if ev.type == "content_block_delta" and ev.delta.type == "text_delta")
+        final = stream.get_final_message()
+    assert text == ANSWER and final.content[0].thinking == REASON
+    plain = claude.messages.create(model=MODEL, max_tokens=200, messages=HELLO, extra_body=GREEDY)
+    assert [(b.type, b.text) for b in plain.content] == [("text", ANSWER)]
+
+
+def test_responses_reasoning_items(oai):
+    r = oai.responses.create(model=MODEL, input="hello GO", reasoning={"effort": "high"}, **GREEDY)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert (r.output[0].content[0].text, r.output_text) == (REASON, ANSWER)
+    with oai.responses.stream(model=MODEL, input="hello GO", **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASON
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    assert [o.type for o in final.output] == ["reasoning", "message"]
