@@ -220,6 +220,7 @@ def test_expert_stacks_are_stored_shard_major_with_zero_pads(tmp_path):
         np.testing.assert_array_equal(got_down[:, :, rows], down[:, :, rows])
     assert not got_gu[:, -2:].any() and not got_down[..., -2:].any()
     np.testing.assert_array_equal(np.asarray(mlp.down_bias[...]), sd["model.layers.0.mlp.experts.down_proj_bias"])
+    assert "8 rows of each of 4 experts per shard" in model.tp.describe(cfg)   # the start-up log line
     sinks = sd["model.layers.0.self_attn.sinks"]
     np.testing.assert_array_equal(np.asarray(model.layers.sinks[...])[0],
                                   [sinks[0], sinks[2], sinks[1], sinks[3], 0, 0, 0, 0])
