@@ -1,4 +1,4 @@
-"""Q5_0 / Q5_1, the K-quants (Q2_K..Q6_K) and IQ4_XS kept as GGML blocks: dequantised bit for bit as
+"""Q5_0 / Q5_1, the K-quants (Q2_K..Q6_K), IQ4_XS and MXFP4 kept as GGML blocks: dequantised bit for bit as
 gguf-py does, widened by the CPU GEMM kernel to those same values, loaded from a GGUF as blocks."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from imp_jax.kernels_pallas import Kernels, matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
-NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"]
 # byte offsets of each format's f16 scales: random bytes there could be inf / NaN
 F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
+              "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
 CPU, CPU_Q8 = Kernels(gemm="cpu"), Kernels(gemm="cpu_q8")
 BLOCK_BYTES = {**quant.FORMATS, "IQ4_NL": quant.IQ4_NL_BYTES}   # the file's block sizes (IQ4_NL loads as Q8_0)
 BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
@@ -35,6 +35,9 @@ def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05)
         x = rng.standard_normal((n, blocks * quant.WEIGHTS[fmt])).astype(np.float32)
         return quantize(x, Q[fmt]).reshape(n, blocks, quant.FORMATS[fmt])
     b = rng.integers(0, 256, (n, blocks, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    if fmt == "MXFP4":   # E8M0 exponents: typical ones, the smallest normal scale, the largest (x 12: inf)
+        b[..., 0] = rng.integers(118, 130, (n, blocks))
+        b.reshape(-1, 17)[:2, 0] = (2, 255)
     for at in F16_FIELDS[fmt]:
         b[..., at:at + 2] = (rng.standard_normal((n, blocks)) * scale).astype(np.float16)[..., None].view(np.uint8)
     return b
@@ -127,6 +130,26 @@ def test_cpu_q8_widens_the_formats_it_has_no_int8_path_for(fmt):
     text = jax.jit(lambda x, w: matmul_wt(x, w, CPU_Q8)).lower(x, w).as_text()
     assert cpu_gemm.BLOCK_TARGETS[fmt] in text and not any(t in text for t in cpu_gemm.Q8_TARGETS.values())
     np.testing.assert_array_equal(np.asarray(matmul_wt(x, w, CPU_Q8)), np.asarray(matmul_wt(x, w, CPU)))
+
+
+def test_hf_mxfp4_becomes_ggml_blocks_of_the_same_values():
+    """gpt-oss's HF MXFP4 (`*_blocks`, value 2i / 2i + 1 in a byte's low / high nibble, and E8M0
+    `*_scales`) rearranged into GGML MXFP4 blocks: every weight the value model/gpt_oss.py's
+    dequantisation gives (+0.0 for E2M1's -0.0), and gguf-py's dequantisation of the result."""
+    from imp_jax.model.gpt_oss import dequantize_mxfp4
+
+    rng = np.random.default_rng(8)
+    blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (3, 5, 4), dtype=np.uint8)
+    scales[0, 0, :3] = (2, 200, 255)
+    kept = quant.mxfp4_from_hf(blocks, scales)
+    assert quant.format_of(kept[0]) == "MXFP4" and kept.shape == (3, 5, 4, 17)
+    want = dequantize_mxfp4(blocks, scales)
+    got = np.asarray(quant.dequantize(jnp.asarray(kept)))
+    np.testing.assert_array_equal(got, want)                         # == : -0.0 equals +0.0
+    np.testing.assert_array_equal(got.view(np.uint32), gguf_py(kept.reshape(15, 4, 17), "MXFP4").reshape(got.shape).view(np.uint32))
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        quant.mxfp4_from_hf(blocks, scales[..., :3])
 
 
 def test_tensor_parallel_columns_keep_whole_super_blocks():

@@ -16,6 +16,7 @@ block size in bytes names the format (each is distinct):
     Q6_K  210 bytes / 256: low nibbles, high 2 bits, 16 int8 scales, f16 d   w = (d * sc) * (q - 32)
     IQ4_XS 136 bytes / 256: f16 d, 8 6-bit scales, nibbles indexing a table   w = (d * (sc - 32)) * table[q]
     IQ4_NL  36 bytes / 64: two 18-byte blocks, f16 d, 16 bytes of nibbles     w = d * table[q]
+    MXFP4   17 bytes / 32: E8M0 e, 16 bytes of FP4 E2M1 nibbles              w = 2^(e - 128) * fp4x2[q]
 
 A GGUF's IQ4_NL matrices (18 bytes / 32: f16 d, 16 bytes of nibbles indexing a table of 16 int8
 values, w = d * table[q]) have Q4_0's block size, so the block size cannot name them: they are kept
@@ -23,10 +24,17 @@ as pairs of blocks, 36 bytes / 64 weights ("IQ4_NL" here; `iq4_nl_pairs`, a resh
 bytes), where a row's length is a multiple of 64, else held as Q8_0 (`iq4_nl_to_q8_0`: the same d
 and table[q] as the int8, so the same float32 weights, at 34 bytes per 32).
 
+MXFP4 (gpt-oss's experts; OCP microscaling) holds a power-of-two scale as a bare exponent byte (E8M0,
+bias 127) and 4-bit E2M1 floats, which GGML stores doubled as int8s (fp4x2: 0, 1, 2, 3, 4, 6, 8, 12
+and their negatives) under half the scale; an HF checkpoint's `*_blocks` / `*_scales` are the same
+numbers in another byte order (`mxfp4_from_hf`). XLA on CPU flushes float32 subnormals to zero, so
+there the weights of exponents 0 and 1 (scales below 2^-126, which no trained checkpoint has) are 0
+where gguf-py keeps them subnormal.
+
 IQ4_XS (the "i-quant" llama.cpp's imatrix releases use most) is kept under its own name: its table is
 IQ4_NL's, its 32-weight sub-blocks carry 6-bit scales under one f16 d like the K-quants'.
 
-(Q4_0 / Q4_1 / Q5_x / IQ4_NL / IQ4_XS nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
+(Q4_0 / Q4_1 / Q5_x / IQ4_NL / IQ4_XS / MXFP4 nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
 high one; the K-quants' layouts are spelled out in `_dequantize_*`.) The CPU GEMM kernel
 (cpu/gemm.cc) reads them directly; `dequantize` gives the float32 matrix, the same values as
 gguf-py's `gguf.quants.dequantize`, for XLA's dot and for embedding rows.
@@ -34,7 +42,8 @@ gguf-py's `gguf.quants.dequantize`, for XLA's dot and for embedding rows.
 Exactness: in every format the scale products d * sc and dmin * mn are exact in float32 (an f16's
 11 significant bits times an integer of at most 8 bits), and so is (d * sc) * q except in Q6_K,
 where it is one rounded product whichever way it is grouped (IQ4_XS's d * (sc - 32) * table[q]
-is exact too: 11 + 6 + 7 significant bits); the one add or subtract that follows
+is exact too: 11 + 6 + 7 significant bits; MXFP4's power of two times a 4-bit integer is exact down
+to float32's subnormals, and rounds to the same inf above its range); the one add or subtract that follows
 is the only other rounding. So each weight is one correctly rounded operation on exact operands:
 the same float32 whether a multiply and an add are fused or not, in any grouping.
 """
@@ -48,7 +57,7 @@ BLOCK = 32    # weights per block of the 32-weight formats (and per sub-block th
 QK_K = 256    # weights per K-quant super-block
 FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,          # name -> bytes per block
            "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136,
-           "IQ4_NL": 36}
+           "IQ4_NL": 36, "MXFP4": 17}
 SUPER_BLOCKED = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})   # 256-weight super-blocks
 IQ4_NL_PAIR = 2 * BLOCK   # weights per kept IQ4_NL "block": two of the file's
 WEIGHTS = {name: QK_K if name in SUPER_BLOCKED else IQ4_NL_PAIR if name == "IQ4_NL" else BLOCK
@@ -56,12 +65,14 @@ WEIGHTS = {name: QK_K if name in SUPER_BLOCKED else IQ4_NL_PAIR if name == "IQ4_
 _BY_BYTES = {b: name for name, b in FORMATS.items()}
 # IQ4_NL's and IQ4_XS's non-linear 4-bit grid (llama.cpp's kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+# MXFP4's E2M1 values doubled (llama.cpp's kvalues_mxfp4): code 8 is -0.0 in E2M1, 0 here
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 def format_of(w: jax.Array | np.ndarray) -> str | None:
-    """The block format of a quantised matrix (or of rows gathered from one), or None for a plain
-    [N, K] float one."""
-    if w.dtype != np.uint8 or w.ndim != 3:
+    """The block format of a quantised matrix [N, K / W, bytes] (or of rows gathered from one, or of a
+    stack of them [E, N, K / W, bytes]: a mixture of experts'), or None for a plain float one."""
+    if w.dtype != np.uint8 or w.ndim < 3:
         return None
     return _BY_BYTES.get(int(w.shape[-1]))
 
@@ -71,12 +82,12 @@ def weights_per_block(w: jax.Array | np.ndarray) -> int:
     return WEIGHTS[format_of(w)]
 
 
-def matrix_shape(w: jax.Array | np.ndarray) -> tuple[int, int]:
-    """[N, K] of a plain or quantised matrix."""
+def matrix_shape(w: jax.Array | np.ndarray) -> tuple[int, ...]:
+    """[N, K] of a plain or quantised matrix ([E, N, K] of a stack of them)."""
     fmt = format_of(w)
     if fmt is not None:
-        return int(w.shape[0]), int(w.shape[1]) * WEIGHTS[fmt]
-    return int(w.shape[0]), int(w.shape[1])
+        return (*(int(d) for d in w.shape[:-2]), int(w.shape[-2]) * WEIGHTS[fmt])
+    return tuple(int(d) for d in w.shape)
 
 
 def _f16(b: jax.Array) -> jax.Array:
@@ -183,6 +194,14 @@ def _dequantize_iq4_xs(b: jax.Array) -> jax.Array:
     return (d[..., None] * q).reshape(-1, QK_K)
 
 
+def _e8m0_half(e: jax.Array) -> jax.Array:
+    """E8M0 exponent bytes -> 2^(e - 128) as float32 (subnormal for e < 2), as GGML's
+    ggml_e8m0_to_fp32_half builds it from bits."""
+    e = e.astype(jnp.uint32)
+    bits = jnp.where(e < 2, jnp.uint32(0x00200000) << e, (e - 1) << 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 _K_QUANTS = {"Q2_K": _dequantize_q2_k, "Q3_K": _dequantize_q3_k, "Q4_K": _dequantize_q4_k,
              "Q5_K": _dequantize_q5_k, "Q6_K": _dequantize_q6_k, "IQ4_XS": _dequantize_iq4_xs}
 
@@ -206,6 +225,8 @@ def dequantize(w: jax.Array) -> jax.Array:
     elif fmt == "IQ4_NL":   # pairs of (f16 d, 16 bytes of nibbles)
         b = w.reshape(*w.shape[:-1], 2, IQ4_NL_BYTES)
         out = _f16(b[..., 0:2])[..., None] * jnp.asarray(IQ4_NL_VALUES, jnp.float32)[_nibbles(b[..., 2:])]
+    elif fmt == "MXFP4":
+        out = _e8m0_half(w[..., 0])[..., None] * jnp.asarray(MXFP4_VALUES, jnp.float32)[_nibbles(w[..., 1:])]
     elif fmt in _K_QUANTS:
         out = _K_QUANTS[fmt](w.reshape(-1, w.shape[-1]))
     else:
@@ -266,4 +287,20 @@ def _q8_0_blocks(d: np.ndarray, q: np.ndarray) -> np.ndarray:
     out = np.empty((*q.shape[:-1], FORMATS["Q8_0"]), np.uint8)
     out[..., 0:2] = d
     out[..., 2:] = q.astype(np.int8).view(np.uint8)
+    return out
+
+
+def mxfp4_from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 as HF checkpoints (gpt-oss) store it, blocks uint8 [..., G, 16] (value 2i in the low
+    nibble of byte i, 2i + 1 in the high) and E8M0 scales uint8 [..., G], as GGML MXFP4 blocks
+    [..., G, 17]: the same exponent byte and the same 4-bit codes (E2M1 and GGML's doubled table index
+    alike), moved so that value j < 16 is the low nibble of byte j, j + 16 the high. No arithmetic:
+    every weight dequantises to the value 2^(e - 127) * e2m1[q] it had (-0.0 as +0.0)."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: expected [..., G, 16] and [..., G]")
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)   # value order
+    out = np.empty((*scales.shape, FORMATS["MXFP4"]), np.uint8)
+    out[..., 0] = scales
+    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
     return out

@@ -9,7 +9,8 @@
 //                         Q2_K..Q6_K (super-blocks of 8 or 16 sub-blocks with integer scales under
 //                         f16 ones; layouts in ggml_blocks.py) and IQ4_XS (a K-quant-like super-block
 //                         whose nibbles index a table of 16 int8 values), IQ4_NL (W = 64: pairs of
-//                         the file's 32-weight blocks, w = d * table[q]).
+//                         the file's 32-weight blocks, w = d * table[q]), MXFP4 (W = 32, 17 bytes: an
+//                         E8M0 exponent e and FP4 nibbles, w = 2^(e - 128) * fp4x2[q]).
 // Every format is widened to float32 as it is read, and to exactly the float32 values a dequantised
 // copy holds (gguf-py's formulas: each product d * q, and each K-quant scale product d * sc, is exact
 // in float32, so the one rounding of d * q + m is the same fused or not; Q6_K / Q3_K's (d * sc) * q
@@ -423,6 +424,30 @@ struct IQ4_NL : GgmlBlocks<36, 64> {
   }
 };
 
+// MXFP4: an E8M0 exponent byte e, then 16 bytes of nibbles (weight i < 16 low, i + 16 high) indexing
+// the doubled E2M1 values; w = 2^(e - 128) * fp4x2[q], a power of two times an integer of at most 4
+// bits: exact (subnormal for the smallest e, inf past float32's range, as gguf-py's).
+struct MXFP4 : GgmlBlocks<17> {
+  static constexpr const char* kName = "imp_gemm_f32_mxfp4w";
+  static float scale(uint8_t e) {   // GGML's ggml_e8m0_to_fp32_half
+    const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static void block(const uint8_t* row, int64_t k, __m256 v[4]) {
+    int j;
+    const uint8_t* b = at(row, k, j);
+    // the table plus 16 (each entry then a non-negative byte), spread, and the 16 taken off
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4));
+    __m256i q[4];
+    spread32([&](int h) { return _mm256_shuffle_epi8(table, bit_field(bcast16(b + 1), 4 * h, 4)); }, q);
+    const __m256 d = _mm256_set1_ps(scale(b[0]));
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(16))));
+  }
+};
+
 using imp_simd::hsum;
 
 // The MR x NR block of y at (x, w); x and y rows are K and ldy floats apart, w rows ldw bytes. A
@@ -726,6 +751,7 @@ constexpr auto GemmQ5_K = Blocks<Q5_K>;
 constexpr auto GemmQ6_K = Blocks<Q6_K>;
 constexpr auto GemmIQ4_XS = Blocks<IQ4_XS>;
 constexpr auto GemmIQ4_NL = Blocks<IQ4_NL>;
+constexpr auto GemmMXFP4 = Blocks<MXFP4>;
 
 // The q8 handlers: the same operands as Blocks<W>, llama.cpp's arithmetic (gemm_q8.h).
 // kIsa: the best integer-dot kernels this CPU runs (imp_q8::Isa: 0 AVX2, 1 VNNI on ymm, 2 AVX-512 for
@@ -779,6 +805,7 @@ IMP_GEMM_HANDLER(ImpGemmQ5_KW, GemmQ5_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ6_KW, GemmQ6_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmIQ4_XSW, GemmIQ4_XS, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmIQ4_NLW, GemmIQ4_NL, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmMXFP4W, GemmMXFP4, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
