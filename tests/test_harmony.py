@@ -214,3 +214,103 @@ def test_a_gguf_harmony_vocabulary_ends_at_return_and_call_not_end(tmp_path):
     assert HarmonyMarkers.from_tokenizer(tok) is not None
     phi, _ = gguf_tokenizer(_gguf_meta(tmp_path, rename={"<|call|>": "<|calm|>"}))   # no <|call|>: not harmony
     assert phi.token_to_id("<|end|>") in phi.eos_ids
+
+
+# ------------------------------------------------------------------------------------------ the call parser
+CALL_TEXT = ('I will check.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+             '<|message|>{"city": "Paris", "days": [1, 2]}<|end|>Done.')
+
+
+def test_the_parser_reads_a_call_split_anywhere():
+    from imp_jax.server.tool_parsers import ArgsDelta, CallStart, HarmonyParser, collect_reply, parse_reply
+
+    whole = parse_reply(CALL_TEXT, "harmony")
+    assert whole.content == "I will check.Done."
+    assert [(c.name, c.arguments) for c in whole.calls] == [("get_weather", '{"city": "Paris", "days": [1, 2]}')]
+    for i in range(len(CALL_TEXT) + 1):
+        for j in range(i, len(CALL_TEXT) + 1, 7):
+            p = HarmonyParser()
+            events = p.feed(CALL_TEXT[:i]) + p.feed(CALL_TEXT[i:j]) + p.feed(CALL_TEXT[j:]) + p.finish()
+            got = collect_reply(events)
+            assert (got.content, [(c.name, c.arguments) for c in got.calls]) == \
+                (whole.content, [(c.name, c.arguments) for c in whole.calls]), (i, j)
+            assert "".join(e.text for e in events if isinstance(e, ArgsDelta)) == whole.calls[0].arguments
+            assert sum(isinstance(e, CallStart) for e in events) == 1
+
+
+@pytest.mark.parametrize("text", [
+    "<|start|>assistant to=python<|channel|>commentary<|message|>print(1)<|end|>x",   # not a function: text
+    "<|start|>assistant to=functions.f<|channel|>commentary<|message|>oops<|end|>x",  # arguments no JSON
+    '<|start|>assistant to=functions.f<|channel|>commentary<|message|>{"a": ',          # cut off arguments
+    "ab<|start|>assistant to=functions.f<|chan",                                       # cut off header
+])
+def test_the_parser_keeps_what_is_no_call_as_text(text):
+    from imp_jax.server.tool_parsers import parse_reply
+
+    assert parse_reply(text, "harmony").content == text and not parse_reply(text, "harmony").calls
+
+
+def test_a_tracked_call_reply_parses_into_reasoning_preamble_and_call(tok, markers):
+    from imp_jax.server.tool_parsers import parse_reply
+
+    reply = ("<|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|channel|>commentary<|message|>I will "
+             "check.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+             '{"city": "Paris"}<|call|>')
+    reasoning, answer, _ = run(tok, markers.tracker(ids(tok, PROMPT)), ids(tok, reply))
+    parsed = parse_reply(answer, "harmony")
+    assert (reasoning, parsed.content) == ("Hmm", "I will check.")
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+# ------------------------------------------------------------------------------------------ the prompt
+def test_the_prompt_replays_reasoning_calls_and_results(tok):
+    """The harmony template gets replayed reasoning as `thinking` (a call turn's content gives way), call
+    arguments as an object, the result after its call, and reasoning_effort."""
+    from imp_jax.server.reasoning import template_kwargs
+    from imp_jax.server.tools import chat_plan, render_prompt, tokenizer_tools
+
+    assert tokenizer_tools(tok).fmt == "harmony" and tokenizer_tools(tok).native
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "I will check.", "reasoning_content": "Hmm",
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "SUNNY"}]
+    text = render_prompt(tok, messages, chat_plan(tools, None, None), **template_kwargs(None, None, "high"))
+    assert text == ("<|start|>system<|message|>Reasoning: high<|end|><|start|>developer<|message|># Tools get_weather"
+                    "<|end|><|start|>user<|message|>weather?<|end|><|start|>assistant<|channel|>analysis<|message|>Hmm"
+                    "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+                    '<|message|>{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>'
+                    "commentary<|message|>SUNNY<|end|><|start|>assistant")
+
+
+OFFICIAL_TEMPLATE = (Path.home() / ".cache/imp_jax/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates"
+                     / "openai-gpt-oss-120b.jinja")
+
+
+@pytest.mark.skipif(not OFFICIAL_TEMPLATE.is_file(), reason="llama.cpp's copy of the gpt-oss template is not here")
+def test_the_official_gpt_oss_template_takes_the_replayed_turns(tmp_path):
+    """OpenAI's template (as llama.cpp ships it) refuses content beside thinking in a call turn; the server's
+    messages render, with the reasoning, the call, its result and the effort where harmony puts them."""
+    import json
+
+    from imp_jax.server.tools import chat_plan, render_prompt
+
+    write_harmony_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = OFFICIAL_TEMPLATE.read_text()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    official = Tokenizer.from_hf_dir(tmp_path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "I will check.", "reasoning_content": "Hmm",
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "SUNNY"}]
+    text = render_prompt(official, messages, chat_plan(tools, None, None), reasoning_effort="low")
+    assert "Reasoning: low" in text and "namespace functions" in text and text.endswith("<|start|>assistant")
+    assert "<|start|>assistant<|channel|>analysis<|message|>Hmm<|end|>" in text
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+            "<|call|>") in text
+    # (this template prints a result with tojson)
+    assert '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"SUNNY"<|end|>' in text

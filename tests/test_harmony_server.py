@@ -30,8 +30,19 @@ REASON, ANSWER = "Hmm so the user wants weather.", "Yes done, it is sunny."
 SCRIPTS = {
     "GO": f"<|channel|>analysis<|message|>{REASON}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
           "<|return|>",
+    # a call on the commentary channel, its recipient in the channel header
+    "CALL": "<|channel|>analysis<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+    # a preamble (commentary, no recipient), then a call with its recipient in the role header
+    "TRAIL": "<|channel|>commentary<|message|>I will check.<|end|><|start|>assistant to=functions.get_weather"
+             '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+    # after the tool's result
+    "SUNNY": "<|channel|>final<|message|>It is sunny in Paris.<|return|>",
 }
 HELLO = [{"role": "user", "content": "hello GO"}]
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ARGS = '{"city": "Paris"}'
 
 
 @pytest.fixture(scope="session")
@@ -139,3 +150,85 @@ def test_responses_reasoning_items(oai):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASON
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
     assert [o.type for o in final.output] == ["reasoning", "message"]
+
+
+# ------------------------------------------------------------------------------------------ tool calls
+def _no_markup(*texts: str | None) -> bool:
+    return not any(t and ("<|" in t or "functions." in t or "assistant" in t) for t in texts)
+
+
+def test_chat_tool_calls_whole_streamed_and_replayed(oai, tok, harmony_server):
+    tools = [{"type": "function", "function": WEATHER}]
+    ask = [{"role": "user", "content": "weather CALL"}]
+    r = oai.chat.completions.create(model=MODEL, messages=ask, tools=tools, **GREEDY)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == ("Let me check.", None, "tool_calls")
+    assert [(c.type, c.function.name, c.function.arguments) for c in msg.tool_calls] == [
+        ("function", "get_weather", ARGS)]
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=ask, tools=tools, stream=True, **GREEDY))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert calls[0].function.name == "get_weather" and calls[0].id
+    assert "".join(tc.function.arguments or "" for tc in calls) == ARGS
+    assert _no_markup(*(d.content for d in deltas)) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    # a preamble, then the call with its recipient in the role header
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather TRAIL"}],
+                                    tools=tools, **GREEDY)
+    msg = r.choices[0].message
+    assert (msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls]) == (
+        "I will check.", [("get_weather", ARGS)])
+    # the call and its result replayed: the prompt is the template's rendering of them, the answer follows
+    turn = [*ask, {"role": "assistant", "content": None, "reasoning_content": "Let me check.",
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": ARGS}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "SUNNY"}]
+    r = oai.chat.completions.create(model=MODEL, messages=turn, tools=tools, reasoning_effort="high", **GREEDY)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("It is sunny in Paris.", "stop")
+    want = [{**m, "thinking": m["reasoning_content"]} if m.get("reasoning_content") else m for m in turn]
+    want[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    prompt = tok.render_chat(want, tools=tools, reasoning_effort="high")
+    assert "Reasoning: high" in prompt and "analysis<|message|>Let me check.<|end|>" in prompt
+    assert r.usage.prompt_tokens == len(tok.encode_chat(prompt))
+    # no tools offered: a call the model makes anyway stays text (nothing parses it)
+    r = oai.chat.completions.create(model=MODEL, messages=ask, **GREEDY)
+    assert r.choices[0].message.tool_calls is None and "functions.get_weather" in r.choices[0].message.content
+
+
+def test_messages_tool_use(claude):
+    body = {"model": MODEL, "max_tokens": 200, "extra_body": GREEDY,
+            "tools": [{"name": "get_weather", "description": WEATHER["description"],
+                       "input_schema": WEATHER["parameters"]}]}
+    m = claude.messages.create(**body, messages=[{"role": "user", "content": "weather CALL"}],
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+    assert (m.content[0].thinking, m.content[1].name, m.content[1].input) == ("Let me check.", "get_weather",
+                                                                              {"city": "Paris"})
+    with claude.messages.stream(**body, messages=[{"role": "user", "content": "weather TRAIL"}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    starts = [ev.content_block.type for ev in events if ev.type == "content_block_start"]
+    assert starts == ["text", "tool_use"] and final.stop_reason == "tool_use"
+    assert (final.content[0].text, final.content[1].input) == ("I will check.", {"city": "Paris"})
+    use = final.content[1]
+    after = claude.messages.create(**body, messages=[
+        {"role": "user", "content": "weather TRAIL"}, {"role": "assistant", "content": final.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "SUNNY"}]}])
+    assert [(b.type, b.text) for b in after.content] == [("text", "It is sunny in Paris.")]
+
+
+def test_responses_function_calls(oai):
+    body = {"model": MODEL, "tools": [{"type": "function", **WEATHER}], **GREEDY}
+    r = oai.responses.create(**body, input="weather CALL")
+    assert [o.type for o in r.output] == ["reasoning", "function_call"] and r.status == "completed"
+    assert (r.output[1].name, r.output[1].arguments) == ("get_weather", ARGS)
+    with oai.responses.stream(**body, input="weather TRAIL") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["message", "function_call"]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == ARGS
+    assert final.output_text == "I will check." and final.output[1].arguments == ARGS
+    call = final.output[1]
+    after = oai.responses.create(**body, input=[
+        {"role": "user", "content": "weather TRAIL"}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "SUNNY"}])
+    assert after.output_text == "It is sunny in Paris."
