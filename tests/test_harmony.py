@@ -222,7 +222,13 @@ CALL_TEXT = ('I will check.<|start|>assistant<|channel|>commentary to=functions.
 
 
 def test_the_parser_reads_a_call_split_anywhere():
-    from imp_jax.server.tool_parsers import ArgsDelta, CallStart, HarmonyParser, collect_reply, parse_reply
+    from imp_jax.server.tool_parsers import (
+        ArgsDelta,
+        CallStart,
+        HarmonyParser,
+        collect_reply,
+        parse_reply,
+    )
 
     whole = parse_reply(CALL_TEXT, "harmony")
     assert whole.content == "I will check.Done."
