@@ -26,8 +26,9 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
                                 "imp_jax.runtime.encoder_engine", "imp_jax.runtime.multihost"),
     # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract
     "imp_jax.server.embeddings": ("imp_jax.runtime.vectors",),
-    # whether the served model thinks: the engine's own test of the tokenizer (pure Python, no jax)
-    "imp_jax.server.reasoning": ("imp_jax.runtime.reasoning",),
+    # whether the served model thinks (<think> or harmony): the engine's own tests of the tokenizer (pure Python,
+    # no jax)
+    "imp_jax.server.reasoning": ("imp_jax.runtime.reasoning", "imp_jax.runtime.harmony"),
     # output constraints compile at parse time into the engine's own cache of grammars (llguidance, no jax)
     "imp_jax.server.structured": ("imp_jax.runtime.constraints",),
 }
