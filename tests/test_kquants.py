@@ -120,11 +120,11 @@ def test_the_kernel_gives_the_float32_kernels_bits(fmt):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q5_1"])
 def test_cpu_q8_widens_the_formats_it_has_no_int8_path_for(fmt):
-    """`--gemm cpu_q8` has int8 arithmetic for Q8_0 / Q4_0 / Q4_1 only: the other formats take the
-    exact widening, the `--gemm cpu` result bit for bit (never a crash, never an int8 kernel
-    reading bytes of another layout)."""
+    """`--gemm cpu_q8` has int8 arithmetic for Q8_0 / Q4_0 / Q4_1 / Q5_0 and Q4_K / Q5_K / Q6_K only:
+    the other formats take the exact widening, the `--gemm cpu` result bit for bit (never a crash,
+    never an int8 kernel reading bytes of another layout)."""
     w = jnp.asarray(random_blocks(fmt, 9, 2, seed=3))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((5, quant.matrix_shape(w)[1])).astype(np.float32))
     text = jax.jit(lambda x, w: matmul_wt(x, w, CPU_Q8)).lower(x, w).as_text()
@@ -245,13 +245,14 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     """Every matrix stays as the file's blocks (a matrix's bytes on the device == its bytes in the
     file; fused parts mixing Q4_0 / Q5_0 / Q8_0 as Q8_0), and the model computes the dequantised
     model's logits bit for bit with `--gemm cpu`, and close to them with `--gemm cpu_q8`."""
+    from paged import PagedRunner
+
     from imp_jax.model.config import ModelConfig
     from imp_jax.model.gguf_loader import load_gguf
     from imp_jax.model.llama import DecoderLM
     from imp_jax.model.loader import load_model
     from imp_jax.model.weights import WeightSource
     from imp_jax.runtime.batch import SeqChunk
-    from paged import PagedRunner
 
     kept = load_model(mixed, dtype="float32").model
     assert kept.options.kernels.gemm == "cpu"   # what an x86-64 host picks
@@ -292,10 +293,11 @@ def test_xla_keeps_the_blocks_and_dequantises_inside_the_program(mixed, dtype):
     """`--quantized-weights keep` under XLA's dot (a GPU's default): every matrix stays as the file's
     blocks and is dequantised in the program, matrix by matrix, to the values a load-time
     dequantisation stores for the model's dtype: the logits are the dequantised model's, bit for bit."""
+    from paged import PagedRunner
+
     from imp_jax.kernels_pallas.backends import select_kernels
     from imp_jax.model.loader import attention_shape, load_model, open_checkpoint
     from imp_jax.runtime.batch import SeqChunk
-    from paged import PagedRunner
 
     keep = Kernels(gemm="xla", quantized="keep")
     assert keep.keeps_blocks and not Kernels(gemm="xla").keeps_blocks and CPU.keeps_blocks

@@ -764,12 +764,12 @@ imp_q8::Isa q8_isa() {
 }
 const imp_q8::Isa kIsa = q8_isa();
 
-template <class W>
+template <class W, int64_t Weights = kQBlock>
 ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * kQBlock)
-    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / 32, " +
-                                       std::to_string(W::kBytes) + "] uint8 expected");
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * Weights)
+    return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / " + std::to_string(Weights) +
+                                       ", " + std::to_string(W::kBytes) + "] uint8 expected");
   const int64_t K = xd.back();
   imp_q8::dispatch<W>(&pool, kIsa, x.typed_data(), K ? x.element_count() / K : 0, K,
                       static_cast<const uint8_t*>(w.untyped_data()), wd[0], y->typed_data());
@@ -779,6 +779,9 @@ ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 constexpr auto GemmQ8Q8_0 = BlocksQ8<imp_q8::Q8_0>;
 constexpr auto GemmQ8Q4_0 = BlocksQ8<imp_q8::Q4_0>;
 constexpr auto GemmQ8Q4_1 = BlocksQ8<imp_q8::Q4_1>;
+constexpr auto GemmQ8Q4_K = BlocksQ8<imp_q8::Q4_K, imp_q8::kSuper>;
+constexpr auto GemmQ8Q5_K = BlocksQ8<imp_q8::Q5_K, imp_q8::kSuper>;
+constexpr auto GemmQ8Q6_K = BlocksQ8<imp_q8::Q6_K, imp_q8::kSuper>;
 
 }  // namespace
 
@@ -809,6 +812,9 @@ IMP_GEMM_HANDLER(ImpGemmMXFP4W, GemmMXFP4, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q4_KW, GemmQ8Q4_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q5_KW, GemmQ8Q5_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q6_KW, GemmQ8Q6_K, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -825,7 +831,7 @@ extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_
   for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
 }
 
-// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20) on the path `isa`:
+// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20; K-quants 144, 176, 210) on the path `isa`:
 // 0 vpmaddubsw (AVX2), 1 vpdpbusd on 256 bits (VNNI), 2 AVX-512 (the one-row path and the tiles on zmm);
 // -1 for an unknown format or a path this CPU lacks.
 extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t M, int64_t K,
@@ -836,6 +842,9 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
     case imp_q8::Q8_0::kBytes: imp_q8::dispatch<imp_q8::Q8_0>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_0::kBytes: imp_q8::dispatch<imp_q8::Q4_0>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_1::kBytes: imp_q8::dispatch<imp_q8::Q4_1>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_K::kBytes: imp_q8::dispatch<imp_q8::Q4_K>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q5_K::kBytes: imp_q8::dispatch<imp_q8::Q5_K>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q6_K::kBytes: imp_q8::dispatch<imp_q8::Q6_K>(nullptr, path, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

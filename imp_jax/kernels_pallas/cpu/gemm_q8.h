@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -263,6 +264,7 @@ inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t 
 }  // namespace imp_q8
 
 #include "gemm_q8_gemv.h"   // the one-row path (gemv), on what is above
+#include "gemm_q8_k.h"      // the K-quants (their own one-row path and tiles), on what is above
 
 namespace imp_q8 {
 
@@ -618,14 +620,25 @@ struct Gemm {
   }
 };
 
-// y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes], with XLA's pool (or
-// on this thread alone when `pool` is null).
+// The work of format W on path I: Gemm for 32-weight blocks, KGemm for K-quant super-blocks (which
+// run the VNNI kernels on the AVX-512 path).
+template <class W, Isa I, class = void>
+struct GemmFor {
+  using type = Gemm<W, I>;
+};
+template <class W, Isa I>
+struct GemmFor<W, I, std::void_t<decltype(W::kMins)>> {
+  using type = KGemm<W, I != kAvx2>;
+};
+
+// y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes] (K-quants: super-blocks
+// [N, K / 256, W::kBytes]), with XLA's pool (or on this thread alone when `pool` is null).
 template <class W, Isa I>
 void run(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
   if (M == 0 || N == 0) return;
   // As the float32 path: helpers past ~256 KFLOP; each holds its own reference to `g`.
   const int64_t threads = !pool || 2 * M * N * K < (1 << 18) ? 1 : std::max<int64_t>(1, pool->num_threads());
-  auto g = std::make_shared<Gemm<W, I>>(x, M, K, w, N, y, threads);
+  auto g = std::make_shared<typename GemmFor<W, I>::type>(x, M, K, w, N, y, threads);
   const int64_t helpers = std::min(threads, g->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
   g->work();

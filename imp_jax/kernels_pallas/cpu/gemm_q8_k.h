@@ -1,0 +1,319 @@
+// The q8 GEMM for K-quant weights (Q4_K, Q5_K, Q6_K): 256-weight super-blocks with integer
+// sub-block scales under f16 ones, multiplied by int8 activations. Included by gemm_q8.h (after
+// `Activations`, `quantise` and `idot`), whose header comment specifies the activations: x keeps its
+// 32-wide blocks (d_x, sd = d_x * sum q per 32 values), so a super-block meets 8 activation blocks.
+//
+// y[m, n] = hsum(acc) - hsum(mins), with, per output, in this order:
+//   acc (8 float32 lanes, lane l reading weights 4l..4l+3 of each 32-weight block b, b in order):
+//     acc_l = fma(dd_{b,l}, float(L_{b,l}), acc_l),
+//     L_{b,l} = the exact int32 sum of the lane's 4 products q_w * q_x (q_w: the unsigned stored
+//       integers, 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K; Q6_K's w = q_w - 32 by starting the lane from
+//       -32 times the sum of its 4 q_x, as Q4_0's bias),
+//     dd_{b,l} = fl(D_{b,l} * d_x,b), D_{b,l} = d * sc of the sub-block lane l is in (Q4_K / Q5_K:
+//       sc of the 32-weight sub-block b; Q6_K: of the 16-weight one, so lanes 0-3 and 4-7 differ),
+//       exact in float32 (an f16 times a 6- or 8-bit integer);
+//   mins (Q4_K / Q5_K; 8 float32 lanes, lane j for sub-block j of every super-block s, s in order):
+//     mins_j = fl(mins_j + fl(M_{s,j} * sd_{8s+j})), M = dmin * mn (exact);
+//   then `hsum` of each (simd.h) and one float32 subtraction.
+// Nothing depends on M, N, the tiling or the instruction set: the integer lanes are the same from
+// vpmaddubsw + vpmaddwd (AVX2; no pair saturates int16: 2 * 63 * 127 < 2^15) and from vpdpbusd (VNNI;
+// the AVX-512 path runs these VNNI kernels for K-quants), and every path does the float operations
+// above on them. Against llama.cpp (ggml_vec_dot_q4_K_q8_K: x in 256-wide blocks, integer sums over a
+// super-block, one float scale per super-block) this rounds x per 32 values (finer) and scales per
+// sub-block in float32.
+//
+// Work: one row of x goes through `kgemv` (4 far-apart weight rows, unpacked and scales decoded in
+// registers, as `gemv`); several through `KGemm`'s tiles, each weight tile's bytes and lane scales D
+// prepared once for the 64 rows of a work item.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace imp_q8 {
+
+constexpr int64_t kSuper = 256;   // weights per K-quant super-block
+constexpr int64_t kSubs = kSuper / kBlock;   // activation blocks per super-block
+
+// A K-quant format: `decode(sb, D, M)` gives a super-block's lane scales D (per 32-weight block
+// j, D[j] the 8 lanes' d * sc) and (kMins) its 8 mins dmin * mn; `unpack(sb, w)` its 8 blocks of
+// 32 unsigned weights in weight order. bias / sign_trick as gemm_q8.h's formats (for `idot`).
+inline __m256 f16_splat(const uint8_t* p) { return _mm256_set1_ps(f16_at(p)); }
+
+// Q4_K / Q5_K's 12 bytes of 8 6-bit scales and 8 6-bit mins as 8 bytes each.
+inline void scales_k4(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t sc_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  const uint32_t mn_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  sc = (u[0] & 0x3f3f3f3f) | static_cast<uint64_t>(sc_hi) << 32;
+  mn = (u[1] & 0x3f3f3f3f) | static_cast<uint64_t>(mn_hi) << 32;
+}
+
+inline __m256 bytes_to_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v)))); }
+
+// D[j] = all 8 lanes d * sc_j; M = [dmin * mn_j] (f16 d, dmin at bytes 0, 2; scales at 4).
+inline void decode_k4(const uint8_t* sb, __m256 D[kSubs], __m256& M) {
+  uint64_t sc, mn;
+  scales_k4(sb + 4, sc, mn);
+  const __m256 d8 = _mm256_mul_ps(f16_splat(sb), bytes_to_ps(sc));
+  M = _mm256_mul_ps(f16_splat(sb + 2), bytes_to_ps(mn));
+  for (int j = 0; j < kSubs; ++j) D[j] = _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(j));
+}
+
+struct Q4_K {   // f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles: w = d * sc * q - dmin * mn
+  static constexpr const char* kName = "imp_gemm_q8_q4_kw";
+  static constexpr int64_t kBytes = 144;
+  static constexpr bool kMins = true;
+  static constexpr int32_t bias(bool) { return 0; }
+  static constexpr bool sign_trick(bool) { return false; }
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256& M) { decode_k4(sb, D, M); }
+  static void unpack(const uint8_t* sb, __m256i w[kSubs]) {   // sub-blocks 2i, 2i + 1: low, high nibbles of 32 bytes
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < kSubs / 2; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * i));
+      w[2 * i] = _mm256_and_si256(raw, low);
+      w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+  }
+};
+
+struct Q5_K {   // Q4_K's fields, 32 bytes of fifth bits (bit j of byte l: weight l of sub-block j), 128 of nibbles
+  static constexpr const char* kName = "imp_gemm_q8_q5_kw";
+  static constexpr int64_t kBytes = 176;
+  static constexpr bool kMins = true;
+  static constexpr int32_t bias(bool) { return 0; }
+  static constexpr bool sign_trick(bool) { return false; }
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256& M) { decode_k4(sb, D, M); }
+  static void unpack(const uint8_t* sb, __m256i w[kSubs]) {
+    const __m256i low = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(16);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16));
+    for (int i = 0; i < kSubs / 2; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 48 + 32 * i));
+      // bit 2i of each qh byte to bit 4 (shifts of 16-bit lanes: the mask drops what crossed bytes)
+      const __m256i h0 = _mm256_and_si256(2 * i <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 4), bit);
+      const __m256i h1 = _mm256_and_si256(2 * i + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * i) : _mm256_srli_epi16(qh, 2 * i - 3), bit);
+      w[2 * i] = _mm256_or_si256(_mm256_and_si256(raw, low), h0);
+      w[2 * i + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), h1);
+    }
+  }
+};
+
+struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d: w = d * sc * (q - 32)
+  static constexpr const char* kName = "imp_gemm_q8_q6_kw";
+  static constexpr int64_t kBytes = 210;
+  static constexpr bool kMins = false;
+  static constexpr int32_t bias(bool) { return 32; }
+  static constexpr bool sign_trick(bool) { return false; }
+  // block j's lanes 0-3 read its first 16 weights (scale 2j), lanes 4-7 its last 16 (scale 2j + 1)
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256&) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192));
+    const __m256 d = f16_splat(sb + 208);
+    const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    for (int j = 0; j < kSubs; ++j) {
+      const __m256i at = _mm256_setr_epi32(2 * (j % 4), 2 * (j % 4), 2 * (j % 4), 2 * (j % 4),
+                                           2 * (j % 4) + 1, 2 * (j % 4) + 1, 2 * (j % 4) + 1, 2 * (j % 4) + 1);
+      D[j] = _mm256_permutevar8x32_ps(j < 4 ? lo : hi, at);
+    }
+  }
+  // half h (128 weights): blocks 4h + k from ql[64h + 32 (k % 2) ..] (low nibbles for k < 2, high
+  // ones after) and bits 2k, 2k + 1 of qh[32h ..] as bits 4, 5
+  static void unpack(const uint8_t* sb, __m256i w[kSubs]) {
+    const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+      const __m256i l[4] = {_mm256_and_si256(ql0, low), _mm256_and_si256(ql1, low),
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low)};
+      const __m256i hb[4] = {_mm256_and_si256(qh, two), _mm256_and_si256(_mm256_srli_epi16(qh, 2), two),
+                             _mm256_and_si256(_mm256_srli_epi16(qh, 4), two), _mm256_and_si256(_mm256_srli_epi16(qh, 6), two)};
+      for (int k = 0; k < 4; ++k) w[4 * h + k] = _mm256_or_si256(l[k], _mm256_slli_epi16(hb[k], 4));
+    }
+  }
+};
+
+// One row of activations (row r) against NR weight rows `stride` bytes apart (into y, ystride floats
+// apart): the header's sums, weights and scales decoded in registers, super-block by super-block.
+template <class W, bool Vnni, int NR>
+void kgemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y, int64_t ystride) {
+  __m256 acc[NR], mins[NR];
+  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[c] = _mm256_setzero_ps(), mins[c] = _mm256_setzero_ps();
+  const int64_t supers = a.nb / kSubs;
+  for (int64_t s = 0; s < supers; ++s) {
+    const int64_t b0 = s * kSubs;
+    const float* dx = a.d_at(r, b0);
+    const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b0) : nullptr;
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+      const uint8_t* sb = w + c * stride + s * W::kBytes;
+      __m256 D[kSubs], M;
+      __m256i wv[kSubs];
+      W::decode(sb, D, M);
+      W::unpack(sb, wv);
+      if constexpr (W::kMins) mins[c] = _mm256_add_ps(mins[c], _mm256_mul_ps(M, _mm256_loadu_ps(a.sd_at(r, b0))));
+      IMP_Q8_UNROLL for (int j = 0; j < kSubs; ++j) {
+        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b0 + j)));
+        const __m256i lanes = idot<W, Vnni>(wv[j], qx, init + 8 * j);
+        const __m256 dd = _mm256_mul_ps(D[j], _mm256_broadcast_ss(dx + j));
+        acc[c] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes), acc[c]);
+      }
+    }
+  }
+  IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+    float v = hsum(acc[c]);
+    if constexpr (W::kMins) v -= hsum(mins[c]);
+    y[c * ystride] = v;
+  }
+}
+
+using KGemvFn = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t);
+
+template <class W, bool Vnni>
+struct KGemvs {   // fn[nr - 1]: one row against nr weight rows
+  static constexpr KGemvFn fn[kGemvNR] = {kgemv<W, Vnni, 1>, kgemv<W, Vnni, 2>, kgemv<W, Vnni, 3>, kgemv<W, Vnni, 4>};
+};
+
+// Row r of x against weight rows [n0, n1) in kGemvNR streams, as gemv_item.
+template <class W, bool Vnni>
+void kgemv_item(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, int64_t n0, int64_t n1, float* y) {
+  const int64_t cols = n1 - n0, span = (cols + kGemvNR - 1) / kGemvNR;
+  for (int64_t j = 0; j < span; ++j) {
+    const int64_t nr = std::min(kGemvNR, (cols - j + span - 1) / span);
+    KGemvs<W, Vnni>::fn[nr - 1](a, r, w + (n0 + j) * ldw, span * ldw, y + n0 + j, span);
+  }
+}
+
+// A weight tile as the tiles read it: per row its blocks' unsigned bytes [nb, 32], lane scales D
+// [nb, 8] and (kMins) mins [nb / 8, 8].
+struct KTile {
+  std::unique_ptr<uint8_t[]> bytes;
+  std::unique_ptr<float[]> floats;
+  int64_t nb;
+  float *D, *M;
+  KTile(int64_t rows, int64_t nb)
+      : bytes(new uint8_t[rows * nb * kBlock]), floats(new float[rows * nb * 8 + rows * nb]), nb(nb),
+        D(floats.get()), M(D + rows * nb * 8) {}
+  uint8_t* bytes_at(int64_t c) const { return bytes.get() + c * nb * kBlock; }
+  float* D_at(int64_t c) const { return D + c * nb * 8; }
+  float* M_at(int64_t c) const { return M + c * nb; }
+};
+
+// The MR x NR block of y for activation rows [r0, r0 + MR) and a prepared tile's NR rows: per output
+// the operations of `kgemv`, each weight block read once for the MR rows.
+template <class W, bool Vnni, int MR, int NR>
+void ktile(const Activations& a, int64_t r0, const KTile& t, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  __m256 acc[MR][NR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wv[NR];
+    __m256 D[NR];
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.bytes_at(c) + b * kBlock));
+      D[c] = _mm256_loadu_ps(t.D_at(c) + 8 * b);
+    }
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r0 + r, b)));
+      const __m256 dx = _mm256_broadcast_ss(a.d_at(r0 + r, b));
+      const int32_t* init = W::bias(Vnni) ? a.lanes_at(r0 + r, b) : nullptr;
+      IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+        const __m256i lanes = idot<W, Vnni>(wv[c], qx, init);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(D[c], dx), _mm256_cvtepi32_ps(lanes), acc[r][c]);
+      }
+    }
+  }
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
+      float v = hsum(acc[r][c]);
+      if constexpr (W::kMins) {
+        __m256 mins = _mm256_setzero_ps();
+        for (int64_t s = 0; s < nb / kSubs; ++s)
+          mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(t.M_at(c) + 8 * s), _mm256_loadu_ps(a.sd_at(r0 + r, kSubs * s))));
+        v -= hsum(mins);
+      }
+      y[r * ldy + c] = v;
+    }
+}
+
+using KTileFn = void (*)(const Activations&, int64_t, const KTile&, float*, int64_t);
+
+template <class W, bool Vnni>
+struct KTiles {   // fn[mr - 1][nr - 1]
+  static constexpr KTileFn fn[kMR][kNR] = {
+      {ktile<W, Vnni, 1, 1>, ktile<W, Vnni, 1, 2>},
+      {ktile<W, Vnni, 2, 1>, ktile<W, Vnni, 2, 2>},
+      {ktile<W, Vnni, 3, 1>, ktile<W, Vnni, 3, 2>},
+      {ktile<W, Vnni, 4, 1>, ktile<W, Vnni, 4, 2>},
+  };
+};
+
+// y [M, N] = the q8 product of x [M, K] and K-quant super-blocks w [N, K / 256, W::kBytes]; the work
+// items as Gemm's (one row: gemv_split's streams; else 64 rows by 48 weight rows).
+template <class W, bool Vnni>
+struct KGemm {
+  Activations a;
+  const uint8_t* w;
+  float* y;
+  int64_t N, ldw;
+  std::vector<int64_t> starts;
+  int64_t col_blocks, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  KGemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
+      : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kSuper) * W::kBytes),
+        starts(M == 1 ? gemv_split(N, ldw, workers) : std::vector<int64_t>()),
+        col_blocks((N + kColBlock - 1) / kColBlock),
+        items(M == 1 ? starts.size() - 1 : col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
+    quantise(x, W::bias(Vnni), a);
+  }
+
+  // nr weight rows from w into t: bytes, lane scales, mins.
+  void prepare(const uint8_t* w, int64_t nr, KTile& t) const {
+    for (int64_t c = 0; c < nr; ++c)
+      for (int64_t s = 0; s < a.nb / kSubs; ++s) {
+        const uint8_t* sb = w + c * ldw + s * W::kBytes;
+        __m256 D[kSubs], M = _mm256_setzero_ps();
+        __m256i wv[kSubs];
+        W::decode(sb, D, M);
+        W::unpack(sb, wv);
+        for (int j = 0; j < kSubs; ++j) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.bytes_at(c) + (kSubs * s + j) * kBlock), wv[j]);
+          _mm256_storeu_ps(t.D_at(c) + 8 * (kSubs * s + j), D[j]);
+        }
+        _mm256_storeu_ps(t.M_at(c) + 8 * s, M);
+      }
+  }
+
+  void item(int64_t i, std::unique_ptr<KTile>& tile) const {
+    if (a.M == 1) return kgemv_item<W, Vnni>(a, 0, w, ldw, starts[i], starts[i + 1], y);
+    const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
+    const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
+    if (!tile) tile = std::make_unique<KTile>(kNR, a.nb);
+    for (int64_t n = n0; n < n1; n += kNR) {
+      const int64_t nr = std::min(kNR, n1 - n);
+      prepare(w + n * ldw, nr, *tile);
+      for (int64_t m = m0; m < m1; m += kMR) {
+        const int64_t mr = std::min(kMR, m1 - m);
+        KTiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, *tile, y + m * N + n, N);
+      }
+    }
+  }
+
+  void work() {
+    std::unique_ptr<KTile> tile;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      item(i, tile);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+}  // namespace imp_q8
