@@ -19,7 +19,7 @@ from imp_jax.model.weights import WeightFormats
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
 q8_kernel = jax.jit(lambda x, w: cpu_gemm.matmul_wt_cpu(x, w, int8_activations=True))
-QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 # ------------------------------------------------------------------ the arithmetic, in NumPy
@@ -36,7 +36,7 @@ def quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def block_weights(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGML blocks [N, K / 32, bytes] as integer weights [N, K / 32, 32], d and m (Q4_1) as float32."""
+    """GGML blocks [N, K / 32, bytes] as integer weights [N, K / 32, 32], d and m (Q4_1, Q5_1) as float32."""
     def f16(b: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
@@ -44,8 +44,12 @@ def block_weights(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     if fmt == "Q8_0":
         return blocks[..., 2:].view(np.int8).astype(np.int64), f16(blocks[..., 0:2]), None
     nibbles = np.concatenate([blocks[..., -16:] & 15, blocks[..., -16:] >> 4], axis=-1).astype(np.int64)
-    if fmt == "Q4_0":
-        return nibbles - 8, f16(blocks[..., 0:2]), None
+    if fmt in ("Q5_0", "Q5_1"):   # bit j of the little-endian uint32 before the nibbles: weight j's 16s
+        at = 2 if fmt == "Q5_0" else 4
+        high = np.ascontiguousarray(blocks[..., at:at + 4]).view("<u4").astype(np.int64)
+        nibbles = nibbles | (((high >> np.arange(32)) & 1) << 4)
+    if fmt in ("Q4_0", "Q5_0"):
+        return nibbles - (8 if fmt == "Q4_0" else 16), f16(blocks[..., 0:2]), None
     return nibbles, f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
 
 
@@ -104,6 +108,14 @@ def run_q8(x: np.ndarray, blocks: np.ndarray, isa: int) -> np.ndarray:
     assert library().imp_gemm_q8_run(blocks.shape[-1], isa, x.ctypes.data, m, k, blocks.ctypes.data, n,
                                      y.ctypes.data) == 0, f"path {PATHS[isa]} refused"
     return y
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_reference_reads_the_blocks_as_gguf_py_does(qtype):
+    blocks, dense = ggml(qtype, 6, 128, 2)
+    q, d, m = block_weights(blocks)
+    w = d[..., None].astype(np.float64) * q + (0 if m is None else m[..., None])
+    np.testing.assert_allclose(w.reshape(6, 128), dense, rtol=1e-6, atol=1e-9)
 
 
 @needs_kernel

@@ -43,6 +43,52 @@ def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05)
     return b
 
 
+def quantize_k(w: np.ndarray, fmt: str) -> np.ndarray:
+    """A float32 matrix [n, k] as Q4_K or Q6_K super-blocks [n, k / 256, bytes] (gguf-py has no K-quant
+    quantiser): plain min-max rounding, not llama.cpp's search, so a converted model's kind of blocks
+    (centred weights; random bytes give Q4_K mins far from the weights' range)."""
+    n, k = w.shape
+    f16 = lambda v: np.asarray(v, np.float16)
+    if fmt == "Q6_K":
+        g = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+        amax = np.abs(g).max(-1)
+        d = f16(np.abs(amax).max(-1) / 32 / 127)                                   # [n, s]
+        df = np.where(d == 0, 1, d).astype(np.float32)
+        sc = np.clip(np.rint(amax / 32 / df[..., None]), 1, 127).astype(np.int8)     # [n, s, 16]
+        q = np.clip(np.rint(g / (df[..., None, None] * sc[..., None])) + 32, 0, 63).astype(np.uint8).reshape(n, k // 256, 256)
+        ql, qh = np.zeros((n, k // 256, 128), np.uint8), np.zeros((n, k // 256, 64), np.uint8)
+        for h in range(2):
+            part = q[..., 128 * h:128 * h + 128].reshape(n, k // 256, 4, 32)
+            ql[..., 64 * h:64 * h + 32] = (part[:, :, 0] & 15) | ((part[:, :, 2] & 15) << 4)
+            ql[..., 64 * h + 32:64 * h + 64] = (part[:, :, 1] & 15) | ((part[:, :, 3] & 15) << 4)
+            qh[..., 32 * h:32 * h + 32] = sum((part[:, :, i] >> 4) << (2 * i) for i in range(4)).astype(np.uint8)
+        return np.concatenate([ql, qh, sc.view(np.uint8), d[..., None].view(np.uint8)], -1)
+    assert fmt == "Q4_K"
+    g = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+    scale, low = (hi - lo) / 15, -lo
+    d, dmin = f16(scale.max(-1) / 63), f16(low.max(-1) / 63)
+    df, dminf = np.where(d == 0, 1, d).astype(np.float32), np.where(dmin == 0, 1, dmin).astype(np.float32)
+    sc = np.clip(np.rint(scale / df[..., None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(low / dminf[..., None]), 0, 63).astype(np.uint8)
+    step = np.where(sc == 0, 1, df[..., None] * sc)[..., None]
+    q = np.clip(np.rint((g + (dminf[..., None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
+    s = np.zeros((n, k // 256, 12), np.uint8)
+    s[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    s[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    s[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)   # sub-blocks 2i (low), 2i + 1 (high)
+    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), s, qs], -1)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_the_k_quantiser_makes_blocks_close_to_the_matrix(fmt):
+    w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    err = np.abs(gguf_py(quantize_k(w, fmt), fmt) - w)
+    # about a quarter of a step on average (4 bits over a sub-block's ~4-sigma range; 6 bits over twice its amax)
+    assert err.mean() < (0.08 if fmt == "Q4_K" else 0.02) and err.max() < 0.25
+
+
 def gguf_py(blocks: np.ndarray, fmt: str) -> np.ndarray:
     return dequantize(blocks.reshape(blocks.shape[0], -1), Q[fmt]).reshape(blocks.shape[0], -1)
 
@@ -120,9 +166,9 @@ def test_the_kernel_gives_the_float32_kernels_bits(fmt):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q5_1"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "IQ4_XS"])
 def test_cpu_q8_widens_the_formats_it_has_no_int8_path_for(fmt):
-    """`--gemm cpu_q8` has int8 arithmetic for Q8_0 / Q4_0 / Q4_1 / Q5_0 and Q4_K / Q5_K / Q6_K only:
+    """`--gemm cpu_q8` has int8 arithmetic for Q8_0 / Q4_x / Q5_x and Q4_K / Q5_K / Q6_K only:
     the other formats take the exact widening, the `--gemm cpu` result bit for bit (never a crash,
     never an int8 kernel reading bytes of another layout)."""
     w = jnp.asarray(random_blocks(fmt, 9, 2, seed=3))
@@ -210,13 +256,16 @@ def write_mixed_gguf(path: Path) -> None:
     w.add_vocab_size(len(tokens))
 
     def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
-        fmt = qtype.name
-        # small enough that the random model is not chaotic (cpu_q8's int8 rounding stays a 0.5% change
-        # of the logits, not a different trajectory); IQ4_XS's random bytes give weights about 4x a
-        # K-quant's for the same d (|sc - 32| * |table[q]|)
-        scale = 0.2 / shape[1] / (4 if fmt == "IQ4_XS" else 1)
-        blocks = random_blocks(fmt, shape[0], shape[1] // BLOCK_WEIGHTS[fmt], seed=int(rng.integers(1 << 30)),
-                               scale=scale)
+        fmt, seed = qtype.name, int(rng.integers(1 << 30))
+        if fmt in ("Q4_K", "Q6_K"):   # a converted model's blocks: centred weights (the int8 path's error stays small)
+            dense = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * (0.3 / np.sqrt(shape[1]))
+            blocks = quantize_k(dense, fmt).reshape(shape[0], -1, quant.FORMATS[fmt])
+        else:
+            # small enough that the random model is not chaotic (cpu_q8's int8 rounding stays a 0.5% change
+            # of the logits, not a different trajectory); IQ4_XS's random bytes give weights about 4x a
+            # K-quant's for the same d (|sc - 32| * |table[q]|)
+            scale = 0.2 / shape[1] / (4 if fmt == "IQ4_XS" else 1)
+            blocks = random_blocks(fmt, shape[0], shape[1] // BLOCK_WEIGHTS[fmt], seed=seed, scale=scale)
         w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=qtype)
 
     put("token_embd.weight", (len(tokens), HIDDEN), Q.Q6_K)
@@ -280,8 +329,17 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     assert np.isfinite(want).all() and want.std() > 0
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)
     q8 = load_model(mixed, dtype="float32", kernels=dataclasses.replace(kept.options.kernels, gemm="cpu_q8")).model
-    # cpu_q8 widens the K-quants, Q5_x and IQ4_x exactly, and runs the Q8_0 matrices (layer 2's widened
-    # fusions included) on int8 activations: close to the dequantised model, not its bits
+    # cpu_q8 runs every matrix but the Q2_K / Q3_K / IQ4_x ones on int8 activations (Q4_K / Q5_K / Q6_K,
+    # Q5_x, and Q8_0: layer 2's widened fusions): close to the dequantised model, not its bits
+    exact, int8 = ("Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"), set()
+    for w in [q8.lm_head[...], *(w for ws in q8.layers.matrices().values() for w in ws)]:
+        x = jnp.ones((3, quant.matrix_shape(w)[1]), jnp.float32)
+        text = jax.jit(lambda x, w: matmul_wt(x, w, CPU_Q8)).lower(x, w).as_text()
+        fmt = quant.format_of(w)
+        assert any(t in text for t in cpu_gemm.Q8_TARGETS.values()) == (fmt not in exact), fmt
+        assert fmt not in cpu_gemm.Q8_TARGETS or cpu_gemm.Q8_TARGETS[fmt] in text
+        int8 |= {fmt} - set(exact)
+    assert int8 == {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0"}
     got = PagedRunner(q8).run(chunks, 16, 1)[0]
     assert not np.array_equal(got, want)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.ptp(want))

@@ -779,6 +779,8 @@ ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 constexpr auto GemmQ8Q8_0 = BlocksQ8<imp_q8::Q8_0>;
 constexpr auto GemmQ8Q4_0 = BlocksQ8<imp_q8::Q4_0>;
 constexpr auto GemmQ8Q4_1 = BlocksQ8<imp_q8::Q4_1>;
+constexpr auto GemmQ8Q5_0 = BlocksQ8<imp_q8::Q5_0>;
+constexpr auto GemmQ8Q5_1 = BlocksQ8<imp_q8::Q5_1>;
 constexpr auto GemmQ8Q4_K = BlocksQ8<imp_q8::Q4_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q5_K = BlocksQ8<imp_q8::Q5_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q6_K = BlocksQ8<imp_q8::Q6_K, imp_q8::kSuper>;
@@ -812,6 +814,8 @@ IMP_GEMM_HANDLER(ImpGemmMXFP4W, GemmMXFP4, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0W, GemmQ8Q8_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q5_0W, GemmQ8Q5_0, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q5_1W, GemmQ8Q5_1, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_KW, GemmQ8Q4_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_KW, GemmQ8Q5_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q6_KW, GemmQ8Q6_K, ffi::U8);
@@ -831,7 +835,7 @@ extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_
   for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
 }
 
-// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20; K-quants 144, 176, 210) on the path `isa`:
+// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20, 22, 24; K-quants 144, 176, 210) on the path `isa`:
 // 0 vpmaddubsw (AVX2), 1 vpdpbusd on 256 bits (VNNI), 2 AVX-512 (the one-row path and the tiles on zmm);
 // -1 for an unknown format or a path this CPU lacks.
 extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t M, int64_t K,
@@ -842,6 +846,8 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
     case imp_q8::Q8_0::kBytes: imp_q8::dispatch<imp_q8::Q8_0>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_0::kBytes: imp_q8::dispatch<imp_q8::Q4_0>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_1::kBytes: imp_q8::dispatch<imp_q8::Q4_1>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q5_0::kBytes: imp_q8::dispatch<imp_q8::Q5_0>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q5_1::kBytes: imp_q8::dispatch<imp_q8::Q5_1>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_K::kBytes: imp_q8::dispatch<imp_q8::Q4_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_K::kBytes: imp_q8::dispatch<imp_q8::Q5_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q6_K::kBytes: imp_q8::dispatch<imp_q8::Q6_K>(nullptr, path, x, M, K, w, N, y); return 0;

@@ -28,7 +28,7 @@ from imp_jax.kernels_pallas.cpu import build
 TARGET = "imp_gemm_f32"
 TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
 BLOCK_TARGETS = {name: f"imp_gemm_f32_{name.lower()}w" for name in ggml_blocks.FORMATS}   # every GGML format
-Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")}
+Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 _HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
              **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()},
              **{t: f"ImpGemmQ8{name}W" for name, t in Q8_TARGETS.items()}}

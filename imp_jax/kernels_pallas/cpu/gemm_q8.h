@@ -103,12 +103,13 @@ inline int32_t hsum_i32(__m256i v) {
 
 // Weight formats: a block's bytes; `weights`, its 32 weights as the integer dot reads them, which
 // is as unsigned bytes w + bias(vnni) (nibbles are already), or for Q8_0 without VNNI the int8s
-// themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1); `kNibbles`: worth
-// unpacking once into bytes when a weight tile meets several rows.
+// themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1, Q5_1); `kUnpack`: worth
+// unpacking once into bytes when a weight tile meets several rows; `kNibbles`: the block ends in
+// its 16 bytes of nibbles and has nothing else to unpack (the AVX-512 paths split them directly).
 struct Q8_0 {
   static constexpr const char* kName = "imp_gemm_q8_q8_0w";
   static constexpr int64_t kBytes = 34;
-  static constexpr bool kOffset = false, kNibbles = false;
+  static constexpr bool kOffset = false, kNibbles = false, kUnpack = false;
   static constexpr int32_t bias(bool vnni) { return vnni ? 128 : 0; }
   static constexpr bool sign_trick(bool vnni) { return !vnni; }   // vpmaddubsw's pairs would saturate
   template <bool Vnni>
@@ -128,7 +129,7 @@ inline __m256i nibbles(const uint8_t* p) {
 struct Q4_0 {   // w = nibble - 8: the nibbles are w + 8
   static constexpr const char* kName = "imp_gemm_q8_q4_0w";
   static constexpr int64_t kBytes = 18;
-  static constexpr bool kOffset = false, kNibbles = true;
+  static constexpr bool kOffset = false, kNibbles = true, kUnpack = true;
   static constexpr int32_t bias(bool) { return 8; }
   static constexpr bool sign_trick(bool) { return false; }
   template <bool Vnni>
@@ -138,11 +139,42 @@ struct Q4_0 {   // w = nibble - 8: the nibbles are w + 8
 struct Q4_1 {   // w = d * nibble + m
   static constexpr const char* kName = "imp_gemm_q8_q4_1w";
   static constexpr int64_t kBytes = 20;
-  static constexpr bool kOffset = true, kNibbles = true;
+  static constexpr bool kOffset = true, kNibbles = true, kUnpack = true;
   static constexpr int32_t bias(bool) { return 0; }
   static constexpr bool sign_trick(bool) { return false; }
   template <bool Vnni>
   static __m256i weights(const uint8_t* b) { return nibbles(b + 4); }
+};
+
+// A block's 32 fifth bits (a little-endian uint32 at p, bit j for weight j) as bytes 16 or 0.
+inline __m256i fifth_bits(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);   // byte j / 8 of bits
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));   // then bit j % 8 of it
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+struct Q5_0 {   // f16 d, 4 bytes of fifth bits, 16 of nibbles: w = (nibble + 16 * bit) - 16
+  static constexpr const char* kName = "imp_gemm_q8_q5_0w";
+  static constexpr int64_t kBytes = 22;
+  static constexpr bool kOffset = false, kNibbles = false, kUnpack = true;
+  static constexpr int32_t bias(bool) { return 16; }
+  static constexpr bool sign_trick(bool) { return false; }
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) { return _mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)); }
+};
+
+struct Q5_1 {   // f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles: w = d * (nibble + 16 * bit) + m
+  static constexpr const char* kName = "imp_gemm_q8_q5_1w";
+  static constexpr int64_t kBytes = 24;
+  static constexpr bool kOffset = true, kNibbles = false, kUnpack = true;
+  static constexpr int32_t bias(bool) { return 0; }
+  static constexpr bool sign_trick(bool) { return false; }
+  template <bool Vnni>
+  static __m256i weights(const uint8_t* b) { return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4)); }
 };
 
 // x [M, K] quantised: q [M, K] int8; per row and block d_x and sd = d_x * sum q ([M, K / 32] each);
@@ -290,7 +322,7 @@ void tile(const Activations& a, int64_t r0, WeightRows w, const float* dd, float
   int64_t next_line = 0;
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[NR];
-    if constexpr (W::kNibbles) {
+    if constexpr (W::kUnpack) {
       IMP_Q8_UNROLL for (int c = 0; c < NR; ++c)
         wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.p + c * w.stride + b * kBlock));
     } else {
@@ -564,13 +596,13 @@ struct Gemm {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* block = w + c * ldw + b * W::kBytes;
         dw[c * ns + b] = f16_at(block);
-        if constexpr (W::kNibbles) {
+        if constexpr (W::kUnpack) {
           if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf + c * ldw, 1, 0, next_line), next_line += 64;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (c * nb + b) * kBlock), W::template weights<Vnni>(block));
         }
       }
     }
-    if constexpr (W::kNibbles) return {bytes, nb * kBlock};
+    if constexpr (W::kUnpack) return {bytes, nb * kBlock};
     return {w, ldw};
   }
 

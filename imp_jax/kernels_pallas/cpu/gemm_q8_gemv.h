@@ -100,9 +100,7 @@ IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int6
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kAt)));
         wv = _mm512_gf2p8affine_epi64_epi8(raw, split, 0);
       } else {
-        wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
-        wv = _mm512_xor_si512(wv, _mm512_set1_epi8(-128));   // w + 128 as uint8
+        wv = _mm512_inserti64x4(_mm512_castsi256_si512(W::template weights<true>(b0)), W::template weights<true>(b1), 1);
       }
       const __m512i lanes = _mm512_dpbusd_epi32(init, wv, qx);
       const __m512 dd = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(p));
