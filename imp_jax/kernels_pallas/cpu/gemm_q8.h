@@ -105,11 +105,13 @@ inline int32_t hsum_i32(__m256i v) {
 // is as unsigned bytes w + bias(vnni) (nibbles are already), or for Q8_0 without VNNI the int8s
 // themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1, Q5_1); `kUnpack`: worth
 // unpacking once into bytes when a weight tile meets several rows; `kNibbles`: the block ends in
-// its 16 bytes of nibbles and has nothing else to unpack (the AVX-512 paths split them directly).
+// its 16 bytes of nibbles and has nothing else to unpack (the AVX-512 paths split them directly);
+// `kFifth`: where a Q5_x block keeps its fifth bits (the nibbles end it too), else 0.
 struct Q8_0 {
   static constexpr const char* kName = "imp_gemm_q8_q8_0w";
   static constexpr int64_t kBytes = 34;
   static constexpr bool kOffset = false, kNibbles = false, kUnpack = false;
+  static constexpr int kFifth = 0;
   static constexpr int32_t bias(bool vnni) { return vnni ? 128 : 0; }
   static constexpr bool sign_trick(bool vnni) { return !vnni; }   // vpmaddubsw's pairs would saturate
   template <bool Vnni>
@@ -130,6 +132,7 @@ struct Q4_0 {   // w = nibble - 8: the nibbles are w + 8
   static constexpr const char* kName = "imp_gemm_q8_q4_0w";
   static constexpr int64_t kBytes = 18;
   static constexpr bool kOffset = false, kNibbles = true, kUnpack = true;
+  static constexpr int kFifth = 0;
   static constexpr int32_t bias(bool) { return 8; }
   static constexpr bool sign_trick(bool) { return false; }
   template <bool Vnni>
@@ -140,6 +143,7 @@ struct Q4_1 {   // w = d * nibble + m
   static constexpr const char* kName = "imp_gemm_q8_q4_1w";
   static constexpr int64_t kBytes = 20;
   static constexpr bool kOffset = true, kNibbles = true, kUnpack = true;
+  static constexpr int kFifth = 0;
   static constexpr int32_t bias(bool) { return 0; }
   static constexpr bool sign_trick(bool) { return false; }
   template <bool Vnni>
@@ -161,6 +165,7 @@ struct Q5_0 {   // f16 d, 4 bytes of fifth bits, 16 of nibbles: w = (nibble + 16
   static constexpr const char* kName = "imp_gemm_q8_q5_0w";
   static constexpr int64_t kBytes = 22;
   static constexpr bool kOffset = false, kNibbles = false, kUnpack = true;
+  static constexpr int kFifth = 2;
   static constexpr int32_t bias(bool) { return 16; }
   static constexpr bool sign_trick(bool) { return false; }
   template <bool Vnni>
@@ -171,6 +176,7 @@ struct Q5_1 {   // f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles: w = d * (
   static constexpr const char* kName = "imp_gemm_q8_q5_1w";
   static constexpr int64_t kBytes = 24;
   static constexpr bool kOffset = true, kNibbles = false, kUnpack = true;
+  static constexpr int kFifth = 4;
   static constexpr int32_t bias(bool) { return 0; }
   static constexpr bool sign_trick(bool) { return false; }
   template <bool Vnni>

@@ -64,9 +64,10 @@ template <class W, int NP>
 IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, float* y,
                             int64_t ystride) {
   constexpr bool kBias = W::bias(true) != 0;
-  constexpr int kQuarters = W::kNibbles ? 0x50 : 0x44;   // vshufi64x2: [0, 0, 1, 1] or [0, 1, 0, 1]
+  constexpr bool kSplit = W::kNibbles || W::kFifth;   // the nibble layout (Q5_x: plus the fifth bits)
+  constexpr int kQuarters = kSplit ? 0x50 : 0x44;   // vshufi64x2: [0, 0, 1, 1] or [0, 1, 0, 1]
   // dd of row 2k (lane 0 of the products) and of row 2k+1 (lane 2) to their quarters
-  const __m512i spread = W::kNibbles ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
+  const __m512i spread = kSplit ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   // GF(2) affine maps of each byte: qwords 0-3 keep the low nibble (x & 15), 4-7 the high one (x >> 4)
   const __m512i split = _mm512_setr_epi64(kLow, kLow, kLow, kLow, kHigh, kHigh, kHigh, kHigh);
@@ -93,12 +94,18 @@ IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int6
       const __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(s0), s1, 1)), x2);   // [dd0, ms0, dd1, ms1]
       if constexpr (W::kOffset) offsets[k] = _mm_add_ps(offsets[k], p);
       __m512i wv;
-      if constexpr (W::kNibbles) {
-        constexpr int kAt = W::kOffset ? 4 : 2;
+      if constexpr (kSplit) {
+        constexpr int kAt = W::kBytes - 16;   // the nibbles end the block
         const __m512i raw = _mm512_mask_broadcast_i32x4(   // [row 2k, 2k+1, 2k, 2k+1]'s 16 bytes
             _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kAt))), 0xf0f0,
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kAt)));
         wv = _mm512_gf2p8affine_epi64_epi8(raw, split, 0);
+        if constexpr (W::kFifth != 0) {   // + 16 where the fifth bit is set, the bits in the quarters' order
+          uint32_t h0, h1;
+          std::memcpy(&h0, b0 + W::kFifth, 4), std::memcpy(&h1, b1 + W::kFifth, 4);
+          const uint64_t bits = ((h0 & 0xffffu) | (h1 << 16)) | static_cast<uint64_t>((h0 >> 16) | (h1 & 0xffff0000u)) << 32;
+          wv = _mm512_mask_add_epi8(wv, _cvtu64_mask64(bits), wv, _mm512_set1_epi8(16));
+        }
       } else {
         wv = _mm512_inserti64x4(_mm512_castsi256_si512(W::template weights<true>(b0)), W::template weights<true>(b1), 1);
       }
@@ -109,7 +116,7 @@ IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int6
   }
   IMP_Q8_UNROLL for (int k = 0; k < NP; ++k) {
     // back to [row 2k's 8 lanes | row 2k+1's 8 lanes]
-    const __m512 v = W::kNibbles ? _mm512_shuffle_f32x4(acc[k], acc[k], 0xd8) : acc[k];   // quarters [0, 2, 1, 3]
+    const __m512 v = kSplit ? _mm512_shuffle_f32x4(acc[k], acc[k], 0xd8) : acc[k];   // quarters [0, 2, 1, 3]
     float v0 = hsum(_mm512_castps512_ps256(v)), v1 = hsum(_mm512_extractf32x8_ps(v, 1));
     if constexpr (W::kOffset) {
       v0 += _mm_cvtss_f32(_mm_movehdup_ps(offsets[k]));
