@@ -1,11 +1,14 @@
 // The int8-activation ("q8") GEMM for GGML block weights: llama.cpp's arithmetic, opt-in
 // (`--gemm cpu_q8`), included by gemm.cc, which binds it as the imp_gemm_q8_* custom calls.
 //
-// y[m, n] = sum over 32-weight blocks b of  dd * isum  (+ m_w[n, b] * sd[m, b] for Q4_1), where
+// y[m, n] = sum over 32-weight blocks b of  dd * isum  (+ m_w[n, b] * sd[m, b] for Q4_1 / Q5_1), where
 //   x is quantised per row and block:  amax = max |x_j|,  d_x = amax / 127,
 //     q_j = round_half_even(x_j * (127 / amax))  (int8; all 0 when amax = 0),  sd = d_x * sum_j q_j;
-//   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble);
+//   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble;
+//     Q5_0: nibble + 16 * fifth bit - 16; Q5_1: nibble + 16 * fifth bit);
 //   dd = d_w * d_x (one float32 rounding); every float op in float32.
+// The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) meet the same activations with their own
+// sums, specified in gemm_q8_k.h.
 // So outputs differ from the exact product by x's 8-bit rounding (at most half a step, 0.4% of the
 // block's largest |x|), not by the weights: those are used exactly as stored.
 //
@@ -17,7 +20,7 @@
 // Integer dots of 32 unsigned by 32 signed bytes: vpmaddubsw + vpmaddwd (AVX2; no pair saturates
 // int16: 2 * 15 * 127 and 2 * 128 * 127 < 2^15) or vpdpbusd (AVX-512 VNNI, chosen at run time where
 // the CPU has it); both give the same int32 lanes, so the same outputs. Nibbles are unsigned already.
-// Signed weights are read as w + bias (Q4_0: the nibbles; Q8_0 with VNNI: w xor 0x80), the lanes
+// Signed weights are read as w + bias (Q4_0 / Q5_0: the unsigned integers; Q8_0 with VNNI: w xor 0x80), the lanes
 // starting from -bias times the sums of the activations' 4-byte groups (computed at quantisation);
 // Q8_0 with AVX2 uses llama.cpp's sign trick, |w| times x with w's sign, as w + 128 would saturate.
 //
