@@ -34,7 +34,7 @@
 //
 // gemm_q8.h is the opt-in int8-activation arithmetic for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks and
 // (gemm_q8_k.h) Q4_K / Q5_K / Q6_K super-blocks (imp_gemm_q8_*, bound below); with it the other
-// formats (Q2_K, Q3_K, IQ4_XS) keep the exact widening (cpu/gemm.py).
+// formats (Q2_K, Q3_K, IQ4_XS, IQ4_NL) keep the exact widening (cpu/gemm.py).
 #include <immintrin.h>
 
 #include <algorithm>
