@@ -216,6 +216,7 @@ def test_tensor_parallel_columns_keep_whole_super_blocks():
 # ------------------------------------------------------------------ a tiny mixed-type GGUF
 HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
+DENSE_STD = 0.5   # the quantisable formats' weights: N(0, DENSE_STD^2 / K)
 # per layer: (GGUF leaf, shape, type); q/k/v and gate/up share a type so they stay fused as blocks, or
 # (layer 2, as llama.cpp's Q4_K_M gives attn_v a wider type) mix Q4_0 / Q5_0 / Q8_0, fused as Q8_0;
 # layer 1's IQ4_NL down_proj is kept in pairs of blocks, layer 2's IQ4_XS o_proj as itself
@@ -257,9 +258,12 @@ def write_mixed_gguf(path: Path) -> None:
 
     def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
         fmt, seed = qtype.name, int(rng.integers(1 << 30))
-        if fmt in ("Q4_K", "Q6_K"):   # a converted model's blocks: centred weights (the int8 path's error stays small)
-            dense = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * (0.3 / np.sqrt(shape[1]))
-            blocks = quantize_k(dense, fmt).reshape(shape[0], -1, quant.FORMATS[fmt])
+        if fmt in ("Q4_K", "Q6_K", "Q4_0", "Q5_0", "Q5_1", "Q8_0"):
+            # a converted model's blocks, of weights ~ N(0, DENSE_STD^2 / K): centred, and small enough
+            # that cpu_q8's int8 rounding moves the logits a little, not onto another trajectory
+            dense = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * (DENSE_STD / np.sqrt(shape[1]))
+            raw = quantize_k(dense, fmt) if fmt.endswith("_K") else quantize(dense, qtype)
+            blocks = raw.reshape(shape[0], -1, quant.FORMATS[fmt])
         else:
             # small enough that the random model is not chaotic (cpu_q8's int8 rounding stays a 0.5% change
             # of the logits, not a different trajectory); IQ4_XS's random bytes give weights about 4x a
