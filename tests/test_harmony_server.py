@@ -232,3 +232,66 @@ def test_responses_function_calls(oai):
         {"role": "user", "content": "weather TRAIL"}, call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "SUNNY"}])
     assert after.output_text == "It is sunny in Paris."
+
+
+# ------------------------------------------------------------------------------------------ the engine itself
+@pytest.fixture(scope="module")
+def core(harmony_model: Path):
+    import jax.numpy as jnp
+
+    from imp_jax.model.loader import load_model
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.engine import EngineCore
+    from imp_jax.runtime.sharding import default_mesh
+
+    loaded = load_model(harmony_model, dtype="float32", model_class="scripted_model:ScriptedLM")
+    config = EngineConfig(model=str(harmony_model), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32,
+                          block_size=16, num_kv_blocks=40)
+    shape = loaded.model.kv_cache_shape(40, 16)
+    engine = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), 40, default_mesh())
+    engine.step_fn.warm_up()
+    return engine
+
+
+def _generate(core, tok: Tokenizer, words: str, **request) -> tuple[str, str, list[int], object]:
+    """(reasoning, answer, token ids, last event) of a greedy chat reply to `words` on the engine core."""
+    import uuid
+
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
+
+    prompt = tok.encode_chat(tok.render_chat([{"role": "user", "content": words}]))
+    events = []
+    core.add_request(GenerationRequest(uuid.uuid4().hex, prompt, SamplingParams(temperature=0.0, max_tokens=120),
+                                       reasoning=True, **request), events.append)
+    while core.has_work():
+        core.step()
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+    return ("".join(e.reasoning_text for e in events), "".join(e.text for e in events),
+            [t for e in events for t in e.token_ids], events[-1])
+
+
+def test_a_grammar_constrains_the_final_message_only(core, tok):
+    """The matcher sees the final channel's content alone: the analysis (which the regex would refuse) and
+    the headers are free."""
+    import llguidance
+
+    reasoning, answer, _, last = _generate(core, tok, "hello GO", constraint=llguidance.LLMatcher.grammar_from_regex(
+        r"Yes done, it is sunny\."))
+    assert (reasoning, answer, last.finish_reason) == (REASON, ANSWER, "stop")
+    # a grammar the script breaks: the final message follows the grammar, not the script
+    _, answer, _, _ = _generate(core, tok, "hello GO", constraint=llguidance.LLMatcher.grammar_from_regex(
+        r"Yes done\."))
+    assert answer == "Yes done."
+
+
+def test_a_reasoning_budget_forces_the_final_header(core, tok):
+    """After `budget` reasoning tokens the engine writes `<|end|><|start|>assistant<|channel|>final<|message|>`
+    through the allowed-token mask; what the model writes next is the answer."""
+    header = tok.encode("<|channel|>analysis<|message|>", add_special_tokens=False)
+    content = tok.encode(REASON, add_special_tokens=False)
+    reasoning, answer, ids, last = _generate(core, tok, "hello GO", reasoning_budget=len(header) + 2)
+    forced = tok.encode("<|end|><|start|>assistant<|channel|>final<|message|>", add_special_tokens=False)
+    assert reasoning == tok.decode(content[:2])
+    assert ids[:len(header) + 2 + len(forced)] == header + content[:2] + forced
+    assert answer.endswith(ANSWER) and "<|" not in answer and last.finish_reason == "stop"
+    assert last.usage.reasoning_tokens == len(header) + 2 + 1   # the forced <|end|> closes the analysis
