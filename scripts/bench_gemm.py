@@ -3,8 +3,8 @@ activations (`--gemm cpu_q8`), per matrix kind and row count, and one step's GEM
 
     python scripts/bench_gemm.py [--model smollm2-135m-instruct] [--rows 1 8 32 64 256] [--repeats 7]
                                  [--modes exact q8] [--hot]
-    python scripts/bench_gemm.py --formats Q4_1 Q4_K Q6_K [--shapes 2048x2048 8192x2048 2048x8192]
-                                 [--copies 8] [--rows 1 32] [--modes exact]
+    python scripts/bench_gemm.py --formats Q4_1 Q5_0 Q4_K Q6_K [--shapes 2048x2048 8192x2048 2048x8192]
+                                 [--copies 8] [--rows 1 32] [--modes exact q8]
 
 Each timed program runs one kind of projection over every layer's matrix (distinct arrays, so a
 decode-sized product reads its weights from memory as a step does), best of `repeats`. 'step' is
@@ -21,7 +21,6 @@ multiple of 256, which SmolLM2-135M's 576 is not) can be compared at the same sh
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -70,33 +69,35 @@ def bench_formats(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from imp_jax.kernels_pallas import ggml_blocks
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
     kinds = synthetic(args.formats, args.shapes, args.copies)
-    q8 = args.modes == ["q8"]
-    prog = jax.jit(lambda x, ws: [cpu_gemm.matmul_wt_cpu(x, w, q8) for w in ws])
-    print(f"{'matrix':<22} {'MiB/pass':>8} {'rows':>5} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'GFLOP/s':>8}")
+    progs = {m: jax.jit(lambda x, ws, q8=m == "q8": [cpu_gemm.matmul_wt_cpu(x, w, q8) for w in ws]) for m in args.modes}
+    runs = [(fmt, m) for fmt in args.formats for m in args.modes]   # each format in each mode, in turn
+    print(f"{'matrix':<22} {'mode':<5} {'MiB/pass':>8} {'rows':>5} {'median ms':>10} {'best ms':>9} {'GB/s':>7} "
+          f"{'GFLOP/s':>8}" + (f" {'q8 speed-up':>11}" if len(args.modes) == 2 else ""))
     for shape in args.shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
         for rows in args.rows:
             x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
-            times = {fmt: [] for fmt in args.formats}
-            for fmt in args.formats:
-                best_seconds(prog, (x, kinds[f"{n} x {k} {fmt}"]), 1)   # compile and warm
+            times = {run: [] for run in runs}
+            for fmt, m in runs:
+                best_seconds(progs[m], (x, kinds[f"{n} x {k} {fmt}"]), 1)   # compile and warm
             for _ in range(args.repeats):
-                for fmt in args.formats:
+                for fmt, m in runs:
                     ws = kinds[f"{n} x {k} {fmt}"]
                     t0 = time.perf_counter()
-                    for y in prog(x, ws):
+                    for y in progs[m](x, ws):
                         y.block_until_ready()
-                    times[fmt].append(time.perf_counter() - t0)
-            for fmt in args.formats:
+                    times[fmt, m].append(time.perf_counter() - t0)
+            for fmt, m in runs:
                 ws = kinds[f"{n} x {k} {fmt}"]
                 nbytes = sum(w.nbytes for w in ws)
-                med, best = float(np.median(times[fmt])), min(times[fmt])
-                print(f"{n} x {k} {fmt:<6} (x{len(ws)}) {nbytes / 2**20:8.1f} {rows:5d} {med * 1e3:10.3f} {best * 1e3:9.3f}"
-                      f" {nbytes / med / 1e9:7.1f} {2 * rows * n * k * len(ws) / med / 1e9:8.1f}")
+                med, best = float(np.median(times[fmt, m])), min(times[fmt, m])
+                ratio = (f" {np.median(times[fmt, 'exact']) / med:10.2f}x"
+                         if m == "q8" and len(args.modes) == 2 else "")
+                print(f"{n} x {k} {fmt:<6} (x{len(ws)}) {m:<5} {nbytes / 2**20:8.1f} {rows:5d} {med * 1e3:10.3f} "
+                      f"{best * 1e3:9.3f} {nbytes / med / 1e9:7.1f} {2 * rows * n * k * len(ws) / med / 1e9:8.1f}" + ratio)
     return 0
 
 
