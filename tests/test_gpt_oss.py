@@ -330,17 +330,21 @@ def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
 
 
 # ------------------------------------------------------------------------------------------- GGUF
-def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_window: int | None = 5) -> dict:
-    """Write `hf_model` as llama.cpp's convert_hf_to_gguf writes a gpt-oss: its metadata keys, HF's
-    interleaved gate_up split into [E, out, in] gate and up (biases too), down transposed, the sinks
-    as `attn_sinks.weight`; experts float32 or MXFP4 GGML blocks (gguf-py's quantiser). Returns the
-    experts' values as stored (dequantised), keyed by HF parameter name, [E, in, out] as HF holds them."""
+def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_window: int | None = 5,
+                       fuse_qkv: bool = False, extra: dict | None = None) -> dict:
+    """Write `hf_model` as llama.cpp's convert_hf_to_gguf.py writes a gpt-oss (checked against its
+    output, tests/data/gpt_oss): its metadata keys, HF's interleaved gate_up split into [E, out, in]
+    gate and up (biases too), down transposed, the sinks as `attn_sinks.weight`; experts float32 or
+    MXFP4 GGML blocks (gguf-py's quantiser); `fuse_qkv` as its --fuse-qkv writes q|k|v (`attn_qkv`);
+    `extra` metadata on top. Returns the experts' values as stored (dequantised), keyed by HF
+    parameter name, [E, in, out] as HF holds them."""
     import gguf
     from gguf.quants import dequantize, quantize
 
     c = hf_model.config
     sd = {n: p.detach().numpy().astype(np.float32) for n, p in hf_model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if experts == "F32" else gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -359,6 +363,10 @@ def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_windo
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(YARN["factor"])
     w.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(YARN["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
+    for key, value in (extra or {}).items():
+        w.add_key_value(key, *value)
     alphabet = _byte_alphabet()[:255]
     alphabet.append(alphabet[0] + alphabet[1])   # one merge, 256 tokens: the model's vocabulary
     w.add_tokenizer_model("gpt2")
@@ -386,10 +394,15 @@ def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_windo
         pre, blk = f"model.layers.{i}.", f"blk.{i}."
         put(blk + "attn_norm.weight", sd[pre + "input_layernorm.weight"])
         put(blk + "post_attention_norm.weight", sd[pre + "post_attention_layernorm.weight"])
-        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
-                             ("attn_output", "o_proj")):
-            for leaf in ("weight", "bias"):
-                put(f"{blk}{ours}.{leaf}", sd[f"{pre}self_attn.{theirs}.{leaf}"])
+        for leaf in ("weight", "bias"):
+            q, k, v = (sd[f"{pre}self_attn.{p}_proj.{leaf}"] for p in "qkv")
+            if fuse_qkv:
+                put(f"{blk}attn_qkv.{leaf}", np.concatenate([q, k, v]))
+            else:
+                put(f"{blk}attn_q.{leaf}", q)
+                put(f"{blk}attn_k.{leaf}", k)
+                put(f"{blk}attn_v.{leaf}", v)
+            put(f"{blk}attn_output.{leaf}", sd[f"{pre}self_attn.o_proj.{leaf}"])
         put(blk + "attn_sinks.weight", sd[pre + "self_attn.sinks"])
         put(blk + "ffn_gate_inp.weight", sd[pre + "mlp.router.weight"])
         put(blk + "ffn_gate_inp.bias", sd[pre + "mlp.router.bias"])
@@ -495,3 +508,90 @@ def test_ggml_mxfp4_blocks_hold_the_values_of_the_hf_blocks():
     ggml = np.concatenate([scales[..., None], qs], axis=-1).reshape(2, 3, -1)
     got = dequantize(ggml, GGMLQuantizationType.MXFP4).reshape(want.shape)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_gguf_with_fused_qkv_loads_as_the_split_one(tiny, tiny_gguf, tmp_path):
+    """convert_hf_to_gguf.py --fuse-qkv writes q|k|v as one `attn_qkv` weight and bias; read as HF's
+    q, k and v, it gives the split file's model."""
+    cfg, _, hf_model, _ = tiny
+    path = tmp_path / "qkv.gguf"
+    write_gpt_oss_gguf(path, hf_model, fuse_qkv=True)
+    fused, split = load_gguf(path), load_gguf(tiny_gguf)
+    assert ModelConfig.from_hf(fused.hf_config) == ModelConfig.from_hf(split.hf_config)
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.2.self_attn.v_proj.bias"):
+        assert fused.tensors.shape(name) == split.tensors.shape(name)
+        np.testing.assert_array_equal(fused.tensors[name], split.tensors[name])
+    prompt = random_prompts([9], cfg.vocab_size, seed=9)[0]
+    got = PagedRunner(build(ModelConfig.from_hf(fused.hf_config), fused.tensors)).run([SeqChunk(prompt, 0, [5])])[0]
+    assert_close(got, hf_logits(hf_model, prompt))
+
+
+@pytest.mark.parametrize("pattern, want", [
+    (None, ["sliding_attention", "full_attention", "sliding_attention"]),   # llama.cpp's default period 2
+    (3, ["sliding_attention", "sliding_attention", "full_attention"]),
+    (0, ["sliding_attention"] * 3),
+    ([False, True, True], ["full_attention", "sliding_attention", "sliding_attention"]),
+])
+def test_a_gguf_sliding_window_pattern_picks_the_sliding_layers_as_llama_cpp_does(tiny, tmp_path, pattern, want):
+    """llama.cpp's `load_swa_pattern`: a per-layer bool array, or a period n where layer i slides unless
+    i % n == n - 1 (0: all slide); the converter writes none for gpt-oss (period 2)."""
+    import gguf
+
+    _, _, hf_model, _ = tiny
+    T = gguf.GGUFValueType
+    extra = {} if pattern is None else {"gpt-oss.attention.sliding_window_pattern":
+                                        (pattern, T.ARRAY, T.BOOL) if isinstance(pattern, list) else (pattern, T.UINT32)}
+    write_gpt_oss_gguf(tmp_path / "p.gguf", hf_model, extra=extra)
+    assert load_gguf(tmp_path / "p.gguf").hf_config["layer_types"] == want
+
+
+def test_a_gguf_with_another_rope_base_for_sliding_layers_is_refused(tiny, tmp_path):
+    import gguf
+
+    _, _, hf_model, _ = tiny
+    key = "gpt-oss.rope.freq_base_swa"
+    write_gpt_oss_gguf(tmp_path / "same.gguf", hf_model, extra={key: (YARN["rope_theta"], gguf.GGUFValueType.FLOAT32)})
+    assert load_gguf(tmp_path / "same.gguf").hf_config["rope_theta"] == YARN["rope_theta"]
+    write_gpt_oss_gguf(tmp_path / "other.gguf", hf_model, extra={key: (10000.0, gguf.GGUFValueType.FLOAT32)})
+    with pytest.raises(ModelLoadError, match="freq_base_swa"):
+        load_gguf(tmp_path / "other.gguf")
+
+
+# ------------------------------------------------------- a GGUF from llama.cpp's own converter
+FIXTURE = Path(__file__).parent / "data" / "gpt_oss"   # scripts/make_gpt_oss_fixture.py made it
+
+
+def test_llama_cpps_converter_output_gives_transformers_logits_and_llama_cpps_greedy_tokens():
+    """tests/data/gpt_oss: a tiny MXFP4 gpt-oss converted by llama.cpp's convert_hf_to_gguf.py (its
+    MXFP4 repacking, names, shapes and metadata) loads to the config of the HF checkpoint holding the
+    same weights, transformers' logits, and the greedy tokens transformers and llama-server produce."""
+    import json
+
+    import transformers
+
+    from imp_jax.model.loader import load_model
+
+    gguf_path = FIXTURE / "tiny-gpt-oss-mxfp4.gguf"
+    hf = transformers.GptOssForCausalLM.from_pretrained(FIXTURE / "hf", dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    want_cfg = ModelConfig.from_file(FIXTURE / "hf" / "config.json")
+    ckpt = load_gguf(gguf_path)
+    got_cfg = ModelConfig.from_hf(ckpt.hf_config, source=str(gguf_path))
+    assert dataclasses.replace(got_cfg, bos_token_id=None, eos_token_id=()) == want_cfg
+    assert ckpt.tensors.qtype("model.layers.1.mlp.experts.up_proj.weight") == "MXFP4"
+    assert ckpt.tensors.qtype("model.layers.1.self_attn.q_proj.weight") == "F32"
+    runner = PagedRunner(load_model(gguf_path, dtype="float32").model)
+    record = json.loads((FIXTURE / "llama_cpp_greedy.json").read_text())
+    for j, (prompt, llama_tokens) in enumerate(zip(record["prompts"], record["greedy_tokens"])):
+        table = [3 * j + 1, 3 * j + 2]
+        logits = runner.run([SeqChunk(prompt, 0, table)])[0]
+        assert_close(logits, hf_logits(hf, prompt))
+        tokens, seq, last = [], list(prompt), logits[-1]
+        for _ in range(len(llama_tokens)):
+            tokens.append(int(np.argmax(last)))
+            seq.append(tokens[-1])
+            last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
+        with torch.no_grad():
+            hf_tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == hf_tokens == llama_tokens

@@ -61,8 +61,8 @@ _GPT_OSS_LAYER_NAMES = {
     "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-# llama.cpp's fixed gpt-oss values: every other layer slides (the first does), YaRN's betas, the
-# clamped SwiGLU (GptOssConfig's defaults, which ModelConfig applies)
+# llama.cpp's default gpt-oss values: every other layer slides (the first does), YaRN's betas; the
+# clamped SwiGLU's alpha and limit are fixed there (GptOssConfig's defaults, which ModelConfig applies)
 _GPT_OSS_SWA_PERIOD = 2
 _GPT_OSS_YARN_BETAS = (32.0, 1.0)
 _MOE_LEAVES = {MIXTRAL: dict(moe="block_sparse_moe", gate="w1", up="w3", down="w2"),
@@ -83,15 +83,19 @@ class GGUFCheckpoint:
 class GGUFTensors(Mapping[str, np.ndarray]):
     """HF-named float32 tensors, dequantised from the memory-mapped file on each access."""
 
-    def __init__(self, entries: dict[str, tuple[Any, int | None]], minus_one: frozenset[str] = frozenset()):
+    def __init__(self, entries: dict[str, tuple[Any, int | None]], minus_one: frozenset[str] = frozenset(),
+                 rows: Mapping[str, tuple[int, int]] | None = None):
         self._entries = entries  # hf name -> (gguf ReaderTensor, heads to un-permute rows by, or None)
         self._minus_one = minus_one   # Gemma norms: llama.cpp stored HF's weight + 1
+        self._rows = dict(rows or {})   # hf name -> [start, stop) of the stored tensor's rows (a fused q|k|v)
 
     def __getitem__(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
 
         tensor, heads = self._entries[name]
-        w = dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
+        w = dequantize(tensor.data, tensor.tensor_type).reshape(self._stored_shape(name))
+        if name in self._rows:
+            w = w[slice(*self._rows[name])]
         if heads is not None:
             w = unpermute_rotary(w, heads)
         if name in self._minus_one:
@@ -105,7 +109,7 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         else None.
         Q/K rows are un-permuted as in `__getitem__`."""
         tensor, heads = self._entries[name]
-        fmt, shape = tensor.tensor_type.name, self.shape(name)
+        fmt, shape = tensor.tensor_type.name, self._stored_shape(name)
         if fmt == "IQ4_NL":   # the file's 32-weight blocks: kept in pairs, else as Q8_0
             if len(shape) != 2 or shape[1] % ggml_blocks.BLOCK:
                 return None
@@ -115,12 +119,21 @@ class GGUFTensors(Mapping[str, np.ndarray]):
             if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[fmt]:
                 return None
             b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt])
+        if name in self._rows:
+            b = b[slice(*self._rows[name])]
         if heads is not None:
             b = unpermute_rotary(b, heads)
         return np.require(b, requirements=["C", "W", "O"])   # a copy out of the mmap
 
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy shape of a tensor without reading it (GGUF stores dims innermost-first)."""
+        shape = self._stored_shape(name)
+        if name in self._rows:
+            start, stop = self._rows[name]
+            return (stop - start, *shape[1:])
+        return shape
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._entries[name][0].shape))
 
     def qtype(self, name: str) -> str:
@@ -219,7 +232,7 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         "max_position_embeddings": int(meta.get(a("context_length"), 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in raw,
-        "attention_bias": "blk.0.attn_q.bias" in raw,
+        "attention_bias": "blk.0.attn_q.bias" in raw or "blk.0.attn_qkv.bias" in raw,
         "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -261,24 +274,36 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
 
 
 def _gpt_oss_config(meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
-    """gpt-oss keys as llama.cpp's converter writes them: the experts' width is
-    `expert_feed_forward_length` (HF's `intermediate_size`), the window `attention.sliding_window`
-    on every other layer from the first, YaRN as `rope.scaling.*` (betas from
+    """gpt-oss keys as llama.cpp's converter writes them (conversion/gpt_oss.py) and its loader reads
+    them (src/models/openai-moe.cpp): the experts' width is `expert_feed_forward_length` (HF's
+    `intermediate_size`; `feed_forward_length` holds the same), the window `attention.sliding_window`
+    (required), the sliding layers `attention.sliding_window_pattern` (never written: llama.cpp's
+    default period 2, the first layer sliding), YaRN as `rope.scaling.*` (betas from
     `rope.scaling.yarn_beta_fast/slow`, else llama.cpp's 32 and 1). HF's gpt-oss YaRN does not
     round the ramp's ends (`truncate: false`); llama.cpp does, which moves a few frequencies
-    slightly: we follow HF, so a GGUF and the checkpoint it came from load to the same model."""
+    slightly: we follow HF, so a GGUF and the checkpoint it came from load to the same model.
+    A `rope.freq_base_swa` other than `rope.freq_base` (llama.cpp reads one; HF's gpt-oss has no such
+    field) is refused."""
     a = lambda key: f"gpt-oss.{key}"  # noqa: E731
     layers = cfg["num_hidden_layers"]
     window = meta.get(a("attention.sliding_window"))
     if not window:
         raise ModelLoadError(f"{meta.path}: GGUF metadata lacks '{a('attention.sliding_window')}'")
+    swa_base = meta.get(a("rope.freq_base_swa"))
+    if swa_base is not None and _f32(swa_base) != cfg["rope_theta"]:
+        raise ModelLoadError(f"{meta.path}: {a('rope.freq_base_swa')} = {_f32(swa_base)} differs from "
+                             f"{a('rope.freq_base')} = {cfg['rope_theta']}; gpt-oss has one RoPE base")
+    expert_width = meta.get(a("expert_feed_forward_length"))
+    if isinstance(expert_width, list):   # llama.cpp accepts one per layer; gpt-oss has one width
+        if len(set(expert_width)) != 1:
+            raise ModelLoadError(f"{meta.path}: per-layer {a('expert_feed_forward_length')} is not supported")
+        expert_width = expert_width[0]
     out: dict[str, Any] = {
-        "intermediate_size": int(meta.get(a("expert_feed_forward_length")) or cfg["intermediate_size"]),
+        "intermediate_size": int(expert_width or cfg["intermediate_size"]),
         "num_local_experts": int(meta.need(a("expert_count"))),
         "num_experts_per_tok": int(meta.need(a("expert_used_count"))),
         "sliding_window": int(window),
-        "layer_types": ["sliding_attention" if i % _GPT_OSS_SWA_PERIOD == 0 else "full_attention"
-                        for i in range(layers)],
+        "layer_types": _layer_types(meta, "gpt-oss", layers, _GPT_OSS_SWA_PERIOD),
     }
     rope = cfg["rope_scaling"]
     if rope is not None:
@@ -307,14 +332,7 @@ def _gemma_config(arch: str, meta: _Metadata, cfg: dict[str, Any]) -> dict[str, 
         scalar = cfg["hidden_size"] / cfg["num_attention_heads"]
     else:
         scalar = cfg["head_dim"]
-    pattern = meta.get(a("attention.sliding_window_pattern"), 6 if g3 else 2)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ModelLoadError(f"{meta.path}: {a('attention.sliding_window_pattern')} has {len(pattern)} "
-                                 f"entries for {layers} layers")
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+    types = _layer_types(meta, arch, layers, 6 if g3 else 2)
     out: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": _f32(scalar),
@@ -327,6 +345,20 @@ def _gemma_config(arch: str, meta: _Metadata, cfg: dict[str, Any]) -> dict[str, 
         out["rope_theta"] = _f32(meta.get(a("rope.freq_base"), 1e6))
         out["rope_local_base_freq"] = _f32(meta.get(a("rope.freq_base_swa"), 10000.0))
     return out
+
+
+def _layer_types(meta: _Metadata, arch: str, layers: int, period: int) -> list[str]:
+    """Which layers slide, as llama.cpp's `load_swa_pattern` reads `attention.sliding_window_pattern`:
+    a per-layer bool array (true = sliding), or a period n (default `period`) where layer i slides
+    unless i % n == n - 1 (n = 0: every layer slides)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = meta.get(key, period)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelLoadError(f"{meta.path}: {key} has {len(pattern)} entries for {layers} layers")
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    n = int(pattern)
+    return ["sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)]
 
 
 def _opt_f32(x: float | None) -> float | None:
@@ -401,8 +433,10 @@ def _llama3_factors(rs: dict[str, Any], theta: float, dim: int) -> np.ndarray:
 
 
 def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path) -> GGUFTensors:
-    """Map GGUF tensor names to HF ones; llama Q/K rows get un-permuted (heads for q, kv heads for k)."""
+    """Map GGUF tensor names to HF ones; llama Q/K rows get un-permuted (heads for q, kv heads for k).
+    A gpt-oss `attn_qkv` (convert_hf_to_gguf.py --fuse-qkv) is read as HF's q, k and v: row ranges of it."""
     entries: dict[str, tuple[Any, int | None]] = {}
+    rows: dict[str, tuple[int, int]] = {}
     layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA else _GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else _LAYER_NAMES
     unknown = []
     fused_gate_up = arch == "phi3" and "blk.0.ffn_gate.weight" not in raw   # ffn_up holds gate|up
@@ -418,7 +452,7 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
             leaves = _MOE_LEAVES.get(cfg["architectures"][0], _MOE_LEAVES["other"])
             entries[f"model.layers.{m[1]}.{_MOE_NAMES[m[2]].format(**leaves)}.{m[3]}"] = (tensor, None)
             continue
-        if not m or m[2] not in layer_names or (m[2] == "attn_qkv" and arch != "phi3"):
+        if not m or m[2] not in layer_names or (m[2] == "attn_qkv" and arch not in ("phi3", "gpt-oss")):
             unknown.append(name)
             continue
         heads = None
@@ -428,9 +462,17 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
         if m[2] == "attn_sinks":   # HF's sinks are a bare parameter, llama.cpp's a `.weight`
             entries[f"model.layers.{m[1]}.{hf_leaf}"] = (tensor, None)
             continue
+        if m[2] == "attn_qkv" and arch == "gpt-oss":
+            q, kv = (cfg[k] * cfg["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
+            if int(tensor.shape[-1]) != q + 2 * kv:
+                raise ModelLoadError(f"{path}: {name} has {int(tensor.shape[-1])} rows where q|k|v has {q + 2 * kv}")
+            for proj, span in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
+                hf_name = f"model.layers.{m[1]}.self_attn.{proj}_proj.{m[3]}"
+                entries[hf_name], rows[hf_name] = (tensor, None), span
+            continue
         entries[f"model.layers.{m[1]}.{hf_leaf}.{m[3]}"] = (tensor, heads)
     if unknown:
         raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "
                              f"(mixture-of-experts or another variant?): {', '.join(unknown[:8])}")
     minus_one = frozenset(n for n in entries if arch in GEMMA and n.endswith("norm.weight"))
-    return GGUFTensors(entries, minus_one)
+    return GGUFTensors(entries, minus_one, rows)
