@@ -2,7 +2,8 @@
 (interpreted) kernels vs the oracle, YaRN vs transformers, MXFP4 dequantisation, and the model vs
 transformers' GptOssForCausalLM (logits, greedy tokens, a ragged batch of prefill chunks and decodes on
 every attention backend, an MXFP4 checkpoint, the engine), and the same checkpoint written as a
-llama.cpp `gpt-oss` GGUF (float and MXFP4 experts)."""
+llama.cpp `gpt-oss` GGUF (float and MXFP4 experts, fused q|k|v), and a GGUF made by llama.cpp's own
+converter (tests/data/gpt_oss) against transformers and llama.cpp's greedy tokens."""
 from __future__ import annotations
 
 import dataclasses
