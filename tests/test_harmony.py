@@ -71,6 +71,17 @@ def test_markers_are_found_by_special_token_and_eos_is_return_and_call(tok, mark
     assert ThinkMarkers.from_tokenizer(tok) is None   # no <think> in this vocabulary
 
 
+def test_a_harmony_vocabulary_ends_at_return_and_call_whatever_its_configs_say(tmp_path):
+    import json
+
+    write_harmony_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|end|>"}))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.eos_ids == {tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")}
+
+
 def test_a_vocabulary_without_harmony_tokens_is_not_harmony(tmp_path):
     from tiny_models import write_thinking_model
 

@@ -62,6 +62,10 @@ class Tokenizer:
         self._special_ids = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
+        ends = [self.token_to_id(t) for t in ("<|return|>", "<|call|>")]
+        if all(i is not None and i in self._special_ids for i in ends):
+            # harmony (gpt-oss): <|return|> and <|call|> end a reply, <|end|> only one message of it (as llama.cpp)
+            self._eos_ids = frozenset(self._eos_ids | set(ends)) - {self.token_to_id("<|end|>")}
         self._byte_fallback_ids = _byte_fallback_ids(tok)
         self._init_boundary()
         self._templates = _template_dict(chat_template)
