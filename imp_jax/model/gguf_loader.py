@@ -103,22 +103,26 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         return np.require(w, np.float32, ["C", "W", "O"])  # an F32 tensor is copied out of the mmap
 
     def blocks(self, name: str) -> np.ndarray | None:
-        """A matrix's GGML blocks as stored, uint8 [rows, K / 32 (256 for K-quants), block bytes]
+        """A matrix's GGML blocks as stored, uint8 [rows, K / 32 (256 for K-quants), block bytes] (an
+        expert stack's [E, rows, K / 32, block bytes])
         (kernels_pallas/ggml_blocks.py), when its type is one the CPU GEMM kernel reads (IQ4_NL as pairs
         of blocks, or where K is not a multiple of 64 as the Q8_0 blocks that hold its weights exactly);
         else None.
         Q/K rows are un-permuted as in `__getitem__`."""
         tensor, heads = self._entries[name]
         fmt, shape = tensor.tensor_type.name, self._stored_shape(name)
+        if len(shape) not in (2, 3):   # a matrix, or a stack of experts' [E, out, in]
+            return None
+        *rows, k = shape
         if fmt == "IQ4_NL":   # the file's 32-weight blocks: kept in pairs, else as Q8_0
-            if len(shape) != 2 or shape[1] % ggml_blocks.BLOCK:
+            if k % ggml_blocks.BLOCK:
                 return None
-            b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.BLOCK, ggml_blocks.IQ4_NL_BYTES)
-            b = ggml_blocks.iq4_nl_pairs(b) if shape[1] % ggml_blocks.IQ4_NL_PAIR == 0 else ggml_blocks.iq4_nl_to_q8_0(b)
+            b = np.asarray(tensor.data).reshape(*rows, k // ggml_blocks.BLOCK, ggml_blocks.IQ4_NL_BYTES)
+            b = ggml_blocks.iq4_nl_pairs(b) if k % ggml_blocks.IQ4_NL_PAIR == 0 else ggml_blocks.iq4_nl_to_q8_0(b)
         else:
-            if fmt not in ggml_blocks.FORMATS or len(shape) != 2 or shape[1] % ggml_blocks.WEIGHTS[fmt]:
+            if fmt not in ggml_blocks.FORMATS or k % ggml_blocks.WEIGHTS[fmt]:
                 return None
-            b = np.asarray(tensor.data).reshape(shape[0], shape[1] // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt])
+            b = np.asarray(tensor.data).reshape(*rows, k // ggml_blocks.WEIGHTS[fmt], ggml_blocks.FORMATS[fmt])
         if name in self._rows:
             b = b[slice(*self._rows[name])]
         if heads is not None:

@@ -13,9 +13,10 @@ What differs from MoELM:
 Checkpoints: HF stores each layer's experts stacked and transposed ([E, in, out], gate and up
 interleaved column by column), in bf16 or as MXFP4 (`*_blocks` of packed FP4 e2m1 pairs and
 `*_scales` of E8M0 exponents, one per 32 values of an input row); both are brought to MoELM's
-[E, out, in] gate|up layout at load, MXFP4 dequantised (`dequantize_mxfp4`). A GGUF (llama.cpp's
-`gpt-oss` architecture) holds them split into gate and up, [E, out, in], MXFP4 as GGML blocks that
-gguf-py dequantises (`_split_experts`). Harmony's channels
+[E, out, in] gate|up layout at load. Where the kernels keep GGML blocks (weights.WeightFormats) MXFP4
+stays MXFP4, rearranged into GGML's blocks (ggml_blocks.mxfp4_from_hf: the same values), else it is
+dequantised (`dequantize_mxfp4`). A GGUF (llama.cpp's `gpt-oss` architecture) holds them split into
+gate and up, [E, out, in], MXFP4 as GGML blocks, kept as they are or dequantised alike (`_split_experts`). Harmony's channels
 (analysis / final) are not parsed: the server applies the checkpoint's chat template and returns the
 raw text.
 """
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from imp_jax.kernels_pallas import ggml_blocks
 from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.model.base import ModelOptions
@@ -128,9 +130,12 @@ class GptOssLM(MoELM):
         put = shard_putter(model.tp, options.dtype)
         gate_up, down = model.tp.fused_index(config.intermediate_size), model.tp.split_index(config.intermediate_size)
 
-        def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in]
+        def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in], or GGML MXFP4 blocks [E, out, in / 32, 17]
             if f"{pre}.{name}_blocks" in weights:
-                return dequantize_mxfp4(weights.tensor(f"{pre}.{name}_blocks"), weights.tensor(f"{pre}.{name}_scales"))
+                blocks, scales = weights.tensor(f"{pre}.{name}_blocks"), weights.tensor(f"{pre}.{name}_scales")
+                if weights.formats.ggml_blocks:   # kept: the same values, GGML's byte order
+                    return ggml_blocks.mxfp4_from_hf(blocks, scales)
+                return dequantize_mxfp4(blocks, scales)
             return np.swapaxes(np.asarray(weights.tensor(f"{pre}.{name}")), 1, 2)
 
         def halves(x: np.ndarray) -> np.ndarray:   # interleaved gate, up along axis 1 -> [gate | up]
@@ -158,9 +163,6 @@ class GptOssLM(MoELM):
         de-interleaved gate and up into `gate_proj` / `up_proj` ([E, out, in], MXFP4 or float, read
         dequantised) with [E, out] biases, so they only need joining into MoELM's [gate | up].
         Returns gate|up, its bias, down, its bias."""
-        def pair(leaf: str) -> np.ndarray:
-            return np.concatenate([weights.tensor(f"{pre}.gate_proj.{leaf}"),
-                                   weights.tensor(f"{pre}.up_proj.{leaf}")], axis=1)
-
-        return (pair("weight"), pair("bias"), weights.tensor(f"{pre}.down_proj.weight"),
-                weights.tensor(f"{pre}.down_proj.bias"))
+        bias = np.concatenate([weights.tensor(f"{pre}.gate_proj.bias"), weights.tensor(f"{pre}.up_proj.bias")], axis=1)
+        return (weights.stack(f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"), bias,
+                weights.stack(f"{pre}.down_proj.weight"), weights.tensor(f"{pre}.down_proj.bias"))

@@ -246,9 +246,9 @@ class DecoderLM(nnx.Module):
         # shard straight on its device (no whole copy on one device)
         on_host = tp.n > 1
         shard = {"qkv_proj": lambda w: take_rows(w, tp.qkv_index(config)),
-                 "o_proj": lambda w: take_columns(w, tp.o_index(config)),
+                 "o_proj": lambda w: take_columns(w, tp.o_index(config), tp.n),
                  "gate_up_proj": lambda w: take_rows(w, tp.gate_up_index(config)),
-                 "down_proj": lambda w: take_columns(w, tp.down_index(config))} if on_host else {}
+                 "down_proj": lambda w: take_columns(w, tp.down_index(config), tp.n)} if on_host else {}
 
         def put(param: nnx.Param, value: np.ndarray) -> None:
             shape = ggml_blocks.matrix_shape(value) if ggml_blocks.format_of(value) else tuple(value.shape)

@@ -35,6 +35,7 @@ documented order, so transformers may route an exactly tied token elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ from imp_jax.model.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel, take
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
+log = logging.getLogger("imp_jax.loader")
 EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")
 TILE = 8   # rows per tile of the `tiles` grouped matmul
 DEFAULT_IMPL = "tiles"   # measured on this CPU: docs/PERF.md "Mixture of experts"
@@ -114,10 +116,18 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
     `tiles` (the default): the real pairs sorted by expert into tiles of TILE rows, one expert per
     tile, a loop over the used tiles only; `pairs`: one pair at a time, its expert read in place;
     `dense`: one GEMM per expert over every token; `ragged`: jax.lax.ragged_dot over the sorted
-    pairs; `gather`: each token's experts' weights gathered."""
+    pairs; `gather`: each token's experts' weights gathered.
+
+    gate_up / down may be stacks of GGML blocks [E, N, K / W, bytes] (a GGUF's or gpt-oss's MXFP4
+    experts kept as stored): `tiles` and `dense` hand one expert's blocks to the GEMM (the CPU kernel
+    widens them as it reads them; XLA's dot dequantises them first), `pairs` and `gather` dequantise
+    the experts they index, `ragged` the whole stack, inside the program."""
     T, k = idx.shape
     E = gate_up.shape[0]
     f32 = jnp.float32
+
+    def floats(w: jax.Array) -> jax.Array:   # GGML blocks (a kept expert stack's) dequantised in the program
+        return ggml_blocks.dequantize(w).astype(h.dtype) if ggml_blocks.format_of(w) else w
 
     def bias(b: jax.Array | None, e: jax.Array) -> jax.Array | float:   # expert e's (or ids') bias rows
         return 0.0 if b is None else jnp.take(b, e, axis=0).astype(f32)
@@ -130,9 +140,9 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
             t, j = p // k, p % k
             e = idx[t, j]
             x = jax.lax.dynamic_index_in_dim(h, t, 0, keepdims=False)
-            gu = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False), x,
+            gu = jax.lax.dot_general(floats(jax.lax.dynamic_index_in_dim(gate_up, e, 0, keepdims=False)), x,
                                      (((1,), (0,)), ((), ())), preferred_element_type=f32) + bias(gate_up_bias, e)
-            y = jax.lax.dot_general(jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False),
+            y = jax.lax.dot_general(floats(jax.lax.dynamic_index_in_dim(down, e, 0, keepdims=False)),
                                     act(gu).astype(h.dtype), (((1,), (0,)), ((), ())),
                                     preferred_element_type=f32) + bias(down_bias, e)
             return out.at[t].add(wf[t, j] * y)
@@ -179,9 +189,9 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         dn = jax.lax.RaggedDotDimensionNumbers(         # contract H with each expert's [out, in] rows
             dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         e_sorted = flat[order]
-        gu = jax.lax.ragged_dot_general(rows, gate_up, sizes, dn, preferred_element_type=f32)
+        gu = jax.lax.ragged_dot_general(rows, floats(gate_up), sizes, dn, preferred_element_type=f32)
         gu = gu + bias(gate_up_bias, e_sorted)
-        y = jax.lax.ragged_dot_general(act(gu).astype(h.dtype), down, sizes, dn, preferred_element_type=f32)
+        y = jax.lax.ragged_dot_general(act(gu).astype(h.dtype), floats(down), sizes, dn, preferred_element_type=f32)
         y = y + bias(down_bias, e_sorted)
         y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)   # back to pair order
     elif impl == "dense":   # one GEMM per expert over every token (`kernels`' GEMM: the CPU kernel's)
@@ -193,8 +203,8 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
             out = out + combine[:, e:e + 1] * g
         return out.astype(h.dtype)
     elif impl == "gather":
-        gu = jnp.einsum("th,tkgh->tkg", h, gate_up[idx], preferred_element_type=f32) + bias(gate_up_bias, idx)
-        y = jnp.einsum("tki,tkhi->tkh", act(gu).astype(h.dtype), down[idx],
+        gu = jnp.einsum("th,tkgh->tkg", h, floats(gate_up[idx]), preferred_element_type=f32) + bias(gate_up_bias, idx)
+        y = jnp.einsum("tki,tkhi->tkh", act(gu).astype(h.dtype), floats(down[idx]),
                        preferred_element_type=f32) + bias(down_bias, idx)
     else:
         raise ValueError(f"impl must be one of {EXPERT_IMPLS}, got {impl!r}")
@@ -258,10 +268,16 @@ def shard_putter(tp: TensorParallel, dtype: Any) -> Callable[..., None]:
     shards `value` is first reordered shard-major along `axis` (`index`: tensor_parallel's
     fused_index / split_index; -1 a zero pad) and kept on the host for the engine to place."""
     on_host = tp.n > 1
+    logged = []
 
     def put(param: nnx.Param, value: np.ndarray, index: np.ndarray | None = None, axis: int = 0) -> None:
         if on_host and index is not None:
-            value = take(value, index, axis)
+            fmt = ggml_blocks.format_of(value)
+            value = take(value, index, axis, tp.n)
+            if fmt and not ggml_blocks.format_of(value) and not logged:
+                logged.append(fmt)
+                log.info("tensor parallel: %d shards cut %s blocks of %s (shape %s): dequantised at load",
+                         tp.n, fmt, param.get_metadata().get("axes"), tuple(value.shape))
         got = ggml_blocks.matrix_shape(value) if ggml_blocks.format_of(value) else tuple(value.shape)
         if got != tuple(param.shape):
             raise ValueError(f"shape {value.shape} where {param.shape} was expected")
@@ -350,11 +366,12 @@ class MoELM(DecoderLM):
         tp, I, S = model.tp, expert_width(config), config.shared_expert_intermediate_size
         put = shard_putter(tp, options.dtype)
 
-        def experts(pre: str, name: str) -> np.ndarray:   # [E, out, in]
-            whole = f"{pre}.experts.{name}.weight"
-            if whole in weights:
-                return weights.tensor(whole)
-            return np.stack([weights.tensor(f"{pre}.experts.{e}.{name}.weight") for e in range(config.num_experts)])
+        def experts(pre: str, *names: str) -> np.ndarray:   # [E, out, in] of `names` joined along out
+            whole = [f"{pre}.experts.{name}.weight" for name in names]
+            if all(w in weights for w in whole):   # a GGUF's stacks: kept as GGML blocks where they can be
+                return weights.stack(*whole)
+            return np.concatenate([np.stack([weights.tensor(f"{pre}.experts.{e}.{name}.weight")
+                                             for e in range(config.num_experts)]) for name in names], axis=1)
 
         for i, mlp in enumerate(model.layers.mlp):
             pre = f"model.layers.{i}.{moe}"
@@ -365,9 +382,8 @@ class MoELM(DecoderLM):
                 put(mlp.down, weights.matrix(f"{pre}.down_proj.weight"), tp.down_index(config), 1)
                 continue
             put(mlp.router, weights.tensor(f"{pre}.gate.weight"))
-            gate, up, down = (experts(pre, n) for n in names)
-            put(mlp.gate_up, np.concatenate([gate, up], axis=1), tp.fused_index(I), 1)
-            put(mlp.down, down, tp.split_index(I), 2)
+            put(mlp.gate_up, experts(pre, names[0], names[1]), tp.fused_index(I), 1)
+            put(mlp.down, experts(pre, names[2]), tp.split_index(I), 2)
             if mlp.shared_gate_up is not None:
                 s = f"{pre}.shared_expert"
                 put(mlp.shared_gate_up, weights.matrix(f"{s}.gate_proj.weight", f"{s}.up_proj.weight"),

@@ -124,12 +124,13 @@ def take_rows(value: np.ndarray, index: np.ndarray) -> np.ndarray:
     return out
 
 
-def take_columns(value: np.ndarray, index: np.ndarray) -> np.ndarray:
+def take_columns(value: np.ndarray, index: np.ndarray, shards: int = 1) -> np.ndarray:
     """value[:, index] (input columns) of a [out, in] matrix, zeros where -1. A GGML-block matrix
-    keeps its blocks when `index` moves whole aligned blocks (of 32 weights, 256 for K-quants); else it is dequantised first."""
+    keeps its blocks when `index` moves whole aligned blocks (of 32 weights, 256 for K-quants) and
+    each of its `shards` equal parts is whole blocks; else it is dequantised first."""
     if ggml_blocks.format_of(value) is not None:
         size = ggml_blocks.weights_per_block(value)   # 32, or 256 for a K-quant
-        runs = index.reshape(-1, size) if index.size % size == 0 else None
+        runs = index.reshape(-1, size) if index.size % (size * shards) == 0 else None
         first = runs[:, :1] if runs is not None else None
         whole = runs is not None and bool(np.all(
             ((runs == -1).all(axis=1)) | ((first[:, 0] % size == 0)
@@ -141,9 +142,15 @@ def take_columns(value: np.ndarray, index: np.ndarray) -> np.ndarray:
     return np.swapaxes(take_rows(np.swapaxes(value, 0, 1), index), 0, 1).copy()
 
 
-def take(value: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+def take(value: np.ndarray, index: np.ndarray, axis: int, shards: int = 1) -> np.ndarray:
     """value's entries `index` along `axis`, zeros where -1: a GGML-block matrix's rows (axis 0) or
-    columns (axis 1 or -1, `take_columns`), any axis of a float array (a stack of experts, a bias)."""
+    columns (axis 1 or -1, `take_columns`: floats unless `index` moves whole blocks, whole blocks per
+    one of `shards`), a stack of them
+    (axis 1 / 2 of [E, N, K / W, bytes]), any axis of a float array (a stack of experts, a bias)."""
     if ggml_blocks.format_of(value) is not None:
-        return take_rows(value, index) if axis == 0 else take_columns(value, index)
+        if value.ndim == 4:   # a stack of experts' matrices [E, N, K / W, bytes], split per expert
+            if axis not in (1, 2):
+                raise ValueError(f"a stack of GGML-block matrices splits along axis 1 or 2, not {axis}")
+            return np.stack([take(v, index, axis - 1, shards) for v in value])
+        return take_rows(value, index) if axis == 0 else take_columns(value, index, shards)
     return np.ascontiguousarray(np.moveaxis(take_rows(np.moveaxis(np.asarray(value), axis, 0), index), 0, axis))

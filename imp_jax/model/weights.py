@@ -2,8 +2,9 @@
 
 A `Matrix` is a parameter the model reads only through `layers.linear` (projections, LM head) or
 `layers.embed` (the embedding table), so it may be stored in any format those read:
-- GGML blocks (kernels_pallas/ggml_blocks.py): a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 and K-quant
-  (Q2_K..Q6_K) matrices as stored;
+- GGML blocks (kernels_pallas/ggml_blocks.py): a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, K-quant
+  (Q2_K..Q6_K), IQ4 and MXFP4 matrices as stored, and (`WeightSource.stack`, model/moe.py) its
+  mixture-of-experts stacks [E, out, in / W, bytes], as gpt-oss's HF MXFP4 experts are too;
 - bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32).
 Both are exact: the products are those of the float32 matrices, at a quarter to half the bytes.
 They pay only where the GEMM reads them as they are (the x86-64 CPU kernel); XLA's dot would
@@ -74,6 +75,17 @@ class WeightSource:
         parts = [self.tensor(n) for n in names]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def stack(self, *names: str) -> np.ndarray:
+        """The expert stack [E, out, in] of `names` (each a whole stack, [E, out_i, in]) joined along
+        the output axis: GGML blocks [E, out, in / W, bytes] when they are kept and every part has them
+        in one format (or Q4_0 / Q5_0 / Q8_0, then as Q8_0), float32 otherwise."""
+        if self.formats.ggml_blocks:
+            kept = _join_blocks([self._blocks(n) for n in names], axis=1)
+            if kept is not None:
+                return kept
+        parts = [self.tensor(n) for n in names]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
     def _blocks(self, name: str) -> np.ndarray | None:
         blocks = getattr(self._tensors, "blocks", None)   # only a GGUF file has them
         return blocks(name) if blocks is not None and name in self._tensors else None
@@ -86,9 +98,10 @@ def stored(value: np.ndarray, dtype: Any, on_host: bool = False) -> jax.Array | 
     return as_array(value) if ggml_blocks.format_of(value) else as_array(value, dtype)
 
 
-def _join_blocks(parts: list[np.ndarray | None]) -> np.ndarray | None:
-    """One matrix of `parts` (GGML blocks, or None for a tensor without readable ones) when they
-    share one format, or are all Q4_0 / Q5_0 / Q8_0 (then as Q8_0, which holds each exactly); else None."""
+def _join_blocks(parts: list[np.ndarray | None], axis: int = 0) -> np.ndarray | None:
+    """One matrix of `parts` (GGML blocks, or None for a tensor without readable ones) joined along
+    `axis` when they share one format, or are all Q4_0 / Q5_0 / Q8_0 (then as Q8_0, which holds each
+    exactly); else None."""
     if any(p is None for p in parts):
         return None
     formats = {ggml_blocks.format_of(p) for p in parts}
@@ -96,7 +109,7 @@ def _join_blocks(parts: list[np.ndarray | None]) -> np.ndarray | None:
         if not formats <= ggml_blocks.WIDENS_TO_Q8_0:
             return None
         parts = [ggml_blocks.to_q8_0(p) for p in parts]   # exact: the same float32 weights
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
 
 
 def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
@@ -117,8 +130,13 @@ def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
 
 
 def describe(model: nnx.Module) -> str:
-    """One line for the log: the weights' MiB and how many arrays of each storage format."""
+    """One line for the log: the weights' MiB, how many arrays of each storage format, and of those
+    how many are mixture-of-experts stacks kept as GGML blocks, by format."""
     arrays = jax.tree.leaves(nnx.state(model))
     formats = Counter(ggml_blocks.format_of(a) or jnp.dtype(a.dtype).name for a in arrays)
+    stacks = Counter(ggml_blocks.format_of(a) for a in arrays if ggml_blocks.format_of(a) and a.ndim == 4)
     mib = sum(a.nbytes for a in arrays) / 2**20
-    return f"{mib:.0f} MiB in " + ", ".join(f"{n} {f}" for f, n in formats.most_common())
+    line = f"{mib:.0f} MiB in " + ", ".join(f"{n} {f}" for f, n in formats.most_common())
+    if stacks:
+        line += "; expert stacks kept as blocks: " + ", ".join(f"{n} {f}" for f, n in stacks.most_common())
+    return line
