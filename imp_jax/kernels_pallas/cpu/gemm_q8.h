@@ -661,15 +661,14 @@ struct Gemm {
   }
 };
 
-// The work of format W on path I: Gemm for 32-weight blocks, KGemm for K-quant super-blocks (which
-// run the VNNI kernels on the AVX-512 path).
+// The work of format W on path I: Gemm for 32-weight blocks, KGemm for K-quant super-blocks.
 template <class W, Isa I, class = void>
 struct GemmFor {
   using type = Gemm<W, I>;
 };
 template <class W, Isa I>
 struct GemmFor<W, I, std::void_t<decltype(W::kMins)>> {
-  using type = KGemm<W, I != kAvx2>;
+  using type = KGemm<W, I>;
 };
 
 // y [M, N] = the q8 product of x [M, K] and blocks w [N, K / 32, W::kBytes] (K-quants: super-blocks

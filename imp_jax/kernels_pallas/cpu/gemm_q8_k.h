@@ -17,14 +17,14 @@
 //   then `hsum` of each (simd.h) and one float32 subtraction.
 // Nothing depends on M, N, the tiling or the instruction set: the integer lanes are the same from
 // vpmaddubsw + vpmaddwd (AVX2; no pair saturates int16: 2 * 63 * 127 < 2^15) and from vpdpbusd (VNNI;
-// the AVX-512 path runs these VNNI kernels for K-quants), and every path does the float operations
-// above on them. Against llama.cpp (ggml_vec_dot_q4_K_q8_K: x in 256-wide blocks, integer sums over a
+// the AVX-512 path runs the VNNI one-row kernel, and tiles of two weight rows a zmm), and every path
+// does the float operations above on them. Against llama.cpp (ggml_vec_dot_q4_K_q8_K: x in 256-wide blocks, integer sums over a
 // super-block, one float scale per super-block) this rounds x per 32 values (finer) and scales per
 // sub-block in float32.
 //
 // Work: one row of x goes through `kgemv` (4 far-apart weight rows, unpacked and scales decoded in
 // registers, as `gemv`); several through `KGemm`'s tiles, each weight tile's bytes and lane scales D
-// prepared once for the 64 rows of a work item.
+// prepared once for the 64 rows of a work item (AVX-512: `ktile_zmm`, two weight rows a register).
 #pragma once
 
 #include <immintrin.h>
@@ -204,6 +204,9 @@ struct KTile {
   float* M_at(int64_t c) const { return M + c * nb; }
 };
 
+template <class W>
+inline float kmins(const Activations& a, int64_t r, const KTile& t, int64_t c);
+
 // The MR x NR block of y for activation rows [r0, r0 + MR) and a prepared tile's NR rows: per output
 // the operations of `kgemv`, each weight block read once for the MR rows.
 template <class W, bool Vnni, int MR, int NR>
@@ -230,19 +233,75 @@ void ktile(const Activations& a, int64_t r0, const KTile& t, float* y, int64_t l
     }
   }
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
-    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-      float v = hsum(acc[r][c]);
-      if constexpr (W::kMins) {
-        __m256 mins = _mm256_setzero_ps();
-        for (int64_t s = 0; s < nb / kSubs; ++s)
-          mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(t.M_at(c) + 8 * s), _mm256_loadu_ps(a.sd_at(r0 + r, kSubs * s))));
-        v -= hsum(mins);
-      }
-      y[r * ldy + c] = v;
-    }
+    IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) y[r * ldy + c] = hsum(acc[r][c]) - kmins<W>(a, r0 + r, t, c);
+}
+
+// hsum of the mins lanes of activation row r and tile row c, as `kgemv` sums them (0 without mins).
+template <class W>
+inline float kmins(const Activations& a, int64_t r, const KTile& t, int64_t c) {
+  if constexpr (!W::kMins) return 0.0f;
+  __m256 mins = _mm256_setzero_ps();
+  for (int64_t s = 0; s < a.nb / kSubs; ++s)
+    mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(t.M_at(c) + 8 * s), _mm256_loadu_ps(a.sd_at(r, kSubs * s))));
+  return hsum(mins);
 }
 
 using KTileFn = void (*)(const Activations&, int64_t, const KTile&, float*, int64_t);
+
+// `ktile` on 512 bits (the AVX-512 path): each zmm holds two tile rows' 8 lanes side by side (rows 2p,
+// 2p + 1 of NP pairs; `ncols` of the tile's rows real, a missing last one read as the first again and
+// not stored), lane for lane the same vpdpbusd, scale product, conversion and fma, then each half's
+// `hsum`: the same bits.
+constexpr int64_t kZKR = 4;   // tile rows per AVX-512 K-quant tile
+
+template <class W, int MR, int NP>
+IMP_Q8_ZMM void ktile_zmm(const Activations& a, int64_t r0, const KTile& t, float* y, int64_t ldy, int64_t ncols) {
+  constexpr bool kBias = W::bias(true) != 0;
+  const int64_t nb = a.nb;
+  int64_t rows[2 * NP];
+  IMP_Q8_UNROLL for (int c = 0; c < 2 * NP; ++c) rows[c] = c < ncols ? c : 0;
+  __m512 acc[MR][NP];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[NP];
+    __m512 D[NP];
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
+      const uint8_t *w0 = t.bytes_at(rows[2 * p]) + b * kBlock, *w1 = t.bytes_at(rows[2 * p + 1]) + b * kBlock;
+      wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1)), 1);
+      D[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(t.D_at(rows[2 * p]) + 8 * b)),
+                                _mm256_loadu_ps(t.D_at(rows[2 * p + 1]) + 8 * b), 1);
+    }
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r0 + r, b))));
+      const __m512i start = kBias ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lanes_at(r0 + r, b))))
+                                  : _mm512_setzero_si512();
+      const __m512 dx = _mm512_set1_ps(*a.d_at(r0 + r, b));
+      IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
+        const __m512i lanes = _mm512_dpbusd_epi32(start, wv[p], qx);
+        acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(D[p], dx), _mm512_cvtepi32_ps(lanes), acc[r][p]);
+      }
+    }
+  }
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+    IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
+      y[r * ldy + 2 * p] = hsum(_mm512_castps512_ps256(acc[r][p])) - kmins<W>(a, r0 + r, t, 2 * p);
+      if (2 * p + 1 < ncols) y[r * ldy + 2 * p + 1] = hsum(_mm512_extractf32x8_ps(acc[r][p], 1)) - kmins<W>(a, r0 + r, t, 2 * p + 1);
+    }
+}
+
+using KZTileFn = void (*)(const Activations&, int64_t, const KTile&, float*, int64_t, int64_t);
+
+template <class W>
+struct KZTiles {   // fn[mr - 1][np - 1]
+  static constexpr KZTileFn fn[kMR][kZKR / 2] = {
+      {ktile_zmm<W, 1, 1>, ktile_zmm<W, 1, 2>},
+      {ktile_zmm<W, 2, 1>, ktile_zmm<W, 2, 2>},
+      {ktile_zmm<W, 3, 1>, ktile_zmm<W, 3, 2>},
+      {ktile_zmm<W, 4, 1>, ktile_zmm<W, 4, 2>},
+  };
+};
 
 template <class W, bool Vnni>
 struct KTiles {   // fn[mr - 1][nr - 1]
@@ -256,8 +315,10 @@ struct KTiles {   // fn[mr - 1][nr - 1]
 
 // y [M, N] = the q8 product of x [M, K] and K-quant super-blocks w [N, K / 256, W::kBytes]; the work
 // items as Gemm's (one row: gemv_split's streams; else 64 rows by 48 weight rows).
-template <class W, bool Vnni>
+template <class W, Isa I>
 struct KGemm {
+  static constexpr bool Vnni = I != kAvx2;
+  static constexpr int64_t kTileRows = I == kAvx512 ? kZKR : kNR;   // weight rows prepared at a time
   Activations a;
   const uint8_t* w;
   float* y;
@@ -296,13 +357,16 @@ struct KGemm {
     if (a.M == 1) return kgemv_item<W, Vnni>(a, 0, w, ldw, starts[i], starts[i + 1], y);
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
-    if (!tile) tile = std::make_unique<KTile>(kNR, a.nb);
-    for (int64_t n = n0; n < n1; n += kNR) {
-      const int64_t nr = std::min(kNR, n1 - n);
+    if (!tile) tile = std::make_unique<KTile>(kTileRows, a.nb);
+    for (int64_t n = n0; n < n1; n += kTileRows) {
+      const int64_t nr = std::min(kTileRows, n1 - n);
       prepare(w + n * ldw, nr, *tile);
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
-        KTiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, *tile, y + m * N + n, N);
+        if constexpr (I == kAvx512)
+          KZTiles<W>::fn[mr - 1][(nr + 1) / 2 - 1](a, m, *tile, y + m * N + n, N, nr);
+        else
+          KTiles<W, Vnni>::fn[mr - 1][nr - 1](a, m, *tile, y + m * N + n, N);
       }
     }
   }
