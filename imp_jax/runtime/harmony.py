@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK
+from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ForcedEnd
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
@@ -85,7 +85,7 @@ class HarmonyMarkers:
         return HarmonyTracker(self, prompt_ids, budget)
 
 
-class HarmonyTracker:
+class HarmonyTracker(ForcedEnd):
     """One sequence's place in its harmony reply (ThinkTracker's interface: observe, force_end, ...)."""
 
     def __init__(self, markers: HarmonyMarkers, prompt_ids: Sequence[int], budget: int | None = None):
@@ -134,16 +134,6 @@ class HarmonyTracker:
         else:   # in a header or between messages: end the next analysis as soon as it opens
             self._end_on_open = True
         return "ending"
-
-    @property
-    def forced_token(self) -> int | None:
-        """The token the next sample must be (a forced end in progress), else None."""
-        return self._forced[0] if self._forced else None
-
-    @property
-    def may_force(self) -> bool:
-        """Whether observing a token may start (or is in) a forced end."""
-        return bool(self._forced) or self._end_on_open or self.budget is not None
 
     @property
     def constrained(self) -> bool:

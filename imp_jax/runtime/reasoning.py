@@ -60,7 +60,27 @@ def _after_end(tokenizer: Any) -> str:
     return text.rsplit(THINK_END, 1)[1] if THINK_END in text else DEFAULT_AFTER_END
 
 
-class ThinkTracker:
+class ForcedEnd:
+    """The forced-end state a reasoning tracker keeps (ThinkTracker; HarmonyTracker, runtime/harmony.py):
+    the end tokens still to be sampled, whether an end was asked before the reasoning opened, the budget."""
+
+    _forced: list[int]
+    _end_on_open: bool
+    budget: int | None
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token the next sample must be (a forced end in progress), else None."""
+        return self._forced[0] if self._forced else None
+
+    @property
+    def may_force(self) -> bool:
+        """Whether observing a token may start (or is in) a forced end: the next step's mask then
+        depends on the token just sampled (the engine reads it before launching that step)."""
+        return bool(self._forced) or self._end_on_open or self.budget is not None
+
+
+class ThinkTracker(ForcedEnd):
     """One sequence's place relative to its think block, and the forced end still to emit."""
 
     def __init__(self, markers: ThinkMarkers, prompt_ids: Sequence[int], budget: int | None = None):
@@ -112,16 +132,6 @@ class ThinkTracker:
             self._end_on_open = True
         return "ending"
 
-    @property
-    def forced_token(self) -> int | None:
-        """The token the next sample must be (a forced end in progress), else None."""
-        return self._forced[0] if self._forced else None
-
-    @property
-    def may_force(self) -> bool:
-        """Whether observing a token may start (or is in) a forced end: the next step's mask then
-        depends on the token just sampled (the engine reads it before launching that step)."""
-        return bool(self._forced) or self._end_on_open or self.budget is not None
 
     @property
     def constrained(self) -> bool:
