@@ -1,7 +1,7 @@
 """Mixture-of-experts on this CPU: the expert-FFN implementations, and an MoE vs a dense model with the
 same active parameters through the engine.
 
-    PYTHONPATH=. python scripts/bench_moe.py [--part kernels engine] [--tokens 1 32 128] [--batches 1 32]
+    PYTHONPATH=. python scripts/bench_moe.py [--part kernels engine quant] [--tokens 1 32 128] [--batches 1 32]
                                              [--repeats 5] [--out bench_results/moe.json]
 
 kernels: model/moe.py's `expert_ffn` ("ragged": tokens sorted by expert, jax.lax.ragged_dot_general;
@@ -10,6 +10,10 @@ weights gathered) on one layer's experts, jitted, interleaved repeats, median ms
 engine: tiny random Mixtral (E experts, top-k, expert width I) against a tiny Llama whose MLP is
 k * I wide (the same active parameters per token; attention identical), each served by EngineCore
 with greedy decoding of N sequences; output tok/s, interleaved repeats, medians.
+quant: a tiny random Mixtral GGUF (the engine part's shape) whose expert stacks are `--expert-type`
+blocks (Q4_K by default; attention, router, embedding and head float32), served with its expert stacks
+kept as the file's blocks (`--quantized-weights keep`) and dequantised at load (`dequantize`): bytes
+of weights, output tok/s.
 """
 from __future__ import annotations
 
@@ -135,9 +139,120 @@ def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, promp
     return rows
 
 
+def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
+    """A random Mixtral (llama architecture with expert stacks) GGUF of SHAPE whose gate / up / down
+    expert stacks are `qtype` blocks (random bytes, small finite scales), everything else float32."""
+    import gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_gguf_loader import byte_level_vocab
+    from test_kquants import BLOCK_WEIGHTS, random_blocks
+
+    H, L = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
+    heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    D = H // heads
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, L), (w.add_context_length, 1024), (w.add_embedding_length, H),
+                   (w.add_feed_forward_length, I), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                   (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_expert_count, E),
+                   (w.add_expert_used_count, k), (w.add_eos_token_id, 2)):
+        add(v)
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_merges(merges)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+
+    def f32(name: str, *shape: int, scale: float = 0.05) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    f32("token_embd.weight", len(tokens), H, scale=1.0)
+    f32("output.weight", len(tokens), H)
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    for i in range(L):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
+        for leaf, n in (("attn_q", heads * D), ("attn_k", kv_heads * D), ("attn_v", kv_heads * D)):
+            f32(f"blk.{i}.{leaf}.weight", n, H)
+        f32(f"blk.{i}.attn_output.weight", H, heads * D)
+        f32(f"blk.{i}.ffn_gate_inp.weight", E, H, scale=0.5)
+        for leaf, (n, kk) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            stack = np.stack([random_blocks(qtype, n, kk // BLOCK_WEIGHTS[qtype], seed=int(rng.integers(1 << 30)),
+                                            scale=0.3 / kk) for _ in range(E)])
+            if qtype == "MXFP4":   # E8M0 exponents of small weights (2^-16..2^-12 times at most 6)
+                stack[..., 0] = rng.integers(112, 117, stack.shape[:-1])
+            stack = stack.reshape(E, n, -1)
+            w.add_tensor(f"blk.{i}.ffn_{leaf}_exps.weight", stack, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def bench_quant(path: Path, batches: list[int], repeats: int, prompt_len: int, output_len: int,
+                max_tokens: int) -> dict:
+    """The GGUF served with its expert stacks kept as blocks and dequantised at load: weight bytes
+    (and the kept stacks' bytes against the file's), output tok/s per batch."""
+    import gguf
+    import jax
+    from flax import nnx
+
+    from imp_jax.kernels_pallas import Kernels
+    from imp_jax.model.loader import load_model
+    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.request import GenerationRequest, SamplingParams
+
+    modes = ("keep", "dequantize")
+    out: dict = {"file_bytes": path.stat().st_size,
+                 "file_expert_bytes": sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors
+                                          if "_exps" in t.name)}
+    for mode in modes:
+        model = load_model(path, dtype="float32", kernels=Kernels(gemm="cpu", quantized=mode)).model
+        leaves = jax.tree.leaves(nnx.state(model))
+        out[f"{mode}_weight_bytes"] = int(sum(a.nbytes for a in leaves))
+        out[f"{mode}_expert_bytes"] = int(sum(a.nbytes for m in model.layers.mlp for a in (m.gate_up[...], m.down[...])))
+        print(f"{mode}: weights {out[f'{mode}_weight_bytes'] / 2**20:.1f} MiB, expert stacks "
+              f"{out[f'{mode}_expert_bytes'] / 2**20:.1f} MiB (file's {out['file_expert_bytes'] / 2**20:.1f} MiB)",
+              flush=True)
+        del model
+    cores = {mode: build_engine(EngineConfig(model=str(path), quantized_weights=mode, max_num_seqs=max(batches),
+                                             max_model_len=prompt_len + output_len + 16,
+                                             max_num_batched_tokens=max_tokens)) for mode in modes}
+    rng = np.random.default_rng(0)
+
+    def run(core, batch: int) -> float:
+        for i in range(batch):
+            ids = [int(t) for t in rng.integers(4, 150, prompt_len)]
+            core.add_request(GenerationRequest(f"r{time.time_ns()}-{i}", ids, SamplingParams(
+                temperature=0.0, max_tokens=output_len, ignore_eos=True)), lambda ev: None)
+        t0 = time.perf_counter()
+        while core.has_work():
+            core.step()
+        return batch * output_len / (time.perf_counter() - t0)
+
+    out["engine"] = []
+    for b in batches:
+        got: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for m, core in cores.items():
+                got[m].append(run(core, b))
+        row = dict(batch=b, **{f"{m}_tok_s": float(np.median(v)) for m, v in got.items()})
+        out["engine"].append(row)
+        print(f"batch {b:3d}: keep {row['keep_tok_s']:8.1f} tok/s  dequantize {row['dequantize_tok_s']:8.1f} tok/s "
+              f"({row['keep_tok_s'] / row['dequantize_tok_s']:.2f}x)", flush=True)
+    for m, core in cores.items():
+        assert core.step_fn.compilations_after_warmup == 0, (m, core.step_fn.compilations_after_warmup)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", nargs="+", choices=("kernels", "engine"), default=["kernels", "engine"])
+    ap.add_argument("--part", nargs="+", choices=("kernels", "engine", "quant"), default=["kernels", "engine"])
+    ap.add_argument("--expert-type", default="Q4_K", help="the quant part's expert stack type (a GGML type "
+                    "kept as blocks: Q4_K, Q8_0, MXFP4, ...)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=5)
@@ -165,6 +280,12 @@ def main() -> int:
             paths = write_models(Path(tmp), E, k, I)
             results["engine"] = bench_engine(paths, args.batches, args.repeats, args.prompt_len, args.output_len,
                                              args.impls, args.max_num_batched_tokens)
+    if "quant" in args.part:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"mixtral-{args.expert_type}.gguf"
+            write_quant_gguf(path, E, k, I, args.expert_type)
+            results["quant"] = dict(expert_type=args.expert_type, **bench_quant(
+                path, args.batches, args.repeats, args.prompt_len, args.output_len, args.max_num_batched_tokens))
     results["load_average_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
