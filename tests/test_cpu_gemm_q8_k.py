@@ -20,7 +20,8 @@ from test_kquants import gguf_py, random_blocks
 
 from imp_jax.kernels_pallas import ggml_blocks as quant
 
-KQUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+KQUANTS = ["Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+BIAS = {"Q3_K": 4, "Q6_K": 32}   # w = q - bias
 
 
 def f16(b: np.ndarray) -> np.ndarray:
@@ -36,10 +37,19 @@ def scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def k_weights(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Super-blocks [N, S, bytes] as the kernel reads them: unsigned integers q [N, 8S, 32] (Q6_K's
-    w = q - 32), lane scales D = d * sc [N, 8S, 8] (float32, exact) and mins dmin * mn [N, 8S] (or None),
+    """Super-blocks [N, S, bytes] as the kernel reads them: unsigned integers q [N, 8S, 32] (w = q - BIAS),
+    lane scales D = d * sc [N, 8S, 8] (float32, exact) and mins dmin * mn [N, 8S] (or None),
     with w = D * q - mins (the lane's scale for its 4 weights)."""
     n, s = blocks.shape[:2]
+    if fmt == "Q3_K":   # 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, f16 d
+        hm, qs, sb = (blocks[..., a:b].astype(np.int64) for a, b in ((0, 32), (32, 96), (96, 108)))
+        q = np.zeros((n, s, 8, 32), np.int64)
+        for j in range(8):   # block j: bits 2 (j % 4) of qs[32 (j // 4) ..], bit j of hmask as 4
+            q[:, :, j] = ((qs[..., 32 * (j // 4):32 * (j // 4) + 32] >> (2 * (j % 4))) & 3) | (((hm >> j) & 1) << 2)
+        sc = np.stack([((sb[..., t] if t < 8 else sb[..., t - 8] >> 4) & 15) | (((sb[..., 8 + t % 4] >> (2 * (t // 4))) & 3) << 4)
+                       for t in range(16)], -1) - 32
+        D = f16(blocks[..., 108:110])[..., None] * sc.astype(np.float32)
+        return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 2), 4, axis=-1), None
     if fmt == "Q6_K":
         ql, qh = blocks[..., :128].astype(np.int64), blocks[..., 128:192].astype(np.int64)
         q = np.zeros((n, s, 256), np.int64)
@@ -64,13 +74,12 @@ def k_weights(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.
 
 def k_terms(x: np.ndarray, blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """The terms the kernel sums in float32, in float64 [M, N, terms]: per block and lane
-    fl(D * d_x) * L (L the exact integer dot of the lane's 4 weights, Q6_K's less 32), then minus
+    fl(D * d_x) * L (L the exact integer dot of the lane's 4 weights, less BIAS), then minus
     fl(mins * sd); and their magnitudes."""
     q, d, sd = quantise(x)
     m, nb = d.shape
     qw, D, mins = k_weights(blocks, fmt)
-    if fmt == "Q6_K":
-        qw = qw - 32
+    qw = qw - BIAS.get(fmt, 0)
     lanes = np.einsum("mbla,nbla->mnbl", q.reshape(m, nb, 8, 4), qw.reshape(-1, nb, 8, 4))
     size_lanes = np.einsum("mbla,nbla->mnbl", np.abs(q).reshape(m, nb, 8, 4), np.abs(qw).reshape(-1, nb, 8, 4))
     dd = (D[None] * d[:, None, :, None]).astype(np.float32).astype(np.float64)   # [M, N, nb, 8]
@@ -91,7 +100,7 @@ def test_the_reference_reads_the_blocks_as_gguf_py_does(fmt):
     """The model's integers and scales are the format: D * q - mins is gguf-py's dequantisation."""
     blocks = k_blocks(fmt, 5, 512, 1)
     q, D, mins = k_weights(blocks, fmt)
-    w = np.repeat(D, 4, axis=-1).astype(np.float64) * (q - (32 if fmt == "Q6_K" else 0))
+    w = np.repeat(D, 4, axis=-1).astype(np.float64) * (q - BIAS.get(fmt, 0))
     if mins is not None:
         w -= mins[..., None]
     np.testing.assert_allclose(w.reshape(5, 512), gguf_py(blocks, fmt), rtol=1e-6, atol=1e-9)

@@ -23,7 +23,7 @@ class EngineConfig:
     attention: str = _field("auto", "attention kernel: auto | xla | cpu | pallas; auto = pallas on a Hopper "
                             "GPU, the C++ kernel on an x86-64 CPU, else xla")
     gemm: str = _field("auto", "projection GEMM: auto | xla | cpu | cpu_q8; auto = the C++ kernel on an x86-64 "
-                       "CPU, else xla. cpu_q8 (opt-in): GGUF Q8_0/Q4_x/Q5_x/Q4_K/Q5_K/Q6_K matrices meet activations rounded "
+                       "CPU, else xla. cpu_q8 (opt-in): GGUF Q8_0/Q4_x/Q5_x/Q3_K-Q6_K matrices meet activations rounded "
                        "to int8 (llama.cpp's arithmetic): faster decode, outputs differ slightly from exact")
     quantized_weights: str = _field(
         "auto", "a GGUF's quantised matrices: auto | keep | dequantize. keep: stored as the file's blocks (the "

@@ -33,8 +33,8 @@
 // most kMR rows (the memory-bound case) are instead read straight into registers.
 //
 // gemm_q8.h is the opt-in int8-activation arithmetic for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks and
-// (gemm_q8_k.h) Q4_K / Q5_K / Q6_K super-blocks (imp_gemm_q8_*, bound below); with it the other
-// formats (Q2_K, Q3_K, IQ4_XS, IQ4_NL) keep the exact widening (cpu/gemm.py).
+// (gemm_q8_k.h) Q3_K / Q4_K / Q5_K / Q6_K super-blocks (imp_gemm_q8_*, bound below); with it the other
+// formats (Q2_K, IQ4_XS, IQ4_NL) keep the exact widening (cpu/gemm.py).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -782,6 +782,7 @@ constexpr auto GemmQ8Q4_0 = BlocksQ8<imp_q8::Q4_0>;
 constexpr auto GemmQ8Q4_1 = BlocksQ8<imp_q8::Q4_1>;
 constexpr auto GemmQ8Q5_0 = BlocksQ8<imp_q8::Q5_0>;
 constexpr auto GemmQ8Q5_1 = BlocksQ8<imp_q8::Q5_1>;
+constexpr auto GemmQ8Q3_K = BlocksQ8<imp_q8::Q3_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q4_K = BlocksQ8<imp_q8::Q4_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q5_K = BlocksQ8<imp_q8::Q5_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q6_K = BlocksQ8<imp_q8::Q6_K, imp_q8::kSuper>;
@@ -817,6 +818,7 @@ IMP_GEMM_HANDLER(ImpGemmQ8Q4_0W, GemmQ8Q4_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1W, GemmQ8Q4_1, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_0W, GemmQ8Q5_0, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_1W, GemmQ8Q5_1, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q3_KW, GemmQ8Q3_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_KW, GemmQ8Q4_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_KW, GemmQ8Q5_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q6_KW, GemmQ8Q6_K, ffi::U8);
@@ -836,7 +838,7 @@ extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_
   for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
 }
 
-// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20, 22, 24; K-quants 144, 176, 210) on the path `isa`:
+// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20, 22, 24; K-quants 110, 144, 176, 210) on the path `isa`:
 // 0 vpmaddubsw (AVX2), 1 vpdpbusd on 256 bits (VNNI), 2 AVX-512 (the one-row path and the tiles on zmm);
 // -1 for an unknown format or a path this CPU lacks.
 extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t M, int64_t K,
@@ -849,6 +851,7 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
     case imp_q8::Q4_1::kBytes: imp_q8::dispatch<imp_q8::Q4_1>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_0::kBytes: imp_q8::dispatch<imp_q8::Q5_0>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_1::kBytes: imp_q8::dispatch<imp_q8::Q5_1>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q3_K::kBytes: imp_q8::dispatch<imp_q8::Q3_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_K::kBytes: imp_q8::dispatch<imp_q8::Q4_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_K::kBytes: imp_q8::dispatch<imp_q8::Q5_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q6_K::kBytes: imp_q8::dispatch<imp_q8::Q6_K>(nullptr, path, x, M, K, w, N, y); return 0;

@@ -12,9 +12,9 @@ first use (build.py).
 llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h): each row of x rounded to int8 per
 32-wide block with a float32 scale, integer dot products with the blocks, float32 scaling and sums.
 Faster (the weights are not widened), but the outputs are no longer the float32 product's: they
-differ by the rounding of x. Integer paths: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (so every
-matrix of a Q4_K_M / Q5_K_M / Q6_K file). Plain (float32, bfloat16) weights are read as before, and
-so are Q2_K, Q3_K, IQ4_XS and IQ4_NL: the exact widening, the `--gemm cpu` result.
+differ by the rounding of x. Integer paths: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K
+(so every matrix of a Q4_K_M / Q5_K_M / Q6_K file). Plain (float32, bfloat16) weights are read as before, and
+so are Q2_K, IQ4_XS and IQ4_NL: the exact widening, the `--gemm cpu` result.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from imp_jax.kernels_pallas.cpu import build
 TARGET = "imp_gemm_f32"
 TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
 BLOCK_TARGETS = {name: f"imp_gemm_f32_{name.lower()}w" for name in ggml_blocks.FORMATS}   # every GGML format
-Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")   # gemm_q8.h's integer paths
+Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")   # gemm_q8.h's integer paths
 Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in Q8_FORMATS}
 _HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
              **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()},
@@ -51,7 +51,7 @@ def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
     fmt = ggml_blocks.format_of(w)
     if fmt is None:
         return None
-    # int8 activations only for the formats gemm_q8.h / gemm_q8_k.h have; Q2_K, Q3_K and IQ4_x are widened exactly
+    # int8 activations only for the formats gemm_q8.h / gemm_q8_k.h have; Q2_K and IQ4_x are widened exactly
     return Q8_TARGETS[fmt] if int8_activations and fmt in Q8_TARGETS else BLOCK_TARGETS[fmt]
 
 

@@ -7,7 +7,7 @@
 //   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble;
 //     Q5_0: nibble + 16 * fifth bit - 16; Q5_1: nibble + 16 * fifth bit);
 //   dd = d_w * d_x (one float32 rounding); every float op in float32.
-// The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) meet the same activations with their own
+// The K-quants (Q3_K, Q4_K, Q5_K, Q6_K: 256-weight super-blocks) meet the same activations with their own
 // sums, specified in gemm_q8_k.h.
 // So outputs differ from the exact product by x's 8-bit rounding (at most half a step, 0.4% of the
 // block's largest |x|), not by the weights: those are used exactly as stored.

@@ -1,4 +1,4 @@
-// The q8 GEMM for K-quant weights (Q4_K, Q5_K, Q6_K): 256-weight super-blocks with integer
+// The q8 GEMM for K-quant weights (Q3_K, Q4_K, Q5_K, Q6_K): 256-weight super-blocks with integer
 // sub-block scales under f16 ones, multiplied by int8 activations. Included by gemm_q8.h (after
 // `Activations`, `quantise` and `idot`), whose header comment specifies the activations: x keeps its
 // 32-wide blocks (d_x, sd = d_x * sum q per 32 values), so a super-block meets 8 activation blocks.
@@ -7,10 +7,11 @@
 //   acc (8 float32 lanes, lane l reading weights 4l..4l+3 of each 32-weight block b, b in order):
 //     acc_l = fma(dd_{b,l}, float(L_{b,l}), acc_l),
 //     L_{b,l} = the exact int32 sum of the lane's 4 products q_w * q_x (q_w: the unsigned stored
-//       integers, 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K; Q6_K's w = q_w - 32 by starting the lane from
-//       -32 times the sum of its 4 q_x, as Q4_0's bias),
+//       integers, 0..7 Q3_K, 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K; Q3_K's w = q_w - 4 and Q6_K's
+//       w = q_w - 32 by starting the lane from -4 or -32 times the sum of its 4 q_x, as Q4_0's bias),
 //     dd_{b,l} = fl(D_{b,l} * d_x,b), D_{b,l} = d * sc of the sub-block lane l is in (Q4_K / Q5_K:
-//       sc of the 32-weight sub-block b; Q6_K: of the 16-weight one, so lanes 0-3 and 4-7 differ),
+//       sc of the 32-weight sub-block b; Q3_K (sc - 32) / Q6_K: of the 16-weight one, so lanes 0-3
+//       and 4-7 differ),
 //       exact in float32 (an f16 times a 6- or 8-bit integer);
 //   mins (Q4_K / Q5_K; 8 float32 lanes, lane j for sub-block j of every super-block s, s in order):
 //     mins_j = fl(mins_j + fl(M_{s,j} * sd_{8s+j})), M = dmin * mn (exact);
@@ -104,6 +105,54 @@ struct Q5_K {   // Q4_K's fields, 32 bytes of fifth bits (bit j of byte l: weigh
   }
 };
 
+// Lane scales of 16-weight scales: block j's lanes 0-3 (its first 16 weights) take scale 2j, lanes 4-7
+// scale 2j + 1, from lo (scales 0-7) and hi (8-15).
+inline void pair_lanes(__m256 lo, __m256 hi, __m256 D[kSubs]) {
+  for (int j = 0; j < kSubs; ++j) {
+    const int at = 2 * (j % 4);
+    D[j] = _mm256_permutevar8x32_ps(j < 4 ? lo : hi, _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1));
+  }
+}
+
+struct Q3_K {   // 32 bytes of high bits, 64 of 2-bit pairs, 12 scale bytes, f16 d: w = d * (sc - 32) * (q - 4)
+  static constexpr const char* kName = "imp_gemm_q8_q3_kw";
+  static constexpr int64_t kBytes = 110;
+  static constexpr bool kMins = false;
+  static constexpr int32_t bias(bool) { return 4; }
+  static constexpr bool sign_trick(bool) { return false; }
+  // 16 6-bit scales t, minus 32: low 4 bits the low nibble of byte t (t < 8) or the high one of byte
+  // t - 8, high 2 bits bits 2 (t / 4), 2 (t / 4) + 1 of byte 8 + t % 4
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256&) {
+    uint32_t a[3];
+    std::memcpy(a, sb + 96, 12);
+    const uint32_t s[4] = {(a[0] & 0x0f0f0f0f) | ((a[2] & 0x03030303) << 4),
+                           (a[1] & 0x0f0f0f0f) | (((a[2] >> 2) & 0x03030303) << 4),
+                           ((a[0] >> 4) & 0x0f0f0f0f) | (((a[2] >> 4) & 0x03030303) << 4),
+                           ((a[1] >> 4) & 0x0f0f0f0f) | (((a[2] >> 6) & 0x03030303) << 4)};
+    __m128i sc;
+    std::memcpy(&sc, s, 16);
+    sc = _mm_sub_epi8(sc, _mm_set1_epi8(32));
+    const __m256 d = f16_splat(sb + 108);
+    const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    pair_lanes(lo, hi, D);
+  }
+  // block 4h + k: bits 2k, 2k + 1 of qs[32h ..], and bit 4h + k of hmask[..] as bit 2
+  static void unpack(const uint8_t* sb, __m256i w[kSubs]) {
+    const __m256i two = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32 + 32 * h));
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * h + k;
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), two);
+        const __m256i high = _mm256_and_si256(j <= 2 ? _mm256_slli_epi16(hm, 2 - j) : _mm256_srli_epi16(hm, j - 2), four);
+        w[j] = _mm256_or_si256(low, high);
+      }
+    }
+  }
+};
+
 struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d: w = d * sc * (q - 32)
   static constexpr const char* kName = "imp_gemm_q8_q6_kw";
   static constexpr int64_t kBytes = 210;
@@ -116,11 +165,7 @@ struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, 
     const __m256 d = f16_splat(sb + 208);
     const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
     const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-    for (int j = 0; j < kSubs; ++j) {
-      const __m256i at = _mm256_setr_epi32(2 * (j % 4), 2 * (j % 4), 2 * (j % 4), 2 * (j % 4),
-                                           2 * (j % 4) + 1, 2 * (j % 4) + 1, 2 * (j % 4) + 1, 2 * (j % 4) + 1);
-      D[j] = _mm256_permutevar8x32_ps(j < 4 ? lo : hi, at);
-    }
+    pair_lanes(lo, hi, D);
   }
   // half h (128 weights): blocks 4h + k from ql[64h + 32 (k % 2) ..] (low nibbles for k < 2, high
   // ones after) and bits 2k, 2k + 1 of qh[32h ..] as bits 4, 5
