@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -207,9 +208,9 @@ def test_gpt_oss_hf_mxfp4_experts_stay_mxfp4_with_the_dequantised_logits(tmp_pat
     dequantised at load, bit for bit."""
     import safetensors.numpy
 
-    from imp_jax.model.loader import SafetensorsDir, build_from_tensors
     from imp_jax.model.base import ModelOptions
     from imp_jax.model.gpt_oss import GptOssLM
+    from imp_jax.model.loader import SafetensorsDir, build_from_tensors
     from paged import host_kernels
     from test_gpt_oss import _mxfp4, write_tiny_gpt_oss
 
@@ -265,3 +266,31 @@ def test_gpt_oss_gguf_mxfp4_experts_stay_as_the_files_blocks(tmp_path):
     want = PagedRunner(plain).run(chunks, 16, 1)[0]
     assert np.isfinite(want).all() and want.std() > 0
     np.testing.assert_array_equal(PagedRunner(kept).run(chunks, 16, 1)[0], want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("moe_gguf", ["qwen2moe"], indirect=True)
+def test_the_engine_serves_kept_expert_stacks(moe_gguf):
+    """The offline LLM on the GGUF (its stacks kept): two prompts batched give the tokens each gives
+    alone, those are the dequantised model's greedy tokens (its argmax at every generated position,
+    teacher-forced), nothing compiles after warm-up and every KV block comes back."""
+    from imp_jax import LLM, SamplingParams
+
+    _, path = moe_gguf
+    llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    stacks = [a for a in jax.tree.leaves(llm.core.step_fn.state) if a.ndim == 4 and quant.format_of(a)]
+    assert sorted(quant.format_of(a) for a in stacks) == ["IQ4_NL", "MXFP4", "Q2_K"]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7, 2, 40, 11]]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=5, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert together == [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    assert llm.core.step_fn.compilations_after_warmup == 0
+    assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks
+    ckpt = load_gguf(path)
+    plain = MoELM.from_hf_tensors(ModelConfig.from_hf(ckpt.hf_config, source=str(path)), WeightSource(ckpt.tensors),
+                                  load_model(path, dtype="float32").model.options)
+    runner = PagedRunner(plain)
+    for prompt, tokens in zip(prompts, together):
+        ids = prompt + tokens[:-1]
+        logits = runner.run([SeqChunk(ids, 0, [1])], 16, 1)[0]
+        assert logits[len(prompt) - 1:].argmax(-1).tolist() == tokens

@@ -7,7 +7,8 @@ tiny Qwen2 (q/k/v biases) whose 3 KV heads and 45-row MLP split over neither 2 n
 padding, and whose 250-token vocabulary splits over 2 but is replicated on 4. Mixtures of experts
 (model/moe.py) in the same child run: a tiny Mixtral, a Qwen2-MoE (shared expert, a dense layer; expert,
 shared and dense widths 33, 45 and 50, which 2 or 4 does not divide) from its HF directory and from a
-GGUF with a Q8_0 expert stack, and a gpt-oss (biases, sinks, sliding and full layers; width 30); the
+GGUF with a Q8_0 expert stack, a gpt-oss (biases, sinks, sliding and full layers; width 30), and a
+Qwen2-MoE GGUF whose expert stacks stay GGML blocks (IQ4_NL, Q2_K, MXFP4; 1 and 2 shards); the
 Mixtral on 2 shards only (SIZES).
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ TINY_GPT_OSS = {"intermediate_size": 30}
 # the TP sizes each model runs at: MoE programs compile slowly (~8 s a size without the compilation
 # cache), so the plain Mixtral runs at 2 only; the GGUF shares the HF Qwen2-MoE's programs
 SIZES = {"smollm2": (1, 2, 4), "llama": (1, 2, 4), "qwen2": (1, 2, 4), "mixtral": (1, 2), "qwen2moe": (1, 2, 4),
-         "qwen2moe_gguf": (1, 2, 4), "gpt_oss": (1, 2, 4)}
+         "qwen2moe_gguf": (1, 2, 4), "gpt_oss": (1, 2, 4), "qwen2moe_blocks": (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,7 @@ def _write_moe_models(tmp: Path) -> dict[str, str]:
     from imp_jax.model.loader import SafetensorsDir
     from test_gpt_oss import write_tiny_gpt_oss
     from test_moe import write_moe_gguf, write_tiny_moe
+    from test_moe_blocks import write_moe_blocks_gguf
 
     write_tiny_moe("MixtralForCausalLM", tmp / "mixtral")
     write_tiny_moe("Qwen2MoeForCausalLM", tmp / "qwen2moe", **TINY_QWEN2_MOE)
@@ -74,8 +76,12 @@ def _write_moe_models(tmp: Path) -> dict[str, str]:
     gguf = tmp / "qwen2moe.gguf"
     write_moe_gguf(gguf, ModelConfig.from_file(tmp / "qwen2moe" / "config.json"), SafetensorsDir(tmp / "qwen2moe"),
                    "ffn_up_exps.weight")
+    # expert stacks kept as blocks (tests/test_moe_blocks.py): at 2 shards MXFP4 down columns split in whole
+    # blocks, IQ4_NL gate|up rows move whole, Q2_K down (256-weight blocks, 128 columns a shard) is dequantised
+    blocks = tmp / "qwen2moe_blocks.gguf"
+    write_moe_blocks_gguf(blocks, "qwen2moe")
     return {"mixtral": str(tmp / "mixtral"), "qwen2moe": str(tmp / "qwen2moe"), "qwen2moe_gguf": str(gguf),
-            "gpt_oss": str(tmp / "gpt_oss")}
+            "gpt_oss": str(tmp / "gpt_oss"), "qwen2moe_blocks": str(blocks)}
 
 
 @pytest.mark.parametrize(("model", "n"), [(m, n) for m, sizes in SIZES.items() for n in sizes if n > 1])
