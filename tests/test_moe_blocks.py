@@ -149,12 +149,14 @@ def test_expert_stacks_keep_the_files_blocks_and_the_dequantised_logits(moe_gguf
     np.testing.assert_array_equal(PagedRunner(kept).run(CHUNKS, 16, 1)[0], want)
 
 
-def test_xla_keeps_the_expert_blocks_and_dequantises_them_in_the_program(moe_gguf):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_xla_keeps_the_expert_blocks_and_dequantises_them_in_the_program(moe_gguf, dtype):
     """`--quantized-weights keep` under XLA's dot (a GPU's default): the stacks stay blocks and each
-    expert's matrix is dequantised as it is multiplied: the dequantised model's logits bit for bit."""
+    expert's matrix is dequantised as it is multiplied, to the values a load-time dequantisation
+    stores for the model's dtype: the dequantised model's logits bit for bit."""
     arch, path = moe_gguf
-    keep = load_model(path, dtype="float32", kernels=Kernels(gemm="xla", quantized="keep")).model
-    plain = load_model(path, dtype="float32", kernels=Kernels(gemm="xla", quantized="dequantize")).model
+    keep = load_model(path, dtype=dtype, kernels=Kernels(gemm="xla", quantized="keep")).model
+    plain = load_model(path, dtype=dtype, kernels=Kernels(gemm="xla", quantized="dequantize")).model
     assert quant.format_of(keep.layers.mlp[0].down[...]) == KEPT[arch][0][1]
     assert quant.format_of(plain.layers.mlp[0].down[...]) is None
     np.testing.assert_array_equal(PagedRunner(keep).run(CHUNKS, 16, 1)[0], PagedRunner(plain).run(CHUNKS, 16, 1)[0])
