@@ -145,7 +145,7 @@ def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
     import gguf
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_gguf_loader import byte_level_vocab
+    from test_gguf_loader import add_byte_level_vocab
     from test_kquants import BLOCK_WEIGHTS, random_blocks
 
     H, L = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
@@ -158,12 +158,7 @@ def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
                    (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_expert_count, E),
                    (w.add_expert_used_count, k), (w.add_eos_token_id, 2)):
         add(v)
-    tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_merges(merges)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    tokens = add_byte_level_vocab(w)
 
     def f32(name: str, *shape: int, scale: float = 0.05) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))

@@ -56,6 +56,17 @@ def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_byte_level_vocab(w: gguf.GGUFWriter) -> list[str]:
+    """Write `byte_level_vocab` into a GGUF as a gpt2 (byte-level BPE) tokenizer; returns its tokens."""
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_merges(merges)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    return tokens
+
+
 def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
     """(tokens, token types, scores) of a small SentencePiece-BPE vocabulary with byte fallback."""
     pieces = ["▁t", "he", "▁the", "▁h", "el", "lo", "ello", "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "in"]

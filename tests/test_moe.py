@@ -181,7 +181,7 @@ def write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str,
     from gguf.quants import dequantize, quantize
 
     from imp_jax.model.gguf_loader import permute_rotary
-    from test_gguf_loader import byte_level_vocab
+    from test_gguf_loader import add_byte_level_vocab
 
     mixtral = cfg.architecture == "MixtralForCausalLM"
     arch = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}.get(cfg.architecture, "qwen3moe")
@@ -202,12 +202,7 @@ def write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str,
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "qwen3moe":
         w.add_key_length(cfg.head_dim)
-    tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_merges(merges)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    add_byte_level_vocab(w)
     w.add_eos_token_id(2)
     held: dict[str, np.ndarray] = {}
 

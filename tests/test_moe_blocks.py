@@ -49,7 +49,7 @@ def expert_blocks(qtype: Q, rows: int, k: int, seed: int) -> np.ndarray:
 def write_moe_blocks_gguf(path: Path, arch: str) -> None:
     """A 2-layer Mixtral (`llama` with expert stacks) or Qwen2-MoE (with a shared expert) GGUF whose
     expert stacks are the `EXPERTS` types, other tensors float32."""
-    from test_gguf_loader import byte_level_vocab
+    from test_gguf_loader import add_byte_level_vocab
 
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), arch)
@@ -66,12 +66,7 @@ def write_moe_blocks_gguf(path: Path, arch: str) -> None:
     if arch == "qwen2moe":
         w.add_expert_feed_forward_length(I)
         w.add_expert_shared_feed_forward_length(64)
-    tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_merges(merges)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    tokens = add_byte_level_vocab(w)
     w.add_eos_token_id(2)
 
     def f32(name: str, *shape: int, scale: float = 0.05) -> None:
