@@ -16,9 +16,8 @@ interleaved column by column), in bf16 or as MXFP4 (`*_blocks` of packed FP4 e2m
 [E, out, in] gate|up layout at load. Where the kernels keep GGML blocks (weights.WeightFormats) MXFP4
 stays MXFP4, rearranged into GGML's blocks (ggml_blocks.mxfp4_from_hf: the same values), else it is
 dequantised (`dequantize_mxfp4`). A GGUF (llama.cpp's `gpt-oss` architecture) holds them split into
-gate and up, [E, out, in], MXFP4 as GGML blocks, kept as they are or dequantised alike (`_split_experts`). Harmony's channels
-(analysis / final) are not parsed: the server applies the checkpoint's chat template and returns the
-raw text.
+gate and up, [E, out, in], MXFP4 as GGML blocks, kept as they are or dequantised alike (`_split_experts`). Replies are in
+OpenAI's harmony format, which runtime/harmony.py reads (reasoning, answer and tool calls).
 """
 from __future__ import annotations
 
