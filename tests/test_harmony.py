@@ -280,6 +280,15 @@ def test_a_tracked_call_reply_parses_into_reasoning_preamble_and_call(tok, marke
 
 
 # ------------------------------------------------------------------------------------------ the prompt
+# a replayed call turn: reasoning, a call (with content beside it) and its result
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+REPLAYED = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "I will check.", "reasoning_content": "Hmm",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "SUNNY"}]
+
+
 def test_the_prompt_replays_reasoning_calls_and_results(tok):
     """The harmony template gets replayed reasoning as `thinking` (a call turn's content gives way), call
     arguments as an object, the result after its call, and reasoning_effort."""
@@ -287,13 +296,7 @@ def test_the_prompt_replays_reasoning_calls_and_results(tok):
     from imp_jax.server.tools import chat_plan, render_prompt, tokenizer_tools
 
     assert tokenizer_tools(tok).fmt == "harmony" and tokenizer_tools(tok).native
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    messages = [{"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": "I will check.", "reasoning_content": "Hmm",
-                 "tool_calls": [{"id": "c1", "type": "function",
-                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "SUNNY"}]
-    text = render_prompt(tok, messages, chat_plan(tools, None, None), **template_kwargs(None, None, "high"))
+    text = render_prompt(tok, REPLAYED, chat_plan(WEATHER_TOOLS, None, None), **template_kwargs(None, None, "high"))
     assert text == ("<|start|>system<|message|>Reasoning: high<|end|><|start|>developer<|message|># Tools get_weather"
                     "<|end|><|start|>user<|message|>weather?<|end|><|start|>assistant<|channel|>analysis<|message|>Hmm"
                     "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
@@ -318,13 +321,7 @@ def test_the_official_gpt_oss_template_takes_the_replayed_turns(tmp_path):
     config["chat_template"] = OFFICIAL_TEMPLATE.read_text()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     official = Tokenizer.from_hf_dir(tmp_path)
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    messages = [{"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": "I will check.", "reasoning_content": "Hmm",
-                 "tool_calls": [{"id": "c1", "type": "function",
-                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "SUNNY"}]
-    text = render_prompt(official, messages, chat_plan(tools, None, None), reasoning_effort="low")
+    text = render_prompt(official, REPLAYED, chat_plan(WEATHER_TOOLS, None, None), reasoning_effort="low")
     assert "Reasoning: low" in text and "namespace functions" in text and text.endswith("<|start|>assistant")
     assert "<|start|>assistant<|channel|>analysis<|message|>Hmm<|end|>" in text
     assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
