@@ -368,10 +368,21 @@ def live_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactor
     assert code in (None, 0), f"the server exited with {code} on SIGTERM"
 
 
+def openai_for(url: str) -> Any:
+    """The official openai client on a server at `url` (no retries: a failure shows as it is)."""
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def anthropic_for(url: str) -> Any:
+    """The official anthropic client on a server at `url` (no retries)."""
+    import anthropic
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+
 @pytest.fixture(scope="session")
 def openai_client(live_server: LiveServer) -> Any:
-    import openai
-    return openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_for(live_server.url)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import dataclasses
 import anthropic
 import openai
 import pytest
-from server_fixtures import MODEL, LiveServer, live_server  # noqa: F401
+from server_fixtures import MODEL, LiveServer, anthropic_for, live_server, openai_for  # noqa: F401
 from test_engine import (
     BIG_POOL_BLOCKS,
     MAX_MODEL_LEN,
@@ -227,12 +227,12 @@ def test_engine_refuses_what_a_rewind_cannot_undo(engine) -> None:
 # ------------------------------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def oai(live_server: LiveServer) -> openai.OpenAI:  # noqa: F811
-    return openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_for(live_server.url)
 
 
 @pytest.fixture(scope="module")
 def claude(live_server: LiveServer) -> anthropic.Anthropic:  # noqa: F811
-    return anthropic.Anthropic(base_url=live_server.url, api_key="unused", max_retries=0, timeout=300)
+    return anthropic_for(live_server.url)
 
 
 BAN = {"banned_strings": ["Paris"], "temperature": 0.8}

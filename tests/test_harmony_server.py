@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from scripted_model import write_scripted_model
-from server_fixtures import LiveServer, wait_for
+from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import write_harmony_tokenizer
 
 from imp_jax.model.tokenizer import Tokenizer
@@ -73,12 +73,12 @@ def harmony_server(harmony_model: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def oai(harmony_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_for(harmony_server.url)
 
 
 @pytest.fixture(scope="session")
 def claude(harmony_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=harmony_server.url, api_key="unused", max_retries=0)
+    return anthropic_for(harmony_server.url)
 
 
 @pytest.fixture(scope="session")

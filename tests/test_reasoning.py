@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker
-from server_fixtures import LiveServer, wait_for
+from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import THINKER_ARGS, write_thinking_model
 
 MODEL = "thinker"   # the served name: the model directory's
@@ -46,12 +46,12 @@ def thinking_server(thinking_model, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def oai(thinking_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_for(thinking_server.url)
 
 
 @pytest.fixture(scope="session")
 def claude(thinking_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=thinking_server.url, api_key="unused", max_retries=0)
+    return anthropic_for(thinking_server.url)
 
 
 # ------------------------------------------------------------------------------------------ the tracker

@@ -404,8 +404,8 @@ class EngineCore:
 
     def _overlappable(self, launched: _Launched) -> bool:
         """Whether the next step may be scheduled and launched before `launched` is read: asynchronous
-        scheduling is on, and no row it samples needs its token on the host first (a grammar row's or a
-        forced think end's mask follows the token, a DRY row's penalties too), and no prompt is being scored (prompt_logprobs)."""
+        scheduling is on, no row it samples needs its token on the host first, and no prompt is being
+        scored (prompt_logprobs)."""
         if not self.async_scheduling or self._scoring or self.step_fn.leader is not None:
             return False
         # drafting reads the newest token; it needs sampled rows to spare (a full batch has none)
@@ -414,16 +414,16 @@ class EngineCore:
             seq = c.seq
             if c.drafts or (samples and rows_spare and self._may_draft(seq)):
                 return False
-            if samples and seq.status is not SeqStatus.FINISHED and (
-                    seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)):
+            if not samples:
+                continue
+            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host
+            if seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None:
                 return False
-            # logit_lens runs its program after the read; a CFG shadow is fed its main's token on the host;
-            # a banned phrase may rewind the sequence, which the next step must not have run ahead of
-            if samples and (seq.params.logit_lens is not None or seq.shadow is not None or seq.main is not None
-                            or (seq.banned is not None and seq.status is not SeqStatus.FINISHED)):
-                return False
-            # DRY penalties come from the full history, newest token included; mirostat's next mu from this step
-            if samples and seq.status is not SeqStatus.FINISHED and (seq.params.dry.on or seq.params.mirostat):
+            # a live row whose next step follows its newest token: a grammar's or a forced think end's mask,
+            # a banned phrase's rewind, DRY's penalties (the whole history), mirostat's next mu
+            if seq.status is not SeqStatus.FINISHED and (
+                    seq.constraint is not None or (seq.reasoning is not None and seq.reasoning.may_force)
+                    or seq.banned is not None or seq.params.dry.on or seq.params.mirostat):
                 return False
         return True
 
@@ -794,8 +794,7 @@ class EngineCore:
             return   # every token so far is held back (banned phrases may still complete)
         event = EngineEvent(seq.request.request_id, seq.index, ids, text, reasoning_text=reasoning,
                             logprobs=logprobs, raw_logprobs=raw)
-        if seq.index == 0 and state.prompt_logprobs is not None:
-            event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
+        self._attach_prompt_logprobs(seq, state, event)
         if finish is None:
             self._send(state, event)
             return
@@ -847,8 +846,7 @@ class EngineCore:
         text, matched = (delta, None) if len(seq.output_ids) <= seq.params.min_tokens else seq.stops.feed(delta)
         event = EngineEvent(seq.request.request_id, seq.index, ids, text,
                             logprobs=logprobs if seq.params.logprobs is not None else None)
-        if seq.index == 0 and state.prompt_logprobs is not None:
-            event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
+        self._attach_prompt_logprobs(seq, state, event)
         if matched is None:
             self._send(state, event)
             return False
@@ -856,6 +854,12 @@ class EngineCore:
         event.stop_reason = matched
         self._close(seq, state, event)
         return True
+
+    @staticmethod
+    def _attach_prompt_logprobs(seq: Sequence, state: _RequestState, event: EngineEvent) -> None:
+        """The request's prompt logprobs ride on its first sequence's first event."""
+        if seq.index == 0 and state.prompt_logprobs is not None:
+            event.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
 
     def _finish(self, seq: Sequence, reason: str, state: _RequestState, error: str | None = None) -> None:
         seq.finish_reason = reason
