@@ -686,3 +686,117 @@ def test_device_block_tables_hold_every_launched_rows_blocks(core, tiny_core, to
     assert again[0].usage.cached_tokens > 0 and again[1].events[0].prompt_logprobs
     assert core.step_fn.table_writes > writes   # a long cached prefix: more edits than a step carries
     assert checked["rows"] > 20
+
+
+# ------------------------------------------------------------------------ failure isolation
+class Poison:
+    """A fault hook (EngineCore.fault_hook) that raises at `stage` whenever a sequence of `request_id` is in
+    the step's (or the sequence's) work, at most `times` times."""
+
+    def __init__(self, stage: str, request_id: str, times: int = 10**6):
+        self.stage, self.request_id, self.left, self.fired = stage, request_id, times, 0
+
+    def __call__(self, stage: str, seqs) -> None:
+        if stage == self.stage and self.left and any(s.request.request_id == self.request_id for s in seqs):
+            self.left -= 1
+            self.fired += 1
+            raise ValueError(f"injected fault at {stage}")
+
+
+def _failed_step(res: Result) -> bool:
+    last = res.events[-1]
+    return last.done and last.finish_reason == "error" and last.extra.get("code") == "engine_step_failed"
+
+
+@pytest.mark.parametrize("stage", ["prepare", "advance", "emit"])
+def test_a_fault_in_one_sequences_host_work_fails_only_its_request(core, prompts, greedy_alone, stage):
+    """The poisoned request ends with engine_step_failed at once; the requests beside it in the same steps
+    finish with the tokens they give alone; the pool is back at baseline and the engine serves on."""
+    poisoned = req(prompts[3], max_tokens=MAX_TOKENS)
+    hook = core.fault_hook = Poison(stage, poisoned.request_id)
+    failed0 = core.counters.steps_failed
+    try:
+        results = run(core, req(prompts[0], max_tokens=MAX_TOKENS), poisoned, req(prompts[2], max_tokens=MAX_TOKENS))
+    finally:
+        core.fault_hook = None
+    assert hook.fired == 1 and core.counters.steps_failed == failed0 + 1
+    assert _failed_step(results[1])
+    assert results[0].ids == greedy_alone[0].ids and results[2].ids == greedy_alone[2].ids
+    assert run(core, req(prompts[3], max_tokens=MAX_TOKENS))[0].ids == greedy_alone[3].ids
+    assert core.stats()["steps_failed_total"] == failed0 + 1
+
+
+@pytest.mark.parametrize("stage", ["launch", "read"])
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(core, prompts, greedy_alone, stage):
+    """A whole step that raises (launching or reading it) fails the requests in it (and in the step launched on
+    its tokens); the requests waiting meanwhile (9 requests, 8 sequences at most) finish as alone; nothing
+    leaks; the next requests run normally."""
+    first = req(prompts[4], max_tokens=MAX_TOKENS)
+    hook = core.fault_hook = Poison(stage, first.request_id, times=1)
+    try:
+        results = run(core, first, *(req(p, max_tokens=MAX_TOKENS) for p in prompts))
+    finally:
+        core.fault_hook = None
+    assert hook.fired == 1 and _failed_step(results[0])
+    for res, alone in zip(results[1:], greedy_alone):
+        assert _failed_step(res) or res.ids == alone.ids
+    assert any(not _failed_step(res) for res in results[1:])
+    after = run(core, req(prompts[4], max_tokens=MAX_TOKENS), req(prompts[6], max_tokens=MAX_TOKENS))
+    assert [r.ids for r in after] == [greedy_alone[4].ids, greedy_alone[6].ids]
+
+
+def test_a_device_fault_still_reaches_the_async_engine(core, prompts) -> None:
+    """A runtime error from the device (not an out-of-memory) is not the step's to absorb: it propagates."""
+    from imp_jax.runtime.faults import is_device_fault
+
+    def device_lost(stage: str, seqs) -> None:
+        if stage == "read":
+            raise _runtime_error("INTERNAL: device lost")
+
+    core.fault_hook = device_lost
+    try:
+        core.add_request(req(prompts[0], max_tokens=2), lambda ev: None)
+        with pytest.raises(Exception) as info:
+            for _ in range(20):
+                core.step()
+        assert is_device_fault(info.value, False, False)
+    finally:
+        core.fault_hook = None
+        core.fail_all("test")
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+    oom = _runtime_error("RESOURCE_EXHAUSTED: out of memory")
+    assert not is_device_fault(oom, False, False) and is_device_fault(oom, False, True)
+    assert not is_device_fault(ValueError("x"), False, False) and is_device_fault(ValueError("x"), True, False)
+
+
+def _runtime_error(message: str) -> Exception:
+    import jax
+    try:
+        return jax.errors.JaxRuntimeError(message)
+    except TypeError:   # not constructible from Python in this jax: a subclass stands in
+        return type("FakeRuntimeError", (jax.errors.JaxRuntimeError,), {})(message)
+
+
+def test_the_async_engine_stays_ready_after_a_failed_step(core, prompts, greedy_alone) -> None:
+    """Through the AsyncEngine: the failed request's stream ends with an engine_step_failed error event, the
+    engine stays ready, and the next request streams its greedy tokens."""
+    async def main() -> None:
+        engine = AsyncEngine(core.config, build=lambda config, progress: core)
+        engine.start()
+        try:
+            await engine.wait_ready()
+            bad = req(prompts[1], max_tokens=MAX_TOKENS)
+            core.fault_hook = Poison("advance", bad.request_id)
+            events = [ev async for ev in engine.generate(bad)]
+            assert events[-1].finish_reason == "error" and events[-1].extra["code"] == "engine_step_failed"
+            assert engine.state == "ready" and engine.stats()["steps_failed_total"] >= 1
+            done = Result()
+            async for ev in engine.generate(req(prompts[0], max_tokens=MAX_TOKENS)):
+                done.on_event(ev)
+            assert done.ids == greedy_alone[0].ids
+        finally:
+            core.fault_hook = None
+            engine.shutdown()
+
+    asyncio.run(main())
+    assert core.pool.num_free_blocks == core.baseline_free_blocks

@@ -182,7 +182,7 @@ def test_engine_dry_tokens_follow_the_reference_step_by_step(tiny) -> None:
     with_dry, plain = run(core, request(PROMPT, max_tokens=10, **NEUTRAL, **dry),
                           request(PROMPT, max_tokens=10, **NEUTRAL))
     p = DryParams(2.0, 1.5, 2)
-    breakers = core.dry_breakers.breakers(p.sequence_breakers)
+    breakers = core.by_name["dry"].breakers.breakers(p.sequence_breakers)
     penalised_any = False
     with torch.no_grad():
         for k, tok in enumerate(with_dry):
@@ -387,7 +387,7 @@ def test_engine_carries_mu_from_step_to_step(tiny, monkeypatch) -> None:
     core, _ = tiny
     baseline = core.stats()["num_free_blocks"]
     seen: list[float] = []
-    real = core._row_spec
+    real = core.inputs.row_spec
 
     def spy(seq, *a, **k):
         spec = real(seq, *a, **k)
@@ -395,7 +395,7 @@ def test_engine_carries_mu_from_step_to_step(tiny, monkeypatch) -> None:
             seen.append(spec.mirostat_mu)
         return spec
 
-    monkeypatch.setattr(core, "_row_spec", spy)
+    monkeypatch.setattr(core.inputs, "row_spec", spy)
     overlapped = core.counters.overlapped_steps
     events: list = []
     core.add_request(request(PROMPT, max_tokens=12, temperature=1.5, seed=11, ignore_eos=True, logprobs=0,

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
-from imp_jax.runtime import engine as engine_module
+from imp_jax.runtime.features import speculation as speculation_module
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from imp_jax.runtime.speculative import MAX_BACKOFF, SpecState, accepted_prefix, ngram_draft, speculation_allowed
+from imp_jax.runtime.features import speculation_allowed
+from imp_jax.runtime.speculative import MAX_BACKOFF, SpecState, accepted_prefix, ngram_draft
 
 _ids = itertools.count()
 
@@ -140,7 +141,7 @@ def forced_drafts(monkeypatch):
     def draft(ids, k, sizes=None):
         return table["drafts"][:k]
 
-    monkeypatch.setattr(engine_module, "ngram_draft", draft)
+    monkeypatch.setattr(speculation_module, "ngram_draft", draft)
     return table
 
 

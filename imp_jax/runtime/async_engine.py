@@ -2,8 +2,9 @@
 
 Requests and cancellations go in through a thread-safe queue; events come back to each
 request's bounded EventBuffer via `call_soon_threadsafe`, so the engine thread never waits
-for a reader, and a reader that stops reading is dropped (event_buffer.py). A step that
-raises marks the engine faulted and fails every request in flight with an error event.
+for a reader, and a reader that stops reading is dropped (event_buffer.py). The core fails only
+the requests a failed step touches (runtime/step_failures.py); a device fault that reaches this
+thread marks the engine faulted and fails every request in flight with an error event.
 """
 from __future__ import annotations
 

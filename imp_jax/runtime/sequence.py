@@ -47,7 +47,6 @@ class Sequence:
     finish_reason: str | None = None
     pinned: bool = False
     pending_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    constraint: Any = None              # its GrammarMatcher (runtime/constraints.py), if constrained
     reasoning: ThinkTracker | None = None  # its think-block tracker, when the request splits reasoning
     lora_slot: int = 0                  # its LoRA adapter's slot (runtime/lora.py), 0 = none
     lora_key: tuple[str, int] | None = None  # the adapter's (name, load generation)
@@ -59,8 +58,8 @@ class Sequence:
     shadow: "Sequence | None" = None
     main: "Sequence | None" = None
     banned: BannedFilter | None = None   # banned_strings / banned_regex: held tokens and bans (runtime/banned.py)
-    spec: Any = None                     # its SpecState (runtime/speculative.py) when it may draft
-    mirostat_mu: float = 0.0             # mirostat's running surprise bound (runtime/mirostat.py), when on
+    # per-sequence host state of the decoding features (runtime/features/), by feature name
+    ext: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def cache_key(self) -> Any:

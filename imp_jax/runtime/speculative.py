@@ -17,13 +17,11 @@ Host-side NumPy; a sequence with no match drafts nothing and decodes as a plain 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-if TYPE_CHECKING:
-    from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
 MAX_DRAFT = 16            # the largest draft depth a request may ask for (ngram_k, mtp_k)
 DEFAULT_MAX_DRAFT = 7     # --speculative-max-draft: a batch-1 verify chunk of 8 tokens (one bucket)
@@ -56,17 +54,6 @@ def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     while a < len(drafts) and int(sampled[a]) == int(drafts[a]):
         a += 1
     return a
-
-
-def speculation_allowed(params: SamplingParams, request: GenerationRequest) -> bool:
-    """Whether a request's sequences may draft. Not where a row's processing depends on host state
-    that the drafts before it would have to update first (a grammar's mask, DRY and mirostat
-    state, banned-phrase rewinds), nor with logit_lens (its program reads one token) or CFG (the
-    shadow pair samples together)."""
-    if request.speculative is False or request.constraint or request.cfg_scale != 1:
-        return False
-    return not (params.logit_lens is not None or params.dry.on or params.mirostat
-                or params.banned_strings or params.banned_regex)
 
 
 @dataclasses.dataclass
