@@ -198,3 +198,49 @@ def check_fault_answer(name: str, r: httpx.Response) -> None:
         assert frames[-1][0] == "error" and not any(e == "response.completed" for e, _ in frames)
     else:
         assert frames[-1] == (None, "[DONE]") and json.loads(frames[-2][1])["error"]["code"] == "engine_faulted"
+
+
+def test_a_failed_step_fails_only_its_request_over_http(smollm2_loaded, smollm2_gguf_path: Path) -> None:
+    """A step's host work that raises for one request (injected with EngineCore.fault_hook) answers that request
+    with a 500 engine_step_failed (a stream: its error frame), while the request beside it gets its answer;
+    /ready stays 200, /health counts the failure, the pool is back at baseline and the next request is served."""
+    engine = real_async_engine(smollm2_loaded, smollm2_gguf_path)
+    core = engine.core
+
+    def poison(stage: str, seqs) -> None:
+        if stage == "advance" and any(s.params.seed == 4242 for s in seqs):
+            raise ValueError("injected fault in one request's host work")
+
+    core.fault_hook = poison
+    model = engine.served_name
+    user = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    bad = {"model": model, "messages": user, "max_tokens": 20, "seed": 4242}
+    good = {"model": model, "messages": user, "max_tokens": 20, "temperature": 0}
+    try:
+        with app_in_thread(create_app(engine)) as url:
+            wait_for(url + "/ready", 200, timeout=30)
+
+            async def go() -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                    return list(await asyncio.gather(
+                        client.post(CHAT, json=bad), client.post(CHAT, json=good),
+                        client.post(CHAT, json={**bad, "stream": True}),
+                        client.post("/v1/messages", json={**bad, "max_tokens": 20})))
+
+            failed, ok, streamed, messages = asyncio.run(go())
+            assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_step_failed", failed.text
+            assert "injected" not in failed.text
+            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+            frames = [data for _, data in parse_sse(streamed.text)]
+            assert streamed.status_code == 200 and frames[-1] == "[DONE]"
+            assert json.loads(frames[-2])["error"]["code"] == "engine_step_failed"
+            assert messages.status_code == 500 and messages.json()["type"] == "error"
+            assert httpx.get(url + "/ready").status_code == 200
+            health = httpx.get(url + "/health").json()
+            assert health["steps_failed_total"] >= 3 and health["num_free_blocks"] == health["baseline_free_blocks"]
+            again = httpx.post(url + CHAT, json=good, timeout=120)
+            assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == \
+                ok.json()["choices"][0]["message"]["content"]
+    finally:
+        core.fault_hook = None
+        engine.shutdown()
