@@ -561,6 +561,17 @@ def test_no_compilation_after_warm_up_over_a_mixed_workload(core, tiny_core, mix
     assert tiny_core.step_fn.compilations_after_warmup == 0
 
 
+def test_a_scored_prompt_waits_for_blocks_like_any_prompt(tiny_core, prompts, greedy_alone):
+    """prompt_logprobs reserve the prompt's blocks at admission like any prompt: with the pool taken by a running
+    request the scored one waits (no 503), then runs with the same entries and tokens as alone."""
+    alone = run(tiny_core, req(prompts[7], max_tokens=4, prompt_logprobs=2))[0]
+    together = run(tiny_core, req(prompts[6], max_tokens=MAX_TOKENS), req(prompts[7], max_tokens=4, prompt_logprobs=2))
+    assert together[0].ids == greedy_alone[6].ids and together[1].ids == alone.ids == greedy_alone[7].ids[:4]
+    got, want = together[1].events[0].prompt_logprobs, alone.events[0].prompt_logprobs
+    assert len(got) == len(prompts[7]) and [e.token_id for e in got[1:]] == [e.token_id for e in want[1:]]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(got[1:], want[1:]))
+
+
 def test_prompt_logprobs_are_the_raw_model_distribution(core, prompts, greedy_alone, hf_smollm2):
     import torch
 
@@ -583,18 +594,21 @@ def test_prompt_logprobs_are_the_raw_model_distribution(core, prompts, greedy_al
 
 
 def test_scoring_a_prompt_does_not_stall_running_streams(core, prompts, greedy_alone):
-    """prompt_logprobs are scored a chunk per step between the regular steps: a running request
-    gets a token on every step while a long prompt is scored, and both end as they would alone."""
+    """A prompt being scored (prompt_logprobs) prefills through the scheduler under the step's token budget:
+    a running request gets a token on every step meanwhile, its steps still overlap (asynchronous scheduling
+    stays on for it), and both end as they would alone."""
     ra, rb = Result(), Result()
     core.add_request(req(prompts[0], max_tokens=6), ra.on_event)
     step_until(core, lambda: len(ra.ids) >= 1)
     core.add_request(req(prompts[2], max_tokens=4, prompt_logprobs=1), rb.on_event)
     chunks = -(-len(prompts[2]) // core.step_fn.score_tokens)
     assert chunks >= 3
+    overlapped = core.counters.overlapped_steps
     for _ in range(chunks - 1):          # the prompt is still being scored after these steps
         before = len(ra.ids)
         core.step()
         assert len(ra.ids) >= before + 1 and not rb.events
+    assert core.counters.overlapped_steps > overlapped
     step_until(core, lambda: not core.has_work(), max_steps=200)
     assert ra.ids == greedy_alone[0].ids[:6] and rb.ids == greedy_alone[2].ids[:4]
     assert len(rb.events[0].prompt_logprobs) == len(prompts[2])

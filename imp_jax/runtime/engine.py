@@ -106,9 +106,8 @@ class EngineCore:
         state = admit(self.services, self.features, req, emit)
         self.requests[req.request_id] = state
         self.counters.requests += 1
-        if not state.held:
-            for seq in state.seqs:
-                self.scheduler.add(seq)
+        for seq in state.seqs:
+            self.scheduler.add(seq)
 
     def _draft(self, seq: Sequence, limit: int) -> list[int]:
         """Scheduler hook: the speculation feature's drafts, unless another feature holds them now."""
@@ -124,7 +123,7 @@ class EngineCore:
         self._end(state, "cancelled")
 
     def _end(self, state: RequestState, reason: str, error: str | None = None, code: str | None = None) -> None:
-        """End every open sequence of the request (a held one too) and release what it holds."""
+        """End every open sequence of the request and release what it holds."""
         for seq in state.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.output.finish(seq, reason, state, error=error, code=code)
@@ -166,26 +165,18 @@ class EngineCore:
             self._end(state, "error", error=message)
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_work() or bool(self.output.deferred) or self._inflight is not None
-                or any(f.busy() for f in self.features))
+        return self.scheduler.has_work() or bool(self.output.deferred) or self._inflight is not None
 
     # ---------------------------------------------------------------------- step
     def step(self) -> int:
-        """Run one batch, then one unit of each busy feature's side work (prompt scoring); returns the number
-        of sequences that ran (0 when idle)."""
+        """Run one batch; returns the number of sequences whose step was read (0 when idle)."""
         try:
             ran = self._run_batch()
             self.failures.stepped()
+            return ran
         except Exception as e:
             self._fail_step(e)
-            ran = 0
-        for f in self.features:
-            if f.busy():
-                try:
-                    ran += f.side_step()
-                except Exception as e:
-                    self.failures.fail({s for s in self.requests.values() if s.held and f.name in s.ext}, e, f.name)
-        return ran
+            return 0
 
     def _fail_step(self, e: BaseException) -> None:
         self._inflight = None
@@ -209,6 +200,7 @@ class EngineCore:
         self.failures.scope = prev.chunks if prev is not None else []
         chunks = self.scheduler.schedule()
         self.failures.scope = chunks + self.failures.scope
+        chunks = self._run_features_tokens(chunks)
         if not chunks:
             if prev is not None:
                 n, w = self._read(self._take_inflight())
@@ -262,9 +254,9 @@ class EngineCore:
 
     def _overlappable(self, launched: _Launched) -> bool:
         """Whether the next step may be scheduled and launched before `launched` is read: asynchronous
-        scheduling is on, no feature has side work queued, and no row it samples needs its token on the
+        scheduling is on, and no row it samples needs its token on the
         host first (a verify chunk, or a live row a feature says follows its newest token)."""
-        if not self.async_scheduling or self.step_fn.leader is not None or any(f.busy() for f in self.features):
+        if not self.async_scheduling or self.step_fn.leader is not None:
             return False
         for c, samples in zip(launched.chunks, launched.samples):
             if c.drafts:
@@ -273,6 +265,23 @@ class EngineCore:
                     f.needs_newest(c.seq) for f in self.features):
                 return False
         return True
+
+    def _run_features_tokens(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Launch the chunk heads a feature runs through its own program (Feature.runs_tokens: prompt scoring);
+        the step keeps the rest."""
+        kept = []
+        for c in chunks:
+            for f in self.features:
+                n = f.runs_tokens(c)
+                if n:
+                    f.run_tokens(c.seq, n)
+                    c.seq.num_computed += n
+                    self.pool.commit(c.seq.table, slice_ids(c.seq, 0, c.seq.num_computed), c.seq.cache_key)
+                    c = ScheduledChunk(c.seq, c.num_tokens - n, c.drafts)
+                    break
+            if c.num_tokens:
+                kept.append(c)
+        return kept
 
     def _take_inflight(self) -> _Launched:
         launched, self._inflight = self._inflight, None

@@ -73,6 +73,8 @@ class OutputStage:
         except EndSequence as e:
             self.finish(seq, "error", state, error=str(e))
             return
+        if tok.prompt_logprobs is not None:
+            state.prompt_logprobs = tok.prompt_logprobs
         if not defer or self.ends_without_text(seq, token) or seq.banned is not None:   # a rewind lands first
             self.emit_token(seq, token, tok.logprobs, state, tok.kind, tok.raw)
         else:

@@ -1,66 +1,57 @@
 """Prompt logprobs: the raw model distribution at every prompt position (vLLM's prompt_logprobs).
 
-A request that asks for them first has its prompt scored, one chunk per engine step between the
-regular steps, so other requests keep streaming meanwhile. The prompt is forwarded alone through
-blocks borrowed from the pool under a private prefix-cache key, so it neither reuses nor
-overwrites blocks other requests share; the blocks go back to the pool when the scoring ends,
-and only then is the request's generation scheduled.
+The request's first sequence prefills its prompt through the scheduler like any prompt (its blocks
+reserved at admission, its chunks under the step's token budget), under a private prefix-cache key
+so every prompt token is computed. The part of each chunk before the prompt's last token runs
+through the scoring program instead of the step (features/scoring.py), its outputs read when the
+sequence's first token is; the last token runs in the step and samples as usual.
 """
 from __future__ import annotations
 
 import dataclasses
-import uuid
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
-from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
+from imp_jax.runtime.kv_blocks import BlockTable
 from imp_jax.runtime.request import TokenLogprob
 from imp_jax.runtime.step import CompiledStep
 
 
 @dataclasses.dataclass
 class PromptScoring:
-    """One prompt being scored: entry 0 is None; entry i is token i's logprob given tokens < i,
-    its rank, and the top `top_k`."""
+    """One prompt being scored: entry 0 is None; entry i is token i's logprob given tokens < i, its rank,
+    and the top `top_k`. `launched` holds the chunks run, (start, count, device outputs), oldest first."""
 
     ids: Sequence[int]
     top_k: int
-    table: BlockTable
     entries: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
-    start: int = 0
-    lora_slot: int = 0
+    launched: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
 
-    @classmethod
-    def begin(cls, pool: KVBlockPool, ids: Sequence[int], top_k: int, lora_slot: int = 0) -> "PromptScoring":
-        """Borrow the blocks the whole prompt needs (a 503 when the pool cannot lend them now)."""
-        table = BlockTable()
-        if not pool.allocate(table, ids, len(ids), extra_key=("prompt_logprobs", uuid.uuid4().hex)):
-            raise InvalidRequestError("not enough free KV blocks to compute prompt_logprobs now; retry later",
-                                      param="prompt_logprobs", status=503, code="overloaded")
-        return cls(ids, top_k, table, lora_slot=lora_slot)
+    def to_score(self, start: int, n: int) -> int:
+        """Of `n` tokens from `start`, how many come before the prompt's last token (scored, not stepped)."""
+        return max(0, min(start + n, len(self.ids) - 1) - start)
 
-    @property
-    def done(self) -> bool:
-        return self.start >= len(self.ids)
-
-    def run_chunk(self, step_fn: CompiledStep, block_size: int) -> None:
-        """Score the next chunk of up to `step_fn.score_tokens` prompt tokens."""
+    def launch(self, step_fn: CompiledStep, start: int, n: int, table: BlockTable, lora_slot: int,
+               block_size: int) -> None:
+        """Run prompt tokens start..start+n-1 through the scoring program (their KV written as a prefill's)."""
         T = step_fn.score_tokens
-        chunk = list(self.ids[self.start:self.start + T])
-        batch = build_step_batch([SeqChunk(chunk, self.start, self.table.block_ids, self.lora_slot)], num_tokens=T,
-                                 num_seqs=1, max_blocks=step_fn.shapes.max_blocks, block_size=block_size,
-                                 with_tables=False)
+        batch = build_step_batch([SeqChunk(list(self.ids[start:start + n]), start, table.block_ids, lora_slot)],
+                                 num_tokens=T, num_seqs=1, max_blocks=step_fn.shapes.max_blocks,
+                                 block_size=block_size, with_tables=False)
         targets = np.zeros(T, np.int32)
-        nxt = list(self.ids[self.start + 1:self.start + 1 + len(chunk)])
-        targets[:len(nxt)] = nxt
-        lp, rank, top_ids, top_lp = step_fn.score(batch, targets, [self.table])
-        for j, tok in enumerate(nxt):
-            top = [(int(t), float(v)) for t, v in zip(top_ids[j, :self.top_k], top_lp[j, :self.top_k])]
-            self.entries.append(TokenLogprob(int(tok), float(lp[j]), top, int(rank[j])))
-        self.start += len(chunk)
+        targets[:n] = self.ids[start + 1:start + 1 + n]
+        self.launched.append((start, n, step_fn.launch_score(batch, targets, [table])))
 
-    def release(self, pool: KVBlockPool) -> None:
-        pool.free(self.table)
+    def read(self) -> list[TokenLogprob | None]:
+        """Every launched chunk's entries, in order; a chunk run again (the sequence was preempted and
+        recomputed) replaces what followed its start."""
+        for start, n, out in self.launched:
+            lp, rank, top_ids, top_lp = (np.asarray(x) for x in out)
+            del self.entries[start + 1:]
+            for j in range(n):
+                top = [(int(t), float(v)) for t, v in zip(top_ids[j, :self.top_k], top_lp[j, :self.top_k])]
+                self.entries.append(TokenLogprob(int(self.ids[start + 1 + j]), float(lp[j]), top, int(rank[j])))
+        self.launched = []
+        return self.entries

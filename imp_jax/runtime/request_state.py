@@ -12,8 +12,7 @@ Emit = Callable[[EngineEvent], None]
 
 @dataclasses.dataclass(eq=False)
 class RequestState:
-    """One admitted request. `held`: its sequences wait outside the scheduler (a feature runs first,
-    e.g. prompt scoring) until the feature hands them over."""
+    """One admitted request, from admission to its last event."""
 
     request: GenerationRequest
     params: SamplingParams               # resolved (runtime/defaults.py) and checked by every feature
@@ -21,7 +20,6 @@ class RequestState:
     emit: Emit
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     num_open: int = 0
-    held: bool = False
     drafts_ok: bool = True               # no active feature forbids speculation (Feature.drafts_ok)
     prompt_logprobs: list | None = None   # sent once, on index 0's first event
     ext: dict[str, Any] = dataclasses.field(default_factory=dict)   # per-request feature state, by name

@@ -66,7 +66,9 @@ class Sequence:
         """Its prefix-cache extra key: the request's salt, with the adapter when it has one (blocks
         computed under one adapter are never served to another, or to the base model)."""
         salt = self.request.cache_salt
-        return salt if self.lora_key is None else (salt, "lora", *self.lora_key)
+        key = salt if self.lora_key is None else (salt, "lora", *self.lora_key)
+        private = self.ext.get("private_cache")   # a feature's own blocks (prompt scoring): never shared
+        return key if private is None else ("private", private, key)
 
     @property
     def all_ids(self) -> list[int]:

@@ -339,13 +339,17 @@ class CompiledStep:
     def score(self, batch: StepBatch, targets: np.ndarray, tables: list[BlockTable]) -> tuple[np.ndarray, ...]:
         """Raw logprob and rank of `targets` [T] at every row, plus the top 20, for a one-sequence batch
         (`batch` built without tables; `tables`: its sequence's BlockTable)."""
+        return tuple(np.asarray(x) for x in self.launch_score(batch, targets, tables))
+
+    def launch_score(self, batch: StepBatch, targets: np.ndarray, tables: list[BlockTable]) -> tuple[jax.Array, ...]:
+        """`score`, returning at once with device arrays (the host reads them later)."""
         exe = self._score_program()
         self._attach_tables(batch, tables)
         ints, floats = self._pack("score", self._score_inputs(batch, targets))
         if self.leader is not None:
             self.leader.send(SCORE, (len(batch.input_ids), 1), ints, floats)
         out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
-        return tuple(np.asarray(x) for x in out)
+        return out
 
     def run_packed(self, program: str, bucket: tuple[int, int], ints: np.ndarray, floats: np.ndarray) -> None:
         """A multi-host follower: run the program the leader announced on its packed inputs, to the end."""

@@ -8,9 +8,10 @@ Every hook is a no-op by default, so a feature overrides only what it needs.
 Life of a request, and the hook the loop calls at each point (all on the engine thread, each bounded
 per call; unbounded work belongs before admission, off the engine thread):
 1. admission: `check` validates the request (raise InvalidRequestError naming the field) and may adjust
-   its resolved params; `acquire` takes what the request holds until it ends (a LoRA slot, scoring
-   blocks); `start` attaches per-sequence host state (`seq.ext[name]`, or a typed slot it owns);
-2. scheduling: `side_step` runs a feature's own work between steps (while `busy`); `drafts_ok` (class flag, checked at admission when `active`) says whether its rows may
+   its resolved params; `acquire` takes what the request holds until it ends (a LoRA slot);
+   `start` attaches per-sequence host state (`seq.ext[name]`, or a typed slot it owns);
+2. scheduling: `runs_tokens` / `run_tokens` take the head of a scheduled chunk into the feature's own
+   program (prompt scoring); `drafts_ok` (class flag, checked at admission when `active`) says whether its rows may
    speculate; `needs_newest` says a row's next step needs its newest token on the host (no overlap);
    `holds_drafts` stops drafting for one step;
 3. step inputs: `masks` fills allowed-token bitmasks for the batch's rows; `row` adds to a row's
@@ -70,6 +71,7 @@ class Accepted:
     logprobs: list[TokenLogprob] | None
     raw: dict[int, float] | None = None   # raw logprobs of probed ids (SamplingParams.raw_logprob_ids)
     verified: bool = False   # it came from a verify chunk (speculative drafts), not a plain decode row
+    prompt_logprobs: list | None = None   # the request's prompt logprobs, to ride on its first event
 
 
 class Feature:
@@ -117,14 +119,13 @@ class Feature:
         """Extra keyword inputs of the step's launch (CompiledStep.launch)."""
         return {}
 
-    def side_step(self) -> int:
-        """One bounded unit of the feature's own device work between the loop's steps (prompt scoring);
-        returns the sequences it ran (0: none)."""
+    def runs_tokens(self, chunk: ScheduledChunk) -> int:
+        """How many leading tokens of a scheduled chunk the feature runs through its own program instead of
+        the step (prompt scoring); they were scheduled like any, under the step's token budget and blocks."""
         return 0
 
-    def busy(self) -> bool:
-        """The feature has side work queued: the loop keeps stepping and does not overlap steps."""
-        return False
+    def run_tokens(self, seq: Sequence, n: int) -> None:
+        """Launch the sequence's next `n` tokens (from `seq.num_computed`) through the feature's program."""
 
     # 4. after a step is read
     def accepted(self, seq: Sequence, tok: Accepted) -> None:

@@ -1,49 +1,39 @@
-"""prompt_logprobs (runtime/prompt_logprobs.py) as a feature: the request's prompt is scored first, one chunk
-per loop iteration between the regular steps, through blocks borrowed for it; its sequences join the
-scheduler when the scoring ends."""
+"""prompt_logprobs (runtime/prompt_logprobs.py) as a feature: the first sequence's prompt prefills through the
+scheduler under a private prefix-cache key; the part of each chunk before the last prompt token runs through
+the scoring program (`runs_tokens` / `run_tokens`); the entries ride on the request's first event."""
 from __future__ import annotations
 
-from imp_jax.runtime.features.base import Feature
+import uuid
+
+from imp_jax.runtime.features.base import Accepted, Feature
 from imp_jax.runtime.prompt_logprobs import PromptScoring
 
 
 class ScoringFeature(Feature):
     name = "prompt_logprobs"
 
-    def __init__(self, services):
-        super().__init__(services)
-        self.queue: list = []   # RequestStates being scored, oldest first
-
     def acquire(self, state) -> None:
         k = state.params.prompt_logprobs
-        if k is None:
-            return
-        lora = state.ext.get("lora")
-        state.ext[self.name] = PromptScoring.begin(self.s.pool, state.request.prompt_ids, k,
-                                                   lora.slot if lora is not None else 0)
-        state.held = True
-        self.queue.append(state)
+        if k is not None:
+            state.ext[self.name] = PromptScoring(state.request.prompt_ids, k)
 
-    def busy(self) -> bool:
-        return bool(self.queue)
+    def start(self, seq, state) -> None:
+        if self.name in state.ext and seq.index == 0:
+            seq.ext[self.name] = state.ext[self.name]
+            seq.ext["private_cache"] = uuid.uuid4().hex   # every prompt token computed, none served to others
 
-    def side_step(self) -> int:
-        """One chunk of the oldest prompt being scored; a scored prompt's sequences join the scheduler."""
-        if not self.queue:
+    def runs_tokens(self, chunk) -> int:
+        scoring = chunk.seq.ext.get(self.name)
+        if scoring is None or chunk.drafts:
             return 0
-        state = self.queue[0]
-        scoring = state.ext[self.name]
-        scoring.run_chunk(self.s.step_fn, self.s.config.block_size)
-        if scoring.done:
-            state.prompt_logprobs = scoring.entries
-            self.release(state)
-            state.held = False
-            for seq in state.seqs:
-                self.s.scheduler.add(seq)
-        return 1
+        return scoring.to_score(chunk.seq.num_computed, chunk.num_tokens)
 
-    def release(self, state) -> None:
-        scoring = state.ext.pop(self.name, None)
+    def run_tokens(self, seq, n: int) -> None:
+        seq.ext[self.name].launch(self.s.step_fn, seq.num_computed, n, seq.table, seq.lora_slot,
+                                  self.s.config.block_size)
+
+    def accepted(self, seq, tok: Accepted) -> None:
+        """At the first token: the prompt's entries, for the request's first event (OutputStage)."""
+        scoring = seq.ext.pop(self.name, None)
         if scoring is not None:
-            scoring.release(self.s.pool)
-            self.queue.remove(state)
+            tok.prompt_logprobs = scoring.read()
