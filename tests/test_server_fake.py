@@ -181,3 +181,23 @@ def test_events_dropped_unread_still_end_their_request(tmp_path) -> None:
     assert record.outcome == "cancelled" and record.reported
     line = json.loads((tmp_path / "log.jsonl").read_text())
     assert line["req_id"] == "r1" and line["outcome"] == "cancelled"
+
+
+def test_steps_failed_total_is_on_health_and_metrics() -> None:
+    """EngineCore.stats' steps_failed_total (a step that raised fails only its own requests): /health has it,
+    0 from an engine that does not count it yet, and /metrics as the counter imp_engine_steps_failed_total."""
+    from prometheus_text import parse, value
+
+    async def run() -> None:
+        engine = FakeEngine(fake_tokenizer())
+        engine.state = "ready"
+        client = create_app(engine).test_client()
+        engine.steps_failed_total = 3
+        assert (await (await client.get("/health")).get_json())["steps_failed_total"] == 3
+        metrics = parse(await (await client.get("/metrics")).get_data(as_text=True))
+        assert value(metrics, "imp_engine_steps_failed_total") == 3
+        engine.stats = lambda: {"num_running": 0, "num_waiting": 0}   # a core without the counter
+        assert (await (await client.get("/health")).get_json())["steps_failed_total"] == 0
+        assert value(parse(await (await client.get("/metrics")).get_data(as_text=True)),
+                     "imp_engine_steps_failed_total") == 0
+    asyncio.run(run())

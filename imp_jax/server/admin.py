@@ -214,8 +214,10 @@ async def props() -> Any:
 async def info() -> Any:
     max_len = _engine_fact(lambda e: e.max_model_len, "max_model_len")
     return jsonify({
-        "model_id": _model_name(), "model_sha": None, "model_dtype": str(_engine_fact(lambda e: e.dtype, "dtype", "auto")),
-        "model_device_type": str(_engine_fact(lambda e: e.device, "device", "unknown")), "model_pipeline_tag": "text-generation",
+        "model_id": _model_name(), "model_sha": None,
+        "model_dtype": str(_engine_fact(lambda e: e.dtype, "dtype", "auto")),
+        "model_device_type": str(_engine_fact(lambda e: e.device, "device", "unknown")),
+        "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": _engine_fact(lambda e: e.max_num_seqs, "max_num_seqs"), "max_best_of": 1,
         "max_stop_sequences": field_limits().stop_strings, "max_input_tokens": max_len - 1 if max_len else None,
         "max_total_tokens": max_len, "validation_workers": 1, "max_client_batch_size": 1,
