@@ -171,8 +171,11 @@ class EncoderEngine(EngineThread, Encoder):
 
     # ------------------------------------------------------------ engine thread
     def _serve(self) -> None:
-        """Each wake-up takes every job waiting and runs them as one set of batches."""
-        while self._drain(block=True):
+        """Each wake-up takes every job waiting and runs them as one set of batches (those taken before
+        a Stop too, so no caller waits)."""
+        serving = True
+        while serving:
+            serving = self._drain(block=True)
             jobs, self._jobs = self._jobs, []
             if not jobs:
                 continue
