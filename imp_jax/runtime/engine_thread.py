@@ -92,9 +92,13 @@ class EngineThread:
             self.error, self.state = str(e), "faulted"
             self._ready.set()
             return
-        self.state = "ready"
+        with self._submit_lock:
+            stopped = self.state == "stopped"   # shut down while it loaded: it stays stopped
+            if not stopped:
+                self.state = "ready"
         self._ready.set()
-        self._serve()
+        if not stopped:
+            self._serve()
 
     def _drain(self, block: bool) -> bool:
         """Apply every queued command (waiting up to DRAIN_WAIT_S for one if `block`); False on Stop."""
