@@ -1,10 +1,10 @@
 """Helpers for the server tests: a live `python -m imp_jax.server`, an in-process app, and a fake engine.
 
-FakeEngine is a stand-in for imp_jax.runtime.async_engine.AsyncEngine for what the real engine
+FakeEngine is an Engine (runtime/api.py), standing in for the real AsyncEngine for what the real engine
 cannot do on demand: fail mid-stream (a prompt holding FAULT_MARKER), stay loading, or emit tokens
 slowly enough for keepalive pings. It is not a model: it "generates" a fixed script of tokens, and
-emits exactly the real engine's event contract (`check_event_contract`, which a contract test runs
-on both engines). It does not re-implement engine features (stop strings, logprobs, KV blocks):
+emits exactly the real engine's event contract (`check_event_contract`; test_engine_contract.py runs
+one suite on both engines). It does not re-implement engine features (stop strings, logprobs, KV blocks):
 a request that needs them is refused, so it must be tested on the real engine (see `live_server`).
 """
 from __future__ import annotations

@@ -175,7 +175,10 @@ def test_bad_input_is_an_imp_error_with_a_code_before_any_event(engine: Engine) 
     assert at_baseline(engine)
 
 
+@pytest.mark.parametrize("engine", ["fake", "fake_replicas"], indirect=True)
 def test_a_suspended_engine_refuses_with_503_suspended_until_resumed(engine: Engine) -> None:
+    """Not on `real_engine`: parking moves the session's shared SmolLM2 weights off the device (the next
+    engine built on them would find them deleted); test_suspend.py suspends real engines of its own."""
     assert engine.capabilities.suspend
 
     async def run() -> None:
