@@ -130,6 +130,7 @@ class Encoder(Protocol):
     # model facts (raise a 503 EngineError while the model loads)
     tokenizer: Any
     max_model_len: int
+    vocab_size: int      # token ids a caller may send
     dimensions: int      # the embedding size
     normalize: bool      # whether embeddings are L2-normalised
 
