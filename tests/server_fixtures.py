@@ -224,6 +224,12 @@ def check_event_contract(events: list[EngineEvent], req: GenerationRequest, toke
         assert all(0 < t <= req.params.max_tokens for t in tokens.values())
 
 
+def protocol_members(protocol: type) -> set[str]:
+    """The names a Protocol (runtime/api.py) declares: its annotated attributes and its public methods."""
+    names = set(protocol.__dict__.get("__annotations__", {}))
+    return names | {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, protocol_members, wait_for
 from tiny_models import write_tiny_bert
 
 SENTENCES = [
@@ -115,6 +115,16 @@ def test_concurrent_clients_share_batches_and_get_their_own_rows(emb: Any) -> No
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = np.array(list(pool.map(one, range(16))))
     assert np.abs(got - ref).max() <= 1e-5
+
+
+def test_both_encoder_engines_keep_the_encoder_protocol(emb: Any) -> None:
+    from imp_jax.runtime.api import Encoder
+    for engine in (emb.minilm, emb.cross):
+        assert Encoder in type(engine).__mro__ and not type(engine).__abstractmethods__
+        assert {name for name in protocol_members(Encoder) if not hasattr(engine, name)} == set()
+        assert engine.state == "ready" and engine.error is None and engine.in_flight == 0
+    assert (emb.minilm.task, emb.cross.task) == ("embed", "score")
+    assert emb.minilm.dimensions == 384 and emb.minilm.normalize
 
 
 def test_jobs_of_several_clients_run_in_one_padded_batch(emb: Any) -> None:

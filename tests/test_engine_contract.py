@@ -22,7 +22,7 @@ import httpx
 import jax.numpy as jnp
 import pytest
 from server_fixtures import (FAULT_MARKER, FakeEngine, app_in_thread, check_event_contract, fake_tokenizer,
-                             parse_sse, wait_for)
+                             parse_sse, protocol_members, wait_for)
 
 from imp_jax.errors import EngineError, ImpError, InvalidRequestError
 from imp_jax.kernels_pallas import kv_storage_dtype
@@ -95,12 +95,6 @@ def engine(request: pytest.FixtureRequest) -> Engine:
     for replica in router.replicas:
         replica.state = "ready"
     return router
-
-
-def protocol_members(protocol: type) -> set[str]:
-    """The names a Protocol declares: its annotated attributes and its public methods."""
-    names = set(protocol.__dict__.get("__annotations__", {}))
-    return names | {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
 
 
 def at_baseline(engine: Engine) -> bool:
