@@ -1,10 +1,10 @@
 """Helpers for the server tests: a live `python -m imp_jax.server`, an in-process app, and a fake engine.
 
-FakeEngine is a stand-in for imp_jax.runtime.async_engine.AsyncEngine for what the real engine
+FakeEngine is an Engine (runtime/api.py), standing in for the real AsyncEngine for what the real engine
 cannot do on demand: fail mid-stream (a prompt holding FAULT_MARKER), stay loading, or emit tokens
 slowly enough for keepalive pings. It is not a model: it "generates" a fixed script of tokens, and
-emits exactly the real engine's event contract (`check_event_contract`, which a contract test runs
-on both engines). It does not re-implement engine features (stop strings, logprobs, KV blocks):
+emits exactly the real engine's event contract (`check_event_contract`; test_engine_contract.py runs
+one suite on both engines). It does not re-implement engine features (stop strings, logprobs, KV blocks):
 a request that needs them is refused, so it must be tested on the real engine (see `live_server`).
 """
 from __future__ import annotations
@@ -31,7 +31,9 @@ from otlp_receiver import OTLPReceiver
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.tokenizer import Tokenizer
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
+from imp_jax.runtime.api import Capabilities, Engine, not_serving
+from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
+                                     check_context)
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
@@ -57,10 +59,12 @@ def fake_tokenizer(fim: bool = True) -> Tokenizer:
                      chat_template=CHATML, fim_tokens=fim_tokens)
 
 
-class FakeEngine:
-    """The AsyncEngine's interface over a scripted generator; see the module docstring for why it exists."""
+class FakeEngine(Engine):
+    """The Engine contract (runtime/api.py) over a scripted generator; see the module docstring for why it exists."""
 
     POOL_BLOCKS = 64  # what stats() reports: the fake holds no KV, so its pool is always at baseline
+    # no LoRA, no KV to pin for sessions; suspend is the state alone; no request of its thinks
+    capabilities = Capabilities(suspend=True, end_thinking=True)
 
     def __init__(self, tokenizer: Tokenizer, *, served_name: str = "fake-model", max_model_len: int = 256,
                  token_delay: float = 0.0, load_delay: float = 0.0):
@@ -69,7 +73,11 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.vocab_size = tokenizer.vocab_size
         self.default_params = SamplingParams(temperature=0.6, top_p=0.95)
+        self.max_num_seqs, self.dtype, self.device = 8, "float32", "cpu"
         self.state = "loading"
+        self.error: str | None = None
+        self.idle_suspended = False
+        self.steps_failed_total = 0   # what stats() reports (EngineCore.stats: steps that raised)
         self.token_delay = token_delay
         self._load_delay = load_delay
         self._running: set[str] = set()
@@ -101,10 +109,6 @@ class FakeEngine:
         self.state = "suspended"
         return {"status": "suspended", "freed_bytes": 0}
 
-    async def close_session(self, session_id: str) -> bool:
-        """The fake keeps no KV, so no session is ever open."""
-        return False
-
     def prefix_key(self, req: GenerationRequest) -> Any:
         return req.cache_salt
 
@@ -120,13 +124,16 @@ class FakeEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"num_free_blocks": self.POOL_BLOCKS, "baseline_free_blocks": self.POOL_BLOCKS,
-                "num_running": len(self._running), "num_waiting": 0, "compilations_after_warmup": 0}
+                "num_running": len(self._running), "num_waiting": 0, "compilations_after_warmup": 0,
+                "steps_failed_total": self.steps_failed_total}
 
     def shutdown(self) -> None:
         self.state = "stopped"
 
     def generate(self, req: GenerationRequest, limits: Any = None, on_stall: Any = None) -> AsyncIterator[EngineEvent]:
         """The scripted events; the reader limits of the real engine (event_buffer.py) do not apply here."""
+        if self.state != "ready":
+            raise not_serving(self.state, self.error)
         return self._run(req)
 
     async def _run(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
@@ -136,8 +143,7 @@ class FakeEngine:
                 or p.raw_logprob_ids):
             raise InvalidRequestError("FakeEngine does not do stop strings, stop tokens or logprobs: "
                                       "test them on the real engine", param="stop")
-        if len(req.prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError("prompt too long", param="prompt")
+        check_context(len(req.prompt_ids), p.max_tokens, self.max_model_len, "prompt")   # the real engine's rule
         max_tokens = p.max_tokens or self.max_model_len - len(req.prompt_ids)
         fault = FAULT_MARKER in self.tokenizer.decode(req.prompt_ids)
         admitted = time.monotonic()
@@ -155,7 +161,9 @@ class FakeEngine:
         try:
             for step in range(max_tokens):
                 await asyncio.sleep(self.token_delay)
-                if req.request_id in self._cancelled:
+                if req.request_id in self._cancelled:   # as EngineCore.cancel: each open choice ends cancelled
+                    for i in list(live):
+                        yield last(EngineEvent(req.request_id, i, finish_reason="cancelled", admitted_at=admitted), i)
                     return
                 if fault and step == 2:  # a device fault: every open choice ends with an error event
                     for i in list(live):
@@ -177,12 +185,13 @@ class FakeEngine:
 
 
 def check_event_contract(events: list[EngineEvent], req: GenerationRequest, tokenizer: Any,
-                         fault: bool = False) -> None:
+                         ending: str | None = None) -> None:
     """The engine event contract (runtime/request.py EngineEvent), as the real engine keeps it.
 
-    Per choice: events in order, each with at most one token; the last has a finish_reason (error
-    with a message on a fault, no token then); text deltas join to the choice's text. The request's
-    very last event, and only it, has done=True and usage, whose completion tokens count every choice.
+    Per choice: events in order, each with at most one token; the last has a finish_reason: stop or
+    length, or every choice's `ending` when given (error with a message on a fault, cancelled after
+    cancel(); no token then); text deltas join to the choice's text. The request's very last event,
+    and only it, has done=True and usage, whose completion tokens count every choice.
     """
     assert events, "no events"
     n = req.params.n
@@ -202,16 +211,23 @@ def check_event_contract(events: list[EngineEvent], req: GenerationRequest, toke
     tokens = {i: len(v) for i, v in ids.items()}
     assert sorted(finished) == list(range(n)), f"choices without a finish: {sorted(finished)} of {n}"
     for ev in finished.values():
-        if fault:
-            assert ev.finish_reason == "error" and ev.error and not ev.token_ids
+        if ending is not None:
+            assert ev.finish_reason == ending and not ev.token_ids, (ev.finish_reason, ending)
+            assert bool(ev.error) == (ending == "error")
         else:
             assert ev.finish_reason in ("stop", "length") and ev.error is None
             if ev.finish_reason == "length" and not req.params.stop:  # nothing held back or cut: all the text
                 assert texts[ev.index] == tokenizer.decode(ids[ev.index]), (texts[ev.index], ids[ev.index])
     usage = events[-1].usage
     assert usage.prompt_tokens == len(req.prompt_ids) and usage.completion_tokens == sum(tokens.values())
-    if not fault and req.params.max_tokens:
+    if ending is None and req.params.max_tokens:
         assert all(0 < t <= req.params.max_tokens for t in tokens.values())
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """The names a Protocol (runtime/api.py) declares: its annotated attributes and its public methods."""
+    names = set(protocol.__dict__.get("__annotations__", {}))
+    return names | {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, protocol_members, wait_for
 from tiny_models import write_tiny_bert
 
 SENTENCES = [
@@ -117,16 +117,26 @@ def test_concurrent_clients_share_batches_and_get_their_own_rows(emb: Any) -> No
     assert np.abs(got - ref).max() <= 1e-5
 
 
+def test_both_encoder_engines_keep_the_encoder_protocol(emb: Any) -> None:
+    from imp_jax.runtime.api import Encoder
+    for engine in (emb.minilm, emb.cross):
+        assert Encoder in type(engine).__mro__ and not type(engine).__abstractmethods__
+        assert {name for name in protocol_members(Encoder) if not hasattr(engine, name)} == set()
+        assert engine.state == "ready" and engine.error is None and engine.in_flight == 0
+    assert (emb.minilm.task, emb.cross.task) == ("embed", "score")
+    assert emb.minilm.dimensions == 384 and emb.minilm.normalize
+
+
 def test_jobs_of_several_clients_run_in_one_padded_batch(emb: Any) -> None:
     """The batcher itself (what the engine thread runs on all that waits): three clients' inputs in one call."""
-    from imp_jax.runtime.encoder_engine import _Job
+    from imp_jax.runtime.commands import Encode
 
     tok = emb.minilm.tokenizer
     texts = [SENTENCES[:2], [SENTENCES[2]], [SENTENCES[3]]]   # 4 inputs: one call of the 4-row bucket
     answers: list[Any] = [None] * 3
-    jobs = [_Job(tok.encode_batch(t), lambda v, i=i: answers.__setitem__(i, v)) for i, t in enumerate(texts)]
+    jobs = [Encode(tok.encode_batch(t), reply=lambda v, i=i: answers.__setitem__(i, v)) for i, t in enumerate(texts)]
     before = emb.minilm.stats()["batches"]
-    emb.minilm._serve(jobs)
+    emb.minilm._serve_jobs(jobs)
     assert emb.minilm.stats()["batches"] - before == 1
     before = emb.minilm.stats()["batches"]
     asyncio.run(emb.minilm.run(tok.encode_batch(SENTENCES[:6])))   # 6 = 4 + 1 + 1: no call pads rows

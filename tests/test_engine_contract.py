@@ -1,4 +1,6 @@
-"""The engine event contract, on the real AsyncEngine and on FakeEngine alike, and a real engine fault over HTTP.
+"""The server-engine contract (runtime/api.py), on the real AsyncEngine, FakeEngine and EngineReplicas over
+fakes alike: the protocol surface, the events per token, finish reasons, usage, cancel, suspend, and errors
+as ImpError with codes. Then a real engine fault over HTTP.
 
 The real engine here is an in-process AsyncEngine over the session's SmolLM2 load with test_engine's
 sizing (its four step programs come from the persistent compilation cache). A device fault is a step
@@ -20,13 +22,16 @@ import httpx
 import jax.numpy as jnp
 import pytest
 from server_fixtures import (FAULT_MARKER, FakeEngine, app_in_thread, check_event_contract, fake_tokenizer,
-                             parse_sse, wait_for)
+                             parse_sse, protocol_members, wait_for)
 
+from imp_jax.errors import EngineError, ImpError, InvalidRequestError
 from imp_jax.kernels_pallas import kv_storage_dtype
+from imp_jax.runtime.api import ENGINE_STATES, Capabilities, Engine
 from imp_jax.runtime.async_engine import AsyncEngine
 from imp_jax.runtime.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.replicas import EngineReplicas
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams
 from imp_jax.runtime.sharding import default_mesh
 from imp_jax.server.app import create_app
@@ -72,6 +77,32 @@ async def events_of(engine: Any, req: GenerationRequest) -> list[EngineEvent]:
     return [ev async for ev in engine.generate(req)]
 
 
+def ready_fake() -> FakeEngine:
+    fake = FakeEngine(fake_tokenizer())
+    fake.state = "ready"
+    return fake
+
+
+@pytest.fixture(params=("real", "fake", "fake_replicas"))
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """Each engine the server may hold: the real AsyncEngine, FakeEngine, and EngineReplicas over fakes."""
+    if request.param == "real":
+        return request.getfixturevalue("real_engine")
+    if request.param == "fake":
+        return ready_fake()
+    tok = fake_tokenizer()
+    router = EngineReplicas(EngineConfig(data_parallel_size=2), build=lambda i: FakeEngine(tok))
+    for replica in router.replicas:
+        replica.state = "ready"
+    return router
+
+
+def at_baseline(engine: Engine) -> bool:
+    """Nothing runs and every KV block is free again."""
+    stats = engine.stats()
+    return stats["num_free_blocks"] == stats["baseline_free_blocks"] and stats["num_running"] == 0
+
+
 CASES = {
     "one": dict(max_tokens=5, ignore_eos=True),
     "n3": dict(n=3, max_tokens=4, temperature=1.0, seed=3, ignore_eos=True),
@@ -79,29 +110,94 @@ CASES = {
 }
 
 
+def test_every_engine_keeps_the_protocol_surface(engine: Engine) -> None:
+    assert Engine in type(engine).__mro__ and not type(engine).__abstractmethods__
+    missing = {name for name in protocol_members(Engine) if not hasattr(engine, name)}
+    assert not missing, f"{type(engine).__name__} lacks {sorted(missing)}"
+    assert engine.state == "ready" and engine.state in ENGINE_STATES and engine.error is None
+    caps = engine.capabilities
+    assert isinstance(caps, Capabilities)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps.lora = True  # type: ignore[misc]
+    assert isinstance(engine.served_name, str) and engine.served_name
+    assert isinstance(engine.max_model_len, int) and engine.max_model_len > 0
+    assert isinstance(engine.max_num_seqs, int) and engine.max_num_seqs > 0
+    assert engine.tokenizer.decode(engine.tokenizer.encode("hello", add_special_tokens=False)) == "hello"
+    assert engine.vocab_size > 0 and engine.default_params is not None
+    assert isinstance(engine.dtype, str) and engine.device == "cpu"
+    assert {"num_running", "num_waiting", "num_free_blocks", "baseline_free_blocks"} <= set(engine.stats())
+    assert engine.replica_states() == ["ready"] * (2 if caps.replicas else 1)
+    assert not caps.lora and engine.lora_adapters() == []   # no engine here has LoRA slots
+    with pytest.raises(ImpError) as refused:   # a capability it lacks: a 400, not an AttributeError
+        asyncio.run(engine.load_lora("a", "/nowhere"))
+    assert refused.value.status == 400
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_real_and_fake_engines_keep_the_same_event_contract(real_engine: AsyncEngine, case: str) -> None:
-    fake = FakeEngine(fake_tokenizer())
-    fake.state = "ready"
-    for engine in (real_engine, fake):
-        req = request(engine, "The capital of France is", **CASES[case])
-        check_event_contract(asyncio.run(events_of(engine, req)), req, engine.tokenizer)
-    assert real_engine.stats()["num_free_blocks"] == real_engine.stats()["baseline_free_blocks"]
+def test_events_per_token_finish_reasons_and_usage(engine: Engine, case: str) -> None:
+    req = request(engine, "The capital of France is", **CASES[case])
+    check_event_contract(asyncio.run(events_of(engine, req)), req, engine.tokenizer)
+    assert at_baseline(engine)
+
+
+def test_cancel_ends_every_open_choice_cancelled_with_usage(engine: Engine) -> None:
+    req = request(engine, "Tell me a story", n=2, max_tokens=200, temperature=1.0, seed=1, ignore_eos=True)
+
+    async def run() -> list[EngineEvent]:
+        events = []
+        async for ev in engine.generate(req):
+            events.append(ev)
+            if len(events) == 1:
+                engine.cancel(req.request_id)
+        return events
+
+    events = asyncio.run(run())
+    check_event_contract(events, req, engine.tokenizer, ending="cancelled")
+    assert sum(len(ev.token_ids) for ev in events) < 2 * 200
+    assert at_baseline(engine)
+    engine.cancel(req.request_id)   # an id no longer running: a no-op
+
+
+def test_bad_input_is_an_imp_error_with_a_code_before_any_event(engine: Engine) -> None:
+    too_long = GenerationRequest(f"contract-{next(_ids)}", [1] * engine.max_model_len, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(events_of(engine, too_long))
+    assert (err.value.code, err.value.param, err.value.status) == ("context_length_exceeded", "prompt", 400)
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(events_of(engine, request(engine, "hi", temperature=-1.0, max_tokens=2)))
+    assert (err.value.param, err.value.status) == ("temperature", 400)
+    assert at_baseline(engine)
+
+
+@pytest.mark.parametrize("engine", ["fake", "fake_replicas"], indirect=True)
+def test_a_suspended_engine_refuses_with_503_suspended_until_resumed(engine: Engine) -> None:
+    """Not on `real_engine`: parking moves the session's shared SmolLM2 weights off the device (the next
+    engine built on them would find them deleted); test_suspend.py suspends real engines of its own."""
+    assert engine.capabilities.suspend
+
+    async def run() -> None:
+        assert (await engine.suspend())["status"] == "suspended"
+        with pytest.raises(EngineError) as err:
+            await events_of(engine, request(engine, "hi", max_tokens=2))
+        assert (err.value.code, err.value.status) == ("suspended", 503)
+        assert (await engine.resume())["status"] == "resumed"
+        assert (await engine.resume())["status"] == "not_suspended"
+        assert (await events_of(engine, request(engine, "hi", max_tokens=2, ignore_eos=True)))[-1].done
+
+    asyncio.run(run())
+    assert engine.state == "ready"
 
 
 def test_fake_fault_is_the_real_fault_contract() -> None:
-    fake = FakeEngine(fake_tokenizer())
-    fake.state = "ready"
+    fake = ready_fake()
     req = request(fake, f"please {FAULT_MARKER}", n=2, max_tokens=8)
     events = asyncio.run(events_of(fake, req))
-    check_event_contract(events, req, fake.tokenizer, fault=True)
+    check_event_contract(events, req, fake.tokenizer, ending="error")
     assert [ev.index for ev in events if ev.finish_reason] == [0, 1]
 
 
 def test_fake_refuses_what_only_the_real_engine_does() -> None:
-    from imp_jax.errors import InvalidRequestError
-    fake = FakeEngine(fake_tokenizer())
-    fake.state = "ready"
+    fake = ready_fake()
     with pytest.raises(InvalidRequestError):
         asyncio.run(events_of(fake, request(fake, "hi", stop=["x"], max_tokens=3)))
 

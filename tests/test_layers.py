@@ -14,7 +14,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "imp_jax.model": ("imp_jax.model", "imp_jax.kernels_pallas", *BASE),
     "imp_jax.runtime": ("imp_jax.runtime", "imp_jax.model", "imp_jax.kernels_pallas", *BASE),
     # the server speaks to the engine through the request/event contract and the engine's config only
-    "imp_jax.server": ("imp_jax.server", "imp_jax.runtime.request", "imp_jax.runtime.config", *BASE),
+    "imp_jax.server": ("imp_jax.server", "imp_jax.runtime.request", "imp_jax.runtime.api", "imp_jax.runtime.config",
+                       *BASE),
     "imp_jax.errors": (),
     "imp_jax.paths": (),
 }

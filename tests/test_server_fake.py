@@ -181,3 +181,45 @@ def test_events_dropped_unread_still_end_their_request(tmp_path) -> None:
     assert record.outcome == "cancelled" and record.reported
     line = json.loads((tmp_path / "log.jsonl").read_text())
     assert line["req_id"] == "r1" and line["outcome"] == "cancelled"
+
+
+def test_steps_failed_total_is_on_health_and_metrics() -> None:
+    """EngineCore.stats' steps_failed_total (a step that raised fails only its own requests): /health has it,
+    0 from an engine that does not count it yet, and /metrics as the counter imp_engine_steps_failed_total."""
+    from prometheus_text import parse, value
+
+    async def run() -> None:
+        engine = FakeEngine(fake_tokenizer())
+        engine.state = "ready"
+        client = create_app(engine).test_client()
+        engine.steps_failed_total = 3
+        assert (await (await client.get("/health")).get_json())["steps_failed_total"] == 3
+        metrics = parse(await (await client.get("/metrics")).get_data(as_text=True))
+        assert value(metrics, "imp_engine_steps_failed_total") == 3
+        engine.stats = lambda: {"num_running": 0, "num_waiting": 0}   # a core without the counter
+        assert (await (await client.get("/health")).get_json())["steps_failed_total"] == 0
+        assert value(parse(await (await client.get("/metrics")).get_data(as_text=True)),
+                     "imp_engine_steps_failed_total") == 0
+    asyncio.run(run())
+
+
+def test_the_server_asks_capabilities_and_refuses_what_an_engine_lacks() -> None:
+    """An engine without suspend, sessions, end_thinking or LoRA slots: each route is a 400 naming what is
+    missing (never a 500 from a missing method), and /v1/models lists no adapters."""
+    from imp_jax.runtime.api import Capabilities
+
+    async def run() -> None:
+        engine = FakeEngine(fake_tokenizer())
+        engine.state = "ready"
+        engine.capabilities = Capabilities()
+        client = create_app(engine).test_client()
+        for path, body, code in [("/admin/suspend", None, "not_supported"),
+                                 ("/v1/sessions/s1/close", None, "not_supported"),
+                                 ("/v1/requests/r1/end_thinking", None, "not_supported"),
+                                 ("/admin/lora/load", {"path": "/tmp/adapter"}, "lora_disabled"),
+                                 ("/admin/lora/unload", {"name": "a"}, "lora_disabled")]:
+            r = await client.post(path, json=body)
+            assert r.status_code == 400 and (await r.get_json())["error"]["code"] == code, (path, await r.get_data())
+        assert [m["id"] for m in (await (await client.get("/v1/models")).get_json())["data"]] == ["fake-model"]
+        assert engine.state == "ready"
+    asyncio.run(run())

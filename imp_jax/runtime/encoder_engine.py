@@ -8,13 +8,10 @@ truncation to `dimensions` and normalisation happen on the host, per row.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import queue
-import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +24,10 @@ from imp_jax.model.config import read_json
 from imp_jax.model.encoder_loader import LoadedEncoder, load_encoder
 from imp_jax.model.hub import resolve_model
 from imp_jax.model.loader import resolve_dtype
+from imp_jax.runtime.api import Encoder, not_serving
 from imp_jax.runtime.batch import pow2_buckets
+from imp_jax.runtime.commands import Command, Encode
+from imp_jax.runtime.engine_thread import EngineThread
 from imp_jax.runtime.vectors import finish_embeddings
 
 log = logging.getLogger("imp_jax.encoder")
@@ -81,48 +81,21 @@ def check_encoder(model: str) -> str:
     return resolved.served_name
 
 
-@dataclasses.dataclass
-class _Job:
-    items: list[Item]
-    reply: Callable[[Any], None]
-    out: np.ndarray | None = None
-    left: int = 0
-
-
-class EncoderEngine:
-    """Start with `start()`; `embed()` / `classify()` from asyncio; `shutdown()` with the server."""
+class EncoderEngine(EngineThread, Encoder):
+    """Start with `start()`; `run()` / `embed()` from asyncio; `shutdown()` with the server."""
 
     def __init__(self, config: EncoderEngineConfig, loaded: LoadedEncoder | None = None):
         self.config = config
-        self.state = "loading"   # loading | warming_up | ready | faulted | stopped
-        self.error: str | None = None
         self._loaded = loaded
         self.served_name = loaded.served_name if loaded else check_encoder(config.model)
-        self._inbox: queue.Queue = queue.Queue()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"imp-encoder-{self.served_name}", daemon=True)
+        super().__init__(f"imp-encoder-{self.served_name}", f"encoder {self.served_name}", log)
+        self._jobs: list[Encode] = []   # taken from the inbox, run together by the next _serve_jobs
         self._exec: dict[tuple[int, int], Any] = {}
         self._warm = False
         self._task: str | None = None
         self.compilations_after_warmup = 0
         self.batches = self.inputs = self.real_tokens = self.padded_tokens = 0
         self.in_flight = 0   # requests submitted and not yet answered (the server's drain waits for them)
-
-    # ---------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        self._thread.start()
-
-    async def wait_ready(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
-        if self.state != "ready":
-            raise EngineError(f"encoder {self.served_name} failed to start: {self.error}")
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._inbox.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        self.state = "stopped"
-        self._refuse_queued()
 
     # -------------------------------------------------------------------- facts
     @property
@@ -180,24 +153,14 @@ class EncoderEngine:
     async def run(self, items: list[Item]) -> np.ndarray:
         """The program's rows for `items`: pooled vectors [n, hidden] or logits [n, num_labels]."""
         if self.state != "ready":
-            code = "loading" if self.state in ("loading", "warming_up") else "engine_error"
-            raise EngineError(f"the model {self.served_name} is {self.state}"
-                              + (f": {self.error}" if self.error else ""), code=code, status=503)
+            raise not_serving(self.state, self.error, f"the model {self.served_name}")
         too_long = [i for i, (ids, _) in enumerate(items) if not 0 < len(ids) <= self.max_model_len]
         if too_long:   # the server checks first; this guards the engine's own contract
             raise EngineError(f"input {too_long[0]} has {len(items[too_long[0]][0])} tokens", status=400,
                               code="invalid_request_error")
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future = loop.create_future()
-
-        def resolve(value: Any) -> None:
-            if not answer.done():
-                (answer.set_exception if isinstance(value, BaseException) else answer.set_result)(value)
-
         self.in_flight += 1   # on the event loop's thread only
         try:
-            self._inbox.put(_Job(list(items), lambda v: loop.call_soon_threadsafe(resolve, v)))
-            return await answer
+            return await self._ask(Encode(list(items)))
         finally:
             self.in_flight -= 1
 
@@ -207,38 +170,28 @@ class EncoderEngine:
         return finish_embeddings(vectors, dimensions, self.normalize)
 
     # ------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        try:
-            self._start_up()
-        except Exception as e:
-            log.exception("encoder %s failed to start", self.served_name)
-            self.error, self.state = str(e), "faulted"
-            self._ready.set()
-            return
-        self.state = "ready"
-        self._ready.set()
-        while True:
-            job = self._inbox.get()
-            if job is None:
-                return
-            jobs = [job]
-            while True:
-                try:
-                    more = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._inbox.put(None)
-                    break
-                jobs.append(more)
+    def _serve(self) -> None:
+        """Each wake-up takes every job waiting and runs them as one set of batches (those taken before
+        a Stop too, so no caller waits)."""
+        serving = True
+        while serving:
+            serving = self._drain(block=True)
+            jobs, self._jobs = self._jobs, []
+            if not jobs:
+                continue
             try:
-                self._serve(jobs)
+                self._serve_jobs(jobs)
             except Exception as e:
                 log.exception("encoder %s: a batch failed", self.served_name)
                 for j in jobs:
-                    j.reply(EngineError(f"the encoder failed: {e}"))
+                    j.answer(EngineError(f"the encoder failed: {e}"))
 
-    def _start_up(self) -> None:
+    def _apply(self, command: Command) -> None:
+        if not isinstance(command, Encode):
+            raise TypeError(f"the encoder has no command {type(command).__name__}")
+        self._jobs.append(command)
+
+    def _load(self) -> None:
         from imp_jax.runtime.builder import enable_compilation_cache
         from imp_jax.runtime.config import EngineConfig
 
@@ -298,7 +251,7 @@ class EncoderEngine:
         out = self._program(bucket)(self._leaves, ids, types, lengths)
         return np.asarray(out)[:len(items)]
 
-    def _serve(self, jobs: list[_Job]) -> None:
+    def _serve_jobs(self, jobs: list[Encode]) -> None:
         """Every input of `jobs`, sorted by length, in calls that fill their bucket's rows: each call takes
         the largest compiled batch size that what is left fills (5 inputs run as 4 + 1, not as 16 rows
         with 11 of padding); each job is answered when its last input is done."""
@@ -323,7 +276,7 @@ class EncoderEngine:
                 j.out[k] = row
                 j.left -= 1
                 if j.left == 0:
-                    j.reply(j.out)
+                    j.answer(j.out)
             start = end
 
     def _plan(self, lengths: list[int]) -> list[int]:
@@ -351,13 +304,3 @@ class EncoderEngine:
             plan.append(take[i])
             i += take[i]
         return plan
-
-    def _refuse_queued(self) -> None:
-        while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.reply(EngineError("the encoder stopped", code="engine_stopped", status=503))
-

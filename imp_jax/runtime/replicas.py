@@ -17,8 +17,9 @@ import threading
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
-from imp_jax.errors import EngineError, ImpError
-from imp_jax.runtime.async_engine import AsyncEngine
+from imp_jax.errors import ImpError
+from imp_jax.runtime.api import Engine, not_serving
+from imp_jax.runtime.async_engine import AsyncEngine, capabilities_of
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv_blocks import prefix_hashes
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
@@ -70,11 +71,12 @@ def _same_on_every_replica(name: str) -> property:
     return property(lambda self: getattr(self.replicas[0], name), doc=f"replica 0's {name}")
 
 
-class EngineReplicas:
+class EngineReplicas(Engine):
     """The AsyncEngine's interface over `config.data_parallel_size` replicas (module docstring)."""
 
     def __init__(self, config: EngineConfig, build: Callable[[int], AsyncEngine] | None = None):
         self.config = config
+        self.capabilities = dataclasses.replace(capabilities_of(config), replicas=True)
         count = config.data_parallel_size
         self.replicas: list[AsyncEngine] = [(build or (lambda i: AsyncEngine(config, replica=i)))(i)
                                             for i in range(count)]
@@ -106,16 +108,19 @@ class EngineReplicas:
 
     @property
     def error(self) -> str | None:
-        errors = ((i, getattr(r, "error", None)) for i, r in enumerate(self.replicas))
+        errors = ((i, r.error) for i, r in enumerate(self.replicas))
         return next((f"replica {i}: {e}" for i, e in errors if e), None)
 
     @property
     def progress(self) -> float:
-        return min(getattr(r, "progress", 1.0) for r in self.replicas)
+        return min(r.progress for r in self.replicas)
 
     @property
     def idle_suspended(self) -> bool:
-        return any(getattr(r, "idle_suspended", False) for r in self.replicas)
+        return any(r.idle_suspended for r in self.replicas)
+
+    def replica_states(self) -> list[str]:
+        return [r.state for r in self.replicas]
 
     # ------------------------------------------------------------------- model (the same on every replica)
     core = _same_on_every_replica("core")
@@ -205,9 +210,7 @@ class EngineReplicas:
                        on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]:
         """The routed replica's events for `req` (AsyncEngine.generate)."""
         if self.state != "ready":   # as one engine would refuse it: the worst replica's state
-            code = {"loading": "loading", "warming_up": "loading", "suspended": "suspended"}.get(self.state)
-            raise EngineError(f"engine is {self.state}" + (f": {self.error}" if self.error else ""),
-                              code=code or "engine_error", status=503)
+            raise not_serving(self.state, self.error)
         i = self.route(req)
         load = self._loads[i]
         rows, pending = req.params.n, len(req.prompt_ids)
@@ -244,19 +247,20 @@ class EngineReplicas:
 
     async def suspend(self) -> dict[str, Any]:
         """Every replica suspends; faulted if any is, already_suspended if all were."""
-        answers, status = await self._on_every_replica("suspend", "already_suspended")
+        answers, status = await self._on_every_replica(lambda r: r.suspend(), "already_suspended")
         if status:
             return {"status": status}
         return {"status": "suspended", "freed_bytes": sum(a.get("freed_bytes", 0) for a in answers)}
 
     async def resume(self) -> dict[str, Any]:
-        _, status = await self._on_every_replica("resume", "not_suspended")
+        _, status = await self._on_every_replica(lambda r: r.resume(), "not_suspended")
         return {"status": status or "resumed"}
 
-    async def _on_every_replica(self, command: str, unchanged: str) -> tuple[list[dict[str, Any]], str | None]:
+    async def _on_every_replica(self, command: Callable[[AsyncEngine], Any],
+                                unchanged: str) -> tuple[list[dict[str, Any]], str | None]:
         """Every replica's answer to `command`, and the status that speaks for all of them: faulted if
         any replica is, `unchanged` if every replica answered it; None when the command took effect."""
-        answers = await asyncio.gather(*(getattr(r, command)() for r in self.replicas))
+        answers = await asyncio.gather(*(command(r) for r in self.replicas))
         statuses = {a["status"] for a in answers}
         if "faulted" in statuses:
             return answers, "faulted"

@@ -10,7 +10,6 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from hypercorn.asyncio import serve
@@ -19,15 +18,13 @@ from hypercorn.config import Sockets
 from quart import Quart
 
 from imp_jax.errors import ImpError
+from imp_jax.runtime.api import Encoder, Engine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
 from imp_jax.server.encoders import encoders_of, install_encoders
 from imp_jax.server.models_dir import ModelDirectory, NoModel, in_flight
-
-if TYPE_CHECKING:
-    from imp_jax.runtime.async_engine import AsyncEngine
 
 log = logging.getLogger("imp_jax.server")
 UNSENT_LOWAT = 128 * 1024  # bytes of a response the kernel holds for a client that is not reading
@@ -60,7 +57,7 @@ LOAD_FAILED = 1   # the exit code when the start-up model cannot be loaded
 CANNOT_LISTEN = 2   # ... when the address is taken or not ours to bind (before loading anything)
 
 
-async def run(app: Quart, engine: AsyncEngine, config: ServerConfig) -> int:
+async def run(app: Quart, engine: Engine, config: ServerConfig) -> int:
     """Serve until SIGINT or SIGTERM; then new requests get 503 draining while the in-flight ones finish
     (at most --drain-timeout seconds; a second signal stops waiting), and the process exits 0. A model
     that fails to load at start-up (a bad path, a corrupt file) stops the server at once with exit
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
         return 2
     if models_dir is not None:
-        def make_engine(path: Path) -> AsyncEngine:
+        def make_engine(path: Path) -> Engine:
             return engine_for(dataclasses.replace(config.engine, model=str(path)))
 
         state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout)
@@ -200,7 +197,7 @@ def start_multi_host(config: ServerConfig) -> int | None:
     return run_follower(config.engine)
 
 
-def make_encoders(config: ServerConfig) -> list[Any]:
+def make_encoders(config: ServerConfig) -> list[Encoder]:
     """The EncoderEngines of --embedding-model and --rerank-model (not started; the app starts them)."""
     from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
 

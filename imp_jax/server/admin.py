@@ -4,15 +4,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Blueprint, Response, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
+from imp_jax.runtime.api import Engine
 from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
-from imp_jax.server.errors import unavailable
+from imp_jax.server.errors import not_supported, unavailable
 from imp_jax.server.generation import public_engine_message
 from imp_jax.server.limits import field_limits
 from imp_jax.server.lora import adapter_cards, adapter_card
@@ -28,20 +29,16 @@ def _version() -> str:
         return "0.0.0"
 
 
-def _engine_attr(name: str) -> Any:
-    """An attribute of the engine, or None while it cannot say (a loading engine raises for model facts)."""
-    try:
-        return getattr(server().engine, name, None)
-    except Exception:
-        return None
-
-
-def _engine_setting(name: str, default: Any = None) -> Any:
-    """An engine sizing value: the live engine's if it has one, else its config's."""
+def _engine_fact(read: Callable[[Engine], Any] | None, config_field: str | None = None, default: Any = None) -> Any:
+    """A fact of the live engine (a loading engine raises for model facts), else the engine config's
+    `config_field` (the server's ServerConfig.engine), else `default`."""
     state = server()
-    value = _engine_attr(name)
-    if value is None and state.config.engine is not None:
-        value = getattr(state.config.engine, name, None)
+    try:
+        value = read(state.engine) if read is not None else None
+    except Exception:
+        value = None
+    if value is None and config_field is not None and state.config.engine is not None:
+        value = getattr(state.config.engine, config_field, None)
     return default if value is None else value
 
 
@@ -59,12 +56,13 @@ def _stats() -> dict[str, Any]:
 
 @bp.get("/health")
 async def health() -> Any:
-    engine_state = getattr(server().engine, "state", "ready")
+    engine_state = server().engine.state
     stats = _stats()
     body: dict[str, Any] = {
         "status": "ok", "state": engine_state, "model_loaded": engine_state in ("warming_up", "ready"),
         "queue_depth": stats.get("num_running", 0) + stats.get("num_waiting", 0), "suspended": False,
         "idle_suspended": False, **stats,
+        "steps_failed_total": stats.get("steps_failed_total", 0),   # steps that raised (only their requests failed)
     }
     if encoders():
         body["encoder_models"] = {name: e.stats() for name, e in encoders().items()}
@@ -83,14 +81,13 @@ async def ready() -> Any:
     if is_ready:   # the encoder models must be serving too
         is_ready, code = encoders_ready()
     engine = server().engine
-    engine_state = getattr(engine, "state", "ready")
-    replicas = {"replica_states": [r.state for r in engine.replicas]} if hasattr(engine, "replicas") else {}
+    replicas = {"replica_states": engine.replica_states()} if engine.capabilities.replicas else {}
     if is_ready:
-        return jsonify({"ready": True, "state": engine_state, "model": _model_name(),
-                        "idle_suspended": bool(getattr(engine, "idle_suspended", False)), **replicas})
-    fault = {"message": public_engine_message(engine.error)} if code == "engine_faulted" and getattr(
-        engine, "error", None) else {}   # a lost multi-host process is named; a device fault's text is not
-    return jsonify({"ready": False, "code": code, "state": engine_state, **fault, **replicas}), 503
+        return jsonify({"ready": True, "state": engine.state, "model": _model_name(),
+                        "idle_suspended": bool(engine.idle_suspended), **replicas})
+    fault = {"message": public_engine_message(engine.error)} if code == "engine_faulted" and engine.error else {}
+    # a lost multi-host process is named; a device fault's text is not
+    return jsonify({"ready": False, "code": code, "state": engine.state, **fault, **replicas}), 503
 
 
 @bp.post("/admin/suspend")
@@ -101,9 +98,6 @@ async def admin_suspend() -> Any:
     answer = await engine.suspend()
     if answer["status"] == "faulted":
         raise ImpError("the engine faulted; restart the server", code="engine_faulted", status=500)
-    if answer["status"] == "unsupported":
-        raise ImpError("suspend is not supported with --num-processes > 1 (multi-host)", code="not_supported",
-                       status=400)
     return jsonify(answer)
 
 
@@ -119,10 +113,12 @@ async def admin_resume() -> Any:
     return jsonify(answer)
 
 
-def _suspendable() -> Any:
+def _suspendable() -> Engine:
     engine = server().engine
-    if getattr(engine, "state", None) in ("loading", "warming_up"):
+    if engine.state in ("loading", "warming_up"):
         raise unavailable("the model is still loading", "loading")
+    if not engine.capabilities.suspend:   # multi-host: the other processes' shards cannot be parked from here
+        raise not_supported("suspend is not supported with --num-processes > 1 (multi-host)")
     return engine
 
 
@@ -139,7 +135,7 @@ def _model_card(name: str | None = None) -> dict[str, Any]:
     card = {"id": name or _model_name(), "object": "model", "created": int(state.started_at), "owned_by": "imp_jax",
             "loaded": served and readiness()[0], "task": "generate"}
     if served:
-        card["max_model_len"] = _engine_setting("max_model_len")
+        card["max_model_len"] = _engine_fact(lambda e: e.max_model_len, "max_model_len")
     return card
 
 
@@ -192,7 +188,7 @@ async def load_model() -> Any:
 @bp.get("/props")
 async def props() -> Any:
     engine = ready_engine()
-    defaults = _engine_attr("default_params")
+    defaults = _engine_fact(lambda e: e.default_params)
     params = dataclasses.asdict(defaults) if dataclasses.is_dataclass(defaults) else dict(defaults or {})
     tok = engine.tokenizer
     return jsonify({
@@ -207,8 +203,8 @@ async def props() -> Any:
                 "n_predict": -1, "seed": -1, "stop": params.get("stop") or [],
             },
         },
-        "total_slots": _engine_setting("max_num_seqs"),
-        "model_path": Path(str(_engine_setting("model_path", _engine_setting("model", "")))).name,
+        "total_slots": _engine_fact(lambda e: e.max_num_seqs, "max_num_seqs"),
+        "model_path": Path(str(_engine_fact(None, "model", ""))).name,
         "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
         "modalities": {"vision": False, "audio": False}, "build_info": f"imp_jax {_version()}",
     })
@@ -216,11 +212,13 @@ async def props() -> Any:
 
 @bp.get("/info")
 async def info() -> Any:
-    max_len = _engine_setting("max_model_len")
+    max_len = _engine_fact(lambda e: e.max_model_len, "max_model_len")
     return jsonify({
-        "model_id": _model_name(), "model_sha": None, "model_dtype": str(_engine_setting("dtype", "auto")),
-        "model_device_type": str(_engine_setting("device", "unknown")), "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": _engine_setting("max_num_seqs"), "max_best_of": 1,
+        "model_id": _model_name(), "model_sha": None,
+        "model_dtype": str(_engine_fact(lambda e: e.dtype, "dtype", "auto")),
+        "model_device_type": str(_engine_fact(lambda e: e.device, "device", "unknown")),
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": _engine_fact(lambda e: e.max_num_seqs, "max_num_seqs"), "max_best_of": 1,
         "max_stop_sequences": field_limits().stop_strings, "max_input_tokens": max_len - 1 if max_len else None,
         "max_total_tokens": max_len, "validation_workers": 1, "max_client_batch_size": 1,
         "router": "imp_jax", "version": _version(), "sha": None, "docker_label": None,

@@ -9,12 +9,13 @@ from typing import Any
 from quart import Quart, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from imp_jax.runtime.api import Engine
 from imp_jax.server import (admin, anthropic_messages, chat_completions, completions, embeddings, infill, limits,
                             lora, reasoning, responses, scoring, sessions, tokens, ui)
 from imp_jax.server.browsers import check_json_content_type, loggable
 from imp_jax.server.context import ServerConfig, install, server
 from imp_jax.server.errors import error_body, is_anthropic_path, to_imp_error
-from imp_jax.server.generation import Engine, public_error
+from imp_jax.server.generation import public_error
 from imp_jax.server.request_record import RequestRecord
 
 log = logging.getLogger("imp_jax.server")

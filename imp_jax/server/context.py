@@ -10,6 +10,7 @@ from typing import Any
 from quart import current_app, g, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
+from imp_jax.runtime.api import Engine
 from imp_jax.server import limits
 from imp_jax.server.access import Access, presented_key
 from imp_jax.server.admission import AdmissionGate
@@ -18,7 +19,6 @@ from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
 from imp_jax.server.encoders import refuse_encoder_model
 from imp_jax.server.errors import unavailable
-from imp_jax.server.generation import Engine
 from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
@@ -56,9 +56,9 @@ class ServerContext:
         return limits.max_request_bytes(self.config.max_request_bytes, self.config.max_prompt_chars,
                                         self.max_model_len())
 
-    def prompt_chars(self, engine: Any = None) -> int:
+    def prompt_chars(self, engine: Engine | None = None) -> int:
         """Characters of prompt text one request may have tokenized (limits.max_prompt_chars)."""
-        length = getattr(engine, "max_model_len", None) if engine is not None else self.max_model_len()
+        length = engine.max_model_len if engine is not None else self.max_model_len()
         return limits.max_prompt_chars(self.config.max_prompt_chars, length)
 
     def engine_id(self, request_id: str) -> str:
@@ -121,7 +121,7 @@ def answering_model(engine: Any) -> str:
 
 def model_status(state: ServerContext) -> tuple[str, bool]:
     """(model name, loaded and serving)."""
-    return model_name(state), getattr(state.engine, "state", "ready") == "ready"
+    return model_name(state), state.engine.state == "ready"
 
 
 def readiness() -> tuple[bool, str]:
@@ -129,7 +129,7 @@ def readiness() -> tuple[bool, str]:
     state = server()
     if state.draining:
         return False, "draining"
-    engine_state = getattr(state.engine, "state", "ready")
+    engine_state = state.engine.state
     if state.models is not None and state.models.swapping_to is not None:
         return False, "swapping"
     if engine_state == "ready":

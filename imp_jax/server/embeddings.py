@@ -14,6 +14,7 @@ import numpy as np
 from quart import Blueprint, g, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
+from imp_jax.runtime.api import Encoder
 from imp_jax.runtime.vectors import finish_embeddings
 from imp_jax.server.context import model_name, parse_body, server
 from imp_jax.server.encoders import TASK_ROUTES, encoders, task_of
@@ -46,7 +47,7 @@ class RerankRequest(WireModel):
     truncate_prompt_tokens: int | None = None
 
 
-def pick_encoder(model: str | None, tasks: tuple[str, ...], route: str) -> Any:
+def pick_encoder(model: str | None, tasks: tuple[str, ...], route: str) -> Encoder:
     """The encoder `model` names (or, unnamed, the first loaded one of `tasks`, in that order of
     preference), ready to serve; 400 when it serves another task, 404 when nothing has that name."""
     state = server()
@@ -82,7 +83,7 @@ def pick_encoder(model: str | None, tasks: tuple[str, ...], route: str) -> Any:
     return engine
 
 
-def _names(found: dict[str, Any], tasks: tuple[str, ...]) -> str:
+def _names(found: dict[str, Encoder], tasks: tuple[str, ...]) -> str:
     names = [n for n, e in found.items() if task_of(e) in tasks]
     return ", ".join(f"'{n}'" for n in names) if names else "(none loaded: see --embedding-model)"
 
@@ -112,7 +113,7 @@ def _strings_or_ids(value: Any, param: str) -> list[str] | list[list[int]]:
     return value
 
 
-def _cut_to(req: Any, engine: Any) -> int | None:
+def _cut_to(req: Any, engine: Encoder) -> int | None:
     """The length the request asks inputs to be cut to (None: refuse what is too long)."""
     k = req.truncate_prompt_tokens
     if k is not None:
@@ -125,7 +126,7 @@ def _cut_to(req: Any, engine: Any) -> int | None:
     return engine.max_model_len if req.truncate else None
 
 
-def _fit(items: list[Item], engine: Any, cut: int | None, params: list[str], keeps_last: bool) -> list[Item]:
+def _fit(items: list[Item], engine: Encoder, cut: int | None, params: list[str], keeps_last: bool) -> list[Item]:
     """Inputs within the context: cut to `cut` tokens when asked (keeping the closing [SEP] of tokenized
     text: `keeps_last`), else a 400 naming (`params[i]`) the first that is too long."""
     out = []
@@ -147,13 +148,13 @@ def _indexed(param: str, n: int) -> list[str]:
     return [f"{param}[{i}]" for i in range(n)]
 
 
-def _check_chars(texts: list[str], engine: Any, param: str) -> None:
+def _check_chars(texts: list[str], engine: Encoder, param: str) -> None:
     limit = max_prompt_chars(server().config.max_prompt_chars, engine.max_model_len)
     for i, t in enumerate(texts):
         check_chars(t, f"{param}[{i}]", limit)
 
 
-def _begin_record(engine: Any, endpoint: str, tokens: int) -> None:
+def _begin_record(engine: Encoder, endpoint: str, tokens: int) -> None:
     rec = g.record
     rec.endpoint, rec.model, rec.prompt_tokens = endpoint, engine.served_name, tokens
     rec.submitted_at = time.monotonic()
@@ -165,7 +166,7 @@ def _end_record(outcome: str) -> None:
     rec.end_generation(outcome)
 
 
-async def _run(engine: Any, items: list[Item], endpoint: str) -> np.ndarray:
+async def _run(engine: Encoder, items: list[Item], endpoint: str) -> np.ndarray:
     _begin_record(engine, endpoint, sum(len(ids) for ids, _ in items))
     try:
         out = await engine.run(items)

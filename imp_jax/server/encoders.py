@@ -11,13 +11,14 @@ from typing import Any
 from quart import current_app
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.api import Encoder
 
 KEY = "imp_jax_encoders"
 TASK_ROUTES = {"generate": "/v1/chat/completions, /v1/completions, /v1/messages and /v1/responses",
                "embed": "/v1/embeddings and /v1/rerank", "score": "/v1/rerank"}
 
 
-def install_encoders(app: Any, engines: list[Any]) -> None:
+def install_encoders(app: Any, engines: list[Encoder]) -> None:
     """Serve `engines` (EncoderEngine) from `app`: started before it serves, shut down after."""
     names = [e.served_name for e in engines]
     if len(set(names)) != len(names):
@@ -35,16 +36,16 @@ def install_encoders(app: Any, engines: list[Any]) -> None:
             e.shutdown(timeout=5.0)
 
 
-def encoders_of(app: Any) -> dict[str, Any]:
+def encoders_of(app: Any) -> dict[str, Encoder]:
     """name -> EncoderEngine of the app (empty without encoder models)."""
     return app.extensions.get(KEY, {})
 
 
-def encoders() -> dict[str, Any]:
+def encoders() -> dict[str, Encoder]:
     return encoders_of(current_app)
 
 
-def task_of(engine: Any) -> str:
+def task_of(engine: Encoder) -> str:
     try:
         return engine.task
     except Exception:

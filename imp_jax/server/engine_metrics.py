@@ -40,6 +40,8 @@ ENGINE_COUNTERS = (
     ("imp_decode_batch_rows", "decode_batch_rows_total", "Decode rows summed over decode steps"),
     ("imp_decode_batch_steps", "decode_batch_steps_total", "Steps that ran at least one decode row"),
     ("imp_engine_steps", "num_steps", "Engine steps run"),
+    ("imp_engine_steps_failed", "steps_failed_total", "Engine steps that raised (only the requests in them "
+     "failed; the engine ran on)"),
     ("imp_compilations_after_warmup", "compilations_after_warmup", "Step programs compiled after warm-up "
      "(0 when the buckets cover the traffic)"),
     ("imp_constrained_steps", "constrained_steps_total", "Steps with at least one structured-output "

@@ -3,35 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from imp_jax.errors import EngineError, ImpError
+from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits, TokenLogprob, Usage
 
 log = logging.getLogger("imp_jax.server")
 # What a client is told of a device fault; the exception's own text goes to the server log only.
 ENGINE_FAULT_MESSAGE = "the engine faulted while generating; restart the server (the server log says why)"
 _INTERNAL_MARKS = ("device fault", "engine failed to start", "engine is faulted:")
-
-
-class Engine(Protocol):
-    """What the server needs of the AsyncEngine (imp_jax.runtime.async_engine); jax stays behind it."""
-
-    state: str
-    served_name: str
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Any
-
-    def generate(self, req: GenerationRequest, limits: StreamLimits = ...,
-                 on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]: ...
-    def cancel(self, request_id: str) -> None: ...
-    async def end_thinking(self, request_id: str) -> str: ...
-    async def suspend(self) -> dict[str, Any]: ...
-    async def resume(self) -> dict[str, Any]: ...
-    async def close_session(self, session_id: str) -> bool: ...
-    def stats(self) -> dict[str, Any]: ...
 
 
 async def start(engine: Engine, req: GenerationRequest, limits: StreamLimits = StreamLimits(),
@@ -63,9 +44,8 @@ async def _prepend(first: EngineEvent, rest: AsyncIterator[EngineEvent]) -> Asyn
 
 
 async def close_events(events: AsyncIterator[EngineEvent]) -> None:
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        await aclose()
+    if isinstance(events, AsyncGenerator):   # a plain async iterator has nothing to close
+        await events.aclose()
 
 
 def event_error(ev: EngineEvent) -> ImpError | None:

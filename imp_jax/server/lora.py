@@ -13,7 +13,8 @@ from typing import Any
 
 from quart import Blueprint, jsonify, request
 
-from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
+from imp_jax.errors import InvalidRequestError, NotFoundError
+from imp_jax.runtime.api import Engine
 from imp_jax.server.context import model_name, ready_engine, server
 from imp_jax.server.validation import MAX_LORA_NAME as MAX_NAME
 from imp_jax.server.validation import parse_json
@@ -28,10 +29,11 @@ def _name(value: Any, field: str = "name") -> str:
     return value
 
 
-def _lora_engine() -> Any:
+def _lora_engine() -> Engine:
     engine = ready_engine()
-    if not hasattr(engine, "load_lora"):
-        raise ImpError("this engine has no LoRA support", code="not_supported", status=400)
+    if not engine.capabilities.lora:
+        raise InvalidRequestError("this server has no LoRA adapter slots; start it with --max-loras N",
+                                  code="lora_disabled", param="name")
     return engine
 
 
@@ -85,12 +87,11 @@ async def unload() -> Any:
 def adapter_cards(created: int) -> list[dict[str, Any]]:
     """`/v1/models` entries of the loaded adapters, each naming its base model as `parent`."""
     engine = server().engine
-    lister = getattr(engine, "lora_adapters", None)
-    if lister is None:
+    if not engine.capabilities.lora:
         return []
     base = model_name(server())
     return [{"id": a["name"], "object": "model", "created": created, "owned_by": "imp_jax", "parent": base,
-             "root": a["path"], "loaded": True} for a in lister()]
+             "root": a["path"], "loaded": True} for a in engine.lora_adapters()]
 
 
 def adapter_card(name: str, created: int) -> dict[str, Any] | None:

@@ -14,35 +14,58 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from imp_jax.errors import EngineError, ImpError, ModelLoadError
+from imp_jax.runtime.api import Capabilities, Engine, not_serving
 from imp_jax.runtime.config import models_in
-from imp_jax.server.generation import Engine
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
 log = logging.getLogger("imp_jax.server")
 
 DRAIN_POLL_S = 0.05
 
 
-class NoModel:
+def _no_model_fact(name: str) -> property:
+    def fact(self: NoModel) -> Any:
+        raise EngineError(f"no model is loaded: no {name} yet", code="no_model", status=503)
+    return property(fact)
+
+
+class NoModel(Engine):
     """The engine slot before the first model is loaded: every model fact is unknown, nothing runs."""
 
     state = "no_model"
+    error = None
     idle_suspended = False
-
-    @property
-    def served_name(self) -> str:
-        raise EngineError("no model is loaded", code="no_model", status=503)
+    capabilities = Capabilities()
+    served_name = _no_model_fact("served name")
+    tokenizer = _no_model_fact("tokenizer")
+    max_model_len = _no_model_fact("context length")
+    vocab_size = _no_model_fact("vocabulary")
+    default_params = _no_model_fact("defaults")
+    max_num_seqs = _no_model_fact("sizing")
+    dtype = _no_model_fact("dtype")
+    device = _no_model_fact("device")
 
     def start(self) -> None:
         pass
+
+    async def wait_ready(self) -> None:
+        raise not_serving(self.state, None)
 
     def shutdown(self, timeout: float = 0.0) -> None:
         pass
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def generate(self, req: GenerationRequest, limits: StreamLimits = StreamLimits(),
+                 on_stall: Callable[[], None] | None = None) -> AsyncIterator[EngineEvent]:
+        raise not_serving(self.state, None)
+
+    def cancel(self, request_id: str) -> None:
+        pass   # nothing runs
 
 
 class ModelDirectory:
@@ -84,7 +107,7 @@ class ModelDirectory:
             return state.engine   # the common case: no swap, no wait
         async with self._lock:   # one swap at a time; requests queue here during a swap
             current = state.engine
-            if getattr(current, "state", None) in ("loading", "warming_up"):
+            if current.state in ("loading", "warming_up"):
                 try:
                     await current.wait_ready()   # what it serves is known once it has loaded
                 except Exception:

@@ -111,6 +111,8 @@ def reasoning_part(text: str) -> dict[str, Any]:
 async def end_thinking(request_id: str) -> Any:
     """End a pending or running request's think block; the answer continues on the same KV."""
     engine = ready_engine()
+    if not engine.capabilities.end_thinking:
+        raise not_supported("this engine cannot end a think block", param="id")
     try:
         status = await asyncio.wait_for(engine.end_thinking(server().engine_id(request_id)), END_THINKING_TIMEOUT_S)
     except asyncio.TimeoutError:

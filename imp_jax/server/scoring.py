@@ -20,11 +20,12 @@ from typing import Any
 from quart import Blueprint, g, jsonify
 
 from imp_jax.errors import EngineError, InvalidRequestError
+from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import MAX_LOGIT_BIAS, GenerationRequest, SamplingParams, check_context
 from imp_jax.server import lifecycle
 from imp_jax.server.chat_completions import ChatMessage, TextPart
 from imp_jax.server.context import answering_model, engine_request, set_response_id
-from imp_jax.server.generation import Engine, collect
+from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import new_id, now
 from imp_jax.server.validation import WireModel

@@ -8,6 +8,7 @@ from quart import Blueprint, jsonify
 
 from imp_jax.errors import NotFoundError
 from imp_jax.server.context import ready_engine
+from imp_jax.server.errors import not_supported
 from imp_jax.server.lifecycle import engine_session_id
 
 bp = Blueprint("sessions", __name__)
@@ -16,6 +17,8 @@ bp = Blueprint("sessions", __name__)
 @bp.post("/v1/sessions/<session_id>/close")
 async def close_session(session_id: str) -> Any:
     engine = ready_engine()
+    if not engine.capabilities.sessions:
+        raise not_supported("this engine keeps no sessions (no KV blocks to pin)", param="session_id")
     if not await engine.close_session(engine_session_id(session_id)):
         raise NotFoundError(f"no open session '{session_id}' (never opened, closed, or expired)",
                             code="session_not_found", param="session_id")

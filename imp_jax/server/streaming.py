@@ -15,9 +15,10 @@ from typing import Any, Protocol
 from quart import Response
 
 from imp_jax.errors import EngineError, ImpError
+from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import EngineEvent, Usage
 from imp_jax.server.errors import to_imp_error
-from imp_jax.server.generation import Engine, close_events, event_error, public_error
+from imp_jax.server.generation import close_events, event_error, public_error
 
 log = logging.getLogger("imp_jax.server")
 

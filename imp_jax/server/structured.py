@@ -23,9 +23,9 @@ import json
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.api import Engine
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime.request import SamplingParams
-from imp_jax.server.generation import Engine
 from imp_jax.server.limits import field_limits
 from imp_jax.server.validation import WireModel
 

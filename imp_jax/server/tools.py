@@ -36,9 +36,9 @@ import jinja2.meta
 import llguidance
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import SamplingParams
 from imp_jax.server import structured
-from imp_jax.server.generation import Engine
 from imp_jax.server.limits import field_limits
 from imp_jax.server.structured import JSON_OPTIONS, OutputFormat, short_error
 from imp_jax.server.tool_parsers import PARSERS, ToolCallParser

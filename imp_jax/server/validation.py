@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from imp_jax.errors import InvalidRequestError, NotFoundError
+from imp_jax.runtime.api import Engine
 from imp_jax.server.errors import from_validation_error
 from imp_jax.server.limits import field_limits
 
@@ -161,10 +162,9 @@ def lora_of(req: BaseModel) -> str | None:
     return value
 
 
-def is_adapter(engine: Any, name: str) -> bool:
+def is_adapter(engine: Engine, name: str) -> bool:
     """Whether `name` is a LoRA adapter the engine has loaded (server/lora.py)."""
-    lister = getattr(engine, "lora_adapters", None)
-    return lister is not None and any(a["name"] == name for a in lister())
+    return engine.capabilities.lora and any(a["name"] == name for a in engine.lora_adapters())
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
