@@ -24,7 +24,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.constraints import GrammarConstraints
 from imp_jax.runtime import mirostat
 from imp_jax.runtime.defaults import resolve_params
-from imp_jax.runtime.dry import BreakerTable, repeat_penalties, top_slots
+from imp_jax.runtime.dry import BreakerTable, DryState, top_slots
 from imp_jax.runtime.harmony import HarmonyMarkers
 from imp_jax.runtime.kv_blocks import KVBlockPool, OutOfBlocks
 from imp_jax.runtime.logit_lens import lens_batch, lens_layers
@@ -586,19 +586,17 @@ class EngineCore:
             mirostat_tau=p.mirostat_tau, mirostat_eta=p.mirostat_eta, mirostat_mu=seq.mirostat_mu)
 
     def _dry(self, seq: Sequence, pending: int, ahead: tuple[int, ...]) -> list[tuple[int, float]]:
-        """The row's DRY (token id, penalty) slots from its whole known history plus the drafts before
-        it (dry.py; speculation_allowed keeps DRY rows from drafting, so `ahead` is empty today); a DRY
-        row is never overlapped (`_overlappable`), so its newest token is known."""
+        """The row's DRY (token id, penalty) slots from the sequence's DryState, which catches up with the
+        tokens accepted or rewound since (dry.py); speculation_allowed keeps DRY rows from drafting and a
+        DRY row is never overlapped (`_overlappable`), so its history is all known."""
         d = seq.params.dry
         if not d.on:
             return []
-        if pending:
+        if pending or ahead:
             raise RuntimeError(f"sequence {seq.seq_id}: a DRY row was scheduled before its newest token was read")
-        n = self.max_model_len if d.penalty_last_n == -1 else min(d.penalty_last_n, self.max_model_len)
-        start = max(0, seq.num_known - n)
-        history = (_slice_ids(seq, start, seq.num_known - start) + list(ahead))[-n:]
-        penalties = repeat_penalties(history, d, self.dry_breakers.breakers(d.sequence_breakers), self.max_model_len)
-        return top_slots(penalties)
+        if seq.dry is None:
+            seq.dry = DryState(d, self.dry_breakers.breakers(d.sequence_breakers), self.max_model_len)
+        return top_slots(seq.dry.penalties(seq.prompt_ids, seq.output_ids))
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
         """Each sampling row's next-token bitmask, by row; a row without one samples any token.

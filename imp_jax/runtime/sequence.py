@@ -61,6 +61,7 @@ class Sequence:
     banned: BannedFilter | None = None   # banned_strings / banned_regex: held tokens and bans (runtime/banned.py)
     spec: Any = None                     # its SpecState (runtime/speculative.py) when it may draft
     mirostat_mu: float = 0.0             # mirostat's running surprise bound (runtime/mirostat.py), when on
+    dry: Any = None                      # its DryState (runtime/dry.py), made at its first DRY row
 
     @property
     def cache_key(self) -> Any:
