@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.model.loader import LoadedModel
-from imp_jax.runtime.banned import BannedFilter, BannedPhrases, RewindBudget
+from imp_jax.runtime.banned import REGEX_SPENT, REGEX_SPENT_EXTRA, BannedFilter, BannedPhrases, RewindBudget
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime import cfg as guidance
 from imp_jax.runtime.config import EngineConfig
@@ -759,6 +759,11 @@ class EngineCore:
         elif not (is_eos or is_stop_id):
             if filtered:
                 released = self._filter_banned(seq, token, logprobs)
+                if seq.banned.out_of_time:   # its patterns spent the request's regex time
+                    seq.finish_reason = "error"
+                    self._close(seq, state, EngineEvent(seq.request.request_id, seq.index, finish_reason="error",
+                                                        error=REGEX_SPENT, extra=dict(REGEX_SPENT_EXTRA)))
+                    return
                 if released is None:
                     return   # rewound: the sequence samples this position again
                 ids, logprobs, delta = released
