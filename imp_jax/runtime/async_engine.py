@@ -147,6 +147,8 @@ class AsyncEngine:
                               code=code or "engine_error", status=503)
         loop = asyncio.get_running_loop()
         reader = asyncio.current_task()
+        if req.constraint and req.compiled_constraint is None:   # compiled here, never on the engine thread
+            req.compiled_constraint = await loop.run_in_executor(None, self.core.constraints.prepare, req.constraint)
 
         def stalled() -> None:
             log.warning("request %s: the client read nothing for %.0f s with %d events waiting; dropped",

@@ -166,7 +166,8 @@ class EngineCore:
                                       "slots: --max-loras 0)", code="lora_not_loaded", param="lora")
         phrases = self._check_banned(req, params)
         budget = RewindBudget()
-        matchers = [self.constraints.matcher(req.constraint) if req.constraint else None for _ in range(params.n)]
+        matchers = [self.constraints.matcher(req.constraint, req.compiled_constraint) if req.constraint else None
+                    for _ in range(params.n)]
         adapter = self.loras.acquire(req.lora) if req.lora is not None else None
         scoring = None
         if params.prompt_logprobs is not None:
