@@ -9,9 +9,10 @@ client of each kind that keeps one request in flight (a new one as soon as the l
 Everything goes through AsyncEngine.generate, as the server's requests do, on a tiny random Llama
 (tests/tiny_models.py, written to a temporary directory, with a 1k byte-level vocabulary; SmolLM2's 49k
 vocabulary makes the breaker scan dearer: scripts/bench_sampler_dry_mirostat.py times that). TPOT of a stream: (last token's
-time - first token's) / (tokens - 1); the arm's number is the median over the 8 streams.
+time - first token's) / (tokens - 1); an arm's number is the median over the 8 streams, and over
+--rounds interleaved rounds (its ratio: the median of each round's ratio to that round's alone arm).
 
-    python scripts/bench_isolation.py [--quick] [--tokens 64] [--out FILE]
+    PYTHONPATH=. python scripts/bench_isolation.py [--quick] [--tokens 64] [--rounds 3] [--out FILE]
 """
 from __future__ import annotations
 
@@ -154,9 +155,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per plain stream (default 64; quick 16)")
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     ap.add_argument("--lead-s", type=float, default=0.5, help="how long the hostile client runs before the streams")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds, medians reported (default 3; quick 1)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (16 if args.quick else 64)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     if args.quick:
         args.lead_s = min(args.lead_s, 0.2)
 
@@ -177,26 +180,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vocab = core.loaded.tokenizer.vocab_size
         results: dict[str, Any] = {}
 
+        rounds: list[dict[str, Any]] = []
+
         async def all_arms() -> None:
             await engine.wait_ready()
             await run_arm(engine, None, args, vocab)   # warms the first runs
-            results["alone"] = await run_arm(engine, None, args, vocab)
-            for kind in args.kinds:
-                results[kind] = await run_arm(engine, kind, args, vocab)
+            for _ in range(args.rounds):   # each round: alone, then every kind (a shared machine drifts)
+                got = {"alone": await run_arm(engine, None, args, vocab)}
+                for kind in args.kinds:
+                    got[kind] = await run_arm(engine, kind, args, vocab)
+                rounds.append(got)
 
         try:
             asyncio.run(all_arms())
         finally:
             engine.shutdown()
-        base = results["alone"]["tpot_ms"]
-        for name, r in results.items():
-            r["vs_alone"] = r["tpot_ms"] / base
-            extra = (f"  hostile requests {r['hostile_requests']} (errors {r['hostile_errors']})"
+        for name in rounds[0]:
+            runs = [r[name] for r in rounds]
+            results[name] = {**runs[-1], "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+                             "vs_alone": statistics.median(r[name]["tpot_ms"] / r["alone"]["tpot_ms"] for r in rounds),
+                             "rounds_tpot_ms": [r["tpot_ms"] for r in runs]}
+            r = results[name]
+            extra = (f"  hostile requests {r['hostile_requests']} (errors {r['hostile_errors']}) in the last round"
                      if "hostile_requests" in r else "")
-            print(f"{name:16s} TPOT {r['tpot_ms']:7.2f} ms (max {r['tpot_ms_max']:7.2f})  "
-                  f"{r['vs_alone']:.2f}x alone{extra}")
-        out = {"quick": args.quick, "tokens": args.tokens, "streams": STREAMS, "arms": results,
-               "compilations_after_warmup": core.step_fn.compilations_after_warmup}
+            print(f"{name:16s} TPOT {r['tpot_ms']:7.2f} ms  {r['vs_alone']:.2f}x alone  "
+                  f"(rounds: {', '.join(f'{t:.2f}' for t in r['rounds_tpot_ms'])}){extra}")
+        out = {"quick": args.quick, "tokens": args.tokens, "streams": STREAMS, "rounds": args.rounds,
+               "arms": results, "compilations_after_warmup": core.step_fn.compilations_after_warmup}
         print("compilations after warm-up:", out["compilations_after_warmup"])
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))

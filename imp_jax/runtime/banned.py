@@ -35,7 +35,7 @@ REGEX_WINDOW_BYTES = 256   # a regex match must lie in the text's last 256 bytes
 REGEX_HOLD_BYTES = 255     # with patterns, the last 255 bytes wait until later text passes them
 MAX_REWINDS = 64           # per request; past it, phrases pass
 REGEX_TIMEOUT_S = 0.05     # per pattern and token at most (less when the request's budget has less left)
-REGEX_BUDGET_S = 0.005     # a request's regex time in hand at first and at most (its choices share it) ...
+REGEX_BUDGET_S = 0.002     # a request's regex time in hand at first and at most (its choices share it) ...
 REGEX_S_PER_TOKEN = 0.0005  # ... refilled by this much per answer token fed; spent, the request ends
 REGEX_SPENT = ("banned_regex: the request's regex time budget is spent (its patterns took over "
                f"{REGEX_S_PER_TOKEN * 1e3:g} ms per token)")
