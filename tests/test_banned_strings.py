@@ -21,6 +21,9 @@ from test_engine import (
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.banned import (
     MAX_REWINDS,
+    REGEX_BUDGET_S,
+    REGEX_S_PER_TOKEN,
+    REGEX_SPENT,
     BannedFilter,
     BannedPhrases,
     RewindBudget,
@@ -118,6 +121,54 @@ def test_limits_are_400s_naming_the_field(strings, patterns, param) -> None:
     check_phrases(["x"] * 64, ["é" * 128])   # at the limits
 
 
+@pytest.mark.parametrize("pattern", ["(a+)+b", "(x+x+)+y", "(\\w+\\s?)+$", "(a|aa)*c", "(.*a){10}",
+                                     "(?:\\D?){50}\\D{50}\\d", "(?=(a*)*)b"])
+def test_backtracking_shapes_are_400s_naming_banned_regex(pattern) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        check_phrases([], [pattern])
+    assert e.value.param == "banned_regex" and "backtrack" in str(e.value)
+
+
+def test_safe_shapes_pass_admission() -> None:
+    check_phrases([], ["(?:cat|dog)+", "\\d+-\\d+", "(?>a+)+b", "(ab|cd){2,5}", "\\p{L}+x", "a{1,3}b",
+                       "(?:ab?)+c", "^(?:x|y)*z$"])
+
+
+SLOW = "\\D*" * 8 + "\\d"   # polynomial backtracking (no nesting): passes admission, ~14 ms on 250 chars of prose
+
+
+def test_slow_patterns_spend_the_request_budget_and_then_stop() -> None:
+    """Each search stops at what the budget has left; once spent, the filter reports it (the engine then
+    ends the request with REGEX_SPENT) and no further search runs."""
+    check_phrases([], [SLOW])
+    budget = RewindBudget()
+    f = BannedFilter(BannedPhrases([], [SLOW] * 4), budget)
+    import time
+    t0 = time.perf_counter()
+    for i in range(40):
+        f.push(i, i, None, (i,))
+        f.feed("a word, ")
+        if f.out_of_time:
+            break
+    took = time.perf_counter() - t0
+    assert f.out_of_time and budget.regex_s <= 0
+    assert took < REGEX_BUDGET_S + 0.2, took   # bounded by the budget, not by 4 patterns x 40 tokens x 50 ms
+    assert budget.left == MAX_REWINDS          # timeouts spend time, not rewinds
+    sibling = BannedFilter(f.phrases, budget)
+    assert sibling.out_of_time                 # the request's choices share it
+
+
+def test_fast_patterns_refill_per_token_and_never_run_out() -> None:
+    budget = RewindBudget(regex_s=REGEX_S_PER_TOKEN)
+    f = BannedFilter(BannedPhrases([], ["ab+c", "x[0-9]+y"]), budget)
+    for i in range(300):
+        f.push(i, i, None, (i,))
+        f.feed("word ")
+        f.release()
+        assert not f.out_of_time
+    assert budget.regex_s > 0
+
+
 # ------------------------------------------------------------------------------------------ engine
 QUESTION = "What is the capital of France?"
 
@@ -212,6 +263,16 @@ def test_rewind_cap_lets_phrases_pass(engine) -> None:
 
 
 @pytest.mark.real_model
+def test_a_request_whose_patterns_spend_their_time_ends_with_an_error(engine) -> None:
+    prompt = chat_prompt(engine.tokenizer, QUESTION)
+    (res,) = run(engine, req(prompt, max_tokens=64, ignore_eos=True, n=2, banned_regex=[SLOW] * 16))
+    ends = [ev for ev in res.events if ev.finish_reason]   # run() checked the pool is back at its baseline
+    assert len(ends) == 2 and all(ev.finish_reason == "error" and ev.error == REGEX_SPENT for ev in ends)
+    assert ends[0].extra == {"code": "regex_time_spent", "param": "banned_regex"}
+    assert all(len(c.token_ids) < 64 for c in res.choices.values())
+
+
+@pytest.mark.real_model
 def test_engine_refuses_what_a_rewind_cannot_undo(engine) -> None:
     params = SamplingParams(max_tokens=4, banned_strings=["x"])
     with pytest.raises(InvalidRequestError) as e:
@@ -263,6 +324,20 @@ def test_server_routes_never_send_a_banned_phrase(oai, claude, live_server) -> N
     stats = wait_idle(live_server.url)
     assert stats["banned_rewinds_total"] > 0
     assert "imp_banned_rewinds_total" in __import__("httpx").get(live_server.url + "/metrics").text
+
+
+@pytest.mark.real_model
+def test_spent_regex_time_is_a_400_naming_banned_regex(oai, live_server) -> None:  # noqa: F811
+    from server_fixtures import wait_idle
+    slow = {"banned_regex": [SLOW] * 16, "ignore_eos": True}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, extra_body=slow)
+    assert e.value.body["param"] == "banned_regex" and e.value.body["code"] == "regex_time_spent"
+    with pytest.raises(openai.APIError) as e:
+        for _ in oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, stream=True, extra_body=slow):
+            pass
+    assert "regex time budget" in str(e.value)
+    assert wait_idle(live_server.url)["num_running"] == 0
 
 
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}

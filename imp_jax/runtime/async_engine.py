@@ -124,6 +124,7 @@ class AsyncEngine(EngineThread, Engine):
             raise not_serving(self.state, self.error)
         loop = asyncio.get_running_loop()
         reader = asyncio.current_task()
+        await loop.run_in_executor(None, self.core.prepare, req)   # unbounded work (grammars): never on the engine thread
 
         def stalled() -> None:
             log.warning("request %s: the client read nothing for %.0f s with %d events waiting; dropped",

@@ -11,12 +11,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import regex
 
 from imp_jax.errors import InvalidRequestError
+
+try:   # Python's own regex parser (3.11+ names), read to find backtracking shapes; not a matcher
+    from re import _constants as _sre_c
+    from re import _parser as _sre_parser
+except ImportError:   # pragma: no cover - older Pythons
+    import sre_constants as _sre_c  # type: ignore[no-redef]
+    import sre_parse as _sre_parser  # type: ignore[no-redef]
 
 log = logging.getLogger("imp_jax.banned")
 
@@ -26,7 +34,12 @@ MAX_PHRASE_BYTES = 256     # each string or pattern, UTF-8
 REGEX_WINDOW_BYTES = 256   # a regex match must lie in the text's last 256 bytes and end in new text
 REGEX_HOLD_BYTES = 255     # with patterns, the last 255 bytes wait until later text passes them
 MAX_REWINDS = 64           # per request; past it, phrases pass
-REGEX_TIMEOUT_S = 0.05     # per pattern and token: a pathological pattern cannot stall the engine thread
+REGEX_TIMEOUT_S = 0.05     # per pattern and token at most (less when the request's budget has less left)
+REGEX_BUDGET_S = 0.002     # a request's regex time in hand at first and at most (its choices share it) ...
+REGEX_S_PER_TOKEN = 0.0005  # ... refilled by this much per answer token fed; spent, the request ends
+REGEX_SPENT = ("banned_regex: the request's regex time budget is spent (its patterns took over "
+               f"{REGEX_S_PER_TOKEN * 1e3:g} ms per token)")
+REGEX_SPENT_EXTRA = {"code": "regex_time_spent", "param": "banned_regex"}   # on the ending event: a 400 naming it
 
 
 def _utf8_len(ch: str) -> int:
@@ -72,6 +85,73 @@ def check_phrases(strings: Sequence[str], patterns: Sequence[str]) -> None:
                                       param="banned_regex") from None
         if compiled.search("") is not None:
             raise InvalidRequestError(f"'banned_regex' pattern {p!r} matches the empty string", param="banned_regex")
+        why = backtracking_risk(p)
+        if why is not None:
+            raise InvalidRequestError(f"'banned_regex' pattern {p!r} can backtrack catastrophically ({why}); "
+                                      "rewrite it without that, or use an atomic group / possessive quantifier",
+                                      param="banned_regex")
+
+
+def backtracking_risk(pattern: str) -> str | None:
+    """Why `pattern` may take exponential time on a short text, or None: a repeated group that holds
+    another quantifier or can match nothing, or alternatives under a repeat that can start alike
+    (polynomial shapes such as `a*a*a*b` pass: the time budget bounds them). Patterns Python's parser
+    does not read (`regex`-only syntax) pass; the request's time budget still bounds them."""
+    try:
+        tree = _sre_parser.parse(pattern)
+    except Exception:   # noqa: BLE001 - any syntax re does not know
+        return None
+    return _risk(tree.data if hasattr(tree, "data") else list(tree), repeated=False)
+
+
+def _risk(items: list, repeated: bool) -> str | None:
+    for op, arg in items:
+        if op in (_sre_c.MAX_REPEAT, _sre_c.MIN_REPEAT):
+            lo, hi, sub = arg
+            if hi > 1 and repeated:
+                return "a quantifier inside a repeated group"
+            if hi > 1 and _nullable(list(sub)):
+                return "a repeated group that can match the empty string"
+            why = _risk(list(sub), repeated or hi > 1)
+            if why is not None:
+                return why
+        elif op in (_sre_c.SUBPATTERN, _sre_c.ASSERT, _sre_c.ASSERT_NOT):
+            why = _risk(list(arg[-1]), repeated)
+            if why is not None:
+                return why
+        elif op is _sre_c.BRANCH:
+            branches = [list(b) for b in arg[1]]
+            if repeated and not _distinct_starts(branches):
+                return "alternatives that can start alike inside a repeated group"
+            for b in branches:
+                why = _risk(b, repeated)
+                if why is not None:
+                    return why
+        # atomic groups and possessive repeats never backtrack into themselves: not looked into
+    return None
+
+
+def _nullable(items: list) -> bool:
+    """Whether a parsed sequence can match the empty string (anchors and lookarounds do)."""
+    for op, arg in items:
+        if op in (_sre_c.MAX_REPEAT, _sre_c.MIN_REPEAT, _sre_c.POSSESSIVE_REPEAT):
+            if arg[0] > 0 and not _nullable(list(arg[2])):
+                return False
+        elif op in (_sre_c.SUBPATTERN, _sre_c.ATOMIC_GROUP):
+            if not _nullable(list(arg[-1] if op is _sre_c.SUBPATTERN else arg)):
+                return False
+        elif op is _sre_c.BRANCH:
+            if not any(_nullable(list(b)) for b in arg[1]):
+                return False
+        elif op not in (_sre_c.AT, _sre_c.ASSERT, _sre_c.ASSERT_NOT):
+            return False
+    return True
+
+
+def _distinct_starts(branches: list[list]) -> bool:
+    """Whether every alternative begins with a literal character no other one begins with."""
+    firsts = [b[0][1] if b and b[0][0] is _sre_c.LITERAL else None for b in branches]
+    return None not in firsts and len(set(firsts)) == len(firsts)
 
 
 class BannedPhrases:
@@ -82,8 +162,9 @@ class BannedPhrases:
         self.patterns = tuple(compile_pattern(p) for p in dict.fromkeys(patterns))
         self._max_len = max((len(s) for s in self.strings), default=0)
 
-    def find(self, text: str, new_from: int) -> int | None:
-        """The start of the leftmost phrase in `text` that ends past `new_from` (in the new text), or None."""
+    def find(self, text: str, new_from: int, budget: RewindBudget | None = None) -> int | None:
+        """The start of the leftmost phrase in `text` that ends past `new_from` (in the new text), or None.
+        Pattern searches spend `budget`'s regex time (each stops at its timeout or what is left)."""
         best: int | None = None
         for s in self.strings:   # an occurrence starting there or later ends in the new text
             at = text.find(s, max(0, new_from - len(s) + 1))
@@ -91,17 +172,22 @@ class BannedPhrases:
                 best = at
         if self.patterns:
             start = len(text) - tail_chars(text, REGEX_WINDOW_BYTES)
+            budget = budget if budget is not None else RewindBudget()
             for p in self.patterns:
-                at = self._first_regex(p, text, start, new_from)
+                if budget.regex_s <= 0:
+                    break
+                t0 = time.perf_counter()
+                at = self._first_regex(p, text, start, new_from, min(REGEX_TIMEOUT_S, budget.regex_s))
+                budget.regex_s -= time.perf_counter() - t0
                 if at is not None and (best is None or at < best):
                     best = at
         return best
 
     @staticmethod
-    def _first_regex(p: Any, text: str, start: int, new_from: int) -> int | None:
+    def _first_regex(p: Any, text: str, start: int, new_from: int, timeout: float) -> int | None:
         """The leftmost non-empty match of `p` in text[start:] that ends past `new_from`; None on a timeout."""
         try:
-            for m in p.finditer(text, pos=start, overlapped=True, timeout=REGEX_TIMEOUT_S):
+            for m in p.finditer(text, pos=start, overlapped=True, timeout=timeout):
                 if m.end() > new_from and m.end() > m.start():
                     return m.start()
         except TimeoutError:
@@ -125,9 +211,10 @@ class BannedPhrases:
 
 @dataclasses.dataclass
 class RewindBudget:
-    """A request's rewinds left, shared by its choices."""
+    """A request's rewinds left and regex time in hand (seconds), shared by its choices."""
 
     left: int = MAX_REWINDS
+    regex_s: float = REGEX_BUDGET_S
 
 
 @dataclasses.dataclass
@@ -155,6 +242,11 @@ class BannedFilter:
         return self.budget.left > 0
 
     @property
+    def out_of_time(self) -> bool:
+        """Whether the request's patterns spent its regex time: the engine ends the sequence (REGEX_SPENT)."""
+        return bool(self.phrases.patterns) and self.budget.regex_s <= 0
+
+    @property
     def holding(self) -> bool:
         return bool(self._held)
 
@@ -168,7 +260,9 @@ class BannedFilter:
         self._text += delta
         if not delta:
             return None
-        at = self.phrases.find(self._text, new_from)
+        if self.phrases.patterns:
+            self.budget.regex_s = min(REGEX_BUDGET_S, self.budget.regex_s + REGEX_S_PER_TOKEN)
+        at = self.phrases.find(self._text, new_from, self.budget)
         if at is None:
             return None
         return max(i for i, h in enumerate(self._held) if h.start <= at)

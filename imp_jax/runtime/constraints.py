@@ -2,17 +2,20 @@
 allowed-token bitmask of its next token (the sampler's `allowed_mask`) and follows every token
 sampled, so the output always parses. EOS is allowed exactly where the grammar accepts.
 
-The engine knows grammars only as llguidance's grammar strings (`GenerationRequest.constraint`,
-built and validated by the server from a JSON schema, a regex, Lark, GBNF or choices: see
-server/structured.py). The server compiles each grammar once, off the event loop, when it parses
-the request; the compiled matcher is kept here, so the engine thread only copies it (microseconds)
-instead of compiling it again while every other stream waits.
+The engine knows grammars as llguidance's grammar strings (`GenerationRequest.constraint`, built
+and validated by the server from a JSON schema, a regex, Lark, GBNF or choices: see
+server/structured.py). Compiling one takes up to ~1 s, so it never happens on the engine thread:
+`prepare` compiles (or finds in the LRU of COMPILED_CACHE) on a worker thread before admission
+(AsyncEngine.generate) and returns a CompiledGrammar the request carries
+(`GenerationRequest.compiled_constraint`); the engine thread only copies it (microseconds), however
+many other grammars went through the cache since.
 
 One GrammarConstraints per tokenizer (`for_tokenizer`), shared by the server and the engine.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 from typing import Any
@@ -44,6 +47,14 @@ class GrammarMatcher:
     def failed(self) -> str | None:
         """Why the matcher stopped following the output (None while it follows)."""
         return self._m.get_error() if self._m.is_error() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar compiled against the tokenizer: a matcher at its start, copied for each sequence."""
+
+    grammar: str
+    compiled: Any
 
 
 class GrammarConstraints:
@@ -107,8 +118,10 @@ class GrammarConstraints:
                 self._compiled.popitem(last=False)
         return None
 
-    def matcher(self, grammar: str) -> GrammarMatcher:
-        """A fresh matcher at the start of `grammar` (a copy of the compiled one); a 400 if it cannot compile."""
+    def prepare(self, grammar: str) -> CompiledGrammar:
+        """`grammar` compiled (blocking: call it off the engine thread); a 400 if it does not compile."""
+        import llguidance
+
         with self._lock:
             compiled = self._compiled.get(grammar)
         if compiled is None:
@@ -118,10 +131,16 @@ class GrammarConstraints:
                                           param="response_format")
             with self._lock:
                 compiled = self._compiled.get(grammar)
-        if compiled is None:  # evicted meanwhile by other grammars: compile a private one
-            import llguidance
-            return GrammarMatcher(llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0))
-        return GrammarMatcher(compiled.deep_copy())
+            if compiled is None:  # evicted meanwhile by other grammars: compile a private one
+                compiled = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        return CompiledGrammar(grammar, compiled)
+
+    def matcher(self, grammar: str, prepared: CompiledGrammar | None = None) -> GrammarMatcher:
+        """A fresh matcher at the start of `grammar`: a copy of `prepared` (never a compile, for the engine
+        thread); without one, `prepare` runs here (synchronous callers: the offline API, tests)."""
+        if prepared is None or prepared.grammar != grammar:
+            prepared = self.prepare(grammar)
+        return GrammarMatcher(prepared.compiled.deep_copy())
 
     def fill_masks(self, matchers: list[GrammarMatcher], out: np.ndarray) -> None:
         """Every matcher's next-token bitmask into `out` (int32 [len(matchers), mask_words], C-contiguous),

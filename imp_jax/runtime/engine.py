@@ -99,6 +99,11 @@ class EngineCore:
         return self.by_name["lora"].slots
 
     # ------------------------------------------------------------------ requests
+    def prepare(self, req: GenerationRequest) -> None:
+        """The features' work before admission (Feature.prepare): call it off the engine thread."""
+        for f in self.features:
+            f.prepare(req)
+
     def add_request(self, req: GenerationRequest, emit: Emit) -> None:
         """Validate and queue `req`; raise InvalidRequestError if it can never run."""
         if req.request_id in self.requests:

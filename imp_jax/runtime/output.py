@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from imp_jax.runtime import cfg as guidance
+from imp_jax.runtime.banned import REGEX_SPENT, REGEX_SPENT_EXTRA
 from imp_jax.runtime.features import Accepted, EndSequence, Feature, Services
 from imp_jax.runtime.kv_blocks import OutOfBlocks
 from imp_jax.runtime.reasoning import ANSWER, THINK
@@ -122,6 +123,11 @@ class OutputStage:
         elif not (is_eos or is_stop_id):
             if filtered:
                 released = self._filter_banned(seq, token, logprobs)
+                if seq.banned.out_of_time:   # its patterns spent the request's regex time
+                    seq.finish_reason = "error"
+                    self.close(seq, state, EngineEvent(seq.request.request_id, seq.index, finish_reason="error",
+                                                       error=REGEX_SPENT, extra=dict(REGEX_SPENT_EXTRA)))
+                    return
                 if released is None:
                     return   # rewound: the sequence samples this position again
                 ids, logprobs, delta = released

@@ -181,6 +181,7 @@ class GenerationRequest:
     lora: str | None = None       # adapter name; keys the prefix cache
     cache_salt: str | None = None  # prefix-cache partition: only requests with the same salt share blocks
     constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
+    compiled_constraint: Any = None  # its CompiledGrammar (constraints.py), set before admission off the engine thread
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
     cfg_scale: float = 1.0         # classifier-free guidance (runtime/cfg.py); 1 = off

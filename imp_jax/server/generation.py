@@ -5,7 +5,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
-from imp_jax.errors import EngineError, ImpError
+from imp_jax.errors import EngineError, ImpError, InvalidRequestError
 from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits, TokenLogprob, Usage
 
@@ -52,7 +52,10 @@ def event_error(ev: EngineEvent) -> ImpError | None:
     """The error an engine event reports (a fault mid-request), or None."""
     if ev.error is None and ev.finish_reason != "error":
         return None
-    code = (ev.extra or {}).get("code", "engine_faulted")  # the engine reports device faults this way
+    extra = ev.extra or {}
+    if "param" in extra:   # the request's own input ended it (banned_regex's time budget): a 400 naming it
+        return InvalidRequestError(ev.error or "invalid request", code=extra.get("code"), param=extra["param"])
+    code = extra.get("code", "engine_faulted")  # the engine reports device faults this way
     message = public_engine_message(ev.error or "the engine failed while generating")
     if message != ev.error:
         log.error("request %s failed in the engine: %s", ev.request_id, ev.error)

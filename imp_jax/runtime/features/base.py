@@ -6,7 +6,7 @@ adapters, prompt scoring, ...) is one module with one `Feature` subclass, listed
 Every hook is a no-op by default, so a feature overrides only what it needs.
 
 Life of a request, and the hook the loop calls at each point (all on the engine thread, each bounded
-per call; unbounded work belongs before admission, off the engine thread):
+per call; unbounded work belongs in `prepare`, run before admission on a worker thread):
 1. admission: `check` validates the request (raise InvalidRequestError naming the field) and may adjust
    its resolved params; `acquire` takes what the request holds until it ends (a LoRA slot);
    `start` attaches per-sequence host state (`seq.ext[name]`, or a typed slot it owns);
@@ -82,6 +82,10 @@ class Feature:
 
     def __init__(self, services: Services):
         self.s = services
+
+    # 0. before admission, on a worker thread (AsyncEngine.generate): must be thread-safe
+    def prepare(self, req: GenerationRequest) -> None:
+        """Unbounded per-request work done before admission, off the engine thread (compiling a grammar)."""
 
     # 1. admission
     @classmethod

@@ -1,9 +1,10 @@
-"""DRY (runtime/dry.py) as a feature: the row's (token, penalty) slots from the sequence's history."""
+"""DRY (runtime/dry.py) as a feature: the row's (token, penalty) slots from the sequence's DryState, which
+follows its history incrementally (never a scan of the whole history per step)."""
 from __future__ import annotations
 
 from typing import Any
 
-from imp_jax.runtime.dry import BreakerTable, repeat_penalties, top_slots
+from imp_jax.runtime.dry import BreakerTable, DryState, top_slots
 from imp_jax.runtime.features.base import Feature, Services
 
 
@@ -28,7 +29,7 @@ class DryFeature(Feature):
             return
         if seq.pending:
             raise RuntimeError(f"sequence {seq.seq_id}: a DRY row was scheduled before its newest token was read")
-        n = self.s.max_model_len if d.penalty_last_n == -1 else min(d.penalty_last_n, self.s.max_model_len)
-        history = seq.all_ids[max(0, seq.num_known - n):]
-        penalties = repeat_penalties(history, d, self.breakers.breakers(d.sequence_breakers), self.s.max_model_len)
-        fields["dry"] = top_slots(penalties)
+        state = seq.ext.get(self.name)
+        if state is None:   # its first DRY row; it catches up with accepted or rewound tokens from then on
+            state = seq.ext[self.name] = DryState(d, self.breakers.breakers(d.sequence_breakers), self.s.max_model_len)
+        fields["dry"] = top_slots(state.penalties(seq.prompt_ids, seq.output_ids))

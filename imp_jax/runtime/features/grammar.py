@@ -30,9 +30,15 @@ class GrammarFeature(Feature):
     def active(cls, req, params) -> bool:
         return bool(req.constraint)
 
+    def prepare(self, req) -> None:
+        """Compile the request's grammar (up to ~1 s) before admission, off the engine thread."""
+        if req.constraint and req.compiled_constraint is None:
+            req.compiled_constraint = self.constraints.prepare(req.constraint)
+
     def start(self, seq, state) -> None:
-        if state.request.constraint:
-            seq.ext[self.name] = self.constraints.matcher(state.request.constraint)
+        req = state.request
+        if req.constraint:   # a copy of the prepared grammar (compiled here only for callers that skip prepare)
+            seq.ext[self.name] = self.constraints.matcher(req.constraint, req.compiled_constraint)
 
     def needs_newest(self, seq) -> bool:
         return self.name in seq.ext
