@@ -115,6 +115,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB per device, %d device%s)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20 / n, n, "s" if n > 1 else "")
     core = EngineCore(loaded, config, kv, blocks, mesh)
+    core.step_fn.base_seed = config.seed
+    log.info("sampling seed %d: requests without a seed draw from it (--seed %d repeats them)", config.seed, config.seed)
     for name, path in config.lora_adapters():
         try:
             core.load_lora(name, core.loras.read(path))
