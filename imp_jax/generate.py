@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the engine's base seed and the request's: the same seed, the same text (default random)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=1, max_num_batched_tokens=256)
+                  max_num_seqs=1, max_num_batched_tokens=256, seed=args.seed)
         out = llm.generate(args.prompt, SamplingParams(temperature=args.temperature, seed=args.seed,
                                                        max_tokens=args.max_tokens), chat=args.chat)
     except ImpError as e:

@@ -134,7 +134,7 @@ def main() -> int:
     kinds["lm_head"] = (head[...],)
     if args.hot:
         kinds = {kind: (ws[0],) * len(ws) for kind, ws in kinds.items()}
-    lib = cpu_gemm.build.load("gemm")
+    lib = cpu_gemm.build.load("gemm_q8")
     paths = ["vpmaddubsw (AVX2)", "vpdpbusd (AVX512-VNNI, 256-bit)", "AVX-512 (the one-row path and the tiles on 512 bits)"]
     print(f"q8 integer dot: {paths[lib.imp_gemm_q8_isa()]}")
 

@@ -88,7 +88,7 @@ def activations(m: int, k: int, seed: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------- the kernel itself
 def library() -> ctypes.CDLL:
-    lib = build.load("gemm")
+    lib = build.load("gemm_q8")
     lib.imp_gemm_q8_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.imp_gemm_q8_quantise.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -72,3 +72,31 @@ def test_serving_starts_before_the_background_compiles_finish(tiny_hf_dir, monke
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_each_process_draws_from_its_own_base_seed_and_seeded_requests_do_not(tiny_hf_dir):
+    """Two fresh engines sample differently for a request without a seed and alike for one with a
+    seed; an engine given the first one's base seed (`--seed`) repeats its unseeded draws."""
+    from imp_jax.llm import LLM
+
+    args = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, num_kv_blocks=16)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1234)
+
+    def draws(llm: LLM) -> tuple[list[int], list[int]]:
+        out = llm.generate([[5, 17, 33, 2], [5, 17, 33, 2]], [unseeded, seeded])
+        return out[0].outputs[0].token_ids, out[1].outputs[0].token_ids
+
+    first, second = LLM(str(tiny_hf_dir), **args), LLM(str(tiny_hf_dir), **args)
+    assert first.core.config.seed != second.core.config.seed
+    (a_free, a_seeded), (b_free, b_seeded) = draws(first), draws(second)
+    assert a_free != b_free
+    assert a_seeded == b_seeded
+    again = LLM(str(tiny_hf_dir), seed=first.core.config.seed, **args)
+    assert draws(again) == (a_free, a_seeded)
+
+
+def test_a_seed_outside_64_bits_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--seed"):
+        EngineConfig(seed=2**64)
+    assert EngineConfig(seed=-1).seed == -1 and EngineConfig(seed=7).seed == 7

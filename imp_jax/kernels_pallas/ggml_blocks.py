@@ -36,7 +36,7 @@ IQ4_NL's, its 32-weight sub-blocks carry 6-bit scales under one f16 d like the K
 
 (Q4_0 / Q4_1 / Q5_x / IQ4_NL / IQ4_XS / MXFP4 nibbles: weight j < 16 in the low nibble of byte j, weight j + 16 in its
 high one; the K-quants' layouts are spelled out in `_dequantize_*`.) The CPU GEMM kernel
-(cpu/gemm.cc) reads them directly; `dequantize` gives the float32 matrix, the same values as
+(cpu/gemm_exact.h) reads them directly; `dequantize` gives the float32 matrix, the same values as
 gguf-py's `gguf.quants.dequantize`, for XLA's dot and for embedding rows.
 
 Exactness: in every format the scale products d * sc and dmin * mn are exact in float32 (an f16's

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from imp_jax.errors import ImpError, ModelLoadError
 from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
+from imp_jax.kernels_pallas.backends import cpu_libraries
+from imp_jax.kernels_pallas.cpu import build as cpu_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import Checkpoint, attention_shape, build_model, open_checkpoint, resolve_dtype
@@ -74,6 +76,8 @@ def local_devices(mesh) -> list:
 
 def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device) -> EngineCore:
     platform = device.platform
+    if platform == "cpu":   # the C++ kernels compile (first start) while the model is fetched and opened
+        cpu_kernels.prebuild(cpu_libraries(config.attention, config.gemm, config.max_loras > 0))
     ckpt = open_checkpoint(config.model)
     # longrope (Phi-3/4) picks short or long factors once, from the served context (model/config.py)
     ckpt = dataclasses.replace(ckpt, config=ckpt.config.for_context(config.resolved_max_model_len(ckpt.config)))
@@ -115,6 +119,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB per device, %d device%s)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20 / n, n, "s" if n > 1 else "")
     core = EngineCore(loaded, config, kv, blocks, mesh)
+    core.step_fn.base_seed = config.seed
+    log.info("sampling seed %d: requests without a seed draw from it (--seed %d repeats them)", config.seed, config.seed)
     for name, path in config.lora_adapters():
         try:
             core.load_lora(name, core.loras.read(path))

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from pathlib import Path
 
 from imp_jax.model.config import ModelConfig
 from imp_jax.paths import compilation_cache_dir
+from imp_jax.runtime.request import SEED_RANGE
 
 
 def _field(default, help: str):
@@ -70,8 +72,15 @@ class EngineConfig:
     speculative_max_draft: int = _field(7, "the most tokens one sequence drafts per step (0..16)")
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
+    seed: int | None = _field(None, "base of the sampling keys of requests that send no seed (taken modulo "
+                              "2**32); default a random one per process, logged at start-up: set it to "
+                              "repeat a run's samples. Seeded requests do not depend on it")
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = secrets.randbits(32)   # unseeded samples differ from one process to the next
+        elif not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"--seed must fit in 64 bits, got {self.seed}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

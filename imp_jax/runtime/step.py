@@ -100,6 +100,7 @@ class CompiledStep:
         self.compilations_after_warmup = 0
         self._warm = False
         self.leader: Leader | None = None   # multi-host process 0: announces each program (runtime/multihost.py)
+        self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
         graphdef = self.graphdef
         dynamic_skips = model.options.kernels.dynamic_skips
         # with LoRA slabs (model/lora.py) each token's adapter slot is a step input; without, the
@@ -154,7 +155,7 @@ class CompiledStep:
             sampling = dataclasses.replace(sampling, history=history)
             logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
             logits = guide(logits, cfg_rows, cfg_scale, dynamic_skips)   # CFG rows (runtime/cfg.py); others as they are
-            key = jax.random.fold_in(jax.random.key(0), step_no)
+            key = jax.random.fold_in(jax.random.key(step_no[0]), step_no[1])   # (base seed, step number)
             out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)
             return (out, jnp.pad(out.tokens, (0, self.max_rows - out.tokens.shape[0]))), kv, tables
 
@@ -421,7 +422,8 @@ class CompiledStep:
         src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
         cfg = cfg if cfg is not None else (np.full(S, -1, np.int32), np.ones(S, np.float32))
         return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
-                batch.last_token_rows, sampling, np.asarray(step_no, np.int32),
+                batch.last_token_rows, sampling,
+                np.array([self.base_seed % 2**32, step_no % 2**32], np.uint32),
                 batch.lora_ids if self.with_lora else None, src, hist_pos, cfg)
 
     def _lens_inputs(self, batch: StepBatch, token: int) -> tuple[Any, ...]:

@@ -1,12 +1,17 @@
 """Build and load the C++ CPU kernels (`*.cc` next to this file) that XLA calls through its FFI.
 
-Each kernel is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
-`$IMP_JAX_HOME/kernels/cpu_<name>-<hash>.so`, the hash covering its source, the headers next to it
-(`*.h`, which it may include), the compiler and JAX's FFI headers, and loaded from there
-afterwards. They need x86-64 with AVX2, FMA and F16C; everywhere else, and whenever the build fails,
+Each kernel library is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
+`$IMP_JAX_HOME/kernels/cpu_<name>-<hash>.so`, the hash covering its sources, the headers next to
+them (`*.h`, which they may include), the flags, the compiler and JAX's FFI headers, and loaded from
+there afterwards (its SHA-256, recorded next to it at build time, checked before every load). A
+library of several translation units (`SOURCES`) compiles them in parallel, one compiler process
+per CPU core across all builds (`_slots`), then links them. `prebuild` starts the libraries a server
+will ask for on background threads, so they build while the model is fetched and opened.
+They need x86-64 with AVX2, FMA and F16C; everywhere else, and whenever the build fails,
 `load` returns None and the caller uses XLA (the reason is logged). A loaded library and its FFI
 registration belong to the process, so they are remembered per process (`_libraries`,
-`_registered`), behind a lock.
+`_registered`), each library behind its own lock (two libraries build at once).
+`python -m imp_jax.kernels_pallas.cpu.build` builds them all now (an install step, an image layer).
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -30,10 +37,17 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c")
 # The GEMM kernel's float sums are specified operation by operation (a row's bits must not depend on
 # which of its code paths computed it: gemm_q8.h), so the compiler may not fuse a multiply and an add.
-KERNEL_FLAGS = {"gemm": ("-ffp-contract=off",)}
+KERNEL_FLAGS = {"gemm": ("-ffp-contract=off",), "gemm_q8": ("-ffp-contract=off",)}
+# each library's translation units; the GEMM's exact formats are two (gemm_exact.h), its opt-in q8 path
+# (`--gemm cpu_q8`) a library of its own, so a default start compiles neither it nor LoRA's
+SOURCES = {"attention": ("attention.cc",), "gemm": ("gemm.cc", "gemm_k.cc"), "gemm_q8": ("gemm_q8.cc",),
+           "lora": ("lora.cc",)}
 _lock = threading.Lock()
+_library_locks: dict[str, threading.Lock] = {}
 _libraries: dict[str, ctypes.CDLL | None] = {}
 _registered: dict[str, bool] = {}
+_slots = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                        else os.cpu_count() or 1))   # compiler processes at once
 
 
 def _compiler() -> str | None:
@@ -41,9 +55,10 @@ def _compiler() -> str | None:
 
 
 def _build(name: str, cxx: str) -> Path:
-    """Compile `name`.cc (once per source and compiler) and return the shared library's path."""
-    source_path = Path(__file__).with_name(f"{name}.cc")
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    """Compile library `name` (once per source and compiler) and return the shared library's path."""
+    here = Path(__file__).parent
+    sources = [here / s for s in SOURCES[name]]
+    source = b"".join(s.read_bytes() for s in sources) + b"".join(h.read_bytes() for h in sorted(here.glob("*.h")))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = (*FLAGS, *KERNEL_FLAGS.get(name, ()))
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()
@@ -57,15 +72,25 @@ def _build(name: str, cxx: str) -> Path:
     log.info("compiling the %s kernel with %s -> %s", name, cxx, lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *flags, "-shared", "-fPIC", "-I", jax.ffi.include_dir(), str(source_path), "-o", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
+        compile_ = [[cxx, *flags, "-fPIC", "-c", "-I", jax.ffi.include_dir(), str(s), "-o", str(o)]
+                    for s, o in zip(sources, objects)]
+        with ThreadPoolExecutor(len(compile_)) as pool:
+            list(pool.map(_run_compiler, compile_))
+        _run_compiler([cxx, "-shared", *map(str, objects), "-o", str(out)])
         digest = out.with_suffix(".sha256")
         digest.write_text(_sha256(out))
         os.replace(digest, _digest_path(lib))
         os.replace(out, lib)   # atomic: a concurrent process sees no half-written library
     return lib
+
+
+def _run_compiler(cmd: list[str]) -> None:
+    """One compiler process, when a slot is free; RuntimeError with its output when it fails."""
+    with _slots:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
 
 
 def verified(lib: Path) -> bool:
@@ -88,11 +113,24 @@ def _sha256(path: Path) -> str:
 
 
 def load(name: str) -> ctypes.CDLL | None:
-    """The kernel library `name` built for and runnable on this CPU, or None (built on first call)."""
+    """The kernel library `name` built for and runnable on this CPU, or None (built on first call;
+    a call while another thread builds it waits for that build)."""
     with _lock:
+        lock = _library_locks.setdefault(name, threading.Lock())
+    with lock:
         if name not in _libraries:
             _libraries[name] = _load(name)
         return _libraries[name]
+
+
+def prebuild(names: list[str]) -> list[threading.Thread]:
+    """Start building (and loading) the libraries `names` on background threads, at once and in
+    parallel; `load` and `register` then wait for them instead of compiling."""
+    threads = [threading.Thread(target=load, args=(name,), name=f"imp-kernel-{name}", daemon=True)
+               for name in names if name not in _libraries]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def _load(name: str) -> ctypes.CDLL | None:
@@ -126,3 +164,17 @@ def register(name: str, target: str, handler: str) -> bool:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
             _registered[target] = lib is not None
         return _registered[target]
+
+
+def main() -> int:
+    """Build every kernel library now (prints where each one is); status 1 if one is unavailable."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for t in prebuild(list(SOURCES)):
+        t.join()
+    for name in SOURCES:
+        print(f"{name}: {'ready' if _libraries.get(name) is not None else 'unavailable (see the log)'}")
+    return 0 if all(_libraries.get(name) is not None for name in SOURCES) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

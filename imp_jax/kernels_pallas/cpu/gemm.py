@@ -1,4 +1,4 @@
-"""The projection GEMM for x86-64 CPUs (gemm.cc), called as an XLA FFI custom call.
+"""The projection GEMM for x86-64 CPUs (gemm_exact.h), called as an XLA FFI custom call.
 
 `matmul_wt_cpu(x, w)` is x @ w.T for w in [out, in] layout and float32 x. It reads
 - float32 weights, on 2 to 64 rows (decode steps; see MIN_ROWS, MAX_ROWS);
@@ -6,7 +6,7 @@
   call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/weights.py) and GGML
   blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and K-quant Q2_K..Q6_K matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
-first use (build.py).
+first use (build.py): the library `gemm`, and `gemm_q8` only once int8 activations are asked for.
 
 `matmul_wt_cpu(x, w, int8_activations=True)` (the opt-in `--gemm cpu_q8`) gives GGML blocks
 llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h): each row of x rounded to int8 per
@@ -32,15 +32,18 @@ BLOCK_TARGETS = {name: f"imp_gemm_f32_{name.lower()}w" for name in ggml_blocks.F
 Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")   # gemm_q8.h's integer paths
 Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in Q8_FORMATS}
 _HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
-             **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()},
-             **{t: f"ImpGemmQ8{name}W" for name, t in Q8_TARGETS.items()}}
+             **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()}}
+_Q8_HANDLERS = {t: f"ImpGemmQ8{name}W" for name, t in Q8_TARGETS.items()}   # the library gemm_q8
 MIN_ROWS = 2         # one row is a memory-bound GEMV, where XLA's dot already streams at full bandwidth
 MAX_ROWS = 64        # above this XLA's own GEMM (which packs the weights, amortised over many rows) is faster
 
 
-def available() -> bool:
-    """Whether the kernel is built, loaded and registered for this CPU (built on the first call)."""
-    return all(build.register("gemm", target, handler) for target, handler in _HANDLERS.items())
+def available(int8_activations: bool = False) -> bool:
+    """Whether the kernel is built, loaded and registered for this CPU (built on the first call),
+    with its int8-activation (q8) handlers too when `int8_activations`."""
+    return (all(build.register("gemm", target, handler) for target, handler in _HANDLERS.items())
+            and (not int8_activations
+                 or all(build.register("gemm_q8", target, handler) for target, handler in _Q8_HANDLERS.items())))
 
 
 def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
@@ -68,4 +71,7 @@ def matmul_wt_cpu(x: jax.Array, w: jax.Array, int8_activations: bool = False) ->
     """x [..., K] @ w.T for w [N, K] (float32, bfloat16 or GGML blocks), float32 out; for GGML
     blocks with x rounded to int8 when `int8_activations` (the module docstring says how)."""
     out = jax.ShapeDtypeStruct(x.shape[:-1] + w.shape[:1], jnp.float32)
-    return jax.ffi.ffi_call(_target(w, int8_activations), out)(x, w)
+    target = _target(w, int8_activations)
+    if target in _Q8_HANDLERS and not available(int8_activations=True):
+        raise RuntimeError("the q8 GEMM kernel did not build (see the log)")
+    return jax.ffi.ffi_call(target, out)(x, w)

@@ -1,0 +1,86 @@
+"""Building the C++ kernel libraries: a library's translation units compile at once and link into
+one library whose hash is recorded and checked; background builds (`prebuild`) are joined, not
+repeated; a default CPU engine builds only the libraries it loads."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from imp_jax.kernels_pallas.backends import cpu_libraries
+from imp_jax.kernels_pallas.cpu import build
+
+# A stand-in compiler: `-c SRC -o OBJ` sleeps 1 s and writes the source's name (logging when it ran),
+# `-shared OBJ... -o LIB` concatenates the objects; `--version` names it.
+FAKE_CXX = """#!/bin/sh
+log="$(dirname "$0")/calls.log"
+case "$1" in --version) echo "fake-cxx 1"; exit 0;; esac
+out=""; prev=""; objs=""; shared=0; src=""
+for a in "$@"; do
+  [ "$prev" = "-o" ] && out="$a"
+  case "$a" in -shared) shared=1;; *.o) objs="$objs $a";; *.cc) src="$a";; esac
+  prev="$a"
+done
+if [ $shared = 1 ]; then echo "link $objs" >> "$log"; cat $objs > "$out"; exit 0; fi
+echo "start $(basename "$src") $(date +%s.%N)" >> "$log"
+sleep 1
+basename "$src" > "$out"
+echo "end $(basename "$src") $(date +%s.%N)" >> "$log"
+"""
+
+
+@pytest.fixture
+def fake_cxx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cxx = tmp_path / "bin" / "c++"
+    cxx.parent.mkdir()
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    monkeypatch.setenv("IMP_JAX_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(build, "_libraries", {})
+    monkeypatch.setattr(build, "_library_locks", {})
+    return cxx
+
+
+def calls(cxx: Path) -> list[list[str]]:
+    log = cxx.parent / "calls.log"
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_library_of_two_units_compiles_them_at_once_and_records_its_hash(fake_cxx: Path) -> None:
+    lib = build._build("gemm", str(fake_cxx))
+    log = calls(fake_cxx)
+    spans = {c[1]: float(c[2]) for c in log if c[0] == "start"}, {c[1]: float(c[2]) for c in log if c[0] == "end"}
+    assert sorted(spans[0]) == ["gemm.cc", "gemm_k.cc"]
+    assert max(spans[0].values()) < min(spans[1].values())   # the second started before the first ended
+    links = [c for c in log if c[0] == "link"]
+    assert len(links) == 1 and sorted(Path(o).name for o in links[0][1:]) == ["gemm.o", "gemm_k.o"]
+    assert lib.read_text().split() == ["gemm.cc", "gemm_k.cc"] and build.verified(lib)
+    assert build._build("gemm", str(fake_cxx)) == lib and len(calls(fake_cxx)) == len(log)   # built once
+    lib.write_text("tampered")
+    assert build._build("gemm", str(fake_cxx)) == lib and build.verified(lib)   # the hash check rebuilt it
+    assert len(calls(fake_cxx)) == 2 * len(log)
+
+
+def test_a_load_during_a_background_build_waits_for_it(fake_cxx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", str(fake_cxx))
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    threads = build.prebuild(["attention"])
+    results: list[object] = []
+    waiters = [threading.Thread(target=lambda: results.append(build.load("attention"))) for _ in range(2)]
+    for t in waiters:
+        t.start()
+    for t in waiters + threads:
+        t.join(30)
+    assert [c[1] for c in calls(fake_cxx) if c[0] == "start"] == ["attention.cc"]   # one build, three callers
+    assert results == [None, None]   # the stand-in library does not load: XLA is used (and logged)
+    assert build.prebuild(["attention"]) == []   # settled: nothing more to start
+
+
+def test_a_default_cpu_engine_builds_neither_the_q8_nor_the_lora_library() -> None:
+    assert cpu_libraries("auto", "auto", lora=False) == ["attention", "gemm"]
+    assert cpu_libraries("auto", "cpu_q8", lora=True) == ["attention", "gemm", "gemm_q8", "lora"]
+    assert cpu_libraries("xla", "xla", lora=False) == []
+    assert set(build.SOURCES) == {"attention", "gemm", "gemm_q8", "lora"}
+    here = Path(build.__file__).parent
+    assert all((here / s).is_file() for sources in build.SOURCES.values() for s in sources)
