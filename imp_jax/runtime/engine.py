@@ -9,7 +9,6 @@ here is thread-safe; the AsyncEngine feeds it through queues and runs it on its 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Callable
 
@@ -24,7 +23,7 @@ from imp_jax.runtime.engine_stats import EngineCounters, engine_stats
 from imp_jax.runtime.features import FEATURES, Feature, Services
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.output import OutputStage
-from imp_jax.runtime.request import EngineEvent, GenerationRequest
+from imp_jax.runtime.request import GenerationRequest
 from imp_jax.runtime.request_state import Emit, RequestState
 from imp_jax.runtime.sampling import SamplerOutput
 from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler

@@ -18,23 +18,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.runtime.batch import StepBatch, build_step_batch, pow2_buckets
 from imp_jax.runtime.block_tables import DeviceTables, edit_capacity
-from imp_jax.runtime.cfg import guide
 from imp_jax.runtime.kv_blocks import BlockTable
-from imp_jax.runtime.logit_lens import lens_forward, lens_readout, supports_lens
+from imp_jax.runtime.logit_lens import supports_lens
 from imp_jax.runtime.multihost import SCORE, STEP, TABLES, Leader
-from imp_jax.runtime.packing import Layout, pack, unpack
+from imp_jax.runtime.packing import Layout, pack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
-from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors, sample
-from imp_jax.runtime.sharding import kv_sharding, partition_spec, replicated, state_shardings
+from imp_jax.runtime.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors
+from imp_jax.runtime.sharding import kv_sharding, replicated, state_shardings
+from imp_jax.runtime.step_programs import step_programs
 
 log = logging.getLogger("imp_jax.step")
 Progress = Callable[[int, int, tuple[int, int], float], None]   # (i, n, bucket, seconds)
-NUM_TOP_LOGPROBS = 20   # always computed; each request reads as many as it asked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,88 +99,16 @@ class CompiledStep:
         self._warm = False
         self.leader: Leader | None = None   # multi-host process 0: announces each program (runtime/multihost.py)
         self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
-        graphdef = self.graphdef
-        dynamic_skips = model.options.kernels.dynamic_skips
-        # with LoRA slabs (model/lora.py) each token's adapter slot is a step input; without, the
-        # program is the one it always was
+        programs = step_programs(model, self.graphdef, treedef, self._leaves, mesh, self.max_rows)
         self.with_lora = getattr(model, "lora", None) is not None
-        with_lora = self.with_lora
-
-        def forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows):
-            """Logits of `rows` (None: every row) and the updated cache."""
-            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            if not with_lora:
-                hidden, kv = model(input_ids, positions, kv, meta)
-                return model.logits(hidden if rows is None else hidden[rows]), kv
-            hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids)
-            if rows is not None:
-                hidden, lora_ids = hidden[rows], lora_ids[rows]
-            return model.logits(hidden, lora_ids=lora_ids), kv   # adapters on the LM head: each row's slot
-
-        def forward_lens(leaves, kv, input_ids, positions, meta, lora_ids):
-            """logit_lens: logits [L, V] of token row 0 after each layer (runtime/logit_lens.py)."""
-            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            return lens_forward(model, input_ids, positions, kv, meta, lora_ids if with_lora else None)
-
-        if mesh.size > 1:
-            kv_spec = (kv_sh.spec, kv_sh.spec)
-            logits_spec = partition_spec(getattr(model, "logits_axes", None), 2)
-            forward_logits = jax.shard_map(
-                forward_logits, mesh=mesh, check_vma=False,
-                in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 5),
-                out_specs=(logits_spec, kv_spec))
-            forward_lens = jax.shard_map(
-                forward_lens, mesh=mesh, check_vma=False,
-                in_specs=([a.sharding.spec for a in self._leaves], kv_spec, *[PartitionSpec()] * 4),
-                out_specs=(logits_spec, kv_spec))
-
-        def meta_of(tables, meta_in, table_rows, edits):
-            """The step's AttentionMetadata, its rows read from the device tables after this step's edits."""
-            tables = tables.at[edits[0], edits[1]].set(edits[2], mode="drop")
-            qsl, seq_lens, slot_mapping, num_seqs = meta_in
-            return AttentionMetadata(qsl, seq_lens, tables[table_rows], slot_mapping, num_seqs), tables
-
-        def step(leaves, kv, tables, ints, floats, prev, layout):
-            (input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos,
-             (cfg_rows, cfg_scale)) = unpack(layout, ints, floats)
-            meta, tables = meta_of(tables, meta, table_rows, edits)
-            # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
-            # step's sample at row src (-1: the host's id); a penalised row's history gets it too
-            input_ids = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], input_ids)
-            hist_rows = jnp.arange(hist_pos.shape[0])
-            history = sampling.history.at[hist_rows, jnp.where(hist_pos >= 0, hist_pos, sampling.history.shape[1])
-                                          ].set(input_ids[rows], mode="drop")
-            sampling = dataclasses.replace(sampling, history=history)
-            logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
-            logits = guide(logits, cfg_rows, cfg_scale, dynamic_skips)   # CFG rows (runtime/cfg.py); others as they are
-            key = jax.random.fold_in(jax.random.key(step_no[0]), step_no[1])   # (base seed, step number)
-            out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)
-            return (out, jnp.pad(out.tokens, (0, self.max_rows - out.tokens.shape[0]))), kv, tables
-
-        def score(leaves, kv, tables, ints, floats, prev, layout):
-            input_ids, positions, meta, table_rows, edits, targets, lora_ids = unpack(layout, ints, floats)
-            meta, tables = meta_of(tables, meta, table_rows, edits)
-            logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, None)
-            logprobs = jax.nn.log_softmax(logits, axis=-1)   # raw: no sampling knobs
-            target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
-            rank = jnp.sum(logprobs > target, axis=-1) + 1
-            top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
-            return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv, tables
-
-        def lens(leaves, kv, tables, ints, floats, prev, layout):
-            input_ids, positions, meta, table_rows, edits, target, lora_ids = unpack(layout, ints, floats)
-            meta, tables = meta_of(tables, meta, table_rows, edits)
-            logits, kv = forward_lens(leaves, kv, input_ids, positions, meta, lora_ids)
-            return lens_readout(logits, target), kv, tables
-
         # params, kv, block tables, ints, floats, the previous step's tokens (`last_tokens`)
         ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
         self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
         self.last_tokens = self.no_prev   # the tokens of the step launched last, padded to max_rows
         jit = lambda f: jax.jit(f, static_argnums=(6,), donate_argnums=(1, 2), in_shardings=ins,
                                 out_shardings=(rep, (kv_sh, kv_sh), rep))
-        self._step_jit, self._score_jit = jit(step), jit(score)
-        self._jits = {"step": self._step_jit, "score": self._score_jit, "lens": jit(lens)}
+        self._step_jit, self._score_jit = jit(programs["step"]), jit(programs["score"])
+        self._jits = {"step": self._step_jit, "score": self._score_jit, "lens": jit(programs["lens"])}
         self._score_exec: Any = None
         self.supports_lens = supports_lens(model)   # logit_lens: the model returns per-layer residuals
         self._lens_exec: Any = None
