@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results[-1]["records"]:
             if not r["passed"]:
                 print(f"  FAIL [{r['seed']}] {r['question']!r}: {r['answer'][:120]!r}", file=sys.stderr)
+        print(table(results[-1:]), file=sys.stderr, flush=True)
     print(table(results))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
