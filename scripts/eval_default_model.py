@@ -1,6 +1,6 @@
 """Which small model answers everyday questions well: 20 fixed questions, each checked automatically.
 
-    python scripts/eval_default_model.py --model smollm2-135m-instruct --model PATH.gguf ... \
+    PYTHONPATH=. python scripts/eval_default_model.py --model smollm2-135m-instruct --model PATH.gguf ... \
         [--seeds 3] [--out bench_results/default_model.json]
 
 Each question is asked through the offline API (`imp_jax.LLM`, chat template) under the spec preset
