@@ -6,11 +6,12 @@ import logging
 import sys
 
 from imp_jax.errors import ImpError
+from imp_jax.model.hub import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m imp_jax.generate", description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="path (HF dir, .gguf, converted) or alias")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="path (HF dir, .gguf, converted) or alias")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     ap.add_argument("--max-tokens", type=int, default=128)

