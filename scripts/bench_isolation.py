@@ -4,7 +4,8 @@ client of each kind that keeps one request in flight (a new one as soon as the l
 - dry: DRY on a long repetitive prompt with 16 fresh 40-character breakers per request;
 - regex: 16 distinct polynomially backtracking banned_regex patterns (shapes that pass admission);
 - grammar: 64 distinct large JSON schemas, one request after another (each a fresh grammar);
-- prompt_logprobs: a long prompt (7k tokens; --quick 1.5k) with prompt_logprobs.
+- prompt_logprobs: a long prompt (7k tokens; --quick 1.5k) with prompt_logprobs;
+- long_prompt: the same prompt without them (what any long prompt's chunked prefill costs the streams).
 
 Everything goes through AsyncEngine.generate, as the server's requests do, on a tiny random Llama
 (tests/tiny_models.py, written to a temporary directory, with a 1k byte-level vocabulary; SmolLM2's 49k
@@ -31,7 +32,7 @@ import numpy as np
 
 STREAMS = 8
 VOCAB = 1024   # the tiny model's rows; the tokenizer's ids fit under it
-KINDS = ("dry", "regex", "grammar", "prompt_logprobs")
+KINDS = ("dry", "regex", "grammar", "prompt_logprobs", "long_prompt")
 
 
 def tiny_model(path: Path, max_len: int) -> Path:
@@ -95,7 +96,10 @@ class Hostile:
         if self.kind == "grammar":
             return make([5, 6, 7, 8], max_tokens=4, ignore_eos=False,
                         constraint=self.grammars[(n - 1) % len(self.grammars)])
-        return make(self.long_prompt, max_tokens=1, prompt_logprobs=5)
+        prompt = self.long_prompt[n % 97:] + self.long_prompt[:n % 97]   # a new prompt each time: no prefix hits
+        if self.kind == "long_prompt":   # the reference for prompt_logprobs: a prompt as long, not scored
+            return make(prompt, max_tokens=1)
+        return make(prompt, max_tokens=1, prompt_logprobs=5)
 
 
 async def run_arm(engine: Any, kind: str | None, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
