@@ -12,6 +12,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, Kernels, select_kernels
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.loader import attention_shape
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
+from imp_jax.runtime.step_programs import model_forward
 
 
 def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -99,23 +100,22 @@ def host_kernels(cfg: ModelConfig, dtype=jnp.float32) -> Kernels:
 
 
 class PagedRunner:
-    """Owns a KV cache and a jitted forward; `run(chunks)` returns logits of every real token."""
+    """Owns a KV cache and the engine's own forward pass (runtime/step_programs.py model_forward, which every
+    compiled program runs), jitted alone; `run(chunks)` returns logits of every real token."""
 
     def __init__(self, model, *, num_blocks: int = 64, block_size: int = 16, max_blocks: int = 32):
         self.block_size, self.max_blocks = block_size, max_blocks
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
-        graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        self.state, treedef = jax.tree.flatten(state)
+        forward = model_forward(model, graphdef, treedef)
+        self._forward = jax.jit(lambda leaves, kv, ids, pos, meta, lora_ids: forward(leaves, kv, ids, pos, meta,
+                                                                                   lora_ids, None), donate_argnums=1)
 
-        def forward(state, kv, input_ids, positions, meta, lora_ids):
-            m = nnx.merge(graphdef, state)
-            if getattr(m, "lora", None) is not None:   # LoRA slabs: each token's slot (SeqChunk.lora_slot)
-                hidden, kv = m(input_ids, positions, kv, meta, lora_ids=lora_ids)
-                return m.logits(hidden, lora_ids=lora_ids), kv
-            hidden, kv = m(input_ids, positions, kv, meta)
-            return m.logits(hidden), kv
-
-        self._forward = jax.jit(forward, donate_argnums=1)
+    def use_weights(self, model) -> None:
+        """Run the same program on `model`'s weights (the same architecture and config)."""
+        self.state = jax.tree.leaves(nnx.split(model)[1])
 
     def run(self, chunks: Sequence[SeqChunk], num_tokens: int = 64, num_seqs: int = 8) -> list[np.ndarray]:
         """Logits [len(chunk.token_ids), vocab] for each chunk, from one ragged model call."""

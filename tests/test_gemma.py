@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import XLA
@@ -259,7 +258,7 @@ def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path
     runner = PagedRunner(hf_ref)
     p = prompts([25], cfg.vocab_size, seed=3)[0]
     from_hf = runner.run([SeqChunk(p, 0, [1, 2])], num_tokens=32, num_seqs=1)[0]
-    runner.state = nnx.state(model)   # the same program, the GGUF's weights
+    runner.use_weights(model)   # the same program, the GGUF's weights
     from_gguf = runner.run([SeqChunk(p, 0, [3, 4])], num_tokens=32, num_seqs=1)[0]
     close(from_gguf, hf_logits(hf_model, p))
     close(from_gguf, from_hf, tol=1e-5)

@@ -22,18 +22,13 @@ from imp_jax.runtime.sharding import kv_sharding, partition_spec
 NUM_TOP_LOGPROBS = 20   # always computed; each request reads as many as it asked for
 
 
-def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Array], mesh: Mesh,
-                  max_rows: int) -> dict[str, Callable]:
-    """The programs' functions for `model` split into (graphdef, flat leaves): each takes (leaves, kv, tables,
-    ints, floats, prev, layout) and returns (outputs, kv, tables). On a mesh of more than one device the
-    forward and the LM head run per shard under `shard_map`."""
-    dynamic_skips = model.options.kernels.dynamic_skips
-    # with LoRA slabs (model/lora.py) each token's adapter slot is a step input; without, the
-    # program is the one it always was
+def model_forward(model: Any, graphdef: Any, treedef: Any) -> Callable:
+    """The one forward pass every program (and the model tests, tests/paged.py) runs: (leaves, kv, input_ids,
+    positions, meta, lora_ids, rows) -> (logits of `rows`, None: every row; the updated cache). With LoRA
+    slabs (model/lora.py) each token's adapter slot is an input; without, the program is the one it always was."""
     with_lora = getattr(model, "lora", None) is not None
 
     def forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows):
-        """Logits of `rows` (None: every row) and the updated cache."""
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         if not with_lora:
             hidden, kv = model(input_ids, positions, kv, meta)
@@ -42,6 +37,18 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
         if rows is not None:
             hidden, lora_ids = hidden[rows], lora_ids[rows]
         return model.logits(hidden, lora_ids=lora_ids), kv   # adapters on the LM head: each row's slot
+
+    return forward_logits
+
+
+def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Array], mesh: Mesh,
+                  max_rows: int) -> dict[str, Callable]:
+    """The programs' functions for `model` split into (graphdef, flat leaves): each takes (leaves, kv, tables,
+    ints, floats, prev, layout) and returns (outputs, kv, tables). On a mesh of more than one device the
+    forward and the LM head run per shard under `shard_map`."""
+    dynamic_skips = model.options.kernels.dynamic_skips
+    with_lora = getattr(model, "lora", None) is not None
+    forward_logits = model_forward(model, graphdef, treedef)
 
     def forward_lens(leaves, kv, input_ids, positions, meta, lora_ids):
         """logit_lens: logits [L, V] of token row 0 after each layer (runtime/logit_lens.py)."""
