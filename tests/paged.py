@@ -117,6 +117,21 @@ class PagedRunner:
         """Run the same program on `model`'s weights (the same architecture and config)."""
         self.state = jax.tree.leaves(nnx.split(model)[1])
 
+    def greedy(self, prompt: Sequence[int], steps: int, table: list[int], *, lora_slot: int = 0,
+               stop: frozenset[int] | set[int] = frozenset(), num_tokens: int = 64, num_seqs: int = 8
+               ) -> tuple[np.ndarray, list[int]]:
+        """The model tests' one greedy loop: the prompt's logits [len(prompt), V] from one prefill, then up to
+        `steps` argmax tokens, each decoded through the cache (a token in `stop` is kept and ends it)."""
+        prefill = self.run([SeqChunk(list(prompt), 0, table, lora_slot)], num_tokens, num_seqs)[0]
+        tokens, last = [], prefill[-1]
+        while len(tokens) < steps:
+            tokens.append(int(np.argmax(last)))
+            if tokens[-1] in stop or len(tokens) == steps:
+                break
+            pos = len(prompt) + len(tokens) - 1
+            last = self.run([SeqChunk([tokens[-1]], pos, table, lora_slot)], num_tokens, num_seqs)[0][-1]
+        return prefill, tokens
+
     def run(self, chunks: Sequence[SeqChunk], num_tokens: int = 64, num_seqs: int = 8) -> list[np.ndarray]:
         """Logits [len(chunk.token_ids), vocab] for each chunk, from one ragged model call."""
         b = build_step_batch(chunks, num_tokens=num_tokens, num_seqs=num_seqs,

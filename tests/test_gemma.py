@@ -130,12 +130,8 @@ def test_greedy_tokens_match_transformers_under_both_layer_loops(tiny):
                                  pad_token_id=0)[0, len(prompt):].tolist()
     for loop in ("scan", "unroll"):
         runner = PagedRunner(build(cfg, tensors, host_kernels(cfg), loop))
-        seq, table = list(prompt), [3, 4]
-        last = runner.run([SeqChunk(prompt, 0, table)], num_tokens=16, num_seqs=1)[0][-1]
-        for _ in range(12):
-            seq.append(int(np.argmax(last)))
-            last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)], num_tokens=16, num_seqs=1)[0][-1]
-        assert seq[len(prompt):] == want, loop
+        _, tokens = runner.greedy(prompt, 12, [3, 4], num_tokens=16, num_seqs=1)
+        assert tokens == want, loop
 
 
 # ------------------------------------------------------------------------------------- config

@@ -275,14 +275,8 @@ def test_logits_and_greedy_tokens_match_transformers(tiny, runner, loop):
     with torch.no_grad():
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                       pad_token_id=0)[0, len(prompt):].tolist()
-    table = [20, 21]
-    logits = runner.run([SeqChunk(prompt, 0, table)])[0]
+    logits, tokens = runner.greedy(prompt, 8, [20, 21])   # 12 + 8 tokens: past the sliding window of 5
     assert_close(logits, hf_logits(hf_model, prompt))
-    tokens, seq, last = [], list(prompt), logits[-1]
-    for _ in range(8):   # 12 + 8 tokens: past the sliding window of 5
-        tokens.append(int(np.argmax(last)))
-        seq.append(tokens[-1])
-        last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
     assert tokens == hf_tokens
 
 
@@ -584,14 +578,8 @@ def test_llama_cpps_converter_output_gives_transformers_logits_and_llama_cpps_gr
     runner = PagedRunner(load_model(gguf_path, dtype="float32").model)
     record = json.loads((FIXTURE / "llama_cpp_greedy.json").read_text())
     for j, (prompt, llama_tokens) in enumerate(zip(record["prompts"], record["greedy_tokens"])):
-        table = [3 * j + 1, 3 * j + 2]
-        logits = runner.run([SeqChunk(prompt, 0, table)])[0]
+        logits, tokens = runner.greedy(prompt, len(llama_tokens), [3 * j + 1, 3 * j + 2])
         assert_close(logits, hf_logits(hf, prompt))
-        tokens, seq, last = [], list(prompt), logits[-1]
-        for _ in range(len(llama_tokens)):
-            tokens.append(int(np.argmax(last)))
-            seq.append(tokens[-1])
-            last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
         with torch.no_grad():
             hf_tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False,
                                     pad_token_id=0)[0, len(prompt):].tolist()

@@ -543,13 +543,7 @@ def test_smollm2_adapter_matches_transformers_peft(smollm2_gguf_path, hf_smollm2
     runner = PagedRunner(model, num_blocks=24, max_blocks=8)
     prompt = chat_ids(loaded, "Name three colors of the rainbow.")
     assert len(prompt) <= NUM_TOKENS
-    prefill = runner.run([SeqChunk(prompt, 0, [1, 2, 3, 4], slot)], num_tokens=NUM_TOKENS, num_seqs=1)[0]
-    tokens, last = [], prefill[-1]
-    for _ in range(12):
-        tokens.append(int(np.argmax(last)))
-        pos = len(prompt) + len(tokens) - 1
-        last = runner.run([SeqChunk([tokens[-1]], pos, [1, 2, 3, 4], slot)], num_tokens=NUM_TOKENS,
-                          num_seqs=1)[0][-1]
+    prefill, tokens = runner.greedy(prompt, 12, [1, 2, 3, 4], lora_slot=slot, num_tokens=NUM_TOKENS, num_seqs=1)
     with torch.no_grad():
         ref = peft_model(input_ids=torch.tensor([prompt])).logits[0].float().numpy()
         hf_tokens = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,

@@ -127,14 +127,8 @@ def test_logits_and_greedy_tokens_match_transformers(family):
     with torch.no_grad():
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                       pad_token_id=0)[0, len(prompt):].tolist()
-    table = [20, 21]
-    logits = runner.run([SeqChunk(prompt, 0, table)])[0]
+    logits, tokens = runner.greedy(prompt, 6, [20, 21])
     assert_close(logits, ref, 1e-4)
-    tokens, seq, last = [], list(prompt), logits[-1]
-    for _ in range(6):
-        tokens.append(int(np.argmax(last)))
-        seq.append(tokens[-1])
-        last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
     assert tokens == hf_tokens
 
 

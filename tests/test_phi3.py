@@ -138,12 +138,8 @@ def test_greedy_tokens_match_transformers(phi):
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                pad_token_id=0)[0, len(prompt):].tolist()
-        table, seq = [20, 21], list(prompt)
-        last = runner.run([SeqChunk(prompt, 0, table)])[0][-1]
-        for _ in range(6):
-            seq.append(int(np.argmax(last)))
-            last = runner.run([SeqChunk([seq[-1]], len(seq) - 1, table)])[0][-1]
-        assert seq[len(prompt):] == want, regime
+        _, tokens = runner.greedy(prompt, 6, [20, 21])
+        assert tokens == want, regime
 
 
 def test_the_variant_features_change_the_logits(phi):

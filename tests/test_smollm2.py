@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner
 
 pytestmark = pytest.mark.real_model
@@ -23,16 +22,8 @@ def chat_ids(loaded, question: str) -> list[int]:
 
 def greedy(runner: PagedRunner, prompt: list[int], steps: int, table: list[int],
            stop: frozenset[int] = frozenset()) -> tuple[np.ndarray, list[int]]:
-    """Prefill logits [len(prompt), vocab] and up to `steps` greedy tokens (the stop token included)."""
-    prefill = runner.run([SeqChunk(prompt, 0, table)], num_tokens=NUM_TOKENS, num_seqs=1)[0]
-    tokens, last = [], prefill[-1]
-    for _ in range(steps):
-        tokens.append(int(np.argmax(last)))
-        if tokens[-1] in stop:
-            break
-        pos = len(prompt) + len(tokens) - 1
-        last = runner.run([SeqChunk([tokens[-1]], pos, table)], num_tokens=NUM_TOKENS, num_seqs=1)[0][-1]
-    return prefill, tokens
+    """PagedRunner.greedy at this file's one-sequence batch shape."""
+    return runner.greedy(prompt, steps, table, stop=stop, num_tokens=NUM_TOKENS, num_seqs=1)
 
 
 def test_logits_and_greedy_tokens_match_transformers(smollm2_loaded, hf_smollm2, runner):
