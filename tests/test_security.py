@@ -2,6 +2,8 @@
 limits, browsers and logs. On a FakeEngine app in this process (fast), plus tokenizer unit checks."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from collections.abc import Iterator
@@ -289,12 +291,17 @@ def test_client_errors_carry_no_internal_text_and_props_no_path(app_url: tuple[s
     err = event_error(EngineEvent("r", 0, finish_reason="error", error="device fault: XlaRuntimeError at /opt/x.py"))
     assert err is not None and "XlaRuntimeError" not in err.message and "engine faulted" in err.message
     assert "/opt" not in public_error(EngineError("engine is faulted: device fault: boom /opt/x")).message
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.server.context import state_of
+
     url, engine = app_url
-    engine.model_path = "/home/someone/models/secret-dir/model.gguf"
+    state = state_of(_APPS[-1])   # the model path is the engine config's (what --model named)
+    saved = state.config
+    state.config = dataclasses.replace(saved, engine=EngineConfig(model="/home/someone/models/secret-dir/model.gguf"))
     try:
         props = httpx.get(url + "/props", timeout=30).json()
     finally:
-        del engine.model_path
+        state.config = saved
     assert props["model_path"] == "model.gguf"
 
 

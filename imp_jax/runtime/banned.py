@@ -34,7 +34,8 @@ MAX_PHRASE_BYTES = 256     # each string or pattern, UTF-8
 REGEX_WINDOW_BYTES = 256   # a regex match must lie in the text's last 256 bytes and end in new text
 REGEX_HOLD_BYTES = 255     # with patterns, the last 255 bytes wait until later text passes them
 MAX_REWINDS = 64           # per request; past it, phrases pass
-REGEX_TIMEOUT_S = 0.05     # per pattern and token at most (less when the request's budget has less left)
+REGEX_TIMEOUT_S = 0.05     # per pattern and token at most (less when the request's budget has less left) ...
+REGEX_MIN_TIMEOUT_S = 0.005  # ... but never less: a search's wall time includes waits for the CPU and the GIL
 REGEX_BUDGET_S = 0.002     # a request's regex time in hand at first and at most (its choices share it) ...
 REGEX_S_PER_TOKEN = 0.0005  # ... refilled by this much per answer token fed; spent, the request ends
 REGEX_SPENT = ("banned_regex: the request's regex time budget is spent (its patterns took over "
@@ -176,9 +177,11 @@ class BannedPhrases:
             for p in self.patterns:
                 if budget.regex_s <= 0:
                     break
-                t0 = time.perf_counter()
-                at = self._first_regex(p, text, start, new_from, min(REGEX_TIMEOUT_S, budget.regex_s))
-                budget.regex_s -= time.perf_counter() - t0
+                # the budget counts this thread's CPU time, so a busy machine (or the GIL) spends none of it
+                t0 = time.thread_time()
+                timeout = min(REGEX_TIMEOUT_S, max(budget.regex_s, REGEX_MIN_TIMEOUT_S))
+                at = self._first_regex(p, text, start, new_from, timeout)
+                budget.regex_s -= time.thread_time() - t0
                 if at is not None and (best is None or at < best):
                     best = at
         return best
