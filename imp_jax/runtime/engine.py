@@ -69,7 +69,6 @@ class EngineCore:
         self.features: list[Feature] = [f(self.services) for f in FEATURES]
         self.by_name = {f.name: f for f in self.features}
         self.scheduler.drafter = self._draft
-        self.inputs = StepBuilder(self.services, self.features)
         self.output = OutputStage(self.services, self.features, self.requests, self.sessions)
         self.num_steps = 0        # steps read back
         self._num_launched = 0    # steps launched (each one's sampler key)
@@ -81,6 +80,7 @@ class EngineCore:
         self.loop_seconds = 0.0   # the step loop's wall time (`_run_batch`)
         self.wait_seconds = 0.0   # of it, blocked reading steps: the rest is host work, overlapped or not
         self.failures = StepFailures(self.counters, self.requests, self._end, self.step_fn.leader is not None)
+        self.inputs = StepBuilder(self.services, self.features, self.failures.inject)
 
     @property
     def fault_hook(self) -> FaultHook | None:
@@ -90,7 +90,7 @@ class EngineCore:
 
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
-        self.failures.hook = self.inputs.fault = hook
+        self.failures.hook = hook
 
     @property
     def loras(self):

@@ -6,6 +6,7 @@ from asyncio, draining the inbox, and at shutdown answering whatever was never t
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import queue
@@ -18,7 +19,7 @@ from imp_jax.runtime.commands import Command, Stop
 DRAIN_WAIT_S = 0.5   # how long an idle engine thread waits for a command before looking at its own work
 
 
-class EngineThread:
+class EngineThread(abc.ABC):
     """Subclasses load in `_load()` and run their loop in `_serve()`, applying commands in `_apply()`."""
 
     def __init__(self, name: str, what: str, log: logging.Logger):
@@ -121,11 +122,14 @@ class EngineThread:
             except queue.Empty:
                 return True
 
+    @abc.abstractmethod
     def _load(self) -> None:
-        raise NotImplementedError
+        """Build the engine (on the thread)."""
 
+    @abc.abstractmethod
     def _serve(self) -> None:
-        raise NotImplementedError
+        """The engine's loop, until a Stop."""
 
+    @abc.abstractmethod
     def _apply(self, command: Command) -> None:
-        raise NotImplementedError
+        """Carry out one command from the inbox."""

@@ -56,12 +56,12 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 class StepBuilder:
-    """Builds each step's inputs; `fault` is a test hook (EngineCore.fault_hook) called per sampled row."""
+    """Builds each step's inputs; `inject` is the failures' test hook (StepFailures.inject), called per sampled row."""
 
-    def __init__(self, services: Services, features: list[Feature]):
+    def __init__(self, services: Services, features: list[Feature], inject: Callable[[str, list[Sequence]], None]):
         self.s = services
         self.features = features
-        self.fault: Callable[[str, list[Sequence]], None] | None = None
+        self.inject = inject
 
     def build(self, chunks: list[ScheduledChunk], prev_tokens: bool) -> StepInputs:
         """A pending token (sampled by the step in flight, not read yet) gets id 0 here and `follow` points its
@@ -101,8 +101,7 @@ class StepBuilder:
             row = RowSpec(temperature=0.0)   # a CFG shadow's row only lends its logits
             if c.samples and seq.main is None:
                 try:
-                    if self.fault is not None:
-                        self.fault("prepare", [seq])
+                    self.inject("prepare", [seq])
                     row = self.row_spec(seq, masks.get(i), pending=missing)
                 except Exception as e:   # this sequence's host work: its request fails, the step goes on
                     failed.append((seq, e))
