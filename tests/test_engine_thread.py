@@ -101,3 +101,20 @@ def test_shutdown_answers_what_was_queued_and_refuses_what_comes_after() -> None
     asyncio.run(run())
     engine._thread.join(5)
     assert not engine._thread.is_alive()   # the busy thread ended once it drained again
+
+
+def test_a_closed_readers_loop_drops_the_value_and_says_so():
+    """The engine thread delivering to an event loop that has closed (a client script that ended with
+    requests in flight) drops the value and runs `gone`, instead of raising into the engine's step."""
+    from imp_jax.runtime.engine_thread import to_loop
+
+    loop = asyncio.new_event_loop()
+    got, gone = [], []
+    deliver = to_loop(loop, got.append, gone=lambda: gone.append(True))
+    deliver(1)
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    deliver(2)
+    assert got == [1] and gone == [True]
+    to_loop(loop, got.append)(3)   # without `gone`: dropped quietly
+    assert got == [1]

@@ -23,7 +23,7 @@ from imp_jax.runtime.commands import (AddRequest, Cancel, CloseSession, Command,
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.engine_thread import EngineThread
+from imp_jax.runtime.engine_thread import EngineThread, to_loop
 from imp_jax.runtime.event_buffer import EventBuffer
 from imp_jax.runtime.multihost import PEER_LOST
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
@@ -136,7 +136,7 @@ class AsyncEngine(EngineThread, Engine):
                 reader.cancel()
 
         events = EventBuffer(limits, stalled)
-        self._submit(AddRequest(req, lambda item: loop.call_soon_threadsafe(events.put, item)))
+        self._submit(AddRequest(req, to_loop(loop, events.put, gone=lambda: self.cancel(req.request_id))))
         done = False
         try:
             while True:

@@ -11,12 +11,28 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from imp_jax.errors import EngineError, ImpError
 from imp_jax.runtime.commands import Command, Stop
 
 DRAIN_WAIT_S = 0.5   # how long an idle engine thread waits for a command before looking at its own work
+
+
+def to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None],
+            gone: Callable[[], None] | None = None) -> Callable[[Any], None]:
+    """A callback for the engine thread that runs `fn(value)` on `loop`. Once that loop has closed (its
+    reader is gone: a client script ended with requests in flight) the value is dropped and `gone` runs,
+    instead of the engine thread meeting "Event loop is closed" as a failed step."""
+    def deliver(value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, value)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+            if gone is not None:
+                gone()
+    return deliver
 
 
 class EngineThread(abc.ABC):
@@ -73,7 +89,7 @@ class EngineThread(abc.ABC):
             if not answer.done():
                 (answer.set_exception if isinstance(value, BaseException) else answer.set_result)(value)
 
-        command.reply = lambda value: loop.call_soon_threadsafe(resolve, value)
+        command.reply = to_loop(loop, resolve)
         self._submit(command)
         return answer
 
