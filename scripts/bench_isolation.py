@@ -2,18 +2,20 @@
 client of each kind that keeps one request in flight (a new one as soon as the last ends):
 
 - dry: DRY on a long repetitive prompt with 16 fresh 40-character breakers per request;
+- dry_reference: the same requests without DRY (what a long-context row costs the streams' attention);
 - regex: 16 distinct polynomially backtracking banned_regex patterns (shapes that pass admission);
 - grammar: 64 distinct large JSON schemas, one request after another (each a fresh grammar);
 - prompt_logprobs: a long prompt (7k tokens; --quick 1.5k) with prompt_logprobs;
 - long_prompt: the same prompt without them (what any long prompt's chunked prefill costs the streams).
 
 Everything goes through AsyncEngine.generate, as the server's requests do, on a tiny random Llama
-(tests/tiny_models.py, written to a temporary directory, with a 1k byte-level vocabulary; SmolLM2's 49k
-vocabulary makes the breaker scan dearer: scripts/bench_sampler_dry_mirostat.py times that). TPOT of a stream: (last token's
+(tests/tiny_models.py, written to a temporary directory, with a 1k byte-level vocabulary), or with
+--model on a real model by its registry name or path (e.g. smollm2-135m-instruct: its real step and its
+49k vocabulary, which makes the breaker scan and grammar masks dearer). TPOT of a stream: (last token's
 time - first token's) / (tokens - 1); an arm's number is the median over the 8 streams, and over
 --rounds interleaved rounds (its ratio: the median of each round's ratio to that round's alone arm).
 
-    PYTHONPATH=. python scripts/bench_isolation.py [--quick] [--tokens 64] [--rounds 3] [--out FILE]
+    PYTHONPATH=. python scripts/bench_isolation.py [--model NAME] [--quick] [--tokens 64] [--rounds 3] [--out FILE]
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import numpy as np
 
 STREAMS = 8
 VOCAB = 1024   # the tiny model's rows; the tokenizer's ids fit under it
-KINDS = ("dry", "regex", "grammar", "prompt_logprobs", "long_prompt")
+KINDS = ("dry", "dry_reference", "regex", "grammar", "prompt_logprobs", "long_prompt")
 
 
 def tiny_model(path: Path, max_len: int) -> Path:
@@ -86,6 +88,8 @@ class Hostile:
     def next(self, make: Callable[..., Any]) -> Any:
         self.n += 1
         n = self.n
+        if self.kind == "dry_reference":   # the reference for dry: the same long rows, no DRY
+            return make(self.dry_prompt, max_tokens=512)
         if self.kind == "dry":
             breakers = [f"{n:04d}-{k:02d}:" + "xyz \n" * 7 for k in range(16)]
             return make(self.dry_prompt, max_tokens=512, dry_multiplier=0.8, dry_allowed_length=2,
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     ap.add_argument("--lead-s", type=float, default=0.5, help="how long the hostile client runs before the streams")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds, medians reported (default 3; quick 1)")
+    ap.add_argument("--model", default=None,
+                    help="a real model (registry name or path) instead of the tiny random one")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (16 if args.quick else 64)
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     max_len = 2048 if args.quick else 8192
     with tempfile.TemporaryDirectory() as tmp:
-        path = tiny_model(Path(tmp), max_len)
+        path = args.model or tiny_model(Path(tmp), max_len)
         config = EngineConfig(model=str(path), max_model_len=max_len, max_num_seqs=16,
                               max_num_batched_tokens=128 if args.quick else 512, num_kv_blocks=1024)
         t0 = time.perf_counter()
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      if "hostile_requests" in r else "")
             print(f"{name:16s} TPOT {r['tpot_ms']:7.2f} ms  {r['vs_alone']:.2f}x alone  "
                   f"(rounds: {', '.join(f'{t:.2f}' for t in r['rounds_tpot_ms'])}){extra}")
-        out = {"quick": args.quick, "tokens": args.tokens, "streams": STREAMS, "rounds": args.rounds,
+        out = {"model": args.model or "tiny random Llama", "quick": args.quick, "tokens": args.tokens, "streams": STREAMS, "rounds": args.rounds,
                "arms": results, "compilations_after_warmup": core.step_fn.compilations_after_warmup}
         print("compilations after warm-up:", out["compilations_after_warmup"])
     if args.out:

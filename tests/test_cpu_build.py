@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from imp_jax.kernels_pallas.backends import cpu_libraries
+from imp_jax.kernels_pallas.cpu.build import cpu_libraries
 from imp_jax.kernels_pallas.cpu import build
 
 # A stand-in compiler: `-c SRC -o OBJ` sleeps 1 s and writes the source's name (logging when it ran),
@@ -84,3 +84,35 @@ def test_a_default_cpu_engine_builds_neither_the_q8_nor_the_lora_library() -> No
     assert set(build.SOURCES) == {"attention", "gemm", "gemm_q8", "lora"}
     here = Path(build.__file__).parent
     assert all((here / s).is_file() for sources in build.SOURCES.values() for s in sources)
+
+
+def test_start_early_builds_only_where_the_engine_will_run_on_this_cpu(monkeypatch) -> None:
+    started: list[list[str]] = []
+    monkeypatch.setattr(build, "prebuild", lambda names: started.append(names) or [])
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    build.start_early("auto", "auto", lora=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    build.start_early("auto", "auto", lora=True)
+    build.start_early("xla", "xla", lora=False)
+    assert started == [["attention", "gemm", "lora"], []]
+    monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
+    build.start_early("auto", "auto", lora=False)
+    assert len(started) == 2
+
+
+def test_include_dir_is_jaxs() -> None:
+    import jax
+
+    assert build.include_dir() == jax.ffi.include_dir()
+
+
+def test_the_server_module_starts_the_builds_without_importing_jax() -> None:
+    """The server starts the builds before its jax import (which then runs beside the compiler)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, imp_jax.server.__main__, imp_jax.runtime.early_start as e; "
+            "e.cpu_kernels.include_dir(); print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

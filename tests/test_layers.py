@@ -23,8 +23,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the process entry point builds the engine, behind a late import (jax loads only there)
     # (multihost: jax.distributed must start before any other JAX use; processes != 0 serve no HTTP)
+    # (early_start: the first start's kernel builds begin before that import, jax-free)
     "imp_jax.server.__main__": ("imp_jax.runtime.async_engine", "imp_jax.runtime.replicas",
-                                "imp_jax.runtime.encoder_engine", "imp_jax.runtime.multihost"),
+                                "imp_jax.runtime.encoder_engine", "imp_jax.runtime.multihost",
+                                "imp_jax.runtime.early_start"),
     # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract
     "imp_jax.server.embeddings": ("imp_jax.runtime.vectors",),
     # whether the served model thinks (<think> or harmony): the engine's own tests of the tokenizer (pure Python,

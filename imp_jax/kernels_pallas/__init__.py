@@ -8,12 +8,24 @@
     pallas/                 the Mosaic GPU (Hopper) attention kernel
     cpu/                    the x86-64 C++ kernels (XLA FFI) and their build
 """
-from imp_jax.kernels_pallas import ggml_blocks
-from imp_jax.kernels_pallas.attention import paged_attention, ragged_paged_attention
-from imp_jax.kernels_pallas.backends import XLA, Kernels, select_kernels
-from imp_jax.kernels_pallas.gemm import matmul_wt
-from imp_jax.kernels_pallas.kv_cache import kv_storage_dtype
-from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape
+from __future__ import annotations
 
-__all__ = ["XLA", "AttentionMetadata", "AttentionShape", "Kernels", "ggml_blocks", "kv_storage_dtype", "matmul_wt",
-           "paged_attention", "ragged_paged_attention", "select_kernels"]
+import importlib
+from typing import Any
+
+# Loaded on first use, so that `imp_jax.kernels_pallas.cpu.build` can start the C++ builds before the
+# server imports jax (the first start's compile runs beside that import: docs/PERF.md, Cold start).
+_EXPORTS = {"ggml_blocks": "ggml_blocks", "paged_attention": "attention", "ragged_paged_attention": "attention",
+            "XLA": "backends", "Kernels": "backends", "select_kernels": "backends", "matmul_wt": "gemm",
+            "kv_storage_dtype": "kv_cache", "AttentionMetadata": "metadata", "AttentionShape": "metadata"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    value = module if name == _EXPORTS[name] else getattr(module, name)
+    globals()[name] = value
+    return value

