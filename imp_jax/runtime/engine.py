@@ -70,8 +70,7 @@ class EngineCore:
         self.by_name = {f.name: f for f in self.features}
         self.scheduler.drafter = self._draft
         self.output = OutputStage(self.services, self.features, self.requests, self.sessions)
-        self.num_steps = 0        # steps read back
-        self._num_launched = 0    # steps launched (each one's sampler key)
+        self.num_steps, self._num_launched = 0, 0   # steps read back; launched (each one's sampler key)
         self.async_scheduling = config.async_scheduling == "on"
         self._inflight: _Launched | None = None   # asynchronous scheduling: the step launched, not yet read
         self._fetched_at = 0.0    # when the host last read a step (perf_counter)
@@ -84,8 +83,7 @@ class EngineCore:
 
     @property
     def fault_hook(self) -> FaultHook | None:
-        """A test hook (off in production): called with (stage, sequences) at "prepare", "launch", "read",
-        "advance" and "emit"; an exception it raises is handled as a real fault at that stage would be."""
+        """A test hook, off in production (runtime/step_failures.py: stages, what a raise does)."""
         return self.failures.hook
 
     @fault_hook.setter

@@ -17,7 +17,9 @@ from imp_jax.runtime.scheduler import ScheduledChunk
 from imp_jax.runtime.sequence import Sequence, SeqStatus
 
 log = logging.getLogger("imp_jax.engine")
-FaultHook = Callable[[str, list[Sequence]], None]   # tests: (stage, sequences) -> raise to inject a fault
+# tests: called with (stage, sequences) at "prepare", "launch", "read", "advance" and "emit"; an exception
+# it raises is handled as a real fault at that stage would be
+FaultHook = Callable[[str, list[Sequence]], None]
 EndRequest = Callable[..., None]                    # EngineCore._end(state, reason, error=, code=)
 
 
