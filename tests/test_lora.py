@@ -32,28 +32,13 @@ from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.server.app import create_app
 from paged import PagedRunner, host_kernels
 from server_fixtures import app_in_thread
+from tiny_models import make_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_RANK = 8
 PROMPT = [5, 17, 33, 60, 2, 99, 100, 8, 41, 77, 12, 9]
 LONG = [(7 * i + 3) % 150 + 4 for i in range(40)]   # spans two full KV blocks of 16
 _ids = itertools.count()
-
-
-def make_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
-    """A PEFT adapter of the HF model at `base_dir` with random non-zero A and B, saved to `out`."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * 0.1)
-    peft_model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")

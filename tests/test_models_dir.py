@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 
 from server_fixtures import READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, wait_for
+from tiny_models import make_adapter
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -29,6 +32,8 @@ def test_no_model_then_swaps_by_request_and_by_admin(smollm2_gguf_path: Path, ti
         assert [(c["id"], c["loaded"]) for c in cards] == [(SMOL, False), ("tiny-llama", False)]
         refused = httpx.post(live.url + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_model"
+        lora = httpx.post(live.url + "/admin/lora/load", json={"path": "/x"}, timeout=30)
+        assert (lora.status_code, lora.json()["error"]["code"]) == (409, "no_model")   # imp's 409
 
         async def ask(client: httpx.AsyncClient, model: str) -> httpx.Response:
             return await client.post(live.url + "/v1/completions", timeout=READY_TIMEOUT_S, json={
@@ -55,3 +60,42 @@ def test_no_model_then_swaps_by_request_and_by_admin(smollm2_gguf_path: Path, ti
         assert log.count("swapped to model") >= 3 and "ERROR" not in log
     finally:
         assert live.stop() == 0
+
+
+def test_a_swap_drops_adapters_and_a_failed_one_restores_the_model(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    """imp's rule: a swap drops every adapter (a log line each, nothing re-loaded); a model that fails to
+    load gives the previous model back instead of leaving the server with none."""
+    models = tmp_path / "models"
+    models.mkdir()
+    os.symlink(tiny_hf_dir, models / "tiny-llama")
+    (models / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)   # named like a model, not loadable
+    adapter = make_adapter(tiny_hf_dir, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    live = LiveServer([*REAL_ENGINE_ARGS, "--models-dir", str(models), "--model", str(models / "tiny-llama"),
+                       "--lora", f"startup={adapter}", "--max-loras", "2"], tmp_path / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        loaded = httpx.post(live.url + "/admin/lora/load", json={"name": "runtime", "path": str(adapter)}, timeout=60)
+        assert loaded.status_code == 200
+        def ask(lora: str) -> httpx.Response:
+            return httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": "Hello", "max_tokens": 2, "temperature": 0, "lora": lora})
+
+        assert [ask(name).status_code for name in ("startup", "runtime")] == [200, 200]
+        failed = httpx.post(live.url + "/admin/models/load", json={"model": "broken.gguf"}, timeout=READY_TIMEOUT_S)
+        assert (failed.status_code, failed.json()["error"]["code"]) == (500, "model_load_failed")
+        ready = httpx.get(live.url + "/ready")
+        assert ready.status_code == 200 and ready.json()["model"] == "tiny-llama"
+        for name in ("startup", "runtime"):   # dropped, not re-loaded (POST /admin/lora/load again)
+            gone = ask(name)
+            assert (gone.status_code, gone.json()["error"]["code"]) == (400, "lora_not_loaded")
+        log = live.log_text()
+        assert "dropped LoRA adapter 'startup'" in log and "dropped LoRA adapter 'runtime'" in log
+        assert "restoring model 'tiny-llama' after the failed swap to 'broken.gguf'" in log
+    finally:
+        assert live.stop() == 0
+
+
+def test_start_up_adapters_need_the_model_they_belong_to(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "imp_jax.server", "--models-dir", str(tmp_path), "--lora", "a=/x"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--lora needs --model" in done.stderr

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker
+from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker, answer_reserve
 from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import THINKER_ARGS, write_thinking_model
 
@@ -208,6 +208,34 @@ def test_end_thinking_ends_the_block_and_the_answer_continues(thinking_server):
         finally:
             ctx.__exit__(None, None, None)
     _wait_for_idle(thinking_server.url)
+
+
+def test_the_answer_keeps_its_reserve_of_max_tokens(oai):
+    """A block that would think forever ("ok") is ended where the answer reserve begins (imp's max(256,
+    max_tokens/4), at most half): the reply is reasoning, then the whole answer, not max_tokens of thinking."""
+    for max_tokens in (40, 600):
+        r = oai.chat.completions.create(
+            model=MODEL, max_tokens=max_tokens, messages=[*HELLO, {"role": "assistant", "content": "<think>ok"}],
+            extra_body={"continue_final_message": True, "add_generation_prompt": False}, **GREEDY)
+        msg, usage = r.choices[0].message, r.usage
+        assert (msg.content, r.choices[0].finish_reason) == ("Yes done", "stop")
+        assert set(msg.reasoning_content.split("ok")) == {""}
+        budget = max_tokens - answer_reserve(max_tokens)
+        # the block's tokens: its "ok"s up to the budget, then the forced end (</think> and the blank line)
+        assert budget <= usage.completion_tokens_details.reasoning_tokens <= budget + 2
+    assert (answer_reserve(40), answer_reserve(600), answer_reserve(4096)) == (20, 256, 1024)
+
+
+def test_a_budget_needs_the_newest_token_only_when_it_may_be_reached():
+    """Asynchronous scheduling (and drafts) stay on for a budgeted block until its last tokens."""
+    markers = ThinkMarkers(1, 2, (2, 3))
+    t = ThinkTracker(markers, [1], budget=5)   # the prompt opened the block
+    seen = []
+    for _ in range(5):
+        seen.append((t.may_force, t.may_force_within(3)))
+        t.observe(7)
+    assert seen == [(False, False), (False, False), (False, True), (False, True), (True, True)]
+    assert t.forced_token == 2 and t.may_force
 
 
 def _wait_for_idle(url: str, timeout: float = 30.0) -> None:

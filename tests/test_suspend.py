@@ -107,6 +107,9 @@ def test_admin_suspend_and_resume_over_http(live_server: LiveServer) -> None:  #
         msg = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 4,
                                                       "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert msg.status_code == 503 and msg.json()["error"]["type"] == "overloaded_error"
+        for route in ("/admin/lora/load", "/admin/lora/unload"):   # imp answers 409 here, not 503
+            lora = httpx.post(url + route, json={"name": "x", "path": "/x"}, timeout=60)
+            assert (lora.status_code, lora.json()["error"]["code"]) == (409, "suspended")
     finally:
         resumed = httpx.post(url + "/admin/resume", timeout=60)
     assert resumed.status_code == 200 and resumed.json()["status"] == "resumed"

@@ -3,6 +3,7 @@ and a GGUF file that names an architecture and holds nothing else."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -197,3 +198,20 @@ def write_harmony_tokenizer(path: Path) -> None:
     call_id = tok.token_to_id("<|call|>")
     (path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [tok.token_to_id("<|return|>"), call_id, tok.token_to_id("<|endoftext|>")]}))
+
+
+def make_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
+    """A PEFT adapter of the HF model at `base_dir` with random non-zero A and B, saved to `out`."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    peft_model.save_pretrained(out)
+    return out

@@ -77,7 +77,27 @@ class ForcedEnd:
     def may_force(self) -> bool:
         """Whether observing a token may start (or is in) a forced end: the next step's mask then
         depends on the token just sampled (the engine reads it before launching that step)."""
-        return bool(self._forced) or self._end_on_open or self.budget is not None
+        return self.may_force_within(1)
+
+    def may_force_within(self, tokens: int) -> bool:
+        """Whether observing the next `tokens` tokens may start (or is in) a forced end."""
+        return bool(self._forced) or self._end_on_open or self._near_budget(tokens)
+
+    def _near_budget(self, tokens: int) -> bool:
+        """Whether the next `tokens` observed tokens may reach the budget (here: whenever there is one)."""
+        return self.budget is not None
+
+
+def answer_reserve(max_tokens: int) -> int:
+    """Tokens of `max_tokens` kept for the answer of a thinking model: imp's max(256, max_tokens / 4), at
+    most half of `max_tokens` (so a short request still thinks: 120 tokens keep 60 for the answer)."""
+    return min(max(256, max_tokens // 4), max_tokens // 2)
+
+
+def default_think_budget(max_tokens: int) -> int:
+    """The think block's budget when a request sets none: what `answer_reserve` leaves; when it is spent
+    the engine ends the block (as end_thinking does) and the answer has the reserve."""
+    return max_tokens - answer_reserve(max_tokens)
 
 
 class ThinkTracker(ForcedEnd):
@@ -92,6 +112,11 @@ class ThinkTracker(ForcedEnd):
         self._end_on_open = False             # end_thinking came before the model opened its block
         self._closed = False                  # the block ended, or the answer began without one
         self._strip_newlines = False          # the answer's leading newlines are dropped (as templates do)
+
+    def _near_budget(self, tokens: int) -> bool:
+        # counted one token at a time here: only tokens that may reach the budget need the engine to read
+        # them before the next launch (asynchronous scheduling and drafts stay on for the rest of the block)
+        return self.budget is not None and self.num_reasoning_tokens + tokens >= self.budget
 
     def observe(self, token: int) -> str:
         """Advance past a sampled token; returns its kind (THINK, MARKER or ANSWER)."""

@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m imp_jax.server: error: --models-dir {models_dir}: not a directory", file=sys.stderr)
         return 2
     # with --models-dir and no --model, start empty: the first request (or /admin/models/load) names one
+    if models_dir is not None and not config.model_given and config.engine.lora:
+        print("python -m imp_jax.server: error: --lora needs --model: start-up adapters belong to the model "
+              "started with (with --models-dir, load adapters with POST /admin/lora/load)", file=sys.stderr)
+        return 2
     try:
         check_devices(config.engine)
         engine = NoModel() if models_dir is not None and not config.model_given else engine_for(config.engine)
@@ -169,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
         return 2
     if models_dir is not None:
-        def make_engine(path: Path) -> Engine:
-            return engine_for(dataclasses.replace(config.engine, model=str(path)))
+        def make_engine(path: Path) -> Engine:   # start-up adapters belong to the start-up model: not on a swap
+            return engine_for(dataclasses.replace(config.engine, model=str(path), lora=[]))
 
-        state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout)
+        current = Path(config.engine.model) if config.model_given else None
+        state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout, current)
     try:
         install_encoders(app, make_encoders(config))
     except (ImpError, ValueError) as e:   # a missing or unsupported embedding / rerank model

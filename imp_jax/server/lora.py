@@ -13,7 +13,7 @@ from typing import Any
 
 from quart import Blueprint, jsonify, request
 
-from imp_jax.errors import InvalidRequestError, NotFoundError
+from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.api import Engine
 from imp_jax.server.context import model_name, ready_engine, server
 from imp_jax.server.validation import MAX_LORA_NAME as MAX_NAME
@@ -30,7 +30,13 @@ def _name(value: Any, field: str = "name") -> str:
 
 
 def _lora_engine() -> Engine:
-    engine = ready_engine()
+    """The engine, 409 (imp's answer) while there is no model or it is operator-suspended."""
+    try:
+        engine = ready_engine()
+    except ImpError as e:
+        if e.code in ("no_model", "suspended"):
+            raise ImpError(e.message, code=e.code, status=409) from None
+        raise
     if not engine.capabilities.lora:
         raise InvalidRequestError("this server has no LoRA adapter slots; start it with --max-loras N",
                                   code="lora_disabled", param="name")

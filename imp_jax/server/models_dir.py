@@ -7,6 +7,9 @@ has in flight (nothing is cancelled), its engine stops, the other loads, and the
 are served by it (or swap again, one swap at a time). `/ready` answers 503 `swapping` meanwhile.
 `POST /admin/models/load` swaps explicitly. With `--models-dir` and no `--model`, the server
 starts with no model (`/ready` 503 `no_model`) until the first request or load names one.
+A swap drops every LoRA adapter of the old model (one log line each; imp's rule: nothing is re-loaded
+onto the new model, POST /admin/lora/load again), and a model that fails to load is replaced by the
+previous one again, so a failed swap never leaves the server with no model.
 """
 from __future__ import annotations
 
@@ -71,9 +74,11 @@ class NoModel(Engine):
 class ModelDirectory:
     """The directory's models and the one swap in progress (if any)."""
 
-    def __init__(self, directory: Path, make_engine: Callable[[Path], Engine], swap_timeout_s: float):
+    def __init__(self, directory: Path, make_engine: Callable[[Path], Engine], swap_timeout_s: float,
+                 current: Path | None = None):
         self.directory = directory
         self._make_engine = make_engine
+        self._current = current   # where the engine serving now came from (None: no model yet)
         self._swap_timeout_s = swap_timeout_s
         self._lock = asyncio.Lock()
         self.swapping_to: str | None = None
@@ -132,20 +137,47 @@ class ModelDirectory:
         if in_flight(old) or self._leases:
             raise ImpError(f"the swap to '{name}' timed out waiting for in-flight requests", code="swap_timeout",
                            status=503)
+        _drop_adapters(old, name)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, old.shutdown)
-        new = self._make_engine(path)
-        state.engine = new
-        new.start()
         try:
-            await new.wait_ready()
+            new = await self._start(state, path)
         except Exception as e:
             log.error("loading model '%s' failed: %s", name, e)
-            state.engine = NoModel()
+            await self._restore(state, name)
             raise ImpError(f"loading model '{name}' failed; the server log says why", code="model_load_failed",
                            status=500) from e
+        self._current = path
         log.info("swapped to model '%s' in %.1f s", name, time.monotonic() - t0)
         return new
+
+    async def _start(self, state: Any, path: Path) -> Engine:
+        engine = self._make_engine(path)
+        state.engine = engine
+        engine.start()
+        await engine.wait_ready()
+        return engine
+
+    async def _restore(self, state: Any, failed: str) -> None:
+        """After a failed load: the model served before it again (none if there was none, or it fails too)."""
+        state.engine = NoModel()
+        if self._current is None:
+            return
+        log.info("restoring model '%s' after the failed swap to '%s'", self._current.name, failed)
+        try:
+            await self._start(state, self._current)
+        except Exception as e:   # noqa: BLE001 - reported, and the server answers no_model
+            log.error("restoring model '%s' failed too: %s; serving no model", self._current.name, e)
+            state.engine, self._current = NoModel(), None
+
+
+def _drop_adapters(old: Engine, name: str) -> None:
+    """One log line per LoRA adapter the swap drops with the old model (runtime and start-up ones alike)."""
+    if not old.capabilities.lora or old.state != "ready":
+        return
+    for a in old.lora_adapters():
+        log.info("model swap: dropped LoRA adapter '%s' (id=%s, path=%s): swapping to '%s'",
+                 a["name"], a["id"], a["path"], name)
 
 
 def _served(engine: Any) -> str | None:

@@ -8,7 +8,7 @@ import numpy as np
 
 from imp_jax.runtime.features.base import Accepted, Feature, Services
 from imp_jax.runtime.harmony import HarmonyMarkers
-from imp_jax.runtime.reasoning import ThinkMarkers
+from imp_jax.runtime.reasoning import ThinkMarkers, default_think_budget
 from imp_jax.runtime.sampling import pack_allowed_tokens
 
 
@@ -25,14 +25,18 @@ class ThinkFeature(Feature):
 
     def start(self, seq, state) -> None:
         if self.markers is not None and state.request.reasoning:
-            seq.reasoning = self.markers.tracker(state.request.prompt_ids, state.request.reasoning_budget)
+            budget = state.request.reasoning_budget
+            if budget is None:   # the answer keeps its reserve of max_tokens (reasoning.py answer_reserve)
+                budget = default_think_budget(seq.max_tokens)
+            seq.reasoning = self.markers.tracker(state.request.prompt_ids, budget)
 
     def needs_newest(self, seq) -> bool:
         return seq.reasoning is not None and seq.reasoning.may_force   # a forced end's mask follows it
 
     def holds_drafts(self, seq) -> bool:
-        r = seq.reasoning
-        return r is not None and (r.may_force or r.forced_token is not None)
+        r = seq.reasoning   # a step may accept its newest token and every draft: all of them may reach the budget
+        return r is not None and (r.may_force_within(1 + self.s.config.speculative_max_draft)
+                                  or r.forced_token is not None)
 
     def masks(self, rows, masks: dict[int, np.ndarray]) -> None:
         """A forced think end allows its next token only (before any grammar: `features/__init__` order)."""
