@@ -292,6 +292,33 @@ def test_sequence_outgrowing_the_pool_finishes_with_length(tiny_core, tok):
     assert tiny_core.stats()["kv_pressure_rejections"] == rejections + 1
 
 
+def test_waiting_requests_are_admitted_by_priority_lower_first(core, prompts):
+    """With one sequence slot, three requests queued together run one after another, lowest `priority`
+    first (then shortest prompt, then arrival), whatever order they came in."""
+    order: list[str] = []
+    slots = core.scheduler.max_num_seqs
+    core.scheduler.max_num_seqs = 1   # the policy's knob; the compiled programs take fewer rows as they are
+    try:
+        reqs = []
+        for name, priority in (("late", 5), ("normal", 0), ("urgent", -2)):
+            r = req(prompts[0], max_tokens=2, ignore_eos=True)
+            r.request_id, r.priority = name, priority
+            reqs.append(r)
+        results = [Result() for _ in reqs]
+        for r, res in zip(reqs, results):
+            def on_event(ev, res=res, name=r.request_id) -> None:
+                if ev.token_ids and name not in order:
+                    order.append(name)
+                res.on_event(ev)
+            core.add_request(r, on_event)
+        step_until(core, lambda: not core.has_work(), max_steps=200)
+    finally:
+        core.scheduler.max_num_seqs = slots
+    assert order == ["urgent", "normal", "late"]
+    assert all(res.usage.completion_tokens == 2 for res in results)
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+
+
 def test_stats_count_decode_batches_and_read_zero_when_idle(core, prompts):
     before = core.stats()
     results = run(core, *(req(p, max_tokens=MAX_TOKENS) for p in prompts[:3]))

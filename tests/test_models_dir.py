@@ -3,9 +3,11 @@ names, and swaps between models with concurrent clients without losing a request
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -62,12 +64,14 @@ def test_no_model_then_swaps_by_request_and_by_admin(smollm2_gguf_path: Path, ti
         assert live.stop() == 0
 
 
-def test_a_swap_drops_adapters_and_a_failed_one_restores_the_model(tiny_hf_dir: Path, tmp_path: Path) -> None:
-    """imp's rule: a swap drops every adapter (a log line each, nothing re-loaded); a model that fails to
-    load gives the previous model back instead of leaving the server with none."""
+def test_a_swap_drops_adapters_and_a_failed_one_restores_the_model(smollm2_gguf_path: Path, tiny_hf_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """imp's rule: a swap drops every adapter (a log line each, nothing re-loaded); /ready says `swapping`
+    meanwhile; a model that fails to load gives the previous model back instead of leaving none."""
     models = tmp_path / "models"
     models.mkdir()
     os.symlink(tiny_hf_dir, models / "tiny-llama")
+    os.symlink(smollm2_gguf_path, models / SMOL)
     (models / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)   # named like a model, not loadable
     adapter = make_adapter(tiny_hf_dir, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules=["q_proj"])
     live = LiveServer([*REAL_ENGINE_ARGS, "--models-dir", str(models), "--model", str(models / "tiny-llama"),
@@ -81,16 +85,27 @@ def test_a_swap_drops_adapters_and_a_failed_one_restores_the_model(tiny_hf_dir: 
                 "model": "tiny-llama", "prompt": "Hello", "max_tokens": 2, "temperature": 0, "lora": lora})
 
         assert [ask(name).status_code for name in ("startup", "runtime")] == [200, 200]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:   # the swap, while /ready is asked
+            swap = pool.submit(httpx.post, live.url + "/admin/models/load", json={"model": SMOL},
+                               timeout=READY_TIMEOUT_S)
+            seen = set()
+            while not swap.done():
+                r = httpx.get(live.url + "/ready")
+                seen.add((r.status_code, r.json().get("code"), r.headers.get("retry-after")))
+                time.sleep(0.05)
+            assert swap.result().status_code == 200
+        assert (503, "swapping", "5") in seen
+        for name in ("startup", "runtime"):   # dropped, not re-loaded (POST /admin/lora/load again)
+            gone = httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "model": SMOL, "prompt": "Hello", "max_tokens": 2, "lora": name})
+            assert (gone.status_code, gone.json()["error"]["code"]) == (400, "lora_not_loaded")
         failed = httpx.post(live.url + "/admin/models/load", json={"model": "broken.gguf"}, timeout=READY_TIMEOUT_S)
         assert (failed.status_code, failed.json()["error"]["code"]) == (500, "model_load_failed")
         ready = httpx.get(live.url + "/ready")
-        assert ready.status_code == 200 and ready.json()["model"] == "tiny-llama"
-        for name in ("startup", "runtime"):   # dropped, not re-loaded (POST /admin/lora/load again)
-            gone = ask(name)
-            assert (gone.status_code, gone.json()["error"]["code"]) == (400, "lora_not_loaded")
+        assert ready.status_code == 200 and ready.json()["model"] == SMOL
         log = live.log_text()
         assert "dropped LoRA adapter 'startup'" in log and "dropped LoRA adapter 'runtime'" in log
-        assert "restoring model 'tiny-llama' after the failed swap to 'broken.gguf'" in log
+        assert f"restoring model '{SMOL}' after the failed swap to 'broken.gguf'" in log
     finally:
         assert live.stop() == 0
 

@@ -29,6 +29,12 @@ ROUTES = [  # (method, path, body): one per route class
     ("GET", "/metrics", None),
     ("GET", "/v1/responses/resp_unknown", None),
     ("GET", "/no/such/route", None),
+    # the operator's routes (none of these changes the server here: no LoRA slots, no models dir, not suspended)
+    ("POST", "/admin/lora/load", {"path": "/x"}),
+    ("POST", "/admin/lora/unload", {"name": "x"}),
+    ("POST", "/admin/models/load", {"model": "x"}),
+    ("POST", "/admin/resume", None),
+    ("POST", "/v1/requests/req_unknown/end_thinking", None),
 ]
 
 

@@ -223,3 +223,16 @@ def test_the_server_asks_capabilities_and_refuses_what_an_engine_lacks() -> None
         assert [m["id"] for m in (await (await client.get("/v1/models")).get_json())["data"]] == ["fake-model"]
         assert engine.state == "ready"
     asyncio.run(run())
+
+
+def test_ready_stays_200_while_idle_suspended(fake_server: tuple[str, FakeEngine]) -> None:
+    """An idle suspend (--idle-unload-seconds) parks the weights but still takes requests (the next one
+    resumes them): /ready is 200 with idle_suspended, as imp answers; /health says so too."""
+    url, engine = fake_server
+    engine.idle_suspended = True
+    try:
+        ready = httpx.get(url + "/ready")
+        assert ready.status_code == 200 and ready.json()["ready"] is True and ready.json()["idle_suspended"] is True
+    finally:
+        engine.idle_suspended = False
+    assert httpx.get(url + "/ready").json()["idle_suspended"] is False

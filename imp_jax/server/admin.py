@@ -13,7 +13,7 @@ from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.api import Engine
 from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
-from imp_jax.server.errors import not_supported, unavailable
+from imp_jax.server.errors import RETRY_AFTER_S, not_supported, unavailable
 from imp_jax.server.generation import public_engine_message
 from imp_jax.server.limits import field_limits
 from imp_jax.server.lora import adapter_cards, adapter_card
@@ -87,7 +87,9 @@ async def ready() -> Any:
                         "idle_suspended": bool(engine.idle_suspended), **replicas})
     fault = {"message": public_engine_message(engine.error)} if code == "engine_faulted" and engine.error else {}
     # a lost multi-host process is named; a device fault's text is not
-    return jsonify({"ready": False, "code": code, "state": engine.state, **fault, **replicas}), 503
+    retry = RETRY_AFTER_S.get(code)   # a state that passes by itself (loading, swapping): when to look again
+    return (jsonify({"ready": False, "code": code, "state": engine.state, **fault, **replicas}), 503,
+            {"Retry-After": str(retry)} if retry else {})
 
 
 @bp.post("/admin/suspend")
