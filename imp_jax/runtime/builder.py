@@ -170,8 +170,12 @@ def compile_in_background(core: EngineCore) -> threading.Thread:
         except Exception:   # serving goes on with the programs it has
             log.exception("background compilation failed; steps use the larger compiled buckets")
             return
+        done, total = core.step_fn.num_compiled, len(core.step_fn.buckets)
+        if not core.step_fn.warm:   # shutdown stopped it after the program it was compiling
+            log.info("background compilation stopped by shutdown with %d of %d step programs compiled", done, total)
+            return
         log.info("warm-up done: all %d step programs compiled, the last in the background after %.1fs",
-                 len(core.step_fn.buckets), time.perf_counter() - t0)
+                 total, time.perf_counter() - t0)
 
     thread = threading.Thread(target=run, name="imp-compile", daemon=True)
     thread.start()
