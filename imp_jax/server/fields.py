@@ -15,10 +15,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.server.validation import CHAT_ONLY, NOT_YET
 
 # Body keys every generation route reads outside its model (context.engine_request, lifecycle.begin).
-ENGINE_EXTRAS = frozenset({"session_id", "lora", "speculative", *NOT_YET, *CHAT_ONLY})
+# (NOT_YET and CHAT_ONLY fields are refused by validation.refuse_not_yet.)
+ENGINE_EXTRAS = frozenset({"session_id", "lora", "speculative"})
 SAMPLING_EXTRAS = ENGINE_EXTRAS | {"banned_strings", "banned_regex"}   # OpenAISampling.banned
 
 STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
