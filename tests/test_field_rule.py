@@ -72,7 +72,7 @@ def test_every_known_field_is_honoured_or_a_400_naming_it(live_server: LiveServe
 def test_a_value_that_asks_for_nothing_is_accepted(live_server: LiveServer) -> None:
     """Clients send defaults: null, false, 0, "", [] and {} of a field the route does not honour are no request."""
     neutral = {"echo": False, "prompt_logprobs": None, "suffix": "", "thinking": {}, "stop_sequences": [],
-               "top_logprobs": 0}
+               "include": []}
     r = httpx.post(live_server.url + "/v1/chat/completions", json={**BASE["/v1/chat/completions"], **neutral},
                    timeout=120)
     assert r.status_code == 200, r.text
