@@ -460,3 +460,14 @@ def test_blocks_after_a_collision_are_not_cached(monkeypatch) -> None:
     assert b.pinned_ids == []
     pool.free(b)
     assert b.collision_at is None
+
+
+def test_pin_can_stop_at_a_prefix_of_the_blocks() -> None:
+    """cache_prompt_tokens (Anthropic's last cache_control breakpoint) pins only the leading full blocks."""
+    pool = KVBlockPool(num_blocks=6, block_size=BS)
+    table = admit(pool, list(range(9)))
+    pool.pin(table, max_blocks=1)
+    assert table.pinned_ids == table.block_ids[:1]
+    pool.unpin(table)
+    pool.pin(table, max_blocks=0)
+    assert table.pinned_ids == []

@@ -104,6 +104,24 @@ def test_unknown_model_is_a_404(fake_server, path: str) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
 
+@pytest.mark.parametrize("path", ["/v1/score", "/v1/decide"])
+def test_priority_and_cache_prompt_reach_the_engine(fake_server, monkeypatch, path: str) -> None:
+    """Both are honoured as on generation routes: the engine request carries them. (The FakeEngine then refuses
+    the raw logprobs it cannot compute, a 400 naming `stop`; the submitted request is what is checked.)"""
+    url, engine = fake_server
+    seen = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda req, *a, **k: (seen.append(req), generate(req, *a, **k))[1])
+    body = ({"prompt": "hi", "candidates": ["a"]} if path == "/v1/score"
+            else {"question": "Q?", "options": ["a", "b"]})
+    httpx.post(url + path, json={"model": "fake-model", **body, "priority": 3, "cache_prompt": True}, timeout=30)
+    assert seen and seen[-1].priority == 3 and seen[-1].cache_prompt is True
+    for extra, param in (({"priority": "high"}, "priority"), ({"temperature": 0.5}, "temperature"),
+                         ({"stream": True}, "stream")):
+        r = httpx.post(url + path, json={"model": "fake-model", **body, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ---------------------------------------------------------------------------------- real model
 pytestmark_real = pytest.mark.real_model
 

@@ -396,3 +396,44 @@ def test_max_tokens_past_the_context_is_cut_to_it(fake_server: tuple[str, FakeEn
                                                 "max_output_tokens": 32000}, timeout=30).json()
     assert r["status"] == "incomplete" and r["usage"]["output_tokens"] == room
     assert r["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+# ------------------------------------------------------------------ structured output, cache breakpoints
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def test_output_format_constrains_the_reply(live_server: LiveServer) -> None:
+    """The structured-outputs beta's top-level `output_format` is enforced like output_config.format."""
+    body = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "Is water wet?"}],
+            "output_format": {"type": "json_schema", "schema": OK_SCHEMA}}
+    r = httpx.post(live_server.url + PATH, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert isinstance(json.loads(r.json()["content"][0]["text"])["ok"], bool)
+    both = {**body, "output_config": {"format": {"type": "json_schema", "schema": OK_SCHEMA}}}
+    for bad, field in ((both, "output_format"), ({**body, "output_format": {"type": "json_schema"}},
+                                                 "output_format.schema"),
+                       ({**body, "response_format": {"type": "json_object"}}, "response_format")):
+        r = httpx.post(live_server.url + PATH, json=bad, timeout=60)
+        assert r.status_code == 400 and f"'{field}'" in r.json()["error"]["message"], r.text
+
+
+def test_cache_control_pins_up_to_the_last_breakpoint() -> None:
+    from imp_jax.server.anthropic_messages import MessagesRequest, breakpoint_tokens, prompt_ids
+    from server_fixtures import fake_tokenizer
+
+    tok = fake_tokenizer()
+    mark = {"type": "ephemeral"}
+    body = {"model": MODEL, "max_tokens": 5,
+            "system": [{"type": "text", "text": "You are terse.", "cache_control": mark}],
+            "messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi"},
+                         {"role": "user", "content": "the quick brown fox"}]}
+    req = MessagesRequest.model_validate(body)
+    ids = prompt_ids(req, tok)
+    n = breakpoint_tokens(req, tok, ids)
+    assert tok.decode(ids[:n], skip_special_tokens=False) == "<|im_start|>system\nYou are terse.<|im_end|>\n"
+    body["messages"][0]["content"] = [{"type": "text", "text": "hello world", "cache_control": mark}]
+    req = MessagesRequest.model_validate(body)
+    n = breakpoint_tokens(req, tok, ids)
+    assert tok.decode(ids[:n], skip_special_tokens=False).endswith("hello world<|im_end|>\n") and n < len(ids)
+    assert breakpoint_tokens(MessagesRequest.model_validate({**body, "cache_control": mark}), tok, ids) is None

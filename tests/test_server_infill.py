@@ -55,3 +55,23 @@ def test_infill_bad_input_is_a_400_naming_the_field(fake_server) -> None:
 def test_a_model_without_fim_tokens_is_a_400(live_server: LiveServer) -> None:
     r = httpx.post(live_server.url + "/infill", json={"model": MODEL, "input_prefix": "x"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "fim_not_supported"
+
+
+def test_infill_grammar_and_json_schema_reach_the_engine(fake_server, monkeypatch) -> None:
+    """The structured-output fields are compiled (a bad one is a 400 naming it) and handed to the engine as
+    the request's constraint. The FakeEngine does not enforce constraints (test_structured.py does, on the
+    real engine), so the submitted request is observed here: SmolLM2 has no FIM tokens for /infill."""
+    url, engine = fake_server
+    seen = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda req, *a, **k: (seen.append(req), generate(req, *a, **k))[1])
+    base = {"input_prefix": "def f(x):", "input_suffix": "return x", "n_predict": 2}
+    for extra in ({"grammar": 'root ::= "a" | "b"'}, {"json_schema": {"type": "object"}}):
+        r = httpx.post(url + "/infill", json={**base, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert seen[-1].constraint, extra
+    for extra, param in (({"grammar": "root ::= ("}, "grammar"), ({"json_schema": 5}, "json_schema"),
+                         ({"prompt_logprobs": 2}, "prompt_logprobs"), ({"suffix": "x"}, "suffix"),
+                         ({"stream_options": {"include_usage": True}, "stream": True}, "stream_options")):
+        r = httpx.post(url + "/infill", json={**base, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)

@@ -395,3 +395,69 @@ def test_fault_without_streaming_is_a_500(fake_server: tuple[str, FakeEngine]) -
     url, _ = fake_server
     r = httpx.post(url + PATH, json={**FAKE, "input": FAULT_MARKER}, timeout=30)
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_faulted"
+
+
+# ------------------------------------------------------------------ truncation, include
+def _long_input(turns: int, words: int = 120) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = [{"role": "developer", "content": "Answer in one word."}]
+    for i in range(turns):
+        items += [{"role": "user", "content": f"Story {i}: " + "the cat sat on the mat " * (words // 6)},
+                  {"role": "assistant", "content": "Noted."}]
+    return items + [{"role": "user", "content": "Say hi."}]
+
+
+def test_truncation_auto_drops_the_oldest_turns(live_server: LiveServer) -> None:
+    body = {"model": MODEL, "input": _long_input(12), "max_output_tokens": 2, "temperature": 0}
+    r = httpx.post(live_server.url + PATH, json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = httpx.post(live_server.url + PATH, json={**body, "truncation": "auto"}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["truncation"] == "auto" and 800 < out["usage"]["input_tokens"] < 1024
+    too_long = {**body, "truncation": "auto", "input": [{"role": "user", "content": "the cat sat " * 400}]}
+    r = httpx.post(live_server.url + PATH, json=too_long, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_fit_context_keeps_system_messages_and_the_last_user_turn() -> None:
+    from imp_jax.server.responses import fit_context
+
+    turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+             {"role": "assistant", "content": "b", "tool_calls": [{"id": "c"}]}, {"role": "tool", "content": "r"},
+             {"role": "user", "content": "q"}]
+    seen: list[list[str]] = []
+
+    def tokenize(t: list[dict[str, Any]]) -> list[int]:
+        seen.append([m["content"] for m in t])
+        return [0] * (10 * len(t))
+
+    fit_context(turns, tokenize, 25)
+    assert seen == [["s", "a", "b", "r", "q"], ["s", "b", "r", "q"], ["s", "q"]]
+
+
+def test_include_output_text_logprobs(live_server: LiveServer) -> None:
+    body = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = httpx.post(live_server.url + PATH, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    lps = out["output"][0]["content"][0]["logprobs"]
+    assert len(lps) == out["usage"]["output_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lps)
+    assert "".join(e["token"] for e in lps).startswith(out["output"][0]["content"][0]["text"])
+    with httpx.stream("POST", live_server.url + PATH, json={**body, "stream": True}, timeout=120) as s:
+        events = [json.loads(d) for _, d in parse_sse(s.read().decode())]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert sum(len(e["logprobs"]) for e in deltas) == len(done["logprobs"]) == len(lps)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include[1]"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"truncation": "middle"}, "truncation"),
+])
+def test_include_and_foreign_fields_are_400s_naming_them(live_server: LiveServer, extra: dict, param: str) -> None:
+    r = httpx.post(live_server.url + PATH, json={"model": MODEL, "input": "hi", **extra}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -279,12 +279,13 @@ class KVBlockPool:
 
     # -- prompt caching --------------------------------------------------------------------
 
-    def pin(self, table: BlockTable) -> None:
-        """Keep the cached blocks of the table's committed hashes from eviction until unpin(table).
+    def pin(self, table: BlockTable, max_blocks: int | None = None) -> None:
+        """Keep the cached blocks of the table's committed hashes (the first `max_blocks` of them when given)
+        from eviction until unpin(table).
 
         Pins nest: a block stays pinned while any pin on it is held.
         """
-        for i, h in enumerate(table.block_hashes):
+        for i, h in enumerate(table.block_hashes[:max_blocks]):
             if i == table.collision_at:
                 break
             b = self._cached.get(h)

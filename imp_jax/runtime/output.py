@@ -58,7 +58,7 @@ class OutputStage:
             # every token with KV written (or being written by a launched step) is known now
             pool.commit(seq.table, seq.all_ids[:seq.num_computed], seq.cache_key)
             if seq.request.cache_prompt and not seq.pinned and seq.num_computed >= len(seq.prompt_ids):
-                pool.pin(seq.table)
+                pool.pin(seq.table, seq.request.pinned_blocks(pool.block_size))
                 seq.pinned = True
         if not samples:
             return

@@ -177,6 +177,7 @@ class GenerationRequest:
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     priority: int = 0             # lower runs first
     cache_prompt: bool = False    # pin the prompt's full KV blocks until the request ends
+    cache_prompt_tokens: int | None = None  # with cache_prompt: pin only the blocks within this prompt prefix
     session_id: str | None = None  # pin the conversation's blocks for the session's next turn (sessions.py)
     lora: str | None = None       # adapter name; keys the prefix cache
     cache_salt: str | None = None  # prefix-cache partition: only requests with the same salt share blocks
@@ -189,6 +190,10 @@ class GenerationRequest:
     speculative: bool | None = None  # draft and verify (runtime/speculative.py); None = the server's --speculative
     spec_ngram_k: int | None = None  # the n-gram drafter's depth for this request; None = --speculative-max-draft
     spec_mtp_k: int | None = None    # the MTP head depth asked for (there is none: > 0 is declined)
+
+    def pinned_blocks(self, block_size: int) -> int | None:
+        """How many leading full blocks cache_prompt pins (None: every full block of the prompt)."""
+        return None if self.cache_prompt_tokens is None else self.cache_prompt_tokens // block_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,14 +10,14 @@ import functools
 import json
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
-from imp_jax.server import lifecycle, structured
+from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, engine_request, granted, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
@@ -204,6 +204,26 @@ class Conversation(WireModel):
             prefill = False
         return out, prefill
 
+    def through_breakpoint(self) -> Conversation | None:
+        """The conversation up to and including the last block carrying `cache_control` (Anthropic's order:
+        tools, system, messages; a tool_result counts its inner blocks' marks); None when the cached region
+        is the whole prompt (a top-level `cache_control`, a mark on a tool only, or none)."""
+        if self.cache_control is not None:
+            return None
+        for i in reversed(range(len(self.messages))):
+            content = self.messages[i].content
+            for j in reversed(range(len(content))):
+                b = content[j]
+                inner = b.content if isinstance(b.content, list) else []
+                if b.cache_control is not None or any(t.cache_control is not None for t in inner):
+                    cut = self.messages[i].model_copy(update={"content": content[:j + 1]})
+                    return self.model_copy(update={"messages": [*self.messages[:i], cut]})
+        system = self.system or []
+        for k in reversed(range(len(system))):
+            if system[k].cache_control is not None:
+                return self.model_copy(update={"system": system[:k + 1], "messages": []})
+        return None
+
     @property
     def has_cache_control(self) -> bool:
         blocks = [*(self.system or []), *(b for m in self.messages for b in m.content)]
@@ -213,9 +233,23 @@ class Conversation(WireModel):
 class MessagesRequest(OpenAISampling, Conversation):
     """`POST /v1/messages`: Anthropic's fields plus the shared extensions (min_p, penalties, seed, ...)."""
 
+    EXTRAS: ClassVar[frozenset[str]] = fields.SAMPLING_EXTRAS
+    REFUSED: ClassVar[dict[str, str]] = {
+        "stop": "use 'stop_sequences'", "user": "use 'metadata.user_id'",
+        "stream_options": "a Messages stream always ends with its usage (message_delta)"}
+    HINTS: ClassVar[dict[str, str]] = {
+        **{f: "use 'output_config.format' ({\"type\": \"json_schema\", \"schema\": ...})"
+           for f in fields.STRUCTURED},
+        **{f: "logprobs are served on /v1/chat/completions and /v1/completions" for f in fields.LOGPROBS},
+        "max_completion_tokens": "use 'max_tokens'", "instructions": "use 'system'",
+        "parallel_tool_calls": "use 'tool_choice.disable_parallel_tool_use'",
+        "enable_thinking": "use 'thinking'", "reasoning_effort": "use 'thinking'",
+        "chat_template_kwargs": "use 'thinking'", "text": "use 'output_config.format'"}
+
     max_tokens: int
     stop_sequences: list[str] | None = None
     metadata: Metadata | None = None
+    output_format: dict[str, Any] | None = None   # the structured-outputs beta's spelling of output_config.format
 
     @field_validator("stop_sequences")
     @classmethod
@@ -235,13 +269,11 @@ class MessagesRequest(OpenAISampling, Conversation):
             raise InvalidRequestError("'temperature' must be in [0, 1]", param="temperature")
         if self.n != 1:
             raise InvalidRequestError("'n' must be 1: a message holds one answer", param="n")
-        if "stop" in self.model_fields_set:
-            raise InvalidRequestError("'stop' is not a Messages field; use 'stop_sequences'", param="stop")
         self.tool_plan.admit(self.output_form)
 
     @functools.cached_property
     def output_form(self) -> structured.OutputFormat | None:
-        return structured.messages_format(self.output_config)
+        return structured.messages_format(self.output_config, self.output_format)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         """The shared builder, with Anthropic's `stop_sequences` as the stop strings."""
@@ -260,6 +292,24 @@ def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
                          continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
     check_chars(text, "messages")
     return tokenizer.encode_chat(text)
+
+
+def breakpoint_tokens(conv: Conversation, tokenizer: Any, ids: list[int]) -> int | None:
+    """How many leading tokens of the prompt `ids` the last cache_control breakpoint covers: the prompt's common
+    token prefix with the conversation rendered through that block (None: the whole prompt)."""
+    cut = conv.through_breakpoint()
+    if cut is None:
+        return None
+    messages, _ = cut.template_messages()
+    if not messages:
+        return None
+    text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=False,
+                         enable_thinking=anthropic_thinking(conv.thinking).enabled)
+    part = tokenizer.encode_chat(text)
+    n = 0
+    while n < min(len(part), len(ids)) and part[n] == ids[n]:
+        n += 1
+    return n
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -310,8 +360,10 @@ async def messages() -> Any:
     mid = new_message_id()
     set_response_id(mid)
     thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
+    marked = not req.cache_prompt and req.has_cache_control and granted("pins")   # pinned to the last breakpoint
+    pin_tokens = await off_loop(breakpoint_tokens, req, engine.tokenizer, ids) if marked else None
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
-                             cache_prompt=bool(req.cache_prompt) or (req.has_cache_control and granted("pins")),
+                             cache_prompt=bool(req.cache_prompt) or marked, cache_prompt_tokens=pin_tokens,
                              constraint=constraint,
                              reasoning=True, reasoning_budget=thinking.budget_tokens)
     events = await lifecycle.begin(engine, greq, bool(req.stream))

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
-from imp_jax.server import lifecycle, structured
+from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -75,6 +75,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "cont
 
 
 class ChatRequest(OpenAISampling, structured.OutputFormatFields):
+    EXTRAS: ClassVar[frozenset[str]] = fields.SAMPLING_EXTRAS
+    HINTS: ClassVar[dict[str, str]] = {
+        "prompt_logprobs": "prompt logprobs are served on /v1/completions",
+        "echo": "echo is served on /v1/completions", "stop_sequences": "use 'stop'",
+        "max_output_tokens": "use 'max_completion_tokens'", "text": "use 'response_format'",
+        "output_config": "use 'response_format'", "output_format": "use 'response_format'",
+        "system": "put a system message in 'messages'", "instructions": "put a system message in 'messages'",
+        "cache_control": "use 'cache_prompt'"}
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

@@ -1,14 +1,14 @@
 """OpenAI legacy Completions: `POST /v1/completions` (one prompt, echo, legacy logprobs, FIM via suffix)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import field_validator
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
-from imp_jax.server import lifecycle, structured
+from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -21,6 +21,11 @@ bp = Blueprint("completions", __name__)
 
 
 class CompletionRequest(OpenAISampling, structured.OutputFormatFields):
+    EXTRAS: ClassVar[frozenset[str]] = fields.SAMPLING_EXTRAS
+    HINTS: ClassVar[dict[str, str]] = {
+        "top_logprobs": "send 'logprobs': N", "max_completion_tokens": "use 'max_tokens'",
+        "messages": "conversations go to /v1/chat/completions", "cache_control": "use 'cache_prompt'"}
+
     prompt: str | list[int]
     suffix: str | None = None
     echo: bool | None = False

@@ -18,6 +18,7 @@ from imp_jax.server.browsers import HostCheck, default_allowed_hosts
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
 from imp_jax.server.encoders import refuse_encoder_model
+from imp_jax.server.fields import check_fields
 from imp_jax.server.errors import unavailable
 from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
@@ -177,6 +178,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     req = await parse_body(cls)
     state = server()
     refuse_not_yet(req)
+    check_fields(req, request.path)
     check_priority(req, granted("priority"))
     check_pins(req)
     g.session_id = session_id_of(req)

@@ -3,14 +3,14 @@
 `suffix` uses. A model without FIM tokens is a 400 `fim_not_supported`."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import openai_error_body
 from imp_jax.server.generation import collect
@@ -32,9 +32,16 @@ class ExtraChunk(WireModel):
     text: str
 
 
-class InfillRequest(OpenAISampling):
+class InfillRequest(OpenAISampling, structured.OutputFormatFields):
     """llama.cpp's fields beside the OpenAI sampling ones (`n_predict` = max_tokens, `repeat_penalty` =
-    repetition_penalty); `model` may be left out."""
+    repetition_penalty) and the output-format ones (llama.cpp's `grammar`, `json_schema`, ...); `model` may
+    be left out."""
+
+    EXTRAS: ClassVar[frozenset[str]] = fields.SAMPLING_EXTRAS
+    REFUSED: ClassVar[dict[str, str]] = {"stream_options": "an /infill stream always ends with its counts"}
+    HINTS: ClassVar[dict[str, str]] = {
+        **{f: "logprobs are served on /v1/completions (its 'suffix' is fill-in-the-middle too)"
+           for f in fields.LOGPROBS}, "suffix": "use 'input_suffix'", "messages": "use 'input_prefix'"}
 
     model: str | None = None  # type: ignore[assignment]
     input_prefix: str = ""
@@ -110,9 +117,11 @@ async def infill() -> Any:
     check_context(len(ids), req.max_tokens, engine.max_model_len, "input_prefix")
     max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
     params: SamplingParams = req.sampling_params(max_tokens, None, engine.vocab_size)
+    constraint = await structured.constraint(req.output_format(), engine, params)
     rid = new_id("cmpl")
     set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
+    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
+                             constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
         return sse_response(drive(engine, rid, events, InfillStream(rid, answering_model(engine))))

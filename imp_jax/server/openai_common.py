@@ -173,12 +173,13 @@ class OpenAISampling(WireModel):
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    """OpenAI usage, with the prefix-cache hit in prompt_tokens_details.cached_tokens."""
+    """OpenAI usage, with the prefix-cache hit in prompt_tokens_details.cached_tokens; evicted_tokens (imp:
+    prompt tokens StreamingLLM eviction dropped) is always 0, as this server never evicts a running sequence's KV."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "evicted_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens, **(usage.spec or {})},
     }
 

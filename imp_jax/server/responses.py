@@ -9,15 +9,15 @@ import dataclasses
 import functools
 import json
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 from quart import Blueprint, current_app, jsonify, request
 from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage, check_context
-from imp_jax.server import lifecycle, structured
+from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, Usage, check_context
+from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.access import key_digest, presented_key
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
 from imp_jax.server.context import (answering_model, default_max_tokens, engine_request, server, set_response_id,
@@ -25,6 +25,7 @@ from imp_jax.server.context import (answering_model, default_max_tokens, engine_
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
@@ -38,6 +39,7 @@ bp = Blueprint("responses", __name__)
 PART_JOIN = "\n"  # the text parts of one input message join with this (as vLLM)
 MAX_METADATA = 16  # OpenAI's limits on metadata: keys, key length, value length
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class InputPart(WireModel):
@@ -136,6 +138,19 @@ class TextConfig(WireModel):
 class ResponsesRequest(OpenAISampling):
     """`POST /v1/responses`: OpenAI's fields plus the shared extensions (top_k, min_p, penalties, ...)."""
 
+    EXTRAS: ClassVar[frozenset[str]] = fields.SAMPLING_EXTRAS
+    REFUSED: ClassVar[dict[str, str]] = {
+        "max_tokens": "use 'max_output_tokens'",
+        "stream_options": "a Responses stream always ends with its usage (response.completed)"}
+    HINTS: ClassVar[dict[str, str]] = {
+        **{f: "use 'text.format'" for f in fields.STRUCTURED},
+        "logprobs": "send 'top_logprobs' and 'include': [\"message.output_text.logprobs\"]",
+        "prompt_logprobs": "prompt logprobs are served on /v1/completions",
+        "echo": "echo is served on /v1/completions", "messages": "use 'input'", "system": "use 'instructions'",
+        "max_completion_tokens": "use 'max_output_tokens'", "stop_sequences": "use 'stop'",
+        "output_config": "use 'text.format'", "output_format": "use 'text.format'",
+        "reasoning_effort": "use 'reasoning.effort'", "cache_control": "use 'cache_prompt'"}
+
     input: list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -178,9 +193,6 @@ class ResponsesRequest(OpenAISampling):
             item.check(f"input[{i}]")
         if not self.input or not any(item.text or item.type != "message" for item in self.input):
             raise InvalidRequestError("'input' must hold some text", param="input")
-        if "max_tokens" in self.model_fields_set:
-            raise InvalidRequestError("'max_tokens' is not a Responses field; use 'max_output_tokens'",
-                                      param="max_tokens")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequestError("'max_output_tokens' must be >= 1", param="max_output_tokens")
         if self.n != 1:
@@ -189,8 +201,7 @@ class ResponsesRequest(OpenAISampling):
         self.tool_plan.admit(self.output_form)
         if self.background:
             raise not_supported("'background' responses are not supported", param="background")
-        if self.top_logprobs:
-            raise not_supported("'top_logprobs' is not supported on /v1/responses yet", param="top_logprobs")
+        self._check_include()
         if self.truncation not in (None, "auto", "disabled"):
             raise InvalidRequestError("'truncation' must be 'auto' or 'disabled'", param="truncation")
         self._check_metadata()
@@ -203,6 +214,32 @@ class ResponsesRequest(OpenAISampling):
             if last.type != "message" or last.role != "assistant" or not last.text:
                 raise InvalidRequestError("'continue_final_message' needs a final assistant message with text",
                                           param="continue_final_message")
+
+    def _check_include(self) -> None:
+        """`include`: only `message.output_text.logprobs` maps to something here; `top_logprobs` needs it."""
+        for i, value in enumerate(self.include or []):
+            if value == "reasoning.encrypted_content":
+                raise not_supported("'include' value 'reasoning.encrypted_content' cannot be served: this server "
+                                    "keeps no encrypted reasoning (replay reasoning items, or use "
+                                    "'previous_response_id')", param=f"include[{i}]")
+            if value != LOGPROBS_INCLUDE:
+                raise not_supported(f"'include' value {value[:64]!r} is not supported; only "
+                                    f"'{LOGPROBS_INCLUDE}' is", param=f"include[{i}]")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError(f"'top_logprobs' needs 'include': [\"{LOGPROBS_INCLUDE}\"]",
+                                          param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text carries its tokens' logprobs (`include`: message.output_text.logprobs)."""
+        return LOGPROBS_INCLUDE in (self.include or [])
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def text_format(self) -> dict[str, Any]:
@@ -246,8 +283,8 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 @dataclasses.dataclass
@@ -264,10 +301,11 @@ class ResponseDraft:
     item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     reasoning_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
-    def item(self, text: str | None, status: str, item_id: str | None = None) -> dict[str, Any]:
+    def item(self, text: str | None, status: str, item_id: str | None = None,
+             logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The assistant message output item; `text` None: no content part yet."""
         return {"type": "message", "id": item_id or self.item_id, "status": status, "role": "assistant",
-                "content": [] if text is None else [output_text(text)]}
+                "content": [] if text is None else [output_text(text, logprobs)]}
 
     def call_item(self, call: ToolCall, status: str, item_id: str | None = None) -> dict[str, Any]:
         """A call's output item: `custom_tool_call` (its `input` text) for a custom tool, else `function_call`;
@@ -300,7 +338,8 @@ class ResponseDraft:
         }
 
     def finish(self, text: str, finish: str | None, usage: Usage, calls: list[ToolCall] = (), reasoning: str = "",
-               output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               output: list[dict[str, Any]] | None = None,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The final response object (completed, or incomplete at max_output_tokens), stored if asked.
 
         `output`: the items a stream already sent (else a reasoning item if the model thought, a message with
@@ -309,7 +348,7 @@ class ResponseDraft:
         status = "incomplete" if finish == "length" else "completed"
         if output is None:
             output = [reasoning_item(self.reasoning_id, reasoning, "completed")] if reasoning else []
-            output += [self.item(text, status)] if text.strip() or not calls else []
+            output += [self.item(text, status, logprobs=logprobs)] if text.strip() or not calls else []
             output += [self.call_item(c, "completed") for c in calls]
         final = self.response(status, output, usage, finish)
         if self.req.store:
@@ -338,6 +377,25 @@ def template_messages(req: ResponsesRequest, conversation: list[dict[str, Any]])
     return head + [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in conversation]
 
 
+def fit_context(conversation: list[dict[str, Any]], tokenize: Any, max_model_len: int) -> list[int]:
+    """`truncation: "auto"`: the prompt ids of the conversation less its oldest turns, as few as leave the
+    context room to generate. System and developer messages and the last user turn are kept; a dropped
+    turn takes the tool results after it along. Nothing left to drop: the whole prompt (check_context's 400)."""
+    turns = list(conversation)
+    ids = tokenize(turns)
+    while len(ids) >= max_model_len:
+        last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=len(turns))
+        first = next((i for i, m in enumerate(turns[:last_user]) if m["role"] not in ("system", "developer")), None)
+        if first is None:
+            return ids
+        end = first + 1
+        while end < last_user and turns[end]["role"] == "tool":
+            end += 1
+        del turns[first:end]
+        ids = tokenize(turns)
+    return ids
+
+
 @bp.post("/v1/responses")
 async def create_response() -> Any:
     req, engine = await engine_request(ResponsesRequest)
@@ -354,30 +412,36 @@ async def create_response() -> Any:
     kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
                              "reasoning.effort")
 
-    def tokenize() -> list[int]:
-        text = render_prompt(engine.tokenizer, template_messages(req, conversation), req.tool_plan,
+    def tokenize(turns: list[dict[str, Any]]) -> list[int]:
+        text = render_prompt(engine.tokenizer, template_messages(req, turns), req.tool_plan,
                              add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
         check_chars(text, "input")
         return engine.tokenizer.encode_chat(text)
 
-    ids = await off_loop(tokenize)
+    if req.truncation == "auto":
+        ids = await off_loop(fit_context, conversation, tokenize, engine.max_model_len)
+    else:
+        ids = await off_loop(tokenize, conversation)
     check_context(len(ids), None, engine.max_model_len, "input")
     room = engine.max_model_len - len(ids)
     asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
     max_tokens = room if asked is None else min(asked, room)
-    params = req.sampling_params(max_tokens, None, engine.vocab_size)
+    params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
     constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
+    token_text = TokenText(engine.tokenizer) if req.logprobs else None
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", answering_model(engine), req, conversation, store, caller_owner())
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
-        return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format)))
+        return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format, token_text)))
     result = await collect(engine, greq, events)
     c = result.choices[0]  # calls are parsed out of the answer, never the reasoning
     reply = parse_reply(c.text, tool_format) if tool_format is not None else ParsedReply(c.text, [])
-    return jsonify(draft.finish(reply.content, c.finish_reason, result.usage, reply.calls, c.reasoning))
+    logprobs = chat_logprobs(c.logprobs or [], token_text) if token_text is not None else None
+    return jsonify(draft.finish(reply.content, c.finish_reason, result.usage, reply.calls, c.reasoning,
+                                logprobs=logprobs))
 
 
 def _not_found(response_id: str, param: str) -> NotFoundError:
@@ -406,8 +470,10 @@ class ResponseStream:
     the model thinks, then a message (its part and text deltas) and calls (their arguments deltas) in the
     order generated; then completed/incomplete."""
 
-    def __init__(self, draft: ResponseDraft, tool_format: str | None = None):
-        self._draft = draft
+    def __init__(self, draft: ResponseDraft, tool_format: str | None = None, token_text: TokenText | None = None):
+        self._draft, self._token_text = draft, token_text
+        self._logprobs: list[dict[str, Any]] = []   # the open message's (include: message.output_text.logprobs)
+        self._pending: list[dict[str, Any]] = []    # the current event's, for its first text delta
         self._parser = PARSERS[tool_format]() if tool_format else None
         self._seq = 0
         self._text = ""                      # all the reply's text
@@ -477,23 +543,28 @@ class ResponseStream:
         frames = self._open_message()
         self._message += text
         self._text += text
-        return frames + [self._frame("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+        logprobs, self._pending = self._pending, []
+        self._logprobs += logprobs
+        return frames + [self._frame("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)]
 
     def _close_message(self, status: str) -> list[str]:
         if self._message is None:
             return []
-        item = self._draft.item(self._message, status, self._item_id())
-        frames = [self._frame("response.output_text.done", **self._where(), text=self._message, logprobs=[]),
+        item = self._draft.item(self._message, status, self._item_id(), self._logprobs)
+        frames = [self._frame("response.output_text.done", **self._where(), text=self._message,
+                              logprobs=self._logprobs),
                   self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
                   self._frame("response.output_item.done", output_index=len(self._items), item=item)]
         self._items.append(item)
-        self._message = None
+        self._message, self._logprobs = None, []
         return frames
 
     def event(self, ev: EngineEvent) -> list[str]:
         if ev.finish_reason is not None:
             self._finish = ev.finish_reason
         frames = self._reasoning_delta(ev.reasoning_text) if ev.reasoning_text else []
+        if self._token_text is not None and ev.logprobs and not ev.reasoning_text:
+            self._pending = chat_logprobs(ev.logprobs, self._token_text)
         for e in answer_events(self._parser, ev.text, ev.finish_reason is not None):  # the answer only
             if isinstance(e, TextDelta):
                 frames += self._text_delta(e.text)

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Any
+from typing import Any, ClassVar
 
 from quart import Blueprint, g, jsonify
 
 from imp_jax.errors import EngineError, InvalidRequestError
 from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import MAX_LOGIT_BIAS, GenerationRequest, SamplingParams, check_context
-from imp_jax.server import lifecycle
+from imp_jax.server import fields, lifecycle
 from imp_jax.server.chat_completions import ChatMessage, TextPart
 from imp_jax.server.context import answering_model, engine_request, set_response_id
 from imp_jax.server.generation import collect
@@ -38,7 +38,18 @@ MIN_OPTIONS, MAX_OPTIONS = 2, len(LETTERS)
 DECIDE_INSTRUCTION = "Answer with the letter of the correct option only."
 
 
-class ScoreRequest(WireModel):
+class Scheduling(WireModel):
+    """What a scoring request shares with generation: its queue priority (lower first) and cache_prompt
+    (pin the prompt's KV blocks while it runs); the body keys every route reads (session_id, lora, ...)."""
+
+    EXTRAS: ClassVar[frozenset[str]] = fields.ENGINE_EXTRAS
+    HINTS: ClassVar[dict[str, str]] = {"temperature": "scores are the model's raw distribution, before sampling"}
+
+    priority: int | None = 0
+    cache_prompt: bool | None = False
+
+
+class ScoreRequest(Scheduling):
     model: str
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -46,7 +57,7 @@ class ScoreRequest(WireModel):
     truncate: bool = False
 
 
-class DecideRequest(WireModel):
+class DecideRequest(Scheduling):
     model: str
     question: str | None = None
     messages: list[ChatMessage] | None = None
@@ -148,13 +159,15 @@ def decide_messages(req: DecideRequest) -> list[ChatMessage]:
 
 
 # ------------------------------------------------------------------------------ engine
-async def raw_logprobs(engine: Engine, rid: str, ids: list[int], token_ids: list[int]) -> tuple[dict[int, float], Any]:
-    """One engine pass over `ids`: the raw logprob of each of `token_ids` at the next position, and usage."""
+async def raw_logprobs(engine: Engine, rid: str, ids: list[int], token_ids: list[int],
+                       req: Scheduling) -> tuple[dict[int, float], Any]:
+    """One engine pass over `ids`: the raw logprob of each of `token_ids` at the next position, and usage;
+    queued at the request's priority, its prompt pinned with cache_prompt."""
     params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0,
                             max_tokens=1, raw_logprob_ids=list(dict.fromkeys(token_ids)))
     params.validate(engine.vocab_size)
     set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params)
+    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
     events = await lifecycle.begin(engine, greq, False)
     result = await collect(engine, greq, events)
     g.record.completion_tokens = 0   # the one sampled token is discarded: nothing was generated
@@ -201,7 +214,7 @@ async def score() -> Any:
                                   param="candidates")
     tokenizer = engine.tokenizer
     ids, truncated, token_ids = await off_loop(_score_inputs, req, source, tokenizer, engine)
-    raw, usage = await raw_logprobs(engine, new_id("score"), ids, token_ids)
+    raw, usage = await raw_logprobs(engine, new_id("score"), ids, token_ids, req)
     probs = distribution(raw, token_ids)
     results = [{"index": i, "candidate": c, "token_id": t, "token": token_piece(tokenizer, t),
                 "logprob": raw[t], "probability": probs[t]} for i, (c, t) in enumerate(zip(req.candidates, token_ids))]
@@ -242,7 +255,7 @@ async def decide() -> Any:
                                   code="not_supported", param="options")
     ids = await off_loop(chat_ids, messages, tokenizer)
     ids, truncated = fit_context(ids, engine.max_model_len, req.truncate, "messages" if req.messages else "question")
-    raw, usage = await raw_logprobs(engine, new_id("decide"), ids, letter_ids)
+    raw, usage = await raw_logprobs(engine, new_id("decide"), ids, letter_ids, req)
     probs = distribution(raw, letter_ids)
     dist = [{"letter": L, "index": i, "option": o, "token_id": t, "probability": probs[t], "logprob": raw[t]}
             for i, (L, o, t) in enumerate(zip(letters, req.options, letter_ids))]

@@ -5,7 +5,8 @@ The forms (docs/API.md, "Structured output"):
   vLLM's `guided_json` / `guided_regex` / `guided_grammar` / `guided_choice` and `structured_outputs`,
   llama.cpp's `grammar` (GBNF) and `json_schema`; at most one of them per request.
 - Responses: `text.format` (`json_schema`, `json_object`).
-- Anthropic Messages: `output_config.format` (`json_schema`).
+- Anthropic Messages: `output_config.format` or the beta's top-level `output_format` (`json_schema`).
+- /infill: every Completions form above (llama.cpp's `grammar` and `json_schema` among them).
 - A forced tool call (tools.py: `ToolPlan.output_format`) is one more form, compiled the same way; it
   cannot be combined with the ones above (`ToolPlan.admit`).
 
@@ -240,20 +241,25 @@ def _text_format(fmt: dict[str, Any] | None) -> OutputFormat | None:
                               param="text.format.type")
 
 
-def messages_format(output_config: dict[str, Any] | None) -> OutputFormat | None:
-    """Anthropic's `output_config.format` (JSON outputs): {"type": "json_schema", "schema": {...}}."""
-    return _set_by("output_config.format", _output_config_format((output_config or {}).get("format")))
+def messages_format(output_config: dict[str, Any] | None, output_format: Any = None) -> OutputFormat | None:
+    """Anthropic's `output_config.format` (JSON outputs), or the structured-outputs beta's top-level
+    `output_format`: {"type": "json_schema", "schema": {...}}; at most one of the two."""
+    config_format = (output_config or {}).get("format")
+    if config_format is not None and output_format is not None:
+        raise InvalidRequestError("set 'output_config.format' or 'output_format', not both", param="output_format")
+    if output_format is not None:
+        return _set_by("output_format", _output_config_format(output_format, "output_format"))
+    return _set_by("output_config.format", _output_config_format(config_format, "output_config.format"))
 
 
-def _output_config_format(fmt: Any) -> OutputFormat | None:
+def _output_config_format(fmt: Any, param: str) -> OutputFormat | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise InvalidRequestError("'output_config.format.type' must be 'json_schema'",
-                                  param="output_config.format.type")
+        raise InvalidRequestError(f"'{param}.type' must be 'json_schema'", param=f"{param}.type")
     if "schema" not in fmt:
-        raise InvalidRequestError("'output_config.format.schema' is required", param="output_config.format.schema")
-    return json_schema(fmt["schema"], "output_config.format.schema")
+        raise InvalidRequestError(f"'{param}.schema' is required", param=f"{param}.schema")
+    return json_schema(fmt["schema"], f"{param}.schema")
 
 
 # --------------------------------------------------------------------------- compile before the stream

@@ -6,8 +6,8 @@ and the grammar that enforces a `required` or named choice.
   replayed calls and tool results are rendered as Hermes text (`<tool_call>`, `<tool_response>`).
 - The template also picks the call format the reply is parsed in (tool_parsers.py): Hermes/Qwen
   `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, or harmony (gpt-oss: a template with `<|channel|>`);
-  Hermes when the template names none. Under harmony a `required` or named choice is not enforced by a
-  grammar (the reply is parsed as under `auto`).
+  Hermes when the template names none. Under harmony a `required` or named choice cannot be enforced by a
+  grammar: a 400 `tool_choice_unenforceable` (prepare_decoding).
 - `auto`: free text, parsed afterwards (and while streaming). `required` / a named tool: the reply
   is constrained by an llguidance grammar to one or more calls (one when parallel calls are off)
   whose arguments follow the tool's JSON schema; it is compiled like any output format
@@ -373,6 +373,10 @@ async def prepare_decoding(plan: ToolPlan, form: OutputFormat | None, engine: En
     forced call's (at most one: `ToolPlan.admit`), compiled off the event loop by structured.constraint; and
     the call format its reply is parsed in (None: not parsed for calls)."""
     call_format = tokenizer_tools(engine.tokenizer).fmt
+    if plan.enforced and call_format == "harmony":   # a harmony call's headers are read outside any grammar
+        raise InvalidRequestError(f"'{plan.choice_param}' forces a tool call, which this model's harmony format "
+                                  "cannot be constrained to; send 'auto' (the reply is parsed for calls)",
+                                  code="tool_choice_unenforceable", param=plan.choice_param)
     plan.adjust(params, call_format)
     constraint = await structured.constraint(form or plan.output_format(call_format), engine, params)
     return constraint, call_format if plan.offered else None
