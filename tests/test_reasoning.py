@@ -7,6 +7,7 @@ it thinks "Hmm so" and answers "Yes done", "ok" thinks forever and "zz" answers 
 """
 from __future__ import annotations
 
+import base64
 import json
 import time
 from pathlib import Path
@@ -148,6 +149,24 @@ def test_responses_reasoning_items(oai):
         ("response.output_item.added", 0), ("response.output_item.done", 0),
         ("response.output_item.added", 1), ("response.output_item.done", 1)]
     assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "Yes done"
+    replay = oai.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "hello"}, r.output[0].model_dump(exclude_none=True),
+        {"role": "assistant", "content": "Yes done"}, {"role": "user", "content": "again"}], **GREEDY)
+    assert replay.output_text == "Yes done"
+
+
+def test_responses_encrypted_reasoning_for_stateless_clients(oai):
+    """include reasoning.encrypted_content (Codex with store off): the reasoning item carries an opaque
+    `encrypted_content`, whole and streamed, that the client replays (and this server drops)."""
+    ask = {"model": MODEL, "input": "hello", "store": False, "include": ["reasoning.encrypted_content"], **GREEDY}
+    r = oai.responses.create(**ask)
+    opaque = r.output[0].encrypted_content
+    assert r.output[0].type == "reasoning" and base64.b64decode(opaque).decode() == "Hmm so"
+    with oai.responses.stream(**ask) as stream:
+        done = [e.item for e in stream if e.type == "response.output_item.done"]
+    assert done[0].type == "reasoning" and done[0].encrypted_content == opaque
+    plain = oai.responses.create(model=MODEL, input="hello", **GREEDY)
+    assert plain.output[0].encrypted_content is None
     replay = oai.responses.create(model=MODEL, input=[
         {"role": "user", "content": "hello"}, r.output[0].model_dump(exclude_none=True),
         {"role": "assistant", "content": "Yes done"}, {"role": "user", "content": "again"}], **GREEDY)

@@ -452,7 +452,6 @@ def test_include_output_text_logprobs(live_server: LiveServer) -> None:
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include[1]"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),

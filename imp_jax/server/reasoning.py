@@ -96,9 +96,12 @@ def thinking_block(text: str, thinking: Thinking) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ Responses
-def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    """A Responses `reasoning` output item; `text` None: no content part yet."""
-    return {"type": "reasoning", "id": item_id, "summary": [], "status": status, "encrypted_content": None,
+def reasoning_item(item_id: str, text: str | None, status: str, encrypted: bool = False) -> dict[str, Any]:
+    """A Responses `reasoning` output item; `text` None: no content part yet. With `encrypted` (`include`:
+    reasoning.encrypted_content) the item carries `encrypted_content` for a stateless client to replay: the
+    text in base64, not encrypted (this server drops replayed reasoning, as thinking templates do)."""
+    opaque = base64.b64encode(text.encode()).decode() if encrypted and text else None
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status, "encrypted_content": opaque,
             "content": [] if text is None else [reasoning_part(text)]}
 
 

@@ -40,6 +40,8 @@ PART_JOIN = "\n"  # the text parts of one input message join with this (as vLLM)
 MAX_METADATA = 16  # OpenAI's limits on metadata: keys, key length, value length
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ENCRYPTED_REASONING = "reasoning.encrypted_content"   # what Codex asks for when it does not store responses
+INCLUDES = (LOGPROBS_INCLUDE, ENCRYPTED_REASONING)
 
 
 class InputPart(WireModel):
@@ -216,21 +218,23 @@ class ResponsesRequest(OpenAISampling):
                                           param="continue_final_message")
 
     def _check_include(self) -> None:
-        """`include`: only `message.output_text.logprobs` maps to something here; `top_logprobs` needs it."""
+        """`include`: `message.output_text.logprobs` and `reasoning.encrypted_content` map to something here
+        (INCLUDES); `top_logprobs` needs the first."""
         for i, value in enumerate(self.include or []):
-            if value == "reasoning.encrypted_content":
-                raise not_supported("'include' value 'reasoning.encrypted_content' cannot be served: this server "
-                                    "keeps no encrypted reasoning (replay reasoning items, or use "
-                                    "'previous_response_id')", param=f"include[{i}]")
-            if value != LOGPROBS_INCLUDE:
+            if value not in INCLUDES:
                 raise not_supported(f"'include' value {value[:64]!r} is not supported; only "
-                                    f"'{LOGPROBS_INCLUDE}' is", param=f"include[{i}]")
+                                    f"{' and '.join(repr(v) for v in INCLUDES)} are", param=f"include[{i}]")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError(f"'top_logprobs' needs 'include': [\"{LOGPROBS_INCLUDE}\"]",
                                           param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+
+    @property
+    def encrypted_reasoning(self) -> bool:
+        """Whether reasoning items carry `encrypted_content` (what stateless clients such as Codex replay)."""
+        return ENCRYPTED_REASONING in (self.include or [])
 
     @property
     def logprobs(self) -> bool:
@@ -347,7 +351,8 @@ class ResponseDraft:
         """
         status = "incomplete" if finish == "length" else "completed"
         if output is None:
-            output = [reasoning_item(self.reasoning_id, reasoning, "completed")] if reasoning else []
+            output = ([reasoning_item(self.reasoning_id, reasoning, "completed", self.req.encrypted_reasoning)]
+                      if reasoning else [])
             output += [self.item(text, status, logprobs=logprobs)] if text.strip() or not calls else []
             output += [self.call_item(c, "completed") for c in calls]
         final = self.response(status, output, usage, finish)
@@ -522,7 +527,7 @@ class ResponseStream:
         if self._reasoning is None:
             return []
         text, where = self._reasoning, self._where(self._draft.reasoning_id)
-        item = reasoning_item(self._draft.reasoning_id, text, "completed")
+        item = reasoning_item(self._draft.reasoning_id, text, "completed", self._draft.req.encrypted_reasoning)
         frames = [self._frame("response.reasoning_text.done", **where, text=text),
                   self._frame("response.content_part.done", **where, part=reasoning_part(text)),
                   self._frame("response.output_item.done", output_index=len(self._items), item=item)]
