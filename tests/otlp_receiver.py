@@ -1,15 +1,24 @@
-"""A real OTLP/HTTP trace receiver on loopback for the tests: decodes what the server exports, span by span."""
+"""A real OTLP/HTTP trace receiver on loopback for the tests: decodes what the server exports, span by span.
+
+It takes both encodings, as a collector does: application/x-protobuf and application/json (the
+OTLP/JSON mapping: hex ids, integer enums, 64-bit integers as strings), and records which it got.
+"""
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                       ExportTraceServiceResponse)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
 def _value(v: AnyValue) -> Any:
@@ -17,6 +26,20 @@ def _value(v: AnyValue) -> Any:
     if kind == "array_value":
         return [_value(x) for x in v.array_value.values]
     return getattr(v, kind) if kind else None
+
+
+def parse_json_request(body: bytes) -> ExportTraceServiceRequest:
+    """An OTLP/JSON export body; strict about the spec's id rule (hex, 32/16 digits) so a base64 id fails."""
+    doc = json.loads(body)
+    for rs in doc.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            for span in ss.get("spans", []):
+                for key in ID_FIELDS:
+                    if span.get(key):
+                        raw = bytes.fromhex(span[key])   # ValueError on anything but hex
+                        assert len(raw) == (16 if key == "traceId" else 8), (key, span[key])
+                        span[key] = base64.b64encode(raw).decode()
+    return ParseDict(doc, ExportTraceServiceRequest())
 
 
 @dataclasses.dataclass
@@ -30,24 +53,35 @@ class Span:
     end_ns: int
     attributes: dict[str, Any]
     service: str
+    encoding: str = "protobuf"   # what the batch came as: protobuf or json
 
 
 class OTLPReceiver:
-    """POST /v1/traces (protobuf) on 127.0.0.1; `spans` grows as batches arrive. `stop()` closes the port."""
+    """POST /v1/traces (protobuf or JSON) on 127.0.0.1; `spans` grows as batches arrive. `stop()` closes the port."""
 
     def __init__(self, port: int = 0):
         self.spans: list[Span] = []
         self.batches = 0
+        self.content_types: list[str] = []
         self._lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's spelling)
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                receiver._take(ExportTraceServiceRequest.FromString(body))
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
+                ctype = self.headers.get("Content-Type", "").split(";")[0].strip()
+                try:
+                    if ctype == "application/json":
+                        receiver._take(parse_json_request(body), "json", ctype)
+                        reply, reply_type = b"{}", "application/json"
+                    else:
+                        receiver._take(ExportTraceServiceRequest.FromString(body), "protobuf", ctype)
+                        reply, reply_type = ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf"
+                    status = 200
+                except Exception as e:  # a malformed body is the exporter's bug: answer 400, as a collector does
+                    reply, reply_type, status = str(e).encode(), "text/plain", 400
+                self.send_response(status)
+                self.send_header("Content-Type", reply_type)
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
@@ -61,9 +95,10 @@ class OTLPReceiver:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def _take(self, req: ExportTraceServiceRequest) -> None:
+    def _take(self, req: ExportTraceServiceRequest, encoding: str, content_type: str) -> None:
         with self._lock:
             self.batches += 1
+            self.content_types.append(content_type)
             for rs in req.resource_spans:
                 res = {a.key: _value(a.value) for a in rs.resource.attributes}
                 for ss in rs.scope_spans:
@@ -71,7 +106,7 @@ class OTLPReceiver:
                         self.spans.append(Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                                s.kind, s.start_time_unix_nano, s.end_time_unix_nano,
                                                {a.key: _value(a.value) for a in s.attributes},
-                                               res.get("service.name", "")))
+                                               res.get("service.name", ""), encoding))
 
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:

@@ -24,6 +24,7 @@ def test_health_and_ready(live_server: LiveServer) -> None:
     assert body["baseline_free_blocks"] > 0 and body["compilations_after_warmup"] == 0
     assert body["kv_capacity_tokens"] == body["kv_blocks_total"] * body["kv_block_size"] > 0
     assert body["kv_ceiling_blocks"] == body["kv_blocks_total"] and body["kv_pool_growable"] is False
+    assert body["kv_pool_floored"] is False and body["kv_pool_bandwidth_gbps"] == 0.0   # fixed pool, never probed
     assert body["suspended"] is False
     ready = httpx.get(live_server.url + "/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True and ready.json()["model"] == MODEL

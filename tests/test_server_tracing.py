@@ -15,6 +15,9 @@ pytestmark = pytest.mark.real_model
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3,
         "temperature": 0}
+SPEC_PROMPT = ("Repeat the following text exactly, word for word:\n\nThe lighthouse keeper climbed the spiral "
+               "stairs every evening at dusk, counting the steps as his father had taught him. Below, the harbour "
+               "filled with fishing boats returning from the grey northern sea.")   # copied: the drafts verify
 SERVER_KIND, INTERNAL_KIND = 2, 1  # opentelemetry.proto.trace.v1.Span.SpanKind
 
 
@@ -43,6 +46,7 @@ def test_a_request_is_one_server_span_with_queue_prefill_and_decode(ops_server: 
     assert set(spans) == {"/v1/chat/completions", "queue", "prefill", "decode"}
     root = spans["/v1/chat/completions"]
     assert root.kind == SERVER_KIND and root.parent_span_id == caller_span and root.service == "imp-test"
+    assert root.encoding == "json" and "application/json" in ops_server.receiver.content_types   # imp's default
     usage = r.json()["usage"]
     attrs = root.attributes
     assert attrs["imp.request_id"] == r.json()["id"] and attrs["imp.client_request_id"] == "trace-me"
@@ -63,6 +67,22 @@ def test_a_request_is_one_server_span_with_queue_prefill_and_decode(ops_server: 
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert (lines[0]["trace_id"], lines[0]["span_id"]) == (trace_id, root.span_id)
+
+
+def test_the_span_carries_the_speculative_counters_usage_reports(ops_server: OpsServer) -> None:
+    """A request whose verify steps ran: imp.spec_* on its span, the numbers of usage's imp_spec_*."""
+    header, trace_id, _ = _traceparent()
+    r = _chat(ops_server, {"traceparent": header}, messages=[{"role": "user", "content": SPEC_PROMPT}],
+              max_tokens=30, temperature=0, speculative=True)
+    details = r.json()["usage"]["completion_tokens_details"]
+    assert details["imp_spec_verify_steps"] > 0, details
+    root = _by_name(ops_server.receiver.wait_for(trace_id, 4))["/v1/chat/completions"]
+    for key in ("drafted", "accepted", "emitted", "verify_steps"):
+        assert root.attributes[f"imp.spec_{key}"] == details[f"imp_spec_{key}"]
+    header, trace_id, _ = _traceparent()
+    _chat(ops_server, {"traceparent": header}, speculative=False)   # no verify step: no counters
+    root = _by_name(ops_server.receiver.wait_for(trace_id, 4))["/v1/chat/completions"]
+    assert not any(k.startswith("imp.spec_") for k in root.attributes)
 
 
 def test_without_a_traceparent_a_trace_is_minted(ops_server: OpsServer) -> None:

@@ -20,7 +20,7 @@ from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import Checkpoint, attention_shape, build_model, open_checkpoint, resolve_dtype
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
-from imp_jax.runtime.config import EngineConfig, num_kv_blocks
+from imp_jax.runtime.config import EngineConfig, kv_pool_floored, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.multihost import Leader
 from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
@@ -111,6 +111,11 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
                 free = left if free is None else min(free, left)
     itemsize = jnp.dtype(kv_dtype).itemsize
     blocks = num_kv_blocks(config, loaded.config, itemsize, platform, free, tp.local_kv_heads)
+    floored = kv_pool_floored(config, loaded.config, itemsize, platform, free, tp.local_kv_heads)
+    if floored:
+        log.warning("KV cache: the memory budget pays for less than %d blocks; the pool is floored at %d "
+                    "(/health answers 503 kv_pool_floored): free device memory or raise --kv-cache-memory",
+                    blocks, blocks)
     kv_shape = loaded.model.kv_cache_shape(blocks, config.block_size)
     zeros = jax.jit(functools.partial(jnp.zeros, kv_shape, kv_storage_dtype(kv_dtype, platform)),
                     out_shardings=kv_sharding(mesh))   # made in place on the mesh, no host copy
@@ -118,6 +123,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB per device, %d device%s)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20 / n, n, "s" if n > 1 else "")
     core = EngineCore(loaded, config, kv, blocks, mesh)
+    core.kv_pool_floored = floored
     core.step_fn.base_seed = config.seed
     log.info("sampling seed %d: requests without a seed draw from it (--seed %d repeats them)", config.seed, config.seed)
     for name, path in config.lora_adapters():

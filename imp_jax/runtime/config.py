@@ -152,12 +152,13 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, itemsize: int, kv_he
     return 2 * model.num_layers * block_size * (kv_heads or model.num_kv_heads) * model.head_dim * itemsize
 
 
-def num_kv_blocks(config: EngineConfig, model: ModelConfig, itemsize: int, backend: str,
-                  free_device_bytes: int | None, kv_heads_per_device: int | None = None) -> int:
-    """Pool size from --num-kv-blocks, else --kv-cache-memory (fraction of free memory on GPU, bytes on CPU),
-    a budget per device: each device holds `kv_heads_per_device` of every block."""
-    if config.num_kv_blocks:
-        return config.num_kv_blocks
+KV_FLOOR_BLOCKS = 2   # the pool's rescue floor: what a memory budget too small for it still gets
+
+
+def kv_budget_blocks(config: EngineConfig, model: ModelConfig, itemsize: int, backend: str,
+                     free_device_bytes: int | None, kv_heads_per_device: int | None = None) -> int:
+    """Blocks --kv-cache-memory pays for (fraction of free memory on GPU, bytes on CPU), a budget per
+    device: each device holds `kv_heads_per_device` of every block. May be below KV_FLOOR_BLOCKS."""
     per_block = kv_bytes_per_block(model, config.block_size, itemsize, kv_heads_per_device)
     mem = config.kv_cache_memory
     if backend == "cpu" or free_device_bytes is None:
@@ -165,4 +166,20 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig, itemsize: int, backe
     else:
         frac = mem if mem and mem <= 1 else DEFAULT_GPU_KV_FRACTION
         budget = int(free_device_bytes * frac)
-    return max(2, budget // per_block)
+    return budget // per_block
+
+
+def num_kv_blocks(config: EngineConfig, model: ModelConfig, itemsize: int, backend: str,
+                  free_device_bytes: int | None, kv_heads_per_device: int | None = None) -> int:
+    """Pool size from --num-kv-blocks, else the budget's blocks (kv_budget_blocks), at least the floor."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    return max(KV_FLOOR_BLOCKS, kv_budget_blocks(config, model, itemsize, backend, free_device_bytes,
+                                                 kv_heads_per_device))
+
+
+def kv_pool_floored(config: EngineConfig, model: ModelConfig, itemsize: int, backend: str,
+                    free_device_bytes: int | None, kv_heads_per_device: int | None = None) -> bool:
+    """The budget paid for fewer blocks than the floor, so the pool got the floor (/health kv_pool_floored)."""
+    return not config.num_kv_blocks and kv_budget_blocks(
+        config, model, itemsize, backend, free_device_bytes, kv_heads_per_device) < KV_FLOOR_BLOCKS

@@ -60,7 +60,8 @@ def engine_stats(core: EngineCore) -> dict[str, int | float]:
                 prefix_cache_evictions=pc.evictions, prefix_cache_collisions=pc.collisions,
                 kv_block_size=core.pool.block_size,
                 sessions_open=len(core.sessions), session_pinned_blocks=core.sessions.num_blocks,
-                kv_blocks_total=total, kv_blocks_used=total - free,
+                kv_blocks_total=total, kv_blocks_used=total - free, kv_pool_floored=int(core.kv_pool_floored),
+                kv_pool_growths_total=0,   # the pool is sized once and never grows (imp_kv_pool_growths_total)
                 kv_blocks_reserved=c.kv_blocks_reserved if busy else 0,
                 kv_pressure_rejections=c.kv_pressure_rejections, requests_total=c.requests,
                 decode_batch_last_rows=c.decode_rows_last if busy else 0,

@@ -67,10 +67,15 @@ async def health() -> Any:
     if encoders():
         body["encoder_models"] = {name: e.stats() for name, e in encoders().items()}
     if "kv_blocks_total" in stats:   # the pool's capacity, so a caller can check a prompt against it
+        # fixed-size pool, sized once: its ceiling is its size, it never grows, and its bandwidth is not probed
         body.update(kv_capacity_tokens=stats["kv_blocks_total"] * stats["kv_block_size"],
-                    kv_ceiling_blocks=stats["kv_blocks_total"], kv_pool_growable=False)
+                    kv_ceiling_blocks=stats["kv_blocks_total"], kv_pool_growable=False,
+                    kv_pool_floored=bool(stats.get("kv_pool_floored", 0)), kv_pool_bandwidth_gbps=0.0)
     if engine_state == "faulted":
         body.update(status="unhealthy", code="engine_faulted")
+        return jsonify(body), 503
+    if body.get("kv_pool_floored"):   # persistent: the pool was sized below a context; restart on a free device
+        body.update(status="unhealthy", code="kv_pool_floored")
         return jsonify(body), 503
     return jsonify(body)
 

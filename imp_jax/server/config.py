@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from imp_jax.runtime.request import StreamLimits
 from imp_jax.server.limits import FieldLimits
 
+OTLP_PROTOCOLS = ("http/json", "http/protobuf")
+DEFAULT_SERVICE_NAME = "imp-server"   # imp's server.otlp_service_name default
 GRANTS = frozenset({"priority", "pins"})   # what an API key may be granted (docs/SECURITY.md)
 
 
@@ -84,7 +87,10 @@ class ServerConfig:
     log_requests: str | None = _field(None, "append one JSON line per request to this file")
     otlp_endpoint: str | None = _field(None, "OTLP/HTTP traces URL of a collector "
                                              "(http://host:4318/v1/traces): export a span per generation request")
-    otlp_service_name: str = _field("imp_jax", "service.name of the exported spans")
+    otlp_service_name: str | None = _field(None, "service.name of the exported spans; default "
+                                                 "$OTEL_SERVICE_NAME, else imp-server (imp's)")
+    otlp_protocol: str = _field("http/json", "OTLP/HTTP encoding of the exported spans: http/json (imp's) or "
+                                             "http/protobuf", choices=OTLP_PROTOCOLS)
     # encoder models beside the chat model (docs/API.md, embeddings and rerank)
     embedding_model: str | None = _field(None, "an embedding model (HF BERT-family directory or alias, e.g. "
                                          "all-minilm-l6-v2, or a llama.cpp BERT .gguf) served on /v1/embeddings and /v1/rerank beside the "
@@ -118,6 +124,10 @@ class ServerConfig:
             raise ValueError(f"encoder_max_batch must be >= 1, got {self.encoder_max_batch}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.otlp_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(f"otlp_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {self.otlp_protocol!r}")
+        if not self.otlp_service_name:
+            self.otlp_service_name = os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
         if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise ValueError(f"otlp_endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}")
 

@@ -35,6 +35,8 @@ ENGINE_COUNTERS = (
     ("imp_prefix_cache_collisions", "prefix_cache_collisions", "Prefix-cache keys that matched a block of "
      "other content (treated as misses)"),
     ("imp_preemptions", "num_preemptions", "Sequences preempted (KV freed, recomputed later)"),
+    ("imp_kv_pool_growths", "kv_pool_growths_total", "Times the KV pool committed more memory; stays 0: the "
+     "pool is sized once at start-up and never grows"),
     ("imp_kv_pressure_rejections", "kv_pressure_rejections", "Requests refused or ended early because the KV "
      "pool could not hold them"),
     ("imp_decode_batch_rows", "decode_batch_rows_total", "Decode rows summed over decode steps"),

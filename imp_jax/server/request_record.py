@@ -37,6 +37,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec: dict[str, Any] | None = None   # usage's imp_spec_* counters, when speculative decoding ran
     submitted_at: float | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -75,6 +76,8 @@ class RequestRecord:
             self.prompt_tokens = ev.usage.prompt_tokens
             self.completion_tokens = ev.usage.completion_tokens
             self.cached_tokens = ev.usage.cached_tokens
+            if ev.usage.spec:
+                self.spec = dict(ev.usage.spec)
         return gaps
 
     def mark_stalled(self) -> None:

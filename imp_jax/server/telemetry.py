@@ -28,7 +28,8 @@ class Telemetry:
         self.registry = CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
         self.registry.register(EngineCollector(engine_stats, model, gate, store_stats))
-        self.tracing = Tracing(config.otlp_endpoint, config.otlp_service_name, self.metrics)
+        self.tracing = Tracing(config.otlp_endpoint, config.otlp_service_name, self.metrics,
+                               config.otlp_protocol)
         self.request_log = (RequestLog(config.log_requests, self.metrics.request_log_dropped.inc)
                             if config.log_requests else None)
 

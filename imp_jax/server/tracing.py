@@ -1,4 +1,4 @@
-"""OpenTelemetry spans for generation requests, exported over OTLP/HTTP in the background.
+"""OpenTelemetry spans for generation requests, exported over OTLP/HTTP (JSON or protobuf) in the background.
 
 One SERVER span per generation request, named after its route, with `queue`, `prefill` and
 `decode` children on its timeline. A W3C `traceparent` puts it inside the caller's trace; a
@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from imp_jax.server.metrics import ServerMetrics
+from imp_jax.server.otlp_json import OTLPJSONSpanExporter
 from imp_jax.server.request_record import RequestRecord
 
 log = logging.getLogger("imp_jax.server")
@@ -67,7 +68,8 @@ class CountingExporter(SpanExporter):
 class Tracing:
     """Makes the spans of ended generation requests; `endpoint` None: ids only."""
 
-    def __init__(self, endpoint: str | None, service_name: str, metrics: ServerMetrics):
+    def __init__(self, endpoint: str | None, service_name: str, metrics: ServerMetrics,
+                 protocol: str = "http/json"):
         self.endpoint = endpoint
         self._metrics = metrics
         sampler = ParentBased(ALWAYS_ON) if endpoint else ALWAYS_OFF
@@ -75,9 +77,11 @@ class Tracing:
                                         shutdown_on_exit=False)
         if endpoint:
             logging.getLogger(OTLP_LOGGER).setLevel(logging.CRITICAL)
-            exporter = CountingExporter(OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S), endpoint,
-                                        metrics)
+            inner = (OTLPJSONSpanExporter(endpoint, EXPORT_TIMEOUT_S) if protocol == "http/json"
+                     else OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S))
+            exporter = CountingExporter(inner, endpoint, metrics)
             self._provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_INTERVAL_MS))
+            log.info("OTLP: exporting spans to %s (%s, service.name %s)", endpoint, protocol, service_name)
         self._tracer = self._provider.get_tracer("imp_jax.server")
         self._propagator = TraceContextTextMapPropagator()
 
@@ -138,4 +142,6 @@ def _attributes(rec: RequestRecord) -> dict[str, object]:
         attrs["imp.queue_ms"] = round(rec.queue_s * 1000, 3)
     if rec.ttft_s is not None:
         attrs["imp.ttft_ms"] = round(rec.ttft_s * 1000, 3)
+    for key, value in (rec.spec or {}).items():   # imp_spec_drafted -> imp.spec_drafted, as imp names them
+        attrs["imp." + key.removeprefix("imp_")] = value
     return attrs
