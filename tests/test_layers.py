@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "imp_jax"
-BASE = ("imp_jax.errors", "imp_jax.paths")   # small, dependency-free modules every layer may use
+BASE = ("imp_jax.errors", "imp_jax.paths", "imp_jax.cli_flags")   # small, dependency-free modules every layer may use
 
 # layer -> the project modules (and their submodules) its modules may import
 ALLOWED: dict[str, tuple[str, ...]] = {
@@ -18,6 +18,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                        *BASE),
     "imp_jax.errors": (),
     "imp_jax.paths": (),
+    "imp_jax.cli_flags": (),
 }
 # module -> extra imports it may make, and why
 EXCEPTIONS: dict[str, tuple[str, ...]] = {
