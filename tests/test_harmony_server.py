@@ -194,6 +194,28 @@ def test_chat_tool_calls_whole_streamed_and_replayed(oai, tok, harmony_server):
     assert r.choices[0].message.tool_calls is None and "functions.get_weather" in r.choices[0].message.content
 
 
+def test_a_forced_tool_choice_is_refused_as_unenforceable(oai, claude):
+    """Harmony reads a call's recipient from its headers, outside any grammar: a required or named
+    tool_choice cannot be enforced, so it is a 400 tool_choice_unenforceable (imp's code) on every dialect,
+    never a reply that ignores it; 'auto' is served."""
+    tools = [{"type": "function", "function": WEATHER}]
+    ask = [{"role": "user", "content": "weather CALL"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice=choice, **GREEDY)
+        assert (e.value.body["code"], e.value.body["param"]) == ("tool_choice_unenforceable", "tool_choice")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=50, messages=ask, tool_choice={"type": "any"},
+                               tools=[{"name": "get_weather", "input_schema": WEATHER["parameters"]}], extra_body=GREEDY)
+    assert "tool_choice" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=MODEL, input="weather CALL", tools=[{"type": "function", **WEATHER}],
+                             tool_choice="required", **GREEDY)
+    assert e.value.body["code"] == "tool_choice_unenforceable"
+    auto = oai.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="auto", **GREEDY)
+    assert auto.choices[0].finish_reason == "tool_calls"
+
+
 def test_messages_tool_use(claude):
     body = {"model": MODEL, "max_tokens": 200, "extra_body": GREEDY,
             "tools": [{"name": "get_weather", "description": WEATHER["description"],
