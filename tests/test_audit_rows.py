@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
