@@ -53,7 +53,7 @@ def known_fields() -> frozenset[str]:
     return frozenset().union(*(honoured(cls) for cls in route_models().values()))
 
 
-NEUTRAL = {"n": 1, "best_of": 1}   # besides asks_nothing's: values that ask for nothing of these fields
+NEUTRAL = {"n": 1, "best_of": 1, "cfg_scale": 1}   # besides asks_nothing's: values that ask nothing of these fields
 
 
 def asks_nothing(value: Any) -> bool:
@@ -73,7 +73,7 @@ def check_fields(req: BaseModel, route: str) -> None:
     extras = getattr(cls, "EXTRAS")
     sent.update((n, v) for n, v in (req.model_extra or {}).items() if n not in extras and n in known_fields())
     for name, value in sent.items():
-        if asks_nothing(value) or (name in NEUTRAL and type(value) is int and value == NEUTRAL[name]):
+        if asks_nothing(value) or (name in NEUTRAL and type(value) in (int, float) and value == NEUTRAL[name]):
             continue
         hint = refused.get(name) or getattr(cls, "HINTS", {}).get(name, "")
         raise InvalidRequestError(f"'{name}' is not supported on {route}{'; ' + hint if hint else ''}",
