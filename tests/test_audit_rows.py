@@ -292,9 +292,10 @@ def test_health_shows_the_idle_unload(lora_server) -> None:
     with httpx.Client(base_url=url, timeout=120) as c:
         health = _wait_idle_suspended(c)
         assert health["idle_unload_seconds"] == IDLE_S and health["state"] == "ready" and not health["suspended"]
-        body = {"model": engine.served_name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 200,
+        body = {"model": engine.served_name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/chat/completions", json=body) as stream:   # resumes it; asked mid-stream
+            assert stream.status_code == 200, stream.read()
             next(line for line in stream.iter_lines() if line.startswith("data: {"))
             health = c.get("/health").json()
         assert health["idle_suspended"] is False and health["idle_unload_seconds"] == IDLE_S
