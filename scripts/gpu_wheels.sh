@@ -6,7 +6,8 @@
 #
 # What goes in: the packages imp_jax, scripts/smoke_server.py and the GGUF loader import that the
 # H200 image does not hold (quart, flask, hypercorn, pydantic, openai, anthropic, gguf and their
-# missing dependencies), a few it holds but whose version there is unknown while the packages above
+# missing dependencies; llguidance, regex, prometheus-client and the OpenTelemetry SDK and exporter
+# chain, which the server imports at start-up), a few it holds but whose version there is unknown while the packages above
 # need a floor (anyio, idna, h11, typing-extensions, werkzeug), and a wheel of this project built
 # with --no-deps (its metadata gives /info its version; the code itself is imported from the
 # working tree). Versions are the ones installed here, where the test suite passes. The GPU image
@@ -25,7 +26,11 @@ NAMES=(
   quart flask hypercorn blinker itsdangerous h2 hpack hyperframe priority wsproto     # the HTTP server
   pydantic pydantic-core annotated-types typing-inspection                           # request models
   openai anthropic httpx2 httpcore2 truststore jiter sniffio docstring-parser        # the two SDKs
-  opentelemetry-api
+  llguidance regex prometheus-client                                                 # the server's own imports
+  opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions             # tracing (--otlp-endpoint)
+  opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common
+  opentelemetry-exporter-otlp-common opentelemetry-exporter-http-transport
+  opentelemetry-proto protobuf googleapis-common-protos requests urllib3 charset-normalizer certifi
   gguf                                                                               # GGUF reading
   anyio idna h11 typing-extensions werkzeug                                          # version floors
 )

@@ -112,3 +112,21 @@ def test_every_series_of_the_dashboard_is_one_the_server_exports(
     asked = {name for expr in exprs for name in re.findall(r"\bimp_[a-z0-9_]+", expr)}
     assert len(panels) >= 10 and len(asked) >= 20
     assert sorted(asked - exported) == []
+
+
+def test_the_declared_ranges_hold_what_the_suite_runs_on() -> None:
+    """pyproject's jax range (tested bounds) holds the jax this suite runs on, the cuda12 extra pins the
+    same range, and requires-python holds this interpreter (3.11+: jax 0.10 does not install on 3.10)."""
+    import importlib.metadata
+    import platform
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    jax = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "jax")
+    cuda = next(Requirement(r) for r in project["optional-dependencies"]["cuda12"] if Requirement(r).name == "jax")
+    assert jax.specifier.contains(importlib.metadata.version("jax"))
+    assert any(s.operator == "<" for s in jax.specifier) and cuda.specifier == jax.specifier
+    python = SpecifierSet(project["requires-python"])
+    assert python.contains(platform.python_version()) and not python.contains("3.10.12")

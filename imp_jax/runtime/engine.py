@@ -54,8 +54,7 @@ class EngineCore:
         self.loaded, self.config, self.tokenizer = loaded, config, loaded.tokenizer
         self.max_model_len = config.resolved_max_model_len(loaded.config)
         self.pool = KVBlockPool(num_blocks, config.block_size)
-        self.baseline_free_blocks = self.pool.num_free_blocks
-        self.kv_pool_floored = False   # the builder sets it: the memory budget fell below the pool's floor
+        self.baseline_free_blocks, self.kv_pool_floored = self.pool.num_free_blocks, False   # floored: builder.py
         self.sessions = SessionPins(self.pool, config.session_ttl_s, max_blocks=self.baseline_free_blocks // 2)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
