@@ -21,6 +21,7 @@ from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.kernels_pallas.pallas import split_kv
 from imp_jax.kernels_pallas.pallas.ragged_paged_attention import (_kv_steps, auto_kv_splits,
                                                                   ragged_paged_attention_pallas, supports)
+from imp_jax.kernels_pallas.pallas.shapes import SMEM_LIMIT, SMEM_RESERVE, smem_bytes
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
 from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
@@ -282,6 +283,20 @@ def test_default_kv_splits_fill_the_gpu_only_when_programs_are_few() -> None:
     assert split_kv.default_kv_splits(66, 1, 100) == 2 and split_kv.default_kv_splits(67, 1, 100) == 1
 
 
+def test_the_wave_is_the_devices_sm_count(monkeypatch) -> None:
+    """A GPU's own SM count (jax's core_count) sizes the wave: an H100 PCIe's 114, not the SXM's 132."""
+    pcie = SimpleNamespace(platform="gpu", core_count=114)
+    monkeypatch.setattr(split_kv.jax, "devices", lambda *a: [pcie])
+    split_kv.num_sms.cache_clear()
+    try:
+        assert split_kv.num_sms() == 114
+        assert split_kv.default_kv_splits(57, 1, 100) == 2 and split_kv.default_kv_splits(58, 1, 100) == 1
+    finally:
+        monkeypatch.undo()
+        split_kv.num_sms.cache_clear()
+    assert split_kv.num_sms() == split_kv.NUM_SMS   # this CPU: the default
+
+
 def shape(dtype, head_dim: int = 128, block_size: int = 16, cache=None) -> AttentionShape:
     return AttentionShape(jnp.dtype(dtype), jnp.dtype(cache or dtype), 32, 8, head_dim, block_size)
 
@@ -294,6 +309,22 @@ def test_supports_only_what_the_compiled_kernel_takes() -> None:
     assert not supports(shape(jnp.bfloat16, head_dim=80))
     assert not supports(shape(jnp.bfloat16, block_size=12))      # pages off the 8-row tile
     assert supports(dataclasses.replace(shape(jnp.bfloat16, head_dim=64), sinks=True))   # gpt-oss
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (64, 8), (128, 1)])
+def test_no_accepted_shape_overflows_shared_memory(head_dim: int, block_size: int, heads: int, kv_heads: int) -> None:
+    """Every shape supports() accepts fits Hopper's 227 KiB a block may use: the shapes that measured
+    over it when lowered for CUDA (head 256 with 128-key pages or more: 314408 bytes and up; head 128
+    with 256-key pages) are refused, the usual ones (head 64/128 with 16-key pages) taken."""
+    s = AttentionShape(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16), heads, kv_heads, head_dim, block_size)
+    used = smem_bytes(s)
+    assert supports(s) == (used <= SMEM_LIMIT)
+    if (head_dim, block_size) in ((256, 128), (256, 256), (128, 256)):
+        assert not supports(s) and used > 314408 - SMEM_RESERVE
+    if block_size == 16 and head_dim <= 128:
+        assert supports(s)
 
 
 def test_auto_picks_pallas_on_hopper_for_gpt_oss() -> None:

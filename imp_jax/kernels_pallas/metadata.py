@@ -52,7 +52,10 @@ def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[jax.Array
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     qsl = meta.query_start_loc
     num_slots = meta.seq_lens.shape[0]
-    seq = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, num_slots - 1).astype(jnp.int32)
+    # compare_all: tokens x slots comparisons in one fused op (a few thousand), where the default scan is
+    # a loop of small dependent ops on the step's critical path on a GPU
+    seq = jnp.searchsorted(qsl[1:], t, side="right", method="compare_all")
+    seq = jnp.clip(seq, 0, num_slots - 1).astype(jnp.int32)
     valid = t < qsl[meta.num_seqs]
     pos = meta.seq_lens[seq] - (qsl[seq + 1] - t)
     return seq, pos, valid

@@ -166,7 +166,9 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
         R = n_tiles_max * m
         buf = jnp.zeros((R, h.shape[1]), h.dtype).at[dest].set(h[order // k], mode="drop")
         ends = jnp.cumsum(padded)
-        tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles_max) * m, side="right"), E_ - 1)
+        # compare_all: one fused comparison, where the default scan is a loop of small ops (a GPU's worst case)
+        tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles_max) * m, side="right",
+                                                   method="compare_all"), E_ - 1)
         n_tiles = ends[-1] // m
 
         def tile(i, out):

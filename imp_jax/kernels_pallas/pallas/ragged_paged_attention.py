@@ -86,7 +86,7 @@ def _plan(meta: AttentionMetadata, num_tokens: int, block_q: int,
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     w = jnp.arange(num_work, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(tile_end, w, side="right"), 0, S - 1).astype(jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(tile_end, w, side="right", method="compare_all"), 0, S - 1).astype(jnp.int32)
     j = w - tile_start[seq]
     rows = jnp.where(w < tile_end[-1], jnp.clip(q_lens[seq] - j * block_q, 0, block_q), 0)
     pos0 = meta.seq_lens[seq] - q_lens[seq] + j * block_q

@@ -16,12 +16,13 @@ and one that saw no key keeps o = 0 with lse = sink, which is exactly the sink's
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-NUM_SMS = 132            # H100 SXM / H200 streaming multiprocessors: the programs one wave runs
+NUM_SMS = 132            # H100 SXM / H200 streaming multiprocessors, where the device does not say (num_sms)
 MAX_KV_SPLITS = 16       # a cap not yet tuned on a GPU: each slice adds an f32 partial to write and merge
 LSE_COLS = 64            # the lse is stored broadcast into a [rows, 64] f32 tile (a plain WGMMA-layout store)
 
@@ -35,11 +36,20 @@ def max_kv_steps(max_keys: int, block_kv: int, block_q: int, sliding_window: int
     return max(1, steps)
 
 
+@functools.cache
+def num_sms() -> int:
+    """The streaming multiprocessors of the default device (jax's `core_count` on a GPU: 132 on an H100
+    SXM, 114 on an H100 PCIe), else NUM_SMS: the programs one wave runs."""
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else NUM_SMS
+
+
 def default_kv_splits(num_work: int, kv_heads: int, max_steps: int) -> int:
-    """Splits so the grid fills about one wave of NUM_SMS programs: NUM_SMS // (work items x kv
-    heads), capped at MAX_KV_SPLITS and at the kv steps an item can have. A batch-1 decode with 8 kv
+    """Splits so the grid fills about one wave of `num_sms()` programs: SMs // (work items x kv heads),
+    capped at MAX_KV_SPLITS and at the kv steps an item can have. On 132 SMs a batch-1 decode with 8 kv
     heads gets 16; any bucket of more than 66 (work item, kv head) programs gets 1, the unsplit path."""
-    return max(1, min(MAX_KV_SPLITS, NUM_SMS // max(1, num_work * kv_heads), max_steps))
+    return max(1, min(MAX_KV_SPLITS, num_sms() // max(1, num_work * kv_heads), max_steps))
 
 
 def with_split_size(work: jax.Array, splits: int) -> jax.Array:
