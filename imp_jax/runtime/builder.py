@@ -20,10 +20,11 @@ from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import Checkpoint, attention_shape, build_model, open_checkpoint, resolve_dtype
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
-from imp_jax.runtime.config import EngineConfig, kv_pool_floored, num_kv_blocks
+from imp_jax.runtime.config import EngineConfig, kv_bytes_per_block, kv_pool_floored, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.multihost import Leader
 from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
+from imp_jax.runtime.weights_fit import fit_on_gpu
 
 log = logging.getLogger("imp_jax.engine")
 Progress = Callable[[str, float], None]   # (phase, fraction done)
@@ -85,11 +86,19 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     tp = tensor_parallel_layout(config, ckpt)
     n = config.tensor_parallel_size
     dtype = resolve_dtype(config.dtype, platform)
-    kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+    kv_dtype = resolve_kv_dtype(config, dtype)
     shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)
     shape = dataclasses.replace(shape, num_heads=tp.local_heads, num_kv_heads=tp.local_kv_heads)   # per shard
-    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm,
-                             quantized=config.quantized_weights)
+    quantized = config.quantized_weights
+    if platform != "cpu" and quantized == "auto":
+        fit = fit_on_gpu(ckpt.tensors or {}, itemsize=jnp.dtype(dtype).itemsize, free_bytes=free_device_bytes(mesh),
+                         kv_bytes_per_token=kv_bytes_per_block(ckpt.config, 1, jnp.dtype(kv_dtype).itemsize,
+                                                               tp.local_kv_heads),
+                         max_model_len=config.resolved_max_model_len(ckpt.config), devices=n)
+        if fit is not None:
+            quantized = fit.choice
+            log.info("quantised GGUF matrices: %s (--quantized-weights auto): %s", fit.choice, fit.why)
+    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm, quantized=quantized)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = build_model(ckpt, options, config.model_class)
@@ -102,13 +111,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
         if not hasattr(loaded.model, "enable_lora"):
             raise ModelLoadError(f"--max-loras: {type(loaded.model).__name__} has no LoRA support (enable_lora)")
         loaded.model.enable_lora(LoraOptions(config.max_loras, config.max_lora_rank))
-    free = None
-    if platform != "cpu":   # per device: the least any device of the mesh has free
-        for d in local_devices(mesh):
-            stats = d.memory_stats() or {}
-            if "bytes_limit" in stats:
-                left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-                free = left if free is None else min(free, left)
+    free = free_device_bytes(mesh) if platform != "cpu" else None
     itemsize = jnp.dtype(kv_dtype).itemsize
     blocks = num_kv_blocks(config, loaded.config, itemsize, platform, free, tp.local_kv_heads)
     floored = kv_pool_floored(config, loaded.config, itemsize, platform, free, tp.local_kv_heads)
@@ -148,6 +151,23 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
         log.info("warm-up done: %d programs in %.1fs", len(core.step_fn.buckets), time.perf_counter() - t0)
     progress("ready", 1.0)
     return core
+
+
+def resolve_kv_dtype(config: EngineConfig, dtype) -> jnp.dtype:
+    """The KV cache's dtype: the model's (bfloat16 on a GPU, `resolve_dtype`) unless --kv-cache-dtype names one."""
+    return jnp.dtype(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+
+
+def free_device_bytes(mesh) -> int | None:
+    """The least free memory any device of the mesh this process drives has; None where devices do not
+    report it (CPUs)."""
+    free = None
+    for d in local_devices(mesh):
+        stats = d.memory_stats() or {}
+        if "bytes_limit" in stats:
+            left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            free = left if free is None else min(free, left)
+    return free
 
 
 def tensor_parallel_layout(config: EngineConfig, ckpt: Checkpoint) -> TensorParallel:

@@ -31,7 +31,9 @@ class EngineConfig:
     quantized_weights: str = _field(
         "auto", "a GGUF's quantised matrices: auto | keep | dequantize. keep: stored as the file's blocks (the "
         "CPU GEMM kernel reads them; XLA dequantises each one inside the step, matrix by matrix); auto = keep "
-        "on GPUs and where the CPU GEMM kernel runs, dequantize (at load) under --gemm xla on a CPU")
+        "where the CPU GEMM kernel runs, dequantize (at load) under --gemm xla on a CPU, and on a GPU dequantize "
+        "to bf16 when the widened weights and the KV cache of two full-length contexts fit in free memory, "
+        "else keep (the start-up log says which)")
     max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
     max_num_seqs: int = _field(32, "sequences in one step at most")
     max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")
