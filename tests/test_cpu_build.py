@@ -116,3 +116,16 @@ def test_the_server_module_starts_the_builds_without_importing_jax() -> None:
             "e.cpu_kernels.include_dir(); print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_install_step_builds_the_default_libraries_and_never_breaks_the_install_chain(
+        fake_cxx: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("CXX", str(fake_cxx))
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    assert build.main([]) == 0   # the stand-in libraries do not load: reported, and the chain goes on
+    out = capsys.readouterr().out
+    assert sorted(c[1] for c in calls(fake_cxx) if c[0] == "start") == ["attention.cc", "gemm.cc", "gemm_k.cc"]
+    assert "attention: unavailable, the server uses XLA" in out and "0 of 2 ready" in out
+    monkeypatch.setattr(build, "_libraries", {})
+    assert build.main(["--strict", "--all"]) == 1
+    assert "0 of 4 ready" in capsys.readouterr().out

@@ -11,7 +11,8 @@ They need x86-64 with AVX2, FMA and F16C; everywhere else, and whenever the buil
 `load` returns None and the caller uses XLA (the reason is logged). A loaded library and its FFI
 registration belong to the process, so they are remembered per process (`_libraries`,
 `_registered`), each library behind its own lock (two libraries build at once).
-`python -m imp_jax.kernels_pallas.cpu.build` builds them all now (an install step, an image layer).
+`python -m imp_jax.kernels_pallas.cpu.build` is the install step (README): it builds now the libraries a
+default start loads (`--all`: every one, for an image layer).
 This module does not import jax until it registers a handler: the server starts the builds
 (`start_early`) before its own jax import, which then runs beside the compiler.
 """
@@ -28,6 +29,7 @@ import subprocess
 import tempfile
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -197,14 +199,27 @@ def register(name: str, target: str, handler: str) -> bool:
         return _registered[target]
 
 
-def main() -> int:
-    """Build every kernel library now (prints where each one is); status 1 if one is unavailable."""
+def main(argv: list[str] | None = None) -> int:
+    """The install step (`python -m imp_jax.kernels_pallas.cpu.build`, README): build now the libraries a
+    default CPU server loads (`--all`: every one, e.g. for an image layer), one line per library. A
+    machine that cannot run them (not x86-64, no compiler, a failed build: the server then uses XLA)
+    is reported and exits 0, so the install command goes on to start the server; `--strict` makes it 1."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m imp_jax.kernels_pallas.cpu.build", description=main.__doc__)
+    parser.add_argument("--all", action="store_true", help="every library, the opt-in ones (cpu_q8, lora) too")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a library is unavailable")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for t in prebuild(list(SOURCES)):
+    names = list(SOURCES) if args.all else cpu_libraries("auto", "auto", lora=False)
+    t0 = time.perf_counter()
+    for t in prebuild(names):
         t.join()
-    for name in SOURCES:
-        print(f"{name}: {'ready' if _libraries.get(name) is not None else 'unavailable (see the log)'}")
-    return 0 if all(_libraries.get(name) is not None for name in SOURCES) else 1
+    for name in names:
+        print(f"{name}: {'ready' if _libraries.get(name) is not None else 'unavailable, the server uses XLA (see the log)'}")
+    print(f"CPU kernels: {sum(_libraries.get(n) is not None for n in names)} of {len(names)} ready "
+          f"in {time.perf_counter() - t0:.1f}s ({kernels_dir()})")
+    return 1 if args.strict and not all(_libraries.get(name) is not None for name in names) else 0
 
 
 if __name__ == "__main__":
