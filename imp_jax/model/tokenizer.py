@@ -67,8 +67,8 @@ class Tokenizer:
             # harmony (gpt-oss): <|return|> and <|call|> end a reply, <|end|> only one message of it (as llama.cpp)
             self._eos_ids = frozenset(self._eos_ids | set(ends)) - {self.token_to_id("<|end|>")}
         self._byte_fallback_ids = _byte_fallback_ids(tok)
-        self._init_boundary()
         self._templates = _template_dict(chat_template)
+        self._init_boundary()
         if fim_tokens is not None and any(self.token_to_id(t) is None for t in fim_tokens.values()):
             fim_tokens = None
         self.fim_tokens = dict(fim_tokens) if fim_tokens else None
@@ -157,26 +157,46 @@ class Tokenizer:
             ids = self._text_tok.encode(_ANCHOR + segment, add_special_tokens=False).ids
         return [i for i in ids if i != self._anchor_id]
 
-    def _escape(self, value: Any) -> Any:
-        """`value` (client data for a template) with every special-token spelling in its strings marked."""
+    def _escape(self, value: Any, pattern: re.Pattern[str] | None = None) -> Any:
+        """`value` (client data for a template) with every control-token spelling in its strings marked
+        (`pattern`: those of the special tokens only)."""
+        pattern = pattern or self._special_re
         if isinstance(value, str):
-            return self._special_re.sub(_escape_match, value) if value else value
+            return pattern.sub(_escape_match, value) if value else value
         if isinstance(value, Mapping):
-            return {self._escape(k): self._escape(v) for k, v in value.items()}
+            return {self._escape(k, pattern): self._escape(v, pattern) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [self._escape(v) for v in value]
+            return [self._escape(v, pattern) for v in value]
         return value
 
+    def _escape_message(self, message: Any) -> Any:
+        """A message with its control-token spellings marked; an assistant's markup tags (a replayed or
+        prefilled `<think>`, `<tool_call>`) are the model's own writing and stay markup, its special
+        tokens do not."""
+        if isinstance(message, Mapping) and message.get("role") == "assistant":
+            return self._escape(message, self._strict_special_re) if self._strict_special_re else message
+        return self._escape(message)
+
     def _init_boundary(self) -> None:
-        """The special tokens as a pattern, and a copy of the tokenizer that reads their spellings as text."""
-        specials = {t.content: t for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        """The control tokens as a pattern, and a copy of the tokenizer that reads their spellings as text.
+        Control tokens: the special added tokens, and the others that are markup (`_is_markup`: DeepSeek's
+        `<｜User｜>`, Qwen's `<think>` and `<tool_call>`, a GGUF's USER_DEFINED tags), which the copy marks
+        special too, so that its `encode_special_tokens` spells them out."""
+        sources = list(self._templates.values())
+        specials = {t.content: t for t in self._tok.get_added_tokens_decoder().values()
+                    if t.special or _is_markup(t.content, sources)}
         self._specials = specials
         self._special_ids_by_text = {text: self._tok.token_to_id(text) for text in specials}
         alternation = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
         self._special_re = re.compile(alternation) if specials else None
+        strict = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True) if specials[t].special)
+        self._strict_special_re = re.compile(strict) if strict else None
         escaped = "|".join(re.escape(t[0] + _ESCAPE + t[1:]) for t in sorted(specials, key=len, reverse=True))
         self._unescape_re = re.compile(escaped) if specials else None
         text_tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        text_tok.add_special_tokens([AddedToken(t.content, special=True, normalized=False, lstrip=t.lstrip,
+                                                rstrip=t.rstrip, single_word=t.single_word)
+                                     for t in specials.values() if not t.special])
         text_tok.encode_special_tokens = True
         text_tok.add_tokens([AddedToken(_ANCHOR, special=False, normalized=False)])
         self._anchor_id = text_tok.token_to_id(_ANCHOR)
@@ -278,7 +298,7 @@ class Tokenizer:
         `encode_chat` (the prompt boundary: docs/SECURITY.md). The template sees bos/eos/pad/unk_token
         and `extra_kwargs` (which override them)."""
         if self._special_re is not None:
-            messages = self._escape(_plain(messages))
+            messages = [self._escape_message(m) for m in _plain(messages)]
             tools = self._escape(_plain(tools)) if tools is not None else None
             documents = self._escape(_plain(documents)) if documents is not None else None
             extra_kwargs = self._escape(_plain(extra_kwargs))
@@ -341,6 +361,15 @@ class Tokenizer:
                 single=single, pair=pair, special_tokens=list(specials.items())
             )
         return _added_by_post_processor(self._tok, self.bos_token, self.eos_token)
+
+
+def _is_markup(token: str, templates: Sequence[str]) -> bool:
+    """Whether a non-special added token is markup the prompt boundary keeps out of client text: spelled
+    as a tag (`<think>`, `<｜User｜>`, `[INST]`) or written by a chat template. Runs of spaces and word
+    pieces some vocabularies add (Phi's, GPT-NeoX's) are text and stay as they tokenize."""
+    if len(token) < 3 or any(c.isspace() for c in token):
+        return False
+    return (token[0] in "<[" and token[-1] in ">]") or any(token in source for source in templates)
 
 
 def _escape_match(m: re.Match[str]) -> str:
