@@ -41,6 +41,10 @@ from imp_jax.kernels_pallas.pallas import split_kv
 from imp_jax.kernels_pallas.pallas.shapes import MMA_ROWS, block_kv_for, supports
 
 SWIZZLE = 128            # bytes; SMEM tiles are (8, SWIZZLE // itemsize)
+# The Mosaic GPU lowering mode, pinned: Lane is jax 0.10's default, the mode this kernel was written in
+# (it sets its register layouts itself, `plgpu.layout_cast`) and the one every lowering check covers, so a
+# jax whose default differs (Warpgroup, reported for 0.11) still lowers it so. The interpreter ignores it.
+LOWERING = plgpu.LoweringSemantics.Lane
 _MASKED = -1e30          # finite, so fully masked rows never produce inf - inf
 
 
@@ -256,13 +260,15 @@ def ragged_paged_attention_pallas(
     layer: jax.Array | int, *, sm_scale: float, sliding_window: int | None = None,
     soft_cap: float | None = None, interpret: bool = False, block_kv: int = 64,
     kv_splits: int | None = None, sinks: jax.Array | None = None,
+    lowering: plgpu.LoweringSemantics = LOWERING,
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
     Same contract as `xla.oracle.ragged_paged_attention_oracle` (sinks [H] included: one more
     logit per head in each softmax's denominator, never soft-capped); K/V must already be written.
     kv_splits: slices of each work item's keys, one program each (None: `split_kv.default_kv_splits`
-    of the static shapes; 1: no split, no combine).
+    of the static shapes; 1: no split, no combine). lowering: the Mosaic GPU mode (LOWERING; the other
+    one only for checks that lower the kernel under it, tests/test_pallas_export.py).
     """
     if not interpret and not supports(AttentionShape.of(q, k_cache)):
         raise ValueError(f"the compiled Pallas kernel does not take q {q.shape} {q.dtype}, "
@@ -300,7 +306,7 @@ def ragged_paged_attention_pallas(
                     jax.ShapeDtypeStruct((*lead, split_kv.LSE_COLS), jnp.float32))
         grid, names = (num_work, KVH, splits), ("work", "kv_head", "kv_split")
     call = plgpu.kernel(kernel, out_type=out_type, grid=grid, grid_names=names,
-                        compiler_params=plgpu.CompilerParams(),
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=lowering),
                         **({"interpret": interpret_params()} if interpret else {}))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     sink_rows = _sink_rows(sinks, KVH, G, block_q, rows_m, splits)
