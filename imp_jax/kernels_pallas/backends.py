@@ -2,7 +2,8 @@
 
 `select_kernels` turns the operator's choice (`--attention`, `--gemm`; `auto` by default) into a
 `Kernels` value; the model holds it and passes it to every kernel call, so a compiled program
-never looks at the environment. A backend asked for by name where it cannot run is an error.
+never looks at the environment. A backend asked for by name where it cannot run is an error. The engine
+calls it through `self_test.select_tested_kernels`, which first runs each non-XLA choice against XLA.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from imp_jax.errors import ImpError, ModelLoadError
-from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
+from imp_jax.kernels_pallas import kv_storage_dtype, select_tested_kernels
 from imp_jax.kernels_pallas.cpu import build as cpu_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
@@ -88,7 +88,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)
     shape = dataclasses.replace(shape, num_heads=tp.local_heads, num_kv_heads=tp.local_kv_heads)   # per shard
-    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm,
+    kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
                              quantized=config.quantized_weights)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
