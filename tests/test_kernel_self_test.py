@@ -1,9 +1,12 @@
 """The start-up kernel self-test (kernels_pallas/self_test.py): a failing non-XLA backend that `auto`
 chose falls back to XLA with one warning, one asked for by name stops start-up, and the real CPU kernels
-pass it here."""
+pass it here. And the fallback on a GPU, XLA attention without dynamic skips, reads only its step's
+context bucket of block-table columns (runtime/step.py), with the same results."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,9 @@ import pytest
 from imp_jax.kernels_pallas import AttentionShape, Kernels, self_test
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
+from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
+from imp_jax.runtime import step as step_module
 
 CPU = jax.local_devices()[0]
 F32 = AttentionShape(jnp.dtype(jnp.float32), jnp.dtype(jnp.float32), 9, 3, 64, 16)
@@ -85,3 +91,81 @@ def test_the_tiny_batch_has_a_prefill_decodes_and_padding():
     assert q.shape == (8, 9, 64) and k_cache.shape[2:] == (16, 3, 64) and sinks is None
     assert np.asarray(meta.seq_lens).tolist() == [8, 22, 1, 0] and int(meta.num_seqs) == 3
     assert np.asarray(meta.slot_mapping)[7] == -1
+
+
+def test_context_buckets_are_powers_of_two_only_where_the_attention_walks_a_static_table():
+    assert step_module.context_buckets(512, bucketed=True) == [16, 32, 64, 128, 256, 512]
+    assert step_module.context_buckets(40, bucketed=True) == [16, 32, 40]
+    assert step_module.context_buckets(8, bucketed=True) == [8]
+    assert step_module.context_buckets(512, bucketed=False) == [512]   # one program per (T, S), as ever
+    assert Kernels(dynamic_skips=False).bucketed_context
+    assert not Kernels().bucketed_context and not Kernels(attention="pallas", dynamic_skips=False).bucketed_context
+
+
+SMALL_PAGES = AttentionShape(jnp.dtype(jnp.float32), jnp.dtype(jnp.float32), 4, 2, 32, 4, sinks=True)
+MAX_BLOCKS = 64   # the engine's table width (max_model_len 256 in pages of 4)
+
+
+@pytest.mark.parametrize("seqs,window,soft_cap,sinks,context", [
+    (((63, 1), (10, 1)), None, None, False, 16),        # the longest ends on the first bucket's edge
+    (((64, 1), (3, 5)), 20, None, False, 32),           # one key past it
+    (((100, 28), (0, 1)), None, 5.0, True, 32),         # a prefill chunk up to the second edge
+    (((128, 1), (40, 9)), 50, 3.0, True, 64)])          # past it: the whole table
+def test_static_xla_attention_over_the_context_bucket_matches_the_oracle(seqs, window, soft_cap, sinks, context):
+    """Given only its bucket's columns, the GPU form walks ceil(context / blocks per step) steps, not the
+    whole table's, and gives the oracle's output over the whole table."""
+    q, k_cache, v_cache, meta, sink_logits = self_test.tiny_batch(SMALL_PAGES, seqs, num_tokens=32, num_slots=4)
+    need = -(-int(np.asarray(meta.seq_lens).max()) // 4)   # blocks the longest sequence reaches
+    assert min(c for c in step_module.context_buckets(MAX_BLOCKS, True) if c >= need) == context
+    table = jnp.pad(meta.block_tables, ((0, 0), (0, MAX_BLOCKS - meta.block_tables.shape[1])))
+    full, sliced = (dataclasses.replace(meta, block_tables=t) for t in (table, table[:, :context]))
+    kw = dict(sm_scale=32 ** -0.5, sliding_window=window, soft_cap=soft_cap,
+              sinks=sink_logits if sinks else None)
+    static = lambda *a: ragged_paged_attention_xla(*a, 0, dynamic_skips=False, **kw)
+    got = jax.jit(static)(q, k_cache, v_cache, sliced)
+    want = jax.jit(lambda *a: ragged_paged_attention_oracle(*a, 0, **kw))(q, k_cache, v_cache, full)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    blocks_per_step = 8   # xla/attention.py's per-row walk for a tile of 32 rows over pages of 4
+    assert scan_lengths(jax.make_jaxpr(static)(q, k_cache, v_cache, sliced).jaxpr) == [context // blocks_per_step]
+
+
+def scan_lengths(jaxpr) -> list[int]:
+    """The trip counts of the static loops (scans) in `jaxpr`, nested ones included."""
+    return [int(n) for n in re.findall(r"\blength=(\d+)", str(jaxpr))]
+
+
+
+def test_an_engine_without_dynamic_skips_reads_context_buckets_and_decodes_greedily_alike(tiny_hf_dir, monkeypatch):
+    """The GPU form on this CPU (XLA attention, no dynamic skips) in pages of 4 up to 128 tokens: context
+    buckets of 16 and 32 blocks; a 60-token prompt's steps run the 16-block programs up to 64 tokens and
+    the whole table past them, and decode the greedy tokens of the model's forward with dynamic skips."""
+    from paged import PagedRunner
+
+    from imp_jax import LLM, SamplingParams
+    from imp_jax.model.loader import load_model
+
+    prompt = np.random.RandomState(0).randint(0, 256, 60).tolist()
+    runner = PagedRunner(load_model(tiny_hf_dir, dtype="float32", kernels=Kernels()).model, num_blocks=24,
+                         block_size=4, max_blocks=32)
+    _, want = runner.greedy(prompt, 8, table=list(range(1, 18)), num_tokens=64, num_seqs=1)
+
+    contexts = []
+    program_key = step_module.CompiledStep._program_key
+
+    def spy(self, T, S, longest):
+        key = program_key(self, T, S, longest)
+        contexts.append((longest, key[2]))
+        return key
+
+    monkeypatch.setattr(step_module.CompiledStep, "_program_key", spy)
+    monkeypatch.setattr("imp_jax.runtime.builder.select_tested_kernels",
+                        lambda *a, **kw: Kernels(dynamic_skips=False))
+    llm = LLM(str(tiny_hf_dir), max_num_seqs=1, max_num_batched_tokens=16, max_model_len=128, block_size=4,
+              num_kv_blocks=32)
+    step = llm.core.step_fn
+    assert step.context_buckets == [16, 32] and len(step.buckets) == 2 * len(step_module.step_buckets(16, 1))
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)
+    [out] = llm.generate([prompt], params)
+    assert out.outputs[0].token_ids == want and step.compilations_after_warmup == 0
+    assert {c for longest, c in contexts if longest <= 64} == {16}
+    assert {c for longest, c in contexts if longest > 64} == {32}

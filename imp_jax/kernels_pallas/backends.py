@@ -54,6 +54,13 @@ class Kernels:
         return self.gemm in ("cpu", "cpu_q8")
 
     @property
+    def bucketed_context(self) -> bool:
+        """Whether step programs come per context length (runtime/step.py): XLA attention without dynamic
+        skips walks its block tables to a static bound, so each program hands it only the columns its
+        step's longest sequence can reach, not the whole table."""
+        return self.attention == "xla" and not self.dynamic_skips
+
+    @property
     def keeps_blocks(self) -> bool:
         """Whether a GGUF's quantised matrices stay as its blocks (`quantized`)."""
         return self.quantized == "keep" or (self.quantized == "auto" and self.reads_narrow_weights)

@@ -87,27 +87,29 @@ def gemm_error(device: Any, kernels: Kernels) -> str | None:
     return None
 
 
-def tiny_batch(shape: AttentionShape) -> tuple[Any, ...]:
+def tiny_batch(shape: AttentionShape, seqs: tuple[tuple[int, int], ...] = SEQS, num_tokens: int = NUM_TOKENS,
+               num_slots: int = NUM_SLOTS) -> tuple[Any, ...]:
     """(q [T, H, D], one layer of caches [1, NB, BS, KVH, D] in the cache dtype, metadata, sinks or None) for
-    `SEQS` on shuffled pages of `shape`'s block size; the step's own K/V is already in the caches."""
+    `seqs` ((cached, new) tokens each) on shuffled pages of `shape`'s block size, padded to `num_tokens`
+    tokens and `num_slots` slots; the step's own K/V is already in the caches."""
     rng = np.random.RandomState(0)
     bs = shape.block_size
-    pages = [-(-(start + n) // bs) for start, n in SEQS]
+    pages = [-(-(start + n) // bs) for start, n in seqs]
     ids = rng.permutation(np.arange(1, sum(pages) + 1))   # block 0 stays the null block
-    tables = np.zeros((NUM_SLOTS, max(pages)), np.int32)
-    qsl, seq_lens = np.zeros(NUM_SLOTS + 1, np.int32), np.zeros(NUM_SLOTS, np.int32)
-    slots = np.full(NUM_TOKENS, -1, np.int32)
+    tables = np.zeros((num_slots, max(pages)), np.int32)
+    qsl, seq_lens = np.zeros(num_slots + 1, np.int32), np.zeros(num_slots, np.int32)
+    slots = np.full(num_tokens, -1, np.int32)
     used = t = 0
-    for s, ((start, n), p) in enumerate(zip(SEQS, pages)):
+    for s, ((start, n), p) in enumerate(zip(seqs, pages)):
         tables[s, :p] = ids[used:used + p]
         pos = np.arange(start, start + n)
         slots[t:t + n] = tables[s, pos // bs] * bs + pos % bs
         used, t, seq_lens[s] = used + p, t + n, start + n
         qsl[s + 1:] = t
-    meta = AttentionMetadata(*(jnp.asarray(a) for a in (qsl, seq_lens, tables, slots, np.int32(len(SEQS)))))
+    meta = AttentionMetadata(*(jnp.asarray(a) for a in (qsl, seq_lens, tables, slots, np.int32(len(seqs)))))
     cache_shape = (1, len(ids) + 1, bs, shape.num_kv_heads, shape.head_dim)
     k_cache, v_cache = (cache_of(rng.randn(*cache_shape), shape.cache_dtype) for _ in range(2))
-    q = jnp.asarray(rng.randn(NUM_TOKENS, shape.num_heads, shape.head_dim), shape.q_dtype)
+    q = jnp.asarray(rng.randn(num_tokens, shape.num_heads, shape.head_dim), shape.q_dtype)
     sinks = jnp.asarray(rng.randn(shape.num_heads), jnp.float32) if shape.sinks else None
     return q, k_cache, v_cache, meta, sinks
 

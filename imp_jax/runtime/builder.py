@@ -135,8 +135,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     progress("warming_up", 0.0)
     t0 = time.perf_counter()
 
-    def report(i: int, n: int, bucket: tuple[int, int], seconds: float) -> None:
-        log.info("compiled step %d/%d (tokens=%d, seqs=%d) in %.1fs", i, n, *bucket, seconds)
+    def report(i: int, n: int, bucket: tuple[int, int, int], seconds: float) -> None:
+        log.info("compiled step %d/%d (tokens=%d, seqs=%d, context blocks=%d) in %.1fs", i, n, *bucket, seconds)
         progress("warming_up", i / n)
 
     if background_compile:
@@ -172,7 +172,8 @@ def compile_in_background(core: EngineCore) -> threading.Thread:
         t0 = time.perf_counter()
         try:
             core.step_fn.compile_rest(lambda i, n, bucket, s: log.info(
-                "compiled step %d/%d (tokens=%d, seqs=%d) in the background in %.1fs", i, n, *bucket, s))
+                "compiled step %d/%d (tokens=%d, seqs=%d, context blocks=%d) in the background in %.1fs",
+                i, n, *bucket, s))
         except Exception:   # serving goes on with the programs it has
             log.exception("background compilation failed; steps use the larger compiled buckets")
             return
