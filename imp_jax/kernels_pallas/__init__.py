@@ -2,6 +2,7 @@
 
     attention.py, gemm.py   the entry points models call, dispatching on `Kernels`
     backends.py             `Kernels` and `select_kernels`: the choice, made once per engine
+    self_test.py            `select_tested_kernels`: that choice, each non-XLA backend first checked against XLA
     metadata.py, kv_cache.py  the contracts: batch metadata, the paged cache's layout and writes
     ggml_blocks.py          GGUF block-quantised matrices (Q8_0, Q4_x, Q5_x, Q2_K-Q6_K)
     xla/                    plain XLA: the portable backend, and the attention oracle for tests
@@ -16,7 +17,8 @@ from typing import Any
 # Loaded on first use, so that `imp_jax.kernels_pallas.cpu.build` can start the C++ builds before the
 # server imports jax (the first start's compile runs beside that import: docs/PERF.md, Cold start).
 _EXPORTS = {"ggml_blocks": "ggml_blocks", "paged_attention": "attention", "ragged_paged_attention": "attention",
-            "XLA": "backends", "Kernels": "backends", "select_kernels": "backends", "matmul_wt": "gemm",
+            "XLA": "backends", "Kernels": "backends", "select_kernels": "backends",
+            "select_tested_kernels": "self_test", "matmul_wt": "gemm",
             "kv_storage_dtype": "kv_cache", "AttentionMetadata": "metadata", "AttentionShape": "metadata"}
 
 __all__ = sorted(_EXPORTS)

@@ -2,7 +2,8 @@
 
 `select_kernels` turns the operator's choice (`--attention`, `--gemm`; `auto` by default) into a
 `Kernels` value; the model holds it and passes it to every kernel call, so a compiled program
-never looks at the environment. A backend asked for by name where it cannot run is an error.
+never looks at the environment. A backend asked for by name where it cannot run is an error. The engine
+calls it through `self_test.select_tested_kernels`, which first runs each non-XLA choice against XLA.
 """
 from __future__ import annotations
 
@@ -51,6 +52,13 @@ class Kernels:
         """Whether bf16 matrices pay: only the CPU GEMM kernel reads them as they are; XLA's dot
         would widen them on every call."""
         return self.gemm in ("cpu", "cpu_q8")
+
+    @property
+    def bucketed_context(self) -> bool:
+        """Whether step programs come per context length (runtime/step.py): XLA attention without dynamic
+        skips walks its block tables to a static bound, so each program hands it only the columns its
+        step's longest sequence can reach, not the whole table."""
+        return self.attention == "xla" and not self.dynamic_skips
 
     @property
     def keeps_blocks(self) -> bool:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.kernels_pallas import AttentionShape, Kernels, kv_storage_dtype, select_kernels
+from imp_jax.kernels_pallas import AttentionShape, Kernels, kv_storage_dtype, select_tested_kernels
 from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.converted import read_converted, restore_model
@@ -121,13 +121,13 @@ def attention_shape(config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: 
 
 def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str | None = None,
                model_class: str | None = None, kernels: Kernels | None = None) -> LoadedModel:
-    """Open and build a model for the default device: `kernels` default to what `select_kernels`
+    """Open and build a model for the default device: `kernels` default to what `select_tested_kernels`
     picks there for a KV cache of the model's dtype (the engine builder makes that choice itself)."""
     device = jax.local_devices()[0]
     ckpt = open_checkpoint(name_or_path)
     jdtype = resolve_dtype(dtype, device.platform)
     if kernels is None:
-        kernels = select_kernels(device, attention_shape(ckpt.config, jdtype, jdtype, 16, device.platform))
+        kernels = select_tested_kernels(device, attention_shape(ckpt.config, jdtype, jdtype, 16, device.platform))
     options = ModelOptions(jdtype, layer_loop or default_layer_loop(device.platform), kernels)
     return build_model(ckpt, options, model_class)
 

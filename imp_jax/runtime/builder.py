@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from imp_jax.errors import ImpError, ModelLoadError
-from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels
+from imp_jax.kernels_pallas import kv_storage_dtype, select_tested_kernels
 from imp_jax.kernels_pallas.cpu import build as cpu_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
@@ -98,7 +98,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
         if fit is not None:
             quantized = fit.choice
             log.info("quantised GGUF matrices: %s (--quantized-weights auto): %s", fit.choice, fit.why)
-    kernels = select_kernels(device, shape, attention=config.attention, gemm=config.gemm, quantized=quantized)
+    kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
+                                    quantized=quantized)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = build_model(ckpt, options, config.model_class)
@@ -138,8 +139,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     progress("warming_up", 0.0)
     t0 = time.perf_counter()
 
-    def report(i: int, n: int, bucket: tuple[int, int], seconds: float) -> None:
-        log.info("compiled step %d/%d (tokens=%d, seqs=%d) in %.1fs", i, n, *bucket, seconds)
+    def report(i: int, n: int, bucket: tuple[int, int, int], seconds: float) -> None:
+        log.info("compiled step %d/%d (tokens=%d, seqs=%d, context blocks=%d) in %.1fs", i, n, *bucket, seconds)
         progress("warming_up", i / n)
 
     if background_compile:
@@ -192,7 +193,8 @@ def compile_in_background(core: EngineCore) -> threading.Thread:
         t0 = time.perf_counter()
         try:
             core.step_fn.compile_rest(lambda i, n, bucket, s: log.info(
-                "compiled step %d/%d (tokens=%d, seqs=%d) in the background in %.1fs", i, n, *bucket, s))
+                "compiled step %d/%d (tokens=%d, seqs=%d, context blocks=%d) in the background in %.1fs",
+                i, n, *bucket, s))
         except Exception:   # serving goes on with the programs it has
             log.exception("background compilation failed; steps use the larger compiled buckets")
             return

@@ -87,7 +87,7 @@ class Leader:
         self.num_processes = num_processes
         self._last = time.monotonic()
 
-    def send(self, op: int, bucket: tuple[int, int] = (0, 0), ints: np.ndarray | None = None,
+    def send(self, op: int, bucket: tuple[int, int, int] = (0, 0, 0), ints: np.ndarray | None = None,
              floats: np.ndarray | None = None) -> None:
         from jax.experimental.multihost_utils import broadcast_one_to_all
         sizes = (0, 0) if ints is None else (ints.size, floats.size)
@@ -122,17 +122,17 @@ class Leader:
 def follow(step_fn: Any) -> int:
     """A follower's loop: run what the leader announces until it says stop (0) or is lost (1)."""
     from jax.experimental.multihost_utils import broadcast_one_to_all
-    header = np.zeros(5, np.int32)
+    header = np.zeros(6, np.int32)
     while True:
         try:
-            op, T, S, n_int, n_float = (int(x) for x in broadcast_one_to_all(header))
+            op, T, S, C, n_int, n_float = (int(x) for x in broadcast_one_to_all(header))
             if op == STOP:
                 log.info("multi-host: process 0 says stop")
                 return 0
             if op == NOOP:
                 continue
             ints, floats = broadcast_one_to_all((np.zeros(n_int, np.int32), np.zeros(n_float, np.float32)))
-            step_fn.run_packed(PROGRAMS[op], (T, S), ints, floats)
+            step_fn.run_packed(PROGRAMS[op], (T, S, C), ints, floats)
         except Exception as e:
             log.error("multi-host: lost process 0 (or a peer); exiting: %s", e)
             return 1

@@ -5,6 +5,12 @@ up and never traces. Start-up can compile just the serving set (the largest buck
 any step, and the smallest) and compile the rest in the background: until a bucket is compiled,
 a step that would fit it runs in the smallest compiled bucket that holds it. A counter of
 compilations after warm-up (the background compiles done) proves serving never compiles.
+
+Context buckets: where the attention walks the block tables to a static bound (XLA without dynamic skips:
+`Kernels.bucketed_context`, GPUs without the Pallas kernel) each (T, S) bucket has one program per power
+of two of block-table columns, from MIN_CONTEXT_BLOCKS up to the whole table, and a step runs the
+smallest that reaches its longest sequence: a short-context step reads a few blocks, not max_model_len's.
+Elsewhere the one context bucket is the whole table (the attention stops at `seq_lens` by itself).
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from imp_jax.runtime.sharding import kv_sharding, replicated, state_shardings
 from imp_jax.runtime.step_programs import step_programs
 
 log = logging.getLogger("imp_jax.step")
-Progress = Callable[[int, int, tuple[int, int], float], None]   # (i, n, bucket, seconds)
+Progress = Callable[[int, int, tuple[int, int, int], float], None]   # (i, n, (T, S, context), seconds)
+MIN_CONTEXT_BLOCKS = 16   # the smallest context bucket: below it, fewer blocks save less than a program costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +56,7 @@ class CompiledStep:
     """Owns the model state and the KV cache; runs one donated, in-place step per call.
 
     Three programs share the forward pass: `step` (logits of the sampled rows -> sampler) per
-    (T, S) bucket, `score` (raw logprobs of every row, for prompt_logprobs) for one bucket, and
+    (T, S, context) bucket, `score` (raw logprobs of every row, for prompt_logprobs) for one bucket, and
     `lens` (one token's per-layer readout, for logit_lens: runtime/logit_lens.py) when the model
     returns per-layer residuals.
     Both read the block tables from device-resident rows (runtime/block_tables.py) that they edit
@@ -64,14 +71,15 @@ class CompiledStep:
                  buckets: list[tuple[int, int]], mesh: Mesh):
         self.graphdef, state = nnx.split(model)
         self.shapes = shapes
-        self.buckets = sorted(buckets)
+        self.context_buckets = context_buckets(shapes.max_blocks, model.options.kernels.bucketed_context)
+        self.buckets = sorted((T, S, C) for T, S in buckets for C in self.context_buckets)
         self.mesh = mesh
         state_sh, kv_sh, rep = state_shardings(state, mesh), kv_sharding(mesh), replicated(mesh)
         self.state = jax.device_put(state, state_sh)
         if mesh.size > 1:   # the loader left the weights on the host, shard-major: keep only the placed shards
             nnx.update(model, self.state)
         self.kv = jax.device_put(kv, (kv_sh, kv_sh))
-        self.max_rows = max(s for _, s in self.buckets)   # the previous step's tokens, padded to this
+        self.max_rows = max(s for _, s, _ in self.buckets)   # the previous step's tokens, padded to this
         # every running sequence's block table, a row each; twice the rows a step holds, so finished and
         # preempted sequences' rows are reclaimed in batches (block_tables.py)
         self.device_tables = DeviceTables(2 * self.max_rows + 2, shapes.max_blocks)
@@ -88,9 +96,9 @@ class CompiledStep:
         self._leaf_specs, self._kv_spec = [spec(a) for a in self._leaves], jax.tree.map(spec, self.kv)
         self._tables_spec = spec(self.tables)
         self._layouts: dict[tuple[str, int, int], Layout] = {}
-        self._exec: dict[tuple[int, int], Any] = {}
-        self._compiled: list[tuple[int, int]] = []     # sorted; replaced whole, so readers need no lock
-        self._unrun: list[tuple[int, int]] = []        # compiled, not yet run once (under _unrun_lock)
+        self._exec: dict[tuple[int, int, int], Any] = {}
+        self._compiled: list[tuple[int, int, int]] = []   # sorted; replaced whole, so readers need no lock
+        self._unrun: list[tuple[int, int, int]] = []      # compiled, not yet run once (under _unrun_lock)
         self._compile_lock = threading.Lock()
         self._stop_compiling = threading.Event()
         self._unrun_lock = threading.Lock()
@@ -105,7 +113,7 @@ class CompiledStep:
         ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
         self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
         self.last_tokens = self.no_prev   # the tokens of the step launched last, padded to max_rows
-        jit = lambda f: jax.jit(f, static_argnums=(6,), donate_argnums=(1, 2), in_shardings=ins,
+        jit = lambda f: jax.jit(f, static_argnums=(6, 7), donate_argnums=(1, 2), in_shardings=ins,
                                 out_shardings=(rep, (kv_sh, kv_sh), rep))
         self._step_jit, self._score_jit = jit(programs["step"]), jit(programs["score"])
         self._jits = {"step": self._step_jit, "score": self._score_jit, "lens": jit(programs["lens"])}
@@ -120,7 +128,7 @@ class CompiledStep:
             self._tables_spec, jax.ShapeDtypeStruct((3, self.table_chunk), jnp.int32)).compile()
         self.score_tokens = self.buckets[-1][0]   # prompt logprobs run one sequence, chunk by chunk
 
-    def serving_set(self) -> list[tuple[int, int]]:
+    def serving_set(self) -> list[tuple[int, int, int]]:
         """The buckets start-up compiles before serving: the largest (holds any step) and the smallest."""
         return sorted({self.buckets[-1], self.buckets[0]}, reverse=True)
 
@@ -164,12 +172,12 @@ class CompiledStep:
             self._score_unrun = self._score_unrun and not score
         if bucket is None and not score:
             return False
-        T, S = bucket or (self.score_tokens, 1)
+        T, S, C = bucket or (self.score_tokens, 1, self.shapes.max_blocks)
         batch = self.empty_batch(T, S)
         if score:   # its first run keeps ~55 MiB of buffers: at start-up, not mid-traffic
             self.score(batch, np.zeros(T, np.int32), [])
         else:
-            fetch(self.launch(batch, self._dummy_sampling(S), 0, []))
+            fetch(self.launch(batch, self._dummy_sampling(S), 0, [], context=C))
         return True
 
     def empty_batch(self, T: int, S: int) -> StepBatch:
@@ -190,28 +198,30 @@ class CompiledStep:
         """Every program compiled: from now on a compilation is counted."""
         return self._warm
 
-    def _compile_timed(self, bucket: tuple[int, int], i: int, progress: Progress | None) -> None:
+    def _compile_timed(self, bucket: tuple[int, int, int], i: int, progress: Progress | None) -> None:
         t0 = time.perf_counter()
         self._compile(bucket, counted=False)
         if progress:
             progress(i, len(self.buckets), bucket, time.perf_counter() - t0)
 
-    def lowered(self, program: str, T: int, S: int) -> Any:
-        """The `program` ("step", "score" or "lens") for T tokens over S sequence slots, lowered, not compiled."""
+    def lowered(self, program: str, T: int, S: int, context: int | None = None) -> Any:
+        """The `program` ("step", "score" or "lens") for T tokens over S sequence slots reading `context`
+        block-table columns (default: all), lowered, not compiled."""
         layout = self._layout(program, T, S)
         jitted = self._jits[program]
         return jitted.lower(self._leaf_specs, self._kv_spec, self._tables_spec,
                             jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
                             jax.ShapeDtypeStruct((layout.float_size,), jnp.float32),
                             jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.no_prev.sharding),
-                            layout)
+                            layout, context or self.shapes.max_blocks)
 
-    def _lower(self, program: str, T: int, S: int, counted: bool = True) -> Any:
-        """Compile `program` for T tokens over S sequence slots (counted once warm-up is over)."""
-        exe = self.lowered(program, T, S).compile()
+    def _lower(self, program: str, T: int, S: int, context: int | None = None, counted: bool = True) -> Any:
+        """Compile `program` for T tokens over S sequence slots and `context` table columns (counted once
+        warm-up is over)."""
+        exe = self.lowered(program, T, S, context).compile()
         if counted and self._warm:
             self.compilations_after_warmup += 1
-            log.warning("compiled a %s program for T=%d S=%d after warm-up", program, T, S)
+            log.warning("compiled a %s program for T=%d S=%d context=%s after warm-up", program, T, S, context)
         return exe
 
     def _layout(self, program: str, T: int, S: int) -> Layout:
@@ -226,7 +236,7 @@ class CompiledStep:
             self._layouts[key] = pack(tree)[0]
         return self._layouts[key]
 
-    def _compile(self, bucket: tuple[int, int], counted: bool = True) -> Any:
+    def _compile(self, bucket: tuple[int, int, int], counted: bool = True) -> Any:
         with self._compile_lock:
             if bucket in self._exec:
                 return self._exec[bucket]
@@ -278,7 +288,7 @@ class CompiledStep:
         out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
         return out
 
-    def run_packed(self, program: str, bucket: tuple[int, int], ints: np.ndarray, floats: np.ndarray) -> None:
+    def run_packed(self, program: str, bucket: tuple[int, int, int], ints: np.ndarray, floats: np.ndarray) -> None:
         """A multi-host follower: run the program the leader announced on its packed inputs, to the end."""
         if program == "tables":
             self.tables = self._write_exec(self.tables, ints.reshape(3, -1))
@@ -299,7 +309,7 @@ class CompiledStep:
             chunk, edits = edits[:n], edits[n:]
             packed = self.device_tables.pack(chunk, self.table_chunk)
             if self.leader is not None:
-                self.leader.send(TABLES, (0, 0), packed.ravel(), np.zeros(0, np.float32))
+                self.leader.send(TABLES, (0, 0, 0), packed.ravel(), np.zeros(0, np.float32))
             self.tables = self._write_exec(self.tables, packed)
             self.table_writes += 1
         batch.table_rows, batch.table_edits = rows, self.device_tables.pack(edits, room)
@@ -384,17 +394,25 @@ class CompiledStep:
         return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=s.vocab_size,
                                       history_len=s.history_len, max_bias=s.max_bias, with_mask=True)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The smallest compiled bucket holding this many tokens and sequences (every bucket once
-        warm; before, the largest is always compiled)."""
-        for T, S in self._compiled or self.buckets:
-            if T >= num_tokens and S >= num_seqs:
+    def bucket_for(self, num_tokens: int, num_seqs: int, longest: int = 0) -> tuple[int, int]:
+        """The (T, S) of the smallest compiled bucket holding this many tokens and sequences, with a program
+        for sequences of `longest` tokens (every bucket once warm; before, the largest is always compiled)."""
+        need = -(-longest // self._block_size)
+        for T, S, C in self._compiled or self.buckets:
+            if T >= num_tokens and S >= num_seqs and C >= need:
                 return T, S
         raise ValueError(f"no bucket holds {num_tokens} tokens and {num_seqs} sequences")
 
+    def _program_key(self, T: int, S: int, longest: int) -> tuple[int, int, int]:
+        """The step program for a (T, S) batch whose longest sequence has `longest` tokens: the smallest
+        compiled context bucket reaching it (`bucket_for` saw one), else the one to compile."""
+        need = -(-longest // self._block_size)
+        compiled = [key for key in self._compiled if key[:2] == (T, S) and key[2] >= need]
+        return compiled[0] if compiled else (T, S, next(c for c in self.context_buckets if c >= need))
+
     def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int, tables: list[BlockTable],
                follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None,
-               cfg: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
+               cfg: tuple[np.ndarray, np.ndarray] | None = None, context: int | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
         arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
         `batch` is built without tables (`with_tables=False`); `tables` are its sequences' BlockTables.
@@ -402,8 +420,10 @@ class CompiledStep:
         `follow` = (src [T], hist_pos [S]) with `prev` (an earlier launch's `last_tokens`): token row t
         takes prev[src[t]] when src[t] >= 0, and sampling row r's history slot hist_pos[r] (>= 0) gets
         its last token's id (the engine's asynchronous scheduling). `last_tokens` is this step's.
-        `cfg` = (shadow row [S], scale [S]) guides row r's logits by row shadow[r] >= 0 (runtime/cfg.py)."""
-        bucket = (len(batch.input_ids), len(batch.seq_lens))
+        `cfg` = (shadow row [S], scale [S]) guides row r's logits by row shadow[r] >= 0 (runtime/cfg.py).
+        `context`: the program's context bucket (default: the smallest reaching the batch's sequences)."""
+        T, S = len(batch.input_ids), len(batch.seq_lens)
+        bucket = (T, S, context) if context else self._program_key(T, S, int(batch.seq_lens.max(initial=0)))
         exe = self._exec.get(bucket) or self._compile(bucket)
         with self._unrun_lock:
             if bucket in self._unrun:
@@ -443,3 +463,9 @@ def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int
     grid = [(t, min(t, max_num_seqs)) for t in ts]
     diagonal = [(s, s) for s in pow2_buckets(1, max_num_seqs) if s < ts[0]]
     return sorted(set(grid + diagonal))
+
+
+def context_buckets(max_blocks: int, bucketed: bool) -> list[int]:
+    """The block-table widths step programs are compiled for: the whole table, or with `bucketed`
+    (`Kernels.bucketed_context`) powers of two from MIN_CONTEXT_BLOCKS up to it (the module docstring)."""
+    return pow2_buckets(min(MIN_CONTEXT_BLOCKS, max_blocks), max_blocks) if bucketed else [max_blocks]

@@ -72,7 +72,8 @@ class StepBuilder:
         before it (runtime/speculative.py)."""
         step_fn = self.s.step_fn
         num_drafts = sum(len(c.drafts) for c in chunks)
-        T, S = step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks) + num_drafts)
+        longest = max((c.seq.num_computed + c.num_tokens for c in chunks), default=0)   # its KV after the step
+        T, S = step_fn.bucket_for(sum(c.num_tokens for c in chunks), len(chunks) + num_drafts, longest)
         src = np.full(T, -1, np.int32)
         hist_pos = np.full(S, -1, np.int32)
         seq_chunks, rows, samples, extra_rows, extra_specs, failed = [], [], [], [], [], []

@@ -44,8 +44,9 @@ def model_forward(model: Any, graphdef: Any, treedef: Any) -> Callable:
 def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Array], mesh: Mesh,
                   max_rows: int) -> dict[str, Callable]:
     """The programs' functions for `model` split into (graphdef, flat leaves): each takes (leaves, kv, tables,
-    ints, floats, prev, layout) and returns (outputs, kv, tables). On a mesh of more than one device the
-    forward and the LM head run per shard under `shard_map`."""
+    ints, floats, prev, layout, context) and returns (outputs, kv, tables); `context` (static) is how many
+    leading block-table columns the attention gets (runtime/step.py, context buckets). On a mesh of more
+    than one device the forward and the LM head run per shard under `shard_map`."""
     dynamic_skips = model.options.kernels.dynamic_skips
     with_lora = getattr(model, "lora", None) is not None
     forward_logits = model_forward(model, graphdef, treedef)
@@ -68,16 +69,17 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
             in_specs=([a.sharding.spec for a in leaves_], kv_spec, *[PartitionSpec()] * 4),
             out_specs=(logits_spec, kv_spec))
 
-    def meta_of(tables, meta_in, table_rows, edits):
-        """The step's AttentionMetadata, its rows read from the device tables after this step's edits."""
+    def meta_of(tables, meta_in, table_rows, edits, context):
+        """The step's AttentionMetadata, its rows (their first `context` columns) read from the device
+        tables after this step's edits."""
         tables = tables.at[edits[0], edits[1]].set(edits[2], mode="drop")
         qsl, seq_lens, slot_mapping, num_seqs = meta_in
-        return AttentionMetadata(qsl, seq_lens, tables[table_rows], slot_mapping, num_seqs), tables
+        return AttentionMetadata(qsl, seq_lens, tables[table_rows, :context], slot_mapping, num_seqs), tables
 
-    def step(leaves, kv, tables, ints, floats, prev, layout):
+    def step(leaves, kv, tables, ints, floats, prev, layout, context):
         (input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos,
          (cfg_rows, cfg_scale)) = unpack(layout, ints, floats)
-        meta, tables = meta_of(tables, meta, table_rows, edits)
+        meta, tables = meta_of(tables, meta, table_rows, edits, context)
         # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
         # step's sample at row src (-1: the host's id); a penalised row's history gets it too
         input_ids = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], input_ids)
@@ -91,9 +93,9 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
         out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)
         return (out, jnp.pad(out.tokens, (0, max_rows - out.tokens.shape[0]))), kv, tables
 
-    def score(leaves, kv, tables, ints, floats, prev, layout):
+    def score(leaves, kv, tables, ints, floats, prev, layout, context):
         input_ids, positions, meta, table_rows, edits, targets, lora_ids = unpack(layout, ints, floats)
-        meta, tables = meta_of(tables, meta, table_rows, edits)
+        meta, tables = meta_of(tables, meta, table_rows, edits, context)
         logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, None)
         logprobs = jax.nn.log_softmax(logits, axis=-1)   # raw: no sampling knobs
         target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)
@@ -101,9 +103,9 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
         top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
         return (target[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_lp), kv, tables
 
-    def lens(leaves, kv, tables, ints, floats, prev, layout):
+    def lens(leaves, kv, tables, ints, floats, prev, layout, context):
         input_ids, positions, meta, table_rows, edits, target, lora_ids = unpack(layout, ints, floats)
-        meta, tables = meta_of(tables, meta, table_rows, edits)
+        meta, tables = meta_of(tables, meta, table_rows, edits, context)
         logits, kv = forward_lens(leaves, kv, input_ids, positions, meta, lora_ids)
         return lens_readout(logits, target), kv, tables
 
