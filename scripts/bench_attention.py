@@ -225,8 +225,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     p.add_argument("--modes", nargs="+", default=["decode", "prefill", "mixed"])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    p.add_argument("--batches", type=int, nargs="+", help="default 1 8 32 64 128 256 (--quick: 1 3)")
+    p.add_argument("--contexts", type=int, nargs="+", help="default 512 2048 8192 32768 (--quick: 100 200)")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 22, help="skip steps with more cached tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=32768)
     p.add_argument("--max-reference-work", type=int, default=1 << 27,
@@ -245,9 +245,10 @@ def main() -> None:
     a = p.parse_args()
     shape = Shape(a.heads, a.kv_heads, a.head_dim, a.block_size, a.dtype)
     if a.quick:
-        a.batches, a.contexts, a.iters = [1, 3], [100, 200], 1   # 100 keys: 2 kv steps, so auto splits
+        a.batches, a.contexts, a.iters = a.batches or [1, 3], a.contexts or [100, 200], 1   # 100 keys: 2 kv steps
         a.hbm_bytes = min(a.hbm_bytes, 64 << 20)
         shape = Shape(4, 2, 64, 16, a.dtype)
+    a.batches, a.contexts = a.batches or [1, 8, 32, 64, 128, 256], a.contexts or [512, 2048, 8192, 32768]
     interpret = not is_hopper(jax.local_devices()[0])
     mode = "interpreted" if interpret else "compiled"
     print(f"device {jax.devices()[0].device_kind}; pallas {mode}; {shape}")

@@ -56,7 +56,7 @@ SINK_CASES = {
                                        sliding_window=128, **GPT_OSS),
     "split_prefill_window+sinks": KERNEL_CASES["split_prefill_window"],
 }
-INTERPRETED = ("decode_only", "split_prefill_window", "split_prefill_window+sinks")   # CPU dry run: seconds each
+INTERPRETED = ("decode_only", "split_prefill_window+sinks")   # CPU dry run: seconds each
 FORCED_SPLITS = 5
 
 
