@@ -155,6 +155,8 @@ for part in $PARTS; do
 done
 
 device=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-label=$([ -n "$MODEL" ] && echo "$MODEL" || { [ "$DRY" = 1 ] && echo "tiny Llama, random weights" ||
-  echo "1B Llama shapes, random weights"; })
+tokenizer=$($PY -c "import json, sys; v = json.load(open(sys.argv[1]))['vocab_size']
+print('SmolLM2 tokenizer' if v == 49152 else f'a {v}-token BPE: no SmolLM2 skeleton')" "$model_path/config.json" 2> /dev/null)
+label=$([ -n "$MODEL" ] && echo "$MODEL" || { [ "$DRY" = 1 ] && echo "tiny Llama" || echo "1B Llama shapes"; })
+label="$label${tokenizer:+, $tokenizer}$([ -z "$MODEL" ] && echo ", random weights")"
 $PY scripts/gpu_check_summary.py "$OUT_DIR" "$STATUS" "$label" "${device:-no GPU} (total $(( $(date +%s) - START ))s)"
