@@ -7,7 +7,8 @@ GPU run shows what split-KV buys at batch 1 and long contexts. A fixed count equ
 not run twice.
 
 Prints time, achieved HBM bandwidth and FLOP/s (as fractions of the device's peak where known)
-per (mode, batch, context) and writes JSON with --out. `--quick` runs small sizes; off a Hopper GPU
+per (mode, batch, context) and writes JSON with --out, with the bandwidth a plain x + 1 program
+reaches in the same run (`measured_bandwidth`: the attainable ceiling, below the datasheet peak). `--quick` runs small sizes; off a Hopper GPU
 the Pallas kernel runs in the Mosaic GPU interpreter, at the smallest size of each mode only (a
 correctness smoke test against the reference, not a speed figure).
 
@@ -108,9 +109,19 @@ def time_fn(fn: Callable, args: tuple, iters: int) -> float:
     return statistics.median(times)
 
 
-def jax_decode_kernel() -> Callable | None:
-    """jax's shipped decode-only paged attention (Triton), None if absent. It wants its own cache
-    layout [KVH, NB, BS, D]: the transpose happens outside the timed call (see bench_one)."""
+def measure_hbm_bandwidth(nbytes: int, iters: int = 5) -> float:
+    """The device memory bandwidth (bytes/s) a plain program reaches in this run: x + 1 over an
+    `nbytes` array reads and writes it once, the ceiling the attention rows are measured against."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    add = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(add(x))
+    return 2 * nbytes / time_fn(add, (x,), iters)
+
+
+def jax_decode_kernel(interpret: bool) -> Callable | None:
+    """jax's shipped decode-only paged attention (Triton; interpreted on a CPU), None if absent. It
+    wants its own cache layout [KVH, NB, BS, D]: the transpose happens outside the timed call (see
+    bench_one)."""
     try:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
     except Exception:  # noqa: BLE001 - absent or broken on this jax: just skip it
@@ -122,7 +133,7 @@ def jax_decode_kernel() -> Callable | None:
         while splits > 1 and pages % (splits * per_block):
             splits //= 2
         return paged_attention(q, k_pages, v_pages, meta.block_tables, meta.seq_lens,
-                               pages_per_compute_block=per_block, k_splits=splits)
+                               pages_per_compute_block=per_block, k_splits=splits, interpret=interpret)
     return jax.jit(run)
 
 
@@ -159,10 +170,10 @@ def bench_one(mode: str, batch: int, context: int, shape: Shape, iters: int, int
             backends[name] = (jax.jit(functools.partial(_pallas, sm_scale=scale, interpret=interpret,
                                                         kv_splits=n)), args)
             chosen[name] = auto if n is None else n
-    jax_kernel = jax_decode_kernel() if mode == "decode" and not interpret else None
+    jax_kernel = jax_decode_kernel(interpret) if mode == "decode" and with_pallas else None
     if jax_kernel is not None:
         pages = tuple(c[0].transpose(2, 0, 1, 3) for c in (k_cache, v_cache))
-        backends["jax_paged_attention"] = (jax_kernel, (q, *pages, meta))
+        backends["jax_paged_attention"] = (jax_kernel, (q * scale, *pages, meta))   # it takes q pre-scaled
     peak_bw, peak_flops = device_peaks()
     rows, ref_out = [], None
     for name, (fn, fn_args) in backends.items():
@@ -214,8 +225,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     p.add_argument("--modes", nargs="+", default=["decode", "prefill", "mixed"])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    p.add_argument("--batches", type=int, nargs="+", help="default 1 8 32 64 128 256 (--quick: 1 3)")
+    p.add_argument("--contexts", type=int, nargs="+", help="default 512 2048 8192 32768 (--quick: 100 200)")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 22, help="skip steps with more cached tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=32768)
     p.add_argument("--max-reference-work", type=int, default=1 << 27,
@@ -228,17 +239,23 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--hbm-bytes", type=int, default=2 << 30,
+                   help="array size of the device bandwidth measurement the rows are compared with")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args()
     shape = Shape(a.heads, a.kv_heads, a.head_dim, a.block_size, a.dtype)
     if a.quick:
-        a.batches, a.contexts, a.iters = [1, 3], [100, 200], 1   # 100 keys: 2 kv steps, so auto splits
+        a.batches, a.contexts, a.iters = a.batches or [1, 3], a.contexts or [100, 200], 1   # 100 keys: 2 kv steps
+        a.hbm_bytes = min(a.hbm_bytes, 64 << 20)
         shape = Shape(4, 2, 64, 16, a.dtype)
+    a.batches, a.contexts = a.batches or [1, 8, 32, 64, 128, 256], a.contexts or [512, 2048, 8192, 32768]
     interpret = not is_hopper(jax.local_devices()[0])
     mode = "interpreted" if interpret else "compiled"
     print(f"device {jax.devices()[0].device_kind}; pallas {mode}; {shape}")
+    hbm = measure_hbm_bandwidth(a.hbm_bytes)
+    print(f"measured device bandwidth (x + 1 over {a.hbm_bytes >> 20} MiB): {hbm / 1e9:.1f} GB/s")
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, peaks=device_peaks(),
-                interpret=interpret)
+                interpret=interpret, measured_bandwidth=hbm)
     rows: list[dict] = []
     for mode in a.modes:
         for batch in a.batches:

@@ -132,7 +132,7 @@ def ceiling_tok_s(model, batch: int, prompt_len: int, output_len: int, gemm_rate
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     """n prompts of exactly `length` tokens, each distinct from every prompt made before in this
     process: the first token differs, so no run reuses another's prefix cache."""
-    base = tokenizer.encode("The history of science is long and full of surprising turns. " * 40,
+    base = tokenizer.encode("The history of science is long and full of surprising turns. " * max(40, length // 8),
                             add_special_tokens=False)
     return [[100 + next(_PROMPTS_MADE)] + base[1:length] for _ in range(n)]
 
@@ -209,6 +209,8 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help="auto | xla | cpu | pallas (the engine's flag)")
     ap.add_argument("--gemm", default="auto", help="auto | xla | cpu | cpu_q8 (the engine's flag)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
+    ap.add_argument("--long-context", type=int, default=0,
+                    help="also one stream decoding --output-len tokens after a prompt of this many (0: none)")
     ap.add_argument("--async-scheduling", nargs="+", choices=("on", "off"), default=["on"],
                     help="the engine's flag; several (on off) run each batch under each, interleaved")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each batch (and mode), interleaved; "
@@ -221,29 +223,37 @@ def main() -> int:
 
     max_seqs = max(args.batches)
     t0 = time.perf_counter()
-    core = build_engine(EngineConfig(model=args.model, max_model_len=args.prompt_len + args.output_len + 16,
+    phases: dict[str, float] = {}
+    core = build_engine(EngineConfig(model=args.model,
+                                     max_model_len=max(args.prompt_len, args.long_context) + args.output_len + 16,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                      dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention=args.attention,
-                                     gemm=args.gemm, async_scheduling=args.async_scheduling[0]))
+                                     gemm=args.gemm, async_scheduling=args.async_scheduling[0]),
+                        progress=lambda phase, frac: phases.setdefault(phase, time.perf_counter() - t0))
     startup = time.perf_counter() - t0
     bw = measure_bandwidth()
     weight_bytes = sum(x.nbytes for x in jax_leaves(core.step_fn.state))
     roofline_s = weight_bytes / bw
     step_s = decode_step_time(core, args.prompt_len)
     gemm = measure_gemm_rate()
-    peak = measure_fma_peak()
+    platform = core.step_fn.kv[0].devices().pop().platform
+    peak = measure_fma_peak() if platform == "cpu" else None   # a CPU figure
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
     from imp_jax.model.weights import describe as describe_weights
     kernels = core.loaded.model.options.kernels
     kernel = kernels.gemm in ("cpu", "cpu_q8")
-    results = dict(model=args.model, startup_s=startup, bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
+    results = dict(model=args.model, startup_s=startup, load_s=phases["warming_up"],
+                   compile_s=startup - phases["warming_up"],
+                   compile_s_per_program={f"T{t}xS{n}": sec for (t, n), sec in core.step_fn.compile_seconds.items()},
+                   bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
                    gemm_gflop_s=gemm / 1e9, fma_peak_gflop_s=peak / 1e9 if peak else None,
                    cpu_gemm_kernel=kernel, gemm_backend=kernels.gemm, attention_backend=kernels.attention,
                    weights=describe_weights(core.loaded.model),
                    dtype=np.dtype(core.loaded.dtype).name, kv_cache_dtype=args.kv_cache_dtype,
                    roofline_decode_step_ms=roofline_s * 1e3, decode_step_ms=step_s * 1e3,
                    decode_step_vs_roofline=step_s / roofline_s, engine=[], transformers=[])
-    print(f"startup (load + compile) {startup:.1f}s; weights {weight_bytes / 1e6:.0f} MB; "
+    print(f"startup {startup:.1f}s (load {results['load_s']:.1f}s, compile {results['compile_s']:.1f}s); "
+          f"weights {weight_bytes / 1e6:.0f} MB; "
           f"read bandwidth {bw / 1e9:.1f} GB/s")
     print(f"batch-1 decode step {step_s * 1e3:.1f} ms; roofline {roofline_s * 1e3:.1f} ms "
           f"({step_s / roofline_s:.2f}x)")
@@ -283,12 +293,29 @@ def main() -> int:
                 print(f"{b:5d} {mode:>5} {med('output_tok_s'):13.1f} tok/s, host {100 * med('host_fraction'):5.2f}%, "
                       f"decode step {1e3 * med('decode_step_s'):.2f} ms, "
                       f"host work {1e3 * med('host_work_per_step_s'):.2f} ms/step ({len(es)} runs)")
+    if args.long_context:
+        results["long_context"] = dict(bench_engine(core, 1, args.long_context, args.output_len),
+                                       context=args.long_context)
+        print(f"one stream after a {args.long_context}-token prompt: "
+              f"{results['long_context']['output_tok_s']:.1f} tok/s, decode step "
+              f"{1e3 * results['long_context']['decode_step_s']:.2f} ms")
+    results["device_memory"] = device_memory()
     results["compilations_after_warmup"] = core.step_fn.compilations_after_warmup
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def device_memory() -> dict | None:
+    """The device allocator's bytes in use, peak and limit (GPU); None where it keeps none (CPU)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats()
+    if not stats:
+        return None
+    return {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
 def jax_leaves(tree):

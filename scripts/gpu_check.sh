@@ -1,53 +1,53 @@
 #!/usr/bin/env bash
-# The GPU check: one script, planned for 5-6 minutes on an H200 (not yet timed there; every part has
-# a time limit and the whole a 470 s budget, so it ends within 8 minutes).
-#   kernel     the compiled Pallas attention kernel against the oracle (scripts/gpu_check_kernel.py:
-#              the kernel test cases and GPU-sized ones, kv_splits 1, the default and a forced count)
-#   attention  scripts/bench_attention.py on a small sweep (decode and mixed steps, batch 1/8/64,
-#              context 4k/32k; the Pallas kernel with its default splits and with 1)
-#   engine     scripts/bench_engine.py --no-transformers in bfloat16 (batch 1 and 4, 9 step programs)
-#   server     scripts/smoke_server.py: `python -m imp_jax.server` on loopback, one chat answer through
-#              the openai package and one through the anthropic package, a clean SIGTERM exit
-# and prints ONE summary block. Results (summary.json, kernel/attention/engine/server.json, parts.log,
-# server.log) go to $OUT when it is set (the device tool's folder), else bench_results/gpu_check/.
+# The GPU check: one command, for an H100/H200, planned for 5-6 minutes (not yet timed on a GPU: every
+# part has a time limit and the whole a 470 s budget, so it ends within 8 minutes). Parts, in order:
+#   install    the carried wheels (.whl/) into /tmp/site: the GPU image lacks the server's packages
+#   model      random float16 weights shaped like a 1B Llama (hidden 2048, 16 layers, 32/8 heads of 64,
+#              MLP 8192) with SmolLM2's tokenizer and vocabulary, made from the carried skeleton
+#              (scripts/gpu_model.py)
+#   kernel     the compiled Pallas attention kernel against the oracle on 14 shapes at kv splits 1,
+#              default and forced; a failing variant rerun under the other Mosaic GPU lowering mode
+#              (scripts/gpu_check_kernel.py)
+#   attention  decode (and mixed) attention GB/s of the Pallas kernel, XLA and jax's own Triton paged
+#              attention against the device bandwidth of an x + 1 measured in the same run
+#              (scripts/bench_attention.py)
+#   engine     load time, compile time per program, device memory, tok/s at 1/8/32/128 streams and of
+#              one stream at a 2k context (scripts/bench_engine.py, bfloat16)
+#   logits     the model's logits with Pallas vs XLA attention on the same weights
+#              (scripts/gpu_check_logits.py)
+#   server     `python -m imp_jax.server` on loopback: one chat answer through the openai package and one
+#              through the anthropic package, scripts/bench_serving.py at concurrency 1 and 128, a clean
+#              SIGTERM exit (scripts/smoke_server.py; its engine is the engine part's, so its programs come
+#              from the compilation cache)
+# then prints ONE summary block (scripts/gpu_check_summary.py). Results (summary.json, the parts' JSON,
+# parts.log, server.log) go to $OUT when it is set (the device tool's folder), else bench_results/gpu_check/.
 #
-# The GPU machine has no network, lacks quart/hypercorn/pydantic/openai/anthropic/gguf, and takes at
-# most 64 MiB of carried files per call (the working tree included), less than the SmolLM2 GGUF
-# (94 MiB). So, once, here (with network and the GGUF in ~/.cache/imp_jax/models/):
-#     echo /.whl/ >> .git/info/exclude; echo /.gpu_model/ >> .git/info/exclude   # if git does not ignore them yet
-#     bash scripts/gpu_wheels.sh                  # .whl/: ~10 MB of wheels
-#     python scripts/gpu_model.py prepare         # .gpu_model/: skeleton/ (config + tokenizer, 1.6 MB)
-#                                                 #   and the GGUF in two parts (.0: 55 MiB, .1: 39 MiB)
-# Then on the GPU, either
-#   (a) one call, random weights of SmolLM2's shapes (same speed; answers are gibberish):
-#         run  command: bash scripts/gpu_check.sh
-#              carry:   [".whl", ".gpu_model/skeleton"]          timeout_s: 600
-#   (b) the real SmolLM2, in two calls on one warm machine (it stays warm ~30 s after a call):
-#         run  command: ls -l .gpu_model
-#              carry:   [".gpu_model/SmolLM2-135M-Instruct.Q4_1.gguf.0"]                    timeout_s: 60
-#         and at once after it:
-#         run  command: bash scripts/gpu_check.sh
-#              carry:   [".whl", ".gpu_model/SmolLM2-135M-Instruct.Q4_1.gguf.1",
-#                        ".gpu_model/SmolLM2-135M-Instruct.Q4_1.gguf.sha256", ".gpu_model/skeleton"]
-#                                                                                            timeout_s: 600
-#       If the machine went back in between, part .0 is gone: the check falls back to random weights
-#       and its summary says so.
+# The GPU machine has no network and takes at most 64 MiB of carried files per call. So, once, here:
+#     bash scripts/gpu_wheels.sh                    # .whl/: ~10 MB of wheels
+#     python scripts/gpu_model.py skeleton          # .gpu_model/skeleton/: config + tokenizer, ~2 MB
+# (both ignored by git), then one call of the device tool:
+#     run  command: bash scripts/gpu_check.sh
+#          carry:   [".whl", ".gpu_model/skeleton"]          timeout_s: 600
 #
-# Options: --model auto|real|random|PATH (auto: the GGUF if whole or both parts are here, else random
-# weights from the skeleton), --parts "kernel attention engine server", --budget SECONDS (470),
-# --cpu-dry-run (here, no GPU: the interpreted kernel, tiny sizes, the wheels checked but not used).
+# Options: --parts "install model kernel attention engine logits server" (a subset; install and model
+# always run), --budget SECONDS (470), --model PATH (serve this model instead of random weights),
+# --fail PART (that part fails without running: tests/test_gpu_check.py checks a failure is reported),
+# --cpu-dry-run (here, no GPU: every part at tiny sizes, the kernels interpreted, a tiny Llama made from
+# SmolLM2's cached tokenizer, the wheels checked for CPython 3.12 but not used, skipped when absent).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-MODEL=auto
-PARTS="kernel attention engine server"
+PARTS="kernel attention engine logits server"
 BUDGET=470
 DRY=0
+MODEL=""
+FAIL=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --model) MODEL=$2; shift 2 ;;
     --parts) PARTS=$2; shift 2 ;;
     --budget) BUDGET=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
+    --fail) FAIL=$2; shift 2 ;;
     --cpu-dry-run) DRY=1; shift ;;
     *) echo "unknown option $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -58,13 +58,13 @@ mkdir -p "$OUT_DIR"
 LOG=$OUT_DIR/parts.log
 : > "$LOG"
 STATUS=$(mktemp)
-trap 'rm -f "$STATUS"' EXIT
+WORK=$(mktemp -d)   # the random model (2 GB on the GPU): never under $OUT, which travels back
+trap 'rm -rf "$STATUS" "$WORK"' EXIT
 START=$(date +%s)
 PY=python3
-GGUF=.gpu_model/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONUNBUFFERED=1
 
-record() {  # name rc seconds note...
+record() {  # name rc seconds note...   (rc -1: not run, a failure; -2: skipped by design)
   local name=$1 rc=$2 secs=$3; shift 3
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$*" >> "$STATUS"
 }
@@ -75,10 +75,11 @@ run_part() {  # name budget command...: run it under a time limit, log it, recor
   local limit=$(( budget < left ? budget : left ))
   if [ "$limit" -lt 20 ]; then
     record "$name" -1 0 "not run: the check's --budget of ${BUDGET}s is spent"
-    echo "[$name] SKIP: no time left"; return
+    echo "[$name] NOT RUN: no time left"; return
   fi
+  if [ "$name" = "$FAIL" ]; then set -- sh -c "echo 'forced failure (--fail $name)'; exit 1"; fi
   echo "[$name] up to ${limit}s: $*"
-  { echo "===== $name: $*"; } >> "$LOG"
+  echo "===== $name: $*" >> "$LOG"
   local t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
   local rc=$?
@@ -89,94 +90,73 @@ run_part() {  # name budget command...: run it under a time limit, log it, recor
   fi
 }
 
-# --- packages: the carried wheels (none are needed here, where the dry run only checks them)
-t0=$(date +%s)
-if ls .whl/*.whl > /dev/null 2>&1; then
-  if [ "$DRY" = 1 ]; then
-    check=$(mktemp -d)
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$check" --python-version 3.12 \
-      --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any .whl/*.whl >> "$LOG" 2>&1
-    rc=$?; rm -rf "$check"
-    record install "$rc" $(( $(date +%s) - t0 )) "$(ls .whl/*.whl | wc -l) wheels install for CPython 3.12 (checked, not used)"
-  else
-    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
-    rc=$?
-    record install "$rc" $(( $(date +%s) - t0 )) "$(ls .whl/*.whl | wc -l) wheels into /tmp/site"
-  fi
+# --- install: the carried wheels (the dry run only checks they install for the GPU image's CPython 3.12)
+if ! ls .whl/*.whl > /dev/null 2>&1; then
+  if [ "$DRY" = 1 ]; then record install -2 0 "skipped: no .whl/ here (this machine's packages are used)"
+  else record install 1 0 "no .whl/: run scripts/gpu_wheels.sh here and carry .whl"; fi
+elif [ "$DRY" = 1 ]; then
+  run_part install 60 $PY -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" \
+    --python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any .whl/*.whl
 else
-  record install 1 0 "no .whl/: run scripts/gpu_wheels.sh here and carry .whl"
+  run_part install 60 $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 # the working tree first: its code wins over the project wheel, which only brings its metadata
 if [ "$DRY" = 1 ]; then export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; fi
 
-# --- the model: the real GGUF when it is here whole or in both parts, else random weights
-t0=$(date +%s)
-model_path="" model_label=""
-join_gguf() {
-  [ -f "$GGUF" ] && return 0
-  if [ -f "$GGUF.0" ] && [ -f "$GGUF.1" ]; then
-    cat "$GGUF.0" "$GGUF.1" > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
-    if [ -f "$GGUF.sha256" ] && ! (cd "$(dirname "$GGUF")" && sha256sum -c --quiet "$(basename "$GGUF").sha256"); then
-      rm -f "$GGUF"; model_note="the joined GGUF fails its sha256"; return 1
-    fi
-    return 0
-  fi
-  local parts
-  parts=$(cd "$(dirname "$GGUF")" 2>/dev/null && ls "$(basename "$GGUF")".[01] 2>/dev/null | tr '\n' ' ')
-  model_note="no whole GGUF at $GGUF; its parts here: ${parts:-none}"
-  return 1
+# --- model: random weights from a skeleton (the carried one, else made here from the cached SmolLM2)
+model_cmd() {  # size skeleton_dir: the command that makes the random model
+  echo "[ -f $2/config.json ] || $PY scripts/gpu_model.py skeleton --size $1 --dest $2 || exit 1;
+        $PY scripts/gpu_model.py random $2 $WORK/random"
 }
-random_model() {
-  [ -d .gpu_model/skeleton ] || { model_note="$model_note; no .gpu_model/skeleton either"; return 1; }
-  $PY scripts/gpu_model.py random .gpu_model/skeleton .gpu_model/random >> "$LOG" 2>&1 || return 1
-  model_path=.gpu_model/random
-}
-model_note=""
-case "$MODEL" in
-  auto)
-    if join_gguf; then model_path=$GGUF model_label="SmolLM2-135M-Instruct Q4_1 (real weights)"
-    elif random_model; then model_label="SmolLM2 shapes, random weights ($model_note)"
-    fi ;;
-  real) join_gguf && model_path=$GGUF model_label="SmolLM2-135M-Instruct Q4_1 (real weights)" ;;
-  random) random_model && model_label="SmolLM2 shapes, random weights" ;;
-  *) model_path=$MODEL model_label=$MODEL ;;
-esac
-if [ -n "$model_path" ]; then
-  record model 0 $(( $(date +%s) - t0 )) "$model_label"
-else
-  model_label="none"
-  record model 1 $(( $(date +%s) - t0 )) "no model: $model_note"
-fi
+model_path=$WORK/random
+if [ -n "$MODEL" ]; then record model -2 0 "given: $MODEL"; model_path=$MODEL
+elif [ "$DRY" = 1 ]; then run_part model 60 bash -c "$(model_cmd tiny "$WORK/skeleton")"
+else run_part model 90 bash -c "$(model_cmd 1b .gpu_model/skeleton)"; fi
+[ -f "$model_path/config.json" ] || [ -n "$MODEL" ] || model_path=""
 
-# --- the parts
+# --- the parts (sizes: the GPU run's, or the dry run's tiny ones)
+if [ "$DRY" = 1 ]; then
+  KERNEL_ARGS="--interpret --other-mode-always"
+  ATTENTION_ARGS="--quick --modes decode --batches 1 --contexts 100"
+  ENGINE="--batches 1 2 --prompt-len 16 --output-len 8 --max-num-batched-tokens 2 --long-context 48"   # 2 programs
+  SERVER="--max-num-seqs 2 --max-num-batched-tokens 2 --max-model-len 72"
+  SERVING="--serving-concurrency 1 8 --serving-requests 8 --serving-input-len 16 --serving-output-len 4"
+  LOGITS="--prompt-len 20 --decode-steps 3"
+else
+  KERNEL_ARGS=""
+  ATTENTION_ARGS="--modes decode mixed --batches 1 8 64 --contexts 4096 32768 --iters 10 --splits auto 1"
+  ENGINE="--batches 1 8 32 128 --prompt-len 128 --output-len 64 --max-num-batched-tokens 256 --long-context 2048"
+  SERVER="--max-num-seqs 128 --max-num-batched-tokens 256 --max-model-len 2128"   # = the engine part's
+  SERVING="--serving-concurrency 1 128 --serving-input-len 128 --serving-output-len 64"
+  LOGITS="--prompt-len 200 --decode-steps 8"
+fi
+token_range() {  # bench_serving's prompt ids: ordinary tokens of the model's vocabulary
+  $PY -c "import json, sys; v = json.load(open(sys.argv[1]))['vocab_size']; print(min(1000, v // 4), min(30000, v))" \
+    "$model_path/config.json" 2> /dev/null || echo "1000 30000"
+}
 for part in $PARTS; do
+  if [ -z "$model_path" ] && [[ " engine logits server " == *" $part "* ]]; then
+    record "$part" -1 0 "not run: no model"; continue
+  fi
+  # shellcheck disable=SC2086
   case "$part" in
-    kernel)
-      if [ "$DRY" = 1 ]; then run_part kernel 100 $PY scripts/gpu_check_kernel.py --interpret --out "$OUT_DIR/kernel.json"
-      else run_part kernel 100 $PY scripts/gpu_check_kernel.py --out "$OUT_DIR/kernel.json"; fi ;;
-    attention)
-      if [ "$DRY" = 1 ]; then
-        run_part attention 120 $PY scripts/bench_attention.py --quick --modes decode --out "$OUT_DIR/attention.json"
-      else
-        run_part attention 120 $PY scripts/bench_attention.py --modes decode mixed --batches 1 8 64 \
-          --contexts 4096 32768 --iters 10 --splits auto 1 --out "$OUT_DIR/attention.json"
-      fi ;;
-    engine)
-      if [ -z "$model_path" ]; then record engine -1 0 "not run: no model"; continue; fi
-      if [ "$DRY" = 1 ]; then sizes="--batches 1 --prompt-len 16 --output-len 8 --max-num-batched-tokens 32"
-      else sizes="--batches 1 4 --prompt-len 128 --output-len 64 --max-num-batched-tokens 32"; fi
-      # shellcheck disable=SC2086
-      run_part engine 170 $PY scripts/bench_engine.py --model "$model_path" --no-transformers --dtype bfloat16 \
-        $sizes --out "$OUT_DIR/engine.json" ;;
-    server)
-      if [ -z "$model_path" ]; then record server -1 0 "not run: no model"; continue; fi
-      run_part server 130 $PY scripts/smoke_server.py --model "$model_path" --log "$OUT_DIR/server.log" \
-        --out "$OUT_DIR/server.json" --ready-timeout 100 ;;
-    *) echo "unknown part $part" >&2 ;;
+    kernel) run_part kernel 100 $PY scripts/gpu_check_kernel.py $KERNEL_ARGS --out "$OUT_DIR/kernel.json" ;;
+    attention) run_part attention 80 $PY scripts/bench_attention.py $ATTENTION_ARGS --out "$OUT_DIR/attention.json" ;;
+    engine) run_part engine 130 $PY scripts/bench_engine.py --model "$model_path" --no-transformers \
+              --dtype bfloat16 $ENGINE --out "$OUT_DIR/engine.json" ;;
+    logits) run_part logits 70 $PY scripts/gpu_check_logits.py --model "$model_path" $LOGITS --out "$OUT_DIR/logits.json" ;;
+    server) run_part server 110 $PY scripts/smoke_server.py --model "$model_path" --log "$OUT_DIR/server.log" \
+              --out "$OUT_DIR/server.json" --ready-timeout 90 $SERVING --serving-token-range $(token_range) \
+              --serving-out "$OUT_DIR/serving.json" -- $SERVER --dtype bfloat16 ;;
+    *) echo "unknown part $part" >&2; record "$part" 2 0 "unknown part" ;;
   esac
 done
 
 device=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-$PY scripts/gpu_check_summary.py "$OUT_DIR" "$STATUS" "$model_label" "${device:-no GPU} (total $(( $(date +%s) - START ))s)"
+tokenizer=$($PY -c "import json, sys; v = json.load(open(sys.argv[1]))['vocab_size']
+print('SmolLM2 tokenizer' if v == 49152 else f'a {v}-token BPE: no SmolLM2 skeleton')" "$model_path/config.json" 2> /dev/null)
+label=$([ -n "$MODEL" ] && echo "$MODEL" || { [ "$DRY" = 1 ] && echo "tiny Llama" || echo "1B Llama shapes"; })
+label="$label${tokenizer:+, $tokenizer}$([ -z "$MODEL" ] && echo ", random weights")"
+$PY scripts/gpu_check_summary.py "$OUT_DIR" "$STATUS" "$label" "${device:-no GPU} (total $(( $(date +%s) - START ))s)"

@@ -5,8 +5,9 @@ Runs the kernel test cases of tests/test_pallas_attention.py (float32 ones as bf
 kernel takes 16-bit caches only) plus GPU-sized ones (batch-1 decode at 32k, a batch of 8 long decodes,
 a windowed prefill) and gpt-oss's layout with attention sinks (cases named `+sinks`: a logit per
 head, one of them dominating), each at kv_splits 1, the default rule's count and a forced count, and
-checks the error against the case's dtype tolerance and that padding rows are zero. Exit status 1 on
-any failure.
+checks the error against the case's dtype tolerance and that padding rows are zero. A failing variant
+is run again under the other Mosaic GPU lowering mode (Lane / Warpgroup) when the kernel takes one,
+so the output says whether pinning the mode fixes it. Exit status 1 on any failure.
 
     python scripts/gpu_check_kernel.py --out kernel.json            # on an H100/H200
     python scripts/gpu_check_kernel.py --interpret --out kernel.json  # CPU dry run
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import sys
 import time
@@ -54,13 +56,64 @@ SINK_CASES = {
                                        sliding_window=128, **GPT_OSS),
     "split_prefill_window+sinks": KERNEL_CASES["split_prefill_window"],
 }
-INTERPRETED = ("decode_only", "split_prefill_window", "split_prefill_window+sinks")   # CPU dry run: seconds each
+INTERPRETED = ("decode_only", "split_prefill_window+sinks")   # CPU dry run: seconds each
 FORCED_SPLITS = 5
 
 
-def check_case(name: str, case: Case, splits: list[int | None], interpret: bool) -> list[dict]:
+def lowering_keyword() -> tuple[str, object, object] | None:
+    """(keyword, default mode, the other mode) of the kernel's lowering-mode parameter, None when this
+    build of the kernel has none. Found by name, so the check runs before and after the kernel grows it."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    modes = list(plgpu.LoweringSemantics)
+    for name, param in inspect.signature(ragged_paged_attention_pallas).parameters.items():
+        if "lowering" not in name and "semantics" not in name:
+            continue
+        if isinstance(param.default, str):   # a keyword that takes the mode's name
+            return name, param.default, next(m.name.lower() for m in modes if m.name.lower() != param.default.lower())
+        default = param.default if param.default in modes else plgpu.LoweringSemantics.Lane   # Pallas' default
+        return name, default, next(m for m in modes if m != default)
+    return None
+
+
+def run_variant(args: tuple, kw: dict, kv_splits: int | None, interpret: bool, want: np.ndarray, real: int,
+                tol: float) -> dict:
+    """One compiled (or interpreted) variant against the oracle: error, padding rows, finiteness, timings."""
+    row: dict = {}
+    try:
+        kernel = jax.jit(lambda *a: ragged_paged_attention_pallas(*a, **kw, interpret=interpret, kv_splits=kv_splits))
+        t0 = time.perf_counter()
+        got = jax.block_until_ready(kernel(*args))
+        row["first_call_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        jax.block_until_ready(kernel(*args))
+        row["call_ms"] = (time.perf_counter() - t0) * 1e3
+        got = np.asarray(got, np.float32)
+    except Exception as e:  # noqa: BLE001 - a failing variant is a result
+        return dict(row, ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
+    diff = np.abs(got[:real] - want[:real])
+    row.update(max_abs_err=float(diff.max()), tolerance=tol, padding_zero=not got[real:].any(),
+               finite=bool(np.isfinite(got).all()))
+    row["ok"] = row["finite"] and row["padding_zero"] and bool((diff <= tol + tol * np.abs(want[:real])).all())
+    return row
+
+
+def other_mode(args: tuple, kw: dict, kv_splits: int | None, interpret: bool, want: np.ndarray, real: int,
+               tol: float) -> dict:
+    """A failing variant rerun under the other lowering mode: does pinning the mode fix it?"""
+    keyword = lowering_keyword()
+    if keyword is None:
+        return dict(mode=None, note="other mode: not available in this build")
+    name, default, other = keyword
+    row = run_variant(args, {**kw, name: other}, kv_splits, interpret, want, real, tol)
+    return dict(row, mode=str(getattr(other, "name", other)), default_mode=str(getattr(default, "name", default)))
+
+
+def check_case(name: str, case: Case, splits: list[int | None], interpret: bool,
+               force_other_mode: bool = False) -> list[dict]:
     """One case against the oracle at each kv_splits (None: the default rule; a count the default
-    already chose is not run twice): error, padding rows, finiteness, timings."""
+    already chose is not run twice); a failing variant (every one with `force_other_mode`) also
+    under the other lowering mode."""
     q, k, v, k_cache, v_cache, meta = make_batch(case)
     kw = dict(sm_scale=case.head_dim ** -0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     if name.endswith("+sinks"):
@@ -79,30 +132,24 @@ def check_case(name: str, case: Case, splits: list[int | None], interpret: bool)
             continue
         row = dict(case=name, dtype=jnp.dtype(case.dtype).name, kv_splits=used, default=kv_splits is None,
                    tokens=case.num_tokens, max_context=max(s + n for s, n in case.seqs))
+        row.update(run_variant(args, kw, kv_splits, interpret, want, real, tol))
+        if not row["ok"] or force_other_mode:
+            row["other_mode"] = other_mode(args, kw, kv_splits, interpret, want, real, tol)
         rows.append(row)
-        try:
-            kernel = jax.jit(lambda *a, n=kv_splits: ragged_paged_attention_pallas(
-                *a, **kw, interpret=interpret, kv_splits=n))
-            t0 = time.perf_counter()
-            got = jax.block_until_ready(kernel(*args))
-            row["first_call_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            jax.block_until_ready(kernel(*args))
-            row["call_ms"] = (time.perf_counter() - t0) * 1e3
-            got = np.asarray(got, np.float32)
-        except Exception as e:  # noqa: BLE001 - a failing variant is a result
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
-            continue
-        diff = np.abs(got[:real] - want[:real])
-        row.update(max_abs_err=float(diff.max()), tolerance=tol, padding_zero=not got[real:].any(),
-                   finite=bool(np.isfinite(got).all()))
-        row["ok"] = row["finite"] and row["padding_zero"] and bool((diff <= tol + tol * np.abs(want[:real])).all())
     return rows
+
+
+def describe(row: dict) -> str:
+    """A variant's error (or exception), padding check and call time, for one line of output."""
+    return row.get("error") or (f"err {row['max_abs_err']:.2e} (tol {row['tolerance']:.0e}) "
+                                f"padding {'zero' if row['padding_zero'] else 'NONZERO'} {row['call_ms']:.3f} ms")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--interpret", action="store_true", help="CPU: the Mosaic GPU interpreter, a small subset")
+    p.add_argument("--other-mode-always", action="store_true",
+                   help="rerun every variant under the other lowering mode, not only failing ones (the dry run)")
     p.add_argument("--out", help="write the rows as JSON here")
     a = p.parse_args()
     device = jax.local_devices()[0]
@@ -118,14 +165,15 @@ def main() -> int:
     print(f"device {device.device_kind}; jax {jax.__version__}; kernel {how}")
     rows = []
     for name, case in cases.items():
-        for row in check_case(name, case, [1, None] if a.interpret else [1, None, FORCED_SPLITS], a.interpret):
+        splits = [1, None] if a.interpret else [1, None, FORCED_SPLITS]
+        for row in check_case(name, case, splits, a.interpret, a.other_mode_always):
             rows.append(row)
-            status = "ok  " if row["ok"] else "FAIL"
-            detail = row.get("error") or (f"err {row['max_abs_err']:.2e} (tol {row['tolerance']:.0e}) "
-                                          f"padding {'zero' if row['padding_zero'] else 'NONZERO'} "
-                                          f"{row['call_ms']:.3f} ms")
-            print(f"{status} {name:28s} {row['dtype']:8s} splits {row['kv_splits']:2d}"
-                  f"{' (default)' if row['default'] else '          '} {detail}", flush=True)
+            print(f"{'ok  ' if row['ok'] else 'FAIL'} {name:28s} {row['dtype']:8s} splits {row['kv_splits']:2d}"
+                  f"{' (default)' if row['default'] else '          '} {describe(row)}", flush=True)
+            if "other_mode" in row:
+                o = row["other_mode"]
+                print(f"     {'':28s} other lowering mode {o['mode']}: "
+                      f"{o['note'] if o['mode'] is None else ('ok, ' if o['ok'] else 'FAIL, ') + describe(o)}")
         if a.out:  # after every case, so a run stopped part way keeps what it checked
             Path(a.out).write_text(json.dumps(dict(device=device.device_kind, jax=jax.__version__,
                                                    interpret=a.interpret, rows=rows), indent=1))

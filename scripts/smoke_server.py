@@ -1,8 +1,10 @@
 """Server smoke test: start `python -m imp_jax.server` on loopback, wait for /ready, ask one chat
 question through the `openai` package and one through the `anthropic` package, check both answers
-are non-empty, stop the server with SIGTERM and check it exits cleanly.
+are non-empty, optionally run scripts/bench_serving.py against it (--serving-concurrency), stop the
+server with SIGTERM and check it exits cleanly.
 
-    python scripts/smoke_server.py --model PATH [--log server.log] [--out server.json] [-- ENGINE FLAGS]
+    python scripts/smoke_server.py --model PATH [--log server.log] [--out server.json]
+        [--serving-concurrency 1 128 --serving-out serving.json] [-- ENGINE FLAGS]
 
 Engine flags after `--` go to the server (default: a small engine, few programs to compile).
 """
@@ -19,6 +21,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving  # noqa: E402
 
 SMALL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "512",
                 "--num-kv-blocks", "128"]
@@ -77,12 +82,27 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
     return proc.returncode
 
 
+def serving_benchmark(url: str, a: argparse.Namespace) -> bool:
+    """bench_serving.py at each --serving-concurrency on the running server; True when no request failed."""
+    argv = ["--url", url, "--concurrency", *map(str, a.serving_concurrency), "--input-len", str(a.serving_input_len),
+            "--output-len", str(a.serving_output_len), "--token-range", *map(str, a.serving_token_range)]
+    argv += ["--requests", str(a.serving_requests)] if a.serving_requests else []
+    return bench_serving.main(argv + (["--out", a.serving_out] if a.serving_out else [])) == 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="model path (GGUF, HF or converted dir) or alias")
     p.add_argument("--log", default="server.log", help="the server's stdout and stderr")
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument("--serving-concurrency", type=int, nargs="*", default=[],
+                   help="then run scripts/bench_serving.py at these concurrencies (none: skip it)")
+    p.add_argument("--serving-requests", type=int, default=None, help="bench_serving's --requests")
+    p.add_argument("--serving-input-len", type=int, default=128)
+    p.add_argument("--serving-output-len", type=int, default=64)
+    p.add_argument("--serving-token-range", type=int, nargs=2, default=[1000, 30000])
+    p.add_argument("--serving-out", help="bench_serving's JSON results")
     p.add_argument("engine", nargs="*", help="engine flags for the server (after --)")
     a = p.parse_args()
     port = free_port()
@@ -99,7 +119,11 @@ def main() -> int:
                 t0 = time.monotonic()
                 result[f"{name}_answer"] = ask(url, served)
                 result[f"{name}_s"] = time.monotonic() - t0
-            result["ok"] = bool(result["openai_answer"].strip() and result["anthropic_answer"].strip())
+            # non-empty, not necessarily printable: random weights answer whitespace as readily as words
+            result["ok"] = bool(result["openai_answer"] and result["anthropic_answer"])
+            if a.serving_concurrency:
+                result["serving_ok"] = serving_benchmark(url, a)
+                result["ok"] = result["ok"] and result["serving_ok"]
         except Exception as e:  # noqa: BLE001 - reported in the result
             result["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         finally:

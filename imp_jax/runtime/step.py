@@ -104,6 +104,7 @@ class CompiledStep:
         self._unrun_lock = threading.Lock()
         self._score_unrun = False                      # the score program compiled, not yet run once
         self.compilations_after_warmup = 0
+        self.compile_seconds: dict[tuple[int, int], float] = {}   # per step bucket, as start-up compiled it
         self._warm = False
         self.leader: Leader | None = None   # multi-host process 0: announces each program (runtime/multihost.py)
         self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
@@ -201,8 +202,9 @@ class CompiledStep:
     def _compile_timed(self, bucket: tuple[int, int, int], i: int, progress: Progress | None) -> None:
         t0 = time.perf_counter()
         self._compile(bucket, counted=False)
+        self.compile_seconds[bucket] = time.perf_counter() - t0
         if progress:
-            progress(i, len(self.buckets), bucket, time.perf_counter() - t0)
+            progress(i, len(self.buckets), bucket, self.compile_seconds[bucket])
 
     def lowered(self, program: str, T: int, S: int, context: int | None = None) -> Any:
         """The `program` ("step", "score" or "lens") for T tokens over S sequence slots reading `context`
