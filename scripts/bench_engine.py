@@ -244,7 +244,7 @@ def main() -> int:
     kernel = kernels.gemm in ("cpu", "cpu_q8")
     results = dict(model=args.model, startup_s=startup, load_s=phases["warming_up"],
                    compile_s=startup - phases["warming_up"],
-                   compile_s_per_program={f"T{t}xS{n}": sec for (t, n), sec in core.step_fn.compile_seconds.items()},
+                   compile_s_per_program={f"T{t}xS{n}xC{c}": sec for (t, n, c), sec in core.step_fn.compile_seconds.items()},
                    bandwidth_gb_s=bw / 1e9, weight_mb=weight_bytes / 1e6,
                    gemm_gflop_s=gemm / 1e9, fma_peak_gflop_s=peak / 1e9 if peak else None,
                    cpu_gemm_kernel=kernel, gemm_backend=kernels.gemm, attention_backend=kernels.attention,

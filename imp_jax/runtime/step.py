@@ -104,7 +104,7 @@ class CompiledStep:
         self._unrun_lock = threading.Lock()
         self._score_unrun = False                      # the score program compiled, not yet run once
         self.compilations_after_warmup = 0
-        self.compile_seconds: dict[tuple[int, int], float] = {}   # per step bucket, as start-up compiled it
+        self.compile_seconds: dict[tuple[int, int, int], float] = {}   # per step bucket, as start-up compiled it
         self._warm = False
         self.leader: Leader | None = None   # multi-host process 0: announces each program (runtime/multihost.py)
         self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
