@@ -28,6 +28,18 @@ _ESCAPE = "\ufdd0"
 _ANCHOR = "\ufdd1imp-jax-segment-anchor\ufdd1"
 
 
+# Inputs longer than this (characters, or ids to decode) go through the tokenizers batch API, which lets go of
+# the GIL while Rust works: `encode` holds it throughout (a 786k-token text, ~0.9 s, froze every other thread,
+# the server's event loop included). Short inputs keep the plain call, cheaper by the batch's set-up.
+GIL_FREE_ABOVE = 4096
+
+
+def _encode(tok: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > GIL_FREE_ABOVE:
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 class Tokenizer:
     """Text <-> token ids with HF transformers' semantics, and chat rendering.
 
@@ -121,15 +133,15 @@ class Tokenizer:
         client's own, markup included; a chat is tokenized with `render_chat` + `encode_chat`.
         """
         if parse_special:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._text_tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return _encode(self._tok, text, add_special_tokens)
+        ids = _encode(self._text_tok, text, add_special_tokens)
         return [i for i in ids if i != self._anchor_id]
 
     def encode_chat(self, rendered: str) -> list[int]:
         """Token ids of a chat rendered by `render_chat`: the template's markup yields control tokens,
         text from the messages never does (a `<|im_start|>` typed by a user stays text)."""
         if self._special_re is None:
-            return self._tok.encode(rendered.replace(_ESCAPE, ""), add_special_tokens=False).ids
+            return _encode(self._tok, rendered.replace(_ESCAPE, ""), False)
         ids: list[int] = []
         at, strip_left = 0, False
         for m in self._special_re.finditer(rendered):
@@ -152,9 +164,9 @@ class Tokenizer:
             return []
         segment = self._unescape_re.sub(lambda m: m.group().replace(_ESCAPE, ""), segment)
         if first:
-            ids = self._text_tok.encode(segment, add_special_tokens=False).ids
+            ids = _encode(self._text_tok, segment, False)
         else:
-            ids = self._text_tok.encode(_ANCHOR + segment, add_special_tokens=False).ids
+            ids = _encode(self._text_tok, _ANCHOR + segment, False)
         return [i for i in ids if i != self._anchor_id]
 
     def _escape(self, value: Any, pattern: re.Pattern[str] | None = None) -> Any:
@@ -204,7 +216,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens dropped unless skip_special_tokens=False."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > GIL_FREE_ABOVE:   # as `_encode`
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of a token (raw, e.g. 'Ġhello' or '▁hello'), or None."""

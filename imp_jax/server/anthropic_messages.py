@@ -21,7 +21,7 @@ from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, engine_request, granted, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
-from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
@@ -380,7 +380,8 @@ async def messages() -> Any:
         text, calls = reply.content, reply.calls
     reason = stop_reason(c.finish_reason, c.stop_reason, clamped, bool(calls))
     block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
-    return jsonify(message_json(mid, answering_model(engine), text, reason, usage_json(result.usage), calls, block))
+    return await json_reply(message_json, mid, answering_model(engine), text, reason, usage_json(result.usage), calls,
+                            block)
 
 
 @bp.post("/v1/messages/count_tokens")

@@ -5,14 +5,14 @@ import functools
 from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
-from quart import Blueprint, jsonify
+from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
 from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
-from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.reasoning import template_kwargs
@@ -237,8 +237,8 @@ async def chat_completions() -> Any:
         fmt = ChatStream(rid, answering_model(engine), params.n, req.include_usage, token_text, tool_format)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(chat_response(rid, answering_model(engine), result, token_text,
-                                 bool(req.logprobs or req.lens_top), tool_format))
+    return await json_reply(chat_response, rid, answering_model(engine), result, token_text,
+                            bool(req.logprobs or req.lens_top), tool_format)
 
 
 def chat_response(rid: str, model: str, result: Completion, token_text: TokenText, logprobs: bool,

@@ -4,14 +4,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pydantic import field_validator
-from quart import Blueprint, jsonify
+from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
 from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.generation import Completion, collect
-from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.streaming import drive, sse_response
@@ -110,7 +110,7 @@ async def completions() -> Any:
                                req.logprobs is not None)
         return sse_response(drive(engine, rid, events, fmt))
     result = await collect(engine, greq, events)
-    return jsonify(completion_response(rid, answering_model(engine), result, token_text, echo, req, ids))
+    return await json_reply(completion_response, rid, answering_model(engine), result, token_text, echo, req, ids)
 
 
 def completion_response(rid: str, model: str, result: Completion, token_text: TokenText, echo: str,

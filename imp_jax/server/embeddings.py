@@ -19,7 +19,7 @@ from imp_jax.runtime.vectors import finish_embeddings
 from imp_jax.server.context import model_name, parse_body, server
 from imp_jax.server.encoders import TASK_ROUTES, encoders, task_of
 from imp_jax.server.errors import unavailable
-from imp_jax.server.limits import check_chars, max_prompt_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, max_prompt_chars, off_loop
 from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("embeddings", __name__)
@@ -201,11 +201,15 @@ async def create_embeddings() -> Any:
     vectors = await _run(engine, items, "embeddings")
     vectors = finish_embeddings(vectors, req.dimensions, engine.normalize)
     tokens = sum(len(ids) for ids, _ in items)
-    data = [{"object": "embedding", "index": i,
-             "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
-                           else v.tolist())} for i, v in enumerate(vectors)]
-    return jsonify({"object": "list", "data": data, "model": engine.served_name,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def reply() -> dict[str, Any]:
+        data = [{"object": "embedding", "index": i,
+                 "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode()
+                               if req.encoding_format == "base64" else v.tolist())} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": engine.served_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return await json_reply(reply)
 
 
 def _documents(value: Any) -> list[str]:

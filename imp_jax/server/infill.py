@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pydantic import Field
-from quart import Blueprint, jsonify
+from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
@@ -14,7 +14,7 @@ from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
 from imp_jax.server.errors import openai_error_body
 from imp_jax.server.generation import collect
-from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import OpenAISampling, new_id
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.server.validation import WireModel
@@ -127,9 +127,9 @@ async def infill() -> Any:
         return sse_response(drive(engine, rid, events, InfillStream(rid, answering_model(engine))))
     result = await collect(engine, greq, events)
     (choice,) = result.choices
-    return jsonify({"index": 0, "content": choice.text, "tokens": choice.token_ids,
-                    **final_fields(rid, answering_model(engine), result.usage, choice.finish_reason,
-                                   choice.stop_reason)})
+    return await json_reply(lambda: {"index": 0, "content": choice.text, "tokens": choice.token_ids,
+                                     **final_fields(rid, answering_model(engine), result.usage, choice.finish_reason,
+                                                    choice.stop_reason)})
 
 
 class InfillStream:

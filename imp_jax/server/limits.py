@@ -90,3 +90,37 @@ def check_count(items: Any, limit: int, param: str) -> None:
 async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run `fn` on a worker thread (with this context), so the event loop keeps serving other requests."""
     return await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
+
+
+SLICE_CHARS = 1 << 16   # JSON text one serialising call writes at most, about a millisecond of holding the GIL
+
+
+async def json_reply(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`build(*args, **kwargs)` as a JSON response, built and serialised on a worker thread (`off_loop`),
+    in slices (`dumps_sliced`): json's C encoder holds the GIL for a whole call, so a reply of a million
+    items serialised at once (a tokenization with pieces, thousands of embeddings, logprobs of a long
+    prompt) would stall the event loop from another thread as surely as on the loop itself. The text is
+    the app's `jsonify`'s (its JSON provider: sorted keys, compact, ASCII)."""
+    from quart import current_app
+
+    provider = current_app.json
+
+    def run() -> Any:
+        body = dumps_sliced(build(*args, **kwargs), functools.partial(provider.dumps, separators=(",", ":")))
+        return current_app.response_class(body + "\n", mimetype=provider.mimetype)
+
+    return await off_loop(run)
+
+
+def dumps_sliced(value: Any, dumps: Callable[[Any], str]) -> str:
+    """`dumps(value)`, written a slice at a time: dicts and short lists are walked, a long list is written
+    in runs of items sized from its first item to about SLICE_CHARS each."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{dumps(str(k))}:{dumps_sliced(v, dumps)}"
+                              for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if not isinstance(value, list):
+        return dumps(value)
+    if len(value) <= 64:
+        return "[" + ",".join(dumps_sliced(v, dumps) for v in value) + "]"
+    per = max(1, SLICE_CHARS // max(1, len(dumps(value[0]))))
+    return "[" + ",".join(dumps(value[i:i + per])[1:-1] for i in range(0, len(value), per)) + "]"

@@ -24,7 +24,7 @@ from imp_jax.server.context import (answering_model, default_max_tokens, engine_
                                    state_of)
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
-from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
@@ -444,9 +444,9 @@ async def create_response() -> Any:
     result = await collect(engine, greq, events)
     c = result.choices[0]  # calls are parsed out of the answer, never the reasoning
     reply = parse_reply(c.text, tool_format) if tool_format is not None else ParsedReply(c.text, [])
-    logprobs = chat_logprobs(c.logprobs or [], token_text) if token_text is not None else None
-    return jsonify(draft.finish(reply.content, c.finish_reason, result.usage, reply.calls, c.reasoning,
-                                logprobs=logprobs))
+    logprobs = (lambda: chat_logprobs(c.logprobs or [], token_text)) if token_text is not None else (lambda: None)
+    return await json_reply(lambda: draft.finish(reply.content, c.finish_reason, result.usage, reply.calls,
+                                                 c.reasoning, logprobs=logprobs()))
 
 
 def _not_found(response_id: str, param: str) -> NotFoundError:

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Blueprint, jsonify
+from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.server.chat_completions import ChatMessage
 from imp_jax.server.context import engine_request
-from imp_jax.server.limits import check_chars, off_loop
+from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("tokens", __name__)
+MAX_PIECES = 1 << 16   # tokens /tokenize spells out with `with_pieces` (each a decode and a JSON object)
 
 
 class TokenizeRequest(WireModel):
@@ -40,11 +41,16 @@ async def tokenize() -> Any:
         raise InvalidRequestError("send exactly one of 'content', 'prompt' or 'messages'",
                                   param=given[1] if len(given) > 1 else "content")
     ids = await off_loop(_tokenize, req, tokenizer)
-    tokens: list[Any] = ids
-    if req.with_pieces:
-        tokens = await off_loop(lambda: [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)}
-                                         for t in ids])
-    return jsonify({"tokens": tokens, "count": len(ids), "max_model_len": engine.max_model_len})
+    if req.with_pieces and len(ids) > MAX_PIECES:
+        raise InvalidRequestError(f"'with_pieces' lists at most {MAX_PIECES} tokens; this input has {len(ids)} "
+                                  "(ask for the ids alone)", param="with_pieces", code="response_too_large")
+
+    def reply() -> dict[str, Any]:
+        tokens = [{"id": t, "piece": tokenizer.decode([t], skip_special_tokens=False)} for t in ids] \
+            if req.with_pieces else ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    return await json_reply(reply)
 
 
 def _tokenize(req: TokenizeRequest, tokenizer: Any) -> list[int]:
@@ -65,5 +71,5 @@ def _tokenize(req: TokenizeRequest, tokenizer: Any) -> list[int]:
 async def detokenize() -> Any:
     req, engine = await engine_request(DetokenizeRequest)
     check_token_ids(req.tokens, engine.vocab_size, "tokens")
-    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
-    return jsonify({"content": text, "prompt": text})
+    text = await off_loop(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+    return await json_reply(lambda: {"content": text, "prompt": text})

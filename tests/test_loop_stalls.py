@@ -1,0 +1,97 @@
+"""The event loop never stalls (issue 38, item 4): /health answers within 100 ms while one client sends
+the largest requests an 8k-context model takes. A FakeEngine app in this process (the engine plays no
+part: what is measured is the server's own work on the loop, tokenizing, detokenizing and serialising;
+server_fixtures' docstring says why the fake exists); the hostile bodies are serialised before the probe
+starts and the replies read after it stops, so the test's own JSON work holds no GIL meanwhile."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+
+from imp_jax.model import tokenizer as tokenizer_module
+from imp_jax.server.limits import dumps_sliced
+from imp_jax.server.tokens import MAX_PIECES
+
+CONTEXT = 8192
+HOSTILE_TEXT = "\U0001D518" * (32 * CONTEXT)   # the prompt-character cap of an 8k model, 4 UTF-8 bytes each
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    from imp_jax.server.app import create_app
+
+    engine = FakeEngine(fake_tokenizer(), max_model_len=CONTEXT)
+    engine.start()
+    with app_in_thread(create_app(engine)) as base:
+        wait_for(base + "/ready", 200, timeout=30)
+        yield base
+
+
+def health_latencies_during(url: str, requests: list[tuple[str, bytes]]) -> tuple[list[float], list[httpx.Response]]:
+    """Probe /health every 10 ms from another thread while `requests` (path, body) are sent one by one."""
+    stop, latencies = threading.Event(), []
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        time.sleep(0.1)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            replies = [client.post(path, content=body, headers=JSON) for path, body in requests]
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        prober.join()
+    return latencies, replies
+
+
+def test_health_answers_within_100_ms_through_the_largest_tokenizer_work(url: str) -> None:
+    ids = list(range(256)) * 1500   # 384,000 ids to detokenize
+    hostile = [("/tokenize", json.dumps({"content": HOSTILE_TEXT}).encode()),
+               ("/tokenize", json.dumps({"prompt": HOSTILE_TEXT, "with_pieces": True}).encode()),
+               ("/tokenize", json.dumps({"messages": [{"role": "user", "content": HOSTILE_TEXT[:-100]}]}).encode()),
+               ("/detokenize", json.dumps({"tokens": ids}).encode())]
+    latencies, replies = health_latencies_during(url, hostile)
+    assert [r.status_code for r in replies] == [200, 400, 200, 200], [r.text[:200] for r in replies]
+    assert replies[0].json()["count"] > 500_000
+    assert replies[1].json()["error"]["param"] == "with_pieces"
+    assert len(replies[3].json()["content"]) > 100_000
+    assert len(latencies) >= 10 and max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_pieces_are_served_up_to_their_cap(url: str) -> None:
+    r = httpx.post(url + "/tokenize", json={"content": "hello world " * 100, "with_pieces": True}, timeout=60)
+    pieces = r.json()["tokens"]
+    assert r.status_code == 200 and "".join(p["piece"] for p in pieces) == "hello world " * 100
+    assert MAX_PIECES >= 1 << 16
+
+
+def test_long_inputs_go_through_the_gil_free_batch_calls(monkeypatch) -> None:
+    """Above GIL_FREE_ABOVE, encode and decode use the tokenizers batch API (which releases the GIL), with
+    the same ids and text as the plain calls."""
+    tok = fake_tokenizer()
+    text = "hello world, héllo 🙂 " * 400
+    plain = tok._tok.encode(text).ids
+    monkeypatch.setattr(tokenizer_module, "GIL_FREE_ABOVE", 10)
+    assert tok.encode(text) == plain and tok.decode(plain) == tok._tok.decode(plain)
+
+
+def test_sliced_serialisation_writes_what_jsonify_writes() -> None:
+    reply = {"data": [{"embedding": [0.1 * i] * 300, "index": i} for i in range(500)], "model": "m",
+             "choices": [{"logprobs": {"content": [{"token": "é", "top": [{"t": "x"}]}] * 2000}}], "empty": []}
+    dumps = lambda v: json.dumps(v, separators=(",", ":"), sort_keys=True)   # noqa: E731 (Quart's provider)
+    assert dumps_sliced(reply, dumps) == dumps(reply)
