@@ -118,6 +118,8 @@ def completion_response(rid: str, model: str, result: Completion, token_text: To
     """The non-streamed `text_completion` object; echo + logprobs puts the scored prompt tokens first."""
     choices = []
     scored_echo = bool(req.echo) and req.logprobs is not None and result.prompt_logprobs is not None
+    prompt_lp = (prompt_logprobs_json(result.prompt_logprobs, req.prompt_logprobs, token_text)   # one prompt: built once
+                 if req.prompt_logprobs is not None and result.prompt_logprobs is not None else None)
     for c in result.choices:
         lp = None
         if req.logprobs is not None:
@@ -126,8 +128,8 @@ def completion_response(rid: str, model: str, result: Completion, token_text: To
             lp = merge_legacy(parts + [legacy.chunk(c.logprobs)])
         choice = {"index": c.index, "text": echo + c.text, "logprobs": lp,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if req.prompt_logprobs is not None and result.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs, req.prompt_logprobs, token_text)
+        if prompt_lp is not None:
+            choice["prompt_logprobs"] = prompt_lp
         choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
             "system_fingerprint": None, "choices": choices, "usage": usage_json(result.usage)}
