@@ -45,7 +45,7 @@ class ApiKeys:
     each with its grants (config.GRANTS)."""
 
     def __init__(self, keys: Mapping[str, frozenset[str]] | list[str]):
-        grants = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, frozenset())
+        grants = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, frozenset({"inference"}))
         self._grants = {hashlib.sha256(k.encode()).digest(): g for k, g in grants.items()}
 
     def __bool__(self) -> bool:

@@ -36,7 +36,7 @@ class ServerConfig:
     api_key: list[str] = _field([], "an accepted API key, granted 'inference' only (repeatable); with any key "
                                     "set, every route but /health and /ready needs one")
     admin_key: list[str] = _field([], "an accepted API key granted 'admin' (/admin/* routes and model swaps) "
-                                      "besides 'inference' (repeatable)")
+                                      "besides 'inference'")
     api_key_file: str | None = _field(None, "a file of accepted API keys, one per line ('#' starts a comment); "
                                             "a key may be followed by its grants: 'inference' (the default), "
                                             "'admin', 'priority', 'pins' (docs/SECURITY.md)")
