@@ -415,7 +415,8 @@ def fake_server() -> Iterator[tuple[str, FakeEngine]]:
 
 
 # --------------------------------------------------------------------------- the operations server
-OPS_KEY = "key-main"                    # --api-key
+OPS_KEY = "key-main"                    # --api-key (granted 'inference' only)
+OPS_ADMIN_KEY = "key-admin"             # --admin-key
 OPS_FILE_KEYS = ("key-file", "key-rate")  # --api-key-file; key-rate is spent by the rate-limit test alone
 OPS_FILE_GRANTS = {"key-file": "pins priority"}   # granted in the key file; --api-key OPS_KEY has none
 OPS_RATE_LIMIT = 120                    # requests per minute per key
@@ -463,7 +464,7 @@ def ops_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
     (tmp / "keys.txt").write_text("# test keys\n" + "".join(f"{k} {OPS_FILE_GRANTS.get(k, '')}  # grants\n"
                                                              for k in OPS_FILE_KEYS))
     receiver = OTLPReceiver()
-    args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--api-key", OPS_KEY, "--api-key-file", str(tmp / "keys.txt"),
+    args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--api-key", OPS_KEY, "--admin-key", OPS_ADMIN_KEY, "--api-key-file", str(tmp / "keys.txt"),
             "--rate-limit", str(OPS_RATE_LIMIT), "--request-timeout", str(OPS_TIMEOUT_S),
             "--stream-buffer-events", "8", "--stream-stall-timeout", str(OPS_STALL_S),
             "--max-tokens", str(OPS_MAX_TOKENS), "--max-request-bytes", str(OPS_MAX_BYTES),

@@ -176,6 +176,7 @@ def lora_server(_tiny_hf_template: Path, lora_adapters) -> Iterator[tuple[str, A
     from imp_jax.runtime.async_engine import AsyncEngine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.server.app import create_app
+    from imp_jax.server.config import ServerConfig
 
     config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                           num_kv_blocks=64, lora=[f"a={lora_adapters['a']}"], max_loras=2, max_lora_rank=8,
@@ -183,7 +184,7 @@ def lora_server(_tiny_hf_template: Path, lora_adapters) -> Iterator[tuple[str, A
     engine = AsyncEngine(config)
     engine.start()
     try:
-        with app_in_thread(create_app(engine)) as url:
+        with app_in_thread(create_app(engine, ServerConfig(lora_dir=str(lora_adapters["a"].parent)))) as url:
             wait_for(url + "/ready", 200, timeout=900)
             yield url, engine
     finally:

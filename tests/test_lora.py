@@ -30,6 +30,7 @@ from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.lora import AdapterSlots
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.server.app import create_app
+from imp_jax.server.config import ServerConfig
 from paged import PagedRunner, host_kernels
 from server_fixtures import app_in_thread
 from tiny_models import make_adapter
@@ -353,10 +354,10 @@ def test_lora_flags():
 
 # ------------------------------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
-def server(core: EngineCore):
+def server(core: EngineCore, adapters):
     engine = AsyncEngine(core.config, build=lambda config, progress: core)
     engine.start()
-    with app_in_thread(create_app(engine)) as url:
+    with app_in_thread(create_app(engine, ServerConfig(lora_dir=str(adapters["a"].parent)))) as url:
         yield url, engine
     engine.shutdown()
 
@@ -370,7 +371,9 @@ def test_routes_load_use_list_and_unload(server, adapters):
             == "lora_already_loaded"
         r = c.post("/admin/lora/load", json={"name": "x", "path": str(adapters["b"])})
         assert (r.status_code, r.json()["error"]["code"]) == (409, "lora_slots_full")
-        r = c.post("/admin/lora/load", json={"name": "y", "path": "/nonexistent"})
+        r = c.post("/admin/lora/load", json={"name": "y", "path": "/nonexistent"})   # outside --lora-dir
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "path")
+        r = c.post("/admin/lora/load", json={"name": "y", "path": "nonexistent"})
         assert (r.status_code, r.json()["error"]["code"]) == (400, "lora_load_failed")
         models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
         base = engine.served_name

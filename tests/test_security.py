@@ -490,10 +490,11 @@ def test_key_file_grants_are_parsed_and_checked(tmp_path: Any) -> None:
     keys.write_text("k-plain\nk-pins pins  # a comment\n\nk-both priority pins\n")
     config = ServerConfig(api_key=["k-flag"], api_key_file=str(keys))
     grants = config.api_key_grants()
-    assert grants == {"k-flag": frozenset(), "k-plain": frozenset(), "k-pins": {"pins"},
-                      "k-both": {"priority", "pins"}}
+    inference = frozenset({"inference"})   # every key's scope (docs/SECURITY.md, Grants)
+    assert grants == {"k-flag": inference, "k-plain": inference, "k-pins": {"inference", "pins"},
+                      "k-both": {"inference", "priority", "pins"}}
     api = ApiKeys(grants)
-    assert api.grants("k-both") == {"priority", "pins"} and api.grants("k-plain") == frozenset()
+    assert api.grants("k-both") == {"inference", "priority", "pins"} and api.grants("k-plain") == inference
     assert api.grants("not-a-key") == frozenset() and api.grants(None) == frozenset()
     keys.write_text("k-x pins sudo\n")
     with pytest.raises(ValueError, match="line 1: unknown grant 'sudo'"):

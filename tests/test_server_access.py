@@ -8,7 +8,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_fixtures import (MODEL, OPS_FILE_KEYS, OPS_KEY, OPS_MAX_BYTES, OPS_ORIGIN, OPS_RATE_LIMIT, FakeEngine,
+from server_fixtures import (MODEL, OPS_ADMIN_KEY, OPS_FILE_KEYS, OPS_KEY, OPS_MAX_BYTES, OPS_ORIGIN, OPS_RATE_LIMIT, FakeEngine,
                              OpsServer, fake_tokenizer)
 
 from imp_jax.server.app import create_app
@@ -64,7 +64,12 @@ def test_every_route_but_the_probes_needs_a_key(ops_server: OpsServer, method: s
     assert _is_auth_refusal(_call(url, method, path, body, {"Authorization": OPS_KEY}), path)  # no scheme
     for headers in ({"Authorization": f"Bearer {OPS_KEY}"}, {"x-api-key": OPS_FILE_KEYS[0]}):
         r = _call(url, method, path, body, headers)
-        assert r.status_code != 401 and r.status_code < 500, (headers, r.text)
+        if path.startswith("/admin/"):   # these keys are not granted 'admin'
+            assert (r.status_code, r.json()["error"]["code"]) == (403, "not_granted"), (headers, r.text)
+        else:
+            assert r.status_code != 401 and r.status_code < 500, (headers, r.text)
+    r = _call(url, method, path, body, {"Authorization": f"Bearer {OPS_ADMIN_KEY}"})
+    assert r.status_code not in (401, 403) and r.status_code < 500, r.text
 
 
 def test_probes_need_no_key(ops_server: OpsServer) -> None:

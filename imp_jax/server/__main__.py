@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             return engine_for(dataclasses.replace(config.engine, model=str(path), lora=[]))
 
         current = Path(config.engine.model) if config.model_given else None
-        state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout, current)
+        state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout, current,
+                                               min_residency_s=config.swap_min_seconds)
     try:
         install_encoders(app, make_encoders(config))
     except (ImpError, ValueError) as e:   # a missing or unsupported embedding / rerank model

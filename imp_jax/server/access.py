@@ -3,7 +3,8 @@
 Probes (`/health`, `/ready`) are always open; `/metrics` is open only with `--metrics-public`; the
 chat page (`/` and `/ui/...`, ui.py) is open unless `--no-ui`.
 Everything else, unmatched routes included, needs a key once any key is configured. Probes and
-`/metrics` are not rate limited (a scrape is not work).
+`/metrics` are not rate limited (a scrape is not work). `/admin/*` needs the `admin` grant (config.SCOPES):
+a key granted it, or, on a server without keys, a loopback client (any client with `--admin-open`).
 """
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+from imp_jax.server.browsers import is_loopback, loggable
 from imp_jax.server.errors import Refusal
 from imp_jax.server.ui import is_ui_path
 
 PROBES = frozenset({"/health", "/ready"})
 METRICS_PATH = "/metrics"
+ADMIN_PREFIX = "/admin/"
+NO_PEER = "<local>"   # Quart's remote_addr when the ASGI scope has no client: a unix socket, an in-process client
 MAX_TRACKED_CALLERS = 10_000  # rate-limit buckets kept before full (idle) ones are dropped
 
 
@@ -41,7 +45,7 @@ class ApiKeys:
     each with its grants (config.GRANTS)."""
 
     def __init__(self, keys: Mapping[str, frozenset[str]] | list[str]):
-        grants = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, frozenset())
+        grants = keys if isinstance(keys, Mapping) else dict.fromkeys(keys, frozenset({"inference"}))
         self._grants = {hashlib.sha256(k.encode()).digest(): g for k, g in grants.items()}
 
     def __bool__(self) -> bool:
@@ -99,12 +103,19 @@ class RateLimiter:
             del self._buckets[caller]
 
 
+def is_local_client(client_addr: str | None) -> bool:
+    """A client on this machine: a loopback address, or no network peer at all (NO_PEER)."""
+    return client_addr in (None, NO_PEER) or is_loopback(client_addr)
+
+
 class Access:
     """The checks every request passes before its handler runs; each failure is a Refusal."""
 
     def __init__(self, keys: Mapping[str, frozenset[str]] | list[str], rate_limit: int,
-                 max_request_bytes: int | None, metrics_public: bool, ui_public: bool = False):
+                 max_request_bytes: int | None, metrics_public: bool, ui_public: bool = False,
+                 admin_open: bool = False):
         self.keys = ApiKeys(keys)
+        self.admin_open = admin_open
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.max_request_bytes = max_request_bytes
         self.metrics_public = metrics_public
@@ -114,10 +125,23 @@ class Access:
         return (path in PROBES or (path == METRICS_PATH and self.metrics_public)
                 or (self.ui_public and is_ui_path(path)))
 
+    def is_admin(self, headers: Mapping[str, str], client_addr: str | None) -> bool:
+        """Whether the caller holds `admin`: its key was granted it; without keys, it is a loopback client
+        (the operator's own machine) or the operator opened admin to all (--admin-open)."""
+        if self.keys:
+            return "admin" in self.keys.grants(presented_key(headers))
+        return self.admin_open or is_local_client(client_addr)
+
+    def admin_refusal(self, what: str) -> Refusal:
+        """The 403 for a caller without `admin`: says which grant is missing and how an operator gives it."""
+        how = ("a key granted 'admin' (--admin-key, or 'admin' after the key in --api-key-file)" if self.keys
+               else "a loopback client on a server without API keys (or --admin-open, or --admin-key)")
+        return Refusal(f"{what} needs the 'admin' grant: {how}", status=403, code="not_granted")
+
     def check(self, path: str, headers: Mapping[str, str], client_addr: str | None,
               content_length: int | None, max_request_bytes: int | None = None) -> None:
-        """Refuse with 401 (key), 429 (rate) or 413 (body size, against `max_request_bytes` when given), in
-        that order."""
+        """Refuse with 401 (key), 429 (rate), 403 (an /admin route without `admin`) or 413 (body size, against
+        `max_request_bytes` when given), in that order."""
         if self.is_open(path):
             return
         key = presented_key(headers)
@@ -136,6 +160,8 @@ class Access:
                 raise Refusal(f"rate limit of {self.limiter.per_minute} requests per minute exceeded; "
                               f"retry after {retry} s", status=429, code="rate_limit_exceeded",
                               headers={"Retry-After": str(retry)})
+        if path.startswith(ADMIN_PREFIX) and not self.is_admin(headers, client_addr):
+            raise self.admin_refusal(f"the route {loggable(path, 64)}")
         limit = max_request_bytes or self.max_request_bytes
         if content_length is not None and limit is not None and content_length > limit:
             raise Refusal(f"the request body has {content_length} bytes; this server takes at most "

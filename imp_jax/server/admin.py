@@ -11,6 +11,7 @@ from quart import Blueprint, Response, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.api import Engine
+from imp_jax.server.access import presented_key
 from imp_jax.server.context import model_name, ready_engine, readiness, server
 from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
 from imp_jax.server.errors import RETRY_AFTER_S, not_supported, unavailable
@@ -54,6 +55,22 @@ def _stats() -> dict[str, Any]:
         return {}
 
 
+# what /health shows a caller without a valid key on a server with keys: imp's documented fields, no counters
+PUBLIC_HEALTH = frozenset({"status", "code", "state", "model_loaded", "queue_depth", "suspended", "idle_suspended",
+                           "idle_unload_seconds", "kv_blocks_total", "kv_block_size", "kv_capacity_tokens",
+                           "kv_ceiling_blocks", "kv_pool_growable", "kv_pool_floored", "kv_pool_bandwidth_gbps"})
+
+
+def _shown(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` for a key holder (or anyone, on a server without keys); imp's fields alone for others: /health
+    needs no key (imp's rule), but the engine's counters say how others use the server."""
+    keys = server().access.keys
+    key = presented_key(request.headers)
+    if not keys or (key is not None and keys.accepts(key)):
+        return body
+    return {k: v for k, v in body.items() if k in PUBLIC_HEALTH}
+
+
 @bp.get("/health")
 async def health() -> Any:
     engine_state = server().engine.state
@@ -73,11 +90,11 @@ async def health() -> Any:
                     kv_pool_floored=bool(stats.get("kv_pool_floored", 0)), kv_pool_bandwidth_gbps=0.0)
     if engine_state == "faulted":
         body.update(status="unhealthy", code="engine_faulted")
-        return jsonify(body), 503
+        return jsonify(_shown(body)), 503
     if body.get("kv_pool_floored"):   # persistent: the pool was sized below a context; restart on a free device
         body.update(status="unhealthy", code="kv_pool_floored")
-        return jsonify(body), 503
-    return jsonify(body)
+        return jsonify(_shown(body)), 503
+    return jsonify(_shown(body))
 
 
 @bp.get("/ready")

@@ -40,9 +40,11 @@ def is_loopback(host: str) -> bool:
     if host.lower() in ("localhost", "localhost."):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        addr = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(addr, "ipv4_mapped", None)   # ::ffff:127.0.0.1, as a dual-stack socket names a v4 peer
+    return (mapped or addr).is_loopback
 
 
 def default_allowed_hosts(bind_host: str) -> list[str]:

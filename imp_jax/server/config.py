@@ -11,7 +11,8 @@ from imp_jax.server.limits import FieldLimits
 
 OTLP_PROTOCOLS = ("http/json", "http/protobuf")
 DEFAULT_SERVICE_NAME = "imp-server"   # imp's server.otlp_service_name default
-GRANTS = frozenset({"priority", "pins"})   # what an API key may be granted (docs/SECURITY.md)
+SCOPES = frozenset({"inference", "admin"})   # the routes a key may call; `admin` includes `inference`
+GRANTS = SCOPES | {"priority", "pins"}   # what an API key may be granted (docs/SECURITY.md)
 
 
 def _field(default: Any, help: str, **kw: Any) -> Any:
@@ -32,11 +33,15 @@ class ServerConfig:
     responses_store_max_entries: int = _field(4096, "stored responses kept")
     responses_store_max_bytes: int = _field(64 * 1024 * 1024, "bytes of stored responses kept")
     # access
-    api_key: list[str] = _field([], "an accepted API key (repeatable); with any key set, every route but "
-                                    "/health and /ready needs one")
+    api_key: list[str] = _field([], "an accepted API key, granted 'inference' only (repeatable); with any key "
+                                    "set, every route but /health and /ready needs one")
+    admin_key: list[str] = _field([], "an accepted API key granted 'admin' (/admin/* routes and model swaps) "
+                                      "besides 'inference'")
     api_key_file: str | None = _field(None, "a file of accepted API keys, one per line ('#' starts a comment); "
-                                            "a key may be followed by its grants: 'priority', 'pins' "
-                                            "(docs/SECURITY.md)")
+                                            "a key may be followed by its grants: 'inference' (the default), "
+                                            "'admin', 'priority', 'pins' (docs/SECURITY.md)")
+    admin_open: bool = _field(False, "without API keys, answer /admin/* routes (and model swaps) from any "
+                                     "client address, not only loopback ones")
     metrics_public: bool = _field(False, "serve /metrics without an API key")
     rate_limit: int = _field(0, "requests per minute per API key (per client address without keys); 0 = off")
     cors_origins: list[str] = _field([], "origins a browser may call from (repeatable or comma-separated; "
@@ -80,8 +85,15 @@ class ServerConfig:
                                                "client is dropped")
     # observability
     models_dir: str | None = _field(None, "a directory of models (.gguf files, HF or converted directories) "
-                                    "listed on /v1/models; a request naming one swaps to it")
+                                    "listed on /v1/models; a request naming one swaps to it (--swap-on-request, "
+                                    "--swap-min-seconds)")
     swap_timeout: float = _field(300.0, "seconds a model swap waits for the current model's in-flight requests")
+    swap_on_request: bool = _field(False, "let any client's request naming another --models-dir model swap to it; "
+                                          "off: only admin callers' requests swap, others get a 403 naming 'model'")
+    swap_min_seconds: float = _field(30.0, "seconds a model serves before a request may swap it out (503 with "
+                                           "Retry-After sooner); POST /admin/models/load is not held to it")
+    lora_dir: str | None = _field(None, "the directory POST /admin/lora/load may read adapters from (a 'path' "
+                                        "must resolve inside it); unset: only the start-up --lora paths load")
     drain_timeout: float = _field(30.0, "seconds SIGTERM waits for in-flight requests to finish (new ones get "
                                   "503 draining meanwhile) before the server exits")
     log_requests: str | None = _field(None, "append one JSON line per request to this file")
@@ -104,13 +116,16 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
             self.api_key = [self.api_key]
+        if isinstance(self.admin_key, str):
+            self.admin_key = [self.admin_key]
         if isinstance(self.cors_origins, str):
             self.cors_origins = [self.cors_origins]
         self.cors_origins = [o.strip() for v in self.cors_origins for o in v.split(",") if o.strip()]
         if isinstance(self.allowed_hosts, str):
             self.allowed_hosts = [self.allowed_hosts]
         self.allowed_hosts = [h.strip() for v in self.allowed_hosts for h in v.split(",") if h.strip()]
-        for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout"):
+        for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout",
+                     "swap_min_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_request_bytes", "max_prompt_chars"):
@@ -145,9 +160,13 @@ class ServerConfig:
         return list(self.api_key_grants())
 
     def api_key_grants(self) -> dict[str, frozenset[str]]:
-        """Each key with what it was granted beyond the defaults: a key-file line is `KEY [GRANT ...]`
-        (GRANTS; an unknown one is a ValueError); --api-key keys have no grants."""
-        keys: dict[str, frozenset[str]] = {k: frozenset() for k in self.api_key if k}
+        """Each key with its grants: a key-file line is `KEY [GRANT ...]` (GRANTS; an unknown one is a
+        ValueError); every key has `inference`, --admin-key keys and key-file lines naming `admin` have
+        `admin` too."""
+        keys: dict[str, frozenset[str]] = {k: frozenset({"inference"}) for k in self.api_key if k}
+        for k in self.admin_key:
+            if k:
+                keys[k] = keys.get(k, frozenset()) | {"admin", "inference"}
         if not self.api_key_file:
             return keys
         try:
@@ -162,7 +181,8 @@ class ServerConfig:
             if grants - GRANTS:
                 raise ValueError(f"api_key_file {self.api_key_file} line {number}: unknown grant "
                                  f"{sorted(grants - GRANTS)[0]!r} (grants: {', '.join(sorted(GRANTS))})")
-            keys[key] = keys.get(key, frozenset()) | grants
+            # every key may infer: a line naming no scope (as before scopes existed) and `admin` alike
+            keys[key] = keys.get(key, frozenset()) | grants | {"inference"}
         return keys
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -14,7 +15,7 @@ from imp_jax.runtime.api import Engine
 from imp_jax.server import limits
 from imp_jax.server.access import Access, presented_key
 from imp_jax.server.admission import AdmissionGate
-from imp_jax.server.browsers import HostCheck, default_allowed_hosts
+from imp_jax.server.browsers import HostCheck, default_allowed_hosts, is_loopback
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
 from imp_jax.server.encoders import refuse_encoder_model
@@ -26,6 +27,7 @@ from imp_jax.server.telemetry import Telemetry
 from imp_jax.server.validation import (M, check_model_name, is_adapter, lora_of, parse_json, parse_model,
                                        refuse_not_yet, speculative_of)
 
+log = logging.getLogger("imp_jax.server")
 _KEY = "imp_jax"
 MAX_CLIENT_IDS = 4096   # client X-Request-Ids remembered for /v1/requests/{id}/... (oldest forgotten first)
 
@@ -71,7 +73,7 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
     """Attach the server state to `app`; a bad key file or request-log path is a ValueError here."""
     gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
     access = Access(config.api_key_grants(), config.rate_limit, config.max_request_bytes, config.metrics_public,
-                    ui_public=config.ui)
+                    ui_public=config.ui, admin_open=config.admin_open)
 
     def store_stats() -> dict[str, int]:
         store = app.extensions.get(STORE_KEY)
@@ -85,10 +87,22 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
 
     telemetry = Telemetry(config, gate, stats, lambda: model_status(app.extensions[_KEY]), store_stats)
     hosts = HostCheck(config.allowed_hosts or default_allowed_hosts(config.host))
+    warn_if_open(config, access, hosts)
     state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins), hosts,
                           field_limits=config.field_limits)
     app.extensions[_KEY] = state
     return state
+
+
+def warn_if_open(config: ServerConfig, access: Access, hosts: HostCheck) -> None:
+    """One log line when the server listens beyond this machine with no API keys: anyone who reaches the port
+    is a client (docs/SECURITY.md, threat model)."""
+    if access.keys or is_loopback(config.host):
+        return
+    allowed = "any Host ('*')" if hosts.any else ", ".join(sorted(hosts.allowed))
+    log.warning("listening on %s with no API keys: any client that reaches the port may call every inference "
+                "route; Host allow-list: %s; /admin/* answers %s (set --api-key / --admin-key, docs/SECURITY.md)",
+                config.host, allowed, "every client (--admin-open)" if access.admin_open else "loopback clients only")
 
 
 def server() -> ServerContext:
@@ -187,7 +201,7 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     model = getattr(req, "model", None)
     refuse_encoder_model(model, request.path)   # an embedding / rerank model's name: a 400 naming it
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
-        await state.models.ensure(state, model)   # swaps first if another model is loaded
+        await state.models.ensure(state, model, may_swap(state))   # swaps first if another model is loaded
         g.model_lease = state.models   # released at the request's teardown (app.py)
         engine = ready_engine()   # the readiness codes (suspended, engine_faulted, ...) apply here too
     else:
@@ -216,6 +230,12 @@ def granted(grant: str) -> bool:
     if grant == "pins" and (config.client_pins == "all" or (config.client_pins == "auto" and not state.access.keys)):
         return True
     return grant in state.access.keys.grants(presented_key(request.headers))
+
+
+def may_swap(state: ServerContext) -> bool:
+    """Whether this request may swap the --models-dir model (models_dir.ModelDirectory): an admin caller's
+    may, anyone's with --swap-on-request."""
+    return state.config.swap_on_request or state.access.is_admin(request.headers, request.remote_addr)
 
 
 def check_priority(req: Any, allowed: bool) -> None:

@@ -2,9 +2,9 @@
 
 Every model in the directory (a `.gguf` file, an HF directory, a converted checkpoint; named as
 the server would serve it: the file or directory name) is listed on `/v1/models` with `loaded`.
-A request naming another of them swaps: new requests wait, the current model finishes what it
-has in flight (nothing is cancelled), its engine stops, the other loads, and the waiting requests
-are served by it (or swap again, one swap at a time). `/ready` answers 503 `swapping` meanwhile.
+A request naming another of them swaps (when its caller may: ModelDirectory): new requests wait, the
+current model finishes what it has in flight (nothing is cancelled), its engine stops, the other
+loads, and the waiting requests are served by it. `/ready` answers 503 `swapping` meanwhile.
 `POST /admin/models/load` swaps explicitly. With `--models-dir` and no `--model`, the server
 starts with no model (`/ready` 503 `no_model`) until the first request or load names one.
 A swap drops every LoRA adapter of the old model (one log line each; imp's rule: nothing is re-loaded
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -23,6 +24,7 @@ from imp_jax.errors import EngineError, ImpError, ModelLoadError
 from imp_jax.runtime.api import Capabilities, Engine, not_serving
 from imp_jax.runtime.config import models_in
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
+from imp_jax.server.errors import Refusal, unavailable
 
 log = logging.getLogger("imp_jax.server")
 
@@ -72,16 +74,24 @@ class NoModel(Engine):
 
 
 class ModelDirectory:
-    """The directory's models and the one swap in progress (if any)."""
+    """The directory's models and the one swap in progress (if any).
+
+    Swap policy (docs/SECURITY.md): a request swaps only when its caller may (`admin`, or
+    --swap-on-request), and not before the loaded model has served `min_residency_s` (a 503 with
+    Retry-After); `POST /admin/models/load` is held to neither. At most one swap is pending: a request
+    naming a third model meanwhile gets 503 `swapping` at once instead of queueing a swap back.
+    """
 
     def __init__(self, directory: Path, make_engine: Callable[[Path], Engine], swap_timeout_s: float,
-                 current: Path | None = None):
+                 current: Path | None = None, min_residency_s: float = 0.0):
         self.directory = directory
         self._make_engine = make_engine
         self._current = current   # where the engine serving now came from (None: no model yet)
         self._swap_timeout_s = swap_timeout_s
+        self._min_residency_s = min_residency_s
+        self._since = time.monotonic() if current is not None else None   # when the current model began serving
         self._lock = asyncio.Lock()
-        self.swapping_to: str | None = None
+        self.swapping_to: str | None = None   # the one pending swap's model, from the moment it is asked for
         self._leases = 0   # requests handed the current engine that may not have reached it yet
 
     def release(self) -> None:
@@ -99,34 +109,72 @@ class ModelDirectory:
         """Whether `name` is served now or can be swapped to (the directory is read only for another name)."""
         return _served(state.engine) == name or name in self
 
-    async def ensure(self, state: Any, name: str) -> Engine:
-        """A request's engine for `name` (`serving`), leased until `release()`: a swap waits for leases
-        as for requests in flight, so a request never reaches an engine stopped after the handover."""
-        engine = await self.serving(state, name)
+    async def ensure(self, state: Any, name: str, may_swap: bool) -> Engine:
+        """A request's engine for `name` (`serving`, as a request: `may_swap` says whether its caller may
+        swap), leased until `release()`: a swap waits for leases as for requests in flight, so a request
+        never reaches an engine stopped after the handover."""
+        engine = await self.serving(state, name, by_request=True, may_swap=may_swap)
         self._leases += 1
         return engine
 
-    async def serving(self, state: Any, name: str) -> Engine:
-        """The engine serving `name`, swapping to it first if another (or none) is loaded."""
-        if not self._lock.locked() and _served(state.engine) == name:
+    async def serving(self, state: Any, name: str, by_request: bool = False, may_swap: bool = True) -> Engine:
+        """The engine serving `name`, swapping to it first if another (or none) is loaded; only the caller
+        that asks for a swap first makes it, others naming the same model wait for it (class docstring)."""
+        loaded = self._loaded_name(state)
+        if self.swapping_to is None and not self._lock.locked() and _served(state.engine) == name:
             return state.engine   # the common case: no swap, no wait
-        async with self._lock:   # one swap at a time; requests queue here during a swap
-            current = state.engine
-            if current.state in ("loading", "warming_up"):
-                try:
-                    await current.wait_ready()   # what it serves is known once it has loaded
-                except Exception:
-                    pass   # a failed load: swap away from it
-            if _served(current) == name:
-                return current
-            path = self.models().get(name)
-            if path is None:
-                raise ModelLoadError(f"model '{name}' is not in {self.directory}")
+        owner = self.swapping_to is None and loaded != name
+        if owner:
+            if by_request:
+                self._check_request_swap(name, may_swap)
             self.swapping_to = name
-            try:
-                return await self._swap(state, current, name, path)
-            finally:
+        elif self.swapping_to not in (None, name):
+            raise unavailable("a swap to another model is under way; retry in a few seconds", "swapping")
+        try:
+            async with self._lock:
+                return await self._switch(state, name, owner)
+        finally:
+            if owner:
                 self.swapping_to = None
+
+    def _check_request_swap(self, name: str, may_swap: bool) -> None:
+        """A 403 naming `model` when the caller may not swap; a 503 with Retry-After while the loaded model
+        has served less than its minimum residency (a client alternating models would keep it swapping)."""
+        if not may_swap:
+            raise ImpError(f"model '{name}' is not loaded, and on this server only admin callers' requests swap "
+                           "models (the operator's --admin-key or --swap-on-request)", code="not_granted",
+                           status=403, param="model")
+        wait = 0.0 if self._since is None else self._since + self._min_residency_s - time.monotonic()
+        if wait > 0:
+            retry = max(1, math.ceil(wait))
+            raise Refusal(f"the loaded model has served less than --swap-min-seconds "
+                          f"{self._min_residency_s:g}; the swap to '{name}' may be asked for in {retry} s",
+                          status=503, code="swap_too_soon", headers={"Retry-After": str(retry)})
+
+    async def _switch(self, state: Any, name: str, owner: bool) -> Engine:
+        """Under the lock: the engine once it serves `name`; only the owner of the pending swap loads it."""
+        current = state.engine
+        if current.state in ("loading", "warming_up"):
+            try:
+                await current.wait_ready()   # what it serves is known once it has loaded
+            except Exception:
+                pass   # a failed load: swap away from it
+        if _served(current) == name:
+            return current
+        if not owner:   # the swap this request waited for did not end serving `name`
+            raise ImpError(f"loading model '{name}' failed; the server log says why", code="model_load_failed",
+                           status=500)
+        path = self.models().get(name)
+        if path is None:
+            raise ModelLoadError(f"model '{name}' is not in {self.directory}")
+        return await self._swap(state, current, name, path)
+
+    def _loaded_name(self, state: Any) -> str | None:
+        """The model served now, or being loaded as the current one (its directory entry's name)."""
+        served = _served(state.engine)
+        if served is None and state.engine.state in ("loading", "warming_up") and self._current is not None:
+            return self._current.name
+        return served
 
     async def _swap(self, state: Any, old: Engine, name: str, path: Path) -> Engine:
         t0 = time.monotonic()
@@ -147,7 +195,7 @@ class ModelDirectory:
             await self._restore(state, name)
             raise ImpError(f"loading model '{name}' failed; the server log says why", code="model_load_failed",
                            status=500) from e
-        self._current = path
+        self._current, self._since = path, time.monotonic()
         log.info("swapped to model '%s' in %.1f s", name, time.monotonic() - t0)
         return new
 
@@ -166,9 +214,10 @@ class ModelDirectory:
         log.info("restoring model '%s' after the failed swap to '%s'", self._current.name, failed)
         try:
             await self._start(state, self._current)
+            self._since = time.monotonic()
         except Exception as e:   # noqa: BLE001 - reported, and the server answers no_model
             log.error("restoring model '%s' failed too: %s; serving no model", self._current.name, e)
-            state.engine, self._current = NoModel(), None
+            state.engine, self._current, self._since = NoModel(), None, None
 
 
 def _drop_adapters(old: Engine, name: str) -> None:

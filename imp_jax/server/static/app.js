@@ -45,7 +45,7 @@
   async function pollHealth() {
     const el = $("health"), text = $("health-text");
     try {
-      const res = await fetch("/health", { cache: "no-store" });
+      const res = await api("/health");   // with the key: a keyed server shows its counters to key holders only
       const h = await res.json();
       const ready = h.status === "ok" && (h.state === undefined || h.state === "ready");
       el.dataset.state = ready ? "ok" : h.status === "ok" ? "busy" : "down";
