@@ -104,7 +104,7 @@ def test_a_swap_drops_adapters_and_a_failed_one_restores_the_model(smollm2_gguf_
                 "model": SMOL, "prompt": "Hello", "max_tokens": 2, "lora": name})
             assert (gone.status_code, gone.json()["error"]["code"]) == (400, "lora_not_loaded")
         failed = httpx.post(live.url + "/admin/models/load", json={"model": "broken.gguf"}, timeout=READY_TIMEOUT_S)
-        assert (failed.status_code, failed.json()["error"]["code"]) == (500, "model_load_failed")
+        assert (failed.status_code, failed.json()["error"]["code"]) == (503, "model_load_failed")
         ready = httpx.get(live.url + "/ready")
         assert ready.status_code == 200 and ready.json()["model"] == SMOL
         log = live.log_text()

@@ -163,7 +163,7 @@ class ModelDirectory:
             return current
         if not owner:   # the swap this request waited for did not end serving `name`
             raise ImpError(f"loading model '{name}' failed; the server log says why", code="model_load_failed",
-                           status=500)
+                           status=503)
         path = self.models().get(name)
         if path is None:
             raise ModelLoadError(f"model '{name}' is not in {self.directory}")
@@ -194,7 +194,7 @@ class ModelDirectory:
             log.error("loading model '%s' failed: %s", name, e)
             await self._restore(state, name)
             raise ImpError(f"loading model '{name}' failed; the server log says why", code="model_load_failed",
-                           status=500) from e
+                           status=503) from e
         self._current, self._since = path, time.monotonic()
         log.info("swapped to model '%s' in %.1f s", name, time.monotonic() - t0)
         return new
