@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import gguf
@@ -331,6 +332,50 @@ def test_garbage_file_is_a_model_load_error(tmp_path, content):
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
     with pytest.raises(ModelLoadError, match="bad.gguf"):
+        load_gguf(path)
+
+
+def _llama_header(path: Path, **metadata: object) -> Path:
+    """A llama GGUF of metadata only (plus one tensor), `metadata` written over the defaults as given."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    values = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_length": 8,
+              "llama.feed_forward_length": 16, "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1,
+              **metadata}
+    for key, value in values.items():
+        (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("metadata", [{"llama.attention.head_count": 0}, {"llama.embedding_length": "eight"}],
+                         ids=["zero-heads", "a-string-for-a-number"])
+def test_metadata_no_writer_makes_is_a_model_load_error_naming_the_file(tmp_path, metadata):
+    """Not a ZeroDivisionError or TypeError from inside the config mapping."""
+    with pytest.raises(ModelLoadError, match=r"odd\.gguf: unusable GGUF metadata"):
+        load_gguf(_llama_header(tmp_path / "odd.gguf", **metadata))
+
+
+def _raw_gguf(path: Path, value: bytes) -> Path:
+    """A GGUF v3 header of no tensors and one field, 'x', of the raw typed `value` bytes."""
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"x" + value)
+    return path
+
+
+def test_a_string_array_longer_than_the_file_is_refused_before_it_is_built(tmp_path):
+    """A billion strings claimed: refused from the count, not after reading (8 bytes a string at least)."""
+    path = _raw_gguf(tmp_path / "huge.gguf", struct.pack("<IIQ", 9, 8, 10**9) + struct.pack("<Q", 0) * 1000)
+    with pytest.raises(ModelLoadError, match="an array of 1000000000 items cannot fit in the rest of the file"):
+        load_gguf(path)
+
+
+def test_arrays_nested_past_the_limit_are_refused(tmp_path):
+    """Arrays of arrays 10,000 deep: refused at depth MAX_ARRAY_DEPTH, not by exhausting the stack."""
+    path = _raw_gguf(tmp_path / "deep.gguf", struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 10_000)
+    with pytest.raises(ModelLoadError, match="arrays nested deeper than 4"):
         load_gguf(path)
 
 

@@ -53,6 +53,22 @@ def test_shard_listed_in_index_is_missing(tiny_hf_dir):
     assert "model-00002-of-00002.safetensors" in load_error(tiny_hf_dir)
 
 
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_a_weight_file_outside_the_model_folder_is_refused(tiny_hf_dir, how):
+    """The index's shard names, and the files themselves, stay inside the folder: a valid weight file
+    elsewhere (here: this model's own, moved out) is not read through `..`, an absolute name or a symlink."""
+    outside = tiny_hf_dir.parent / "elsewhere.safetensors"
+    (tiny_hf_dir / "model.safetensors").rename(outside)
+    if how == "symlink":
+        (tiny_hf_dir / "model.safetensors").symlink_to(outside)
+    else:
+        name = "../elsewhere.safetensors" if how == "dotdot" else str(outside)
+        keys = load_file(str(outside))
+        (tiny_hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(keys, name)}))
+    msg = load_error(tiny_hf_dir)
+    assert ("leads outside the model folder" if how == "symlink" else "not a file name inside the model folder") in msg
+
+
 def test_corrupt_weight_file(tiny_hf_dir):
     (tiny_hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     msg = load_error(tiny_hf_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,47 @@ def test_cpu_kernel_matches_the_masked_xla_formulation(rank, parts, in_dim, dtyp
     assert not np.any(np.asarray(cpu_lora.lora_delta_cpu(x, none.ids, a, bt, parts)))
 
 
+def _poison_slot(model, slot: int) -> None:
+    """Slot `slot` of every slab set to NaN, straight into the slabs (past the load check), its model-wide
+    modules switched on: what a non-finite adapter that got through would be."""
+    slabs = model.lora
+    for fused in slabs.projections:
+        if fused in slabs.GLOBAL:
+            on = getattr(slabs, fused + "_on")
+            on.set_value(np.array(on.get_value()))
+            on.get_value()[slot] = 1
+        for layer in range(len(getattr(slabs, fused + "_a"))):
+            for which in ("a", "b"):
+                var = slabs.slab(fused, layer, which)
+                var.set_value(np.array(var.get_value()))
+                var.get_value()[slot - 1] = np.nan
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_a_non_finite_adapter_reaches_no_other_row(_tiny_hf_template, adapters, xla):
+    """A batch of a row under a NaN adapter, a base row and a row under a clean adapter: the other two
+    rows' logits equal those of the run without the NaN adapter. `xla`: the masked formulation without
+    skips, as on a GPU (gemm xla, dynamic_skips False); else this host's kernels (the CPU LoRA kernel)."""
+    from imp_jax.kernels_pallas import Kernels
+
+    cfg = ModelConfig.from_file(_tiny_hf_template / "config.json")
+    kernels = Kernels(gemm="xla", dynamic_skips=False) if xla else host_kernels(cfg)
+    model = load_model(_tiny_hf_template, kernels=kernels).model
+    model.enable_lora(LoraOptions(max_loras=2, max_rank=MAX_RANK))
+    slots = AdapterSlots(model, model.lora.options, lambda edit: edit(model))
+    slot_a = slots.load("a", slots.read(str(adapters["a"]))).slot
+    runner = PagedRunner(model)
+    batch = lambda: runner.run([SeqChunk(PROMPT, 0, [1], 2), SeqChunk(PROMPT, 0, [2], 0),
+                                SeqChunk(PROMPT, 0, [3], slot_a)])
+    clean = batch()
+    _poison_slot(model, 2)
+    runner.use_weights(model)
+    poisoned = batch()
+    assert not np.isfinite(poisoned[0]).any(), "the poisoned row should be NaN (else the test poisons nothing)"
+    for row in (1, 2):
+        assert np.isfinite(poisoned[row]).all() and np.array_equal(poisoned[row], clean[row]), row
+
+
 # ------------------------------------------------------------------------------------------ engine
 def test_greedy_tokens_match_and_a_mixed_batch_matches_each_row_alone(core, adapters, hf_peft):
     if "b" not in core.loras.by_name:
@@ -330,6 +372,27 @@ def test_every_bad_adapter_is_a_clear_400(core, adapters, tmp_path, _tiny_hf_tem
     assert (e.value.status, e.value.code) == (409, "lora_slots_full")
     for name in [n for n in core.loras.by_name if n != "a"]:
         unload_now(core, name)
+
+
+@pytest.mark.parametrize("value,why", [(np.nan, "NaN or infinite"), (-np.inf, "NaN or infinite"),
+                                       (2e4, "magnitude 2e+04, past the bound 10000")])
+def test_an_adapter_with_non_finite_or_absurd_weights_is_refused(_tiny_hf_template, adapters, tmp_path, value, why):
+    """Checked at read, before any slot is touched; the error names the tensor (alpha / r = 2 scales B)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from imp_jax.model.peft import AdapterError, read_adapter
+
+    bad = Path(shutil.copytree(adapters["a"], tmp_path / "bad"))
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[name][3, 1] = value / 2
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    model = load_model(_tiny_hf_template).model
+    with pytest.raises(AdapterError, match=re.escape(why)) as e:
+        read_adapter(bad, model.lora_targets(), model.config.num_layers, MAX_RANK)
+    assert "model.layers.1.self_attn.v_proj.lora_B holds" in str(e.value)
 
 
 def _write_llama(path: Path, **overrides: Any) -> None:

@@ -121,6 +121,7 @@ def test_process_1_exits_when_process_0_dies(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--data-parallel-size", "2"], "--data-parallel-size cannot be combined with --num-processes 2"),
     (["--max-loras", "2"], "LoRA adapters"),
+    (["--coordinator", "8.8.8.8:7777"], "pass --coordinator-insecure-ok"),
 ])
 def test_what_multi_host_cannot_do_is_refused_at_start_up(flags, message):
     proc = subprocess.run([sys.executable, "-m", "imp_jax.server", "--coordinator", "127.0.0.1:1", "--num-processes",
@@ -137,3 +138,59 @@ def test_multi_host_flags_go_together():
         EngineConfig(num_processes=2)
     with pytest.raises(ValueError, match="go together"):
         EngineConfig(coordinator="h:1")
+
+
+@pytest.mark.parametrize("host, public", [
+    ("10.0.0.1", []), ("192.168.1.2", []), ("127.0.0.1", []), ("::1", []), ("fd00::1", []), ("fe80::1%lo", []),
+    ("localhost", []), ("8.8.8.8", ["8.8.8.8"]), ("2001:4860::8888", ["2001:4860::8888"]),
+    ("0.0.0.0", ["0.0.0.0"]), ("::", ["::"]), ("::ffff:8.8.8.8", ["::ffff:8.8.8.8"]),
+])
+def test_coordinator_addresses_are_classified(host, public):
+    """Private (RFC 1918, fc00::/7, link-local) and loopback pass; global and every-interface ones do not."""
+    from imp_jax.runtime.multihost import public_addresses
+
+    assert public_addresses(host) == public
+
+
+def test_a_coordinator_hostname_is_classified_by_what_it_resolves_to(monkeypatch):
+    import socket
+
+    from imp_jax.runtime.multihost import coordinator_host, public_addresses
+
+    resolved = {"lan.example": ["10.1.2.3"], "mixed.example": ["10.1.2.3", "8.8.4.4"]}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, **kw: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in resolved[host]])
+    assert public_addresses("lan.example") == [] and public_addresses("mixed.example") == ["8.8.4.4"]
+    assert coordinator_host("[fd00::1]:7777") == "fd00::1" and coordinator_host("lan.example:7777") == "lan.example"
+
+
+def test_a_public_coordinator_is_refused_without_insecure_ok():
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.multihost import check_config
+
+    config = EngineConfig(coordinator="8.8.8.8:7777", num_processes=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="unauthenticated and carry every prompt's token ids in the clear"):
+        check_config(config)
+    with pytest.raises(ValueError, match="does not resolve"):
+        check_config(EngineConfig(coordinator="no-such-host.invalid:7777", num_processes=2))
+    check_config(EngineConfig(coordinator="8.8.8.8:7777", num_processes=2, coordinator_insecure_ok=True))
+    check_config(EngineConfig(coordinator="10.0.0.1:7777", num_processes=2))
+
+
+def test_the_coordinator_binds_only_the_address_it_names(monkeypatch):
+    """JAX's default binds every interface ([::]:PORT); process 0 binds --coordinator's address."""
+    import jax
+
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.multihost import initialize
+
+    calls = []
+
+    def joined(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("not joining in a test")
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    monkeypatch.setattr(jax.distributed, "initialize", joined)
+    with pytest.raises(RuntimeError, match="not joining"):
+        initialize(EngineConfig(coordinator="10.0.0.1:7777", num_processes=2))
+    assert calls[0]["coordinator_bind_address"] == "10.0.0.1:7777"

@@ -215,3 +215,30 @@ def test_bad_settings_stop_the_server_at_start(argv: list[str], capsys: pytest.C
     with pytest.raises(SystemExit):
         parse_config(argv, EngineConfig)
     assert "bad server setting" in capsys.readouterr().err
+
+
+def test_a_request_id_names_only_the_callers_own_request() -> None:
+    """With keys, /v1/requests/{id}/end_thinking by another key's response id or X-Request-Id is a 404 as
+    for no request, and a second key's X-Request-Id of the same spelling does not take the first's over."""
+    import json
+
+    from server_fixtures import app_in_thread, wait_for
+
+    engine = FakeEngine(fake_tokenizer(), token_delay=0.05)
+    engine.start()
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
+    with app_in_thread(create_app(engine, ServerConfig(api_key=["ka", "kb"]))) as url:
+        wait_for(url + "/ready", 200, timeout=30)
+        end = lambda key, rid: httpx.post(f"{url}/v1/requests/{rid}/end_thinking",   # noqa: E731
+                                          headers={"x-api-key": key}, timeout=10)
+        with httpx.stream("POST", url + "/v1/chat/completions", json=chat, timeout=30,
+                          headers={"x-api-key": "ka", "X-Request-Id": "mine"}) as stream:
+            lines = stream.iter_lines()   # held: a closed iterator closes the stream (the request is cancelled)
+            first = next(line for line in lines if line.startswith("data: "))
+            response_id = json.loads(first[len("data: "):])["id"]
+            theirs = httpx.post(url + "/v1/chat/completions", json={**chat, "stream": False, "max_tokens": 2},
+                                headers={"x-api-key": "kb", "X-Request-Id": "mine"}, timeout=30)
+            assert theirs.status_code == 200
+            for rid in ("mine", response_id):
+                assert end("kb", rid).status_code == 404 and end("kb", rid).json()["error"]["code"] == "request_not_found"
+                assert end("ka", rid).status_code == 409   # found: the fake's requests do not think

@@ -322,6 +322,25 @@ def test_store_byte_cap_evicts_oldest_and_refuses_the_oversized() -> None:
     assert store.bytes_used == size + entry_size(*_resp("b", "y"))
 
 
+@pytest.mark.parametrize("cap", ["entries", "bytes"])
+def test_one_keys_flood_evicts_its_own_responses_not_another_keys(cap) -> None:
+    """Key A stores 2 of 6 entries, key B floods: B's least recently used go, A's stay; past a fair share
+    A's own LRU goes first too."""
+    size = entry_size(*_resp("a00"))   # every id of 3 characters: one size
+    limits = StoreLimits(ttl_s=10, max_entries=6, max_bytes=10**6) if cap == "entries" else \
+        StoreLimits(ttl_s=10, max_entries=100, max_bytes=6 * size)
+    store = ResponsesStore(limits, Clock())
+    for i in range(2):
+        assert store.put(f"a{i:02d}", *_resp(f"a{i:02d}"), owner="A")
+    for i in range(50):
+        assert store.put(f"b{i:02d}", *_resp(f"b{i:02d}"), owner="B")
+    assert store.get("a00", "A") and store.get("a01", "A") and store.evictions == 46
+    assert [i for i in range(50) if store.get(f"b{i:02d}", "B")] == [46, 47, 48, 49]
+    for i in range(2, 6):   # A grows past B: now A's oldest go
+        store.put(f"a{i:02d}", *_resp(f"a{i:02d}"), owner="A")
+    assert sum(store.get(f"a{i:02d}", "A") is not None for i in range(6)) == 3 and store.get("b49", "B")
+
+
 def test_store_with_zero_limits_keeps_nothing() -> None:
     for limits in (StoreLimits(ttl_s=0), StoreLimits(max_entries=0), StoreLimits(max_bytes=0)):
         store = ResponsesStore(limits, Clock())

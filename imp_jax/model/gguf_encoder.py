@@ -31,7 +31,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.bert import EncoderConfig
-from imp_jax.model.gguf_loader import _open
+from imp_jax.model.gguf_loader import _open, metadata_errors
 from imp_jax.model.gguf_file import GGUFFile
 
 ARCH = "bert"
@@ -49,6 +49,11 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 def read_gguf_encoder(path: Path) -> tuple[GGUFFile, EncoderConfig, str, int]:
     """The opened file, its EncoderConfig, pooling and input cap; a ModelLoadError naming what is wrong."""
     reader = _open(path)
+    with metadata_errors(path):
+        return _encoder_config(path, reader)
+
+
+def _encoder_config(path: Path, reader: GGUFFile) -> tuple[GGUFFile, EncoderConfig, str, int]:
     meta = reader.fields
     arch = meta.get("general.architecture")
     if arch != ARCH:

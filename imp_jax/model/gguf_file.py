@@ -21,6 +21,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_ITEM_BYTES = {**{k: struct.calcsize(f) for k, f in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}   # at least
+MAX_ARRAY_DEPTH = 4   # arrays of arrays: GGUF writers use none; a deeper file is built to exhaust the stack
 _PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
           GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
           GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
@@ -75,19 +77,31 @@ class GGUFFile:
         self._pos += n
         return s
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, depth: int = 0) -> Any:
         if kind == _STRING:
             return self._string()
         if kind == _ARRAY:
             item, count = self._take("<IQ")
+            self._check_array(item, count, depth)
             if item == _STRING:
                 return [self._string() for _ in range(count)]
             if item == _ARRAY:
-                return [self._value(_ARRAY) for _ in range(count)]
+                return [self._value(_ARRAY, depth + 1) for _ in range(count)]
             values = np.frombuffer(self._buf, _NUMPY[item], count, self._pos)
             self._pos += values.nbytes
             return values.tolist()
         return self._take(_SCALARS[kind])[0]
+
+    def _check_array(self, item: int, count: int, depth: int) -> None:
+        """Refuse an array before building it: one that cannot fit in the rest of the file (each item
+        takes at least its header's bytes; a count of small strings would be a list of billions), or
+        nested deeper than MAX_ARRAY_DEPTH."""
+        if item not in _ITEM_BYTES:
+            raise ValueError(f"an array of unknown item type {item}")
+        if count * _ITEM_BYTES[item] > len(self._buf) - self._pos:
+            raise ValueError(f"an array of {count} items cannot fit in the rest of the file")
+        if item == _ARRAY and depth >= MAX_ARRAY_DEPTH:
+            raise ValueError(f"arrays nested deeper than {MAX_ARRAY_DEPTH}")
 
     def _tensor_info(self) -> tuple[tuple[int, ...], GGMLQuantizationType, int]:
         (n_dims,) = self._take("<I")

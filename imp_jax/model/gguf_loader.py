@@ -6,9 +6,11 @@ gguf_tokenizer.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
+import struct
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -168,14 +170,29 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     """Open a GGUF file: config, lazy tensors, tokenizer and generation defaults."""
     path = Path(path)
     reader = _open(path)
-    meta = _Metadata(reader, path)
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})", code="unknown_architecture")
-    raw = {t.name: t for t in reader.tensors}
-    hf_config = _hf_config(arch, meta, raw)
-    return GGUFCheckpoint(hf_config, _hf_tensors(arch, raw, hf_config, path), *gguf_tokenizer(meta))
+    with metadata_errors(path):
+        meta = _Metadata(reader, path)
+        arch = meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not supported "
+                                 f"(supported: {', '.join(ARCHITECTURES)})", code="unknown_architecture")
+        raw = {t.name: t for t in reader.tensors}
+        hf_config = _hf_config(arch, meta, raw)
+        return GGUFCheckpoint(hf_config, _hf_tensors(arch, raw, hf_config, path), *gguf_tokenizer(meta))
+
+
+@contextlib.contextmanager
+def metadata_errors(path: Path) -> Iterator[None]:
+    """What reading a file's metadata into a config raises on values no writer makes (a head count of
+    0, a string where a number goes, a list too short, nesting too deep) as a ModelLoadError naming
+    the file, not a traceback."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError, MemoryError,
+            struct.error) as e:
+        raise ModelLoadError(f"{path}: unusable GGUF metadata ({type(e).__name__}: {e})") from None
 
 
 def _open(path: Path) -> GGUFFile:

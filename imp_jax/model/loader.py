@@ -157,6 +157,22 @@ def read_generation_config(path: Path) -> dict[str, Any]:
     return gen if isinstance(gen, dict) else {}
 
 
+def _shard_file(folder: Path, name: Any) -> Path:
+    """Weight file `name` (from the index, or found by glob) of model `folder`; a ModelLoadError unless it
+    is a file inside the folder: no absolute name, no `..`, no symlink leading out of it (the index and
+    the folder are the model's, and must not make the server read files elsewhere)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ModelLoadError(f"{folder}: the index names weight file {str(name)[:200]!r}, not a file name "
+                             "inside the model folder")
+    shard = folder / name
+    if not shard.resolve().is_relative_to(folder.resolve()):
+        raise ModelLoadError(f"{shard}: leads outside the model folder (a symlink?); weight files must lie "
+                             "inside it (copy them in)")
+    if not shard.is_file():
+        raise ModelLoadError(f"{shard}: weight file listed in the index is missing")
+    return shard
+
+
 class SafetensorsDir(Mapping[str, np.ndarray]):
     """Lazy float32 view of the tensors in `*.safetensors` files (single file or sharded with an index)."""
 
@@ -167,21 +183,20 @@ class SafetensorsDir(Mapping[str, np.ndarray]):
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
                 raise ModelLoadError(f"{index}: malformed index ({e})") from None
-            files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{path}: no *.safetensors weight file found")
         self._where: dict[str, Any] = {}
         for name in files:
-            if not (path / name).exists():
-                raise ModelLoadError(f"{path / name}: weight file listed in the index is missing")
+            shard = _shard_file(path, name)
             try:
-                handle = safe_open(str(path / name), framework="flax")
+                handle = safe_open(str(shard), framework="flax")
             except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
-                raise ModelLoadError(f"{path / name}: unreadable safetensors file ({e})") from None
+                raise ModelLoadError(f"{shard}: unreadable safetensors file ({e})") from None
             for key in handle.keys():
                 self._where[key] = handle
 

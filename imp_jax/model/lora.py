@@ -10,7 +10,8 @@ Each token row carries its slot (`lora_ids`), so a batch mixes adapters freely a
 rewrites slab values, never a shape. Two formulations, one result (to float32 rounding):
 - the CPU kernel (kernels_pallas/cpu/lora.py): each row multiplies its own slot's matrices only;
 - XLA's (any backend): every row multiplies all N slots' ranks, masked to its own, N * r columns
-  per part; a step where no row has an adapter skips it (`lax.cond`, with `dynamic_skips`).
+  per part; a step where no row has an adapter skips it (`lax.cond`, with `dynamic_skips`). Masks
+  are selects (`jnp.where`), never products with 0, so a non-finite slot stays in its own rows.
 """
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ class LoraSlab(nnx.Param):
     """An adapter slab (zero in every slot nothing is loaded into); written only by the engine."""
 
 
+def _own_slot(h: jax.Array, ids: jax.Array) -> jax.Array:
+    """h [T, N, ...] (every slot's values for every row) with all but row t's slot ids[t] selected to 0.
+    A select, not a product with a 0/1 mask: 0 * NaN is NaN, and one tenant's adapter must not reach
+    another's rows."""
+    mine = ids[:, None] == jnp.arange(1, h.shape[1] + 1, dtype=ids.dtype)[None, :]
+    return jnp.where(mine.reshape(mine.shape + (1,) * (h.ndim - 2)), h, jnp.zeros((), h.dtype))
+
+
+def _finite(bt: jax.Array) -> jax.Array:
+    """The B slab with non-finite entries selected to 0: the contraction over slots multiplies every
+    slot's B by each row's (selected) zeros, and 0 * inf is NaN. Load refuses such adapters
+    (model/peft.py); this keeps one that got into a slot anyway inside its own rows."""
+    return jnp.where(jnp.isfinite(bt), bt, jnp.zeros((), bt.dtype))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraDelta:
@@ -84,11 +100,11 @@ class LoraDelta:
         N, PR, K = self.a.shape
         r, P = self.bt.shape[1], len(self.parts)
         h = matmul_wt(x, self.a.reshape(N * PR, K), kernels).reshape(-1, N, P, r)
-        mask = self.ids[:, None] == jnp.arange(1, N + 1, dtype=self.ids.dtype)[None, :]
-        h = (h * mask[:, :, None, None]).astype(x.dtype)
+        h = _own_slot(h, self.ids).astype(x.dtype)
+        bt = _finite(self.bt)
         bounds = np.cumsum((0,) + self.parts)
         return jnp.concatenate([
-            jnp.einsum("tnr,nro->to", h[:, :, p], self.bt[:, :, bounds[p]:bounds[p + 1]],
+            jnp.einsum("tnr,nro->to", h[:, :, p], bt[:, :, bounds[p]:bounds[p + 1]],
                        preferred_element_type=jnp.float32) for p in range(P)], axis=-1)
 
 
@@ -96,10 +112,9 @@ class LoraDelta:
         """PEFT's Embedding LoRA, float32 [T, dim]: row t's B[slot] A[slot][:, token t] (A [N, r, vocab]
         read by token id, not multiplied)."""
         def compute() -> jax.Array:
-            N = self.a.shape[0]
             h = jnp.transpose(self.a[:, :, token_ids], (2, 0, 1)).astype(jnp.float32)   # [T, N, r]
-            mask = self.ids[:, None] == jnp.arange(1, N + 1, dtype=self.ids.dtype)[None, :]
-            return jnp.einsum("tnr,nro->to", h * mask[:, :, None], self.bt, preferred_element_type=jnp.float32)
+            return jnp.einsum("tnr,nro->to", _own_slot(h, self.ids), _finite(self.bt),
+                              preferred_element_type=jnp.float32)
         if not dynamic_skips:
             return compute()
         return jax.lax.cond(jnp.any(self.ids > 0), compute,

@@ -4,8 +4,8 @@ Every check happens here, before a slot is touched: the config (plain LoRA only:
 tensors, no modules_to_save), each tensor's module (one the model names in `lora_targets()`: the
 decoder layers' projections, `lm_head`, and `embed_tokens` as PEFT's Embedding LoRA, whose
 lora_embedding_A [r, vocab] / lora_embedding_B [hidden, r] read as A and B; these two are "layer 0"),
-its layer, rank (<= the slabs' max rank) and shapes against the model. A failure is an AdapterError
-naming the module. The alpha / r scale (alpha / sqrt(r) with rsLoRA; alpha_pattern and rank_pattern
+its layer, rank (<= the slabs' max rank), shapes against the model and values (finite, |w| <=
+MAX_ABS_WEIGHT). A failure is an AdapterError naming the module. The alpha / r scale (alpha / sqrt(r) with rsLoRA; alpha_pattern and rank_pattern
 honoured) is folded into B, so the engine only copies matrices into a slot.
 """
 from __future__ import annotations
@@ -28,6 +28,11 @@ _GLOBAL_KEY = re.compile(
     r"^base_model\.model\.((?:model\.)?(lm_head|embed_tokens))\.lora_(?:embedding_)?([AB])(?:\.weight)?$")
 # the copies of the frozen base embedding / head PEFT saves beside an adapter on them (save_embedding_layers)
 _BASE_COPY = re.compile(r"^base_model\.model\.(?:model\.)?(?:lm_head|embed_tokens)\.base_layer\.weight$")
+
+
+# Trained LoRA matrices hold values far below 1 (alpha / r folded into B included); one past this is a
+# broken or hostile file. Below float16's largest value (65504), so a slab of either type holds it.
+MAX_ABS_WEIGHT = 1e4
 
 
 class AdapterError(ValueError):
@@ -102,8 +107,21 @@ def read_adapter(path: str | Path, targets: dict[str, LoraTarget], num_layers: i
         alpha = float(_pattern(cfg.get("alpha_pattern"), full, cfg["lora_alpha"]))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         out[(module, layer)] = (a, np.asarray(b * scale, np.float32))
+        for ab_name, w in zip(("A", "B"), out[(module, layer)]):
+            _check_values(path, f"{full}.lora_{ab_name}", w)
         rank = max(rank, r)
     return Adapter(path, rank, out)
+
+
+def _check_values(path: Path, tensor: str, w: np.ndarray) -> None:
+    """Refuse NaN, infinity and |w| > MAX_ABS_WEIGHT (B scaled by alpha / r): such values make the
+    adapter's rows garbage, and where kernels mix slots they must not reach other rows (model/lora.py)."""
+    if not np.isfinite(w).all():
+        raise AdapterError(f"{path}: {tensor} holds NaN or infinite values")
+    peak = float(np.abs(w).max(initial=0.0))
+    if peak > MAX_ABS_WEIGHT:
+        raise AdapterError(f"{path}: {tensor} holds a value of magnitude {peak:.3g}, past the bound "
+                           f"{MAX_ABS_WEIGHT:g} for a LoRA weight (B scaled by alpha / r)")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -62,6 +62,9 @@ class EngineConfig:
                                      "(docs/DEPLOYMENT.md). On CPU: XLA_FLAGS=--xla_force_host_platform_device_count")
     coordinator: str | None = _field(None, "HOST:PORT of process 0's jax.distributed coordinator: serve one "
                                      "tensor-parallel model across --num-processes hosts (docs/DEPLOYMENT.md)")
+    coordinator_insecure_ok: bool = _field(False, "allow a --coordinator that is not a private or loopback "
+                                           "address: the coordinator and the collectives are unauthenticated "
+                                           "and carry every prompt's token ids in the clear (docs/SECURITY.md)")
     num_processes: int = _field(1, "processes (hosts) one model spans with --coordinator; "
                                 "--tensor-parallel-size counts the devices of all of them")
     async_scheduling: str = dataclasses.field(default="on", metadata={"choices": ("on", "off"), "help": (

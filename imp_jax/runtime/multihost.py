@@ -20,8 +20,10 @@ Every device computation the engine makes, and how it stays in step across proce
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -47,6 +49,36 @@ def check_config(config: EngineConfig) -> None:
         if bad:
             raise ValueError(f"{what} cannot be combined with --num-processes {config.num_processes} (multi-host "
                              "tensor parallelism) yet")
+    public = [] if config.coordinator_insecure_ok else public_addresses(coordinator_host(config.coordinator))
+    if public:
+        raise ValueError(f"--coordinator {config.coordinator} is not a private or loopback address "
+                         f"({', '.join(public)}): the coordinator and the collectives are unauthenticated and "
+                         "carry every prompt's token ids in the clear; run them on a private network, or pass "
+                         "--coordinator-insecure-ok (docs/SECURITY.md)")
+
+
+def coordinator_host(address: str) -> str:
+    """The host of a HOST:PORT (an IPv6 address in brackets: [::1]:7777)."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def public_addresses(host: str) -> list[str]:
+    """The addresses `host` names (a hostname resolved) that are not private (RFC 1918, fc00::/7, link-local)
+    or loopback; the unspecified address (every interface) counts as public. A ValueError when it does
+    not resolve: the check cannot pass on a name it cannot see."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"--coordinator host {host!r} does not resolve: {e}") from None
+    public = []
+    for info in infos:
+        address = str(info[4][0]).split("%", 1)[0]   # an IPv6 scope id: fe80::1%eth0
+        ip = ipaddress.ip_address(address)
+        ip = getattr(ip, "ipv4_mapped", None) or ip
+        if ip.is_unspecified or not (ip.is_private or ip.is_loopback):
+            public.append(address)
+    return sorted(set(public))
 
 
 def initialize(config: EngineConfig) -> None:
@@ -54,8 +86,10 @@ def initialize(config: EngineConfig) -> None:
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU collectives across processes
     jax.config.update("jax_enable_recoverability", True)   # a dead peer: collectives raise, no abort
+    # process 0 listens on the address --coordinator names only (JAX's default binds every interface)
     jax.distributed.initialize(coordinator_address=config.coordinator, num_processes=config.num_processes,
-                               process_id=config.process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+                               process_id=config.process_id, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                               coordinator_bind_address=config.coordinator)
     n, local = jax.device_count(), jax.local_device_count()
     log.info("process %d of %d joined %s: %d devices in all, %d here", config.process_id, config.num_processes,
              config.coordinator, n, local)

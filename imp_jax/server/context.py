@@ -13,7 +13,7 @@ from quart import current_app, g, request
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.api import Engine
 from imp_jax.server import limits
-from imp_jax.server.access import Access, presented_key
+from imp_jax.server.access import Access, key_digest, presented_key
 from imp_jax.server.admission import AdmissionGate
 from imp_jax.server.browsers import HostCheck, default_allowed_hosts, is_loopback
 from imp_jax.server.config import ServerConfig
@@ -43,7 +43,10 @@ class ServerContext:
     hosts: HostCheck
     started_at: float = dataclasses.field(default_factory=time.time)
     draining: bool = False
-    client_ids: OrderedDict[str, str] = dataclasses.field(default_factory=OrderedDict)  # X-Request-Id -> engine id
+    # (owner, X-Request-Id) -> engine id, and engine id -> owner (caller_owner): one key's ids name only its
+    # own requests, for /v1/requests/{id}/...
+    client_ids: OrderedDict[tuple[str | None, str], str] = dataclasses.field(default_factory=OrderedDict)
+    id_owners: OrderedDict[str, str | None] = dataclasses.field(default_factory=OrderedDict)
     models: ModelDirectory | None = None   # --models-dir: the models this server may swap to
     field_limits: limits.FieldLimits = limits.FieldLimits()   # --max-stop-strings, --max-tools, ...
 
@@ -64,9 +67,14 @@ class ServerContext:
         length = engine.max_model_len if engine is not None else self.max_model_len()
         return limits.max_prompt_chars(self.config.max_prompt_chars, length)
 
-    def engine_id(self, request_id: str) -> str:
-        """The engine's request id for a response id or a client's X-Request-Id."""
-        return self.client_ids.get(request_id, request_id)
+    def engine_id(self, request_id: str, owner: str | None) -> str | None:
+        """The engine's request id for `owner`'s response id or X-Request-Id; None when it names no request
+        of theirs (with API keys, another key's request is as unknown as no request; a request among the
+        MAX_CLIENT_IDS most recent only)."""
+        engine_id = self.client_ids.get((owner, request_id), request_id)
+        if self.access.keys and self.id_owners.get(engine_id, "") != owner:
+            return None
+        return engine_id
 
 
 def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
@@ -273,16 +281,29 @@ def session_id_of(req: Any) -> str | None:
 def set_response_id(response_id: str) -> None:
     """The id a generation response carries in X-Request-Id when the client sent none (and the request log's id)."""
     g.response_id = response_id
+    state, owner = server(), caller_owner()
+    _remember(state.id_owners, response_id, owner)
     client_id = g.get("client_request_id")
     if client_id:
-        ids = server().client_ids
-        ids[client_id] = response_id
-        ids.move_to_end(client_id)
-        while len(ids) > MAX_CLIENT_IDS:
-            ids.popitem(last=False)
+        _remember(state.client_ids, (owner, client_id), response_id)
     record = g.get("record")
     if record is not None:
         record.server_id = response_id
+
+
+def _remember(ids: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """`ids[key] = value` as the newest entry, the oldest forgotten past MAX_CLIENT_IDS."""
+    ids[key] = value
+    ids.move_to_end(key)
+    while len(ids) > MAX_CLIENT_IDS:
+        ids.popitem(last=False)
+
+
+def caller_owner() -> str | None:
+    """Who owns what this request creates (stored responses, request ids): its API key's digest; None
+    without keys (every client the same owner)."""
+    key = presented_key(request.headers)
+    return key_digest(key) if server().access.keys and key else None
 
 
 def default_max_tokens(asked: int | None, prompt_len: int, max_model_len: int) -> int | None:

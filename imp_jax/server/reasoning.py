@@ -18,7 +18,7 @@ from quart import Blueprint, current_app, jsonify
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.harmony import HarmonyMarkers
 from imp_jax.runtime.reasoning import ThinkMarkers
-from imp_jax.server.context import ready_engine, server
+from imp_jax.server.context import caller_owner, ready_engine, server
 from imp_jax.server.errors import not_supported
 
 bp = Blueprint("reasoning", __name__)
@@ -116,8 +116,10 @@ async def end_thinking(request_id: str) -> Any:
     engine = ready_engine()
     if not engine.capabilities.end_thinking:
         raise not_supported("this engine cannot end a think block", param="id")
+    engine_id = server().engine_id(request_id, caller_owner())
     try:
-        status = await asyncio.wait_for(engine.end_thinking(server().engine_id(request_id)), END_THINKING_TIMEOUT_S)
+        status = "unknown" if engine_id is None else \
+            await asyncio.wait_for(engine.end_thinking(engine_id), END_THINKING_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise ImpError("the engine did not answer in time", code="engine_busy", status=503) from None
     if status == "unknown":

@@ -13,6 +13,17 @@ from typing import Any
 
 from imp_jax.runtime.request import EngineEvent
 
+# An error's text in the request log and in a span: it may quote client data (a field, a template's
+# output), and one request must not write megabytes to the log or the trace collector.
+MAX_ERROR_CHARS = 1024
+
+
+def capped_error(text: str | None) -> str | None:
+    """`text` cut to MAX_ERROR_CHARS, saying so and how long it was."""
+    if text is None or len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:MAX_ERROR_CHARS]}... [cut: {len(text)} characters in all]"
+
 
 @dataclasses.dataclass
 class RequestRecord:
@@ -131,7 +142,7 @@ class RequestRecord:
             "client": self.client_addr, "duration_ms": ms(self.duration_s),
         }
         if self.error_code is not None:
-            entry.update(error_code=self.error_code, error=self.error_message)
+            entry.update(error_code=self.error_code, error=capped_error(self.error_message))
         if self.generated:
             entry.update(model=self.model, endpoint=self.endpoint, stream=self.stream, outcome=self.outcome,
                          finish_reasons=self.finish_reason_list, prompt_tokens=self.prompt_tokens,

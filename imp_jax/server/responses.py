@@ -12,16 +12,15 @@ import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
-from quart import Blueprint, current_app, jsonify, request
+from quart import Blueprint, current_app, jsonify
 from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, Usage, check_context
 from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.access import key_digest, presented_key
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
-from imp_jax.server.context import (answering_model, default_max_tokens, engine_request, server, set_response_id,
-                                   state_of)
+from imp_jax.server.context import (answering_model, caller_owner, default_max_tokens, engine_request,
+                                   set_response_id, state_of)
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, json_reply, off_loop
@@ -258,13 +257,6 @@ class ResponsesRequest(OpenAISampling):
             if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
                 raise InvalidRequestError(f"'metadata' keys are at most {MAX_METADATA_KEY} characters and values "
                                           f"at most {MAX_METADATA_VALUE}", param=f"metadata.{key}")
-
-
-def caller_owner() -> str | None:
-    """Who owns the responses this request stores and may read: its API key's digest; None without keys."""
-    state = server()
-    key = presented_key(request.headers)
-    return key_digest(key) if state.access.keys and key else None
 
 
 def responses_store() -> ResponsesStore:

@@ -1,8 +1,10 @@
 """The bounded in-memory store behind `store: true` and `previous_response_id` on /v1/responses.
 
 Each entry is a finished response object plus the conversation it continues (previous input
-items and its own output). Entries expire after a TTL; past the entry or byte cap the least
-recently used entry is evicted first.
+items and its own output). Entries expire after a TTL. Entries are kept per owner (API key), each
+in its own LRU order; past the entry (or byte) cap the least recently used entry of the owner
+holding the most entries (bytes) is evicted, so one key's flood evicts its own responses first and
+never those of a key holding fewer: with k keys storing, each keeps at least 1/k of the caps.
 """
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ class ResponsesStore:
     def __init__(self, limits: StoreLimits = StoreLimits(), clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self._clock = clock
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: dict[str, StoredResponse] = {}
+        self._by_owner: dict[str | None, OrderedDict[str, StoredResponse]] = {}   # each in LRU order
+        self._owner_bytes: dict[str | None, int] = {}
         self._bytes = 0
         self.evictions = 0
         self.expirations = 0
@@ -76,10 +80,12 @@ class ResponsesStore:
                         response_id, size, lim)
             return False
         while self._entries and (len(self._entries) >= lim.max_entries or self._bytes + size > lim.max_bytes):
-            self._remove(next(iter(self._entries)))
+            self._remove(next(iter(self._by_owner[self._largest(by_bytes=len(self._entries) < lim.max_entries)])))
             self.evictions += 1
-        self._entries[response_id] = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s,
-                                                    owner)
+        entry = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s, owner)
+        self._entries[response_id] = entry
+        self._by_owner.setdefault(owner, OrderedDict())[response_id] = entry
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
         self._bytes += size
         return True
 
@@ -93,7 +99,7 @@ class ResponsesStore:
             self._remove(response_id)
             self.expirations += 1
             return None
-        self._entries.move_to_end(response_id)
+        self._by_owner[owner].move_to_end(response_id)
         return entry
 
     def delete(self, response_id: str, owner: str | None = None) -> bool:
@@ -114,7 +120,19 @@ class ResponsesStore:
             self._remove(rid)
             self.expirations += 1
 
+    def _largest(self, by_bytes: bool) -> str | None:
+        """The owner holding the most entries (or bytes): the one whose least recently used entry goes."""
+        if by_bytes:
+            return max(self._owner_bytes, key=self._owner_bytes.__getitem__)
+        return max(self._by_owner, key=lambda owner: len(self._by_owner[owner]))
+
     def _remove(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._bytes -= entry.size
+        if entry is None:
+            return
+        self._bytes -= entry.size
+        partition = self._by_owner[entry.owner]
+        del partition[response_id]
+        self._owner_bytes[entry.owner] -= entry.size
+        if not partition:
+            del self._by_owner[entry.owner], self._owner_bytes[entry.owner]

@@ -24,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from imp_jax.server.metrics import ServerMetrics
 from imp_jax.server.otlp_json import OTLPJSONSpanExporter
-from imp_jax.server.request_record import RequestRecord
+from imp_jax.server.request_record import RequestRecord, capped_error
 
 log = logging.getLogger("imp_jax.server")
 EXPORT_TIMEOUT_S = 5.0        # one batch's export, retries included
@@ -100,7 +100,7 @@ class Tracing:
             return
         span.set_attributes(_attributes(rec))
         if rec.outcome == "error" or (rec.status or 0) >= 500:
-            span.set_status(Status(StatusCode.ERROR, rec.error_message or "engine error"))
+            span.set_status(Status(StatusCode.ERROR, capped_error(rec.error_message) or "engine error"))
         inside = trace.set_span_in_context(span)
         for name, start, stop in _phases(rec, end):
             child = self._tracer.start_span(name, context=inside, kind=SpanKind.INTERNAL, start_time=rec.wall_ns(start))

@@ -58,7 +58,9 @@ def ragged_paged_attention_xla(
     cached = jnp.where(live, meta.seq_lens - q_lens, 0)                    # per slot: KV before this step
 
     def attend(state, s, v, mask, pv):
-        """Fold scores s [T', KVH, G, N] (masked by [T', N]) and values into (m, l, acc)."""
+        """Fold scores s [T', KVH, G, N] (masked by [T', N]) and values into (m, l, acc). A masked pair
+        has p = 0, and 0 * NaN is NaN: non-finite values are selected to 0 first, so a row whose K/V
+        went non-finite (an adapter's, say) reaches no other sequence's rows of the tile."""
         m, l, acc = state
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -67,6 +69,7 @@ def ragged_paged_attention_xla(
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         scale = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        v = jnp.where(jnp.isfinite(v), v, 0.0)
         return m_new, l * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv(p, v)
 
     def window(mask, q_pos, key_pos):
