@@ -124,6 +124,8 @@ class Leader:
     def send(self, op: int, bucket: tuple[int, int, int] = (0, 0, 0), ints: np.ndarray | None = None,
              floats: np.ndarray | None = None) -> None:
         from jax.experimental.multihost_utils import broadcast_one_to_all
+        if len(bucket) != 3:   # `follow` reads a header of exactly six ints
+            raise ValueError(f"a program's bucket is (tokens, seqs, context), not {bucket}")
         sizes = (0, 0) if ints is None else (ints.size, floats.size)
         broadcast_one_to_all(np.asarray([op, *bucket, *sizes], np.int32))
         if ints is not None:

@@ -286,7 +286,7 @@ class CompiledStep:
         self._attach_tables(batch, tables)
         ints, floats = self._pack("score", self._score_inputs(batch, targets))
         if self.leader is not None:
-            self.leader.send(SCORE, (len(batch.input_ids), 1), ints, floats)
+            self.leader.send(SCORE, (len(batch.input_ids), 1, self.shapes.max_blocks), ints, floats)
         out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
         return out
 
