@@ -95,3 +95,17 @@ def test_sliced_serialisation_writes_what_jsonify_writes() -> None:
              "choices": [{"logprobs": {"content": [{"token": "é", "top": [{"t": "x"}]}] * 2000}}], "empty": []}
     dumps = lambda v: json.dumps(v, separators=(",", ":"), sort_keys=True)   # noqa: E731 (Quart's provider)
     assert dumps_sliced(reply, dumps) == dumps(reply)
+
+
+def test_admin_routes_hold_bodies_to_the_same_limit_even_chunked(url: str) -> None:
+    """A chunked body has no Content-Length for the access check: the route itself refuses it past the
+    server's body limit (4 MiB here) before parsing, as the dialects' routes do."""
+    def chunks():
+        yield b'{"path": "'
+        for _ in range(80):
+            yield b"x" * 65536
+        yield b'"}'
+
+    for path in ("/admin/lora/load", "/admin/models/load", "/admin/lora/unload"):
+        r = httpx.post(url + path, content=chunks(), headers=JSON, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", (path, r.text[:300])

@@ -12,13 +12,13 @@ from quart import Blueprint, Response, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.api import Engine
 from imp_jax.server.access import presented_key
-from imp_jax.server.context import model_name, ready_engine, readiness, server
+from imp_jax.server.context import json_body, model_name, ready_engine, readiness, server
 from imp_jax.server.encoders import encoder_cards, encoders, encoders_ready
 from imp_jax.server.errors import RETRY_AFTER_S, not_supported, unavailable
 from imp_jax.server.generation import public_engine_message
 from imp_jax.server.limits import field_limits
 from imp_jax.server.lora import adapter_cards, adapter_card
-from imp_jax.server.validation import check_model_name, parse_json
+from imp_jax.server.validation import check_model_name
 
 bp = Blueprint("admin", __name__)
 
@@ -196,7 +196,7 @@ async def model(model_id: str) -> Any:
 async def load_model() -> Any:
     """Swap to a model of --models-dir (`{"model": name}`); answers once it serves."""
     state = server()
-    body = parse_json(await request.get_data())
+    body = await json_body()
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("'model' must name a model of /v1/models", param="model")

@@ -184,14 +184,26 @@ def ready_engine() -> Engine:
     return server().engine
 
 
-async def parse_body(cls: type[M]) -> M:
-    """The request body as `cls`, parsed off the event loop: 413 past the body limit, 400 if it is not one."""
+async def _bounded_body() -> bytes:
+    """The request body: 413 past the body limit (a chunked body has no Content-Length for the access check)."""
     body = await request.get_data()
     limit = server().body_limit()
-    if len(body) > limit:   # a chunked body has no Content-Length for the access check
+    if len(body) > limit:
         raise ImpError(f"the request body has {len(body)} bytes; this server takes at most {limit}",
                        code="request_too_large", status=413)
+    return body
+
+
+async def parse_body(cls: type[M]) -> M:
+    """The request body as `cls`, parsed off the event loop: 413 past the body limit, 400 if it is not one."""
+    body = await _bounded_body()
     return await limits.off_loop(lambda: parse_model(cls, parse_json(body)))
+
+
+async def json_body() -> dict[str, Any]:
+    """A JSON object body (the admin routes'), held to the same limit and parsed off the event loop."""
+    body = await _bounded_body()
+    return await limits.off_loop(parse_json, body)
 
 
 async def engine_request(cls: type[M]) -> tuple[M, Engine]:

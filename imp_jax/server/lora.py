@@ -13,13 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from quart import Blueprint, jsonify, request
+from quart import Blueprint, jsonify
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.api import Engine
-from imp_jax.server.context import model_name, ready_engine, server
+from imp_jax.server.context import json_body, model_name, ready_engine, server
 from imp_jax.server.validation import MAX_LORA_NAME as MAX_NAME
-from imp_jax.server.validation import parse_json
 
 bp = Blueprint("lora", __name__)
 
@@ -49,7 +48,7 @@ def _lora_engine() -> Engine:
 async def load() -> Any:
     """`{"path": PEFT dir, "name": optional}`: 200 with the adapter, 400 lora_load_failed (or naming `path`
     outside what may be read), 409 lora_already_loaded or lora_slots_full."""
-    body = parse_json(await request.get_data())
+    body = await json_body()
     path = body.get("path")
     if not isinstance(path, str) or not path.strip():
         raise InvalidRequestError("'path' must be the path of a PEFT adapter directory on the server", param="path")
@@ -119,7 +118,7 @@ async def unload() -> Any:
     """`{"name": ...}` (or `{"id": N}`), optional `timeout_s` (default 30): answers once the requests using
     the adapter ended; 404 lora_not_found; 503 lora_unload_timeout (the adapter stays loaded) when they
     have not ended within `timeout_s`."""
-    body = parse_json(await request.get_data())
+    body = await json_body()
     timeout_s = _timeout(body.get("timeout_s"))
     engine = _lora_engine()
     if isinstance(body.get("id"), int) and not isinstance(body.get("id"), bool) and body.get("name") is None:
