@@ -342,15 +342,17 @@ def stop_live_server() -> int | None:
     return _live["returncode"]
 
 
-def engine_stats(url: str) -> dict[str, Any]:
-    return httpx.get(url + "/health").json()
+def engine_stats(url: str, key: str | None = None) -> dict[str, Any]:
+    """/health's counters: a keyed server shows them to key holders only, so a key goes along (default the
+    ops server's; a server without keys ignores it)."""
+    return httpx.get(url + "/health", headers={"Authorization": f"Bearer {key or OPS_KEY}"}).json()
 
 
-def wait_idle(url: str, timeout: float = 60) -> dict[str, Any]:
+def wait_idle(url: str, timeout: float = 60, key: str | None = None) -> dict[str, Any]:
     """Poll /health until nothing runs or waits and the KV pool is back at its baseline."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = engine_stats(url)
+        stats = engine_stats(url, key)
         if (stats.get("num_running") == 0 and stats.get("num_waiting") == 0
                 and stats.get("num_free_blocks") == stats.get("baseline_free_blocks")):
             return stats

@@ -374,7 +374,7 @@ def test_api_key_prompt_thinking_fold_and_end_thinking(browser: Any, keyed_think
         page.locator(".msg.assistant").last.locator(".end-thinking").click()
         ui.wait_done()
         assert ui.reply() == "Yes done" and set(page.locator(".think-body").last.text_content().split("ok")) == {""}
-        assert wait_idle(keyed_thinker.url, timeout=30)["num_running"] == 0
+        assert wait_idle(keyed_thinker.url, timeout=30, key=THINK_KEY)["num_running"] == 0
 
         page.reload()   # the key was kept: no prompt this time
         page.wait_for_function("document.querySelector('#model').value === 'thinker'")
