@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+from imp_jax.server.auth_throttle import AuthThrottle
 from imp_jax.server.errors import Refusal
 from imp_jax.server.ui import is_ui_path
 
@@ -109,6 +110,7 @@ class Access:
         self.max_request_bytes = max_request_bytes
         self.metrics_public = metrics_public
         self.ui_public = ui_public
+        self.auth_throttle = AuthThrottle(0)   # --auth-failures-per-minute (context.install sets it)
 
     def is_open(self, path: str) -> bool:
         return (path in PROBES or (path == METRICS_PATH and self.metrics_public)
@@ -122,6 +124,7 @@ class Access:
             return
         key = presented_key(headers)
         if self.keys:
+            self.auth_throttle.check(client_addr, failed=key is not None and not self.keys.accepts(key))
             if key is None:
                 raise Refusal("this server needs an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                               status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
