@@ -89,3 +89,27 @@ def _preempted_when_short(fair: bool) -> list[str | None]:
 def test_preemption_takes_from_the_tenant_running_most() -> None:
     assert _preempted_when_short(fair=True) == ["a"]
     assert _preempted_when_short(fair=False) == ["b"]   # by arrival alone: the newest
+
+
+def test_a_full_batch_gives_a_slot_to_a_tenant_below_its_share() -> None:
+    s = _scheduler(max_num_seqs=4)
+    burst = [_seq("a", arrival=float(t)) for t in range(4)]
+    for q in burst:
+        s.add(q)
+    s.schedule()
+    s.add(_seq("b", arrival=9.0))
+    tenants = [c.seq.request.tenant for c in s.schedule()]
+    assert sorted(tenants) == ["a", "a", "a", "b"]
+    assert burst[-1].status is SeqStatus.WAITING   # a's newest gave its slot back
+    s.add(_seq("b", arrival=10.0))
+    assert sorted(c.seq.request.tenant for c in s.schedule()) == ["a", "a", "b", "b"]   # 3 against 1: one more back
+    assert sorted(c.seq.request.tenant for c in s.schedule()) == ["a", "a", "b", "b"]   # 2 against 2: settled
+
+
+def test_a_full_batch_of_one_tenant_preempts_nothing() -> None:
+    s = _scheduler(max_num_seqs=2)
+    for t in range(3):
+        s.add(_seq("a", arrival=float(t)))
+    s.schedule()
+    s.schedule()
+    assert s.num_preemptions == 0

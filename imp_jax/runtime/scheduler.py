@@ -5,9 +5,12 @@ admitted: by `priority` (lower first), then round-robin across tenants (`request
 API key, else a client address), then shortest remaining prompt first, with aging so nothing
 starves. Round-robin counts what a tenant already runs: a tenant's k-th waiting sequence (in
 rank order, k from 0) goes in round `running + k`, lowest round first, so a tenant with 32
-sequences queued cannot starve one with 1 (`fair_tenants=False`: rank alone). When blocks run
-out mid-decode the worst-ranked running sequence is preempted: of the tenant running the most
-sequences (when fair), the newest; it frees its blocks and later recomputes its KV from its tokens.
+sequences queued cannot starve one with 1. When every slot (`max_num_seqs`) is taken and a
+tenant waits running two or more fewer sequences than another, that other's newest sequence gives
+its slot back (preempted), one a step, so a newcomer starts at once rather than when a sequence
+ends (`fair_tenants=False`: rank alone, no such preemption). When blocks run out mid-decode the
+worst-ranked running sequence is preempted: of the tenant running the most sequences (when fair),
+the newest. A preempted sequence frees its blocks and later recomputes its KV from its tokens.
 """
 from __future__ import annotations
 
@@ -92,6 +95,22 @@ class Scheduler:
             rounds[slot] += 1
         return [seq for *_, seq in sorted(order, key=lambda o: o[:3])]
 
+    def _free_a_slot_for_a_tenant_below_its_share(self) -> None:
+        """With every slot taken and a tenant waiting that runs at least two fewer sequences of its priority
+        than another, preempt that other's newest sequence of the priority: the waiting tenant gets the
+        slot this step instead of when a sequence ends. One per step; each move narrows the gap."""
+        if len(self.running) < self.max_num_seqs:
+            return
+        counts = self._running_per_tenant()
+        for want in sorted((s for s in self.waiting if s.can_start and s.shadow is None),
+                           key=lambda s: (s.request.priority, counts[(s.request.priority, s.request.tenant)])):
+            prio, floor = want.request.priority, counts[(want.request.priority, want.request.tenant)] + 1
+            victims = [s for s in self.running if s.shadow is None and s.request.priority == prio
+                       and counts[(prio, s.request.tenant)] > floor]
+            if victims:
+                self.preempt(max(victims, key=lambda s: (counts[(prio, s.request.tenant)], s.arrival)))
+                return
+
     def _running_per_tenant(self) -> Counter:
         """Running sequences per (priority, tenant): where each tenant's next round starts."""
         return Counter((s.request.priority, s.request.tenant) for s in self.running)
@@ -99,6 +118,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: decodes, then continuing prefills, then admissions."""
         now = time.monotonic()
+        if self.fair_tenants:
+            self._free_a_slot_for_a_tenant_below_its_share()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
