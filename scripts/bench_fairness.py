@@ -4,8 +4,9 @@
         [--flood 32 --n 4 --flood-tokens 64] [--b-requests 3 --b-tokens 32]
         [--server-args "--max-num-seqs 8 ..."] [--out bench_results/fairness.json]
 
-Per mode it starts `python -m imp_jax.server` on loopback with two keys (a key file), `fair` as is and
-`unfair` with --no-fair-tenants. Key B sends --b-requests streamed chat requests one at a time, alone
+Per mode it starts `python -m imp_jax.server` on loopback with two keys (a key file): `fair` as is,
+`unfair` with --no-fair-tenants, `capped` fair with --max-concurrent-per-key --cap (A's refused
+requests retry after their Retry-After). Key B sends --b-requests streamed chat requests one at a time, alone
 and then while key A keeps --flood requests of n=--n choices, --flood-tokens tokens each (ignore_eos)
 in flight; the flood is cancelled once B is done. Reported for B: time to first token and decode
 tokens/s (after the first token), alone and under the flood, and their ratios. A table on stdout,
@@ -41,11 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, fair: bool, key_file: Path, log: Path) -> tuple[subprocess.Popen, str]:
+MODE_FLAGS = {"fair": [], "unfair": ["--no-fair-tenants"], "capped": ["--max-concurrent-per-key"]}
+
+
+def start_server(args: argparse.Namespace, mode: str, key_file: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """The server for one mode, once its /ready answers 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "imp_jax.server", "--host", "127.0.0.1", "--port", str(port), "--model", args.model,
-           "--api-key-file", str(key_file), *shlex.split(args.server_args)] + ([] if fair else ["--no-fair-tenants"])
+           "--api-key-file", str(key_file), *shlex.split(args.server_args), *MODE_FLAGS[mode]]
+    if mode == "capped":
+        cmd.append(str(args.cap))
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.ready_timeout
@@ -88,7 +94,9 @@ async def flood_a(client: httpx.AsyncClient, model: str, args: argparse.Namespac
 
     async def one() -> None:
         while True:   # keep the flood up until cancelled
-            await client.post("/v1/chat/completions", json=body, headers=_auth("A"))
+            r = await client.post("/v1/chat/completions", json=body, headers=_auth("A"))
+            if r.status_code == 429:
+                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
 
     await asyncio.gather(*(one() for _ in range(args.flood)))
 
@@ -130,7 +138,8 @@ def summary(runs: dict[str, Any]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--modes", nargs="+", default=["fair", "unfair"], choices=["fair", "unfair"])
+    ap.add_argument("--modes", nargs="+", default=["fair", "unfair"], choices=list(MODE_FLAGS))
+    ap.add_argument("--cap", type=int, default=1, help="--max-concurrent-per-key of the capped mode")
     ap.add_argument("--flood", type=int, default=32, help="key A's concurrent requests")
     ap.add_argument("--n", type=int, default=4, help="choices per flood request")
     ap.add_argument("--flood-tokens", type=int, default=64)
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     key_file.write_text("".join(f"{k}\n" for k in KEYS.values()))
     result: dict[str, Any] = {"args": vars(args), "load_average_before": os.getloadavg(), "modes": {}}
     for mode in args.modes:
-        proc, url = start_server(args, mode == "fair", key_file, tmp / f"server_{mode}.log")
+        proc, url = start_server(args, mode, key_file, tmp / f"server_{mode}.log")
         try:
             runs = asyncio.run(measure(url, args))
         finally:
