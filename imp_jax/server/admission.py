@@ -21,12 +21,13 @@ class GateNames:
     """How a gate's refusals name what it counts, and the flags that set its caps."""
 
     items: str = "requests"
+    tokens: str = "prompt tokens"
     state: str = "waiting for their first token"
     items_flag: str = "--max-queued-requests"
     tokens_flag: str = "--max-queued-tokens"
 
 
-ENCODER_NAMES = GateNames("embedding inputs", "queued or running on the encoders", "--max-queued-embedding-inputs",
+ENCODER_NAMES = GateNames("embedding inputs", "input tokens", "queued or running on the encoders", "--max-queued-embedding-inputs",
                           "--max-queued-embedding-tokens")
 
 
@@ -65,7 +66,7 @@ class AdmissionGate:
             raise self._full(f"{self.queued_requests} {n.items} are already {n.state} "
                              f"({n.items_flag} {self.max_requests})")
         if self.max_tokens and self.queued_requests and self.queued_tokens + prompt_tokens > self.max_tokens:
-            raise self._full(f"{self.queued_tokens} tokens are already {n.state} and this request adds "
+            raise self._full(f"{self.queued_tokens} {n.tokens} are already {n.state} and this request adds "
                              f"{prompt_tokens} ({n.tokens_flag} {self.max_tokens})")
         self.queued_requests += items
         self.queued_tokens += prompt_tokens
