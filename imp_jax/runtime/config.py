@@ -37,6 +37,9 @@ class EngineConfig:
     max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
     max_num_seqs: int = _field(32, "sequences in one step at most")
     max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")
+    fair_tenants: bool = _field(True, "admit waiting sequences round-robin across tenants (API keys, else client "
+                                "addresses) within a priority, so one tenant's burst cannot starve another's "
+                                "request; --no-fair-tenants: by rank alone (docs/ARCHITECTURE.md)")
     block_size: int = _field(16, "tokens per KV block")
     num_kv_blocks: int | None = _field(None, "KV pool size in blocks; wins over --kv-cache-memory")
     kv_cache_memory: float | None = _field(

@@ -57,7 +57,8 @@ class EngineCore:
         self.baseline_free_blocks, self.kv_pool_floored = self.pool.num_free_blocks, False   # floored: builder.py
         self.sessions = SessionPins(self.pool, config.session_ttl_s, max_blocks=self.baseline_free_blocks // 2)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   fair_tenants=config.fair_tenants)
         shapes = StepShapes(max_blocks=-(-self.max_model_len // config.block_size), vocab_size=loaded.config.vocab_size)
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)

@@ -181,6 +181,7 @@ class GenerationRequest:
     session_id: str | None = None  # pin the conversation's blocks for the session's next turn (sessions.py)
     lora: str | None = None       # adapter name; keys the prefix cache
     cache_salt: str | None = None  # prefix-cache partition: only requests with the same salt share blocks
+    tenant: str | None = None      # who asked (an API key's digest, else the client address): the scheduler's fair share
     constraint: str | None = None  # llguidance grammar every choice's output must follow (constraints.py)
     compiled_constraint: Any = None  # its CompiledGrammar (constraints.py), set before admission off the engine thread
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)

@@ -1,14 +1,22 @@
 """Continuous batching: which sequences run this step, and how many tokens each, under a token budget.
 
 Running decodes go first, then running prefills continue, then waiting sequences are
-admitted: by `priority` (lower first), then shortest remaining prompt first, with aging so
-nothing starves. When blocks run out mid-decode the worst-ranked running sequence is
-preempted: it frees its blocks and later recomputes its KV from its tokens.
+admitted: by `priority` (lower first), then round-robin across tenants (`request.tenant`: an
+API key, else a client address), then shortest remaining prompt first, with aging so nothing
+starves. Round-robin counts what a tenant already runs: a tenant's k-th waiting sequence (in
+rank order, k from 0) goes in round `running + k`, lowest round first, so a tenant with 32
+sequences queued cannot starve one with 1. When every slot (`max_num_seqs`) is taken and a
+tenant waits running two or more fewer sequences than another, that other's newest sequence gives
+its slot back (preempted), one a step, so a newcomer starts at once rather than when a sequence
+ends (`fair_tenants=False`: rank alone, no such preemption). When blocks run out mid-decode the
+worst-ranked running sequence is preempted: of the tenant running the most sequences (when fair),
+the newest. A preempted sequence frees its blocks and later recomputes its KV from its tokens.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from typing import Callable
 
 from imp_jax.runtime.cfg import split_budget
@@ -36,11 +44,12 @@ class Scheduler:
     """Holds the waiting and running sequences and picks each step's chunks."""
 
     def __init__(self, pool: KVBlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 aging_tokens_per_s: float = 256.0):
+                 aging_tokens_per_s: float = 256.0, fair_tenants: bool = True):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.aging_tokens_per_s = aging_tokens_per_s
+        self.fair_tenants = fair_tenants
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -72,9 +81,45 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed
         return seq.request.priority, remaining - self.aging_tokens_per_s * (now - seq.arrival)
 
+    def _admission_order(self, now: float) -> list[Sequence]:
+        """The waiting sequences in the order admission tries them: by rank, interleaved across tenants
+        by round (module docstring). One tenant alone keeps the rank order exactly."""
+        ranked = sorted(self.waiting, key=lambda s: self._rank(s, now))
+        if not self.fair_tenants:
+            return ranked
+        rounds = self._running_per_tenant()
+        order: list[tuple[int, int, int, Sequence]] = []
+        for position, seq in enumerate(ranked):
+            slot = (seq.request.priority, seq.request.tenant)
+            order.append((seq.request.priority, rounds[slot], position, seq))
+            rounds[slot] += 1
+        return [seq for *_, seq in sorted(order, key=lambda o: o[:3])]
+
+    def _free_a_slot_for_a_tenant_below_its_share(self) -> None:
+        """With every slot taken and a tenant waiting that runs at least two fewer sequences of its priority
+        than another, preempt that other's newest sequence of the priority: the waiting tenant gets the
+        slot this step instead of when a sequence ends. One per step; each move narrows the gap."""
+        if len(self.running) < self.max_num_seqs:
+            return
+        counts = self._running_per_tenant()
+        for want in sorted((s for s in self.waiting if s.can_start and s.shadow is None),
+                           key=lambda s: (s.request.priority, counts[(s.request.priority, s.request.tenant)])):
+            prio, floor = want.request.priority, counts[(want.request.priority, want.request.tenant)] + 1
+            victims = [s for s in self.running if s.shadow is None and s.request.priority == prio
+                       and counts[(prio, s.request.tenant)] > floor]
+            if victims:
+                self.preempt(max(victims, key=lambda s: (counts[(prio, s.request.tenant)], s.arrival)))
+                return
+
+    def _running_per_tenant(self) -> Counter:
+        """Running sequences per (priority, tenant): where each tenant's next round starts."""
+        return Counter((s.request.priority, s.request.tenant) for s in self.running)
+
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: decodes, then continuing prefills, then admissions."""
         now = time.monotonic()
+        if self.fair_tenants:
+            self._free_a_slot_for_a_tenant_below_its_share()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
@@ -94,7 +139,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
-        for seq in sorted(self.waiting, key=lambda s: self._rank(s, now)):
+        for seq in self._admission_order(now):
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
             if seq.shadow is not None:
@@ -210,12 +255,19 @@ class Scheduler:
         """Give `seq` blocks for n more tokens, preempting worse-ranked unscheduled sequences if need be."""
         while not self.pool.allocate(seq.table, seq.all_ids, seq.num_computed + n, seq.cache_key):
             victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
-            victim = max(victims, key=lambda s: (s.request.priority, s.arrival), default=None)
-            if victim is None or (victim.request.priority, victim.arrival) < (seq.request.priority, seq.arrival):
+            worst = self._victim_rank()
+            victim = max(victims, key=worst, default=None)
+            if victim is None or worst(victim) < worst(seq):
                 self.preempt(seq)
                 return False
             self.preempt(victim)
         return True
+
+    def _victim_rank(self) -> Callable[[Sequence], tuple]:
+        """How preemption ranks running sequences, worst last: by priority, then (fair) by how many its
+        tenant runs, then by arrival, so a burst gives back its own blocks before another tenant's."""
+        counts = Counter(s.request.tenant for s in self.running) if self.fair_tenants else Counter()
+        return lambda s: (s.request.priority, counts[s.request.tenant], s.arrival)
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and pins; it waits again and recomputes its KV (output so far kept).

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+from imp_jax.server.auth_throttle import AuthThrottle
 from imp_jax.server.browsers import is_loopback, loggable
 from imp_jax.server.errors import Refusal
 from imp_jax.server.ui import is_ui_path
@@ -120,6 +121,7 @@ class Access:
         self.max_request_bytes = max_request_bytes
         self.metrics_public = metrics_public
         self.ui_public = ui_public
+        self.auth_throttle = AuthThrottle(0)   # --auth-failures-per-minute (context.install sets it)
 
     def is_open(self, path: str) -> bool:
         return (path in PROBES or (path == METRICS_PATH and self.metrics_public)
@@ -140,12 +142,13 @@ class Access:
 
     def check(self, path: str, headers: Mapping[str, str], client_addr: str | None,
               content_length: int | None, max_request_bytes: int | None = None) -> None:
-        """Refuse with 401 (key), 429 (rate), 403 (an /admin route without `admin`) or 413 (body size, against
-        `max_request_bytes` when given), in that order."""
+        """Refuse with 429 (too many wrong keys from this address: auth_throttle.py), 401 (key), 429 (rate), 403
+        (an /admin route without `admin`) or 413 (body size, against `max_request_bytes` when given), in that order."""
         if self.is_open(path):
             return
         key = presented_key(headers)
         if self.keys:
+            self.auth_throttle.check(client_addr, failed=key is not None and not self.keys.accepts(key))
             if key is None:
                 raise Refusal("this server needs an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                               status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -58,6 +58,9 @@ class ServerConfig:
     shared_prefix_cache: bool = _field(False, "with API keys, share the prefix cache between keys (by default "
                                               "each key has its own: a cache hit would tell one key another's "
                                               "prompt)")
+    auth_failures_per_minute: int = _field(20, "failed API-key attempts per minute per client address; past "
+                                                "them the address gets 429 before its key is checked, a valid "
+                                                "one too, until the minute passes (with keys set); 0 = off")
     # limits
     max_request_bytes: int | None = _field(None, "largest request body in bytes (413 past it); default: 8 per "
                                                  "character of --max-prompt-chars, at least 4 MiB (64 MiB "
@@ -76,6 +79,17 @@ class ServerConfig:
                                          "(429 past it); 0 = no limit")
     max_queued_tokens: int = _field(0, "prompt tokens of the requests waiting for their first token at most "
                                        "(429 past it); 0 = no limit")
+    max_concurrent_per_key: int = _field(0, "generation requests in flight per API key (per client address "
+                                            "without keys) at most (429 past it); 0 = no limit")
+    max_queued_per_key: int = _field(0, "generation requests per API key (per client address without keys) "
+                                        "waiting for their first token at most (429 past it); 0 = no limit")
+    tokens_per_minute: int = _field(0, "prompt + generated tokens per minute per API key (per client address "
+                                       "without keys): a bucket of this many, refilled at this rate; prompts are "
+                                       "charged at admission, output at the end; a caller in debt gets 429 until it "
+                                       "refills; 0 = off")
+    max_queued_embedding_inputs: int = _field(0, "inputs of /v1/embeddings and /v1/rerank requests queued or "
+                                                 "running on the encoders at most (429 past it); 0 = no limit")
+    max_queued_embedding_tokens: int = _field(0, "tokens of those inputs at most (429 past it); 0 = no limit")
     request_timeout: float = _field(0.0, "seconds after which a generation request ends with what it has "
                                          "(finish_reason length); 0 = never")
     max_tokens: int | None = _field(None, "default max_tokens of a request that sets none (default: what is "
@@ -125,7 +139,8 @@ class ServerConfig:
             self.allowed_hosts = [self.allowed_hosts]
         self.allowed_hosts = [h.strip() for v in self.allowed_hosts for h in v.split(",") if h.strip()]
         for name in ("rate_limit", "max_queued_requests", "max_queued_tokens", "request_timeout", "drain_timeout",
-                     "swap_min_seconds"):
+                     "swap_min_seconds", "auth_failures_per_minute", "max_concurrent_per_key", "max_queued_per_key",
+                     "tokens_per_minute", "max_queued_embedding_inputs", "max_queued_embedding_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_request_bytes", "max_prompt_chars"):

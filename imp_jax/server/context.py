@@ -14,7 +14,8 @@ from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.api import Engine
 from imp_jax.server import limits
 from imp_jax.server.access import Access, key_digest, presented_key
-from imp_jax.server.admission import AdmissionGate
+from imp_jax.server.admission import ENCODER_NAMES, AdmissionGate
+from imp_jax.server.auth_throttle import AuthThrottle
 from imp_jax.server.browsers import HostCheck, default_allowed_hosts, is_loopback
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
@@ -24,6 +25,7 @@ from imp_jax.server.errors import unavailable
 from imp_jax.server.models_dir import ModelDirectory
 from imp_jax.server.responses_store import STORE_KEY
 from imp_jax.server.telemetry import Telemetry
+from imp_jax.server.tenants import TenantLimits
 from imp_jax.server.validation import (M, check_model_name, is_adapter, lora_of, parse_json, parse_model,
                                        refuse_not_yet, speculative_of)
 
@@ -49,6 +51,8 @@ class ServerContext:
     id_owners: OrderedDict[str, str | None] = dataclasses.field(default_factory=OrderedDict)
     models: ModelDirectory | None = None   # --models-dir: the models this server may swap to
     field_limits: limits.FieldLimits = limits.FieldLimits()   # --max-stop-strings, --max-tools, ...
+    tenants: TenantLimits = dataclasses.field(default_factory=TenantLimits)   # --max-concurrent-per-key, ...
+    encoder_gate: AdmissionGate = dataclasses.field(default_factory=AdmissionGate)   # embeddings and rerank
 
     def max_model_len(self) -> int | None:
         """The loaded model's context, or None while none is (loading, no model)."""
@@ -82,6 +86,7 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
     gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
     access = Access(config.api_key_grants(), config.rate_limit, config.max_request_bytes, config.metrics_public,
                     ui_public=config.ui, admin_open=config.admin_open)
+    access.auth_throttle = AuthThrottle(config.auth_failures_per_minute)
 
     def store_stats() -> dict[str, int]:
         store = app.extensions.get(STORE_KEY)
@@ -97,7 +102,11 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
     hosts = HostCheck(config.allowed_hosts or default_allowed_hosts(config.host))
     warn_if_open(config, access, hosts)
     state = ServerContext(engine, config, access, gate, telemetry, Cors(config.cors_origins), hosts,
-                          field_limits=config.field_limits)
+                          field_limits=config.field_limits,
+                          tenants=TenantLimits(config.max_concurrent_per_key, config.max_queued_per_key,
+                                               config.tokens_per_minute),
+                          encoder_gate=AdmissionGate(config.max_queued_embedding_inputs,
+                                                     config.max_queued_embedding_tokens, ENCODER_NAMES))
     app.extensions[_KEY] = state
     return state
 

@@ -1,6 +1,7 @@
 """`POST /v1/embeddings` (OpenAI) and `POST /v1/rerank`, `POST /rerank` (Cohere / Jina / vLLM), on the encoders.
 
-Inputs are tokenized here (off the event loop) and checked against the model's context; the
+Inputs are tokenized here (off the event loop) and checked against the model's context; they wait
+for the encoders within their own caps (admission.py, --max-queued-embedding-inputs / -tokens); the
 encoder engine batches them with every other client's. docs/API.md has the wire shapes.
 """
 from __future__ import annotations
@@ -167,12 +168,17 @@ def _end_record(outcome: str) -> None:
 
 
 async def _run(engine: Encoder, items: list[Item], endpoint: str) -> np.ndarray:
-    _begin_record(engine, endpoint, sum(len(ids) for ids, _ in items))
+    """The encoder's output for `items`, holding their places in the encoder queue (429 past its caps)."""
+    tokens = sum(len(ids) for ids, _ in items)
+    ticket = server().encoder_gate.admit(tokens, items=len(items))
+    _begin_record(engine, endpoint, tokens)
     try:
         out = await engine.run(items)
     except BaseException:
         _end_record("error")
         raise
+    finally:
+        ticket.release()
     _end_record("ok")
     return out
 

@@ -1,7 +1,7 @@
 """A generation request's life on the server: queue admission, the request timeout, its events observed to the end.
 
 Every dialect starts generation through `begin()`. The request holds a place in the
-AdmissionGate until its first event; `--request-timeout` cancels it in the engine and the
+AdmissionGate until its first event, and one in its tenant's counts (tenants.py) until it ends; `--request-timeout` cancels it in the engine and the
 answer ends normally with what it has (the engine's `cancelled` becomes `length`); each event
 feeds the request's record, and when the events end (done, error, client gone, client
 dropped) the record is handed to telemetry.
@@ -25,6 +25,7 @@ from imp_jax.server.generation import close_events, event_error, start
 from imp_jax.server.metrics import ENDPOINTS
 from imp_jax.server.request_record import RequestRecord
 from imp_jax.server.telemetry import Telemetry
+from imp_jax.server.tenants import TenantHold, tenant_of
 
 log = logging.getLogger("imp_jax.server")
 
@@ -47,7 +48,7 @@ def engine_session_id(session_id: str | None) -> str | None:
 
 
 async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIterator[EngineEvent]:
-    """Admit `req` (429 past the queue caps), submit it and wait for its first event; its events, observed.
+    """Admit `req` (429 past the queue caps or its tenant's limits), submit it and wait for its first event; its events, observed.
 
     An ImpError the engine raises for the request (a 4xx) means it never ran: nothing is traced or counted.
     """
@@ -60,8 +61,14 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     req.lora = req.lora or g.get("lora")   # any dialect's body (server/lora.py)
     if g.get("speculative") is not None:   # any dialect's body (validation.speculative_of)
         req.speculative, req.spec_ngram_k, req.spec_mtp_k = g.speculative
+    req.tenant = req.tenant or tenant_of(request.headers, request.remote_addr, bool(state.access.keys))
     ticket = state.gate.admit(len(req.prompt_ids))
-    tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout)
+    try:
+        hold = state.tenants.admit(req.tenant, len(req.prompt_ids))
+    except BaseException:
+        ticket.release()
+        raise
+    tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout, hold)
     rec.submitted_at = time.monotonic()
     rec.generating = rec.generated = True
     try:
@@ -76,6 +83,7 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
         raise
     finally:
         ticket.release()
+        hold.started()
     tracked.attach(events)
     return tracked
 
@@ -89,8 +97,9 @@ class TrackedEvents:
     """
 
     def __init__(self, engine: Engine, request_id: str, rec: RequestRecord, telemetry: Telemetry,
-                 timeout_s: float):
+                 timeout_s: float, hold: TenantHold):
         self._engine, self._request_id, self._rec, self._telemetry = engine, request_id, rec, telemetry
+        self._hold = hold   # its tenant's counts (tenants.py): generated tokens are charged at the end
         self._events: AsyncIterator[EngineEvent] | None = None
         self._done = self._failed = self._ended = False
         self._timer: asyncio.TimerHandle | None = None
@@ -154,6 +163,7 @@ class TrackedEvents:
         if not self._done:
             self._engine.cancel(self._request_id)
         rec = self._rec
+        self._hold.end(rec.completion_tokens)
         failed = self._failed or (isinstance(error, Exception) and not isinstance(error, asyncio.CancelledError))
         if rec.stalled:
             outcome = "dropped"

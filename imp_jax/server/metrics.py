@@ -16,7 +16,9 @@ ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "com
              "/v1/score": "score", "/v1/decide": "decide",
              "/v1/embeddings": "embeddings", "/v1/rerank": "rerank", "/rerank": "rerank"}
 REJECTIONS = {"invalid_api_key": "auth", "rate_limit_exceeded": "rate_limit", "queue_full": "queue_full",
-              "request_too_large": "body_too_large"}
+              "request_too_large": "body_too_large", "auth_failures_exceeded": "auth_failures",
+              "concurrency_limit_exceeded": "key_concurrency", "key_queue_full": "key_queue_full",
+              "tokens_per_minute_exceeded": "tokens_per_minute"}
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
