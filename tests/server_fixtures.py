@@ -348,6 +348,17 @@ def engine_stats(url: str, key: str | None = None) -> dict[str, Any]:
     return httpx.get(url + "/health", headers={"Authorization": f"Bearer {key or OPS_KEY}"}).json()
 
 
+def probe_health(url: str, stop: threading.Event, latencies: list[float], every_s: float = 0.02) -> None:
+    """GET /health every `every_s` until `stop` is set, appending each answer's latency (a thread's target:
+    tests that one request cannot stall the event loop)."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(every_s)
+
+
 def wait_idle(url: str, timeout: float = 60, key: str | None = None) -> dict[str, Any]:
     """Poll /health until nothing runs or waits and the KV pool is back at its baseline."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, probe_health, wait_for
 
 from imp_jax.model import tokenizer as tokenizer_module
 from imp_jax.server.limits import dumps_sliced
@@ -37,16 +37,7 @@ def url() -> Iterator[str]:
 def health_latencies_during(url: str, requests: list[tuple[str, bytes]]) -> tuple[list[float], list[httpx.Response]]:
     """Probe /health every 10 ms from another thread while `requests` (path, body) are sent one by one."""
     stop, latencies = threading.Event(), []
-
-    def probe() -> None:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                assert client.get("/health").status_code == 200
-                latencies.append(time.perf_counter() - t0)
-                time.sleep(0.01)
-
-    prober = threading.Thread(target=probe)
+    prober = threading.Thread(target=probe_health, args=(url, stop, latencies, 0.01))
     prober.start()
     try:
         time.sleep(0.1)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, probe_health, wait_for
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
@@ -110,19 +110,10 @@ def test_template_render_is_bounded_in_time_and_output(monkeypatch: pytest.Monke
 
 
 # --------------------------------------------------------------------------- one request cannot stall the server
-def _probe_health(url: str, stop: threading.Event, latencies: list[float]) -> None:
-    with httpx.Client(base_url=url, timeout=60) as client:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.02)
-
-
 def test_health_answers_while_maximal_requests_are_handled(app_url: tuple[str, FakeEngine]) -> None:
     url, engine = app_url
     stop, latencies = threading.Event(), []
-    prober = threading.Thread(target=_probe_health, args=(url, stop, latencies))
+    prober = threading.Thread(target=probe_health, args=(url, stop, latencies))
     prober.start()
     try:
         time.sleep(0.2)

@@ -104,6 +104,13 @@ class RateLimiter:
             del self._buckets[caller]
 
 
+def tenant_of(headers: Mapping[str, str], client_addr: str | None, keyed: bool) -> str:
+    """Who a request counts against (the rate limit, tenants.py's limits, the fair scheduler): its key on a
+    server with keys, else its client address."""
+    key = presented_key(headers)
+    return f"key:{key_digest(key)}" if keyed and key else f"addr:{client_addr}"
+
+
 def is_local_client(client_addr: str | None) -> bool:
     """A client on this machine: a loopback address, or no network peer at all (NO_PEER)."""
     return client_addr in (None, NO_PEER) or is_loopback(client_addr)
@@ -156,8 +163,7 @@ class Access:
                 raise Refusal("the API key is not valid", status=401, code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
         if self.limiter is not None and path not in PROBES and path != METRICS_PATH:
-            caller = f"key:{key_digest(key)}" if self.keys and key else f"addr:{client_addr}"
-            wait = self.limiter.take(caller)
+            wait = self.limiter.take(tenant_of(headers, client_addr, bool(self.keys)))
             if wait > 0:
                 retry = max(1, math.ceil(wait))
                 raise Refusal(f"rate limit of {self.limiter.per_minute} requests per minute exceeded; "

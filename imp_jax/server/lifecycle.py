@@ -19,13 +19,13 @@ from quart import g, request
 from imp_jax.errors import ImpError
 from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import EngineEvent, GenerationRequest
-from imp_jax.server.access import key_digest, presented_key
+from imp_jax.server.access import key_digest, presented_key, tenant_of
 from imp_jax.server.context import server
 from imp_jax.server.generation import close_events, event_error, start
 from imp_jax.server.metrics import ENDPOINTS
 from imp_jax.server.request_record import RequestRecord
 from imp_jax.server.telemetry import Telemetry
-from imp_jax.server.tenants import TenantHold, tenant_of
+from imp_jax.server.tenants import TenantHold
 
 log = logging.getLogger("imp_jax.server")
 

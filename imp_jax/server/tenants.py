@@ -12,18 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from imp_jax.server.access import key_digest, presented_key
 from imp_jax.server.errors import Refusal
 
 MAX_TRACKED_TENANTS = 10_000   # tenants kept before idle ones (nothing in flight, bucket full) are dropped
-
-
-def tenant_of(headers: Mapping[str, str], client_addr: str | None, keyed: bool) -> str:
-    """Who a request counts against: its key on a server with keys, else its client address."""
-    key = presented_key(headers)
-    return f"key:{key_digest(key)}" if keyed and key else f"addr:{client_addr}"
 
 
 @dataclasses.dataclass
