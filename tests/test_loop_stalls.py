@@ -100,3 +100,20 @@ def test_admin_routes_hold_bodies_to_the_same_limit_even_chunked(url: str) -> No
     for path in ("/admin/lora/load", "/admin/models/load", "/admin/lora/unload"):
         r = httpx.post(url + path, content=chunks(), headers=JSON, timeout=60)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", (path, r.text[:300])
+
+
+def test_a_reply_past_the_logprobs_cap_is_a_400_naming_the_field(monkeypatch) -> None:
+    """n x tokens x (1 + top alternatives), the prompt's too, is held to MAX_REPLY_LOGPROBS (checked at
+    admission with max_tokens resolved, runtime/admission.py)."""
+    from imp_jax.errors import InvalidRequestError
+    from imp_jax.runtime import request as request_module
+    from imp_jax.runtime.request import SamplingParams, check_reply_size
+
+    monkeypatch.setattr(request_module, "MAX_REPLY_LOGPROBS", 10_000)
+    check_reply_size(SamplingParams(n=2, logprobs=4), prompt_len=100, max_tokens=1000)   # 2 x 1000 x 5
+    check_reply_size(SamplingParams(n=8), prompt_len=100_000, max_tokens=100_000)        # no logprobs asked
+    for params, field in ((SamplingParams(n=2, logprobs=5), "logprobs"),                 # 2 x 1000 x 6
+                          (SamplingParams(n=4, prompt_logprobs=20), "prompt_logprobs")):  # 4 x 200 x 21
+        with pytest.raises(InvalidRequestError) as e:
+            check_reply_size(params, prompt_len=200, max_tokens=1000)
+        assert e.value.param == field and e.value.code == "response_too_large"

@@ -9,7 +9,7 @@ from imp_jax.errors import InvalidRequestError
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.runtime.defaults import resolve_params
 from imp_jax.runtime.features import Feature, Services
-from imp_jax.runtime.request import GenerationRequest, check_context
+from imp_jax.runtime.request import GenerationRequest, check_context, check_reply_size
 from imp_jax.runtime.request_state import Emit, RequestState
 from imp_jax.runtime.sequence import Sequence
 from imp_jax.runtime.step_inputs import base_bias
@@ -37,6 +37,7 @@ def admit(services: Services, features: list[Feature], req: GenerationRequest, e
             f"at most {s.step_fn.shapes.max_bias} logit_bias entries (stop_token_ids and EOS count "
             f"while min_tokens are out)", param="logit_bias")
     max_tokens = params.max_tokens or s.max_model_len - n_prompt
+    check_reply_size(params, n_prompt, max_tokens)
     for f in features:
         params = f.check(req, params)
     state = RequestState(req, params, max_tokens, emit,

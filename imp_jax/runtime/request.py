@@ -45,6 +45,25 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
             f"context of {max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
 
 
+# Logprob entries one reply may carry (a token and each of its top alternatives count one): ~100 bytes of
+# JSON each, so about 400 MB at the cap; past it a 400 asks for fewer tokens, alternatives or choices.
+MAX_REPLY_LOGPROBS = 1 << 22
+
+
+def check_reply_size(params: "SamplingParams", prompt_len: int, max_tokens: int) -> None:
+    """400 naming the field when the logprobs a reply could carry (n choices, each with max_tokens tokens of
+    1 + logprobs entries and the prompt's 1 + prompt_logprobs per token) pass MAX_REPLY_LOGPROBS."""
+    def per_token(top: int | None) -> int:
+        return 0 if top is None else 1 + top
+    entries = params.n * (max_tokens * per_token(params.logprobs) + prompt_len * per_token(params.prompt_logprobs))
+    if entries > MAX_REPLY_LOGPROBS:
+        field = "logprobs" if params.logprobs is not None else "prompt_logprobs"
+        raise InvalidRequestError(
+            f"the reply could carry {entries} logprob entries (n x tokens x (1 + top alternatives)); this server "
+            f"sends at most {MAX_REPLY_LOGPROBS}: ask for fewer tokens (max_tokens), alternatives or choices (n)",
+            code="response_too_large", param=field)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request generation knobs. None means "the model's default" (runtime/defaults.py)."""
