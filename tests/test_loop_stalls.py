@@ -117,3 +117,8 @@ def test_a_reply_past_the_logprobs_cap_is_a_400_naming_the_field(monkeypatch) ->
         with pytest.raises(InvalidRequestError) as e:
             check_reply_size(params, prompt_len=200, max_tokens=1000)
         assert e.value.param == field and e.value.code == "response_too_large"
+    lens = SamplingParams(logprobs=0, logit_lens=4)                                      # 1000 x (1 + 2 x 5)
+    check_reply_size(lens, prompt_len=10, max_tokens=1000)
+    with pytest.raises(InvalidRequestError) as e:
+        check_reply_size(lens, prompt_len=10, max_tokens=1000, lens_layers=2)
+    assert e.value.param == "logit_lens"

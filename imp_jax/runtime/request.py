@@ -50,14 +50,17 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
 MAX_REPLY_LOGPROBS = 1 << 22
 
 
-def check_reply_size(params: "SamplingParams", prompt_len: int, max_tokens: int) -> None:
+def check_reply_size(params: "SamplingParams", prompt_len: int, max_tokens: int, lens_layers: int = 0) -> None:
     """400 naming the field when the logprobs a reply could carry (n choices, each with max_tokens tokens of
-    1 + logprobs entries and the prompt's 1 + prompt_logprobs per token) pass MAX_REPLY_LOGPROBS."""
+    1 + logprobs entries, and with `lens_layers` of 1 + logit_lens each; the prompt's 1 + prompt_logprobs per
+    token) pass MAX_REPLY_LOGPROBS."""
     def per_token(top: int | None) -> int:
         return 0 if top is None else 1 + top
-    entries = params.n * (max_tokens * per_token(params.logprobs) + prompt_len * per_token(params.prompt_logprobs))
+    generated = per_token(params.logprobs) + lens_layers * per_token(params.logit_lens)
+    entries = params.n * (max_tokens * generated + prompt_len * per_token(params.prompt_logprobs))
     if entries > MAX_REPLY_LOGPROBS:
-        field = "logprobs" if params.logprobs is not None else "prompt_logprobs"
+        field = ("logit_lens" if lens_layers and params.logit_lens is not None
+                 else "logprobs" if params.logprobs is not None else "prompt_logprobs")
         raise InvalidRequestError(
             f"the reply could carry {entries} logprob entries (n x tokens x (1 + top alternatives)); this server "
             f"sends at most {MAX_REPLY_LOGPROBS}: ask for fewer tokens (max_tokens), alternatives or choices (n)",

@@ -7,6 +7,7 @@ import dataclasses
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.features.base import Accepted, Feature
 from imp_jax.runtime.logit_lens import lens_batch, lens_layers
+from imp_jax.runtime.request import check_reply_size
 from imp_jax.runtime.sequence import SeqStatus
 
 
@@ -28,7 +29,11 @@ class LensFeature(Feature):
                    else "it does not run multi-host")
             raise InvalidRequestError(f"'logit_lens' is not supported here: {why}", code="not_supported",
                                       param="logit_lens")
-        return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+        params = params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+        prompt_len = len(req.prompt_ids)
+        check_reply_size(params, prompt_len, params.max_tokens or self.s.max_model_len - prompt_len,
+                         lens_layers=getattr(getattr(self.s.model, "config", None), "num_layers", 0))   # a user model may not say
+        return params
 
     def needs_newest(self, seq) -> bool:
         return seq.params.logit_lens is not None   # its program runs after the read
