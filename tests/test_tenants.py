@@ -226,3 +226,23 @@ def test_embeddings_wait_within_their_own_input_cap() -> None:
         one = pool.submit(embed, 1)   # 3 + 1 fit the cap
         encoder.release.set()
         assert held.result().status_code == 200 and one.result().status_code == 200
+
+
+def test_embeddings_count_against_their_callers_concurrency() -> None:
+    chat, encoder = FakeEngine(fake_tokenizer()), HeldEncoder()
+    chat.start()
+    app = create_app(chat, ServerConfig(max_concurrent_per_key=1))
+    install_encoders(app, [encoder])
+    with app_in_thread(app) as url, ThreadPoolExecutor(1) as pool:
+        wait_for(url + "/ready", 200, timeout=30)
+        held = pool.submit(lambda: httpx.post(url + "/v1/embeddings", json={"input": [[1, 2]]}, timeout=30))
+        gate = state_of(app).encoder_gate
+        deadline = time.monotonic() + 10
+        while gate.queued_requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = httpx.post(url + "/v1/embeddings", json={"input": [[3]]}, timeout=30)
+        assert second.status_code == 429 and second.json()["error"]["code"] == "concurrency_limit_exceeded"
+        encoder.release.set()
+        assert held.result().status_code == 200
+        after = httpx.post(url + "/v1/embeddings", json={"input": [[3]]}, timeout=30)
+        assert after.status_code == 200   # the first one's place was given back

@@ -17,6 +17,7 @@ from quart import Blueprint, g, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.api import Encoder
 from imp_jax.runtime.vectors import finish_embeddings
+from imp_jax.server.access import tenant_of
 from imp_jax.server.context import model_name, parse_body, server
 from imp_jax.server.encoders import TASK_ROUTES, encoders, task_of
 from imp_jax.server.errors import unavailable
@@ -168,9 +169,17 @@ def _end_record(outcome: str) -> None:
 
 
 async def _run(engine: Encoder, items: list[Item], endpoint: str) -> np.ndarray:
-    """The encoder's output for `items`, holding their places in the encoder queue (429 past its caps)."""
+    """The encoder's output for `items`, holding their places in the encoder queue (429 past its caps) and
+    in its caller's per-key counts (tenants.py: a request in flight, its tokens a minute)."""
+    state = server()
     tokens = sum(len(ids) for ids, _ in items)
-    ticket = server().encoder_gate.admit(tokens, items=len(items))
+    ticket = state.encoder_gate.admit(tokens, items=len(items))
+    try:
+        hold = state.tenants.admit(tenant_of(request.headers, request.remote_addr, bool(state.access.keys)), tokens)
+    except BaseException:
+        ticket.release()
+        raise
+    hold.started()   # an encoder answers in one piece: no first token to wait for
     _begin_record(engine, endpoint, tokens)
     try:
         out = await engine.run(items)
@@ -179,6 +188,7 @@ async def _run(engine: Encoder, items: list[Item], endpoint: str) -> np.ndarray:
         raise
     finally:
         ticket.release()
+        hold.end(0)
     _end_record("ok")
     return out
 
