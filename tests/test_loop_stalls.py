@@ -11,11 +11,12 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, probe_health, wait_for
 
 from imp_jax.model import tokenizer as tokenizer_module
-from imp_jax.server.limits import dumps_sliced
+from imp_jax.server.limits import json_pieces
 from imp_jax.server.tokens import MAX_PIECES
 
 CONTEXT = 8192
@@ -23,13 +24,41 @@ HOSTILE_TEXT = "\U0001D518" * (32 * CONTEXT)   # the prompt-character cap of an 
 JSON = {"Content-Type": "application/json"}
 
 
+class WideEncoder:
+    """An embedding model of 1024 dimensions that answers at once: what is measured is the server's work on
+    a 2048-vector reply (~25 MB of JSON), not the model's."""
+
+    served_name, task, state, error = "wide-embed", "embed", "ready", None
+    max_model_len, vocab_size, dimensions, normalize, tokenizer, in_flight = 64, 100, 1024, True, None, 0
+
+    def start(self) -> None:
+        pass
+
+    async def wait_ready(self) -> None:
+        pass
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    VECTORS = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)   # made once, not on the loop
+
+    async def run(self, items: list) -> np.ndarray:
+        return self.VECTORS[:len(items)]
+
+
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     from imp_jax.server.app import create_app
+    from imp_jax.server.encoders import install_encoders
 
     engine = FakeEngine(fake_tokenizer(), max_model_len=CONTEXT)
     engine.start()
-    with app_in_thread(create_app(engine)) as base:
+    app = create_app(engine)
+    install_encoders(app, [WideEncoder()])
+    with app_in_thread(app) as base:
         wait_for(base + "/ready", 200, timeout=30)
         yield base
 
@@ -55,9 +84,11 @@ def test_health_answers_within_100_ms_through_the_largest_tokenizer_work(url: st
     hostile = [("/tokenize", json.dumps({"content": HOSTILE_TEXT}).encode()),
                ("/tokenize", json.dumps({"prompt": HOSTILE_TEXT, "with_pieces": True}).encode()),
                ("/tokenize", json.dumps({"messages": [{"role": "user", "content": HOSTILE_TEXT[:-100]}]}).encode()),
-               ("/detokenize", json.dumps({"tokens": ids}).encode())]
+               ("/detokenize", json.dumps({"tokens": ids}).encode()),
+               ("/v1/embeddings", json.dumps({"model": "wide-embed", "input": [[1, 2, 3]] * 2048}).encode())]
     latencies, replies = health_latencies_during(url, hostile)
-    assert [r.status_code for r in replies] == [200, 400, 200, 200], [r.text[:200] for r in replies]
+    assert [r.status_code for r in replies] == [200, 400, 200, 200, 200], [r.text[:200] for r in replies]
+    assert len(replies[4].json()["data"]) == 2048
     assert replies[0].json()["count"] > 500_000
     assert replies[1].json()["error"]["param"] == "with_pieces"
     assert len(replies[3].json()["content"]) > 100_000
@@ -81,11 +112,11 @@ def test_long_inputs_go_through_the_gil_free_batch_calls(monkeypatch) -> None:
     assert tok.encode(text) == plain and tok.decode(plain) == tok._tok.decode(plain)
 
 
-def test_sliced_serialisation_writes_what_jsonify_writes() -> None:
+def test_the_pieces_add_up_to_what_jsonify_writes() -> None:
     reply = {"data": [{"embedding": [0.1 * i] * 300, "index": i} for i in range(500)], "model": "m",
              "choices": [{"logprobs": {"content": [{"token": "é", "top": [{"t": "x"}]}] * 2000}}], "empty": []}
     dumps = lambda v: json.dumps(v, separators=(",", ":"), sort_keys=True)   # noqa: E731 (Quart's provider)
-    assert dumps_sliced(reply, dumps) == dumps(reply)
+    assert "".join(json_pieces(reply, dumps)) == dumps(reply)
 
 
 def test_admin_routes_hold_bodies_to_the_same_limit_even_chunked(url: str) -> None:

@@ -215,7 +215,7 @@ async def create_embeddings() -> Any:
         items = [(list(ids), [0] * len(ids)) for ids in inputs]   # type: ignore[arg-type]
     items = _fit(items, engine, cut, _indexed("input", len(items)), keeps_last=isinstance(inputs[0], str))
     vectors = await _run(engine, items, "embeddings")
-    vectors = finish_embeddings(vectors, req.dimensions, engine.normalize)
+    vectors = await off_loop(finish_embeddings, vectors, req.dimensions, engine.normalize)
     tokens = sum(len(ids) for ids, _ in items)
 
     def reply() -> dict[str, Any]:

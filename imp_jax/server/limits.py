@@ -13,7 +13,7 @@ import asyncio
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from imp_jax.errors import InvalidRequestError
@@ -97,30 +97,46 @@ SLICE_CHARS = 1 << 16   # JSON text one serialising call writes at most, about a
 
 async def json_reply(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`build(*args, **kwargs)` as a JSON response, built and serialised on a worker thread (`off_loop`),
-    in slices (`dumps_sliced`): json's C encoder holds the GIL for a whole call, so a reply of a million
-    items serialised at once (a tokenization with pieces, thousands of embeddings, logprobs of a long
-    prompt) would stall the event loop from another thread as surely as on the loop itself. The text is
-    the app's `jsonify`'s (its JSON provider: sorted keys, compact, ASCII)."""
+    in slices (`json_pieces`), sent as those pieces: json's C encoder holds the GIL for a whole call, and
+    so does joining, concatenating or encoding one large string, so a reply of a million items written
+    at once (a tokenization with pieces, thousands of embeddings, logprobs of a long prompt) would stall
+    the event loop from another thread as surely as on the loop itself. The bytes are the app's
+    `jsonify`'s (its JSON provider: sorted keys, compact, ASCII), with a Content-Length."""
     from quart import current_app
 
     provider = current_app.json
 
     def run() -> Any:
-        body = dumps_sliced(build(*args, **kwargs), functools.partial(provider.dumps, separators=(",", ":")))
-        return current_app.response_class(body + "\n", mimetype=provider.mimetype)
+        dumps = functools.partial(provider.dumps, separators=(",", ":"))
+        chunks = [piece.encode() for piece in json_pieces(build(*args, **kwargs), dumps)] + [b"\n"]
+        response = current_app.response_class(chunks, mimetype=provider.mimetype)
+        response.content_length = sum(len(c) for c in chunks)
+        return response
 
     return await off_loop(run)
 
 
-def dumps_sliced(value: Any, dumps: Callable[[Any], str]) -> str:
-    """`dumps(value)`, written a slice at a time: dicts and short lists are walked, a long list is written
-    in runs of items sized from its first item to about SLICE_CHARS each."""
+def json_pieces(value: Any, dumps: Callable[[Any], str]) -> Iterator[str]:
+    """`dumps(value)` as consecutive pieces, none much past SLICE_CHARS: dicts and short lists are walked, a
+    long list is written in runs of items sized from its first item."""
     if isinstance(value, dict):
-        return "{" + ",".join(f"{dumps(str(k))}:{dumps_sliced(v, dumps)}"
-                              for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
-    if not isinstance(value, list):
-        return dumps(value)
-    if len(value) <= 64:
-        return "[" + ",".join(dumps_sliced(v, dumps) for v in value) + "]"
-    per = max(1, SLICE_CHARS // max(1, len(dumps(value[0]))))
-    return "[" + ",".join(dumps(value[i:i + per])[1:-1] for i in range(0, len(value), per)) + "]"
+        yield "{"
+        for i, (k, v) in enumerate(sorted(value.items(), key=lambda kv: str(kv[0]))):
+            yield f"{',' if i else ''}{dumps(str(k))}:"
+            yield from json_pieces(v, dumps)
+        yield "}"
+    elif not isinstance(value, list):
+        yield dumps(value)
+    elif len(value) <= 64:
+        yield "["
+        for i, v in enumerate(value):
+            if i:
+                yield ","
+            yield from json_pieces(v, dumps)
+        yield "]"
+    else:
+        per = max(1, SLICE_CHARS // max(1, len(dumps(value[0]))))
+        yield "["
+        for i in range(0, len(value), per):
+            yield ("," if i else "") + dumps(value[i:i + per])[1:-1]
+        yield "]"
