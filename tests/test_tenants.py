@@ -4,6 +4,7 @@ the apps here run over FakeEngine and a held fake encoder (server_fixtures.py sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -204,13 +205,20 @@ class HeldEncoder:
         return np.ones((len(items), self.dimensions), np.float32)
 
 
-def test_embeddings_wait_within_their_own_input_cap() -> None:
+@contextlib.contextmanager
+def encoder_app(config: ServerConfig) -> Iterator[tuple[str, Any, HeldEncoder]]:
+    """A FakeEngine app with a HeldEncoder beside it, served on loopback: (url, app, encoder)."""
     chat, encoder = FakeEngine(fake_tokenizer()), HeldEncoder()
     chat.start()
-    app = create_app(chat, ServerConfig(max_queued_embedding_inputs=4))
+    app = create_app(chat, config)
     install_encoders(app, [encoder])
-    with app_in_thread(app) as url, ThreadPoolExecutor(2) as pool:
+    with app_in_thread(app) as url:
         wait_for(url + "/ready", 200, timeout=30)
+        yield url, app, encoder
+
+
+def test_embeddings_wait_within_their_own_input_cap() -> None:
+    with encoder_app(ServerConfig(max_queued_embedding_inputs=4)) as (url, app, encoder), ThreadPoolExecutor(2) as pool:
 
         def embed(n: int) -> httpx.Response:
             return httpx.post(url + "/v1/embeddings", json={"input": [[1, 2, 3]] * n}, timeout=30)
@@ -229,12 +237,7 @@ def test_embeddings_wait_within_their_own_input_cap() -> None:
 
 
 def test_embeddings_count_against_their_callers_concurrency() -> None:
-    chat, encoder = FakeEngine(fake_tokenizer()), HeldEncoder()
-    chat.start()
-    app = create_app(chat, ServerConfig(max_concurrent_per_key=1))
-    install_encoders(app, [encoder])
-    with app_in_thread(app) as url, ThreadPoolExecutor(1) as pool:
-        wait_for(url + "/ready", 200, timeout=30)
+    with encoder_app(ServerConfig(max_concurrent_per_key=1)) as (url, app, encoder), ThreadPoolExecutor(1) as pool:
         held = pool.submit(lambda: httpx.post(url + "/v1/embeddings", json={"input": [[1, 2]]}, timeout=30))
         gate = state_of(app).encoder_gate
         deadline = time.monotonic() + 10

@@ -121,14 +121,14 @@ class Access:
 
     def __init__(self, keys: Mapping[str, frozenset[str]] | list[str], rate_limit: int,
                  max_request_bytes: int | None, metrics_public: bool, ui_public: bool = False,
-                 admin_open: bool = False):
+                 admin_open: bool = False, auth_failures_per_minute: int = 0):
         self.keys = ApiKeys(keys)
         self.admin_open = admin_open
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.max_request_bytes = max_request_bytes
         self.metrics_public = metrics_public
         self.ui_public = ui_public
-        self.auth_throttle = AuthThrottle(0)   # --auth-failures-per-minute (context.install sets it)
+        self.auth_throttle = AuthThrottle(auth_failures_per_minute)   # --auth-failures-per-minute
 
     def is_open(self, path: str) -> bool:
         return (path in PROBES or (path == METRICS_PATH and self.metrics_public)
@@ -155,11 +155,12 @@ class Access:
             return
         key = presented_key(headers)
         if self.keys:
-            self.auth_throttle.check(client_addr, failed=key is not None and not self.keys.accepts(key))
+            accepted = key is not None and self.keys.accepts(key)
+            self.auth_throttle.check(client_addr, failed=key is not None and not accepted)
             if key is None:
                 raise Refusal("this server needs an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                               status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            if not self.keys.accepts(key):
+            if not accepted:
                 raise Refusal("the API key is not valid", status=401, code="invalid_api_key",
                               headers={"WWW-Authenticate": "Bearer"})
         if self.limiter is not None and path not in PROBES and path != METRICS_PATH:

@@ -15,7 +15,6 @@ from imp_jax.runtime.api import Engine
 from imp_jax.server import limits
 from imp_jax.server.access import Access, key_digest, presented_key
 from imp_jax.server.admission import ENCODER_NAMES, AdmissionGate
-from imp_jax.server.auth_throttle import AuthThrottle
 from imp_jax.server.browsers import HostCheck, default_allowed_hosts, is_loopback
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.cors import Cors
@@ -85,8 +84,8 @@ def install(app: Any, engine: Engine, config: ServerConfig) -> ServerContext:
     """Attach the server state to `app`; a bad key file or request-log path is a ValueError here."""
     gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
     access = Access(config.api_key_grants(), config.rate_limit, config.max_request_bytes, config.metrics_public,
-                    ui_public=config.ui, admin_open=config.admin_open)
-    access.auth_throttle = AuthThrottle(config.auth_failures_per_minute)
+                    ui_public=config.ui, admin_open=config.admin_open,
+                    auth_failures_per_minute=config.auth_failures_per_minute)
 
     def store_stats() -> dict[str, int]:
         store = app.extensions.get(STORE_KEY)

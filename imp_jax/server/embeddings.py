@@ -22,6 +22,7 @@ from imp_jax.server.context import model_name, parse_body, server
 from imp_jax.server.encoders import TASK_ROUTES, encoders, task_of
 from imp_jax.server.errors import unavailable
 from imp_jax.server.limits import check_chars, json_reply, max_prompt_chars, off_loop
+from imp_jax.server.tenants import admit_both
 from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("embeddings", __name__)
@@ -173,12 +174,8 @@ async def _run(engine: Encoder, items: list[Item], endpoint: str) -> np.ndarray:
     in its caller's per-key counts (tenants.py: a request in flight, its tokens a minute)."""
     state = server()
     tokens = sum(len(ids) for ids, _ in items)
-    ticket = state.encoder_gate.admit(tokens, items=len(items))
-    try:
-        hold = state.tenants.admit(tenant_of(request.headers, request.remote_addr, bool(state.access.keys)), tokens)
-    except BaseException:
-        ticket.release()
-        raise
+    tenant = tenant_of(request.headers, request.remote_addr, bool(state.access.keys))
+    ticket, hold = admit_both(state.encoder_gate, state.tenants, tenant, tokens, items=len(items))
     hold.started()   # an encoder answers in one piece: no first token to wait for
     _begin_record(engine, endpoint, tokens)
     try:

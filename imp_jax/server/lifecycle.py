@@ -25,7 +25,7 @@ from imp_jax.server.generation import close_events, event_error, start
 from imp_jax.server.metrics import ENDPOINTS
 from imp_jax.server.request_record import RequestRecord
 from imp_jax.server.telemetry import Telemetry
-from imp_jax.server.tenants import TenantHold
+from imp_jax.server.tenants import TenantHold, admit_both
 
 log = logging.getLogger("imp_jax.server")
 
@@ -62,12 +62,7 @@ async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIt
     if g.get("speculative") is not None:   # any dialect's body (validation.speculative_of)
         req.speculative, req.spec_ngram_k, req.spec_mtp_k = g.speculative
     req.tenant = req.tenant or tenant_of(request.headers, request.remote_addr, bool(state.access.keys))
-    ticket = state.gate.admit(len(req.prompt_ids))
-    try:
-        hold = state.tenants.admit(req.tenant, len(req.prompt_ids))
-    except BaseException:
-        ticket.release()
-        raise
+    ticket, hold = admit_both(state.gate, state.tenants, req.tenant, len(req.prompt_ids))
     tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout, hold)
     rec.submitted_at = time.monotonic()
     rec.generating = rec.generated = True

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 
+from imp_jax.server.admission import AdmissionGate, Ticket
 from imp_jax.server.errors import Refusal
 
 MAX_TRACKED_TENANTS = 10_000   # tenants kept before idle ones (nothing in flight, bucket full) are dropped
@@ -105,6 +106,17 @@ class TenantHold:
         if self._running:
             self._running = False
             self._limits._ended(self._tenant, generated_tokens)
+
+
+def admit_both(gate: AdmissionGate, limits: TenantLimits, tenant: str, tokens: int,
+               items: int = 1) -> tuple[Ticket, TenantHold]:
+    """A place in `gate`'s queue and in `tenant`'s counts, or a 429 from either, holding neither."""
+    ticket = gate.admit(tokens, items=items)
+    try:
+        return ticket, limits.admit(tenant, tokens)
+    except BaseException:
+        ticket.release()
+        raise
 
 
 def _refused(why: str, code: str, wait_s: float) -> Refusal:
