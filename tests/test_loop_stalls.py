@@ -125,6 +125,19 @@ def test_the_pieces_add_up_to_what_jsonify_writes() -> None:
     assert "".join(json_pieces(reply, dumps)) == dumps(reply)
 
 
+def test_no_piece_is_much_past_the_slice_when_the_list_starts_small() -> None:
+    """prompt_logprobs start with a bare null: a run sized from that first item alone was the whole list,
+    one C call of ~1.5 MB per choice (the 0.1 s /health stalls of a 900-token prompt_logprobs request)."""
+    from imp_jax.server.limits import SLICE_CHARS
+
+    row = {str(t): {"logprob": -1.5, "rank": t, "decoded_token": "tok"} for t in range(21)}
+    reply = {"prompt_logprobs": [None] + [row] * 900 + [{"0": {"logprob": 0.0}}] * 3000}
+    dumps = lambda v: json.dumps(v, separators=(",", ":"), sort_keys=True)   # noqa: E731
+    pieces = list(json_pieces(reply, dumps))
+    assert "".join(pieces) == dumps(reply)
+    assert max(len(p) for p in pieces) <= 2 * SLICE_CHARS, max(len(p) for p in pieces)
+
+
 def test_admin_routes_hold_bodies_to_the_same_limit_even_chunked(url: str) -> None:
     """A chunked body has no Content-Length for the access check: the route itself refuses it past the
     server's body limit (4 MiB here) before parsing, as the dialects' routes do."""

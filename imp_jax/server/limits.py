@@ -118,7 +118,8 @@ async def json_reply(build: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 
 def json_pieces(value: Any, dumps: Callable[[Any], str]) -> Iterator[str]:
     """`dumps(value)` as consecutive pieces, none much past SLICE_CHARS: dicts and short lists are walked, a
-    long list is written in runs of items sized from its first item."""
+    long list is written in runs of items, each run sized from the characters per item of the run before
+    (the first from the largest of the first few items: prompt_logprobs start with a bare null)."""
     if isinstance(value, dict):
         yield "{"
         for i, (k, v) in enumerate(sorted(value.items(), key=lambda kv: str(kv[0]))):
@@ -135,8 +136,11 @@ def json_pieces(value: Any, dumps: Callable[[Any], str]) -> Iterator[str]:
             yield from json_pieces(v, dumps)
         yield "]"
     else:
-        per = max(1, SLICE_CHARS // max(1, len(dumps(value[0]))))
+        per = max(1, SLICE_CHARS // max(len(dumps(v)) for v in value[:8]))
         yield "["
-        for i in range(0, len(value), per):
-            yield ("," if i else "") + dumps(value[i:i + per])[1:-1]
+        i = 0
+        while i < len(value):
+            run = dumps(value[i:i + per])[1:-1]
+            yield ("," if i else "") + run
+            i, per = i + per, max(1, SLICE_CHARS * per // max(1, len(run)))
         yield "]"
