@@ -1,6 +1,6 @@
-"""The one-minute soak (scripts/soak.py) against the real engine: mixed, hostile traffic breaks nothing.
+"""A half-minute soak (scripts/soak.py) against the real engine: mixed, hostile traffic breaks nothing.
 
-The long run is documented in docs/PERF.md; this one is 15 s of warm-up and 45 s of load, with
+The long run is documented in docs/PERF.md; this one is 8 s of warm-up and 22 s of load, with
 generous drain and hang limits so a loaded 2-core machine passes it when nothing is wrong.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_one_minute_soak_breaks_nothing(reliability_server: LiveServer, tmp_path: Path) -> None:
+def test_half_minute_soak_breaks_nothing(reliability_server: LiveServer, tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", reliability_server.url,
-           "--pid", str(reliability_server.proc.pid), "--warmup", "15", "--duration", "45", "--concurrency", "6",
+           "--pid", str(reliability_server.proc.pid), "--warmup", "8", "--duration", "22", "--concurrency", "6",
            "--idle-timeout", "120", "--seed", "1", "--out", str(out),
            "--server-log", str(reliability_server.log_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -35,8 +35,8 @@ def test_one_minute_soak_breaks_nothing(reliability_server: LiveServer, tmp_path
     for kind in ("normal:chat:stream", "normal:messages", "normal:responses:stream", "invalid", "probe",
                  "disconnect:chat:stream", "slow:messages:stream"):
         assert any(k.startswith(kind) for k in counts), (kind, counts)
-    assert sum(n for k, n in counts.items() if k.startswith("finish:")) >= 50, counts
-    assert summary["requests_after_warmup"] >= 100 and summary["rss_growth"] is not None
+    assert sum(n for k, n in counts.items() if k.startswith("finish:")) >= 20, counts
+    assert summary["requests_after_warmup"] >= 40 and summary["rss_growth"] is not None
     assert reliability_server.proc.poll() is None
 
 
