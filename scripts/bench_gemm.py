@@ -45,7 +45,8 @@ def synthetic(formats: list[str], shapes: list[str], copies: int) -> dict[str, t
     from imp_jax.kernels_pallas import ggml_blocks
 
     f16_fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82],
-                  "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+                  "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0],
+                  "IQ4_NL": [0, 18], "MXFP4": []}   # IQ4_NL: kept pairs of the file's 18-byte blocks
     rng = np.random.default_rng(0)
     kinds = {}
     for shape in shapes:
@@ -57,6 +58,8 @@ def synthetic(formats: list[str], shapes: list[str], copies: int) -> dict[str, t
                 b = rng.integers(0, 256, (n, nb, ggml_blocks.FORMATS[fmt]), dtype=np.uint8)
                 for at in f16_fields[fmt]:
                     b[..., at:at + 2] = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16)[..., None].view(np.uint8)
+                if fmt == "MXFP4":   # E8M0 exponents of typical scales
+                    b[..., 0] = rng.integers(118, 126, (n, nb))
                 ws.append(jnp.asarray(b))
             kinds[f"{n} x {k} {fmt}"] = tuple(ws)
     return kinds

@@ -1,7 +1,8 @@
-"""`--gemm cpu_q8` on K-quant super-blocks (kernels_pallas/cpu/gemm_q8_k.h): against a float64 NumPy
-model of the arithmetic its header specifies (per 8-lane group of 4 weights an exact integer dot
-scaled by fl(d * sc * d_x), minus the mins' fl(dmin * mn * sd)), against the exact product within the
-activation rounding, row independence, and every integer-dot path giving the same bits."""
+"""`--gemm cpu_q8` on K-quant super-blocks (kernels_pallas/cpu/gemm_q8_k.h; IQ4_XS, whose integers index a
+table, gemm_q8_iq.h): against a float64 NumPy model of the arithmetic its header specifies (per 8-lane
+group of 4 weights an exact integer dot scaled by fl(d * sc * d_x), minus the mins' fl(dmin * mn * sd),
+Q2_K's per 16-value half), against the exact product within the activation rounding, row independence,
+and every integer-dot path giving the same bits."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from test_kquants import gguf_py, random_blocks
 
 from imp_jax.kernels_pallas import ggml_blocks as quant
 
-KQUANTS = ["Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 BIAS = {"Q3_K": 4, "Q6_K": 32}   # w = q - bias
 
 
@@ -37,10 +38,24 @@ def scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def k_weights(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Super-blocks [N, S, bytes] as the kernel reads them: unsigned integers q [N, 8S, 32] (w = q - BIAS),
-    lane scales D = d * sc [N, 8S, 8] (float32, exact) and mins dmin * mn [N, 8S] (or None),
-    with w = D * q - mins (the lane's scale for its 4 weights)."""
+    """Super-blocks [N, S, bytes] as the kernel reads them: integers q [N, 8S, 32] (w = q - BIAS; IQ4_XS:
+    the table's values), lane scales D = d * sc [N, 8S, 8] (float32, exact) and mins dmin * mn [N, 8S]
+    (Q2_K: [N, 16S], one per 16 weights) or None, with w = D * q - mins (the lane's scale for its 4 weights)."""
     n, s = blocks.shape[:2]
+    if fmt == "Q2_K":   # 16 bytes of scale | min << 4 (per 16 weights), 64 of 2-bit q, f16 d, f16 dmin
+        sc, qs = blocks[..., 0:16].astype(np.int64), blocks[..., 16:80].astype(np.int64)
+        q = np.stack([(qs[..., 32 * (j // 4):32 * (j // 4) + 32] >> (2 * (j % 4))) & 3 for j in range(8)], 2)
+        D = f16(blocks[..., 80:82])[..., None] * (sc & 15).astype(np.float32)
+        mins = f16(blocks[..., 82:84])[..., None] * (sc >> 4).astype(np.float32)
+        return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 2), 4, axis=-1), mins.reshape(n, 16 * s)
+    if fmt == "IQ4_XS":   # f16 d, uint16 of the scales' high 2 bits, 4 bytes of low nibbles, 128 of indices
+        high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")[..., 0].astype(np.int64)
+        sc = np.stack([((blocks[..., 4 + j // 2].astype(np.int64) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+                       for j in range(8)], -1) - 32
+        D = f16(blocks[..., 0:2])[..., None] * sc.astype(np.float32)
+        idx = blocks[..., 8:].reshape(n, s, 8, 16)
+        q = quant.IQ4_NL_VALUES.astype(np.int64)[np.concatenate([idx & 15, idx >> 4], -1)]
+        return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 1), 8, axis=-1), None
     if fmt == "Q3_K":   # 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, f16 d
         hm, qs, sb = (blocks[..., a:b].astype(np.int64) for a, b in ((0, 32), (32, 96), (96, 108)))
         q = np.zeros((n, s, 8, 32), np.int64)
@@ -75,7 +90,7 @@ def k_weights(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.
 def k_terms(x: np.ndarray, blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """The terms the kernel sums in float32, in float64 [M, N, terms]: per block and lane
     fl(D * d_x) * L (L the exact integer dot of the lane's 4 weights, less BIAS), then minus
-    fl(mins * sd); and their magnitudes."""
+    fl(mins * sd) (Q2_K: fl(mins * sh), sh = fl(d_x * the sum of each 16 q)); and their magnitudes."""
     q, d, sd = quantise(x)
     m, nb = d.shape
     qw, D, mins = k_weights(blocks, fmt)
@@ -85,6 +100,8 @@ def k_terms(x: np.ndarray, blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np
     dd = (D[None] * d[:, None, :, None]).astype(np.float32).astype(np.float64)   # [M, N, nb, 8]
     terms, size = (dd * lanes).reshape(m, -1, nb * 8), (np.abs(dd) * size_lanes).reshape(m, -1, nb * 8)
     if mins is not None:
+        if mins.shape[-1] == 2 * nb:   # Q2_K: per 16-value half of each activation block
+            sd = (d[..., None] * q.reshape(m, nb, 2, 16).sum(-1).astype(np.float32)).astype(np.float32).reshape(m, 2 * nb)
         off = -(mins[None] * sd[:, None]).astype(np.float32).astype(np.float64)
         terms, size = np.concatenate([terms, off], -1), np.concatenate([size, np.abs(off)], -1)
     return terms, size
@@ -102,7 +119,7 @@ def test_the_reference_reads_the_blocks_as_gguf_py_does(fmt):
     q, D, mins = k_weights(blocks, fmt)
     w = np.repeat(D, 4, axis=-1).astype(np.float64) * (q - BIAS.get(fmt, 0))
     if mins is not None:
-        w -= mins[..., None]
+        w -= np.repeat(mins, 32 * q.shape[1] // mins.shape[1], axis=-1).reshape(w.shape)
     np.testing.assert_allclose(w.reshape(5, 512), gguf_py(blocks, fmt), rtol=1e-6, atol=1e-9)
 
 

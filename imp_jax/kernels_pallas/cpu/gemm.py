@@ -4,17 +4,19 @@
 - float32 weights, on 2 to 64 rows (decode steps; see MIN_ROWS, MAX_ROWS);
 - narrow weights, on any number of rows, since XLA would first widen them to float32 on every
   call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/weights.py) and GGML
-  blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and K-quant Q2_K..Q6_K matrices, ggml_blocks.py).
+  blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quant Q2_K..Q6_K, IQ4_XS, IQ4_NL and MXFP4
+  matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
 first use (build.py): the library `gemm`, and `gemm_q8` only once int8 activations are asked for.
 
 `matmul_wt_cpu(x, w, int8_activations=True)` (the opt-in `--gemm cpu_q8`) gives GGML blocks
-llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h): each row of x rounded to int8 per
-32-wide block with a float32 scale, integer dot products with the blocks, float32 scaling and sums.
-Faster (the weights are not widened), but the outputs are no longer the float32 product's: they
-differ by the rounding of x. Integer paths: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K
-(so every matrix of a Q4_K_M / Q5_K_M / Q6_K file). Plain (float32, bfloat16) weights are read as before, and
-so are Q2_K, IQ4_XS and IQ4_NL: the exact widening, the `--gemm cpu` result.
+llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h, gemm_q8_iq.h): each row of x rounded to
+int8 per 32-wide block with a float32 scale, integer dot products with the blocks, float32 scaling and
+sums. Faster (the weights are not widened), but the outputs are no longer the float32 product's: they
+differ by the rounding of x. Every kept format has an integer path (Q8_FORMATS): Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q2_K..Q6_K, and the table formats IQ4_XS, IQ4_NL and MXFP4 (their indices looked up as int8s;
+MXFP4's E8M0 scale as llama.cpp reads it), so every matrix of a K-quant, i-quant or gpt-oss file, its
+MoE experts included. Plain (float32, bfloat16) weights are read as before: the exact kernel.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from imp_jax.kernels_pallas.cpu import build
 TARGET = "imp_gemm_f32"
 TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
 BLOCK_TARGETS = {name: f"imp_gemm_f32_{name.lower()}w" for name in ggml_blocks.FORMATS}   # every GGML format
-Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")   # gemm_q8.h's integer paths
+Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL",
+              "MXFP4")   # gemm_q8.h's integer paths: every format ggml_blocks keeps
 Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in Q8_FORMATS}
 _HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
              **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()}}
@@ -54,7 +57,8 @@ def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
     fmt = ggml_blocks.format_of(w)
     if fmt is None:
         return None
-    # int8 activations only for the formats gemm_q8.h / gemm_q8_k.h have; Q2_K and IQ4_x are widened exactly
+    # int8 activations for the formats the q8 library has (all of ggml_blocks.FORMATS; a new one without
+    # an integer path would be widened exactly)
     return Q8_TARGETS[fmt] if int8_activations and fmt in Q8_TARGETS else BLOCK_TARGETS[fmt]
 
 

@@ -32,9 +32,9 @@
 // time: a block, or a K-quant super-block's sub-block, with its scales); bf16 weights meeting at
 // most kMR rows (the memory-bound case) are instead read straight into registers.
 //
-// gemm_q8.h is the opt-in int8-activation arithmetic for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks and
-// (gemm_q8_k.h) Q3_K / Q4_K / Q5_K / Q6_K super-blocks (imp_gemm_q8_*, bound in gemm_q8.cc); with it the other
-// formats (Q2_K, IQ4_XS, IQ4_NL) keep the exact widening (cpu/gemm.py).
+// gemm_q8.h is the opt-in int8-activation arithmetic for every format here: Q8_0 / Q4_0 / Q4_1 / Q5_0 /
+// Q5_1 blocks, (gemm_q8_k.h) Q2_K..Q6_K super-blocks and (gemm_q8_iq.h) IQ4_XS / IQ4_NL / MXFP4
+// (imp_gemm_q8_*, bound in gemm_q8.cc; cpu/gemm.py).
 //
 // This header holds the formats and the GEMM itself; the handlers are bound in two translation units
 // compiled in parallel into one library (build.py): gemm.cc (float32, bfloat16, the 32-weight blocks)

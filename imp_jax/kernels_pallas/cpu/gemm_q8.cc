@@ -1,5 +1,5 @@
 // The projection GEMM's q8 handlers (imp_gemm_q8_*: int8 activations, llama.cpp's arithmetic;
-// gemm_q8.h, gemm_q8_k.h) and their entry points for tests and benchmarks (ctypes): a library of its
+// gemm_q8.h, gemm_q8_k.h, gemm_q8_iq.h) and their entry points for tests and benchmarks (ctypes): a library of its
 // own (build.py), built only when `--gemm cpu_q8` or a test asks for it.
 #include <cstdint>
 #include <cstdlib>
@@ -25,12 +25,13 @@ imp_q8::Isa q8_isa() {
 }
 const imp_q8::Isa kIsa = q8_isa();
 
-template <class W, int64_t Weights = kQBlock>
+// Weights, Bytes: per block as kept (ggml_blocks.py; IQ4_NL keeps two of the blocks W reads, 64 weights).
+template <class W, int64_t Weights = kQBlock, int64_t Bytes = W::kBytes>
 ffi::Error BlocksQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kBytes || xd.back() != wd[1] * Weights)
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != Bytes || xd.back() != wd[1] * Weights)
     return ffi::Error::InvalidArgument(std::string(W::kName) + ": x [..., K] and w [N, K / " + std::to_string(Weights) +
-                                       ", " + std::to_string(W::kBytes) + "] uint8 expected");
+                                       ", " + std::to_string(Bytes) + "] uint8 expected");
   const int64_t K = xd.back();
   imp_q8::dispatch<W>(&pool, kIsa, x.typed_data(), K ? x.element_count() / K : 0, K,
                       static_cast<const uint8_t*>(w.untyped_data()), wd[0], y->typed_data());
@@ -46,6 +47,10 @@ constexpr auto GemmQ8Q3_K = BlocksQ8<imp_q8::Q3_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q4_K = BlocksQ8<imp_q8::Q4_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q5_K = BlocksQ8<imp_q8::Q5_K, imp_q8::kSuper>;
 constexpr auto GemmQ8Q6_K = BlocksQ8<imp_q8::Q6_K, imp_q8::kSuper>;
+constexpr auto GemmQ8Q2_K = BlocksQ8<imp_q8::Q2_K, imp_q8::kSuper>;
+constexpr auto GemmQ8IQ4_XS = BlocksQ8<imp_q8::IQ4_XS, imp_q8::kSuper>;
+constexpr auto GemmQ8IQ4_NL = BlocksQ8<imp_q8::IQ4_NL, 2 * kQBlock, imp_q8::IQ4_NL::kKeptBytes>;
+constexpr auto GemmQ8MXFP4 = BlocksQ8<imp_q8::MXFP4>;
 
 }  // namespace
 
@@ -67,6 +72,10 @@ IMP_GEMM_HANDLER(ImpGemmQ8Q3_KW, GemmQ8Q3_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_KW, GemmQ8Q4_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_KW, GemmQ8Q5_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q6_KW, GemmQ8Q6_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q2_KW, GemmQ8Q2_K, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8IQ4_XSW, GemmQ8IQ4_XS, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8IQ4_NLW, GemmQ8IQ4_NL, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8MXFP4W, GemmQ8MXFP4, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -83,7 +92,8 @@ extern "C" void imp_gemm_q8_quantise(const float* x, int64_t M, int64_t K, int8_
   for (int64_t m = 0; m < M; ++m) imp_q8::quantise_row(x + m * K, nb, 0, q + m * K, d + m * nb, sd + m * nb, nullptr);
 }
 
-// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` (34, 18, 20, 22, 24; K-quants 110, 144, 176, 210) on the path `isa`:
+// y [M, N] = the q8 product of x [M, K] and blocks of `block_bytes` as kept (34, 18, 20, 22, 24; K-quants 84, 110,
+// 144, 176, 210; IQ4_XS 136, IQ4_NL 36 (pairs), MXFP4 17) on the path `isa`:
 // 0 vpmaddubsw (AVX2), 1 vpdpbusd on 256 bits (VNNI), 2 AVX-512 (the one-row path and the tiles on zmm);
 // -1 for an unknown format or a path this CPU lacks.
 extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t M, int64_t K,
@@ -100,6 +110,10 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
     case imp_q8::Q4_K::kBytes: imp_q8::dispatch<imp_q8::Q4_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_K::kBytes: imp_q8::dispatch<imp_q8::Q5_K>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::Q6_K::kBytes: imp_q8::dispatch<imp_q8::Q6_K>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::Q2_K::kBytes: imp_q8::dispatch<imp_q8::Q2_K>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::IQ4_XS::kBytes: imp_q8::dispatch<imp_q8::IQ4_XS>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::IQ4_NL::kKeptBytes: imp_q8::dispatch<imp_q8::IQ4_NL>(nullptr, path, x, M, K, w, N, y); return 0;
+    case imp_q8::MXFP4::kBytes: imp_q8::dispatch<imp_q8::MXFP4>(nullptr, path, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

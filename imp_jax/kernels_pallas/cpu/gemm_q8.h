@@ -7,8 +7,9 @@
 //   isum = sum_j q_w,j * q_j, exact in int32 (Q8_0: q_w the int8s; Q4_0: nibble - 8; Q4_1: nibble;
 //     Q5_0: nibble + 16 * fifth bit - 16; Q5_1: nibble + 16 * fifth bit);
 //   dd = d_w * d_x (one float32 rounding); every float op in float32.
-// The K-quants (Q3_K, Q4_K, Q5_K, Q6_K: 256-weight super-blocks) meet the same activations with their own
-// sums, specified in gemm_q8_k.h.
+// The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: 256-weight super-blocks) meet the same activations with their
+// own sums, specified in gemm_q8_k.h; the table formats (IQ4_NL and MXFP4 here, IQ4_XS as a K-quant: their
+// stored integers index a table of 16 int8s) are specified in gemm_q8_iq.h.
 // So outputs differ from the exact product by x's 8-bit rounding (at most half a step, 0.4% of the
 // block's largest |x|), not by the weights: those are used exactly as stored.
 //
@@ -22,7 +23,8 @@
 // the CPU has it); both give the same int32 lanes, so the same outputs. Nibbles are unsigned already.
 // Signed weights are read as w + bias (Q4_0 / Q5_0: the unsigned integers; Q8_0 with VNNI: w xor 0x80), the lanes
 // starting from -bias times the sums of the activations' 4-byte groups (computed at quantisation);
-// Q8_0 with AVX2 uses llama.cpp's sign trick, |w| times x with w's sign, as w + 128 would saturate.
+// Q8_0 (and the IQ4 tables) with AVX2 use llama.cpp's sign trick, |w| times x with w's sign, as w + 128
+// would saturate.
 //
 // Work: one row of x (a batch-1 decode) goes through `gemv`, weights unpacked and scales converted
 // in registers, its 4 weight rows far apart so that they are 4 long streams for the hardware
@@ -94,6 +96,39 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// 2^(e - 128) as float32 for an E8M0 exponent byte e (MXFP4's scale under its doubled values), as
+// ggml_e8m0_to_fp32_half builds it from bits (subnormal for e < 2).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Traits a format declares only where it has them: `table(vnni)`, a 16-entry table its 4-bit integers
+// index (as the integer dot reads the values: gemm_q8_iq.h); `kE8M0`, a scale byte at 0 instead of an f16 d.
+template <class W, class = void>
+struct HasTable : std::false_type {};
+template <class W>
+struct HasTable<W, std::void_t<decltype(W::table(true), 0)>> : std::true_type {};
+template <class W, class = void>
+struct HasE8M0 : std::false_type {};
+template <class W>
+struct HasE8M0<W, std::void_t<decltype(W::kE8M0)>> : std::true_type {};
+
+// A 32-weight block's scale d as float32.
+template <class W>
+inline float block_d(const uint8_t* b) {
+  if constexpr (HasE8M0<W>::value) return e8m0_half(b[0]);
+  return f16_at(b);
+}
+
+// 32 indices 0..15 as the table's bytes (vpshufb: the table in both 128-bit halves).
+template <class W, bool Vnni>
+inline __m256i lookup(__m256i idx) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(W::table(Vnni)), idx);
+}
+
 using imp_simd::hsum;
 using imp_simd::hmax;
 
@@ -109,7 +144,8 @@ inline int32_t hsum_i32(__m256i v) {
 // themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1, Q5_1); `kUnpack`: worth
 // unpacking once into bytes when a weight tile meets several rows; `kNibbles`: the block ends in
 // its 16 bytes of nibbles and has nothing else to unpack (the AVX-512 paths split them directly);
-// `kFifth`: where a Q5_x block keeps its fifth bits (the nibbles end it too), else 0.
+// `kFifth`: where a Q5_x block keeps its fifth bits (the nibbles end it too), else 0. (The table formats,
+// whose nibbles index 16 int8 values, and MXFP4's E8M0 scale: gemm_q8_iq.h, with the traits below.)
 struct Q8_0 {
   static constexpr const char* kName = "imp_gemm_q8_q8_0w";
   static constexpr int64_t kBytes = 34;
@@ -188,35 +224,41 @@ struct Q5_1 {   // f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles: w = d * (
 
 // x [M, K] quantised: q [M, K] int8; per row and block d_x and sd = d_x * sum q ([M, K / 32] each);
 // and, for weights read with a bias, -bias times the sums of q's 4-byte groups ([M, K / 32, 8] int32),
-// which turn the dot with w + bias back into the dot with w.
+// which turn the dot with w + bias back into the dot with w; and, for Q2_K's mins (one per 16 weights),
+// sh = d_x * the sum of each 16-value half of q ([M, K / 32, 2]).
 struct Activations {
   int64_t M, K, nb, ns;   // ns: nb rounded up to 8, the row stride of d and sd (zero padded)
-  std::unique_ptr<uint8_t[]> buffer;   // q, then d, sd and lanes
+  std::unique_ptr<uint8_t[]> buffer;   // q, then d, sd, lanes and sh
   int8_t* q;
   float *d, *sd;
   int32_t* lanes;
+  float* sh;
   // AVX-512 tiles only (`pair`): q with each 4-byte group twice [M, nb, 64], and so the lanes [M, nb, 16].
   std::unique_ptr<uint8_t[]> paired;
   const uint8_t* q2 = nullptr;
   const int32_t* lanes2 = nullptr;
 
-  Activations(int64_t M, int64_t K, bool biased)
+  Activations(int64_t M, int64_t K, bool biased, bool halves = false)
       : M(M), K(K), nb(K / kBlock), ns((nb + 7) / 8 * 8),
-        buffer(new uint8_t[M * K + 4 * M * (2 * ns + (biased ? 8 * nb : 0))]) {
+        buffer(new uint8_t[M * K + 4 * M * (2 * ns + (biased ? 8 * nb : 0) + (halves ? 2 * nb : 0))]) {
     q = reinterpret_cast<int8_t*>(buffer.get());
     d = reinterpret_cast<float*>(buffer.get() + M * K);   // K is a multiple of 32: aligned for floats
     sd = d + M * ns;
     lanes = biased ? reinterpret_cast<int32_t*>(sd + M * ns) : nullptr;
+    sh = halves ? reinterpret_cast<float*>(sd + M * ns) + (biased ? 8 * M * nb : 0) : nullptr;
     std::fill(d, d + 2 * M * ns, 0.0f);
   }
   const int8_t* q_at(int64_t r, int64_t b) const { return q + r * K + b * kBlock; }
   const float* d_at(int64_t r, int64_t b) const { return d + r * ns + b; }
   const float* sd_at(int64_t r, int64_t b) const { return sd + r * ns + b; }
   const int32_t* lanes_at(int64_t r, int64_t b) const { return lanes + 8 * (r * nb + b); }
+  const float* sh_at(int64_t r, int64_t b) const { return sh + 2 * (r * nb + b); }
 };
 
-// One row of K = 32 * nb floats. The rounding is the MXCSR's, round-half-even. `lanes` only if bias.
-inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, float* d, float* sd, int32_t* lanes) {
+// One row of K = 32 * nb floats. The rounding is the MXCSR's, round-half-even. `lanes` only if bias;
+// `sh` (the halves' d_x * sum q, each product rounded once) where not null.
+inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, float* d, float* sd, int32_t* lanes,
+                         float* sh = nullptr) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undoes the packs' lane interleave
   for (int64_t b = 0; b < nb; ++b) {
@@ -234,6 +276,10 @@ inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, fl
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
     d[b] = amax / 127.0f;
     sd[b] = d[b] * static_cast<float>(sum);
+    if (sh) {
+      sh[2 * b] = d[b] * static_cast<float>(hsum_i32(_mm256_add_epi32(i[0], i[1])));
+      sh[2 * b + 1] = d[b] * static_cast<float>(hsum_i32(_mm256_add_epi32(i[2], i[3])));
+    }
     if (bias) {
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes + 8 * b), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-bias)));
@@ -244,7 +290,7 @@ inline void quantise_row(const float* x, int64_t nb, int32_t bias, int8_t* q, fl
 inline void quantise(const float* x, int32_t bias, Activations& a) {
   for (int64_t m = 0; m < a.M; ++m)
     quantise_row(x + m * a.K, a.nb, bias, a.q + m * a.K, a.d + m * a.ns, a.sd + m * a.ns,
-                 bias ? a.lanes + 8 * m * a.nb : nullptr);
+                 bias ? a.lanes + 8 * m * a.nb : nullptr, a.sh ? a.sh + 2 * m * a.nb : nullptr);
 }
 
 // a's q and lanes with each 4-byte group (int32 lane) twice, for the AVX-512 tiles.
@@ -267,6 +313,7 @@ IMP_Q8_ZMM inline void pair(Activations& a) {
 // [d, m, 0, 0] of a block (m only where the format has one; the lane is unused otherwise).
 template <class W>
 inline __m128 scales(const uint8_t* b) {
+  if constexpr (HasE8M0<W>::value) return _mm_set_ss(e8m0_half(b[0]));
   uint32_t bits = 0;
   std::memcpy(&bits, b, W::kOffset ? 4 : 2);
   return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(bits)));
@@ -306,6 +353,7 @@ inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t 
 
 #include "gemm_q8_gemv.h"   // the one-row path (gemv), on what is above
 #include "gemm_q8_k.h"      // the K-quants (their own one-row path and tiles), on what is above
+#include "gemm_q8_iq.h"     // the table formats (IQ4_NL, MXFP4; IQ4_XS as a K-quant)
 
 namespace imp_q8 {
 
@@ -542,6 +590,7 @@ struct Gemm {
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + W::kBytes - 16)), 1);
           const __m512i spread = _mm512_permutexvar_epi32(nibble_order, _mm512_castsi256_si512(raw));
           pairs = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), _mm512_set1_epi8(15));
+          if constexpr (HasTable<W>::value) pairs = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(W::table(true)), pairs);
         } else {
           pairs = _mm512_permutex2var_epi32(_mm512_castsi256_si512(W::template weights<true>(b0)), mix,
                                             _mm512_castsi256_si512(W::template weights<true>(b1)));
@@ -550,7 +599,9 @@ struct Gemm {
         uint32_t h0 = 0, h1 = 0;   // [d, m] (m: Q4_1) of each row, as f16
         std::memcpy(&h0, b0, W::kOffset ? 4 : 2);
         std::memcpy(&h1, b1, W::kOffset ? 4 : 2);
-        if constexpr (W::kOffset) {
+        if constexpr (HasE8M0<W>::value) {
+          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_setr_ps(e8m0_half(b0[0]), e8m0_half(b1[0]), 0, 0));
+        } else if constexpr (W::kOffset) {
           const __m128 v = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(h0), _mm_cvtsi32_si128(h1)));   // [d0, m0, d1, m1]
           _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
           _mm_storel_pi(reinterpret_cast<__m64*>(mt + b * kColBlock + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 3, 1)));
@@ -604,7 +655,7 @@ struct Gemm {
       int64_t next_line = 0;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* block = w + c * ldw + b * W::kBytes;
-        dw[c * ns + b] = f16_at(block);
+        dw[c * ns + b] = block_d<W>(block);
         if constexpr (W::kUnpack) {
           if (pf && (b + 1) * W::kBytes > next_line) prefetch_rows(pf + c * ldw, 1, 0, next_line), next_line += 64;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (c * nb + b) * kBlock), W::template weights<Vnni>(block));

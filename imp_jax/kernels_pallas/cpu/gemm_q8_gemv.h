@@ -9,7 +9,8 @@
 //   0 (kAvx2)    `gemv` on ymm: vpmaddubsw + vpmaddwd;
 //   1 (kVnni)    `gemv` on ymm: vpdpbusd (AVX512-VNNI + VL);
 //   2 (kAvx512)  `gemv_zmm`: two weight rows' blocks in one zmm, vpdpbusd on 512 bits, nibbles split
-//                by one vgf2p8affineqb (GFNI), compiled with `target` attributes (the library itself
+//                by one vgf2p8affineqb (GFNI; table formats, IQ4_NL / MXFP4: then looked up by one
+//                vpshufb), compiled with `target` attributes (the library itself
 //                is built for AVX2), so it only runs where the CPU has AVX512-F/BW/DQ/VL/VNNI + GFNI.
 //                On Zen 4 (512-bit ops take two 256-bit pipes) it needs ~13% fewer cycles than 1.
 // All three give the same int32 lanes and the same float operations on each lane, so the same bits.
@@ -71,6 +72,8 @@ IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int6
                                      : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   // GF(2) affine maps of each byte: qwords 0-3 keep the low nibble (x & 15), 4-7 the high one (x >> 4)
   const __m512i split = _mm512_setr_epi64(kLow, kLow, kLow, kLow, kHigh, kHigh, kHigh, kHigh);
+  __m512i table = _mm512_setzero_si512();   // IQ4_NL / MXFP4: the indices' values, in every 128-bit quarter
+  if constexpr (HasTable<W>::value) table = _mm512_broadcast_i32x4(W::table(true));
   __m512 acc[NP];
   __m128 offsets[NP];   // lanes 1 and 3: rows 2k and 2k+1's sum_b m_w * sd, as `gemv`'s lane 1
   IMP_Q8_UNROLL for (int k = 0; k < NP; ++k) acc[k] = _mm512_setzero_ps(), offsets[k] = _mm_setzero_ps();
@@ -89,9 +92,15 @@ IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int6
     IMP_Q8_UNROLL for (int k = 0; k < NP; ++k) {
       const uint8_t* b0 = w + (2 * k) * stride + b * W::kBytes;
       const uint8_t* b1 = b0 + stride;
-      int32_t s0, s1;   // [d, m] (Q4_1) or [d, two bytes of weights] (unused) of each row
-      std::memcpy(&s0, b0, 4), std::memcpy(&s1, b1, 4);
-      const __m128 p = _mm_mul_ps(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(s0), s1, 1)), x2);   // [dd0, ms0, dd1, ms1]
+      __m128 s;   // [d, m] (Q4_1) or [d, two bytes of weights] (unused) of each row
+      if constexpr (HasE8M0<W>::value) {
+        s = _mm_setr_ps(e8m0_half(b0[0]), 0.0f, e8m0_half(b1[0]), 0.0f);
+      } else {
+        int32_t s0, s1;
+        std::memcpy(&s0, b0, 4), std::memcpy(&s1, b1, 4);
+        s = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(s0), s1, 1));
+      }
+      const __m128 p = _mm_mul_ps(s, x2);   // [dd0, ms0, dd1, ms1]
       if constexpr (W::kOffset) offsets[k] = _mm_add_ps(offsets[k], p);
       __m512i wv;
       if constexpr (kSplit) {
@@ -100,6 +109,7 @@ IMP_Q8_ZMM void gemv_zmm(const Activations& a, int64_t r, const uint8_t* w, int6
             _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kAt))), 0xf0f0,
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kAt)));
         wv = _mm512_gf2p8affine_epi64_epi8(raw, split, 0);
+        if constexpr (HasTable<W>::value) wv = _mm512_shuffle_epi8(table, wv);
         if constexpr (W::kFifth != 0) {   // + 16 where the fifth bit is set, the bits in the quarters' order
           uint32_t h0, h1;
           std::memcpy(&h0, b0 + W::kFifth, 4), std::memcpy(&h1, b1 + W::kFifth, 4);

@@ -1,5 +1,5 @@
-// The q8 GEMM for K-quant weights (Q3_K, Q4_K, Q5_K, Q6_K): 256-weight super-blocks with integer
-// sub-block scales under f16 ones, multiplied by int8 activations. Included by gemm_q8.h (after
+// The q8 GEMM for K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS: gemm_q8_iq.h): 256-weight
+// super-blocks with integer sub-block scales under f16 ones, multiplied by int8 activations. Included by gemm_q8.h (after
 // `Activations`, `quantise` and `idot`), whose header comment specifies the activations: x keeps its
 // 32-wide blocks (d_x, sd = d_x * sum q per 32 values), so a super-block meets 8 activation blocks.
 //
@@ -7,17 +7,21 @@
 //   acc (8 float32 lanes, lane l reading weights 4l..4l+3 of each 32-weight block b, b in order):
 //     acc_l = fma(dd_{b,l}, float(L_{b,l}), acc_l),
 //     L_{b,l} = the exact int32 sum of the lane's 4 products q_w * q_x (q_w: the unsigned stored
-//       integers, 0..7 Q3_K, 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K; Q3_K's w = q_w - 4 and Q6_K's
-//       w = q_w - 32 by starting the lane from -4 or -32 times the sum of its 4 q_x, as Q4_0's bias),
+//       integers, 0..3 Q2_K, 0..7 Q3_K, 0..15 Q4_K, 0..31 Q5_K, 0..63 Q6_K; Q3_K's w = q_w - 4 and Q6_K's
+//       w = q_w - 32 by starting the lane from -4 or -32 times the sum of its 4 q_x, as Q4_0's bias;
+//       IQ4_XS: q_w the table's int8 value, gemm_q8_iq.h),
 //     dd_{b,l} = fl(D_{b,l} * d_x,b), D_{b,l} = d * sc of the sub-block lane l is in (Q4_K / Q5_K:
-//       sc of the 32-weight sub-block b; Q3_K (sc - 32) / Q6_K: of the 16-weight one, so lanes 0-3
-//       and 4-7 differ),
+//       sc of the 32-weight sub-block b, IQ4_XS: sc - 32; Q2_K / Q3_K (sc - 32) / Q6_K: of the
+//       16-weight one, so lanes 0-3 and 4-7 differ),
 //       exact in float32 (an f16 times a 6- or 8-bit integer);
-//   mins (Q4_K / Q5_K; 8 float32 lanes, lane j for sub-block j of every super-block s, s in order):
-//     mins_j = fl(mins_j + fl(M_{s,j} * sd_{8s+j})), M = dmin * mn (exact);
+//   mins (8 float32 lanes, super-blocks s in order): Q4_K / Q5_K, lane j for sub-block j,
+//     mins_j = fl(mins_j + fl(M_{s,j} * sd_{8s+j})), M = dmin * mn (exact); Q2_K (a min per 16 weights,
+//     16 a super-block: t = 2j + h for half h of sub-block j), lane j takes t = j, then t = 8 + j,
+//     mins_j = fl(mins_j + fl(M_{s,t} * sh_{s,t})), sh the half's d_x * sum q (`Activations::sh`);
 //   then `hsum` of each (simd.h) and one float32 subtraction.
 // Nothing depends on M, N, the tiling or the instruction set: the integer lanes are the same from
-// vpmaddubsw + vpmaddwd (AVX2; no pair saturates int16: 2 * 63 * 127 < 2^15) and from vpdpbusd (VNNI;
+// vpmaddubsw + vpmaddwd (AVX2; no pair saturates int16: 2 * 63 * 127 < 2^15; IQ4_XS: the sign trick) and
+// from vpdpbusd (VNNI;
 // the AVX-512 path runs the VNNI one-row kernel, and tiles of two weight rows a zmm), and every path
 // does the float operations above on them. Against llama.cpp (ggml_vec_dot_q4_K_q8_K: x in 256-wide blocks, integer sums over a
 // super-block, one float scale per super-block) this rounds x per 32 values (finer) and scales per
@@ -42,9 +46,22 @@ constexpr int64_t kSuper = 256;   // weights per K-quant super-block
 constexpr int64_t kSubs = kSuper / kBlock;   // activation blocks per super-block
 
 // A K-quant format: `decode(sb, D, M)` gives a super-block's lane scales D (per 32-weight block
-// j, D[j] the 8 lanes' d * sc) and (kMins) its 8 mins dmin * mn; `unpack(sb, w)` its 8 blocks of
-// 32 unsigned weights in weight order. bias / sign_trick as gemm_q8.h's formats (for `idot`).
+// j, D[j] the 8 lanes' d * sc) and (kMins) its mins dmin * mn, kMinVecs<W> vectors of 8; `unpack(sb, w)`
+// its 8 blocks of 32 unsigned weights in weight order (table formats: the indices, `unpack_k` looks
+// them up). bias / sign_trick as gemm_q8.h's formats (for `idot`).
 inline __m256 f16_splat(const uint8_t* p) { return _mm256_set1_ps(f16_at(p)); }
+
+// Vectors of 8 mins per super-block: 0, 1 (Q4_K / Q5_K: per 32 weights, against sd) or 2 (Q2_K: per
+// 16 weights, against sh).
+template <class W>
+inline constexpr int kMinVecs = W::kMins ? 1 : 0;
+
+template <class W, bool Vnni>
+inline void unpack_k(const uint8_t* sb, __m256i w[8]) {
+  W::unpack(sb, w);
+  if constexpr (HasTable<W>::value)
+    for (int j = 0; j < 8; ++j) w[j] = lookup<W, Vnni>(w[j]);
+}
 
 // Q4_K / Q5_K's 12 bytes of 8 6-bit scales and 8 6-bit mins as 8 bytes each.
 inline void scales_k4(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
@@ -59,11 +76,11 @@ inline void scales_k4(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
 inline __m256 bytes_to_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v)))); }
 
 // D[j] = all 8 lanes d * sc_j; M = [dmin * mn_j] (f16 d, dmin at bytes 0, 2; scales at 4).
-inline void decode_k4(const uint8_t* sb, __m256 D[kSubs], __m256& M) {
+inline void decode_k4(const uint8_t* sb, __m256 D[kSubs], __m256* M) {
   uint64_t sc, mn;
   scales_k4(sb + 4, sc, mn);
   const __m256 d8 = _mm256_mul_ps(f16_splat(sb), bytes_to_ps(sc));
-  M = _mm256_mul_ps(f16_splat(sb + 2), bytes_to_ps(mn));
+  M[0] = _mm256_mul_ps(f16_splat(sb + 2), bytes_to_ps(mn));
   for (int j = 0; j < kSubs; ++j) D[j] = _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(j));
 }
 
@@ -73,7 +90,7 @@ struct Q4_K {   // f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles: w = d 
   static constexpr bool kMins = true;
   static constexpr int32_t bias(bool) { return 0; }
   static constexpr bool sign_trick(bool) { return false; }
-  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256& M) { decode_k4(sb, D, M); }
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256* M) { decode_k4(sb, D, M); }
   static void unpack(const uint8_t* sb, __m256i w[kSubs]) {   // sub-blocks 2i, 2i + 1: low, high nibbles of 32 bytes
     const __m256i low = _mm256_set1_epi8(15);
     for (int i = 0; i < kSubs / 2; ++i) {
@@ -90,7 +107,7 @@ struct Q5_K {   // Q4_K's fields, 32 bytes of fifth bits (bit j of byte l: weigh
   static constexpr bool kMins = true;
   static constexpr int32_t bias(bool) { return 0; }
   static constexpr bool sign_trick(bool) { return false; }
-  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256& M) { decode_k4(sb, D, M); }
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256* M) { decode_k4(sb, D, M); }
   static void unpack(const uint8_t* sb, __m256i w[kSubs]) {
     const __m256i low = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(16);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16));
@@ -122,7 +139,7 @@ struct Q3_K {   // 32 bytes of high bits, 64 of 2-bit pairs, 12 scale bytes, f16
   static constexpr bool sign_trick(bool) { return false; }
   // 16 6-bit scales t, minus 32: low 4 bits the low nibble of byte t (t < 8) or the high one of byte
   // t - 8, high 2 bits bits 2 (t / 4), 2 (t / 4) + 1 of byte 8 + t % 4
-  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256&) {
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256*) {
     uint32_t a[3];
     std::memcpy(a, sb + 96, 12);
     const uint32_t s[4] = {(a[0] & 0x0f0f0f0f) | ((a[2] & 0x03030303) << 4),
@@ -153,6 +170,37 @@ struct Q3_K {   // 32 bytes of high bits, 64 of 2-bit pairs, 12 scale bytes, f16
   }
 };
 
+struct Q2_K {   // 16 scale bytes (scale, min nibbles per 16 weights), 64 bytes of 2-bit q, f16 d, f16 dmin:
+                // w = d * sc * q - dmin * mn
+  static constexpr const char* kName = "imp_gemm_q8_q2_kw";
+  static constexpr int64_t kBytes = 84;
+  static constexpr bool kMins = true;
+  static constexpr int32_t bias(bool) { return 0; }
+  static constexpr bool sign_trick(bool) { return false; }
+  // scale t (low nibble of byte t) for weights 16t..16t+15: block j's lanes 0-3 take 2j, 4-7 2j + 1; the
+  // mins (high nibbles) M[0] = t 0-7, M[1] = t 8-15
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256* M) {
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i sc = _mm_and_si128(s, low), mn = _mm_and_si128(_mm_srli_epi16(s, 4), low);
+    const __m256 d = f16_splat(sb + 80), dmin = f16_splat(sb + 82);
+    const auto lanes = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); };
+    pair_lanes(_mm256_mul_ps(d, lanes(sc)), _mm256_mul_ps(d, lanes(_mm_srli_si128(sc, 8))), D);
+    M[0] = _mm256_mul_ps(dmin, lanes(mn));
+    M[1] = _mm256_mul_ps(dmin, lanes(_mm_srli_si128(mn, 8)));
+  }
+  // block 4h + k: bits 2k, 2k + 1 of qs[32h ..] (qs at byte 16), as Q3_K's low bits
+  static void unpack(const uint8_t* sb, __m256i w[kSubs]) {
+    const __m256i two = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * h));
+      for (int k = 0; k < 4; ++k) w[4 * h + k] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), two);
+    }
+  }
+};
+template <>
+inline constexpr int kMinVecs<Q2_K> = 2;
+
 struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d: w = d * sc * (q - 32)
   static constexpr const char* kName = "imp_gemm_q8_q6_kw";
   static constexpr int64_t kBytes = 210;
@@ -160,7 +208,7 @@ struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, 
   static constexpr int32_t bias(bool) { return 32; }
   static constexpr bool sign_trick(bool) { return false; }
   // block j's lanes 0-3 read its first 16 weights (scale 2j), lanes 4-7 its last 16 (scale 2j + 1)
-  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256&) {
+  static void decode(const uint8_t* sb, __m256 D[kSubs], __m256*) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192));
     const __m256 d = f16_splat(sb + 208);
     const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
@@ -184,6 +232,14 @@ struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, 
   }
 };
 
+// The 8 activation sums a super-block's mins vector v meets: sd of its blocks (Q4_K / Q5_K), or sh of
+// halves 8v..8v + 7 (Q2_K).
+template <class W>
+inline const float* min_x(const Activations& a, int64_t r, int64_t b0, int v) {
+  if constexpr (kMinVecs<W> == 2) return a.sh_at(r, b0) + 8 * v;
+  return a.sd_at(r, b0);
+}
+
 // One row of activations (row r) against NR weight rows `stride` bytes apart (into y, ystride floats
 // apart): the header's sums, weights and scales decoded in registers, super-block by super-block.
 template <class W, bool Vnni, int NR>
@@ -197,11 +253,12 @@ void kgemv(const Activations& a, int64_t r, const uint8_t* w, int64_t stride, fl
     const int32_t* init = W::bias(Vnni) ? a.lanes_at(r, b0) : nullptr;
     IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
       const uint8_t* sb = w + c * stride + s * W::kBytes;
-      __m256 D[kSubs], M;
+      __m256 D[kSubs], M[2];
       __m256i wv[kSubs];
       W::decode(sb, D, M);
-      W::unpack(sb, wv);
-      if constexpr (W::kMins) mins[c] = _mm256_add_ps(mins[c], _mm256_mul_ps(M, _mm256_loadu_ps(a.sd_at(r, b0))));
+      unpack_k<W, Vnni>(sb, wv);
+      IMP_Q8_UNROLL for (int v = 0; v < kMinVecs<W>; ++v)
+        mins[c] = _mm256_add_ps(mins[c], _mm256_mul_ps(M[v], _mm256_loadu_ps(min_x<W>(a, r, b0, v))));
       IMP_Q8_UNROLL for (int j = 0; j < kSubs; ++j) {
         const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r, b0 + j)));
         const __m256i lanes = idot<W, Vnni>(wv[j], qx, init + 8 * j);
@@ -235,18 +292,18 @@ void kgemv_item(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, 
 }
 
 // A weight tile as the tiles read it: per row its blocks' unsigned bytes [nb, 32], lane scales D
-// [nb, 8] and (kMins) mins [nb / 8, 8].
+// [nb, 8] and (kMins) mins [nb / 8, 2, 8] (the second vector Q2_K's only).
 struct KTile {
   std::unique_ptr<uint8_t[]> bytes;
   std::unique_ptr<float[]> floats;
   int64_t nb;
   float *D, *M;
   KTile(int64_t rows, int64_t nb)
-      : bytes(new uint8_t[rows * nb * kBlock]), floats(new float[rows * nb * 8 + rows * nb]), nb(nb),
+      : bytes(new uint8_t[rows * nb * kBlock]), floats(new float[rows * nb * 8 + rows * nb * 2]), nb(nb),
         D(floats.get()), M(D + rows * nb * 8) {}
   uint8_t* bytes_at(int64_t c) const { return bytes.get() + c * nb * kBlock; }
   float* D_at(int64_t c) const { return D + c * nb * 8; }
-  float* M_at(int64_t c) const { return M + c * nb; }
+  float* M_at(int64_t c) const { return M + c * nb * 2; }
 };
 
 template <class W>
@@ -287,7 +344,8 @@ inline float kmins(const Activations& a, int64_t r, const KTile& t, int64_t c) {
   if constexpr (!W::kMins) return 0.0f;
   __m256 mins = _mm256_setzero_ps();
   for (int64_t s = 0; s < a.nb / kSubs; ++s)
-    mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(t.M_at(c) + 8 * s), _mm256_loadu_ps(a.sd_at(r, kSubs * s))));
+    for (int v = 0; v < kMinVecs<W>; ++v)
+      mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(t.M_at(c) + 16 * s + 8 * v), _mm256_loadu_ps(min_x<W>(a, r, kSubs * s, v))));
   return hsum(mins);
 }
 
@@ -374,7 +432,7 @@ struct KGemm {
   std::atomic<int64_t> done{0};
 
   KGemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t workers)
-      : a(M, K, W::bias(Vnni) != 0), w(w), y(y), N(N), ldw((K / kSuper) * W::kBytes),
+      : a(M, K, W::bias(Vnni) != 0, kMinVecs<W> == 2), w(w), y(y), N(N), ldw((K / kSuper) * W::kBytes),
         starts(M == 1 ? gemv_split(N, ldw, workers) : std::vector<int64_t>()),
         col_blocks((N + kColBlock - 1) / kColBlock),
         items(M == 1 ? starts.size() - 1 : col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
@@ -386,15 +444,15 @@ struct KGemm {
     for (int64_t c = 0; c < nr; ++c)
       for (int64_t s = 0; s < a.nb / kSubs; ++s) {
         const uint8_t* sb = w + c * ldw + s * W::kBytes;
-        __m256 D[kSubs], M = _mm256_setzero_ps();
+        __m256 D[kSubs], M[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256i wv[kSubs];
         W::decode(sb, D, M);
-        W::unpack(sb, wv);
+        unpack_k<W, Vnni>(sb, wv);
         for (int j = 0; j < kSubs; ++j) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.bytes_at(c) + (kSubs * s + j) * kBlock), wv[j]);
           _mm256_storeu_ps(t.D_at(c) + 8 * (kSubs * s + j), D[j]);
         }
-        _mm256_storeu_ps(t.M_at(c) + 8 * s, M);
+        for (int v = 0; v < 2; ++v) _mm256_storeu_ps(t.M_at(c) + 16 * s + 8 * v, M[v]);
       }
   }
 
