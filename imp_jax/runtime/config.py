@@ -54,7 +54,8 @@ class EngineConfig:
         "already (raise --kv-cache-memory instead); 0 turns it off")
     kv_swap_min_tokens: int | None = _field(
         None, "with a host tier, a preempted sequence with at least this many computed tokens swaps its KV to "
-        "the host instead of recomputing it; default the platform's measured break-even (32 CPU, 64 GPU)")
+        "the host instead of recomputing it; default 16 on a CPU (one block: the measured break-even is below "
+        "1 token), 64 on a GPU (an estimate): docs/ARCHITECTURE.md, KV tiers")
     tensor_parallel_size: int = _field(
         1, "devices one model is split over, of this host (with --num-processes: of all processes together); "
         "tensor parallelism: heads, MLP rows, vocabulary and the KV cache's kv heads; each holds ~1/N of the "

@@ -32,7 +32,7 @@ log = logging.getLogger("imp_jax.kv_tiers")
 
 # Break-even computed tokens for swap over recompute (docs/ARCHITECTURE.md, "KV tiers": measured with
 # scripts/bench_kv_swap.py): below it the copies' fixed cost exceeds a short prefill's.
-MIN_SWAP_TOKENS = {"cpu": 32, "gpu": 64}
+MIN_SWAP_TOKENS = {"cpu": 16, "gpu": 64}
 HOST_SHARE, HOST_CAP = 0.10, 4 << 30   # accelerators' default host budget: min(10% of RAM, 4 GiB)
 
 
