@@ -239,3 +239,41 @@ def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _t
     assert [[t for t, _ in s] for s in got] == [[t for t, _ in s] for s in want]
     assert lower.puts >= 3 and lower.gets >= 1 and got[-1][0][1] == 80
     assert core.stats()["kv_host_lower_hits_total"] >= 1 and core.stats()["kv_lower_puts"] == lower.puts
+
+
+def test_metrics_expose_the_tier_with_swap_directions(tiered):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_text import parse, value
+
+    from imp_jax.server.admission import AdmissionGate
+    from imp_jax.server.engine_metrics import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(tiered.stats, lambda: ("tiny", True), AdmissionGate(), lambda: {}))
+    m, stats = parse(generate_latest(registry).decode()), tiered.stats()
+    assert value(m, "imp_kv_swaps_total", direction="out") == stats["kv_swaps_out_total"]
+    assert value(m, "imp_kv_swaps_total", direction="in") == stats["kv_swaps_in_total"]
+    assert value(m, "imp_kv_host_tier_hits_total") == stats["kv_lower_tier_hits_total"]
+    assert value(m, "imp_kv_host_tier_capacity_bytes") == tiered.tiers.store.capacity > 0
+    assert value(m, "imp_kv_evicted_tokens_total") == stats["kv_evicted_tokens_total"] >= 0
+
+
+def test_cancelling_a_swapped_out_sequence_frees_its_host_bytes(tiered):
+    _reset(tiered)
+    reqs = [_request(_prompt(40 + i, 60), max_tokens=40) for i in range(3)]
+    for r in reqs:
+        tiered.add_request(r, lambda ev: None)
+    for _ in range(400):
+        tiered.step()
+        if tiered.stats()["kv_host_swapped_seqs"]:
+            break
+    else:
+        pytest.fail("no sequence was swapped out")
+    for r in reqs:
+        tiered.cancel(r.request_id)
+    tiered.tiers.land(wait=True)
+    assert tiered.stats()["kv_host_swapped_seqs"] == 0 and tiered.tiers.store.swapped_bytes == 0
+    while tiered.has_work():
+        tiered.step()
+    assert tiered.pool.num_free_blocks == tiered.baseline_free_blocks
+    assert tiered.tiers.store.used == sum(p.nbytes for p, _ in tiered.tiers.store._prefix.values())
