@@ -70,6 +70,25 @@ def test_host_store_refuses_a_swap_it_cannot_hold_and_frees_it_on_take():
     assert store.take_swap(7).sum() == 25 and store.used == 0
 
 
+def test_block_copies_gather_and_scatter_any_count_through_fixed_buckets():
+    import jax
+
+    from imp_jax.runtime.kv_copy import BlockCopier, _chunks, to_host
+
+    assert _chunks(70) == [(0, 64, 64), (64, 6, 16)] and _chunks(1) == [(0, 1, 1)] and _chunks(0) == []
+    rng = np.random.default_rng(0)
+    k0, v0 = (rng.standard_normal((2, 80, 2, 2, 4)).astype(np.float32) for _ in range(2))
+    kv = (jnp.asarray(k0), jnp.asarray(v0))
+    copier = BlockCopier(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in kv),
+                         default_mesh())
+    src, dst = list(range(1, 71)), list(range(79, 9, -1))
+    blocks = to_host(copier.gather(kv, src))
+    assert blocks.shape == (70, 2, 2, 2, 2, 4) and np.array_equal(blocks[5], np.stack([k0[:, 6], v0[:, 6]]))
+    k1, v1 = (np.asarray(a) for a in copier.scatter(kv, dst, blocks))
+    assert np.array_equal(k1[:, dst], k0[:, src]) and np.array_equal(v1[:, dst], v0[:, src])
+    assert np.array_equal(k1[:, :10], k0[:, :10])   # nothing else written (padding ids are dropped)
+
+
 # ------------------------------------------------------------------------------------- the pool over a tier
 class DictTier:
     """A host tier without a device: content is the block's hash, restores are recorded."""
