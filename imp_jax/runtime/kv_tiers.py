@@ -110,7 +110,7 @@ class KVTiers:
         """Before `seq`'s blocks are freed on preemption: whether its computed KV is copied to the host (then
         `swapped_tokens` says how much), or it recomputes (the rule says so, or the budget is full)."""
         n = seq.num_computed
-        if (n < self.min_swap_tokens or seq.shadow is not None or seq.banned is not None
+        if (n < max(1, self.min_swap_tokens) or seq.shadow is not None or seq.banned is not None
                 or "private_cache" in seq.ext):   # CFG pairs, rewinding and scored prompts recompute
             return False
         ids = seq.table.block_ids[:-(-n // self.block_size)]
