@@ -3,7 +3,6 @@ spill to the host and come back on a hit, preempted sequences swap out and in, a
 the host, and greedy outputs are those of the same engine without the tier. Tiny random-weight Llama on CPU."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 

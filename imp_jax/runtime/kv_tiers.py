@@ -24,7 +24,6 @@ from imp_jax.runtime.kv_host import HostKVStore, LowerStore
 
 if TYPE_CHECKING:
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.kv_blocks import KVBlockPool
     from imp_jax.runtime.sequence import Sequence
     from imp_jax.runtime.step import CompiledStep
 
