@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import pytest
 
@@ -299,13 +300,44 @@ def test_invalid_pool_size_rejected() -> None:
         KVBlockPool(num_blocks=1, block_size=BS)
 
 
+class _SimTier:
+    """A host tier over the simulator's device: spills copy a block's slots, restores write them back (the
+    engine's tier runs its copies, in this order, before the next program: here, at once), LRU within a size."""
+
+    def __init__(self, device: list[list[int | None]], capacity: int) -> None:
+        self.device, self.capacity = device, capacity
+        self.held: OrderedDict[bytes, tuple[bytes, list]] = OrderedDict()
+
+    def holds(self, h: bytes, pre: bytes) -> bool:
+        return h in self.held and self.held[h][0] == pre
+
+    def fetch(self, h: bytes, pre: bytes) -> list | None:
+        if not self.holds(h, pre):
+            return None
+        self.held.move_to_end(h)
+        return list(self.held[h][1])
+
+    def restore(self, block_id: int, content: list) -> None:
+        self.device[block_id] = list(content)
+
+    def spill(self, block_id: int, h: bytes, pre: bytes) -> None:
+        self.held[h] = (pre, list(self.device[block_id]))
+        while len(self.held) > self.capacity:
+            self.held.popitem(last=False)
+
+    def clear(self) -> None:
+        self.held.clear()
+
+
 class _Sim:
     """Random workload with a fake device cache: slot = hash of the token prefix it encodes."""
 
-    def __init__(self, rng: random.Random, num_blocks: int) -> None:
+    def __init__(self, rng: random.Random, num_blocks: int, host_blocks: int = 0) -> None:
         self.rng = rng
         self.pool = KVBlockPool(num_blocks, BS)
         self.device: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]
+        if host_blocks:
+            self.pool.tier = _SimTier(self.device, host_blocks)
         self.seqs: list[tuple[BlockTable, list[int], str | None]] = []
         self.pinned: list[BlockTable] = []
         self.bases = [[rng.randrange(50) for _ in range(24)] for _ in range(3)]
@@ -407,6 +439,20 @@ def test_random_ops_keep_refcounts_consistent(seed: int) -> None:
     sim.check()
     assert sim.pool.num_free_blocks == sim.pool.num_blocks - 1
     assert sim.pool.stats().hits > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_ops_with_a_host_tier_serve_the_evicted_content(seed: int) -> None:
+    """With a lower tier, evicted cached blocks spill and hits past the device restore them: every prefix hit
+    still holds its tokens' content (check_tokens at admission) and the pool's accounting is unchanged."""
+    sim = _Sim(random.Random(seed), num_blocks=12, host_blocks=16)
+    for _ in range(500):
+        sim.step()
+        sim.check()
+    sim.drain()
+    sim.check()
+    assert sim.pool.num_free_blocks == sim.pool.num_blocks - 1
+    assert sim.pool.stats().lower_hits > 0 and sim.pool.stats().evictions > 0
 
 
 # -------------------------------------------------------------------- prefix-cache integrity

@@ -27,7 +27,9 @@ ZERO_BEFORE_TRAFFIC = (
     "imp_compilations_after_warmup_total", "imp_engine_steps_total", "imp_engine_steps_failed_total",
     "imp_responses_store_entries",
     "imp_constrained_steps_total", "imp_constrained_rows_total", "imp_constraint_mask_seconds_total",
-    "imp_banned_rewinds_total",
+    "imp_banned_rewinds_total", "imp_kv_host_tier_hits_total", "imp_kv_host_tier_misses_total",
+    "imp_kv_host_tier_spills_total", "imp_kv_host_tier_evictions_total", "imp_kv_swap_refusals_total",
+    "imp_kv_evicted_tokens_total", "imp_kv_host_tier_bytes", "imp_kv_host_tier_capacity_bytes",
     "imp_responses_store_bytes", "imp_responses_store_evictions_total", "imp_responses_store_expirations_total",
     "imp_otlp_spans_exported_total", "imp_otlp_export_failures_total", "imp_otlp_unsampled_requests_total",
     "imp_request_log_dropped_total",
@@ -42,6 +44,9 @@ def test_every_series_exists_at_zero_before_traffic(ops_server: OpsServer) -> No
         for ladder in LADDERS:
             assert value(m, f"imp_endpoint_{ladder}_count", endpoint=endpoint) == 0
             assert value(m, f"imp_endpoint_{ladder}_bucket", endpoint=endpoint, le="+Inf") == 0
+    for direction in ("out", "in"):   # the host KV tier is off on a CPU by default: every series reads 0
+        assert value(m, "imp_kv_swaps_total", direction=direction) == 0
+        assert value(m, "imp_kv_host_tier_copy_bytes_total", direction=direction) == 0
     for reason in ("auth", "rate_limit", "queue_full", "body_too_large"):
         assert value(m, "imp_requests_rejected_total", reason=reason) == 0
     assert value(m, "imp_model_loaded", model=MODEL) == 1

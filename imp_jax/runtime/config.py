@@ -47,6 +47,15 @@ class EngineConfig:
     kv_cache_dtype: str = _field(
         "auto", "auto | float32 | bfloat16; auto = the model's dtype. bfloat16 under a float32 model "
         "halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
+    kv_host_gib: float | None = _field(
+        None, "host KV tier in GiB per engine replica: preempted sequences swap their KV there and blocks evicted "
+        "from the prefix cache spill there, a later hit copying them back (docs/ARCHITECTURE.md, KV tiers); "
+        "default min(10%% of RAM, 4 GiB) on an accelerator, 0 (off) on a CPU, where the pool is host memory "
+        "already (raise --kv-cache-memory instead); 0 turns it off")
+    kv_swap_min_tokens: int | None = _field(
+        None, "with a host tier, a preempted sequence with at least this many computed tokens swaps its KV to "
+        "the host instead of recomputing it; default 16 on a CPU (one block: the measured break-even is below "
+        "1 token), 64 on a GPU (an estimate): docs/ARCHITECTURE.md, KV tiers")
     tensor_parallel_size: int = _field(
         1, "devices one model is split over, of this host (with --num-processes: of all processes together); "
         "tensor parallelism: heads, MLP rows, vocabulary and the KV cache's kv heads; each holds ~1/N of the "

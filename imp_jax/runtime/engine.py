@@ -22,6 +22,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine_stats import EngineCounters, engine_stats
 from imp_jax.runtime.features import FEATURES, Feature, Services
 from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv_tiers import attach_tiers
 from imp_jax.runtime.output import OutputStage
 from imp_jax.runtime.request import GenerationRequest
 from imp_jax.runtime.request_state import Emit, RequestState
@@ -62,6 +63,7 @@ class EngineCore:
         shapes = StepShapes(max_blocks=-(-self.max_model_len // config.block_size), vocab_size=loaded.config.vocab_size)
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
+        self.tiers = attach_tiers(self, mesh.devices.flat[0].platform)   # the host KV tier, None when off
         self.counters = EngineCounters()
         self.requests: dict[str, RequestState] = {}
         self.services = Services(loaded.model, loaded.tokenizer, loaded.config.vocab_size, self.max_model_len,

@@ -73,4 +73,24 @@ def engine_stats(core: EngineCore) -> dict[str, int | float]:
                 spec_drafted_total=c.spec_drafted, spec_accepted_total=c.spec_accepted,
                 spec_emitted_total=c.spec_emitted, spec_verify_steps_total=c.spec_verify_rows,
                 spec_miss_steps_total=c.spec_miss_rows, spec_verify_wall_ms_total=1000 * c.spec_verify_seconds,
-                steps_failed_total=c.steps_failed, requests_failed_total=c.requests_failed)
+                steps_failed_total=c.steps_failed, requests_failed_total=c.requests_failed,
+                **kv_tier_stats(core, pc))
+
+
+def kv_tier_stats(core: EngineCore, pc) -> dict[str, int]:
+    """The KV tiers' counters (runtime/kv_tiers.py; zeros without a host tier). `kv_evicted_tokens_total`: tokens
+    of cached prefix blocks that left the server's memory (evicted from the device with no host copy, or from
+    the host tier), so a later hit on them recomputes (or reads the disk tier)."""
+    tiers = core.tiers
+    out = dict(kv_host_bytes_capacity=0, kv_host_bytes_used=0, kv_host_blocks=0, kv_host_swapped_seqs=0,
+               kv_host_inflight_blocks=0, kv_host_spills_total=0, kv_host_evictions_total=0,
+               kv_host_lower_hits_total=0, kv_swaps_out_total=0, kv_swaps_in_total=0, kv_swap_refusals_total=0,
+               kv_host_bytes_out_total=0, kv_host_bytes_in_total=0, kv_min_swap_tokens=0, kv_host_spilling_blocks=0)
+    if tiers is not None:
+        out.update(tiers.stats())
+    out.update(kv_swaps_total=out["kv_swaps_out_total"] + out["kv_swaps_in_total"],
+               kv_lower_tier_hits_total=pc.lower_hits, kv_lower_tier_misses_total=pc.lower_misses,
+               kv_evicted_tokens_total=core.pool.block_size * (
+                   pc.evictions - out["kv_host_spills_total"] - out["kv_host_spilling_blocks"]
+                   + out["kv_host_evictions_total"]))
+    return out

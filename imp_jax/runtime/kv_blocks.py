@@ -4,6 +4,9 @@ Host bookkeeping only. The device cache is `[num_blocks, block_size, kv_heads, h
 per layer; block 0 is the null block padding points at and is never handed out.
 A prefix hit is trusted only after the cached block's whole hash input (parent digest, extra
 key, token ids) compares equal, so even a hash collision cannot serve one request another's KV.
+With a lower tier (`LowerTier`: the host tier, runtime/kv_tiers.py) an evicted cached block's content is
+spilled there, and a lookup continues there where the device chain ends: a hit takes a fresh block and
+the tier copies the content back before any program reads it.
 """
 
 from __future__ import annotations
@@ -13,11 +16,23 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 NULL_BLOCK = 0
 
 BlockCopy = tuple[int, int]
 """(src, dst) block ids whose contents the engine must copy on device before the next write."""
+
+
+class LowerTier(Protocol):
+    """Where evicted cached blocks go and come back from; every call is host bookkeeping, the copies it
+    queues run before the next program (runtime/kv_tiers.py)."""
+
+    def holds(self, block_hash: bytes, preimage: bytes) -> bool: ...          # a lookup would hit
+    def fetch(self, block_hash: bytes, preimage: bytes) -> Any | None: ...    # claim its content
+    def restore(self, block_id: int, content: Any) -> None: ...               # copy it into block_id
+    def spill(self, block_id: int, block_hash: bytes, preimage: bytes) -> None: ...   # block_id leaves
+    def clear(self) -> None: ...                                              # reset_prefix_cache
 
 
 class OutOfBlocks(RuntimeError):
@@ -78,12 +93,14 @@ class BlockTable:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache counters, in tokens (queries, hits) and blocks (evictions)."""
+    """Prefix-cache counters, in tokens (queries, hits: every tier) and blocks (evictions, lower_hits)."""
 
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of those, tokens served from cached blocks
     evictions: int = 0  # cached blocks reclaimed for new allocations
     collisions: int = 0  # lookups or commits whose hash matched a block of different content
+    lower_hits: int = 0  # blocks served from the lower tier (host, or disk through it), copied back
+    lower_misses: int = 0  # admissions whose lookup went on past the device cache and ended in a miss
 
 
 class KVBlockPool:
@@ -106,6 +123,7 @@ class KVBlockPool:
         self._free: deque[int] = deque(range(1, num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._stats = PrefixCacheStats()
+        self.tier: LowerTier | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,6 +175,28 @@ class KVBlockPool:
             parent = h
         return ids, hashes
 
+    def match_lower(self, token_ids: Sequence[int], extra_key: Hashable, start: int,
+                    parent: bytes | None) -> list[tuple[bytes, bytes]]:
+        """(hash, preimage) of the blocks after the device chain's first `start` (last hash `parent`) that
+        the lower tier holds, up to its first miss (or a block the device caches: a chain resumes in one tier)."""
+        if self.tier is None:
+            return []
+        bs, out = self.block_size, []
+        for i in range(start, (len(token_ids) - 1) // bs):
+            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            h = hash_block(pre)
+            if h in self._cached or not self.tier.holds(h, pre):
+                break
+            out.append((h, pre))
+            parent = h
+        return out
+
+    def cached_tokens(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+        """Prompt tokens allocate() on an empty table would serve from the cache: device, then lower tier."""
+        ids, hashes = self.match_prefix(token_ids, extra_key)
+        lower = self.match_lower(token_ids, extra_key, len(ids), hashes[-1] if hashes else None)
+        return (len(ids) + len(lower)) * self.block_size
+
     def blocks_needed(
         self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, extra_key: Hashable = None
     ) -> int:
@@ -182,12 +222,37 @@ class KVBlockPool:
             table.block_ids = list(hit_ids)
             table.device_synced = 0
             table.block_hashes = list(hit_hashes)
-            table.num_cached_tokens = len(hit_ids) * self.block_size
+            self._restore_lower(table, token_ids, num_tokens, extra_key)
+            table.num_cached_tokens = len(table.block_ids) * self.block_size
             self._stats.queries += len(token_ids)
             self._stats.hits += table.num_cached_tokens
         while len(table.block_ids) < self.num_blocks_for(num_tokens):
             table.block_ids.append(self._take())
         return True
+
+    def _restore_lower(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
+                       extra_key: Hashable) -> None:
+        """Extend a table holding its device prefix hits with the lower tier's hits (at most `num_tokens`
+        worth): each gets a fresh block, cached under its hash, that the tier fills before the next program."""
+        if self.tier is None:
+            return
+        parent = table.block_hashes[-1] if table.block_hashes else None
+        want = min(self.num_blocks_for(num_tokens), (len(token_ids) - 1) // self.block_size) - len(table.block_ids)
+        hits = self.match_lower(token_ids, extra_key, len(table.block_ids), parent)[:max(want, 0)]
+        claimed = []
+        for h, pre in hits:   # claimed before any block is taken: an eviction's spill may push them out
+            content = self.tier.fetch(h, pre)
+            if content is None:
+                break
+            claimed.append((h, pre, content))
+        self._stats.lower_hits += len(claimed)
+        self._stats.lower_misses += len(claimed) < want
+        for h, pre, content in claimed:
+            b = self._take()
+            self._cached[h], self._hash[b], self._preimage[b] = b, h, pre
+            self.tier.restore(b, content)
+            table.block_ids.append(b)
+            table.block_hashes.append(h)
 
     def _plan(
         self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, extra_key: Hashable
@@ -315,6 +380,8 @@ class KVBlockPool:
         self._cached.clear()
         self._free.extend(self._lru)
         self._lru.clear()
+        if self.tier is not None:
+            self.tier.clear()
 
     # -- block states ----------------------------------------------------------------------
 
@@ -324,6 +391,8 @@ class KVBlockPool:
             b = self._free.popleft()
         else:
             b, _ = self._lru.popitem(last=False)
+            if self.tier is not None:
+                self.tier.spill(b, self._hash[b], self._preimage[b])
             self._uncache(b)
             self._stats.evictions += 1
         self._refs[b] = 1

@@ -26,7 +26,7 @@ from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
 STATE_ORDER = ("faulted", "stopped", "loading", "warming_up", "suspended", "ready")   # worst first
 MAX_SESSIONS = 65536   # session ids remembered for stickiness (least recently used forgotten first)
-MAX_KEYS = ("kv_block_size", "decode_batch_max", "kv_pool_floored")   # stats that are not summed over replicas
+MAX_KEYS = ("kv_block_size", "decode_batch_max", "kv_pool_floored", "kv_min_swap_tokens")   # not summed over replicas
 
 
 def make_engine(config: EngineConfig) -> Any:

@@ -10,18 +10,28 @@ tenant waits running two or more fewer sequences than another, that other's newe
 its slot back (preempted), one a step, so a newcomer starts at once rather than when a sequence
 ends (`fair_tenants=False`: rank alone, no such preemption). When blocks run out mid-decode the
 worst-ranked running sequence is preempted: of the tenant running the most sequences (when fair),
-the newest. A preempted sequence frees its blocks and later recomputes its KV from its tokens.
+the newest. A preempted sequence frees its blocks and later recomputes its KV from its tokens, or, with
+a host tier (`swapper`, runtime/kv_tiers.py) whose rule says swap, gets its KV copied back when readmitted.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Protocol
 
 from imp_jax.runtime.cfg import split_budget
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.sequence import Sequence, SeqStatus
+
+
+class Swapper(Protocol):
+    """Moves a preempted sequence's KV out of the pool and back (runtime/kv_tiers.py KVTiers)."""
+
+    def swap_out(self, seq: Sequence) -> bool: ...      # before its blocks are freed: whether it swapped
+    def swapped_tokens(self, seq: Sequence) -> int: ...  # computed tokens swap_in gives back (0: none)
+    def swap_in(self, seq: Sequence) -> None: ...        # its fresh table's first blocks get them
+    def drop(self, seq: Sequence) -> None: ...           # it ended while swapped out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +66,7 @@ class Scheduler:
         # speculative decoding (runtime/speculative.py): a decoding sequence's drafts, at most the
         # given count; None: no drafting
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
+        self.swapper: Swapper | None = None   # the host KV tier, when there is one
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -69,6 +80,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
         self.pool.unpin(seq.table)
+        if self.swapper is not None:
+            self.swapper.drop(seq)
         seq.status = SeqStatus.FINISHED
         if seq.shadow is not None:   # CFG (runtime/cfg.py): the shadow ends with its main
             self._release(seq.shadow)
@@ -184,15 +197,41 @@ class Scheduler:
 
         Returns the token count of its first chunk (after the prefix-cache hits), 0 if it waits.
         """
+        if self.swapper is not None and self.swapper.swapped_tokens(seq):
+            return self._admit_swapped(seq, budget, now)
         ids, salt = seq.all_ids, seq.cache_key
         needed = self.pool.blocks_needed(seq.table, ids, len(ids), salt)
         if needed > self.pool.num_free_blocks - self.reserved_blocks():
             return 0
-        cached = len(self.pool.match_prefix(ids, salt)[0]) * self.pool.block_size
+        cached = self.pool.cached_tokens(ids, salt)
         n = min(len(ids) - cached, budget)
         if not self.pool.allocate(seq.table, ids, cached + n, salt):  # one lookup: takes the hits
             return 0
         seq.num_computed = seq.table.num_cached_tokens
+        self._start(seq, now)
+        return n
+
+    def _admit_swapped(self, seq: Sequence, budget: int, now: float) -> int:
+        """Readmit a swapped-out sequence: fresh blocks for all its tokens, its computed KV copied back into
+        them before the step (the swapper queues it), its first chunk from there. It waits while a token of
+        its is still on the device (read next step), so its known tokens are all it has."""
+        saved = self.swapper.swapped_tokens(seq)
+        if seq.pending:
+            return 0
+        pool = self.pool
+        if pool.num_blocks_for(seq.num_tokens) > pool.num_free_blocks - self.reserved_blocks():
+            return 0
+        n = min(seq.num_tokens - saved, budget)
+        if not pool.allocate(seq.table, (), saved + n):
+            return 0
+        self.swapper.swap_in(seq)
+        seq.num_computed = saved
+        pool.commit(seq.table, seq.all_ids[:saved], seq.cache_key)   # its full blocks join the prefix cache
+        self._start(seq, now)
+        return n
+
+    def _start(self, seq: Sequence, now: float) -> None:
+        """An admitted sequence's move from waiting to running."""
         if seq.cached_prompt_tokens is None:
             seq.cached_prompt_tokens = seq.num_computed
         if seq.first_scheduled_at is None:
@@ -200,7 +239,6 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
-        return n
 
     def _admit_pair(self, seq: Sequence, budget: int, slots: int, now: float) -> list[ScheduledChunk]:
         """Admit a CFG main sequence and its shadow together (both prompts must fit), with their first chunks."""
@@ -208,7 +246,7 @@ class Scheduler:
         needed = sum(self.pool.blocks_needed(s.table, s.all_ids, len(s.all_ids), s.cache_key) for s in pair)
         if needed > self.pool.num_free_blocks - self.reserved_blocks():
             return []
-        cached = [len(self.pool.match_prefix(s.all_ids, s.cache_key)[0]) * self.pool.block_size for s in pair]
+        cached = [self.pool.cached_tokens(s.all_ids, s.cache_key) for s in pair]
         sizes = split_budget(len(seq.all_ids) - cached[0], len(seq.shadow.all_ids) - cached[1], budget, slots)
         if not any(sizes):
             return []
@@ -270,13 +308,16 @@ class Scheduler:
         return lambda s: (s.request.priority, counts[s.request.tenant], s.arrival)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and pins; it waits again and recomputes its KV (output so far kept).
+        """Free `seq`'s blocks and pins; it waits again and recomputes its KV (output so far kept), or gets
+        it back from the host tier when the swapper took it.
 
         Dropping the cache_prompt pins too keeps two pinned requests from starving each other;
         the engine pins again once the prompt is recomputed. A CFG pair is preempted whole.
         """
         seq = seq.main if seq.main is not None else seq
         self.running.remove(seq)
+        if self.swapper is not None:
+            self.swapper.swap_out(seq)
         self._release(seq)
         self.pool.unpin(seq.table)
         seq.pinned = False

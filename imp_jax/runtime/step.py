@@ -107,6 +107,8 @@ class CompiledStep:
         self.compile_seconds: dict[tuple[int, int, int], float] = {}   # per step bucket, as start-up compiled it
         self._warm = False
         self.leader: Leader | None = None   # multi-host process 0: announces each program (runtime/multihost.py)
+        # runs before every program reading or writing the cache: the host KV tier's queued copies (kv_tiers.py)
+        self.before_programs: Callable[[], None] = lambda: None
         self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
         programs = step_programs(model, self.graphdef, treedef, self._leaves, mesh, self.max_rows)
         self.with_lora = getattr(model, "lora", None) is not None
@@ -270,6 +272,7 @@ class CompiledStep:
         if self.leader is not None:
             raise ValueError("logit_lens does not run multi-host")
         exe = self._lens_program()
+        self.before_programs()
         self._attach_tables(batch, tables)
         ints, floats = self._pack("lens", self._lens_inputs(batch, token))
         out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
@@ -283,6 +286,7 @@ class CompiledStep:
     def launch_score(self, batch: StepBatch, targets: np.ndarray, tables: list[BlockTable]) -> tuple[jax.Array, ...]:
         """`score`, returning at once with device arrays (the host reads them later)."""
         exe = self._score_program()
+        self.before_programs()
         self._attach_tables(batch, tables)
         ints, floats = self._pack("score", self._score_inputs(batch, targets))
         if self.leader is not None:
@@ -430,6 +434,7 @@ class CompiledStep:
         with self._unrun_lock:
             if bucket in self._unrun:
                 self._unrun.remove(bucket)
+        self.before_programs()
         self._attach_tables(batch, tables)
         ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg))
         if self.leader is not None:

@@ -25,6 +25,12 @@ ENGINE_GAUGES = (
     ("imp_decode_batch_last_rows", "decode_batch_last_rows", "Sequences in the most recent decode step; 0 while "
      "the engine idles"),
     ("imp_decode_batch_max", "decode_batch_max", "Most sequences in one decode step since start"),
+    ("imp_kv_host_tier_capacity_bytes", "kv_host_bytes_capacity", "Host KV tier budget (--kv-host-gib; 0: off)"),
+    ("imp_kv_host_tier_bytes", "kv_host_bytes_used", "Host KV tier bytes held: cached prefix blocks and swapped "
+     "sequences"),
+    ("imp_kv_host_tier_blocks", "kv_host_blocks", "Prefix blocks cached in the host KV tier"),
+    ("imp_kv_host_tier_swapped_sequences", "kv_host_swapped_seqs", "Preempted sequences whose KV waits in "
+     "the host tier"),
 )
 ENGINE_COUNTERS = (
     ("imp_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at "
@@ -37,6 +43,18 @@ ENGINE_COUNTERS = (
     ("imp_preemptions", "num_preemptions", "Sequences preempted (KV freed, recomputed later)"),
     ("imp_kv_pool_growths", "kv_pool_growths_total", "Times the KV pool committed more memory; stays 0: the "
      "pool is sized once at start-up and never grows"),
+    ("imp_kv_host_tier_hits", "kv_lower_tier_hits_total", "Prefix blocks found in the host KV tier (or the "
+     "disk tier through it) and copied back instead of recomputed"),
+    ("imp_kv_host_tier_misses", "kv_lower_tier_misses_total", "Admissions whose prefix lookup went on past the "
+     "device cache into the host tier and ended in a miss"),
+    ("imp_kv_host_tier_spills", "kv_host_spills_total", "Prefix blocks evicted from the device cache into the "
+     "host tier"),
+    ("imp_kv_host_tier_evictions", "kv_host_evictions_total", "Prefix blocks the host tier dropped for room "
+     "(handed to the disk tier when there is one)"),
+    ("imp_kv_swap_refusals", "kv_swap_refusals_total", "Preempted sequences the host tier had no room for "
+     "(they recompute)"),
+    ("imp_kv_evicted_tokens", "kv_evicted_tokens_total", "Tokens of cached prefix blocks that left the "
+     "server's memory (device with no host copy, or the host tier): a later hit recomputes them"),
     ("imp_kv_pressure_rejections", "kv_pressure_rejections", "Requests refused or ended early because the KV "
      "pool could not hold them"),
     ("imp_decode_batch_rows", "decode_batch_rows_total", "Decode rows summed over decode steps"),
@@ -82,6 +100,19 @@ REPLICA_SERIES = (
 )
 
 
+def kv_directional(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The host KV tier's series with a `direction` label: swaps (imp's imp_kv_swaps_total is direction="out")
+    and copy bytes ("out": device -> host, "in": host -> device)."""
+    for name, doc, key in (("imp_kv_swaps", "Sequences whose KV moved to the host on preemption (out) and "
+                            "back on resumption (in)", "kv_swaps_{}_total"),
+                           ("imp_kv_host_tier_copy_bytes", "Bytes copied between the device pool and the host "
+                            "KV tier", "kv_host_bytes_{}_total")):
+        family = CounterMetricFamily(name, doc, labels=["direction"])
+        for direction in ("out", "in"):
+            family.add_metric([direction], stats.get(key.format(direction), 0))
+        yield family
+
+
 def replica_series(stats: dict[str, Any]) -> Iterator[Metric]:
     """The REPLICA_SERIES of each replica in `stats` (EngineReplicas: its `replicas`; one engine: itself)."""
     replicas = stats.get("replicas") or [stats]
@@ -110,6 +141,7 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
         for name, key, doc in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        yield from kv_directional(stats)
         yield from replica_series(stats)
         yield GaugeMetricFamily("imp_queued_requests", "Generation requests submitted and waiting for their "
                                 "first token (--max-queued-requests)", value=self._gate.queued_requests)

@@ -1,0 +1,144 @@
+"""The host KV tier's store: block payloads in host memory under a byte budget.
+
+Two kinds of entry share the budget. Prefix blocks, keyed by their chain hash (kv_blocks.prefix_hashes:
+the partition's extra key is inside the hash, so tenants never share an entry), are a cache: least
+recently used first out, handed to the optional `lower` store (the disk tier) as they leave. Swapped
+sequences' blocks (a preempted sequence's KV, keyed by its seq_id) are held until the sequence resumes
+or ends, and are never evicted: a swap that does not fit is refused and the sequence recomputes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Protocol
+
+import numpy as np
+
+BLOCK_PAYLOAD = "[2, num_layers, block_size, num_kv_heads, head_dim]"
+"""One block's payload: ONE C-contiguous numpy array of this shape in the cache's storage dtype
+(kernels_pallas/kv_cache.py kv_storage_dtype: bfloat16 on a CPU is its bits as uint16), index 0 of the
+first axis K and 1 V, every layer, every kv head (the whole head count, also under tensor parallelism).
+A lower store keeps bytes, dtype and shape, and gives back an equal array."""
+
+
+class LowerStore(Protocol):
+    """The tier below the host (the disk store): what the host tier calls, and nothing else."""
+
+    def contains(self, block_hash: bytes) -> bool: ...
+    def put(self, block_hash: bytes, payload: np.ndarray) -> None: ...     # non-blocking: a queued write
+    def get(self, block_hash: bytes) -> np.ndarray | None: ...             # None: missing or corrupt
+    def stats(self) -> dict[str, int]: ...
+
+
+@dataclasses.dataclass
+class HostStats:
+    """Host-tier counters: blocks unless named otherwise."""
+
+    spills: int = 0         # prefix blocks the device evicted into the host
+    evictions: int = 0      # prefix blocks the host dropped for room (handed to `lower` when there is one)
+    lower_hits: int = 0     # prefix blocks read back from the lower store (the pool counts every tier's hits)
+    swaps_out: int = 0      # sequences swapped out (their blocks copied to the host on preemption)
+    swaps_in: int = 0       # sequences swapped back in
+    swap_refusals: int = 0  # swaps the budget could not hold (those sequences recompute)
+    bytes_out: int = 0      # device -> host copy bytes
+    bytes_in: int = 0       # host -> device copy bytes
+
+
+class HostKVStore:
+    """Prefix payloads by chain hash (LRU) and swapped sequences' payloads, within `capacity` bytes."""
+
+    def __init__(self, capacity: int, lower: LowerStore | None = None) -> None:
+        self.capacity = capacity
+        self.lower = lower
+        self.used = 0
+        self._prefix: OrderedDict[bytes, tuple[np.ndarray, bytes | None]] = OrderedDict()  # oldest first
+        self._swapped: dict[int, tuple[int, np.ndarray | None]] = {}   # seq_id -> (bytes reserved, payload)
+        self.stats = HostStats()
+
+    @property
+    def num_prefix_blocks(self) -> int:
+        return len(self._prefix)
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(n for n, _ in self._swapped.values())
+
+    # -- prefix blocks ---------------------------------------------------------------------
+
+    def holds(self, block_hash: bytes, preimage: bytes) -> bool:
+        """Whether a lookup of this block would hit here or in the lower store (no read, no LRU move)."""
+        entry = self._prefix.get(block_hash)
+        if entry is not None:
+            return entry[1] is None or entry[1] == preimage
+        return self.lower is not None and self.lower.contains(block_hash)
+
+    def get(self, block_hash: bytes, preimage: bytes) -> np.ndarray | None:
+        """The block's payload (marked recently used), read through from the lower store on a host miss.
+
+        A host entry must match the whole preimage (as the device cache's); a lower-store entry is trusted
+        by its SHA-256 chain hash, which the store checks against its contents on read."""
+        entry = self._prefix.get(block_hash)
+        if entry is not None and (entry[1] is None or entry[1] == preimage):
+            self._prefix.move_to_end(block_hash)
+            return entry[0]
+        payload = self.lower.get(block_hash) if self.lower is not None and entry is None else None
+        if payload is None:
+            return None
+        self.stats.lower_hits += 1
+        self.put(block_hash, preimage, payload, to_lower=False)
+        return payload
+
+    def put(self, block_hash: bytes, preimage: bytes | None, payload: np.ndarray, to_lower: bool = True) -> None:
+        """Keep a prefix block's payload, evicting older ones for room; one larger than the room is dropped."""
+        if block_hash in self._prefix:
+            self._prefix.move_to_end(block_hash)
+            return
+        if not self._make_room(payload.nbytes):
+            self.stats.evictions += 1   # larger than the whole budget: straight through
+            self._hand_down(block_hash, payload, to_lower)
+            return
+        self._prefix[block_hash] = (payload, preimage)
+        self.used += payload.nbytes
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict prefix entries, oldest first, until `nbytes` fit; whether they do."""
+        while self.used + nbytes > self.capacity and self._prefix:
+            h, (payload, _) = self._prefix.popitem(last=False)
+            self.used -= payload.nbytes
+            self.stats.evictions += 1
+            self._hand_down(h, payload, True)
+        return self.used + nbytes <= self.capacity
+
+    def _hand_down(self, block_hash: bytes, payload: np.ndarray, to_lower: bool) -> None:
+        if to_lower and self.lower is not None and not self.lower.contains(block_hash):
+            self.lower.put(block_hash, payload)
+
+    def clear_prefix(self) -> None:
+        """Forget every prefix entry (reset_prefix_cache); swapped sequences stay."""
+        self.used -= sum(p.nbytes for p, _ in self._prefix.values())
+        self._prefix.clear()
+
+    # -- swapped sequences -----------------------------------------------------------------
+
+    def reserve_swap(self, seq_id: int, nbytes: int) -> bool:
+        """Make room for a sequence's swap of `nbytes` (evicting prefix entries); False when it cannot fit."""
+        if seq_id in self._swapped or not self._make_room(nbytes):
+            self.stats.swap_refusals += 1
+            return False
+        self._swapped[seq_id] = (nbytes, None)   # the payload comes when its copy lands (put_swap)
+        self.used += nbytes
+        return True
+
+    def put_swap(self, seq_id: int, payload: np.ndarray) -> None:
+        """The swapped blocks [n, *BLOCK_PAYLOAD] of a reservation, once copied to the host."""
+        if seq_id in self._swapped:
+            self._swapped[seq_id] = (self._swapped[seq_id][0], payload)
+
+    def take_swap(self, seq_id: int) -> np.ndarray | None:
+        """Remove a sequence's swap (resumed or ended), freeing its bytes; its payload if it had landed."""
+        nbytes, payload = self._swapped.pop(seq_id, (0, None))
+        self.used -= nbytes
+        return payload
+
+    def has_swap(self, seq_id: int) -> bool:
+        return seq_id in self._swapped

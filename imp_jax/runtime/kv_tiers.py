@@ -1,0 +1,216 @@
+"""The host KV tier, as the engine sees it: the pool's lower tier and the scheduler's swapper.
+
+The block pool and the scheduler decide (kv_blocks.py: spill an evicted cached block, restore a host hit
+into a fresh block; scheduler.py: swap a preempted sequence out, back in when readmitted); this component
+queues the copies those decisions need and runs them, in the order they were decided, when the next
+program is about to run (`flush`, CompiledStep's hook before every program). Device -> host copies are
+gathers whose transfer starts at once and which the host reads when it next flushes and finds them done,
+so no step waits on the host; host -> device copies are scatters launched before the step that reads them.
+
+Swap or recompute (docs/ARCHITECTURE.md, "KV tiers"): a preempted sequence swaps when it has at least
+`min_swap_tokens` computed tokens and its blocks fit in the host budget; otherwise it recomputes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from imp_jax.runtime.kv_copy import BlockCopier, to_host
+from imp_jax.runtime.kv_host import HostKVStore, LowerStore
+
+if TYPE_CHECKING:
+    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.sequence import Sequence
+    from imp_jax.runtime.step import CompiledStep
+
+log = logging.getLogger("imp_jax.kv_tiers")
+
+# Break-even computed tokens for swap over recompute (docs/ARCHITECTURE.md, "KV tiers": measured with
+# scripts/bench_kv_swap.py): below it the copies' fixed cost exceeds a short prefill's.
+MIN_SWAP_TOKENS = {"cpu": 16, "gpu": 64}
+HOST_SHARE, HOST_CAP = 0.10, 4 << 30   # accelerators' default host budget: min(10% of RAM, 4 GiB)
+
+
+def host_budget_bytes(config: EngineConfig, platform: str) -> int:
+    """--kv-host-gib in bytes, per engine replica; by default min(10% of RAM, 4 GiB) on an accelerator and 0
+    (off) on a CPU, where the device pool is host RAM already and a larger --kv-cache-memory serves better."""
+    if config.multi_host:
+        return 0   # the copies are not announced to the other processes (runtime/multihost.py)
+    if config.kv_host_gib is not None:
+        total = int(config.kv_host_gib * (1 << 30))
+    elif platform == "cpu":
+        return 0
+    else:
+        total = min(int(HOST_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), HOST_CAP)
+    return max(0, total // config.data_parallel_size)
+
+
+@dataclasses.dataclass
+class _Gather:
+    """A dispatched device -> host copy and where its blocks go when they land."""
+
+    chunks: list[tuple[Any, int]]
+    spills: list[tuple[bytes, bytes]] | None = None   # prefix blocks: (hash, preimage) per block
+    seq_id: int = -1                                   # else: a swapped sequence's blocks
+    generation: int = 0
+
+
+class KVTiers:
+    """Queues and runs the copies between the device pool and the host store (module docstring)."""
+
+    def __init__(self, step_fn: CompiledStep, store: HostKVStore, min_swap_tokens: int):
+        self.step_fn = step_fn
+        self.store = store
+        self.copier = BlockCopier(step_fn._kv_spec, step_fn.mesh)
+        self.block_size = step_fn._kv_spec[0].shape[2]
+        self.min_swap_tokens = min_swap_tokens
+        self._ops: list[tuple[str, list[int], list]] = []   # queued copies, in decision order (_queue)
+        self._inflight: list[_Gather] = []
+        self._spilling: dict[bytes, bytes] = {}      # hash -> preimage of spills not landed yet
+        self._swapped: dict[int, int] = {}           # seq_id -> computed tokens its swap holds
+        self._generation = 0                         # bumped by clear(): older spills are dropped on landing
+
+    @property
+    def inflight_blocks(self) -> int:
+        queued = sum(len(ids) for _, ids, _ in self._ops)
+        return queued + sum(n for g in self._inflight for _, n in g.chunks)
+
+    # -- the pool's lower tier (kv_blocks.LowerTier) ---------------------------------------
+
+    def holds(self, block_hash: bytes, preimage: bytes) -> bool:
+        pending = self._spilling.get(block_hash)
+        return pending == preimage if pending is not None else self.store.holds(block_hash, preimage)
+
+    def fetch(self, block_hash: bytes, preimage: bytes) -> np.ndarray | None:
+        if block_hash in self._spilling:
+            self.flush()
+            self.land(wait=True)   # rare: a block evicted and wanted back before its copy landed
+        return self.store.get(block_hash, preimage)
+
+    def restore(self, block_id: int, content: np.ndarray) -> None:
+        self._queue("scatter", [block_id], [content])
+
+    def spill(self, block_id: int, block_hash: bytes, preimage: bytes) -> None:
+        self._spilling[block_hash] = preimage
+        self._queue("spill", [block_id], [(block_hash, preimage)])
+
+    def clear(self) -> None:
+        self._generation += 1
+        self._spilling.clear()
+        self.store.clear_prefix()
+
+    # -- the scheduler's swapper -------------------------------------------------------------
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Before `seq`'s blocks are freed on preemption: whether its computed KV is copied to the host (then
+        `swapped_tokens` says how much), or it recomputes (the rule says so, or the budget is full)."""
+        n = seq.num_computed
+        if (n < max(1, self.min_swap_tokens) or seq.shadow is not None or seq.banned is not None
+                or "private_cache" in seq.ext):   # CFG pairs, rewinding and scored prompts recompute
+            return False
+        ids = seq.table.block_ids[:-(-n // self.block_size)]
+        if not self.store.reserve_swap(seq.seq_id, len(ids) * self.copier.block_bytes):
+            return False
+        self._swapped[seq.seq_id] = n
+        self._queue("swap", ids, [seq.seq_id])
+        self.store.stats.swaps_out += 1
+        return True
+
+    def swapped_tokens(self, seq: Sequence) -> int:
+        """Computed tokens a swapped-out `seq` gets back from swap_in (0: not swapped)."""
+        return self._swapped.get(seq.seq_id, 0)
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Copy a swapped `seq`'s KV into the first blocks of its (freshly allocated) table."""
+        if any(g.seq_id == seq.seq_id for g in self._inflight) or any(
+                kind == "swap" and items == [seq.seq_id] for kind, _, items in self._ops):
+            self.flush()
+            self.land(wait=True)
+        payload = self.store.take_swap(seq.seq_id)
+        n = self._swapped.pop(seq.seq_id)
+        ids = seq.table.block_ids[:-(-n // self.block_size)]
+        self._queue("scatter", ids, list(payload))
+        self.store.stats.swaps_in += 1
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget a swap whose sequence ended (or will recompute instead)."""
+        if self._swapped.pop(seq.seq_id, None) is not None:
+            self.store.take_swap(seq.seq_id)
+
+    # -- running the copies ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Dispatch the queued copies in order (a run of one kind is one queued op), then land the gathers
+        already done. Called before every program, so each copy runs before the program that needs it."""
+        ops, self._ops = self._ops, []
+        for kind, ids, items in ops:
+            if kind == "scatter":
+                payload = np.stack(items)
+                self.step_fn.kv = self.copier.scatter(self.step_fn.kv, ids, payload)
+                self.store.stats.bytes_in += payload.nbytes
+                continue
+            g = _Gather(self.copier.gather(self.step_fn.kv, ids), generation=self._generation)
+            if kind == "spill":
+                g.spills = items
+            else:
+                g.seq_id = items[0]
+            self._inflight.append(g)
+        self.land()
+
+    def _queue(self, kind: str, ids: list[int], items: list) -> None:
+        """Queue a copy ("scatter": payloads into ids; "spill": ids' blocks as (hash, preimage) items; "swap":
+        ids' blocks for [seq_id]); a spill or scatter right after one of its kind joins it (one program run)."""
+        if self._ops and self._ops[-1][0] == kind != "swap":
+            self._ops[-1][1].extend(ids)
+            self._ops[-1][2].extend(items)
+        else:
+            self._ops.append((kind, list(ids), list(items)))
+
+    def land(self, wait: bool = False) -> None:
+        """Move finished gathers (all of them with `wait`) into the store, in dispatch order."""
+        while self._inflight and (wait or all(arr.is_ready() for arr, _ in self._inflight[0].chunks)):
+            g = self._inflight.pop(0)
+            blocks = to_host(g.chunks)
+            self.store.stats.bytes_out += blocks.nbytes
+            if g.spills is None:
+                self.store.put_swap(g.seq_id, blocks)
+                continue
+            for (h, pre), block in zip(g.spills, blocks):
+                if self._spilling.get(h) == pre and g.generation == self._generation:
+                    del self._spilling[h]
+                    self.store.put(h, pre, block.copy())   # its own memory, not a view of the chunk
+                    self.store.stats.spills += 1
+
+    def stats(self) -> dict[str, int]:
+        s = self.store.stats
+        lower = self.store.lower.stats() if self.store.lower is not None else {}
+        return dict(kv_host_bytes_capacity=self.store.capacity, kv_host_bytes_used=self.store.used,
+                    kv_host_blocks=self.store.num_prefix_blocks, kv_host_swapped_seqs=len(self._swapped),
+                    kv_host_inflight_blocks=self.inflight_blocks, kv_host_spilling_blocks=len(self._spilling),
+                    kv_host_spills_total=s.spills,
+                    kv_host_evictions_total=s.evictions, kv_host_lower_hits_total=s.lower_hits,
+                    kv_swaps_out_total=s.swaps_out, kv_swaps_in_total=s.swaps_in,
+                    kv_swap_refusals_total=s.swap_refusals, kv_host_bytes_out_total=s.bytes_out,
+                    kv_host_bytes_in_total=s.bytes_in, kv_min_swap_tokens=self.min_swap_tokens,
+                    **{f"kv_lower_{k}": int(v) for k, v in lower.items()})
+
+
+def attach_tiers(core: Any, platform: str, lower: LowerStore | None = None) -> KVTiers | None:
+    """Give an EngineCore a host tier when its budget is above 0: the pool spills and restores through it,
+    the scheduler swaps through it, and the step runs its copies before every program."""
+    capacity = host_budget_bytes(core.config, platform)
+    if capacity <= 0:
+        return None
+    swap = core.config.kv_swap_min_tokens
+    tiers = KVTiers(core.step_fn, HostKVStore(capacity, lower),
+                    MIN_SWAP_TOKENS.get(platform, MIN_SWAP_TOKENS["gpu"]) if swap is None else swap)
+    core.pool.tier = tiers
+    core.scheduler.swapper = tiers
+    core.step_fn.before_programs = tiers.flush
+    log.info("KV host tier: %.2f GiB; preempted sequences of >= %d computed tokens swap, shorter ones recompute",
+             capacity / (1 << 30), tiers.min_swap_tokens)
+    return tiers

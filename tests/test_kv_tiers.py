@@ -1,0 +1,297 @@
+"""The host KV tier (runtime/kv_tiers.py, kv_host.py, kv_copy.py): prefix blocks evicted from a tiny device pool
+spill to the host and come back on a hit, preempted sequences swap out and in, a lower (disk) store sits under
+the host, and greedy outputs are those of the same engine without the tier. Tiny random-weight Llama on CPU."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.kv_blocks import KVBlockPool, prefix_hashes
+from imp_jax.runtime.kv_host import HostKVStore
+from imp_jax.runtime.request import GenerationRequest, SamplingParams
+from imp_jax.runtime.sharding import default_mesh
+
+BS = 16
+POOL = 12            # 11 usable blocks: 176 tokens
+BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4   # [2, L=2, BS, KVH=2, D=16] float32
+_ids = itertools.count()
+
+
+class FakeLower:
+    """An in-memory stand-in for the disk store: the `lower` interface, counting calls."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, np.ndarray] = {}
+        self.puts = self.gets = 0
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
+
+    def put(self, block_hash: bytes, payload: np.ndarray) -> None:
+        self.puts += 1
+        self.blocks[block_hash] = payload.copy()
+
+    def get(self, block_hash: bytes) -> np.ndarray | None:
+        self.gets += 1
+        return self.blocks.get(block_hash)
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks": len(self.blocks), "puts": self.puts, "gets": self.gets}
+
+
+# ------------------------------------------------------------------------------------- host store alone
+def test_host_store_evicts_lru_to_the_lower_store_and_reads_it_back():
+    lower = FakeLower()
+    store = HostKVStore(capacity=2 * 64, lower=lower)
+    blocks = {bytes([i]) * 32: np.full(16, i, np.float32) for i in range(3)}   # 64 bytes each
+    for h, b in blocks.items():
+        store.put(h, b"pre" + h, b)
+    first = bytes([0]) * 32
+    assert store.num_prefix_blocks == 2 and lower.puts == 1 and first in lower.blocks
+    assert store.holds(first, b"anything") and store.stats.evictions == 1   # the lower store is trusted by hash
+    assert np.array_equal(store.get(first, b"pre" + first), blocks[first]) and store.stats.lower_hits == 1
+    assert store.get(bytes([2]) * 32, b"other preimage") is None             # a host entry checks the preimage
+    assert store.used <= store.capacity
+
+
+def test_host_store_refuses_a_swap_it_cannot_hold_and_frees_it_on_take():
+    store = HostKVStore(capacity=100)
+    store.put(b"h" * 32, b"p", np.zeros(10, np.float32))   # 40 bytes of cache give way to a swap
+    assert store.reserve_swap(7, 100) and store.num_prefix_blocks == 0
+    assert not store.reserve_swap(8, 1) and store.stats.swap_refusals == 1
+    store.put_swap(7, np.ones(25, np.float32))
+    assert store.take_swap(7).sum() == 25 and store.used == 0
+
+
+def test_block_copies_gather_and_scatter_any_count_through_fixed_buckets():
+    import jax
+
+    from imp_jax.runtime.kv_copy import BlockCopier, _chunks, to_host
+
+    assert _chunks(70) == [(0, 64, 64), (64, 6, 16)] and _chunks(1) == [(0, 1, 1)] and _chunks(0) == []
+    rng = np.random.default_rng(0)
+    k0, v0 = (rng.standard_normal((2, 80, 2, 2, 4)).astype(np.float32) for _ in range(2))
+    kv = (jnp.asarray(k0), jnp.asarray(v0))
+    copier = BlockCopier(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in kv),
+                         default_mesh())
+    src, dst = list(range(1, 71)), list(range(79, 9, -1))
+    blocks = to_host(copier.gather(kv, src))
+    assert blocks.shape == (70, 2, 2, 2, 2, 4) and np.array_equal(blocks[5], np.stack([k0[:, 6], v0[:, 6]]))
+    k1, v1 = (np.asarray(a) for a in copier.scatter(kv, dst, blocks))
+    assert np.array_equal(k1[:, dst], k0[:, src]) and np.array_equal(v1[:, dst], v0[:, src])
+    assert np.array_equal(k1[:, :10], k0[:, :10])   # nothing else written (padding ids are dropped)
+
+
+# ------------------------------------------------------------------------------------- the pool over a tier
+class DictTier:
+    """A host tier without a device: content is the block's hash, restores are recorded."""
+
+    def __init__(self) -> None:
+        self.held: dict[bytes, bytes] = {}
+        self.restored: list[tuple[int, bytes]] = []
+
+    def holds(self, h, pre):
+        return self.held.get(h) == pre
+
+    def fetch(self, h, pre):
+        return h if self.holds(h, pre) else None
+
+    def restore(self, block_id, content):
+        self.restored.append((block_id, content))
+
+    def spill(self, block_id, h, pre):
+        self.held[h] = pre
+
+    def clear(self):
+        self.held.clear()
+
+
+def _fill(pool: KVBlockPool, tokens: list[int], key=None):
+    from imp_jax.runtime.kv_blocks import BlockTable
+    table = BlockTable()
+    assert pool.allocate(table, tokens, len(tokens), key)
+    pool.commit(table, tokens, key)
+    return table
+
+
+def test_pool_spills_evicted_blocks_and_restores_a_host_hit_into_fresh_blocks():
+    pool = KVBlockPool(6, 4)
+    pool.tier = tier = DictTier()
+    a = list(range(17))                       # 4 full blocks + 1
+    pool.free(_fill(pool, a, "k"))
+    pool.free(_fill(pool, list(range(100, 117)), "k"))   # evicts a's cached blocks into the tier
+    assert len(tier.held) >= 4 and pool.stats().evictions >= 4
+    assert pool.cached_tokens(a, "k") == 16 and pool.cached_tokens(a, "other") == 0   # partitions stay apart
+    table = _fill(pool, a, "k")
+    assert table.num_cached_tokens == 16 and len(tier.restored) == 4
+    assert [c for _, c in tier.restored] == list(prefix_hashes(a, 4, "k"))
+    assert {b for b, _ in tier.restored} == set(table.block_ids[:4])
+    assert pool.stats().lower_hits == 4
+    pool.free(table)
+    assert pool.num_free_blocks == 5
+
+
+# ------------------------------------------------------------------------------------- the engine
+def _engine(loaded, path: Path, **overrides) -> EngineCore:
+    config = EngineConfig(model=str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+                          block_size=BS, num_kv_blocks=POOL, **overrides)
+    shape = loaded.model.kv_cache_shape(POOL, BS)
+    core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), POOL, default_mesh())
+    core.step_fn.warm_up()
+    return core
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(_tiny_hf_template: Path):
+    from imp_jax.model.loader import load_model
+    return load_model(_tiny_hf_template, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_loaded, _tiny_hf_template) -> EngineCore:
+    return _engine(tiny_loaded, _tiny_hf_template)
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_loaded, _tiny_hf_template) -> EngineCore:
+    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=1 / 1024, kv_swap_min_tokens=1)
+    assert core.tiers is not None
+    return core
+
+
+def _request(prompt: list[int], salt: str | None = None, max_tokens: int = 8) -> GenerationRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest(f"tier-{next(_ids)}", list(prompt), params, cache_salt=salt)
+
+
+def run(core: EngineCore, *reqs: GenerationRequest) -> list[tuple[list[int], int]]:
+    """Run the requests together: each one's (tokens, cached_tokens); every tier at its baseline after."""
+    events: list[list] = [[] for _ in reqs]
+    for r, ev in zip(reqs, events):
+        core.add_request(r, ev.append)
+    for _ in range(2000):
+        if not core.has_work():
+            break
+        core.step()
+    assert not core.requests and core.pool.num_free_blocks == core.baseline_free_blocks
+    if core.tiers is not None:
+        core.tiers.land(wait=True)
+        stats = core.tiers.stats()
+        assert stats["kv_host_swapped_seqs"] == 0 and stats["kv_host_inflight_blocks"] == 0
+        assert core.tiers.store.used == sum(p.nbytes for p, _ in core.tiers.store._prefix.values())
+        assert core.tiers.store.used <= core.tiers.store.capacity
+    assert core.step_fn.compilations_after_warmup == 0
+    return [([t for e in ev for t in e.token_ids], ev[-1].usage.cached_tokens) for ev in events]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return list(np.random.default_rng(seed).integers(4, 250, n))
+
+
+def _reset(*cores: EngineCore) -> None:
+    for core in cores:
+        core.pool.reset_prefix_cache()
+
+
+def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(plain, tiered):
+    """A long shared prefix is pushed out of the tiny pool by other prompts, then asked for again: the tier
+    serves it (cached_tokens counts it), the plain engine recomputes it, and the greedy tokens agree."""
+    _reset(plain, tiered)
+    shared = _prompt(1, 80)
+    flow = [[shared + _prompt(2, 9)], [_prompt(3, 100)], [_prompt(4, 100)], [shared + _prompt(5, 7)]]
+    before = tiered.stats()
+    outs = {name: [run(core, *[_request(p) for p in step]) for step in flow]
+            for name, core in (("plain", plain), ("tiered", tiered))}
+    assert [[t for t, _ in s] for s in outs["plain"]] == [[t for t, _ in s] for s in outs["tiered"]]
+    assert outs["plain"][-1][0][1] == 0 and outs["tiered"][-1][0][1] == 80
+    after = tiered.stats()
+    assert after["kv_lower_tier_hits_total"] - before["kv_lower_tier_hits_total"] == 5
+    assert after["kv_host_spills_total"] > before["kv_host_spills_total"]
+    assert after["kv_host_bytes_in_total"] - before["kv_host_bytes_in_total"] == 5 * BLOCK_BYTES
+
+
+def test_preempted_sequences_swap_out_and_in_to_the_tokens_they_give_alone(plain, tiered):
+    """Three long decodes cannot fit the pool together: the scheduler preempts, the tier swaps them out and
+    back in, and each finishes with the tokens it gives alone on the plain engine."""
+    _reset(plain, tiered)
+    prompts = [_prompt(10 + i, 60) for i in range(3)]
+    alone = [run(plain, _request(p, max_tokens=40))[0][0] for p in prompts]
+    before = tiered.stats()
+    together = run(tiered, *[_request(p, max_tokens=40) for p in prompts])
+    after = tiered.stats()
+    assert [t for t, _ in together] == alone
+    assert after["num_preemptions"] > before["num_preemptions"]
+    swapped = after["kv_swaps_in_total"] - before["kv_swaps_in_total"]
+    assert swapped > 0 and swapped == after["kv_swaps_out_total"] - before["kv_swaps_out_total"]
+    assert after["kv_swaps_total"] == after["kv_swaps_in_total"] + after["kv_swaps_out_total"]
+
+
+def test_api_key_partitions_never_hit_each_others_host_blocks(tiered):
+    _reset(tiered)
+    shared = _prompt(20, 80)
+    run(tiered, _request(shared + [7], salt="key-a"))
+    run(tiered, _request(_prompt(21, 100)), _request(_prompt(22, 60)))   # a's blocks leave the device
+    before = tiered.stats()["kv_lower_tier_hits_total"]
+    (_, cached_b), = run(tiered, _request(shared + [7], salt="key-b"))
+    assert cached_b == 0 and tiered.stats()["kv_lower_tier_hits_total"] == before
+    run(tiered, _request(_prompt(23, 100)), _request(_prompt(24, 60)))
+    (_, cached_a), = run(tiered, _request(shared + [7], salt="key-a"))
+    assert cached_a == 80
+
+
+def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _tiny_hf_template, plain):
+    """A host tier of 2 blocks hands the rest of an evicted prefix to the lower store, which serves them back."""
+    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=2 * BLOCK_BYTES / (1 << 30), kv_swap_min_tokens=1)
+    core.tiers.store.lower = lower = FakeLower()
+    _reset(plain)
+    shared = _prompt(30, 80)
+    flow = [[shared + [9]], [_prompt(31, 100)], [_prompt(32, 100)], [shared + [11, 12]]]
+    want = [run(plain, *[_request(p) for p in step]) for step in flow]
+    got = [run(core, *[_request(p) for p in step]) for step in flow]
+    assert [[t for t, _ in s] for s in got] == [[t for t, _ in s] for s in want]
+    assert lower.puts >= 3 and lower.gets >= 1 and got[-1][0][1] == 80
+    assert core.stats()["kv_host_lower_hits_total"] >= 1 and core.stats()["kv_lower_puts"] == lower.puts
+
+
+def test_metrics_expose_the_tier_with_swap_directions(tiered):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_text import parse, value
+
+    from imp_jax.server.admission import AdmissionGate
+    from imp_jax.server.engine_metrics import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(tiered.stats, lambda: ("tiny", True), AdmissionGate(), lambda: {}))
+    m, stats = parse(generate_latest(registry).decode()), tiered.stats()
+    assert value(m, "imp_kv_swaps_total", direction="out") == stats["kv_swaps_out_total"]
+    assert value(m, "imp_kv_swaps_total", direction="in") == stats["kv_swaps_in_total"]
+    assert value(m, "imp_kv_host_tier_hits_total") == stats["kv_lower_tier_hits_total"]
+    assert value(m, "imp_kv_host_tier_capacity_bytes") == tiered.tiers.store.capacity > 0
+    assert value(m, "imp_kv_evicted_tokens_total") == stats["kv_evicted_tokens_total"] >= 0
+
+
+def test_cancelling_a_swapped_out_sequence_frees_its_host_bytes(tiered):
+    _reset(tiered)
+    reqs = [_request(_prompt(40 + i, 60), max_tokens=40) for i in range(3)]
+    for r in reqs:
+        tiered.add_request(r, lambda ev: None)
+    for _ in range(400):
+        tiered.step()
+        if tiered.stats()["kv_host_swapped_seqs"]:
+            break
+    else:
+        pytest.fail("no sequence was swapped out")
+    for r in reqs:
+        tiered.cancel(r.request_id)
+    tiered.tiers.land(wait=True)
+    assert tiered.stats()["kv_host_swapped_seqs"] == 0 and tiered.tiers.store.swapped_bytes == 0
+    while tiered.has_work():
+        tiered.step()
+    assert tiered.pool.num_free_blocks == tiered.baseline_free_blocks
+    assert tiered.tiers.store.used == sum(p.nbytes for p, _ in tiered.tiers.store._prefix.values())
