@@ -31,10 +31,11 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_gguf_path: Path):
-    """SmolLM2 GGUF loaded once per session (float32, default layer loop); share it, never mutate it."""
+    """SmolLM2 GGUF loaded once per session (float32, default layer loop, the exact GEMM: its tests compare
+    with transformers bit for bit or near it); share it, never mutate it."""
     from imp_jax.model.loader import load_model
 
-    return load_model(smollm2_gguf_path, dtype="float32")
+    return load_model(smollm2_gguf_path, dtype="float32", gemm="exact")
 
 
 @pytest.fixture(scope="session")

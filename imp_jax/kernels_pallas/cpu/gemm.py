@@ -6,15 +6,15 @@
   call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/weights.py) and GGML
   blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and K-quant Q2_K..Q6_K matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
-first use (build.py): the library `gemm`, and `gemm_q8` only once int8 activations are asked for.
+first use (build.py): the library `gemm`, and `gemm_q8` once int8 activations are asked for.
 
-`matmul_wt_cpu(x, w, int8_activations=True)` (the opt-in `--gemm cpu_q8`) gives GGML blocks
+`matmul_wt_cpu(x, w, int8_activations=True)` (`--gemm cpu_q8`, auto's pick for GGML blocks) gives them
 llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h): each row of x rounded to int8 per
 32-wide block with a float32 scale, integer dot products with the blocks, float32 scaling and sums.
 Faster (the weights are not widened), but the outputs are no longer the float32 product's: they
 differ by the rounding of x. Integer paths: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K
 (so every matrix of a Q4_K_M / Q5_K_M / Q6_K file). Plain (float32, bfloat16) weights are read as before, and
-so are Q2_K, IQ4_XS and IQ4_NL: the exact widening, the `--gemm cpu` result.
+so are Q2_K, IQ4_XS and IQ4_NL: the exact widening, the `--gemm exact` result.
 """
 from __future__ import annotations
 
