@@ -85,11 +85,3 @@ def test_load_model_picks_cpu_q8_for_a_quantised_gguf_and_exact_for_a_float_chec
     assert load_model(tmp_path / "q.gguf", dtype="float32").model.options.kernels.gemm == "cpu_q8"
     assert load_model(tmp_path / "q.gguf", dtype="float32", gemm="exact").model.options.kernels.gemm == "exact"
     assert load_model(tiny_hf_dir, dtype="float32").model.options.kernels.gemm == "exact"
-
-
-def test_the_install_step_builds_the_q8_library_by_default():
-    from imp_jax.kernels_pallas.cpu import build
-
-    assert build.cpu_libraries("auto", "auto", lora=False) == ["attention", "gemm", "gemm_q8"]
-    assert build.cpu_libraries("auto", "exact", lora=False) == ["attention", "gemm"]
-    assert build.cpu_libraries("xla", "xla", lora=True) == ["lora"]

@@ -1,7 +1,8 @@
 """POST /v1/score and POST /v1/decide: the raw next-token distribution over caller-given tokens, no decoding.
 
 Parity is with transformers' own float32 load of the SmolLM2 GGUF (the `hf_smollm2` reference of
-test_smollm2.py) on the very token ids the server scored; bad input runs on the fake server (it is
+test_smollm2.py) on the very token ids a `--gemm exact` server scored (the default server runs this
+quantised GGUF on int8 activations, llama.cpp's arithmetic); bad input runs on the fake server (it is
 refused before any engine work).
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from prometheus_text import parse, value
-from server_fixtures import MODEL, LiveServer, OpsServer, engine_stats, fake_server, live_server, wait_idle  # noqa: F401
+from server_fixtures import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, OpsServer, engine_stats,  # noqa: F401
+                             fake_server, live_server, wait_for, wait_idle)
 
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
 from imp_jax.server.scoring import MAX_CANDIDATES, decide_text
@@ -159,9 +161,23 @@ def score_server(live_server: LiveServer) -> LiveServer:
     return live_server
 
 
+@pytest.fixture(scope="module")
+def exact_server(smollm2_gguf_path, tmp_path_factory: pytest.TempPathFactory):
+    """The real server with `--gemm exact` (transformers' float32 products: the default runs this Q4_1
+    GGUF on int8 activations), for the parity tests; SIGTERM must end it with 0."""
+    tmp = tmp_path_factory.mktemp("exact_server")
+    live = LiveServer([*REAL_ENGINE_ARGS, "--model", MODEL, "--gemm", "exact"], tmp / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        yield live
+        assert live.stop() == 0, live.log_text()[-3000:]
+    finally:
+        live.stop()
+
+
 @pytestmark_real
-def test_score_matches_transformers(score_server: LiveServer, hf_smollm2) -> None:
-    url = score_server.url
+def test_score_matches_transformers(exact_server: LiveServer, hf_smollm2) -> None:
+    url = exact_server.url
     candidates = ["Paris", " Paris", "London", "Lyon", "Parisian", 2]   # "Parisian" shares "Paris"'s first token
     got = _post(url, "/v1/score", {"messages": CHAT, "candidates": candidates})
     ids = _tokenize(url, messages=CHAT)
@@ -188,8 +204,8 @@ def test_score_matches_transformers(score_server: LiveServer, hf_smollm2) -> Non
 
 
 @pytestmark_real
-def test_decide_matches_transformers_on_the_rendered_prompt(score_server: LiveServer, hf_smollm2) -> None:
-    url = score_server.url
+def test_decide_matches_transformers_on_the_rendered_prompt(exact_server: LiveServer, hf_smollm2) -> None:
+    url = exact_server.url
     options = ["Berlin", "Paris", "Madrid", "Rome"]
     got = _post(url, "/v1/decide", {"question": "What is the capital of France?", "options": options,
                                     "system": "You are a geography expert."})
