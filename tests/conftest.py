@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # Registered here, once, so every test module shares the one operations server (a fixture imported
 # into each module would be a separate session fixture per module, i.e. one server each).
-from server_fixtures import ops_server, reliability_server  # noqa: E402,F401
+from server_fixtures import exact_server, ops_server, reliability_server  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

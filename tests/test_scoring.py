@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from prometheus_text import parse, value
-from server_fixtures import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, OpsServer, engine_stats,  # noqa: F401
-                             fake_server, live_server, wait_for, wait_idle)
+from server_fixtures import MODEL, LiveServer, OpsServer, engine_stats, fake_server, live_server, wait_idle  # noqa: F401
 
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
 from imp_jax.server.scoring import MAX_CANDIDATES, decide_text
@@ -159,20 +158,6 @@ def _softmax_over(lp: np.ndarray, ids: list[int]) -> dict[int, float]:
 def score_server(live_server: LiveServer) -> LiveServer:
     wait_idle(live_server.url)
     return live_server
-
-
-@pytest.fixture(scope="module")
-def exact_server(smollm2_gguf_path, tmp_path_factory: pytest.TempPathFactory):
-    """The real server with `--gemm exact` (transformers' float32 products: the default runs this Q4_1
-    GGUF on int8 activations), for the parity tests; SIGTERM must end it with 0."""
-    tmp = tmp_path_factory.mktemp("exact_server")
-    live = LiveServer([*REAL_ENGINE_ARGS, "--model", MODEL, "--gemm", "exact"], tmp / "server.log")
-    try:
-        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
-        yield live
-        assert live.stop() == 0, live.log_text()[-3000:]
-    finally:
-        live.stop()
 
 
 @pytestmark_real
