@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true", default=False, help="wrap the prompt in the model's chat template")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gemm", default="auto", help="the server's --gemm: auto | exact | cpu_q8 | xla (exact: "
+                    "transformers' float32 products bit for bit; auto: cpu_q8 for a quantised GGUF on a CPU)")
     fields = [f for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_FLAGS]
     group = ap.add_argument_group("sampling (a request's fields; docs/API.md)")
     shown = {f.name: "the model's, else off" for f in fields if f.default is None}
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params = sampling_params(args)
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, gemm=args.gemm,
                   max_num_seqs=1, max_num_batched_tokens=256, seed=args.seed if "seed" in vars(args) else None)
         out = llm.generate(args.prompt, params, chat=args.chat)
     except ImpError as e:

@@ -207,7 +207,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag; auto = bf16 on GPU)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | float32 | bfloat16 (the engine's flag)")
     ap.add_argument("--attention", default="auto", help="auto | xla | cpu | pallas (the engine's flag)")
-    ap.add_argument("--gemm", default="auto", help="auto | xla | cpu | cpu_q8 (the engine's flag)")
+    ap.add_argument("--gemm", default="auto", help="auto | exact | cpu_q8 | xla (the engine's flag)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
     ap.add_argument("--long-context", type=int, default=0,
                     help="also one stream decoding --output-len tokens after a prompt of this many (0: none)")
@@ -241,7 +241,7 @@ def main() -> int:
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
     from imp_jax.model.weights import describe as describe_weights
     kernels = core.loaded.model.options.kernels
-    kernel = kernels.gemm in ("cpu", "cpu_q8")
+    kernel = kernels.cpu_gemm
     results = dict(model=args.model, startup_s=startup, load_s=phases["warming_up"],
                    compile_s=startup - phases["warming_up"],
                    compile_s_per_program={f"T{t}xS{n}xC{c}": sec for (t, n, c), sec in core.step_fn.compile_seconds.items()},

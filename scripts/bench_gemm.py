@@ -1,4 +1,4 @@
-"""The CPU GEMM kernel on a real model's matrices: the exact path (`--gemm cpu`) against int8
+"""The CPU GEMM kernel on a real model's matrices: the exact path (`--gemm exact`) against int8
 activations (`--gemm cpu_q8`), per matrix kind and row count, and one step's GEMMs in all.
 
     python scripts/bench_gemm.py [--model smollm2-135m-instruct] [--rows 1 8 32 64 256] [--repeats 7]
@@ -131,7 +131,7 @@ def main() -> int:
     if args.formats:
         return bench_formats(args)
     from imp_jax.kernels_pallas import Kernels
-    model = load_model(args.model, dtype="float32", kernels=Kernels(attention="cpu", gemm="cpu")).model
+    model = load_model(args.model, dtype="float32", kernels=Kernels(attention="cpu", gemm="exact")).model
     kinds = dict(model.layers.matrices())
     head = model.embed if model.lm_head is None else model.lm_head
     kinds["lm_head"] = (head[...],)

@@ -1,7 +1,7 @@
 """Two `--gemm` modes of the engine in one process, their runs interleaved: on a shared machine,
 the ratio of their speeds holds up where two separate bench_engine runs may see different loads.
 
-    python scripts/bench_gemm_modes.py [--modes cpu cpu_q8] [--batches 1 8 32] [--rounds 3]
+    python scripts/bench_gemm_modes.py [--modes exact cpu_q8] [--batches 1 8 32] [--rounds 3]
 
 Per batch size and round, each engine runs the bench_engine workload (that many concurrent prompts
 of --prompt-len tokens, --output-len tokens each, greedy, ignore_eos), in alternating order; and
@@ -22,7 +22,7 @@ from bench_engine import bench_engine, decode_step_time  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--modes", nargs="+", default=["cpu", "cpu_q8"])
+    ap.add_argument("--modes", nargs="+", default=["exact", "cpu_q8"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)

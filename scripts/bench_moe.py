@@ -205,7 +205,7 @@ def bench_quant(path: Path, batches: list[int], repeats: int, prompt_len: int, o
                  "file_expert_bytes": sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors
                                           if "_exps" in t.name)}
     for mode in modes:
-        model = load_model(path, dtype="float32", kernels=Kernels(gemm="cpu", quantized=mode)).model
+        model = load_model(path, dtype="float32", kernels=Kernels(gemm="exact", quantized=mode)).model
         leaves = jax.tree.leaves(nnx.state(model))
         out[f"{mode}_weight_bytes"] = int(sum(a.nbytes for a in leaves))
         out[f"{mode}_expert_bytes"] = int(sum(a.nbytes for m in model.layers.mlp for a in (m.gate_up[...], m.down[...])))
@@ -259,8 +259,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
-    ap.add_argument("--gemm", default="cpu", help="the kernels part's GEMM for tiles / dense: cpu (the x86-64 "
-                    "kernel, what the engine picks there) or xla")
+    ap.add_argument("--gemm", default="exact", help="the kernels part's GEMM for tiles / dense: exact (the x86-64 "
+                    "kernel, what the engine picks there for float weights) or xla")
     ap.add_argument("--out", default="bench_results/moe.json")
     args = ap.parse_args()
     E, k, I = args.experts, args.top_k, args.expert_intermediate

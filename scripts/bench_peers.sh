@@ -3,24 +3,30 @@
 #
 #   bash scripts/bench_peers.sh [build|quantize|run|all]        (default: all)
 #
-# build: llama.cpp's native llama-server, llama-bench and llama-quantize, compiled once from the source vendored in
+# build: llama.cpp's llama-server, llama-bench and llama-quantize, compiled once from the source vendored in
 #        the llama-cpp-python sdist (pip download --no-binary :all:), cached under $PEERS_DIR
 #        (default $IMP_JAX_HOME/peers, else ~/.cache/imp_jax/peers); about 9 minutes of 2 cores.
+#        Not -DGGML_NATIVE=ON: a VM's CPUID may list AMX (Sapphire Rapids) that its kernel does not
+#        enable, and -march=native binaries then die of an illegal instruction. The instruction sets are
+#        named from /proc/cpuinfo instead (llama_isa: AVX/AVX2/FMA/F16C, AVX-512 F/VBMI/VNNI/BF16 and
+#        AVX-VNNI where listed, AMX off), and the binaries cached per set.
 #        Nothing of llama.cpp is written into the repository.
 # quantize: the formats people download, made by llama-quantize from the default SmolLM2 GGUF (its Q4_1
 #        weights, dequantised: --allow-requantize) into $PEERS_DIR/models: SmolLM2-135M-Instruct.Q4_K_M.gguf
 #        and .Q6_K.gguf; prints their paths. Serve or benchmark one with MODEL=<path> ... run.
 # run:   time to /ready (cold: empty caches; warm) for both servers, llama-bench tg128/pp512 beside
-#        imp_jax's batch-1 numbers (scripts/bench_engine.py), then scripts/bench_serving.py against
-#        llama-server and then imp_jax at the same concurrency levels with unique prompts; writes
-#        bench_results/peers/*.json and prints the table for docs/PERF.md (scripts/peers_table.py).
+#        imp_jax's batch-1 numbers (scripts/bench_engine.py), then ROUNDS rounds of scripts/bench_serving.py,
+#        each against llama-server and then imp_jax (every IMP_GEMMS mode) at the same concurrency levels
+#        with unique prompts, so a shared machine's load drifts over both alike; writes
+#        bench_results/peers/*.json (serving_*.cC.rN.json per round) and prints the table for docs/PERF.md
+#        (scripts/peers_table.py: medians over the rounds, with their spread).
 #
 # Environment: MODEL (GGUF path; default: the SmolLM2 alias resolved by imp_jax), LEVELS ("1 8 32"),
-# REQUESTS (per level, default "8 32 64"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2),
+# REQUESTS (per level, default "8 32 64"), INPUT_LEN (128), OUTPUT_LEN (128), THREADS (2), ROUNDS (3),
 # PORT_LLAMA (18180), PORT_IMP (18181), OUT_DIR (bench_results/peers), SKIP_COLD=1 to skip the cold
 # imp_jax start (it clears imp_jax's compilation and kernel caches into a temporary home), IMP_GEMMS
-# ("cpu": imp_jax's --gemm modes to serve and measure, each warm, in this order; e.g. "cpu cpu_q8" adds
-# the opt-in int8-activation arithmetic, which is llama.cpp's own).
+# ("auto": imp_jax's --gemm modes to serve and measure, each warm, in this order; auto is the default,
+# cpu_q8 on a quantised GGUF; e.g. "auto exact" adds the exact float32 products).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +35,6 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 HOME_DIR="${IMP_JAX_HOME:-$HOME/.cache/imp_jax}"
 PEERS_DIR="${PEERS_DIR:-$HOME_DIR/peers}"
 LLAMA_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-BIN_DIR="$PEERS_DIR/llama.cpp-$LLAMA_VERSION/bin"
 THREADS="${THREADS:-2}"
 LEVELS="${LEVELS:-1 8 32}"
 REQUESTS="${REQUESTS:-8 32 64}"
@@ -38,12 +43,34 @@ OUTPUT_LEN="${OUTPUT_LEN:-128}"
 PORT_LLAMA="${PORT_LLAMA:-18180}"
 PORT_IMP="${PORT_IMP:-18181}"
 OUT_DIR="${OUT_DIR:-bench_results/peers}"
-IMP_GEMMS="${IMP_GEMMS:-cpu}"
+IMP_GEMMS="${IMP_GEMMS:-auto}"
+ROUNDS="${ROUNDS:-3}"
 CTX=16384
 SERVER_PID=""
 NP=32
 
 log() { echo "# $(date -u +%H:%M:%S) $*" >&2; }
+
+# llama.cpp's x86 instruction sets, named from this CPU's /proc/cpuinfo flags rather than -march=native
+# (GGML_NATIVE), which would also emit the AMX tiles a VM may list but not enable. ISA_TAG names the set
+# (the binaries' cache directory); ISA_FLAGS are the cmake options.
+cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+has_flag() { [[ "$cpu_flags" == *" $1 "* ]]; }
+onoff() { if has_flag "$1"; then echo ON; else echo OFF; fi; }
+ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+           -DGGML_SSE42="$(onoff sse4_2)" -DGGML_BMI2="$(onoff bmi2)" -DGGML_AVX_VNNI="$(onoff avx_vnni)"
+           -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+ISA_TAG=avx2
+if has_flag avx512f; then
+    ISA_FLAGS+=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI="$(onoff avx512vbmi)" -DGGML_AVX512_VNNI="$(onoff avx512_vnni)"
+                -DGGML_AVX512_BF16="$(onoff avx512_bf16)")
+    ISA_TAG=avx512
+else
+    ISA_FLAGS+=(-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+fi
+has_flag avx_vnni && ISA_TAG+=-avxvnni
+has_flag avx512_vnni && ISA_TAG+=-vnni
+BIN_DIR="$PEERS_DIR/llama.cpp-$LLAMA_VERSION-$ISA_TAG/bin"
 
 build() {
     if [[ -x "$BIN_DIR/llama-server" && -x "$BIN_DIR/llama-bench" && -x "$BIN_DIR/llama-quantize" ]]; then
@@ -60,15 +87,16 @@ build() {
     local tree="$src/llama_cpp_python-$LLAMA_VERSION"
     [[ -d "$tree" ]] || tar xzf "$sdist" -C "$src"
     local lc="$tree/vendor/llama.cpp"
-    log "configuring $lc (server on; web UI, curl, OpenSSL, tests, examples off)"
-    cmake -S "$lc" -B "$lc/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    local bdir="$lc/build-$ISA_TAG"
+    log "configuring $lc (server on; web UI, curl, OpenSSL, tests, examples off; ${ISA_FLAGS[*]})"
+    cmake -S "$lc" -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >&2
+        -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" >&2
     log "building llama-server, llama-bench and llama-quantize (about 9 minutes on 2 cores)"
     local t0=$SECONDS
-    cmake --build "$lc/build" --target llama-server llama-bench llama-quantize -j "$(nproc)" >&2
-    cp "$lc/build/bin/llama-server" "$lc/build/bin/llama-bench" "$lc/build/bin/llama-quantize" "$BIN_DIR/"
+    cmake --build "$bdir" --target llama-server llama-bench llama-quantize -j "$(nproc)" >&2
+    cp "$bdir/bin/llama-server" "$bdir/bin/llama-bench" "$bdir/bin/llama-quantize" "$BIN_DIR/"
     log "built in $((SECONDS - t0)) s: $BIN_DIR"
 }
 
@@ -128,12 +156,12 @@ stop_server() {
     wait "$SERVER_PID" 2>/dev/null || true
 }
 
-serve_bench() {  # serve_bench LABEL URL OUT
-    local label=$1 url=$2 out=$3 reqs=($REQUESTS) levels=($LEVELS) i
+serve_bench() {  # serve_bench LABEL URL OUT ROUND: OUT.cC.rROUND.json per concurrency level C
+    local label=$1 url=$2 out=$3 round=$4 reqs=($REQUESTS) levels=($LEVELS) i
     for i in "${!levels[@]}"; do
         python scripts/bench_serving.py --url "$url" --label "$label" --concurrency "${levels[$i]}" \
             --requests "${reqs[$i]}" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ban-tokens $BAN \
-            --out "$out.c${levels[$i]}.json"
+            --out "$out.c${levels[$i]}.r$round.json"
     done
 }
 
@@ -150,9 +178,9 @@ toks = [bytes(p).decode() for p in (r.fields['tokenizer.ggml.tokens'].parts[i] f
 ids |= {toks.index(t) for t in ('<|endoftext|>', '<|im_end|>') if t in toks}
 print(' '.join(map(str, sorted(ids))))" "$gguf")
     log "model $gguf; EOS ids banned: $BAN; load average $(cut -d' ' -f1-3 /proc/loadavg)"
-    echo "{\"date\": \"$(date -u '+%Y-%m-%d %H:%M UTC')\", \"commit\": \"$(git rev-parse --short HEAD)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"nproc\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"model\": \"$gguf\", \"llama_cpp_python\": \"$LLAMA_VERSION\", \"threads\": $THREADS, \"input_len\": $INPUT_LEN, \"output_len\": $OUTPUT_LEN}" >"$OUT_DIR/run.json"
+    echo "{\"date\": \"$(date -u '+%Y-%m-%d %H:%M UTC')\", \"commit\": \"$(git rev-parse --short HEAD)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"nproc\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"model\": \"$gguf\", \"llama_cpp_python\": \"$LLAMA_VERSION\", \"llama_isa\": \"$ISA_TAG\", \"threads\": $THREADS, \"input_len\": $INPUT_LEN, \"output_len\": $OUTPUT_LEN, \"rounds\": $ROUNDS, \"imp_gemms\": \"$IMP_GEMMS\"}" >"$OUT_DIR/run.json"
 
-    # llama.cpp: llama-bench, then the server (its first start is its cold one: it keeps no caches)
+    # llama.cpp: llama-bench, then the server's cold start (its first: it keeps no caches)
     log "llama-bench pp512 / tg128, $THREADS threads"
     # tg128 from an empty context (depth 0) and after 512 tokens (depth 512): imp_jax's batch-1 decode
     # step is measured at the matching contexts (64, the middle of 0..128, and 512)
@@ -161,28 +189,37 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
     local lcmd=("$BIN_DIR/llama-server" -m "$gguf" -t "$THREADS" -c "$CTX" -np "$NP" --host 127.0.0.1 --port "$PORT_LLAMA")
     time_to_ready llama_cold "$lurl/health" "$OUT_DIR/llama_server_cold.log" "${lcmd[@]}"
     stop_server
-    time_to_ready llama_warm "$lurl/health" "$OUT_DIR/llama_server.log" "${lcmd[@]}"
-    serve_bench llama-server "$lurl" "$OUT_DIR/serving_llama"
-    stop_server
 
     local iurl="http://127.0.0.1:$PORT_IMP"
     local icmd=(python -m imp_jax.server --model "$gguf" --host 127.0.0.1 --port "$PORT_IMP" --max-num-seqs "$NP")
     # imp_jax: cold in a fresh IMP_JAX_HOME (no compiled programs, no built kernels), then warm from
-    # what that start left there, once per --gemm mode; SKIP_COLD=1 starts from the usual home
+    # what that start left there, once per --gemm mode and round; SKIP_COLD=1 starts from the usual home
     local run_home="${IMP_JAX_HOME:-}"
     if [[ "${SKIP_COLD:-0}" != 1 ]]; then
         run_home=$(mktemp -d)
         IMP_JAX_HOME="$run_home" time_to_ready imp_cold "$iurl/ready" "$OUT_DIR/imp_server_cold.log" "${icmd[@]}"
         stop_server
     fi
-    local gemm suffix
-    for gemm in $IMP_GEMMS; do
-        suffix=$([[ "$gemm" == cpu ]] && echo "" || echo "_$gemm")   # the default mode keeps the plain names
-        IMP_JAX_HOME="$run_home" time_to_ready "imp_warm$suffix" "$iurl/ready" "$OUT_DIR/imp_server$suffix.log" \
-            "${icmd[@]}" --gemm "$gemm"
-        wait_compiled "$iurl/health"   # serving starts before every program is; the load test measures after
-        serve_bench "imp_jax$suffix" "$iurl" "$OUT_DIR/serving_imp$suffix"
+
+    # the load test in rounds, llama-server then imp_jax in each, so that a shared machine's load drifts
+    # over both alike; peers_table.py takes the medians and shows the spread
+    local gemm suffix round
+    for ((round = 1; round <= ROUNDS; round++)); do
+        log "round $round of $ROUNDS; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+        time_to_ready "llama_warm.r$round" "$lurl/health" "$OUT_DIR/llama_server.r$round.log" "${lcmd[@]}"
+        serve_bench llama-server "$lurl" "$OUT_DIR/serving_llama" "$round"
         stop_server
+        for gemm in $IMP_GEMMS; do
+            suffix=$([[ "$gemm" == auto ]] && echo "" || echo "_$gemm")   # the default mode keeps the plain names
+            IMP_JAX_HOME="$run_home" time_to_ready "imp_warm$suffix.r$round" "$iurl/ready" \
+                "$OUT_DIR/imp_server$suffix.r$round.log" "${icmd[@]}" --gemm "$gemm"
+            wait_compiled "$iurl/health"   # serving starts before every program is; the load test measures after
+            serve_bench "imp_jax$suffix" "$iurl" "$OUT_DIR/serving_imp$suffix" "$round"
+            stop_server
+        done
+    done
+    for gemm in $IMP_GEMMS; do
+        suffix=$([[ "$gemm" == auto ]] && echo "" || echo "_$gemm")
         log "imp_jax batch-1, --gemm $gemm (bench_engine: prompt 512, 128 tokens)"
         IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 512 \
             --output-len 128 --max-num-batched-tokens 512 --no-transformers --gemm "$gemm" \

@@ -1,5 +1,5 @@
 """How much the int8-activation GEMM (`--gemm cpu_q8`) changes a GGUF model's outputs against the
-exact kernel (`--gemm cpu`, the dequantised model's float32 products).
+exact kernel (`--gemm exact`, the dequantised model's float32 products).
 
     python scripts/compare_gemm.py [--model smollm2-135m-instruct] [--max-tokens 32] [--out FILE]
 
@@ -126,18 +126,18 @@ def main() -> int:
     if not (cpu_gemm.available() and cpu_attention.available()):
         print("the CPU kernels are not available here")
         return 1
-    modes = {"cpu": None, "cpu_q8": None}
+    modes = {"exact": None, "cpu_q8": None}
     for gemm in modes:
         loaded = load_model(args.model, dtype="float32", kernels=Kernels(attention="cpu", gemm=gemm))
         modes[gemm] = (loaded, Runner(loaded.model, 1024))
-    tok = modes["cpu"][0].tokenizer
+    tok = modes["exact"][0].tokenizer
     stop = frozenset(tok.eos_ids)
 
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS]
     outs = {g: [r.greedy(p, args.max_tokens, stop, 64) for p in prompts] for g, (_, r) in modes.items()}
     same, diverge = 0, []
-    for i, (a, b) in enumerate(zip(outs["cpu"], outs["cpu_q8"])):
+    for i, (a, b) in enumerate(zip(outs["exact"], outs["cpu_q8"])):
         if a == b:
             same += 1
             continue
@@ -146,10 +146,10 @@ def main() -> int:
 
     text = tok.encode(TEXT)
     logits = {g: r.run(text, 0, 1024) for g, (_, r) in modes.items()}
-    diff = np.abs(logits["cpu"] - logits["cpu_q8"])
-    span = np.ptp(logits["cpu"], axis=-1)
+    diff = np.abs(logits["exact"] - logits["cpu_q8"])
+    span = np.ptp(logits["exact"], axis=-1)
     nll = {g: -float(np.mean(log_softmax(lg[:-1])[np.arange(len(text) - 1), text[1:]])) for g, lg in logits.items()}
-    agree = float(np.mean(np.argmax(logits["cpu"], -1) == np.argmax(logits["cpu_q8"], -1)))
+    agree = float(np.mean(np.argmax(logits["exact"], -1) == np.argmax(logits["cpu_q8"], -1)))
 
     result = dict(model=args.model, prompts=len(PROMPTS), max_tokens=args.max_tokens, identical_greedy=same,
                   diverging=diverge, text_tokens=len(text), max_abs_logit_diff=float(diff.max()),

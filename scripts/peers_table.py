@@ -1,72 +1,107 @@
 """The docs/PERF.md tables of a scripts/bench_peers.sh run: imp_jax against llama-server, from its JSON files.
 
     python scripts/peers_table.py bench_results/peers
+
+A run of ROUNDS rounds leaves one file per server, concurrency level and round (`serving_llama.c8.r2.json`;
+a run before rounds existed, `serving_llama.c8.json`, reads as one round): each cell is the median over the
+rounds, throughput with its spread (min-max), so one noisy round on a shared machine shows as a wide spread
+instead of moving the ratio.
 """
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+LEVEL = re.compile(r"\.c(\d+)(?:\.r\d+)?\.json$")
 
 
 def load(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def level(out: Path, prefix: str, c: int) -> dict[str, Any] | None:
-    data = load(out / f"{prefix}.c{c}.json")
-    return data["levels"][0] if data else None
+def rounds(out: Path, prefix: str, c: int) -> list[dict[str, Any]]:
+    """Every round's file of `prefix` at concurrency `c` (`PREFIX.cC.json`, `PREFIX.cC.rN.json`), in round order."""
+    paths = [out / f"{prefix}.c{c}.json"] + sorted(out.glob(f"{prefix}.c{c}.r*.json"),
+                                                  key=lambda p: int(p.name.rsplit(".r", 1)[1].split(".")[0]))
+    return [data for data in map(load, paths) if data]
+
+
+def median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def spread(values: list[float]) -> str:
+    """`median (min-max)`, or the one value of a single round."""
+    if len(values) == 1:
+        return fmt(values[0])
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def ready_s(out: Path, name: str) -> float | None:
+    """The median time to ready of `name` over the rounds (`ready_NAME.json`, `ready_NAME.rN.json`)."""
+    files = [out / f"ready_{name}.json", *out.glob(f"ready_{name}.r*.json")]
+    return median([(load(p) or {}).get("ready_s") for p in files])
+
+
+def level_row(out: Path, mode: str, c: int) -> str | None:
+    """One concurrency level's row: llama-server's rounds against imp_jax's (`mode`: "" or "_cpu_q8", ...)."""
+    a_runs, b_runs = rounds(out, "serving_llama", c), rounds(out, f"serving_imp{mode}", c)
+    if not a_runs or not b_runs:
+        return None
+    a, b = [r["levels"][0] for r in a_runs], [r["levels"][0] for r in b_runs]
+    tps = lambda lv: [x["output_tok_per_s"] for x in lv]   # noqa: E731
+    med = lambda lv, key: median([x[key] for x in lv])      # noqa: E731
+    ratio = median(tps(b)) / median(tps(a)) if median(tps(a)) else None
+    e2e = lambda lv: med(lv, "e2e_p50_ms") and med(lv, "e2e_p50_ms") / 1000   # noqa: E731
+    loads = [median([r["env"]["loadavg_start"][0] for r in runs]) for runs in (a_runs, b_runs)]
+    return (f"| {c} | {b[0]['requests']} | {len(a)} / {len(b)} | {spread(tps(a))} | {spread(tps(b))} | "
+            f"**{fmt(ratio, '.2f')}x** | {fmt(med(a, 'ttft_p50_ms'), '.0f')} / {fmt(med(b, 'ttft_p50_ms'), '.0f')} | "
+            f"{fmt(med(a, 'tpot_p50_ms'))} / {fmt(med(b, 'tpot_p50_ms'))} | {fmt(e2e(a), '.2f')} / {fmt(e2e(b), '.2f')} | "
+            f"{sum(x['failed'] for x in a)} / {sum(x['failed'] for x in b)} | {fmt(loads[0])} / {fmt(loads[1])} |")
+
+
 def main(out_dir: str) -> int:
     out = Path(out_dir)
     run = load(out / "run.json") or {}
-    levels = sorted({int(p.name.split(".c")[1].split(".")[0]) for p in out.glob("serving_*.c*.json")})
+    levels = sorted({int(m.group(1)) for p in out.glob("serving_*.json") if (m := LEVEL.search(p.name))})
     lines = [f"{run.get('date', '?')}, commit {run.get('commit', '?')}, {run.get('cpu', '?')} ({run.get('nproc', '?')} "
              f"cores), load average {run.get('loadavg_start', '?')} at the start, "
              f"{' '.join(run.get('loadavg_end', ['?']))} at the end; `bash scripts/bench_peers.sh`; model "
-             f"`{Path(run.get('model', '?')).name}`; llama.cpp from llama-cpp-python {run.get('llama_cpp_python', '?')}, "
-             f"`llama-server -t {run.get('threads', '?')} -c 16384 -np 32`; imp_jax `python -m imp_jax.server "
-             f"--max-num-seqs 32`; prompts of {run.get('input_len', '?')} unique tokens, "
-             f"{run.get('output_len', '?')} output tokens each (ignore_eos), streamed, closed loop.", ""]
-    modes = [""] + sorted(p.name[len("serving_imp"):].split(".c")[0] for p in out.glob("serving_imp_*.c*.json")
-                          if p.name.endswith(f".c{levels[0]}.json")) if levels else [""]
+             f"`{Path(run.get('model', '?')).name}`; llama.cpp from llama-cpp-python {run.get('llama_cpp_python', '?')} "
+             f"({run.get('llama_isa', 'native')}), `llama-server -t {run.get('threads', '?')} -c 16384 -np 32`; imp_jax "
+             f"`python -m imp_jax.server --max-num-seqs 32`; prompts of {run.get('input_len', '?')} unique tokens, "
+             f"{run.get('output_len', '?')} output tokens each (ignore_eos), streamed, closed loop; "
+             f"{run.get('rounds', 1)} round(s), llama-server then imp_jax in each: medians (min-max) over them.", ""]
+    modes = [""] + sorted({p.name[len("serving_imp"):].split(".c")[0] for p in out.glob("serving_imp_*.json")})
     for mode in modes:
-        name = f"imp_jax `--gemm {mode[1:]}`" if mode else "imp_jax (the default exact arithmetic)"
+        name = f"imp_jax `--gemm {mode[1:]}`" if mode else "imp_jax (the default, `--gemm auto`)"
         lines += [f"{name}:", "",
-                  "| streams | requests | llama-server tok/s | imp_jax tok/s | ratio | TTFT p50 ms (llama / imp) | "
-                  "TPOT p50 ms (llama / imp) | E2E p50 s (llama / imp) | failed (llama / imp) | load avg (llama / imp) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for c in levels:
-            a, b = level(out, "serving_llama", c), level(out, f"serving_imp{mode}", c)
-            if not a or not b:
-                continue
-            loads = [load(out / f"{p}.c{c}.json")["env"]["loadavg_start"][0] for p in ("serving_llama", f"serving_imp{mode}")]
-            ratio = b["output_tok_per_s"] / a["output_tok_per_s"] if a["output_tok_per_s"] else None
-            lines.append(f"| {c} | {b['requests']} | {a['output_tok_per_s']:.1f} | {b['output_tok_per_s']:.1f} | "
-                         f"**{fmt(ratio, '.2f')}x** | {fmt(a['ttft_p50_ms'], '.0f')} / {fmt(b['ttft_p50_ms'], '.0f')} | "
-                         f"{fmt(a['tpot_p50_ms'])} / {fmt(b['tpot_p50_ms'])} | "
-                         f"{fmt(a['e2e_p50_ms'] and a['e2e_p50_ms'] / 1000, '.2f')} / "
-                         f"{fmt(b['e2e_p50_ms'] and b['e2e_p50_ms'] / 1000, '.2f')} | {a['failed']} / {b['failed']} | "
-                         f"{loads[0]:.1f} / {loads[1]:.1f} |")
+                  "| streams | requests | rounds (llama / imp) | llama-server tok/s | imp_jax tok/s | ratio of medians | "
+                  "TTFT p50 ms (llama / imp) | TPOT p50 ms (llama / imp) | E2E p50 s (llama / imp) | "
+                  "failed (llama / imp) | load avg (llama / imp) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [row for c in levels if (row := level_row(out, mode, c))]
         lines.append("")
-    ready = {n: (load(out / f"ready_{n}.json") or {}).get("ready_s") for n in ("llama_cold", "llama_warm", "imp_cold", "imp_warm")}
-    lines += ["| time to ready (process start to /health or /ready 200) | cold | warm |", "|---|---|---|",
-              f"| llama-server | {fmt(ready['llama_cold'])} s | {fmt(ready['llama_warm'])} s |",
-              f"| imp_jax | {fmt(ready['imp_cold'])} s | {fmt(ready['imp_warm'])} s |"]
-    lines += [f"| imp_jax `--gemm {m[1:]}` | - s | {fmt((load(out / f'ready_imp_warm{m}.json') or {}).get('ready_s'))} s |"
-              for m in modes if m]
+    lines += ["| time to ready (process start to /health or /ready 200; warm: median over the rounds) | cold | warm |",
+              "|---|---|---|",
+              f"| llama-server | {fmt(ready_s(out, 'llama_cold'))} s | {fmt(ready_s(out, 'llama_warm'))} s |",
+              f"| imp_jax | {fmt(ready_s(out, 'imp_cold'))} s | {fmt(ready_s(out, 'imp_warm'))} s |"]
+    lines += [f"| imp_jax `--gemm {m[1:]}` | - s | {fmt(ready_s(out, f'imp_warm{m}'))} s |" for m in modes if m]
     bench = load(out / "llama_bench.json") or []
-    at = lambda depth, **kw: next((b for b in bench if b.get("n_depth", 0) == depth
+    at = lambda depth, **kw: next((b for b in bench if b.get("n_depth", 0) == depth   # noqa: E731
                                    and all(bool(b.get(k)) == v for k, v in kw.items())), None)
     pp, tg0, tg512 = at(0, n_prompt=True, n_gen=False), at(0, n_gen=True, n_prompt=False), at(512, n_gen=True, n_prompt=False)
     lines += ["", "| batch 1 | llama-bench t/s | imp_jax t/s | ratio |", "|---|---|---|---|"]
-    ratio = lambda a, b: fmt(a and b and b / a, ".2f")
+    ratio = lambda a, b: fmt(a and b and b / a, ".2f")   # noqa: E731
     for mode in modes:
         eng, short = load(out / f"imp_engine{mode}.json"), load(out / f"imp_engine{mode}_short.json")
         e1 = eng["engine"][0] if eng else None
@@ -74,7 +109,7 @@ def main(out_dir: str) -> int:
         imp_tg512 = 1000 / eng["decode_step_ms"] if eng else None
         imp_tg0 = 1000 / short["decode_step_ms"] if short else None
         tag = f" `--gemm {mode[1:]}`" if mode else ""
-        llama = lambda b: b and b["avg_ts"]
+        llama = lambda b: b and b["avg_ts"]   # noqa: E731
         lines += [f"| pp512 (prompt){tag} | {fmt(llama(pp))} | {fmt(imp_pp)} | {ratio(llama(pp), imp_pp)}x |",
                   f"| tg128 from an empty context{tag} | {fmt(llama(tg0))} | {fmt(imp_tg0)} | {ratio(llama(tg0), imp_tg0)}x |",
                   f"| tg128 after 512 tokens{tag} | {fmt(llama(tg512))} | {fmt(imp_tg512)} | {ratio(llama(tg512), imp_tg512)}x |"]

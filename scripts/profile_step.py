@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--gemm", default="auto", help="auto | xla | cpu | cpu_q8 (the engine's flag)")
+    p.add_argument("--gemm", default="auto", help="auto | exact | cpu_q8 | xla (the engine's flag)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="the requests' (the server's default preset applies 1.05 even at temperature 0)")
     p.add_argument("--top", type=int, default=25)

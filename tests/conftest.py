@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # Registered here, once, so every test module shares the one operations server (a fixture imported
 # into each module would be a separate session fixture per module, i.e. one server each).
-from server_fixtures import ops_server, reliability_server  # noqa: E402,F401
+from server_fixtures import exact_server, ops_server, reliability_server  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +31,11 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_gguf_path: Path):
-    """SmolLM2 GGUF loaded once per session (float32, default layer loop); share it, never mutate it."""
+    """SmolLM2 GGUF loaded once per session (float32, default layer loop, the exact GEMM: its tests compare
+    with transformers bit for bit or near it); share it, never mutate it."""
     from imp_jax.model.loader import load_model
 
-    return load_model(smollm2_gguf_path, dtype="float32")
+    return load_model(smollm2_gguf_path, dtype="float32", gemm="exact")
 
 
 @pytest.fixture(scope="session")

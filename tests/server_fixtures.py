@@ -498,6 +498,24 @@ def ops_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
         ops.receiver.stop()  # the tracing tests may have swapped in a new receiver on the same port
 
 
+# --------------------------------------------------------------------------- the exact server
+@pytest.fixture(scope="session")
+def exact_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The real server (the shared sizing) with `--gemm exact`, for tests that compare its numbers with
+    transformers' or with another layout of the same arithmetic (tensor parallel, multi-host): the default
+    runs this Q4_1 GGUF on int8 activations, whose rounding turns any difference in a row's bits (a sum
+    split over devices) into visibly different logits. SIGTERM must end it with 0."""
+    tmp = tmp_path_factory.mktemp("exact_server")
+    live = LiveServer([*REAL_ENGINE_ARGS, "--model", MODEL, "--gemm", "exact"], tmp / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
+        yield live
+        code = live.stop()
+        assert code == 0, f"the server exited with {code} on SIGTERM; log:\n{live.log_text()[-3000:]}"
+    finally:
+        live.stop()
+
+
 # --------------------------------------------------------------------------- the reliability server
 RELIABILITY_MAX_TOKENS = 8       # --max-tokens: a fuzzed body that drops max_tokens stays short
 RELIABILITY_TIMEOUT_S = 10.0     # --request-timeout: so does one that asks for many tokens

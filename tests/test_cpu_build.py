@@ -77,8 +77,10 @@ def test_a_load_during_a_background_build_waits_for_it(fake_cxx: Path, monkeypat
     assert build.prebuild(["attention"]) == []   # settled: nothing more to start
 
 
-def test_a_default_cpu_engine_builds_neither_the_q8_nor_the_lora_library() -> None:
-    assert cpu_libraries("auto", "auto", lora=False) == ["attention", "gemm"]
+def test_a_default_cpu_engine_builds_the_q8_library_but_not_the_lora_one() -> None:
+    """`--gemm auto` runs a quantised GGUF on int8 activations, which the engine learns only from the model."""
+    assert cpu_libraries("auto", "auto", lora=False) == ["attention", "gemm", "gemm_q8"]
+    assert cpu_libraries("auto", "exact", lora=False) == ["attention", "gemm"]
     assert cpu_libraries("auto", "cpu_q8", lora=True) == ["attention", "gemm", "gemm_q8", "lora"]
     assert cpu_libraries("xla", "xla", lora=False) == []
     assert set(build.SOURCES) == {"attention", "gemm", "gemm_q8", "lora"}
@@ -95,7 +97,7 @@ def test_start_early_builds_only_where_the_engine_will_run_on_this_cpu(monkeypat
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     build.start_early("auto", "auto", lora=True)
     build.start_early("xla", "xla", lora=False)
-    assert started == [["attention", "gemm", "lora"], []]
+    assert started == [["attention", "gemm", "gemm_q8", "lora"], []]
     monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
     build.start_early("auto", "auto", lora=False)
     assert len(started) == 2
@@ -124,8 +126,9 @@ def test_the_install_step_builds_the_default_libraries_and_never_breaks_the_inst
     monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
     assert build.main([]) == 0   # the stand-in libraries do not load: reported, and the chain goes on
     out = capsys.readouterr().out
-    assert sorted(c[1] for c in calls(fake_cxx) if c[0] == "start") == ["attention.cc", "gemm.cc", "gemm_k.cc"]
-    assert "attention: unavailable, the server uses XLA" in out and "0 of 2 ready" in out
+    assert sorted(c[1] for c in calls(fake_cxx) if c[0] == "start") == ["attention.cc", "gemm.cc", "gemm_k.cc",
+                                                                         "gemm_q8.cc"]
+    assert "attention: unavailable, the server uses XLA" in out and "0 of 3 ready" in out
     monkeypatch.setattr(build, "_libraries", {})
     assert build.main(["--strict", "--all"]) == 1
     assert "0 of 4 ready" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.kernels_pallas.xla.gemm import matmul_wt_xla
 
-CPU = Kernels(gemm="cpu")
+CPU = Kernels(gemm="exact")
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

@@ -1,4 +1,4 @@
-"""The opt-in int8-activation GEMM (`--gemm cpu_q8`, kernels_pallas/cpu/gemm_q8.h): against a float64
+"""The int8-activation GEMM (`--gemm cpu_q8`, auto's pick for GGML blocks; kernels_pallas/cpu/gemm_q8.h): against a float64
 NumPy model of the same arithmetic, against the exact product within the bound its rounding allows,
 row independence, every integer-dot path (AVX2, VNNI, AVX-512) giving the same bits, the dispatch, and
 SmolLM2 end to end."""
@@ -231,7 +231,7 @@ def test_only_cpu_q8_calls_the_q8_kernel_and_only_for_ggml_blocks():
     x, w = jnp.ones((3, 64)), jnp.asarray(blocks)
     assert cpu_gemm.Q8_TARGETS["Q4_1"] in lowered(CPU_Q8, x, w)
     assert cpu_gemm.BLOCK_TARGETS["Q4_1"] not in lowered(CPU_Q8, x, w)
-    for kernels in (Kernels(gemm="cpu"), Kernels()):
+    for kernels in (Kernels(gemm="exact"), Kernels()):
         assert not any(t in lowered(kernels, x, w) for t in cpu_gemm.Q8_TARGETS.values())
     # float32 and bfloat16 matrices keep the exact kernel (and XLA's dot where it is faster)
     wf = jnp.ones((40, 64))
@@ -242,10 +242,12 @@ def test_only_cpu_q8_calls_the_q8_kernel_and_only_for_ggml_blocks():
 
 
 @needs_kernel
-def test_cpu_q8_is_chosen_by_name_only_and_keeps_the_blocks():
+def test_cpu_q8_is_auto_for_ggml_blocks_only_and_keeps_them():
+    """(What auto picks, and why: test_gemm_default.py.)"""
     cpu = jax.local_devices()[0]
     shape = AttentionShape(jnp.dtype(jnp.float32), jnp.dtype(jnp.float32), 9, 3, 64, 16)
-    assert select_kernels(cpu, shape).gemm == "cpu"
+    assert select_kernels(cpu, shape).gemm == "exact"
+    assert select_kernels(cpu, shape, ggml_blocks=True).gemm == "cpu_q8"
     assert select_kernels(cpu, shape, gemm="cpu_q8").gemm == "cpu_q8"
     assert WeightFormats.for_model(CPU_Q8, jnp.float32).ggml_blocks
     assert not WeightFormats.for_model(CPU_Q8, jnp.bfloat16).ggml_blocks
@@ -255,7 +257,7 @@ def test_cpu_q8_is_chosen_by_name_only_and_keeps_the_blocks():
 @pytest.mark.real_model
 @needs_kernel
 def test_smollm2_with_cpu_q8_is_batch_invariant_and_answers_like_the_exact_path(smollm2_gguf_path, hf_smollm2):
-    """`--gemm cpu_q8` through the engine builder: greedy outputs do not depend on the batch (run
+    """`--gemm cpu_q8`, what the engine builder picks by default for this Q4_1 GGUF: greedy outputs do not depend on the batch (run
     together, the first prompt's decode rows share 16-row steps with the second's prefill; alone they
     run in 1-row steps), and on two confident prompts the first tokens are the exact path's (which
     equal transformers' float32 ones: test_smollm2.py). Not every prompt: on "What is the capital of
@@ -267,7 +269,7 @@ def test_smollm2_with_cpu_q8_is_batch_invariant_and_answers_like_the_exact_path(
 
     from imp_jax import LLM, SamplingParams
 
-    llm = LLM(str(smollm2_gguf_path), gemm="cpu_q8", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128)
+    llm = LLM(str(smollm2_gguf_path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=128)   # gemm auto
     assert llm.core.loaded.model.options.kernels.gemm == "cpu_q8"
     questions = ["Name three colors of the rainbow.", "What is 2 + 2? Answer with one number and explain it."]
     params = SamplingParams(temperature=0.0, max_tokens=24)

@@ -54,7 +54,7 @@ def test_auto_falls_back_to_xla_with_one_line_when_the_backend_fails(monkeypatch
     monkeypatch.setattr("imp_jax.kernels_pallas.attention.ragged_paged_attention_cpu", fault)
     with caplog.at_level(logging.WARNING, logger="imp_jax.kernels"):
         kernels = self_test.select_tested_kernels(CPU, F32)
-    assert kernels.attention == "xla" and kernels.gemm == "cpu"
+    assert kernels.attention == "xla" and kernels.gemm == "exact"
     [line] = fallback_lines(caplog)
     assert line.startswith("attention self-test: cpu failed on this device (") and reason in line
     assert line.endswith("); falling back to xla") and "\n" not in line
@@ -67,7 +67,7 @@ def test_a_failing_gemm_falls_back_alone(monkeypatch, caplog):
         kernels = self_test.select_tested_kernels(CPU, F32)
     assert (kernels.attention, kernels.gemm) == ("cpu", "xla")
     [line] = fallback_lines(caplog)
-    assert line.startswith("gemm self-test: cpu failed on this device (float32 weights: max abs error")
+    assert line.startswith("gemm self-test: exact failed on this device (float32 weights: max abs error")
 
 
 @needs_kernels
@@ -83,7 +83,7 @@ def test_a_backend_named_by_the_operator_that_fails_stops_start_up(monkeypatch):
 def test_the_cpu_kernels_pass_here(shape, caplog):
     with caplog.at_level(logging.WARNING, logger="imp_jax.kernels"):
         kernels = self_test.select_tested_kernels(CPU, shape)
-    assert (kernels.attention, kernels.gemm) == ("cpu", "cpu") and not fallback_lines(caplog)
+    assert (kernels.attention, kernels.gemm) == ("cpu", "exact") and not fallback_lines(caplog)
     assert self_test.attention_error(CPU, kernels, shape) is None
     assert self_test.gemm_error(CPU, kernels) is None
 

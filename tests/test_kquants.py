@@ -21,7 +21,7 @@ NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
 # byte offsets of each format's f16 scales: random bytes there could be inf / NaN
 F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
               "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
-CPU, CPU_Q8 = Kernels(gemm="cpu"), Kernels(gemm="cpu_q8")
+CPU, CPU_Q8 = Kernels(gemm="exact"), Kernels(gemm="cpu_q8")
 BLOCK_BYTES = {**quant.FORMATS, "IQ4_NL": quant.IQ4_NL_BYTES}   # the file's block sizes (IQ4_NL loads as Q8_0)
 BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
 
@@ -311,8 +311,8 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     from imp_jax.model.weights import WeightSource
     from imp_jax.runtime.batch import SeqChunk
 
-    kept = load_model(mixed, dtype="float32").model
-    assert kept.options.kernels.gemm == "cpu"   # what an x86-64 host picks
+    kept = load_model(mixed, dtype="float32", gemm="exact").model
+    assert kept.options.kernels.gemm == "exact"
     formats = {name: [quant.format_of(w) for w in ws] for name, ws in kept.layers.matrices().items()}
     assert formats == {"qkv_proj": ["Q4_K", "Q5_0", "Q8_0"], "o_proj": ["Q3_K", "Q5_1", "IQ4_XS"],
                        "gate_up_proj": ["Q6_K", "Q5_K", "Q8_0"], "down_proj": ["Q2_K", "IQ4_NL", "Q4_K"]}
@@ -366,7 +366,7 @@ def test_xla_keeps_the_blocks_and_dequantises_inside_the_program(mixed, dtype):
 
     keep = Kernels(gemm="xla", quantized="keep")
     assert keep.keeps_blocks and not Kernels(gemm="xla").keeps_blocks and CPU.keeps_blocks
-    assert not Kernels(gemm="cpu", quantized="dequantize").keeps_blocks
+    assert not Kernels(gemm="exact", quantized="dequantize").keeps_blocks
     kept = load_model(mixed, dtype=dtype, kernels=keep).model
     plain = load_model(mixed, dtype=dtype, kernels=Kernels(gemm="xla", quantized="dequantize")).model
     assert quant.format_of(kept.lm_head[...]) == "Q4_K" and quant.format_of(plain.lm_head[...]) is None

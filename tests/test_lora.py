@@ -586,7 +586,7 @@ def test_smollm2_adapter_matches_transformers_peft(smollm2_gguf_path, hf_smollm2
             if "lora_" in name:
                 p.copy_(torch.randn_like(p) * 0.02)
     peft_model.save_pretrained(tmp_path / "smol")
-    loaded = load_model(smollm2_gguf_path, dtype="float32")   # its own copy: enable_lora changes the model
+    loaded = load_model(smollm2_gguf_path, dtype="float32", gemm="exact")   # its own copy: enable_lora changes it
     model = loaded.model
     model.enable_lora(LoraOptions(max_loras=1, max_rank=8))
     slots = AdapterSlots(model, model.lora.options, lambda edit: edit(model))

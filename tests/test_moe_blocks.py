@@ -1,6 +1,6 @@
 """Mixture-of-experts stacks kept as GGML blocks ([E, N, K / W, bytes], model/moe.py): tiny Mixtral and
 Qwen2-MoE GGUFs with quantised expert stacks and a tiny gpt-oss with MXFP4 experts (HF and GGUF) hold
-the file's bytes, and compute the dequantised model's logits bit for bit (`--gemm cpu`, XLA keep)."""
+the file's bytes, and compute the dequantised model's logits bit for bit (`--gemm exact`, XLA keep)."""
 from __future__ import annotations
 
 import dataclasses
@@ -117,8 +117,8 @@ def test_expert_stacks_keep_the_files_blocks_and_the_dequantised_logits(moe_gguf
     Q4_0 + Q8_0 gate|up as Q8_0; Q4_K + Q5_K gate|up dequantised), the log line counts them, and the
     logits are the dequantised model's bit for bit (same rows per GEMM: the same summation order)."""
     arch, path = moe_gguf
-    kept = load_model(path, dtype="float32").model
-    assert kept.options.kernels.gemm == "cpu"
+    kept = load_model(path, dtype="float32", gemm="exact").model
+    assert kept.options.kernels.gemm == "exact"
     files = file_bytes(path)
     for i, (mlp, (gu_fmt, down_fmt)) in enumerate(zip(kept.layers.mlp, KEPT[arch])):
         gu, down = mlp.gate_up[...], mlp.down[...]
@@ -283,7 +283,7 @@ def test_the_engine_serves_kept_expert_stacks(moe_gguf):
     from imp_jax import LLM, SamplingParams
 
     _, path = moe_gguf
-    llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    llm = LLM(str(path), gemm="exact", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
     stacks = [a for a in jax.tree.leaves(llm.core.step_fn.state) if a.ndim == 4 and quant.format_of(a)]
     assert sorted(quant.format_of(a) for a in stacks) == ["IQ4_NL", "MXFP4", "Q2_K"]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7, 2, 40, 11]]
@@ -294,7 +294,7 @@ def test_the_engine_serves_kept_expert_stacks(moe_gguf):
     assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks
     ckpt = load_gguf(path)
     plain = MoELM.from_hf_tensors(ModelConfig.from_hf(ckpt.hf_config, source=str(path)), WeightSource(ckpt.tensors),
-                                  load_model(path, dtype="float32").model.options)
+                                  load_model(path, dtype="float32", gemm="exact").model.options)
     runner = PagedRunner(plain)
     for prompt, tokens in zip(prompts, together):
         ids = prompt + tokens[:-1]

@@ -1,5 +1,6 @@
 """Tensor parallelism across processes (--coordinator, jax.distributed): two server processes on loopback,
-one CPU device each (gloo collectives), process 0 serving HTTP, against the one-process server."""
+one CPU device each (gloo collectives), process 0 serving HTTP, against the one-process server (both
+`--gemm exact`: under int8 activations a sum split over processes rounds differently)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import write_tiny_tokenizer
-from server_fixtures import LiveServer, free_port, start_live_server, wait_for
+from server_fixtures import LiveServer, free_port, wait_for
 
 TP_ARGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-kv-blocks", "32"]
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # each process: one CPU device
@@ -24,7 +25,7 @@ class Pair:
     """Process 0 (a LiveServer) and process 1 (no HTTP) of one model over 2 processes."""
 
     def __init__(self, model: str, tmp: Path, name: str, sizes: list[str] = TP_ARGS):
-        common = ["--model", model, *sizes, "--tensor-parallel-size", "2",
+        common = ["--model", model, "--gemm", "exact", *sizes, "--tensor-parallel-size", "2",
                   "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
         self.follower_log = tmp / f"{name}-1.log"
         with open(self.follower_log, "w") as log:
@@ -48,11 +49,11 @@ def _chat(url: str, **extra) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
 
 
-def test_two_processes_answer_as_one_and_a_lost_process_faults_the_engine(tmp_path, smollm2_gguf_path):
+def test_two_processes_answer_as_one_and_a_lost_process_faults_the_engine(tmp_path, exact_server):
     """SmolLM2 over 2 processes: greedy chat and prompt logprobs as the one-process server; then process 1
     is killed mid-stream: the stream ends with engine_faulted naming it, the next request too, /ready says
     so, /health still answers."""
-    ref_url = start_live_server(tmp_path).url
+    ref_url = exact_server.url
     completion = {"model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 4,
                   "temperature": 0, "prompt_logprobs": 1}
     reference = _chat(ref_url)

@@ -374,7 +374,7 @@ def test_tiny_model_greedy_tokens_match(tmp_path: Path) -> None:
     backends = {"xla": Kernels(), "xla_static": Kernels(dynamic_skips=False),
                 "pallas": Kernels(attention="pallas", pallas_interpret=True)}
     if cpu_attention.available():
-        backends["cpu"] = Kernels(attention="cpu", gemm="cpu")
+        backends["cpu"] = Kernels(attention="cpu", gemm="exact")
     prompt = np.random.RandomState(3).randint(0, cfg.vocab_size, size=11).tolist()
     tokens = {}
     for name, kernels in backends.items():

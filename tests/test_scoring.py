@@ -1,7 +1,8 @@
 """POST /v1/score and POST /v1/decide: the raw next-token distribution over caller-given tokens, no decoding.
 
 Parity is with transformers' own float32 load of the SmolLM2 GGUF (the `hf_smollm2` reference of
-test_smollm2.py) on the very token ids the server scored; bad input runs on the fake server (it is
+test_smollm2.py) on the very token ids a `--gemm exact` server scored (the default server runs this
+quantised GGUF on int8 activations, llama.cpp's arithmetic); bad input runs on the fake server (it is
 refused before any engine work).
 """
 from __future__ import annotations
@@ -160,8 +161,8 @@ def score_server(live_server: LiveServer) -> LiveServer:
 
 
 @pytestmark_real
-def test_score_matches_transformers(score_server: LiveServer, hf_smollm2) -> None:
-    url = score_server.url
+def test_score_matches_transformers(exact_server: LiveServer, hf_smollm2) -> None:
+    url = exact_server.url
     candidates = ["Paris", " Paris", "London", "Lyon", "Parisian", 2]   # "Parisian" shares "Paris"'s first token
     got = _post(url, "/v1/score", {"messages": CHAT, "candidates": candidates})
     ids = _tokenize(url, messages=CHAT)
@@ -188,8 +189,8 @@ def test_score_matches_transformers(score_server: LiveServer, hf_smollm2) -> Non
 
 
 @pytestmark_real
-def test_decide_matches_transformers_on_the_rendered_prompt(score_server: LiveServer, hf_smollm2) -> None:
-    url = score_server.url
+def test_decide_matches_transformers_on_the_rendered_prompt(exact_server: LiveServer, hf_smollm2) -> None:
+    url = exact_server.url
     options = ["Berlin", "Paris", "Madrid", "Rome"]
     got = _post(url, "/v1/decide", {"question": "What is the capital of France?", "options": options,
                                     "system": "You are a geography expert."})

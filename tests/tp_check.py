@@ -3,7 +3,9 @@ count is fixed when jax starts), by tests/test_tensor_parallel.py.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=. python tests/tp_check.py OUT.json MODEL[@1,2]...
 
-For each model and TP size in (1, 2, 4) (or the sizes after its `@`): build the engine as the server does, generate greedily,
+For each model and TP size in (1, 2, 4) (or the sizes after its `@`): build the engine as the server does with
+`--gemm exact` (int8 activations, the default for a quantised GGUF, round a sum split over devices
+differently: SmolLM2's logprobs moved by 0.38 at TP 2), generate greedily,
 score the prompt (raw log-softmax rows), and write tokens, scores, per-device KV bytes and the
 compilations after warm-up as JSON, keyed "model|n".
 """
@@ -25,7 +27,7 @@ def run(model: str, n: int, cache_dir: str | None) -> dict:
     from imp_jax.runtime.kv_blocks import BlockTable
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
-    config = EngineConfig(model=model, tensor_parallel_size=n, max_num_seqs=1, max_num_batched_tokens=16,
+    config = EngineConfig(model=model, gemm="exact", tensor_parallel_size=n, max_num_seqs=1, max_num_batched_tokens=16,
                           num_kv_blocks=8, max_model_len=64, compilation_cache_dir=cache_dir)
     core = build_engine(config)
     events = []

@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from typing import Any
 
+import jax.numpy as jnp
+
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.kernels_pallas.metadata import AttentionShape
@@ -18,7 +20,8 @@ from imp_jax.kernels_pallas.pallas import shapes as pallas_attention
 
 log = logging.getLogger("imp_jax.kernels")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
-GEMM_BACKENDS = ("auto", "xla", "cpu", "cpu_q8")
+GEMM_BACKENDS = ("auto", "xla", "exact", "cpu_q8")   # the operator's choices (EngineConfig turns "cpu" into "exact")
+CPU_GEMMS = ("exact", "cpu_q8")   # the x86-64 C++ kernel, exact or with int8 activations
 QUANTIZED_CHOICES = ("auto", "keep", "dequantize")
 
 
@@ -27,9 +30,10 @@ class Kernels:
     """The kernel implementations a model's programs call; hashable, a static part of the model.
 
     attention: "xla" (any platform), "cpu" (x86-64 C++ kernel) or "pallas" (Hopper GPU kernel).
-    gemm: "xla", "cpu" (the x86-64 C++ kernel; it also reads bf16 and GGML-block weights, exactly)
-        or "cpu_q8" (the same kernel, but GGML blocks meet activations rounded to int8 per 32-wide
-        block, llama.cpp's arithmetic: faster, not exact; opt-in only, cpu/gemm.py).
+    gemm: "xla", "exact" (the x86-64 C++ kernel; it also reads bf16 and GGML-block weights, exactly:
+        transformers' float32 products bit for bit) or "cpu_q8" (the same kernel, but GGML blocks meet
+        activations rounded to int8 per 32-wide block, llama.cpp's arithmetic: faster, not exact;
+        cpu/gemm.py). `auto` picks cpu_q8 for a model whose matrices stay GGML blocks, exact otherwise.
     dynamic_skips: whether programs skip unneeded work with data-dependent branches and loop
         bounds (`lax.cond`, `fori_loop` to a traced bound). A win on a CPU; on XLA:GPU each such
         branch or loop iteration waits for the device to tell the host its predicate.
@@ -47,11 +51,20 @@ class Kernels:
     pallas_interpret: bool = False
     quantized: str = "auto"
 
+    def __post_init__(self) -> None:
+        if self.gemm not in ("xla", *CPU_GEMMS):   # a stale name would otherwise silently mean XLA
+            raise ValueError(f"Kernels.gemm {self.gemm!r}: expected xla, {' or '.join(CPU_GEMMS)}")
+
+    @property
+    def cpu_gemm(self) -> bool:
+        """Whether projections go to the x86-64 C++ GEMM kernel (exact or cpu_q8), where it takes them."""
+        return self.gemm in CPU_GEMMS
+
     @property
     def reads_narrow_weights(self) -> bool:
         """Whether bf16 matrices pay: only the CPU GEMM kernel reads them as they are; XLA's dot
         would widen them on every call."""
-        return self.gemm in ("cpu", "cpu_q8")
+        return self.cpu_gemm
 
     @property
     def bucketed_context(self) -> bool:
@@ -85,23 +98,28 @@ def is_hopper(device: Any) -> bool:
 
 
 def select_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto",
-                   gemm: str = "auto", quantized: str = "auto") -> Kernels:
-    """The kernels for a model of attention `shape` on `device` (a jax Device).
+                   gemm: str = "auto", quantized: str = "auto", ggml_blocks: bool = False) -> Kernels:
+    """The kernels for a model of attention `shape` on `device` (a jax Device); `ggml_blocks`: the
+    checkpoint stores matrices as GGML blocks (a quantised GGUF, or a checkpoint converted from one).
 
     auto: the Pallas kernel on a Hopper GPU and the C++ kernels on an x86-64 CPU, each where it
-    takes the shape (and, for the C++ ones, where they build); XLA everywhere else. The inexact
-    `cpu_q8` GEMM only when asked for by name. Quantised GGUF matrices (`quantized` auto): kept as
-    blocks where the CPU GEMM reads them and on GPUs (dequantised inside the program, matrix by
-    matrix), dequantised at load by a CPU running XLA's dot.
+    takes the shape (and, for the C++ ones, where they build); XLA everywhere else. The CPU GEMM is
+    `cpu_q8` (llama.cpp's int8 arithmetic) where the model's matrices stay GGML blocks, `exact` for
+    float weights (`_gemm`; one log line says which and why). Quantised GGUF matrices (`quantized`
+    auto): kept as blocks where the CPU GEMM reads them and on GPUs (dequantised inside the program,
+    matrix by matrix), dequantised at load by a CPU running XLA's dot.
     """
     if quantized not in QUANTIZED_CHOICES:
         raise ValueError(f"--quantized-weights {quantized!r}: expected one of {', '.join(QUANTIZED_CHOICES)}")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
     if gemm not in GEMM_BACKENDS:
-        raise ValueError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+        raise ValueError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_BACKENDS)} (cpu: exact)")
     on_cpu = device.platform == "cpu"
-    return Kernels(attention=_attention(attention, device, shape, on_cpu), gemm=_gemm(gemm, on_cpu),
+    # on a CPU whose C++ GEMM runs, a float32 model keeps the blocks unless told to dequantise them
+    # (model/weights.py WeightFormats): then, and only then, int8 activations have blocks to meet
+    blocks_kept = ggml_blocks and quantized != "dequantize" and jnp.dtype(shape.q_dtype) == jnp.float32
+    return Kernels(attention=_attention(attention, device, shape, on_cpu), gemm=_gemm(gemm, device, blocks_kept),
                    dynamic_skips=on_cpu, quantized="keep" if quantized == "auto" and not on_cpu else quantized)
 
 
@@ -130,12 +148,31 @@ def _attention(asked: str, device: Any, shape: AttentionShape, on_cpu: bool) -> 
     return "xla"
 
 
-def _gemm(asked: str, on_cpu: bool) -> str:
-    if asked in ("cpu", "cpu_q8"):
+def _gemm(asked: str, device: Any, blocks_kept: bool) -> str:
+    """The GEMM backend for `asked` on `device`; one log line says which and why (a warning where
+    the int8 kernel `auto` wanted did not build)."""
+    name, why = _gemm_choice(asked, device, blocks_kept)
+    fell_back = asked == "auto" and blocks_kept and name != "cpu_q8"
+    log.log(logging.WARNING if fell_back else logging.INFO, "gemm: %s (%s)", name, why)
+    return name
+
+
+def _gemm_choice(asked: str, device: Any, blocks_kept: bool) -> tuple[str, str]:
+    on_cpu = device.platform == "cpu"
+    if asked in CPU_GEMMS:
         if not (on_cpu and cpu_gemm.available(int8_activations=asked == "cpu_q8")):
             raise ValueError(f"--gemm {asked} needs an x86-64 CPU with AVX2/FMA/F16C and a C++ compiler "
                              "(see the log for why the kernel did not build)")
-        return asked
-    if asked == "auto" and on_cpu and cpu_gemm.available():
-        return "cpu"
-    return "xla"
+        return asked, f"--gemm {asked}"
+    if asked == "xla":
+        return "xla", "--gemm xla"
+    if not on_cpu:
+        return "xla", f"auto: XLA's dot on a {device.platform} device"
+    if not cpu_gemm.available():
+        return "xla", "auto: the C++ GEMM kernel is not available on this CPU, see the log"
+    if not blocks_kept:
+        return "exact", "auto: float weights on an x86-64 CPU: transformers' float32 products bit for bit"
+    if not cpu_gemm.available(int8_activations=True):
+        return "exact", ("auto: the int8-activation kernel for quantised GGUF matrices did not build, see the "
+                         "log; the exact products instead")
+    return "cpu_q8", "auto: quantised GGUF matrices on an x86-64 CPU; --gemm exact for bit-parity"

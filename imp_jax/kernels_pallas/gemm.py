@@ -12,6 +12,6 @@ from imp_jax.kernels_pallas.xla.gemm import matmul_wt_xla
 def matmul_wt(x: jax.Array, w: jax.Array, kernels: Kernels = XLA) -> jax.Array:
     """x [..., K] @ w.T for w [N, K] (plain, or GGML blocks: ggml_blocks.py), accumulated and
     returned in float32 (with `cpu_q8`, GGML blocks meet x rounded to int8: cpu/gemm.py)."""
-    if kernels.gemm in ("cpu", "cpu_q8") and cpu_gemm.takes(x, w):
+    if kernels.cpu_gemm and cpu_gemm.takes(x, w):
         return cpu_gemm.matmul_wt_cpu(x, w, int8_activations=kernels.gemm == "cpu_q8")
     return matmul_wt_xla(x, w)

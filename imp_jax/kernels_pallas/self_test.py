@@ -35,11 +35,11 @@ TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 3e-2, jnp.dt
 
 
 def select_tested_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto", gemm: str = "auto",
-                          quantized: str = "auto") -> Kernels:
+                          quantized: str = "auto", ggml_blocks: bool = False) -> Kernels:
     """`select_kernels`, each non-XLA backend it picks checked on `device` first: one `auto` chose that
     fails falls back to XLA (one warning line); one asked for by name raises ValueError (the operator's
     choice is not silently replaced)."""
-    kernels = select_kernels(device, shape, attention=attention, gemm=gemm, quantized=quantized)
+    kernels = select_kernels(device, shape, attention=attention, gemm=gemm, quantized=quantized, ggml_blocks=ggml_blocks)
     checks = (("attention", attention, lambda k: _tested(attention_error, device, k, shape)),
               ("gemm", gemm, lambda k: _tested(gemm_error, device, k)))
     for kind, asked, error_of in checks:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.kernels_pallas import AttentionShape, Kernels, kv_storage_dtype, select_tested_kernels
+from imp_jax.kernels_pallas import AttentionShape, Kernels, ggml_blocks, kv_storage_dtype, select_tested_kernels
 from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.converted import read_converted, restore_model
@@ -59,6 +59,15 @@ class Checkpoint:
     tensors: Mapping[str, np.ndarray] | None      # HF-named tensors; None for a converted checkpoint
     stored_dtype: str = "float32"                 # a converted checkpoint's array dtype
     quantized: dict[str, str] | None = None       # a converted checkpoint's matrices stored as GGML blocks
+
+    @property
+    def ggml_blocks(self) -> bool:
+        """Whether some matrices are stored as GGML blocks the CPU GEMM reads (a quantised GGUF, read from
+        its header; a checkpoint converted from one): what `--gemm auto` picks the int8 kernel for."""
+        if self.quantized:
+            return True
+        qtype = getattr(self.tensors, "qtype", None)
+        return qtype is not None and any(qtype(name) in ggml_blocks.FORMATS for name in self.tensors)
 
 
 def resolve_dtype(dtype: str, platform: str = "cpu") -> Any:
@@ -120,14 +129,16 @@ def attention_shape(config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: 
 
 
 def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str | None = None,
-               model_class: str | None = None, kernels: Kernels | None = None) -> LoadedModel:
+               model_class: str | None = None, kernels: Kernels | None = None, gemm: str = "auto") -> LoadedModel:
     """Open and build a model for the default device: `kernels` default to what `select_tested_kernels`
-    picks there for a KV cache of the model's dtype (the engine builder makes that choice itself)."""
+    picks there for `gemm` (the server's --gemm) and a KV cache of the model's dtype, as the engine builder
+    does: with `auto`, cpu_q8 for a quantised GGUF on an x86-64 CPU; `exact` gives transformers' products."""
     device = jax.local_devices()[0]
     ckpt = open_checkpoint(name_or_path)
     jdtype = resolve_dtype(dtype, device.platform)
     if kernels is None:
-        kernels = select_tested_kernels(device, attention_shape(ckpt.config, jdtype, jdtype, 16, device.platform))
+        kernels = select_tested_kernels(device, attention_shape(ckpt.config, jdtype, jdtype, 16, device.platform),
+                                        gemm=gemm, ggml_blocks=ckpt.ggml_blocks)
     options = ModelOptions(jdtype, layer_loop or default_layer_loop(device.platform), kernels)
     return build_model(ckpt, options, model_class)
 

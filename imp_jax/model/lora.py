@@ -42,7 +42,7 @@ def slab_dtype(kernels: Kernels, dtype: jnp.dtype) -> jnp.dtype:
     """The slabs' element type: float16 where the CPU kernel reads them for a float32 model (a decode
     step streams every used slot's slabs, so half the bytes is most of their cost; float16 holds
     bfloat16 and float16 adapters exactly and rounds float32 ones to 11 bits), else the model's."""
-    return jnp.dtype(jnp.float16) if kernels.gemm in ("cpu", "cpu_q8") and dtype == jnp.float32 else jnp.dtype(dtype)
+    return jnp.dtype(jnp.float16) if kernels.cpu_gemm and dtype == jnp.float32 else jnp.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class LoraDelta:
 
     def __call__(self, x: jax.Array, kernels: Kernels = XLA) -> jax.Array:
         """x A[slot]^T B[slot]^T per row, float32 [T, sum(out_p)]."""
-        if kernels.gemm in ("cpu", "cpu_q8") and cpu_lora.takes(x, self.a, self.bt):
+        if kernels.cpu_gemm and cpu_lora.takes(x, self.a, self.bt):
             compute = lambda: cpu_lora.lora_delta_cpu(x, self.ids, self.a, self.bt, self.parts)
         else:
             compute = lambda: self._masked(x, kernels)

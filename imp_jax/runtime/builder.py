@@ -99,7 +99,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
             quantized = fit.choice
             log.info("quantised GGUF matrices: %s (--quantized-weights auto): %s", fit.choice, fit.why)
     kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
-                                    quantized=quantized)
+                                    quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = build_model(ckpt, options, config.model_class)

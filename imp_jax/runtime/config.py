@@ -25,9 +25,12 @@ class EngineConfig:
     layer_loop: str | None = _field(None, "scan | unroll; default scan on CPU, unroll on GPU (docs/PERF.md)")
     attention: str = _field("auto", "attention kernel: auto | xla | cpu | pallas; auto = pallas on a Hopper "
                             "GPU, the C++ kernel on an x86-64 CPU, else xla")
-    gemm: str = _field("auto", "projection GEMM: auto | xla | cpu | cpu_q8; auto = the C++ kernel on an x86-64 "
-                       "CPU, else xla. cpu_q8 (opt-in): GGUF Q8_0/Q4_x/Q5_x/Q3_K-Q6_K matrices meet activations rounded "
-                       "to int8 (llama.cpp's arithmetic): faster decode, outputs differ slightly from exact")
+    gemm: str = _field("auto", "projection GEMM: auto | exact | cpu_q8 | xla (cpu: the old name of exact). exact: "
+                       "the x86-64 C++ kernel, transformers' float32 products bit for bit; cpu_q8: the same kernel, but "
+                       "GGUF Q8_0/Q4_x/Q5_x/Q3_K-Q6_K matrices meet activations rounded to int8 (llama.cpp's "
+                       "arithmetic): 1.3-2x faster decode, outputs differ slightly. auto = cpu_q8 for a quantised "
+                       "GGUF kept as blocks on an x86-64 CPU, exact for float weights there, else xla (the start-up "
+                       "log says which and why)")
     quantized_weights: str = _field(
         "auto", "a GGUF's quantised matrices: auto | keep | dequantize. keep: stored as the file's blocks (the "
         "CPU GEMM kernel reads them; XLA dequantises each one inside the step, matrix by matrix); auto = keep "
@@ -95,6 +98,7 @@ class EngineConfig:
                               "repeat a run's samples. Seeded requests do not depend on it")
 
     def __post_init__(self) -> None:
+        self.gemm = GEMM_ALIASES.get(self.gemm, self.gemm)   # the one place an old name is read
         if self.seed is None:
             self.seed = secrets.randbits(32)   # unseeded samples differ from one process to the next
         elif not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -159,6 +163,7 @@ def models_in(directory: Path) -> dict[str, Path]:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+GEMM_ALIASES = {"cpu": "exact"}   # --gemm cpu named the exact C++ GEMM before cpu_q8 became a default
 DEFAULT_CPU_KV_BYTES = 1 << 30   # 1 GiB
 DEFAULT_GPU_KV_FRACTION = 0.9
 

@@ -44,8 +44,8 @@ FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c")
 # The GEMM kernel's float sums are specified operation by operation (a row's bits must not depend on
 # which of its code paths computed it: gemm_q8.h), so the compiler may not fuse a multiply and an add.
 KERNEL_FLAGS = {"gemm": ("-ffp-contract=off",), "gemm_q8": ("-ffp-contract=off",)}
-# each library's translation units; the GEMM's exact formats are two (gemm_exact.h), its opt-in q8 path
-# (`--gemm cpu_q8`) a library of its own, so a default start compiles neither it nor LoRA's
+# each library's translation units; the GEMM's exact formats are two (gemm_exact.h), its int8-activation
+# path (`--gemm cpu_q8`, auto's choice for a quantised GGUF) a library of its own, LoRA's too (opt-in)
 SOURCES = {"attention": ("attention.cc",), "gemm": ("gemm.cc", "gemm_k.cc"), "gemm_q8": ("gemm_q8.cc",),
            "lora": ("lora.cc",)}
 _lock = threading.Lock()
@@ -58,9 +58,10 @@ _slots = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0)) if hasat
 
 def cpu_libraries(attention: str, gemm: str, lora: bool) -> list[str]:
     """The kernel libraries a CPU engine with these settings (--attention, --gemm, --max-loras) may load:
-    what `prebuild` starts while the model is fetched and opened."""
-    names = (["attention"] if attention in ("auto", "cpu") else []) + (["gemm"] if gemm in ("auto", "cpu", "cpu_q8") else [])
-    return names + (["gemm_q8"] if gemm == "cpu_q8" else []) + (["lora"] if lora else [])
+    what `prebuild` starts while the model is fetched and opened (`auto`: gemm_q8 too, which a quantised
+    GGUF will want, before the model says whether it is one)."""
+    names = (["attention"] if attention in ("auto", "cpu") else []) + (["gemm"] if gemm in ("auto", "exact", "cpu_q8") else [])
+    return names + (["gemm_q8"] if gemm in ("auto", "cpu_q8") else []) + (["lora"] if lora else [])
 
 
 def start_early(attention: str, gemm: str, lora: bool) -> list[threading.Thread]:
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m imp_jax.kernels_pallas.cpu.build", description=main.__doc__)
-    parser.add_argument("--all", action="store_true", help="every library, the opt-in ones (cpu_q8, lora) too")
+    parser.add_argument("--all", action="store_true", help="every library, the opt-in one (lora) too")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a library is unavailable")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

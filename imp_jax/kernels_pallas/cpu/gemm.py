@@ -7,10 +7,10 @@
   blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quant Q2_K..Q6_K, IQ4_XS, IQ4_NL and MXFP4
   matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on
-first use (build.py): the library `gemm`, and `gemm_q8` only once int8 activations are asked for.
+first use (build.py): the library `gemm`, and `gemm_q8` once int8 activations are asked for.
 
-`matmul_wt_cpu(x, w, int8_activations=True)` (the opt-in `--gemm cpu_q8`) gives GGML blocks
-llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h, gemm_q8_iq.h): each row of x rounded to
+`matmul_wt_cpu(x, w, int8_activations=True)` (`--gemm cpu_q8`, auto's pick for GGML blocks) gives
+them llama.cpp's kind of arithmetic instead (gemm_q8.h, gemm_q8_k.h, gemm_q8_iq.h): each row of x rounded to
 int8 per 32-wide block with a float32 scale, integer dot products with the blocks, float32 scaling and
 sums. Faster (the weights are not widened), but the outputs are no longer the float32 product's: they
 differ by the rounding of x. Every kept format has an integer path (Q8_FORMATS): Q8_0, Q4_0, Q4_1, Q5_0,
