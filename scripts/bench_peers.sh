@@ -13,7 +13,7 @@
 #        Nothing of llama.cpp is written into the repository.
 # quantize: the formats people download, made by llama-quantize from the default SmolLM2 GGUF (its Q4_1
 #        weights, dequantised: --allow-requantize) into $PEERS_DIR/models: SmolLM2-135M-Instruct.Q4_K_M.gguf
-#        and .Q6_K.gguf; prints their paths. Serve or benchmark one with MODEL=<path> ... run.
+#        .Q6_K.gguf and .IQ4_XS.gguf; prints their paths. Serve or benchmark one with MODEL=<path> ... run.
 # run:   time to /ready (cold: empty caches; warm) for both servers, llama-bench tg128/pp512 beside
 #        imp_jax's batch-1 numbers (scripts/bench_engine.py), then ROUNDS rounds of scripts/bench_serving.py,
 #        each against llama-server and then imp_jax (every IMP_GEMMS mode) at the same concurrency levels
@@ -104,7 +104,7 @@ quantize() {
     local src out_dir="$PEERS_DIR/models" type
     src=$(MODEL="" model_path)
     mkdir -p "$out_dir"
-    for type in Q4_K_M Q6_K; do
+    for type in Q4_K_M Q6_K IQ4_XS; do
         local out="$out_dir/SmolLM2-135M-Instruct.$type.gguf"
         if [[ ! -f "$out" ]]; then
             log "llama-quantize $src -> $out"
