@@ -134,7 +134,7 @@ class DiskKVStore:
         self._cv = threading.Condition()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._total = 0
-        self._pending: dict[bytes, np.ndarray] = {}
+        self._pending: dict[bytes, tuple[bytes, np.ndarray]] = {}   # hash -> (file header, payload copy)
         self._queue: deque[bytes] = deque()
         self._pending_bytes = 0
         self._closing = self._abandon = False
@@ -164,14 +164,15 @@ class DiskKVStore:
         arr = np.array(payload, order="C", copy=True)     # the caller may reuse its buffer once we return
         if not arr.dtype.isnative:
             arr = arr.astype(arr.dtype.newbyteorder("="))
+        header = encode_header(self.fingerprint, block_hash, arr)
         with self._cv:
             if block_hash in self._index or block_hash in self._pending:
                 return
-            if (self._closing or arr.nbytes > self.max_bytes
+            if (self._closing or len(header) + arr.nbytes + DIGEST_SIZE > self.max_bytes
                     or self._pending_bytes + arr.nbytes > self.max_pending_bytes):
                 self._counts["dropped_writes"] += 1
                 return
-            self._pending[block_hash] = arr
+            self._pending[block_hash] = header, arr
             self._queue.append(block_hash)
             self._pending_bytes += arr.nbytes
             self._cv.notify_all()
@@ -187,7 +188,7 @@ class DiskKVStore:
                 return None
             if queued is not None:
                 self._counts["hits"] += 1
-                return queued.copy()
+                return queued[1].copy()
             self._index.move_to_end(block_hash)
         path = self._path(block_hash)
         try:
@@ -224,6 +225,11 @@ class DiskKVStore:
             return {**self._counts, "files": len(self._index), "bytes": self._total,
                     "pending_writes": len(self._queue), "pending_bytes": self._pending_bytes}
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued write is done (or dropped); False when `timeout_s` ran out first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue or self._abandon, timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (waiting at most `timeout_s`; the rest is dropped and counted), stop the writer."""
         with self._cv:
@@ -232,7 +238,7 @@ class DiskKVStore:
         self._writer.join(timeout_s)
         with self._cv:
             if self._writer.is_alive():                 # stalled: give up what it has not started
-                self._abandon = True
+                self._abandon = True            # (the write in progress, if it ends, is counted twice)
                 self._counts["dropped_writes"] += len(self._queue)
                 self._cv.notify_all()
 
@@ -246,15 +252,19 @@ class DiskKVStore:
                 if not self._queue or self._abandon:
                     return
                 block_hash = self._queue[0]
-                arr = self._pending[block_hash]
-            victims = self._write(block_hash, arr)
-            self._unlink(victims)
+                header, arr = self._pending[block_hash]
+            self._unlink(self._write(block_hash, header, arr))
+            with self._cv:                                # done with the head only now: flush() implies evicted
+                self._queue.popleft()
+                del self._pending[block_hash]
+                self._pending_bytes -= arr.nbytes
+                self._cv.notify_all()
 
-    def _write(self, block_hash: bytes, arr: np.ndarray) -> list[bytes]:
+    def _write(self, block_hash: bytes, header: bytes, arr: np.ndarray) -> list[bytes]:
         """Write one block to a temp file and rename it in place; the victims its size pushes out."""
         final = self._path(block_hash)
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{threading.get_ident()}.tmp"
-        header = encode_header(self.fingerprint, block_hash, arr)
+        size = len(header) + arr.nbytes + DIGEST_SIZE
         try:
             if self._hook is not None:
                 self._hook(block_hash)
@@ -264,33 +274,25 @@ class DiskKVStore:
                 f.write(header)
                 f.write(payload_bytes(arr))
                 f.write(block_digest(header, arr))
-            size = len(header) + arr.nbytes + DIGEST_SIZE
+            with self._cv:
+                os.replace(tmp, final)
+                old = self._index.pop(block_hash, None)   # another process's file of the same hash, same bytes
+                self._total += size - (old.size if old else 0)
+                self._index[block_hash] = _Entry(size)
+                self._counts["writes"] += 1
+                self._counts["bytes_written"] += size
+                return self._over_budget()
         except Exception as e:  # disk full, permissions, a hook's failure: the block is simply not stored
-            self._dequeue(block_hash, arr)
             with self._cv:
                 self._counts["write_errors"] += 1
-            log.warning("kv disk: cannot write %s: %s", final, e)
-            tmp.unlink(missing_ok=True)
+                n = self._counts["write_errors"]
+            if n & (n - 1) == 0:                          # the 1st, 2nd, 4th, 8th...: a full disk does not flood the log
+                log.warning("kv disk: cannot write %s (%d write errors so far): %s", final, n, e)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             return []
-        with self._cv:
-            os.replace(tmp, final)
-            old = self._index.pop(block_hash, None)       # another process's file of the same hash, same bytes
-            self._total += size - (old.size if old else 0)
-            self._index[block_hash] = _Entry(size)
-            self._counts["writes"] += 1
-            self._counts["bytes_written"] += size
-            self._dequeue_locked(block_hash, arr)
-            return self._over_budget()
-
-    def _dequeue(self, block_hash: bytes, arr: np.ndarray) -> None:
-        with self._cv:
-            self._dequeue_locked(block_hash, arr)
-
-    def _dequeue_locked(self, block_hash: bytes, arr: np.ndarray) -> None:
-        self._queue.popleft()
-        del self._pending[block_hash]
-        self._pending_bytes -= arr.nbytes
-        self._cv.notify_all()
 
     # -- index upkeep --------------------------------------------------------------------------
 
