@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from typing import Callable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, so np.dtype("bfloat16") resolves)
 import numpy as np
+import xxhash
 
 from imp_jax.paths import check_safe, private_dir
 from imp_jax.runtime.kv_fingerprint import model_fingerprint, weights_digest
@@ -36,7 +36,7 @@ log = logging.getLogger("imp_jax.kv_disk")
 MAGIC = b"IMPKVB\r\n"                   # \r\n: a file mangled by a text-mode copy fails the magic
 VERSION = 1
 PREFIX = struct.Struct("<8sHI")         # magic, version, meta length; then meta JSON, payload, digest
-DIGEST_SIZE = 32                        # blake2b-256 of everything before it
+DIGEST_SIZE = 16                        # xxh3-128 of everything before it: integrity, not authentication
 MAX_META = 4096
 STALE_TMP_S = 60.0                      # a temp file older than this at start-up is a crashed write
 REASONS = ("torn", "corrupt", "header", "foreign", "misnamed", "link", "unreadable")
@@ -64,7 +64,7 @@ def payload_bytes(payload: np.ndarray) -> np.ndarray:
 
 
 def block_digest(header: bytes, payload: np.ndarray) -> bytes:
-    h = hashlib.blake2b(header, digest_size=DIGEST_SIZE)
+    h = xxhash.xxh3_128(header)
     h.update(payload_bytes(payload))
     return h.digest()
 
@@ -90,8 +90,7 @@ def decode_block(data: bytearray, fingerprint: str, block_hash: bytes) -> np.nda
         raise Rejected("torn", f"{len(data)} bytes, header says {start + nbytes + DIGEST_SIZE}")
     if len(data) > start + nbytes + DIGEST_SIZE:
         raise Rejected("corrupt", "trailing bytes")
-    h = hashlib.blake2b(memoryview(data)[:start + nbytes], digest_size=DIGEST_SIZE)
-    if h.digest() != data[start + nbytes:]:
+    if xxhash.xxh3_128_digest(memoryview(data)[:start + nbytes]) != data[start + nbytes:]:
         raise Rejected("corrupt", "digest mismatch")
     # the digest holds: what follows is what some writer meant (ours, or one who planted a valid file)
     if meta.get("fingerprint") != fingerprint:
@@ -134,7 +133,9 @@ class DiskKVStore:
         self._cv = threading.Condition()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._total = 0
-        self._pending: dict[bytes, tuple[bytes, np.ndarray]] = {}   # hash -> (file header, payload copy)
+        self._pending: dict[bytes, tuple[bytes, np.ndarray, np.ndarray]] = {}   # hash -> (header, payload, its buffer)
+        self._spare: dict[int, list[np.ndarray]] = {}    # written blocks' buffers by size, for put to refill
+        self._spare_bytes = 0                            # pending + spare never exceed max_pending_bytes
         self._queue: deque[bytes] = deque()
         self._pending_bytes = 0
         self._closing = self._abandon = False
@@ -158,23 +159,27 @@ class DiskKVStore:
         is full or the store closed. A block already stored or queued is not written again."""
         if payload.dtype.hasobject:
             raise TypeError("a KV block payload cannot hold Python objects")
+        dtype = payload.dtype if payload.dtype.isnative else payload.dtype.newbyteorder("=")
+        header = encode_header(self.fingerprint, block_hash, payload)
+        n = payload.nbytes
         with self._cv:
             if block_hash in self._index or block_hash in self._pending:
                 return
-        arr = np.array(payload, order="C", copy=True)     # the caller may reuse its buffer once we return
-        if not arr.dtype.isnative:
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        header = encode_header(self.fingerprint, block_hash, arr)
-        with self._cv:
-            if block_hash in self._index or block_hash in self._pending:
-                return
-            if (self._closing or len(header) + arr.nbytes + DIGEST_SIZE > self.max_bytes
-                    or self._pending_bytes + arr.nbytes > self.max_pending_bytes):
+            if (self._closing or len(header) + n + DIGEST_SIZE > self.max_bytes
+                    or self._pending_bytes + n > self.max_pending_bytes):
                 self._counts["dropped_writes"] += 1
                 return
-            self._pending[block_hash] = header, arr
+            spares = self._spare.get(n)
+            if spares:                                    # a written block's buffer: no page faults to fill it
+                buf = spares.pop()
+                self._spare_bytes -= n
+            else:
+                buf = np.empty(n, np.uint8)
+            arr = buf.view(dtype).reshape(payload.shape)
+            np.copyto(arr, payload)                       # the caller may reuse its buffer once we return
+            self._pending[block_hash] = header, arr, buf
             self._queue.append(block_hash)
-            self._pending_bytes += arr.nbytes
+            self._pending_bytes += n
             self._cv.notify_all()
 
     def get(self, block_hash: bytes) -> np.ndarray | None:
@@ -252,12 +257,15 @@ class DiskKVStore:
                 if not self._queue or self._abandon:
                     return
                 block_hash = self._queue[0]
-                header, arr = self._pending[block_hash]
+                header, arr, buf = self._pending[block_hash]
             self._unlink(self._write(block_hash, header, arr))
             with self._cv:                                # done with the head only now: flush() implies evicted
                 self._queue.popleft()
                 del self._pending[block_hash]
-                self._pending_bytes -= arr.nbytes
+                self._pending_bytes -= buf.nbytes
+                if self._pending_bytes + self._spare_bytes + buf.nbytes <= self.max_pending_bytes:
+                    self._spare.setdefault(buf.nbytes, []).append(buf)
+                    self._spare_bytes += buf.nbytes
                 self._cv.notify_all()
 
     def _write(self, block_hash: bytes, header: bytes, arr: np.ndarray) -> list[bytes]:

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import xxhash
+
 FINGERPRINT_VERSION = 1     # bump when the rule (or the disk layout a fingerprint names) changes
 HEAD = 1 << 20              # bytes read from the start of every weight file (GGUF metadata, arch keys)
 MAX_HEADER = 64 << 20       # the most of a safetensors JSON header read whole
@@ -62,14 +64,14 @@ def weights_digest(path: str | os.PathLike[str], *, full: bool = False, use_mtim
     Blind spot: an edit confined to a small part of the bytes of a file that keeps its name, size and mtime
     (cp -p, rsync -a) is missed with probability (1 - changed fraction) ** 1024, e.g. ~36% when 0.1% of the
     file changed, ~1e-42 when 9% did (a LoRA merged into q and v). Pass full=True to rule that out (the
-    whole model read once, at ~1 GB/s).
+    whole model read once: as fast as the disk, xxh3 hashes at ~40 GB/s).
     """
     root = Path(path)
     files = [root] if root.is_file() else sorted(
         p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
         raise FileNotFoundError(f"{root}: no weight file")
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     for f in files:
         st = f.stat()
         name = f.name if f == root else f.relative_to(root).as_posix()
@@ -78,7 +80,7 @@ def weights_digest(path: str | os.PathLike[str], *, full: bool = False, use_mtim
     return h.hexdigest()
 
 
-def _hash_file(h: "hashlib._Hash", path: Path, size: int, full: bool) -> None:
+def _hash_file(h: xxhash.xxh3_128, path: Path, size: int, full: bool) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         if full or size <= SMALL:
