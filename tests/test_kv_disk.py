@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
+import struct
 import threading
 import time
 from pathlib import Path
@@ -11,10 +13,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
 
 from imp_jax.paths import UnsafePathError
-from imp_jax.runtime.kv_disk import (DIGEST_SIZE, DiskKVStore, block_digest, encode_header, model_fingerprint,
-                                     weights_digest)
+from imp_jax.runtime.kv_disk import (DIGEST_SIZE, DiskKVStore, Rejected, block_digest, decode_block, encode_header,
+                                     model_fingerprint, weights_digest)
 
 FP = "0123abcd"
 SHAPE = (2, 2, 4, 3, 8)             # layers, K/V, tokens, kv heads, head_dim: 384 bf16 = 768 bytes
@@ -191,6 +194,27 @@ def flip(data: bytes, at: int) -> bytes:
     b = bytearray(data)
     b[at] ^= 0x01
     return bytes(b)
+
+
+def test_no_single_byte_change_or_cut_is_ever_served() -> None:
+    a = block(1)
+    header = encode_header(FP, h(1), a)
+    good = header + a.tobytes() + block_digest(header, a)
+    assert same(decode_block(bytearray(good), FP, h(1)), a)
+    cases = [flip(good, i) for i in range(len(good))] + [good[:n] for n in range(0, len(good), 7)]
+    for bad in cases + [good + b"\0"]:
+        with pytest.raises(Rejected):                    # Rejected, never another exception, never a block
+            decode_block(bytearray(bad), FP, h(1))
+
+
+@pytest.mark.parametrize("dtype,shape,nbytes", [("O", [1], 8), ("V0", [4], 0), ("f4", [-1, -4], 16),
+                                                ("f4", [1 << 32, 1 << 32], 0), ("f4", "12", 8), ("nope", [1], 1)])
+def test_a_planted_meta_with_a_valid_digest_is_rejected(dtype: str, shape: object, nbytes: int) -> None:
+    meta = json.dumps({"fingerprint": FP, "hash": h(1).hex(), "dtype": dtype, "shape": shape, "nbytes": nbytes})
+    head = struct.pack("<8sHI", b"IMPKVB\r\n", 1, len(meta)) + meta.encode() + bytes(nbytes)
+    with pytest.raises(Rejected) as e:
+        decode_block(bytearray(head + xxhash.xxh3_128_digest(head)), FP, h(1))
+    assert e.value.reason == "header"
 
 
 def test_file_changed_after_indexing_is_rejected(store: DiskKVStore, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -81,9 +82,11 @@ def decode_block(data: bytearray, fingerprint: str, block_hash: bytes) -> np.nda
         raise Rejected("torn", "meta cut short")
     try:
         meta = json.loads(bytes(data[PREFIX.size:start]))
-        dtype = np.dtype(meta["dtype"])
-        shape = tuple(int(d) for d in meta["shape"])
-        nbytes = int(meta["nbytes"])
+        name, shape, nbytes = meta["dtype"], tuple(meta["shape"]), meta["nbytes"]
+        if not (isinstance(name, str) and isinstance(meta["shape"], list)
+                and all(type(d) is int for d in (*shape, nbytes))):
+            raise TypeError(f"meta of the wrong types: {str(meta)[:200]}")
+        dtype = np.dtype(name)
     except (ValueError, TypeError, KeyError) as e:
         raise Rejected("header", str(e)) from None
     if len(data) < start + nbytes + DIGEST_SIZE:
@@ -97,10 +100,10 @@ def decode_block(data: bytearray, fingerprint: str, block_hash: bytes) -> np.nda
         raise Rejected("foreign", f"fingerprint {str(meta.get('fingerprint'))[:80]!r}")
     if meta.get("hash") != block_hash.hex():
         raise Rejected("misnamed", f"header names {str(meta.get('hash'))[:80]!r}")
-    if dtype.hasobject or any(d < 0 for d in shape) or int(np.prod(shape)) * dtype.itemsize != nbytes:
+    if (dtype.hasobject or not dtype.itemsize or any(d < 0 for d in shape)
+            or math.prod(shape) * dtype.itemsize != nbytes):
         raise Rejected("header", f"{dtype.name} {shape} is not {nbytes} bytes")
-    return np.frombuffer(data, dtype, count=nbytes // dtype.itemsize if dtype.itemsize else 0,
-                         offset=start).reshape(shape)
+    return np.frombuffer(data, dtype, count=nbytes // dtype.itemsize, offset=start).reshape(shape)
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,10 +116,11 @@ class _Entry:
 class DiskKVStore:
     """Block files under `root/fingerprint`, at most `max_bytes` in all, least recently used evicted first.
 
-    `_index` (hash -> file entry, least recently used first) and `_pending` (hash -> array queued for the
-    writer, in `_queue` order) are guarded by `_cv`'s lock; a hash moves from one to the other under it, in
-    the same step as its file's rename. Only the writer thread creates, renames and evicts files; `get`
-    removes a rejected file, under the lock and only while the index still holds the entry it read.
+    `_index` (hash -> file entry, least recently used first) and `_pending` (hash -> payload queued for the
+    writer, in `_queue` order) are guarded by `_cv`'s lock. A hash enters the index when its file is renamed
+    in place and leaves the queue once that write's evictions are done. Only the writer thread creates,
+    renames and evicts files; `get` removes a rejected file, and only while the index holds the entry it read.
+    Host memory: queued payloads plus the spare buffers put refills stay under `max_pending_bytes`.
     """
 
     def __init__(self, root: Path, fingerprint: str, max_bytes: int, *, max_pending_bytes: int = 256 << 20,
@@ -133,7 +137,7 @@ class DiskKVStore:
         self._cv = threading.Condition()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._total = 0
-        self._pending: dict[bytes, tuple[bytes, np.ndarray, np.ndarray]] = {}   # hash -> (header, payload, its buffer)
+        self._pending: dict[bytes, tuple[bytes, np.ndarray, np.ndarray]] = {}   # hash -> header, payload, buffer
         self._spare: dict[int, list[np.ndarray]] = {}    # written blocks' buffers by size, for put to refill
         self._spare_bytes = 0                            # pending + spare never exceed max_pending_bytes
         self._queue: deque[bytes] = deque()
@@ -294,7 +298,7 @@ class DiskKVStore:
             with self._cv:
                 self._counts["write_errors"] += 1
                 n = self._counts["write_errors"]
-            if n & (n - 1) == 0:                          # the 1st, 2nd, 4th, 8th...: a full disk does not flood the log
+            if n & (n - 1) == 0:                          # the 1st, 2nd, 4th, 8th...: a full disk cannot flood the log
                 log.warning("kv disk: cannot write %s (%d write errors so far): %s", final, n, e)
             try:
                 tmp.unlink(missing_ok=True)

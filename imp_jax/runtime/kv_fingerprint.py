@@ -68,7 +68,7 @@ def weights_digest(path: str | os.PathLike[str], *, full: bool = False, use_mtim
     """
     root = Path(path)
     files = [root] if root.is_file() else sorted(
-        p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+        p for p in root.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts))
     if not files:
         raise FileNotFoundError(f"{root}: no weight file")
     h = xxhash.xxh3_128()
