@@ -61,6 +61,8 @@ class AsyncEngine(EngineThread, Engine):
         if self._compiler is not None:   # a compile cut off by the interpreter's exit aborts the process
             self._core.step_fn.stop_compiling()
             self._compiler.join(max(timeout, 60.0))
+        if self._core is not None and self._core.tiers is not None:
+            self._core.tiers.close()   # the disk tier writes what it has queued (bounded wait)
 
     # ------------------------------------------------------------------- model
     @property

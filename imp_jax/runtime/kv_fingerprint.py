@@ -37,7 +37,7 @@ def model_fingerprint(weights: str, *, kv_dtype: str, block_size: int, num_layer
     extra: anything else that changes the KV (rope scaling overrides, a kernel with other numerics).
 
     adapter: leave empty unless every block of this store is computed under one fixed adapter. Adapters
-    loaded at run time partition blocks through the chain hash's extra key instead (kv_blocks.key_bytes
+    loaded at run time partition blocks through the chain hash's extra key instead (kv_hash.key_bytes
     of Sequence.cache_key: the request's cache_salt, "key:" + the API key's SHA-256 or None, and for a
     LoRA request ("lora", name, generation)). That generation is a per-process counter, so
     across a restart ("a", 1) may name another adapter: a LoRA block must not go to disk unless its key
