@@ -62,7 +62,7 @@ class AsyncEngine(EngineThread, Engine):
             self._core.step_fn.stop_compiling()
             self._compiler.join(max(timeout, 60.0))
         if self._core is not None and self._core.tiers is not None:
-            self._core.tiers.close()   # the disk tier writes what it has queued (bounded wait)
+            self._core.tiers.close(self._core.pool)   # the disk tier keeps the cached prefixes (bounded wait)
 
     # ------------------------------------------------------------------- model
     @property

@@ -106,6 +106,10 @@ class KVBlockPool:
         thread may ask (replicas.py); the answer may be stale by the time it acts, which costs a miss."""
         return block_hash in self._cached
 
+    def idle_cached(self) -> list[tuple[int, bytes, bytes]]:
+        """(block, hash, preimage) of the cached blocks no table holds, least recently used first."""
+        return [(b, self._hash[b], self._preimage[b]) for b in self._lru]
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)

@@ -122,6 +122,11 @@ class HostKVStore:
         elif not self.lower.contains(block_hash):
             self.lower.put(block_hash, payload)
 
+    def hand_down_all(self) -> None:
+        """Offer every prefix entry to the lower store, oldest first (shutdown: the disk tier keeps them)."""
+        for h, (payload, pre) in self._prefix.items():
+            self._hand_down(h, pre, payload, True)
+
     def clear_prefix(self) -> None:
         """Forget every prefix entry (reset_prefix_cache); swapped sequences stay."""
         self.used -= sum(p.nbytes for p, _ in self._prefix.values())

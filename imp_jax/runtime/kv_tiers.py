@@ -93,10 +93,17 @@ class KVTiers:
         self.staging = DiskStaging(pool, lower, max(self.store.capacity, one_context), self.copier.block_bytes,
                                    self.in_memory)
 
-    def close(self) -> None:
-        """Engine shutdown: stop the reads, write what the lower store has queued (bounded wait)."""
+    def close(self, pool: KVBlockPool | None = None) -> None:
+        """Engine shutdown: stop the reads; with a lower store, offer it the idle cached blocks of `pool` and the
+        host tier (so a restart finds them), then wait for its queued writes (bounded: DiskKVStore.close)."""
         if self.staging is not None:
             self.staging.close()
+        if pool is not None and self.store.lower is not None:
+            for b, h, pre in pool.idle_cached():
+                self.spill(b, h, pre)
+            self.flush()
+            self.land(wait=True)
+            self.store.hand_down_all()
         close = getattr(self.store.lower, "close", None)
         if close is not None:
             close()
