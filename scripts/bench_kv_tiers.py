@@ -8,7 +8,9 @@ system prompt (+ tools) of --system tokens, --sessions sessions whose first turn
 own (user turn and tool output) and --first-tokens generated, then each returns with --followup new tokens. The
 device pool (--pool-blocks) holds the system prompt and a few sessions, far less than all of them. Phase 1 runs
 the first turns, --concurrency at a time; phase 2 brings every session back, one at a time, and measures its TTFT
-(submit to first token) and the phase's generated tokens per second. Token ids are random (greedy, ignore_eos),
+(submit to first token) and the phase's generated tokens per second. The restart case: the host+disk process
+shuts down (its cached prefixes go to disk), a fresh process over the same --kv-disk-dir brings every session
+back with another new turn. Token ids are random (greedy, ignore_eos),
 so only lengths matter. References: `device hit` (a returning prompt asked twice: its prefix is in the pool) and
 `recompute` (device only: the session's own history is prefilled again; the system prompt stays cached).
 """
@@ -78,9 +80,8 @@ def drive(core, prompts: list[list[int]], max_tokens: int, concurrency: int) -> 
     return results, time.perf_counter() - t0
 
 
-def returning(core, args, state: dict) -> dict:
+def returning(core, args, prompts: list[list[int]]) -> dict:
     """Phase 2: every session back, one at a time."""
-    prompts = state["returning"]
     res, wall = drive(core, prompts, args.second_tokens, 1)
     ttfts = [r["ttft"] for r in res]
     return dict(ttft_ms_p50=1000 * statistics.median(ttfts), ttft_ms_mean=1000 * statistics.fmean(ttfts),
@@ -100,11 +101,12 @@ def run_config(args, name: str, host_gib: float, disk_dir: str | None) -> tuple[
     core = build(args, host_gib, disk_dir)
     system, history, followup = sessions(args, core.loaded.config.vocab_size)
     first, wall1 = drive(core, [system + h for h in history], args.first_tokens, args.concurrency)
-    state = {"returning": [system + h + r["tokens"] + f for h, r, f in zip(history, first, followup)]}
-    out = returning(core, args, state)
+    state = {"first_turns": [system + h + r["tokens"] for h, r in zip(history, first)]}
+    back = [p + f for p, f in zip(state["first_turns"], followup)]
+    out = returning(core, args, back)
     out["first_turn_tokens_per_s"] = sum(len(r["tokens"]) for r in first) / wall1
     if name == "device":   # the reference: a returning prompt asked again at once, its prefix in the pool
-        hit, _ = drive(core, [state["returning"][-1]] * 2, 1, 1)
+        hit, _ = drive(core, [back[-1]] * 2, 1, 1)
         out["device_hit_ttft_ms"] = 1000 * hit[1]["ttft"]
     out.update(tier_stats(core))
     if core.tiers is not None:
@@ -113,10 +115,14 @@ def run_config(args, name: str, host_gib: float, disk_dir: str | None) -> tuple[
 
 
 def restart_child(args) -> None:
-    """--restart-child: a fresh process over the warm disk directory runs phase 2 alone and prints its JSON."""
+    """--restart-child: a fresh process over the warm disk directory brings every session back with a new turn (not
+    the one the first process already served, so only the first turns can be cached) and prints its JSON."""
     state = json.loads(Path(args.state).read_text())
     core = build(args, args.small_host_gib, args.disk_dir)
-    out = returning(core, args, state)
+    rng = np.random.default_rng(1)
+    vocab = core.loaded.config.vocab_size
+    out = returning(core, args, [p + [int(t) for t in rng.integers(4, vocab, args.followup)]
+                                 for p in state["first_turns"]])
     out.update(tier_stats(core))
     core.tiers.close()
     print("RESULT " + json.dumps(out))

@@ -164,3 +164,14 @@ def test_metrics_expose_the_disk_tier(tiny_loaded, _tiny_hf_template, tmp_path):
     assert value(m, "imp_kv_disk_tier_capacity_bytes") == 16 << 30
     assert value(m, "imp_kv_disk_tier_rejected_total") == 0
     core.tiers.close()
+
+
+def test_a_directory_others_may_write_is_refused_and_the_engine_serves_without_it(tiny_loaded, _tiny_hf_template,
+                                                                                  tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_disk_dir=str(shared))
+    assert attach_disk(core) is None and core.tiers.store.lower is None
+    (_, cached), = run(core, _request(_prompt(110, 40)))
+    assert cached == 0 and not any(shared.iterdir())

@@ -4,6 +4,7 @@ the host, and greedy outputs are those of the same engine without the tier. Tiny
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -190,9 +191,8 @@ def run(core: EngineCore, *reqs: GenerationRequest) -> list[tuple[list[int], int
     events: list[list] = [[] for _ in reqs]
     for r, ev in zip(reqs, events):
         core.add_request(r, ev.append)
-    for _ in range(2000):
-        if not core.has_work():
-            break
+    deadline = time.monotonic() + 120   # by time, not steps: a step waiting for a disk read schedules nothing
+    while core.has_work() and time.monotonic() < deadline:
         core.step()
     assert not core.requests and core.pool.num_free_blocks == core.baseline_free_blocks
     if core.tiers is not None:

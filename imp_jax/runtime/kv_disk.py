@@ -132,8 +132,8 @@ class DiskKVStore:
         self.max_bytes = max_bytes
         self.max_pending_bytes = max_pending_bytes
         self._hook = writer_hook          # tests: called on the writer thread before each write
+        check_safe(private_dir(self.root))   # the root first: nothing is created inside a directory others may write
         self._dir = private_dir(self.root / fingerprint)
-        check_safe(self.root)
         self._cv = threading.Condition()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
         self._total = 0

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from imp_jax.paths import UnsafePathError
 from imp_jax.runtime.kv_disk import DiskKVStore
 from imp_jax.runtime.kv_fingerprint import model_fingerprint, weights_digest
 from imp_jax.runtime.kv_host import BLOCK_PAYLOAD, LowerStore
@@ -163,7 +164,11 @@ def attach_disk(core: EngineCore, replica: int = 0) -> DiskKVStore | None:
     if config.data_parallel_size > 1:
         root = root / f"replica-{replica}"
     fingerprint = disk_fingerprint(core)
-    store = DiskKVStore(root, fingerprint, disk_budget_bytes(config))
+    try:
+        store = DiskKVStore(root, fingerprint, disk_budget_bytes(config))
+    except (UnsafePathError, OSError) as e:   # another user's or a world-writable directory: never trusted
+        log.error("KV disk tier off: %s", e)
+        return None
     core.tiers.attach_lower(store, core.pool)
     s = store.stats()
     log.info("KV disk tier: %s/%s, %.2f GiB, %d blocks found (%.0f MiB); staged through a %.2f GiB host tier",
