@@ -62,7 +62,10 @@ class AsyncEngine(EngineThread, Engine):
             self._core.step_fn.stop_compiling()
             self._compiler.join(max(timeout, 60.0))
         if self._core is not None and self._core.tiers is not None:
-            self._core.tiers.close(self._core.pool)   # the disk tier keeps the cached prefixes (bounded wait)
+            try:   # the disk tier keeps the cached prefixes (bounded wait)
+                self._core.tiers.close(self._core.pool if self.state != "faulted" else None)
+            except Exception:   # a device that faulted meanwhile: the queued writes are all it keeps
+                self._log.exception("closing the KV tiers failed")
 
     # ------------------------------------------------------------------- model
     @property
