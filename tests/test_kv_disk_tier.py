@@ -175,3 +175,20 @@ def test_a_directory_others_may_write_is_refused_and_the_engine_serves_without_i
     assert attach_disk(core) is None and core.tiers.store.lower is None
     (_, cached), = run(core, _request(_prompt(110, 40)))
     assert cached == 0 and not any(shared.iterdir())
+
+
+def test_engine_shutdown_writes_the_cached_prefixes_to_disk(tiny_loaded, _tiny_hf_template, tmp_path):
+    """AsyncEngine.shutdown closes the tiers: a prefix still in the device pool reaches the disk."""
+    import asyncio
+
+    from imp_jax.runtime.async_engine import AsyncEngine
+
+    core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    run(core, _request(_prompt(120, 80) + [1]))   # its 5 full blocks stay cached in the pool
+    assert core.stats()["kv_disk_files"] == 0
+    engine = AsyncEngine(core.config, build=lambda *a, **k: core)
+    engine.start()
+    asyncio.run(engine.wait_ready())
+    engine.shutdown()
+    store = core.tiers.store.lower
+    assert store.stats()["files"] >= 5 and store.stats()["pending_writes"] == 0
