@@ -32,6 +32,7 @@ NAMES=(
   opentelemetry-exporter-otlp-common opentelemetry-exporter-http-transport
   opentelemetry-proto protobuf googleapis-common-protos requests urllib3 charset-normalizer certifi
   gguf                                                                               # GGUF reading
+  xxhash                                                                             # KV disk tier checksums
   anyio idna h11 typing-extensions werkzeug                                          # version floors
 )
 mapfile -t PINNED < <("$PY" - "${NAMES[@]}" <<'EOF'

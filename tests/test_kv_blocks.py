@@ -457,7 +457,7 @@ def test_random_ops_with_a_host_tier_serve_the_evicted_content(seed: int) -> Non
 
 # -------------------------------------------------------------------- prefix-cache integrity
 def test_block_hash_is_sha256_of_a_canonical_preimage() -> None:
-    from imp_jax.runtime.kv_blocks import block_preimage, hash_block, key_bytes
+    from imp_jax.runtime.kv_hash import block_preimage, hash_block, key_bytes
 
     pre = block_preimage(None, [1, 2, 3, 4])
     assert len(hash_block(pre)) == 32 and hash_block(pre) == hash_block(block_preimage(None, (1, 2, 3, 4)))

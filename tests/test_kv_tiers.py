@@ -4,6 +4,7 @@ the host, and greedy outputs are those of the same engine without the tier. Tiny
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ import pytest
 
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.kv_blocks import KVBlockPool, prefix_hashes
+from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv_hash import block_preimage, durable_preimage, hash_block, prefix_hashes
 from imp_jax.runtime.kv_host import HostKVStore
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.runtime.sharding import default_mesh
@@ -46,18 +48,32 @@ class FakeLower:
 
 
 # ------------------------------------------------------------------------------------- host store alone
-def test_host_store_evicts_lru_to_the_lower_store_and_reads_it_back():
+def test_host_store_evicts_lru_to_the_lower_store_and_never_reads_it():
     lower = FakeLower()
     store = HostKVStore(capacity=2 * 64, lower=lower)
-    blocks = {bytes([i]) * 32: np.full(16, i, np.float32) for i in range(3)}   # 64 bytes each
-    for h, b in blocks.items():
-        store.put(h, b"pre" + h, b)
-    first = bytes([0]) * 32
+    pres = [block_preimage(None, [i] * 4, "key:abc") for i in range(3)]
+    blocks = {hash_block(p): (p, np.full(16, i, np.float32)) for i, p in enumerate(pres)}   # 64 bytes each
+    for h, (p, b) in blocks.items():
+        store.put(h, p, b)
+    first = hash_block(pres[0])
     assert store.num_prefix_blocks == 2 and lower.puts == 1 and first in lower.blocks
     assert store.holds(first, b"anything") and store.stats.evictions == 1   # the lower store is trusted by hash
-    assert np.array_equal(store.get(first, b"pre" + first), blocks[first]) and store.stats.lower_hits == 1
-    assert store.get(bytes([2]) * 32, b"other preimage") is None             # a host entry checks the preimage
+    assert store.get(first, pres[0]) is None and lower.gets == 0            # never read on the caller's thread
+    assert store.get(hash_block(pres[2]), b"other preimage") is None        # a host entry checks the preimage
     assert store.used <= store.capacity
+
+
+def test_blocks_whose_key_dies_with_the_process_never_reach_the_lower_store():
+    """LoRA keys carry a per-process load generation, scoring keys a fresh uuid4: such blocks are dropped on
+    eviction (counted), while None and API-key salts go down."""
+    lower = FakeLower()
+    store = HostKVStore(capacity=64, lower=lower)
+    keys = [("key:a", "lora", "ad", 1), ("private", "f00", None), None, "key:a"]
+    for i, key in enumerate(keys + [None]):
+        pre = block_preimage(None, [i] * 4, key)
+        assert durable_preimage(pre) == (key is None or isinstance(key, str))
+        store.put(hash_block(pre), pre, np.zeros(16, np.float32))
+    assert lower.puts == 2 and store.stats.not_durable == 2 and store.stats.evictions == 4
 
 
 def test_host_store_refuses_a_swap_it_cannot_hold_and_frees_it_on_take():
@@ -175,9 +191,8 @@ def run(core: EngineCore, *reqs: GenerationRequest) -> list[tuple[list[int], int
     events: list[list] = [[] for _ in reqs]
     for r, ev in zip(reqs, events):
         core.add_request(r, ev.append)
-    for _ in range(2000):
-        if not core.has_work():
-            break
+    deadline = time.monotonic() + 120   # by time, not steps: a step waiting for a disk read schedules nothing
+    while core.has_work() and time.monotonic() < deadline:
         core.step()
     assert not core.requests and core.pool.num_free_blocks == core.baseline_free_blocks
     if core.tiers is not None:
@@ -248,7 +263,7 @@ def test_api_key_partitions_never_hit_each_others_host_blocks(tiered):
 def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _tiny_hf_template, plain):
     """A host tier of 2 blocks hands the rest of an evicted prefix to the lower store, which serves them back."""
     core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=2 * BLOCK_BYTES / (1 << 30), kv_swap_min_tokens=1)
-    core.tiers.store.lower = lower = FakeLower()
+    core.tiers.attach_lower(lower := FakeLower(), core.pool)
     _reset(plain)
     shared = _prompt(30, 80)
     flow = [[shared + [9]], [_prompt(31, 100)], [_prompt(32, 100)], [shared + [11, 12]]]
@@ -256,7 +271,7 @@ def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _t
     got = [run(core, *[_request(p) for p in step]) for step in flow]
     assert [[t for t, _ in s] for s in got] == [[t for t, _ in s] for s in want]
     assert lower.puts >= 3 and lower.gets >= 1 and got[-1][0][1] == 80
-    assert core.stats()["kv_host_lower_hits_total"] >= 1 and core.stats()["kv_lower_puts"] == lower.puts
+    assert core.stats()["kv_host_lower_hits_total"] >= 1 and core.stats()["kv_disk_puts"] == lower.puts
 
 
 def test_metrics_expose_the_tier_with_swap_directions(tiered):

@@ -61,6 +61,11 @@ class AsyncEngine(EngineThread, Engine):
         if self._compiler is not None:   # a compile cut off by the interpreter's exit aborts the process
             self._core.step_fn.stop_compiling()
             self._compiler.join(max(timeout, 60.0))
+        if self._core is not None and self._core.tiers is not None:
+            try:   # the disk tier keeps the cached prefixes (bounded wait)
+                self._core.tiers.close(self._core.pool if self.state != "faulted" else None)
+            except Exception:   # a device that faulted meanwhile: the queued writes are all it keeps
+                self._log.exception("closing the KV tiers failed")
 
     # ------------------------------------------------------------------- model
     @property

@@ -22,6 +22,7 @@ from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, kv_bytes_per_block, kv_pool_floored, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.kv_staging import attach_disk
 from imp_jax.runtime.multihost import Leader
 from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
 from imp_jax.runtime.weights_fit import fit_on_gpu
@@ -63,7 +64,7 @@ def build_engine(config: EngineConfig, progress: Progress | None = None,
         log.info("replica %d of %d on %s", replica, config.data_parallel_size, device)
     with jax.default_device(device):   # this thread's arrays: the model's weights, LoRA slabs
         # multi-host: every process compiles and runs every program now, in the same order
-        core = _build_on(config, progress, background_compile and not config.multi_host, mesh, device)
+        core = _build_on(config, progress, background_compile and not config.multi_host, mesh, device, replica)
     if config.multi_host and jax.process_index() == 0:
         core.step_fn.leader = Leader(config.num_processes)   # from now on each program is announced
     return core
@@ -74,7 +75,8 @@ def local_devices(mesh) -> list:
     return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
 
 
-def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device) -> EngineCore:
+def _build_on(config: EngineConfig, progress: Progress, background_compile: bool, mesh, device,
+              replica: int = 0) -> EngineCore:
     platform = device.platform
     if platform == "cpu":   # the C++ kernels compile (first start) while the model is fetched and opened
         cpu_kernels.prebuild(cpu_kernels.cpu_libraries(config.attention, config.gemm, config.max_loras > 0))
@@ -127,6 +129,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB per device, %d device%s)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20 / n, n, "s" if n > 1 else "")
     core = EngineCore(loaded, config, kv, blocks, mesh)
+    attach_disk(core, replica)
     core.kv_pool_floored = floored
     core.step_fn.base_seed = config.seed
     log.info("sampling seed %d: requests without a seed draw from it (--seed %d repeats them)", config.seed, config.seed)

@@ -59,6 +59,13 @@ class EngineConfig:
         None, "with a host tier, a preempted sequence with at least this many computed tokens swaps its KV to "
         "the host instead of recomputing it; default 16 on a CPU (one block: the measured break-even is below "
         "1 token), 64 on a GPU (an estimate): docs/ARCHITECTURE.md, KV tiers")
+    kv_disk_dir: str | None = _field(
+        None, "directory for a disk KV tier under the host tier: prefix blocks the host tier evicts are written "
+        "to <dir>/<model fingerprint>/, read back (checked) on a later hit, and reused after a restart with the "
+        "same model; owned by the server's user, not writable by others. On a CPU it turns on a host tier of "
+        "min(10%% of RAM, 1 GiB) unless --kv-host-gib says otherwise (docs/ARCHITECTURE.md, KV tiers)")
+    kv_disk_gib: float = _field(16.0, "the disk KV tier's size in GiB (split between data-parallel replicas, "
+                                "each in its own subdirectory); least recently used blocks are removed first")
     tensor_parallel_size: int = _field(
         1, "devices one model is split over, of this host (with --num-processes: of all processes together); "
         "tensor parallelism: heads, MLP rows, vocabulary and the KV cache's kv heads; each holds ~1/N of the "
@@ -118,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"--speculative must be on or off, got {self.speculative!r}")
         if not 0 <= self.speculative_max_draft <= 16:
             raise ValueError(f"--speculative-max-draft must be in 0..16, got {self.speculative_max_draft}")
+        if self.kv_disk_gib <= 0:
+            raise ValueError(f"--kv-disk-gib must be > 0, got {self.kv_disk_gib}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:

@@ -77,6 +77,10 @@ def engine_stats(core: EngineCore) -> dict[str, int | float]:
                 **kv_tier_stats(core, pc))
 
 
+DISK_KEYS = tuple(f"kv_disk_{k}" for k in ("hits", "misses", "bytes_read", "bytes_written", "writes", "evictions",
+                                            "rejected", "dropped_writes", "write_errors", "files", "bytes", "bytes_capacity"))
+
+
 def kv_tier_stats(core: EngineCore, pc) -> dict[str, int]:
     """The KV tiers' counters (runtime/kv_tiers.py; zeros without a host tier). `kv_evicted_tokens_total`: tokens
     of cached prefix blocks that left the server's memory (evicted from the device with no host copy, or from
@@ -85,7 +89,8 @@ def kv_tier_stats(core: EngineCore, pc) -> dict[str, int]:
     out = dict(kv_host_bytes_capacity=0, kv_host_bytes_used=0, kv_host_blocks=0, kv_host_swapped_seqs=0,
                kv_host_inflight_blocks=0, kv_host_spills_total=0, kv_host_evictions_total=0,
                kv_host_lower_hits_total=0, kv_swaps_out_total=0, kv_swaps_in_total=0, kv_swap_refusals_total=0,
-               kv_host_bytes_out_total=0, kv_host_bytes_in_total=0, kv_min_swap_tokens=0, kv_host_spilling_blocks=0)
+               kv_host_bytes_out_total=0, kv_host_bytes_in_total=0, kv_min_swap_tokens=0, kv_host_spilling_blocks=0,
+               kv_host_not_durable_total=0, kv_disk_reads_inflight=0, kv_disk_staged_bytes=0, **dict.fromkeys(DISK_KEYS, 0))
     if tiers is not None:
         out.update(tiers.stats())
     out.update(kv_swaps_total=out["kv_swaps_out_total"] + out["kv_swaps_in_total"],

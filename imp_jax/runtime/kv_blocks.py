@@ -11,12 +11,12 @@ the tier copies the content back before any program reads it.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+
+from imp_jax.runtime.kv_hash import block_preimage, hash_block
 
 NULL_BLOCK = 0
 
@@ -37,43 +37,6 @@ class LowerTier(Protocol):
 
 class OutOfBlocks(RuntimeError):
     """No block left for an operation that cannot wait (truncate, ensure_writable_tail)."""
-
-
-def key_bytes(extra_key: Hashable) -> bytes:
-    """A canonical, injective encoding of an extra key: None, str, bytes, int or tuples of them."""
-    if extra_key is None:
-        return b"n"
-    if isinstance(extra_key, str):
-        data, tag = extra_key.encode("utf-8", "surrogatepass"), b"s"
-    elif isinstance(extra_key, bytes):
-        data, tag = extra_key, b"b"
-    elif isinstance(extra_key, int) and not isinstance(extra_key, bool):
-        data, tag = str(extra_key).encode(), b"i"
-    elif isinstance(extra_key, tuple):
-        data, tag = b"".join(key_bytes(k) for k in extra_key), b"t"
-    else:
-        raise TypeError(f"prefix-cache extra key of type {type(extra_key).__name__}")
-    return tag + len(data).to_bytes(8, "little") + data
-
-
-def block_preimage(parent: bytes | None, token_ids: Sequence[int], extra_key: Hashable = None) -> bytes:
-    """The bytes a block's hash is taken of: parent digest, extra key, token ids as int64."""
-    head = parent or b""
-    return bytes((len(head),)) + head + key_bytes(extra_key) + array("q", token_ids).tobytes()
-
-
-def hash_block(preimage: bytes) -> bytes:
-    """SHA-256 of a block's preimage: collision-resistant, unlike Python's 64-bit hash()."""
-    return hashlib.sha256(preimage).digest()
-
-
-def prefix_hashes(token_ids: Sequence[int], block_size: int, extra_key: Hashable = None) -> Iterator[bytes]:
-    """The chained hashes of the prompt's full blocks that a prefix lookup may hit (all but the block of the
-    last token, as in match_prefix), computed lazily: a caller that stops early pays only for what it read."""
-    parent = None
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = hash_block(block_preimage(parent, token_ids[i * block_size:(i + 1) * block_size], extra_key))
-        yield parent
 
 
 @dataclass
@@ -142,6 +105,10 @@ class KVBlockPool:
         """Whether a block with this hash is cached (held or idle). One dict lookup: a router on another
         thread may ask (replicas.py); the answer may be stale by the time it acts, which costs a miss."""
         return block_hash in self._cached
+
+    def idle_cached(self) -> list[tuple[int, bytes, bytes]]:
+        """(block, hash, preimage) of the cached blocks no table holds, least recently used first."""
+        return [(b, self._hash[b], self._preimage[b]) for b in self._lru]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""

@@ -1,8 +1,10 @@
 """The host KV tier's store: block payloads in host memory under a byte budget.
 
-Two kinds of entry share the budget. Prefix blocks, keyed by their chain hash (kv_blocks.prefix_hashes:
+Two kinds of entry share the budget. Prefix blocks, keyed by their chain hash (kv_hash.prefix_hashes:
 the partition's extra key is inside the hash, so tenants never share an entry), are a cache: least
-recently used first out, handed to the optional `lower` store (the disk tier) as they leave. Swapped
+recently used first out, handed to the optional `lower` store (the disk tier) as they leave, unless their
+key is per-process (kv_hash.durable_preimage). Lower-store blocks come back through
+runtime/kv_staging.py, never through `get`. Swapped
 sequences' blocks (a preempted sequence's KV, keyed by its seq_id) are held until the sequence resumes
 or ends, and are never evicted: a swap that does not fit is refused and the sequence recomputes.
 """
@@ -13,6 +15,8 @@ from collections import OrderedDict
 from typing import Protocol
 
 import numpy as np
+
+from imp_jax.runtime.kv_hash import durable_preimage
 
 BLOCK_PAYLOAD = "[2, num_layers, block_size, num_kv_heads, head_dim]"
 """One block's payload: ONE C-contiguous numpy array of this shape in the cache's storage dtype
@@ -37,6 +41,7 @@ class HostStats:
     spills: int = 0         # prefix blocks the device evicted into the host
     evictions: int = 0      # prefix blocks the host dropped for room (handed to `lower` when there is one)
     lower_hits: int = 0     # prefix blocks read back from the lower store (the pool counts every tier's hits)
+    not_durable: int = 0    # evicted blocks kept from the lower store: their key is per-process (LoRA, scoring)
     swaps_out: int = 0      # sequences swapped out (their blocks copied to the host on preemption)
     swaps_in: int = 0       # sequences swapped back in
     swap_refusals: int = 0  # swaps the budget could not hold (those sequences recompute)
@@ -73,20 +78,18 @@ class HostKVStore:
         return self.lower is not None and self.lower.contains(block_hash)
 
     def get(self, block_hash: bytes, preimage: bytes) -> np.ndarray | None:
-        """The block's payload (marked recently used), read through from the lower store on a host miss.
-
-        A host entry must match the whole preimage (as the device cache's); a lower-store entry is trusted
-        by its SHA-256 chain hash, which the store checks against its contents on read."""
+        """The block's payload (marked recently used) when the host holds it; None otherwise. Never reads the
+        lower store: its blocks are read off the engine thread and held for their admission (runtime/kv_staging.py)."""
         entry = self._prefix.get(block_hash)
         if entry is not None and (entry[1] is None or entry[1] == preimage):
             self._prefix.move_to_end(block_hash)
             return entry[0]
-        payload = self.lower.get(block_hash) if self.lower is not None and entry is None else None
-        if payload is None:
-            return None
-        self.stats.lower_hits += 1
-        self.put(block_hash, preimage, payload, to_lower=False)
-        return payload
+        return None
+
+    def has(self, block_hash: bytes, preimage: bytes) -> bool:
+        """Whether the host itself holds the block (not the lower store)."""
+        entry = self._prefix.get(block_hash)
+        return entry is not None and (entry[1] is None or entry[1] == preimage)
 
     def put(self, block_hash: bytes, preimage: bytes | None, payload: np.ndarray, to_lower: bool = True) -> None:
         """Keep a prefix block's payload, evicting older ones for room; one larger than the room is dropped."""
@@ -95,7 +98,7 @@ class HostKVStore:
             return
         if not self._make_room(payload.nbytes):
             self.stats.evictions += 1   # larger than the whole budget: straight through
-            self._hand_down(block_hash, payload, to_lower)
+            self._hand_down(block_hash, preimage, payload, to_lower)
             return
         self._prefix[block_hash] = (payload, preimage)
         self.used += payload.nbytes
@@ -103,15 +106,26 @@ class HostKVStore:
     def _make_room(self, nbytes: int) -> bool:
         """Evict prefix entries, oldest first, until `nbytes` fit; whether they do."""
         while self.used + nbytes > self.capacity and self._prefix:
-            h, (payload, _) = self._prefix.popitem(last=False)
+            h, (payload, pre) = self._prefix.popitem(last=False)
             self.used -= payload.nbytes
             self.stats.evictions += 1
-            self._hand_down(h, payload, True)
+            self._hand_down(h, pre, payload, True)
         return self.used + nbytes <= self.capacity
 
-    def _hand_down(self, block_hash: bytes, payload: np.ndarray, to_lower: bool) -> None:
-        if to_lower and self.lower is not None and not self.lower.contains(block_hash):
+    def _hand_down(self, block_hash: bytes, preimage: bytes | None, payload: np.ndarray, to_lower: bool) -> None:
+        """Give an evicted block to the lower store, if its key means the same after a restart (durable_preimage:
+        LoRA and prompt-scoring blocks stay out) and the store lacks it."""
+        if not to_lower or self.lower is None:
+            return
+        if preimage is None or not durable_preimage(preimage):
+            self.stats.not_durable += 1
+        elif not self.lower.contains(block_hash):
             self.lower.put(block_hash, payload)
+
+    def hand_down_all(self) -> None:
+        """Offer every prefix entry to the lower store, oldest first (shutdown: the disk tier keeps them)."""
+        for h, (payload, pre) in self._prefix.items():
+            self._hand_down(h, pre, payload, True)
 
     def clear_prefix(self) -> None:
         """Forget every prefix entry (reset_prefix_cache); swapped sequences stay."""

@@ -21,9 +21,11 @@ import numpy as np
 
 from imp_jax.runtime.kv_copy import BlockCopier, to_host
 from imp_jax.runtime.kv_host import HostKVStore, LowerStore
+from imp_jax.runtime.kv_staging import DiskStaging
 
 if TYPE_CHECKING:
     from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.kv_blocks import KVBlockPool
     from imp_jax.runtime.sequence import Sequence
     from imp_jax.runtime.step import CompiledStep
 
@@ -33,19 +35,22 @@ log = logging.getLogger("imp_jax.kv_tiers")
 # scripts/bench_kv_swap.py): below it the copies' fixed cost exceeds a short prefill's.
 MIN_SWAP_TOKENS = {"cpu": 16, "gpu": 64}
 HOST_SHARE, HOST_CAP = 0.10, 4 << 30   # accelerators' default host budget: min(10% of RAM, 4 GiB)
+CPU_STAGING_CAP = 1 << 30              # a CPU's default host budget with --kv-disk-dir: min(10% of RAM, 1 GiB)
 
 
 def host_budget_bytes(config: EngineConfig, platform: str) -> int:
     """--kv-host-gib in bytes, per engine replica; by default min(10% of RAM, 4 GiB) on an accelerator and 0
-    (off) on a CPU, where the device pool is host RAM already and a larger --kv-cache-memory serves better."""
+    (off) on a CPU, where the device pool is host RAM already and a larger --kv-cache-memory serves better,
+    unless --kv-disk-dir asks for a disk tier: then min(10% of RAM, 1 GiB), the disk reads' staging area."""
     if config.multi_host:
         return 0   # the copies are not announced to the other processes (runtime/multihost.py)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if config.kv_host_gib is not None:
         total = int(config.kv_host_gib * (1 << 30))
     elif platform == "cpu":
-        return 0
+        total = min(int(HOST_SHARE * ram), CPU_STAGING_CAP) if config.kv_disk_dir else 0
     else:
-        total = min(int(HOST_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), HOST_CAP)
+        total = min(int(HOST_SHARE * ram), HOST_CAP)
     return max(0, total // config.data_parallel_size)
 
 
@@ -73,22 +78,61 @@ class KVTiers:
         self._spilling: dict[bytes, bytes] = {}      # hash -> preimage of spills not landed yet
         self._swapped: dict[int, int] = {}           # seq_id -> computed tokens its swap holds
         self._generation = 0                         # bumped by clear(): older spills are dropped on landing
+        self.staging: DiskStaging | None = None      # the disk tier's reads (attach_lower)
 
     @property
     def inflight_blocks(self) -> int:
         queued = sum(len(ids) for _, ids, _ in self._ops)
         return queued + sum(n for g in self._inflight for _, n in g.chunks)
 
+    def attach_lower(self, lower: LowerStore, pool: KVBlockPool) -> None:
+        """Put a store (the disk tier) under the host: evicted prefix blocks go down to it, and admissions read
+        them back off the engine thread (runtime/kv_staging.py)."""
+        self.store.lower = lower
+        one_context = self.step_fn.shapes.max_blocks * self.copier.block_bytes   # the longest prompt always stages
+        self.staging = DiskStaging(pool, lower, max(self.store.capacity, one_context), self.copier.block_bytes,
+                                   self.in_memory)
+
+    def close(self, pool: KVBlockPool | None = None) -> None:
+        """Engine shutdown: stop the reads; with a lower store, offer it the idle cached blocks of `pool` and the
+        host tier (so a restart finds them), then wait for its queued writes (bounded: DiskKVStore.close)."""
+        if self.staging is not None:
+            self.staging.close()
+        if pool is not None and self.store.lower is not None:
+            for b, h, pre in pool.idle_cached():
+                self.spill(b, h, pre)
+            self.flush()
+            self.land(wait=True)
+            self.store.hand_down_all()
+        close = getattr(self.store.lower, "close", None)
+        if close is not None:
+            close()
+
     # -- the pool's lower tier (kv_blocks.LowerTier) ---------------------------------------
 
+    def in_memory(self, block_hash: bytes, preimage: bytes) -> bool:
+        """Whether the host holds the block, or will once its spill lands (no disk read needed)."""
+        pending = self._spilling.get(block_hash)
+        if pending is not None:
+            return pending == preimage
+        return self.store.has(block_hash, preimage) or self.staging is not None and self.staging.holds(
+            block_hash, preimage)
+
     def holds(self, block_hash: bytes, preimage: bytes) -> bool:
+        if self.staging is not None and self.staging.holds(block_hash, preimage):
+            return True
         pending = self._spilling.get(block_hash)
         return pending == preimage if pending is not None else self.store.holds(block_hash, preimage)
 
     def fetch(self, block_hash: bytes, preimage: bytes) -> np.ndarray | None:
+        """The block's payload from host memory (a disk block only once staged for this admission); None: recompute."""
         if block_hash in self._spilling:
             self.flush()
             self.land(wait=True)   # rare: a block evicted and wanted back before its copy landed
+        staged = self.staging.take(block_hash, preimage) if self.staging is not None else None
+        if staged is not None:
+            self.store.stats.lower_hits += 1
+            return staged
         return self.store.get(block_hash, preimage)
 
     def restore(self, block_id: int, content: np.ndarray) -> None:
@@ -105,9 +149,15 @@ class KVTiers:
 
     # -- the scheduler's swapper -------------------------------------------------------------
 
+    def staged(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prefix is where admission may take it without a disk read (DiskStaging.ready)."""
+        return self.staging is None or self.staging.ready(seq)
+
     def swap_out(self, seq: Sequence) -> bool:
         """Before `seq`'s blocks are freed on preemption: whether its computed KV is copied to the host (then
         `swapped_tokens` says how much), or it recomputes (the rule says so, or the budget is full)."""
+        if self.staging is not None:
+            self.staging.forget(seq)   # its next admission looks on disk again
         n = seq.num_computed
         if (n < max(1, self.min_swap_tokens) or seq.shadow is not None or seq.banned is not None
                 or "private_cache" in seq.ext):   # CFG pairs, rewinding and scored prompts recompute
@@ -137,7 +187,9 @@ class KVTiers:
         self.store.stats.swaps_in += 1
 
     def drop(self, seq: Sequence) -> None:
-        """Forget a swap whose sequence ended (or will recompute instead)."""
+        """Forget a swap (and a disk read) whose sequence ended (or will recompute instead)."""
+        if self.staging is not None:
+            self.staging.forget(seq)
         if self._swapped.pop(seq.seq_id, None) is not None:
             self.store.take_swap(seq.seq_id)
 
@@ -191,22 +243,25 @@ class KVTiers:
         return dict(kv_host_bytes_capacity=self.store.capacity, kv_host_bytes_used=self.store.used,
                     kv_host_blocks=self.store.num_prefix_blocks, kv_host_swapped_seqs=len(self._swapped),
                     kv_host_inflight_blocks=self.inflight_blocks, kv_host_spilling_blocks=len(self._spilling),
-                    kv_host_spills_total=s.spills,
+                    kv_host_spills_total=s.spills, kv_host_not_durable_total=s.not_durable,
+                    kv_disk_reads_inflight=self.staging.reading if self.staging is not None else 0,
+                    kv_disk_staged_bytes=self.staging.bytes if self.staging is not None else 0,
                     kv_host_evictions_total=s.evictions, kv_host_lower_hits_total=s.lower_hits,
                     kv_swaps_out_total=s.swaps_out, kv_swaps_in_total=s.swaps_in,
                     kv_swap_refusals_total=s.swap_refusals, kv_host_bytes_out_total=s.bytes_out,
                     kv_host_bytes_in_total=s.bytes_in, kv_min_swap_tokens=self.min_swap_tokens,
-                    **{f"kv_lower_{k}": int(v) for k, v in lower.items()})
+                    kv_disk_bytes_capacity=int(getattr(self.store.lower, "max_bytes", 0)),
+                    **{f"kv_disk_{k}": int(v) for k, v in lower.items()})
 
 
-def attach_tiers(core: Any, platform: str, lower: LowerStore | None = None) -> KVTiers | None:
+def attach_tiers(core: Any, platform: str) -> KVTiers | None:
     """Give an EngineCore a host tier when its budget is above 0: the pool spills and restores through it,
     the scheduler swaps through it, and the step runs its copies before every program."""
     capacity = host_budget_bytes(core.config, platform)
     if capacity <= 0:
         return None
     swap = core.config.kv_swap_min_tokens
-    tiers = KVTiers(core.step_fn, HostKVStore(capacity, lower),
+    tiers = KVTiers(core.step_fn, HostKVStore(capacity),
                     MIN_SWAP_TOKENS.get(platform, MIN_SWAP_TOKENS["gpu"]) if swap is None else swap)
     core.pool.tier = tiers
     core.scheduler.swapper = tiers

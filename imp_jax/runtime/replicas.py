@@ -21,7 +21,7 @@ from imp_jax.errors import ImpError
 from imp_jax.runtime.api import Engine, not_serving
 from imp_jax.runtime.async_engine import AsyncEngine, capabilities_of
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.kv_blocks import prefix_hashes
+from imp_jax.runtime.kv_hash import prefix_hashes
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
 
 STATE_ORDER = ("faulted", "stopped", "loading", "warming_up", "suspended", "ready")   # worst first

@@ -26,12 +26,14 @@ from imp_jax.runtime.sequence import Sequence, SeqStatus
 
 
 class Swapper(Protocol):
-    """Moves a preempted sequence's KV out of the pool and back (runtime/kv_tiers.py KVTiers)."""
+    """Moves a preempted sequence's KV out of the pool and back, and stages disk-tier prefixes into host memory
+    before admission (runtime/kv_tiers.py KVTiers)."""
 
     def swap_out(self, seq: Sequence) -> bool: ...      # before its blocks are freed: whether it swapped
     def swapped_tokens(self, seq: Sequence) -> int: ...  # computed tokens swap_in gives back (0: none)
     def swap_in(self, seq: Sequence) -> None: ...        # its fresh table's first blocks get them
     def drop(self, seq: Sequence) -> None: ...           # it ended while swapped out
+    def staged(self, seq: Sequence) -> bool: ...         # False while its prefix is read from disk (it waits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +201,8 @@ class Scheduler:
         """
         if self.swapper is not None and self.swapper.swapped_tokens(seq):
             return self._admit_swapped(seq, budget, now)
+        if self.swapper is not None and not self.swapper.staged(seq):
+            return 0   # its prefix is being read from the disk tier, off this thread
         ids, salt = seq.all_ids, seq.cache_key
         needed = self.pool.blocks_needed(seq.table, ids, len(ids), salt)
         if needed > self.pool.num_free_blocks - self.reserved_blocks():

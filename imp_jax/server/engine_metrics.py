@@ -31,6 +31,11 @@ ENGINE_GAUGES = (
     ("imp_kv_host_tier_blocks", "kv_host_blocks", "Prefix blocks cached in the host KV tier"),
     ("imp_kv_host_tier_swapped_sequences", "kv_host_swapped_seqs", "Preempted sequences whose KV waits in "
      "the host tier"),
+    ("imp_kv_disk_tier_capacity_bytes", "kv_disk_bytes_capacity", "Disk KV tier budget (--kv-disk-gib; 0: off)"),
+    ("imp_kv_disk_tier_bytes", "kv_disk_bytes", "Bytes of block files in the disk KV tier"),
+    ("imp_kv_disk_tier_blocks", "kv_disk_files", "Prefix blocks in the disk KV tier"),
+    ("imp_kv_disk_tier_reads_inflight", "kv_disk_reads_inflight", "Waiting sequences whose prefix is being read "
+     "from the disk tier (off the engine thread)"),
 )
 ENGINE_COUNTERS = (
     ("imp_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at "
@@ -51,6 +56,20 @@ ENGINE_COUNTERS = (
      "host tier"),
     ("imp_kv_host_tier_evictions", "kv_host_evictions_total", "Prefix blocks the host tier dropped for room "
      "(handed to the disk tier when there is one)"),
+    ("imp_kv_disk_tier_hits", "kv_disk_hits", "Prefix blocks read back (and verified) from the disk KV tier"),
+    ("imp_kv_disk_tier_misses", "kv_disk_misses", "Disk KV tier reads that found no usable file"),
+    ("imp_kv_disk_tier_read_bytes", "kv_disk_bytes_read", "Bytes read from the disk KV tier"),
+    ("imp_kv_disk_tier_written_bytes", "kv_disk_bytes_written", "Bytes written to the disk KV tier"),
+    ("imp_kv_disk_tier_writes", "kv_disk_writes", "Block files written to the disk KV tier"),
+    ("imp_kv_disk_tier_evictions", "kv_disk_evictions", "Block files the disk KV tier removed for room"),
+    ("imp_kv_disk_tier_rejected", "kv_disk_rejected", "Block files rejected on read (torn, corrupt, foreign, "
+     "misnamed, links): removed, never served"),
+    ("imp_kv_disk_tier_dropped_writes", "kv_disk_dropped_writes", "Blocks not written because the disk tier's "
+     "write queue was full (or it was closing)"),
+    ("imp_kv_disk_tier_write_errors", "kv_disk_write_errors", "Block writes that failed (disk full, "
+     "permissions)"),
+    ("imp_kv_disk_tier_skipped", "kv_host_not_durable_total", "Blocks the host tier evicted without writing to "
+     "disk: their cache key does not survive a restart (LoRA adapters, prompt scoring)"),
     ("imp_kv_swap_refusals", "kv_swap_refusals_total", "Preempted sequences the host tier had no room for "
      "(they recompute)"),
     ("imp_kv_evicted_tokens", "kv_evicted_tokens_total", "Tokens of cached prefix blocks that left the "

@@ -1,0 +1,194 @@
+"""The disk KV tier wired under the host tier (runtime/kv_staging.py over kv_disk.py): a prefix evicted from the
+device and host tiers comes back from disk with the same greedy tokens, a fresh engine over the same model and
+directory reuses it, another model never does, API-key partitions hold, and disk reads never hold up other
+sequences' steps. Tiny random-weight Llama on CPU; helpers from test_kv_tiers."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from imp_jax.runtime.config import EngineConfig
+from imp_jax.runtime.kv_staging import attach_disk
+from imp_jax.runtime.kv_tiers import host_budget_bytes
+from test_kv_tiers import BLOCK_BYTES, FakeLower, _engine, _prompt, _request, run
+
+HOST_GIB = 2 * BLOCK_BYTES / (1 << 30)   # a host tier of two blocks: an 80-token prefix overflows to disk
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(_tiny_hf_template: Path):
+    from imp_jax.model.loader import load_model
+    return load_model(_tiny_hf_template, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_loaded, _tiny_hf_template):
+    return _engine(tiny_loaded, _tiny_hf_template)
+
+
+def disk_engine(loaded, path: Path, disk_dir: Path):
+    core = _engine(loaded, path, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1, kv_disk_dir=str(disk_dir))
+    assert attach_disk(core) is not None
+    return core
+
+
+def evict_then_ask(core, shared: list[int], salt: str | None = None, seed: int = 0):
+    """Serve `shared`, push it out of the device and host tiers with two other prompts, ask for it again."""
+    flow = [[shared + [9]], [_prompt(seed + 1, 100)], [_prompt(seed + 2, 100)], [shared + [11, 12]]]
+    return [run(core, *[_request(p, salt) for p in step]) for step in flow]
+
+
+def tokens(outs) -> list:
+    return [[t for t, _ in step] for step in outs]
+
+
+def test_a_prefix_evicted_to_disk_comes_back_with_the_same_greedy_tokens(tiny_loaded, _tiny_hf_template, plain,
+                                                                           tmp_path):
+    plain.pool.reset_prefix_cache()
+    core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    shared = _prompt(50, 80)
+    want, got = evict_then_ask(plain, shared, seed=50), evict_then_ask(core, shared, seed=50)
+    assert tokens(got) == tokens(want) and want[-1][0][1] == 0
+    stats = core.stats()
+    assert got[-1][0][1] == 80 and stats["kv_disk_hits"] >= 3 and stats["kv_disk_writes"] >= 3
+    assert stats["kv_disk_reads_inflight"] == 0 and stats["kv_disk_staged_bytes"] == 0
+    assert stats["prefix_cache_hits"] >= 80 and stats["kv_disk_bytes_capacity"] == 16 << 30
+    core.tiers.close()
+
+
+def test_a_fresh_engine_over_the_same_model_and_directory_reuses_the_prefixes(tiny_loaded, _tiny_hf_template,
+                                                                               plain, tmp_path):
+    shared = _prompt(60, 80)
+    first = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    evict_then_ask(first, shared, seed=60)
+    first.tiers.close(first.pool)   # engine shutdown: the cached prefixes of every tier go down to disk
+    files = first.stats()["kv_disk_files"]
+    assert files >= 5
+    second = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    assert second.stats()["kv_disk_files"] == files   # found by the start-up scan
+    plain.pool.reset_prefix_cache()
+    (want, _), = run(plain, _request(shared + [11, 12]))
+    (got, cached), = run(second, _request(shared + [11, 12]))
+    assert got == want and cached == 80 and second.stats()["kv_disk_hits"] == 5
+    second.tiers.close()
+
+
+def test_another_model_never_loads_the_first_ones_blocks(tiny_loaded, _tiny_hf_template, tiny_hf_dir, tmp_path):
+    from imp_jax.model.loader import load_model
+    from tiny_models import write_tiny_hf
+
+    shared = _prompt(70, 80)
+    first = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    evict_then_ask(first, shared, seed=70)
+    first.tiers.close()
+    write_tiny_hf("LlamaForCausalLM", tiny_hf_dir, seed=1)   # same architecture and shapes, other weights
+    other = disk_engine(load_model(tiny_hf_dir, dtype="float32"), tiny_hf_dir, tmp_path)
+    assert other.tiers.store.lower.fingerprint != first.tiers.store.lower.fingerprint
+    (_, cached), = run(other, _request(shared + [11, 12]))
+    stats = other.stats()
+    assert cached == 0 and stats["kv_disk_hits"] == 0 and stats["kv_disk_files"] == 0
+    assert first.tiers.store.lower.stats()["files"] >= 3   # the first model's files stay, in their own directory
+    other.tiers.close()
+
+
+def test_api_key_partitions_hold_on_disk(tiny_loaded, _tiny_hf_template, tmp_path):
+    core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    shared = _prompt(80, 80)
+    evict_then_ask(core, shared, salt="key:a", seed=80)
+    core.pool.reset_prefix_cache()   # device and host forget; the disk keeps key a's blocks
+    (_, cached_b), = run(core, _request(shared + [7], salt="key:b"))
+    (_, cached_a), = run(core, _request(shared + [7], salt="key:a"))
+    assert cached_b == 0 and cached_a == 80
+    core.tiers.close()
+
+
+class SlowLower(FakeLower):
+    """A lower store whose reads wait for the test to release them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def get(self, block_hash):
+        assert threading.current_thread() is not threading.main_thread()   # never on the engine's thread
+        self.release.wait(10)
+        return super().get(block_hash)
+
+
+def test_a_disk_read_never_holds_up_other_sequences_steps(tiny_loaded, _tiny_hf_template):
+    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
+    core.tiers.attach_lower(lower := SlowLower(), core.pool)
+    shared = _prompt(90, 80)
+    lower.release.set()
+    evict_then_ask(core, shared, seed=90)
+    core.pool.reset_prefix_cache()
+    lower.release.clear()
+    other, waiter = [], []
+    core.add_request(_request(_prompt(95, 20), max_tokens=30), other.append)
+    core.add_request(_request(shared + [5]), waiter.append)
+    for _ in range(10):   # the other request decodes while the waiter's read is blocked
+        core.step()
+    assert sum(len(e.token_ids) for e in other) >= 5 and not waiter
+    assert core.stats()["kv_disk_reads_inflight"] == 1
+    lower.release.set()
+    while core.has_work():
+        core.step()
+    assert waiter[-1].usage.cached_tokens == 80 and core.pool.num_free_blocks == core.baseline_free_blocks
+    assert core.step_fn.compilations_after_warmup == 0 and core.stats()["kv_disk_staged_bytes"] == 0
+
+
+def test_on_a_cpu_a_disk_dir_turns_on_a_small_host_tier_and_multi_host_turns_both_off():
+    base = dict(model="m", num_kv_blocks=8)
+    assert host_budget_bytes(EngineConfig(**base), "cpu") == 0
+    staging = host_budget_bytes(EngineConfig(**base, kv_disk_dir="/x"), "cpu")
+    assert 0 < staging <= 1 << 30
+    assert host_budget_bytes(EngineConfig(**base, kv_disk_dir="/x", kv_host_gib=0), "cpu") == 0
+
+
+def test_metrics_expose_the_disk_tier(tiny_loaded, _tiny_hf_template, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_text import parse, value
+
+    from imp_jax.server.admission import AdmissionGate
+    from imp_jax.server.engine_metrics import EngineCollector
+
+    core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    evict_then_ask(core, _prompt(100, 80), seed=100)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(core.stats, lambda: ("tiny", True), AdmissionGate(), lambda: {}))
+    m, stats = parse(generate_latest(registry).decode()), core.stats()
+    assert value(m, "imp_kv_disk_tier_hits_total") == stats["kv_disk_hits"] > 0
+    assert value(m, "imp_kv_disk_tier_written_bytes_total") == stats["kv_disk_bytes_written"] > 0
+    assert value(m, "imp_kv_disk_tier_capacity_bytes") == 16 << 30
+    assert value(m, "imp_kv_disk_tier_rejected_total") == 0
+    core.tiers.close()
+
+
+def test_a_directory_others_may_write_is_refused_and_the_engine_serves_without_it(tiny_loaded, _tiny_hf_template,
+                                                                                  tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_disk_dir=str(shared))
+    assert attach_disk(core) is None and core.tiers.store.lower is None
+    (_, cached), = run(core, _request(_prompt(110, 40)))
+    assert cached == 0 and not any(shared.iterdir())
+
+
+def test_engine_shutdown_writes_the_cached_prefixes_to_disk(tiny_loaded, _tiny_hf_template, tmp_path):
+    """AsyncEngine.shutdown closes the tiers: a prefix still in the device pool reaches the disk."""
+    import asyncio
+
+    from imp_jax.runtime.async_engine import AsyncEngine
+
+    core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
+    run(core, _request(_prompt(120, 80) + [1]))   # its 5 full blocks stay cached in the pool
+    assert core.stats()["kv_disk_files"] == 0
+    engine = AsyncEngine(core.config, build=lambda *a, **k: core)
+    engine.start()
+    asyncio.run(engine.wait_ready())
+    engine.shutdown()
+    store = core.tiers.store.lower
+    assert store.stats()["files"] >= 5 and store.stats()["pending_writes"] == 0
