@@ -86,6 +86,28 @@ def activations(m: int, k: int, seed: int) -> np.ndarray:
     return x
 
 
+def assert_within_activation_rounding(blocks: np.ndarray, dense: np.ndarray, x: np.ndarray) -> None:
+    """The q8 kernel's x @ w.T for GGML `blocks` (whose dequantised matrix is `dense`) is off the exact
+    product by at most the rounding of x (d_x / 2 per 32-wide block, times the block's sum |w|; the
+    weights are exact), and by something (it is not the exact path)."""
+    dense = dense.astype(np.float64)
+    got = np.asarray(q8_kernel(x, jnp.asarray(blocks))).astype(np.float64)
+    exact = x.astype(np.float64) @ dense.T
+    _, d, _ = quantise(x)
+    bound = (d.astype(np.float64) / 2) @ np.abs(dense).reshape(dense.shape[0], -1, 32).sum(-1).T
+    assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * np.abs(x) @ np.abs(dense).T)
+    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+
+
+def assert_rows_independent(blocks: np.ndarray, x: np.ndarray,
+                            slices=((0, 1), (5, 6), (3, 10), (63, 65), (64, 70), (250, 260))) -> None:
+    """Bit-identical rows of the q8 kernel whatever rows surround them (`slices` of x's rows)."""
+    w = jnp.asarray(blocks)
+    whole = np.asarray(q8_kernel(x, w))
+    for lo, hi in slices:
+        np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
+
+
 # ----------------------------------------------------------------------- the kernel itself
 def library() -> ctypes.CDLL:
     lib = build.load("gemm_q8")
@@ -155,13 +177,7 @@ def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype
     d_x / 2 * sum |w_j| (the weights are exact); the bound is met, and the error is real (not the
     exact path)."""
     blocks, dense = ggml(qtype, 64, 576, 3)
-    x = activations(8, 576, 4)
-    got = np.asarray(q8_kernel(x, jnp.asarray(blocks))).astype(np.float64)
-    exact = x.astype(np.float64) @ dense.astype(np.float64).T
-    _, d, _ = quantise(x)
-    bound = (d.astype(np.float64) / 2) @ np.abs(dense.astype(np.float64)).reshape(64, 18, 32).sum(-1).T
-    assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * np.abs(x) @ np.abs(dense).T)
-    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+    assert_within_activation_rounding(blocks, dense, activations(8, 576, 4))
 
 
 @needs_kernel
@@ -170,10 +186,7 @@ def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
     """Bit-identical rows whatever the rows around them: one row (its own code path), small tiles,
     and across the work items (64 rows; 256 with AVX-512)."""
     blocks, _ = ggml(qtype, 131, 320, 5)
-    w, x = jnp.asarray(blocks), activations(260, 320, 6)
-    whole = np.asarray(q8_kernel(x, w))
-    for lo, hi in [(0, 1), (5, 6), (3, 10), (63, 65), (64, 70), (250, 260)]:
-        np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
+    assert_rows_independent(blocks, activations(260, 320, 6))
 
 
 @needs_kernel

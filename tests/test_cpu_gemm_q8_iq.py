@@ -13,6 +13,8 @@ from test_cpu_gemm_q8 import (
     CPU_Q8,
     PATHS,
     activations,
+    assert_rows_independent,
+    assert_within_activation_rounding,
     library,
     lowered,
     needs_kernel,
@@ -91,24 +93,14 @@ def test_matches_a_numpy_model_of_the_same_arithmetic(fmt, M, N, K):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(fmt):
     blocks, dense = blocks_of(fmt, 48, 576, 3)
-    dense = dense.astype(np.float64)
-    x = activations(8, 576, 4)
-    got = np.asarray(q8_kernel(x, jnp.asarray(blocks))).astype(np.float64)
-    exact = x.astype(np.float64) @ dense.T
-    _, d, _ = quantise(x)
-    bound = (d.astype(np.float64) / 2) @ np.abs(dense).reshape(48, 18, 32).sum(-1).T
-    assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * np.abs(x) @ np.abs(dense).T)
-    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+    assert_within_activation_rounding(blocks, dense, activations(8, 576, 4))
 
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_result_does_not_depend_on_its_neighbours(fmt):
     blocks, _ = blocks_of(fmt, 131, 320, 5)
-    w, x = jnp.asarray(blocks), activations(260, 320, 6)
-    whole = np.asarray(q8_kernel(x, w))
-    for lo, hi in [(0, 1), (5, 6), (3, 10), (63, 65), (64, 70), (250, 260)]:
-        np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
+    assert_rows_independent(blocks, activations(260, 320, 6))
 
 
 @needs_kernel
