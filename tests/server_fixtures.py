@@ -505,8 +505,13 @@ def exact_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFacto
     transformers' or with another layout of the same arithmetic (tensor parallel, multi-host): the default
     runs this Q4_1 GGUF on int8 activations, whose rounding turns any difference in a row's bits (a sum
     split over devices) into visibly different logits. SIGTERM must end it with 0."""
-    tmp = tmp_path_factory.mktemp("exact_server")
-    live = LiveServer([*REAL_ENGINE_ARGS, "--model", MODEL, "--gemm", "exact"], tmp / "server.log")
+    yield from _session_server([*REAL_ENGINE_ARGS, "--model", MODEL, "--gemm", "exact"],
+                               tmp_path_factory.mktemp("exact_server"))
+
+
+def _session_server(args: list[str], tmp: Path) -> Iterator[LiveServer]:
+    """A session fixture's real server on `args`, ready; SIGTERM must end it with 0."""
+    live = LiveServer(args, tmp / "server.log")
     try:
         wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
         yield live
@@ -528,11 +533,4 @@ def reliability_server(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPat
     tmp = tmp_path_factory.mktemp("reliability_server")
     args = [*REAL_ENGINE_ARGS, "--model", MODEL, "--max-tokens", str(RELIABILITY_MAX_TOKENS),
             "--request-timeout", str(RELIABILITY_TIMEOUT_S), "--responses-store-max-bytes", "1000000"]
-    live = LiveServer(args, tmp / "server.log")
-    try:
-        wait_for(live.url + "/ready", 200, timeout=READY_TIMEOUT_S, proc=live.proc)
-        yield live
-        code = live.stop()
-        assert code == 0, f"the server exited with {code} on SIGTERM; log:\n{live.log_text()[-3000:]}"
-    finally:
-        live.stop()
+    yield from _session_server(args, tmp)
