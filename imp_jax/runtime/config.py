@@ -27,8 +27,9 @@ class EngineConfig:
                             "GPU, the C++ kernel on an x86-64 CPU, else xla")
     gemm: str = _field("auto", "projection GEMM: auto | exact | cpu_q8 | xla (cpu: the old name of exact). exact: "
                        "the x86-64 C++ kernel, transformers' float32 products bit for bit; cpu_q8: the same kernel, but "
-                       "GGUF Q8_0/Q4_x/Q5_x/Q3_K-Q6_K matrices meet activations rounded to int8 (llama.cpp's "
-                       "arithmetic): 1.3-2x faster decode, outputs differ slightly. auto = cpu_q8 for a quantised "
+                       "GGUF matrices kept as blocks (every format: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_x, MXFP4) meet "
+                       "activations rounded to int8 (llama.cpp's arithmetic): 1.3-2x faster decode, outputs differ "
+                       "slightly. auto = cpu_q8 for a quantised "
                        "GGUF kept as blocks on an x86-64 CPU, exact for float weights there, else xla (the start-up "
                        "log says which and why)")
     quantized_weights: str = _field(
