@@ -85,3 +85,19 @@ def test_load_model_picks_cpu_q8_for_a_quantised_gguf_and_exact_for_a_float_chec
     assert load_model(tmp_path / "q.gguf", dtype="float32").model.options.kernels.gemm == "cpu_q8"
     assert load_model(tmp_path / "q.gguf", dtype="float32", gemm="exact").model.options.kernels.gemm == "exact"
     assert load_model(tiny_hf_dir, dtype="float32").model.options.kernels.gemm == "exact"
+
+
+@pytest.mark.parametrize("flag", ["--gemm", "--attention", "--quantized-weights"])
+def test_an_unknown_kernel_name_is_refused_before_anything_starts(flag, tmp_path, capsys):
+    from imp_jax.server.cli import parse_config
+
+    with pytest.raises(SystemExit):   # argparse's one-line refusal, before the HTTP server or the engine
+        parse_config([flag, "cpuq8"], EngineConfig)
+    assert f"argument {flag}: invalid choice: 'cpuq8'" in capsys.readouterr().err
+    cfg = tmp_path / "imp.toml"   # a config file's value is checked as well
+    cfg.write_text(f'{flag[2:].replace("-", "_")} = "cpuq8"\n')
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(cfg)], EngineConfig)
+    assert f"bad engine setting: {flag} 'cpuq8'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"{flag} 'cpuq8': expected one of auto"):
+        EngineConfig(**{flag[2:].replace("-", "_"): "cpuq8"})   # the offline API, LLM(gemm=...)

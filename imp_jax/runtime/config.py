@@ -5,14 +5,18 @@ import dataclasses
 import secrets
 from pathlib import Path
 
+from imp_jax.kernels_pallas.backends import ATTENTION_BACKENDS, GEMM_BACKENDS, QUANTIZED_CHOICES
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.hub import DEFAULT_MODEL
 from imp_jax.paths import compilation_cache_dir
 from imp_jax.runtime.request import SEED_RANGE
 
+GEMM_ALIASES = {"cpu": "exact"}   # --gemm cpu named the exact C++ GEMM before cpu_q8 became a default
 
-def _field(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+
+def _field(default, help: str, choices: tuple[str, ...] | None = None):
+    """A flag's default and help; `choices` makes argparse refuse any other value in one line."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass
@@ -24,20 +28,20 @@ class EngineConfig:
     model_class: str | None = _field(None, "package.module:Class serving a user Flax NNX model")
     layer_loop: str | None = _field(None, "scan | unroll; default scan on CPU, unroll on GPU (docs/PERF.md)")
     attention: str = _field("auto", "attention kernel: auto | xla | cpu | pallas; auto = pallas on a Hopper "
-                            "GPU, the C++ kernel on an x86-64 CPU, else xla")
+                            "GPU, the C++ kernel on an x86-64 CPU, else xla", choices=ATTENTION_BACKENDS)
     gemm: str = _field("auto", "projection GEMM: auto | exact | cpu_q8 | xla (cpu: the old name of exact). exact: "
                        "the x86-64 C++ kernel, transformers' float32 products bit for bit; cpu_q8: the same kernel, but "
                        "GGUF matrices kept as blocks (every format: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_x, MXFP4) meet "
                        "activations rounded to int8 (llama.cpp's arithmetic): 1.3-2x faster decode, outputs differ "
                        "slightly. auto = cpu_q8 for a quantised "
                        "GGUF kept as blocks on an x86-64 CPU, exact for float weights there, else xla (the start-up "
-                       "log says which and why)")
+                       "log says which and why)", choices=(*GEMM_BACKENDS, *GEMM_ALIASES))
     quantized_weights: str = _field(
         "auto", "a GGUF's quantised matrices: auto | keep | dequantize. keep: stored as the file's blocks (the "
         "CPU GEMM kernel reads them; XLA dequantises each one inside the step, matrix by matrix); auto = keep "
         "where the CPU GEMM kernel runs, dequantize (at load) under --gemm xla on a CPU, and on a GPU dequantize "
         "to bf16 when the widened weights and the KV cache of two full-length contexts fit in free memory, "
-        "else keep (the start-up log says which)")
+        "else keep (the start-up log says which)", choices=QUANTIZED_CHOICES)
     max_model_len: int | None = _field(None, "context length; default the model's max_position_embeddings")
     max_num_seqs: int = _field(32, "sequences in one step at most")
     max_num_batched_tokens: int = _field(512, "tokens in one step at most (chunked prefill budget)")
@@ -106,6 +110,10 @@ class EngineConfig:
                               "repeat a run's samples. Seeded requests do not depend on it")
 
     def __post_init__(self) -> None:
+        for name in ("gemm", "attention", "quantized_weights"):   # the offline API skips argparse's choices
+            allowed = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         self.gemm = GEMM_ALIASES.get(self.gemm, self.gemm)   # the one place an old name is read
         if self.seed is None:
             self.seed = secrets.randbits(32)   # unseeded samples differ from one process to the next
@@ -173,7 +181,6 @@ def models_in(directory: Path) -> dict[str, Path]:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
-GEMM_ALIASES = {"cpu": "exact"}   # --gemm cpu named the exact C++ GEMM before cpu_q8 became a default
 DEFAULT_CPU_KV_BYTES = 1 << 30   # 1 GiB
 DEFAULT_GPU_KV_FRACTION = 0.9
 
