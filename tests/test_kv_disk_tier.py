@@ -5,6 +5,7 @@ sequences' steps. Tiny random-weight Llama on CPU; helpers from test_kv_tiers.""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,12 +132,66 @@ def test_a_disk_read_never_holds_up_other_sequences_steps(tiny_loaded, _tiny_hf_
     for _ in range(10):   # the other request decodes while the waiter's read is blocked
         core.step()
     assert sum(len(e.token_ids) for e in other) >= 5 and not waiter
-    assert core.stats()["kv_disk_reads_inflight"] == 1
+    assert core.stats()["kv_disk_reads_inflight"] == 1 and core.waiting_for_reads() is False   # others ran
+    core.tiers.wake = (woken := threading.Event()).set
     lower.release.set()
+    assert woken.wait(10)   # the reader thread tells the engine thread (AsyncEngine: EngineThread.wake)
     while core.has_work():
         core.step()
     assert waiter[-1].usage.cached_tokens == 80 and core.pool.num_free_blocks == core.baseline_free_blocks
     assert core.step_fn.compilations_after_warmup == 0 and core.stats()["kv_disk_staged_bytes"] == 0
+
+
+def test_the_engine_thread_sleeps_while_its_only_work_is_a_disk_read(tiny_loaded, _tiny_hf_template):
+    """With nothing to run but a sequence whose prefix is read from disk, the AsyncEngine's thread waits for a
+    command (a landed read posts one) instead of stepping; other requests and stats are still served."""
+    import asyncio
+
+    from imp_jax.runtime.async_engine import AsyncEngine
+
+    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
+    core.tiers.attach_lower(lower := SlowLower(), core.pool)
+    shared = _prompt(130, 80)
+    lower.release.set()
+    evict_then_ask(core, shared, seed=130)
+    core.pool.reset_prefix_cache()
+    lower.release.clear()
+    steps: list[int] = []
+    step = core.step
+    core.step = lambda: steps.append(ran := step()) or ran
+    engine = AsyncEngine(core.config, build=lambda *a, **k: core)
+
+    async def scenario() -> tuple[int, int, int, int]:
+        await engine.wait_ready()
+        waiter = asyncio.ensure_future(_collect(engine, _request(shared + [5])))
+        deadline = time.monotonic() + 10
+        while engine.stats()["kv_disk_reads_inflight"] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        before = len(steps)
+        await asyncio.sleep(1.0)   # only the read is left: a polling loop would step thousands of times
+        idle_steps = len(steps) - before
+        other = await _collect(engine, _request(_prompt(131, 20), max_tokens=4))   # a command still wakes it
+        assert not waiter.done() and engine.stats()["kv_disk_reads_inflight"] == 1
+        lower.release.set()
+        done = await asyncio.wait_for(waiter, 30)
+        return idle_steps, len(other.token_ids), done.usage.cached_tokens, len(steps)
+
+    engine.start()
+    try:
+        idle_steps, other_tokens, cached, total = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert idle_steps <= 4 and other_tokens == 4 and cached == 80 and total < 200
+    assert core.pool.num_free_blocks == core.baseline_free_blocks and core.stats()["kv_disk_staged_bytes"] == 0
+
+
+async def _collect(engine, req):
+    """A request's events folded into its last one, with every token id."""
+    ids: list[int] = []
+    async for ev in engine.generate(req):
+        ids += ev.token_ids
+    ev.token_ids = ids
+    return ev
 
 
 def test_on_a_cpu_a_disk_dir_turns_on_a_small_host_tier_and_multi_host_turns_both_off():

@@ -233,6 +233,8 @@ class AsyncEngine(EngineThread, Engine):
 
         build = self._build or functools.partial(build_engine, background_compile=True, replica=self.replica)
         self._core = build(self.config, progress)
+        if self._core.tiers is not None:
+            self._core.tiers.wake = self.wake   # a disk read that lands ends the loop's wait (_loop)
         with self._compiler_lock:
             if not self._core.step_fn.warm and not self._stopping:
                 self._compiler = compile_in_background(self._core)
@@ -252,7 +254,8 @@ class AsyncEngine(EngineThread, Engine):
         self._last_request = time.monotonic()
         while True:
             warming = not core.has_work() and core.step_fn.has_unrun()
-            if not self._drain(block=not core.has_work() and not warming):
+            # idle, or only disk reads can make progress: wait for a command (a landed read posts one)
+            if not self._drain(block=(not core.has_work() or core.waiting_for_reads()) and not warming):
                 return
             if self.state == "faulted":
                 continue

@@ -42,6 +42,11 @@ class Stop(Command):
     """End the engine thread's loop (shutdown)."""
 
 
+@dataclasses.dataclass
+class Wake(Command):
+    """Nothing to apply: ends the engine thread's wait for a command (EngineThread.wake: a disk read landed)."""
+
+
 # ------------------------------------------------------------------ generation engine (async_engine.py)
 @dataclasses.dataclass
 class AddRequest(Command):

@@ -76,6 +76,7 @@ class EngineCore:
         self.num_steps, self._num_launched = 0, 0   # steps read back; launched (each one's sampler key)
         self.async_scheduling = config.async_scheduling == "on"
         self._inflight: _Launched | None = None   # asynchronous scheduling: the step launched, not yet read
+        self._scheduled_nothing = False           # the last step had no chunks and nothing in flight to read
         self._fetched_at = 0.0    # when the host last read a step (perf_counter)
         self._busy_at = 0.0       # when the device was last known busy with the step in flight
         self.host_seconds = 0.0   # of the step loop's time, the part the device may have waited for the host
@@ -172,6 +173,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.output.deferred) or self._inflight is not None
 
+    def waiting_for_reads(self) -> bool:
+        """Whether the last step scheduled nothing while disk reads are under way: until a read lands
+        (`tiers.wake`) or a command comes, another step would schedule nothing either."""
+        return self._scheduled_nothing and self.tiers is not None and self.tiers.reading > 0
+
     # ---------------------------------------------------------------------- step
     def step(self) -> int:
         """Run one batch; returns the number of sequences whose step was read (0 when idle)."""
@@ -206,6 +212,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         self.failures.scope = chunks + self.failures.scope
         chunks = self._run_features_tokens(chunks)
+        self._scheduled_nothing = not chunks and prev is None
         if not chunks:
             if prev is not None:
                 n, w = self._read(self._take_inflight())

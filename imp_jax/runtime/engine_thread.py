@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from imp_jax.errors import EngineError, ImpError
-from imp_jax.runtime.commands import Command, Stop
+from imp_jax.runtime.commands import Command, Stop, Wake
 
 DRAIN_WAIT_S = 0.5   # how long an idle engine thread waits for a command before looking at its own work
 
@@ -80,6 +80,10 @@ class EngineThread(abc.ABC):
                 raise EngineError(f"the {self._what} stopped", code="engine_stopped", status=503)
             self._inbox.put(command)
 
+    def wake(self) -> None:
+        """End the engine thread's wait for a command now (any thread): work it waits on became ready."""
+        self._inbox.put(Wake())
+
     def _ask_future(self, command: Command) -> asyncio.Future[Any]:
         """Submit `command`; the future of its answer (an exception when the answer is one)."""
         loop = asyncio.get_running_loop()
@@ -126,17 +130,22 @@ class EngineThread(abc.ABC):
         while True:
             if isinstance(command, Stop):
                 return False
-            try:
-                self._apply(command)
-            except ImpError as e:   # a refusal (bad input, wrong state): the caller's answer
-                command.answer(e)
-            except Exception as e:   # never leave a caller waiting
-                self._log.exception("%s: %s failed", self._what, type(command).__name__)
-                command.answer(EngineError(f"{type(command).__name__} failed: {e}"))
+            if not isinstance(command, Wake):
+                self._apply_answered(command)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _apply_answered(self, command: Command) -> None:
+        """Apply `command`; a refusal or a failure is its answer, never the thread's exception."""
+        try:
+            self._apply(command)
+        except ImpError as e:   # a refusal (bad input, wrong state): the caller's answer
+            command.answer(e)
+        except Exception as e:   # never leave a caller waiting
+            self._log.exception("%s: %s failed", self._what, type(command).__name__)
+            command.answer(EngineError(f"{type(command).__name__} failed: {e}"))
 
     @abc.abstractmethod
     def _load(self) -> None:

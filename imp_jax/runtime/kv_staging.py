@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -37,9 +37,11 @@ class DiskStaging:
     docstring). Held payloads and reads under way stay within `capacity` bytes (the host tier's budget, at least one
     longest context's blocks): past it, a sequence is admitted without reading the disk and recomputes them."""
 
-    def __init__(self, pool: KVBlockPool, lower: LowerStore, capacity: int, block_bytes: int, in_memory) -> None:
+    def __init__(self, pool: KVBlockPool, lower: LowerStore, capacity: int, block_bytes: int,
+                 in_memory: Callable[[bytes, bytes], bool], landed: Callable[[], None]) -> None:
         self._pool, self._lower, self.capacity, self.block_bytes = pool, lower, capacity, block_bytes
         self._in_memory = in_memory   # (hash, preimage) -> whether the host holds it or its spill is under way
+        self._landed = landed         # called on the reader thread as each read ends (wakes the engine thread)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         self._reads: dict[int, tuple[Future[Read], int]] = {}      # seq_id -> (its read, bytes reserved)
         self._held: dict[bytes, tuple[bytes, np.ndarray]] = {}      # hash -> (preimage, payload) read, not taken
@@ -68,7 +70,9 @@ class DiskStaging:
         if not wanted or self.bytes + reserve > self.capacity:
             return True
         self.bytes += reserve
-        self._reads[seq.seq_id] = (self._reader.submit(_read, self._lower, wanted), reserve)
+        read = self._reader.submit(_read, self._lower, wanted)
+        self._reads[seq.seq_id] = (read, reserve)
+        read.add_done_callback(lambda _: self._landed())
         return False
 
     def holds(self, block_hash: bytes, preimage: bytes) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -79,6 +79,12 @@ class KVTiers:
         self._swapped: dict[int, int] = {}           # seq_id -> computed tokens its swap holds
         self._generation = 0                         # bumped by clear(): older spills are dropped on landing
         self.staging: DiskStaging | None = None      # the disk tier's reads (attach_lower)
+        self.wake: Callable[[], None] = _nothing     # any thread: a disk read landed (AsyncEngine: EngineThread.wake)
+
+    @property
+    def reading(self) -> int:
+        """Sequences whose disk reads are under way (or landed and not yet taken by their admission)."""
+        return self.staging.reading if self.staging is not None else 0
 
     @property
     def inflight_blocks(self) -> int:
@@ -91,7 +97,7 @@ class KVTiers:
         self.store.lower = lower
         one_context = self.step_fn.shapes.max_blocks * self.copier.block_bytes   # the longest prompt always stages
         self.staging = DiskStaging(pool, lower, max(self.store.capacity, one_context), self.copier.block_bytes,
-                                   self.in_memory)
+                                   self.in_memory, lambda: self.wake())
 
     def close(self, pool: KVBlockPool | None = None) -> None:
         """Engine shutdown: stop the reads; with a lower store, offer it the idle cached blocks of `pool` and the
@@ -244,7 +250,7 @@ class KVTiers:
                     kv_host_blocks=self.store.num_prefix_blocks, kv_host_swapped_seqs=len(self._swapped),
                     kv_host_inflight_blocks=self.inflight_blocks, kv_host_spilling_blocks=len(self._spilling),
                     kv_host_spills_total=s.spills, kv_host_not_durable_total=s.not_durable,
-                    kv_disk_reads_inflight=self.staging.reading if self.staging is not None else 0,
+                    kv_disk_reads_inflight=self.reading,
                     kv_disk_staged_bytes=self.staging.bytes if self.staging is not None else 0,
                     kv_host_evictions_total=s.evictions, kv_host_lower_hits_total=s.lower_hits,
                     kv_swaps_out_total=s.swaps_out, kv_swaps_in_total=s.swaps_in,
@@ -252,6 +258,10 @@ class KVTiers:
                     kv_host_bytes_in_total=s.bytes_in, kv_min_swap_tokens=self.min_swap_tokens,
                     kv_disk_bytes_capacity=int(getattr(self.store.lower, "max_bytes", 0)),
                     **{f"kv_disk_{k}": int(v) for k, v in lower.items()})
+
+
+def _nothing() -> None:
+    """The default `KVTiers.wake`: an engine driven step by step (tests, offline) has nothing to wake."""
 
 
 def attach_tiers(core: Any, platform: str) -> KVTiers | None:
