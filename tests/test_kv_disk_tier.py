@@ -105,6 +105,45 @@ def test_api_key_partitions_hold_on_disk(tiny_loaded, _tiny_hf_template, tmp_pat
     core.tiers.close()
 
 
+def lora_disk_engine(path: Path, disk_dir: Path, adapter: Path):
+    """A fresh engine (a restart: its own model and slots) with adapter "a" read from `adapter`, over `disk_dir`."""
+    from imp_jax.model.loader import load_model
+    from imp_jax.model.lora import LoraOptions
+
+    loaded = load_model(path, dtype="float32")
+    loaded.model.enable_lora(LoraOptions(2, 8))
+    core = _engine(loaded, path, max_loras=2, max_lora_rank=8, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1,
+                   kv_disk_dir=str(disk_dir))
+    assert attach_disk(core) is not None
+    core.load_lora("a", core.loras.read(str(adapter)))
+    return core
+
+
+def test_lora_prefixes_on_disk_serve_the_same_adapter_after_a_restart_and_never_another(_tiny_hf_template,
+                                                                                        tmp_path):
+    from tiny_models import make_adapter
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    same, other = (make_adapter(_tiny_hf_template, tmp_path / f"ad{seed}", seed, **lora) for seed in (1, 2))
+    shared = _prompt(140, 80) + [11, 12]
+    ask = lambda core: run(core, _request(shared, lora="a"))[0]
+    first = lora_disk_engine(_tiny_hf_template, tmp_path / "disk", same)
+    want, cached = ask(first)
+    assert cached == 0
+    first.tiers.close(first.pool)   # shutdown: its 5 LoRA prefix blocks go down to disk
+    assert first.stats()["kv_disk_files"] == 5 and first.stats()["kv_host_not_durable_total"] == 0
+    restarted = lora_disk_engine(_tiny_hf_template, tmp_path / "disk", same)
+    assert restarted.loras.by_name["a"].digest == first.loras.by_name["a"].digest
+    assert ask(restarted) == (want, 80) and restarted.stats()["kv_disk_hits"] == 5
+    restarted.tiers.close()
+    renamed = lora_disk_engine(_tiny_hf_template, tmp_path / "disk", other)   # same name, other weights
+    got, cached = ask(renamed)
+    assert cached == 0 and renamed.stats()["kv_disk_hits"] == 0 and got != want
+    (_, base_cached), = run(renamed, _request(shared))   # nor does the base model read the adapter's blocks
+    assert base_cached == 0 and renamed.stats()["kv_disk_hits"] == 0
+    renamed.tiers.close()
+
+
 class SlowLower(FakeLower):
     """A lower store whose reads wait for the test to release them."""
 

@@ -14,7 +14,8 @@ import pytest
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.kv_blocks import KVBlockPool
-from imp_jax.runtime.kv_hash import block_preimage, durable_preimage, hash_block, prefix_hashes
+from imp_jax.runtime.kv_hash import (block_preimage, durable_preimage, hash_block, key_bytes, key_from_bytes,
+                                     prefix_hashes)
 from imp_jax.runtime.kv_host import HostKVStore
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.runtime.sharding import default_mesh
@@ -64,16 +65,19 @@ def test_host_store_evicts_lru_to_the_lower_store_and_never_reads_it():
 
 
 def test_blocks_whose_key_dies_with_the_process_never_reach_the_lower_store():
-    """LoRA keys carry a per-process load generation, scoring keys a fresh uuid4: such blocks are dropped on
-    eviction (counted), while None and API-key salts go down."""
+    """Scoring keys carry a fresh uuid4 (and a LoRA key with a load counter would be per-process): such blocks are
+    dropped on eviction (counted), while None, API-key salts and LoRA keys of a content digest go down."""
     lower = FakeLower()
     store = HostKVStore(capacity=64, lower=lower)
-    keys = [("key:a", "lora", "ad", 1), ("private", "f00", None), None, "key:a"]
+    lora = ("key:a", "lora", "ad", "0123abcd")
+    keys = [("key:a", "lora", "ad", 1), ("private", "f00", None), ("private", "f00", lora), None, "key:a", lora,
+            (None, "lora", "ad", "0123abcd")]
     for i, key in enumerate(keys + [None]):
         pre = block_preimage(None, [i] * 4, key)
-        assert durable_preimage(pre) == (key is None or isinstance(key, str))
+        assert key_from_bytes(key_bytes(key) + b"rest") == (key, b"rest")
+        assert durable_preimage(pre) == (i > 2)
         store.put(hash_block(pre), pre, np.zeros(16, np.float32))
-    assert lower.puts == 2 and store.stats.not_durable == 2 and store.stats.evictions == 4
+    assert lower.puts == 4 and store.stats.not_durable == 3 and store.stats.evictions == 7
 
 
 def test_host_store_refuses_a_swap_it_cannot_hold_and_frees_it_on_take():
@@ -181,9 +185,10 @@ def tiered(tiny_loaded, _tiny_hf_template) -> EngineCore:
     return core
 
 
-def _request(prompt: list[int], salt: str | None = None, max_tokens: int = 8) -> GenerationRequest:
+def _request(prompt: list[int], salt: str | None = None, max_tokens: int = 8, lora: str | None = None
+             ) -> GenerationRequest:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return GenerationRequest(f"tier-{next(_ids)}", list(prompt), params, cache_salt=salt)
+    return GenerationRequest(f"tier-{next(_ids)}", list(prompt), params, cache_salt=salt, lora=lora)
 
 
 def run(core: EngineCore, *reqs: GenerationRequest) -> list[tuple[list[int], int]]:

@@ -276,7 +276,7 @@ def test_prompt_logprobs_are_the_adapters(core):
     assert len(a) == len(PROMPT) - 1 and a != base and first_logprob("a") == a
 
 
-def test_prefix_cache_is_keyed_by_adapter_and_by_load(core, adapters):
+def test_prefix_cache_is_keyed_by_adapter_name_and_content(core, adapters):
     if "b" not in core.loras.by_name:
         load(core, "b", adapters["b"])
     cached = lambda name: run(core, request(LONG, name, max_tokens=2))[0]["usage"].cached_tokens
@@ -287,7 +287,10 @@ def test_prefix_cache_is_keyed_by_adapter_and_by_load(core, adapters):
     assert cached(None) == 32
     unload_now(core, "b")
     load(core, "b", adapters["a"])   # the same name, another adapter: nothing reused
-    assert cached("b") == 0
+    assert cached("b") == 0          # (nor adapter "a"'s blocks: the name is in the key too)
+    unload_now(core, "b")
+    load(core, "b", adapters["b"])   # the same name and weights again: the same KV, reused
+    assert cached("b") == 32
     unload_now(core, "b")
     assert core.step_fn.compilations_after_warmup == 0
 

@@ -47,6 +47,7 @@ class Adapter:
     path: Path
     rank: int                                              # the largest module rank
     weights: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]
+    digest: str = ""   # its content fingerprint, set by whoever serves it (runtime/lora.py adapter_digest)
 
     @property
     def modules(self) -> list[str]:

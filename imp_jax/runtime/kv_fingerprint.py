@@ -39,10 +39,9 @@ def model_fingerprint(weights: str, *, kv_dtype: str, block_size: int, num_layer
     adapter: leave empty unless every block of this store is computed under one fixed adapter. Adapters
     loaded at run time partition blocks through the chain hash's extra key instead (kv_hash.key_bytes
     of Sequence.cache_key: the request's cache_salt, "key:" + the API key's SHA-256 or None, and for a
-    LoRA request ("lora", name, generation)). That generation is a per-process counter, so
-    across a restart ("a", 1) may name another adapter: a LoRA block must not go to disk unless its key
-    carries the adapter's content (e.g. weights_digest of its folder) in place of the generation.
-    Blocks of a private key (prompt scoring: a fresh uuid4 per request) are never hit again; do not store them.
+    LoRA request ("lora", name, lora.adapter_digest: the adapter's content, the same after a restart).
+    Blocks of a private key (prompt scoring: a fresh uuid4 per request) are never hit again; do not store them
+    (kv_hash.durable_key says which keys may be stored).
     """
     fields = {"version": FINGERPRINT_VERSION, "weights": weights, "kv_dtype": kv_dtype, "block_size": block_size,
               "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "tp_size": tp_size,

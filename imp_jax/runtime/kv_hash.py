@@ -47,8 +47,38 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int, extra_key: Hashable
         yield parent
 
 
+def key_from_bytes(data: bytes) -> tuple[Hashable, bytes]:
+    """The inverse of key_bytes on the start of `data`: (the extra key, the bytes after its encoding)."""
+    tag = data[:1]
+    if tag == b"n":
+        return None, data[1:]
+    n = int.from_bytes(data[1:9], "little")
+    body, rest = data[9:9 + n], data[9 + n:]
+    if tag == b"s":
+        return body.decode("utf-8", "surrogatepass"), rest
+    if tag == b"b":
+        return body, rest
+    if tag == b"i":
+        return int(body), rest
+    if tag != b"t":
+        raise ValueError(f"prefix-cache extra key tag {tag!r}")
+    items: list[Hashable] = []
+    while body:
+        item, body = key_from_bytes(body)
+        items.append(item)
+    return tuple(items), rest
+
+
+def durable_key(extra_key: Hashable) -> bool:
+    """Whether an extra key means the same after a restart: None, a string (a request's cache_salt: the API
+    key's digest), or a LoRA key (salt, "lora", name, content digest: lora.adapter_digest). Anything else is
+    per-process: a private key (prompt scoring) carries a fresh uuid4, an older LoRA key a load counter."""
+    if extra_key is None or isinstance(extra_key, str):
+        return True
+    return (isinstance(extra_key, tuple) and len(extra_key) == 4 and extra_key[1] == "lora"
+            and all(k is None or isinstance(k, str) for k in extra_key))
+
+
 def durable_preimage(preimage: bytes) -> bool:
-    """Whether a block's extra key means the same after a restart, so the block may go to disk: None or a
-    string (a request's cache_salt: the API key's digest). A tuple is per-process: a LoRA key carries its
-    adapter's load generation (a counter), a private key (prompt scoring) a fresh uuid4."""
-    return preimage[1 + preimage[0]:2 + preimage[0]] in (b"n", b"s")
+    """Whether a block's extra key is durable (durable_key), so the block may go to disk."""
+    return durable_key(key_from_bytes(preimage[1 + preimage[0]:])[0])

@@ -41,7 +41,7 @@ class HostStats:
     spills: int = 0         # prefix blocks the device evicted into the host
     evictions: int = 0      # prefix blocks the host dropped for room (handed to `lower` when there is one)
     lower_hits: int = 0     # prefix blocks read back from the lower store (the pool counts every tier's hits)
-    not_durable: int = 0    # evicted blocks kept from the lower store: their key is per-process (LoRA, scoring)
+    not_durable: int = 0    # evicted blocks kept from the lower store: their key is per-process (prompt scoring)
     swaps_out: int = 0      # sequences swapped out (their blocks copied to the host on preemption)
     swaps_in: int = 0       # sequences swapped back in
     swap_refusals: int = 0  # swaps the budget could not hold (those sequences recompute)
@@ -114,7 +114,7 @@ class HostKVStore:
 
     def _hand_down(self, block_hash: bytes, preimage: bytes | None, payload: np.ndarray, to_lower: bool) -> None:
         """Give an evicted block to the lower store, if its key means the same after a restart (durable_preimage:
-        LoRA and prompt-scoring blocks stay out) and the store lacks it."""
+        prompt-scoring blocks stay out) and the store lacks it."""
         if not to_lower or self.lower is None:
             return
         if preimage is None or not durable_preimage(preimage):

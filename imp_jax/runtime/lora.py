@@ -4,17 +4,21 @@ An adapter is loaded into a free slot (1..max_loras) by writing the slot's colum
 (a device update of parameter values: no program changes shape, nothing compiles). Requests name
 it; each running request holds it. Unloading takes the name away at once (new requests get
 `lora_not_loaded`), waits until the requests holding it end, then zeroes and frees the slot; an
-unload whose caller stopped waiting (`keep`) gives the name back instead. Each
-load gets a new generation, which keys the prefix cache with the name, so blocks computed under
-an earlier adapter of the same name are never reused. Engine thread only, like the rest of the core.
+unload whose caller stopped waiting (`keep`) gives the name back instead. The prefix cache keys
+an adapter's blocks by its name and content digest (`adapter_digest`, computed when it is read), so
+blocks computed under an earlier adapter of the same name are never reused, in this process or, from
+the disk tier, after a restart; a reload of the same weights reuses its blocks (they are the same
+KV). Each load also gets a generation, the `id` the API shows. Engine thread only, like the rest of the core.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from typing import Any, Callable
 
 import numpy as np
+import xxhash
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.model.lora import LoraOptions
@@ -28,15 +32,17 @@ class LoadedAdapter:
     name: str
     slot: int
     path: str
-    generation: int
+    generation: int                                 # the load's number in this process: the API's `id`
     rank: int
     modules: list[str]
+    digest: str                                     # adapter_digest: its content, the same after a restart
     active: int = 0                                 # requests holding it
     unload_waiters: list[Reply] | None = None       # set once an unload was asked for
 
     @property
-    def cache_key(self) -> tuple[str, int]:
-        return self.name, self.generation
+    def cache_key(self) -> tuple[str, str]:
+        """What its sequences' prefix-cache key adds to the salt (kv_hash.durable_key: may go to disk)."""
+        return self.name, self.digest
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "id": self.generation, "path": self.path, "slot": self.slot,
@@ -60,9 +66,10 @@ class AdapterSlots:
     def read(self, path: str) -> Adapter:
         """The adapter at `path`, checked against the model (any thread); 400 lora_load_failed if it does not fit."""
         try:   # its values are bounded below float16's range, the slabs' type on a CPU (model/peft.py)
-            return read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
+            adapter = read_adapter(path, self.targets, self.num_layers, self.options.max_rank)
         except AdapterError as e:
             raise InvalidRequestError(str(e), code="lora_load_failed", param="path") from None
+        return dataclasses.replace(adapter, digest=adapter_digest(adapter, self.slab_dtype))
 
     def load(self, name: str, adapter: Adapter) -> LoadedAdapter:
         """Put `adapter` in a free slot under `name`: 409 when the name is taken or every slot is."""
@@ -78,7 +85,8 @@ class AdapterSlots:
         except BaseException:
             self._free.insert(0, slot)
             raise
-        loaded = LoadedAdapter(name, slot, str(adapter.path), next(self._generations), adapter.rank, adapter.modules)
+        loaded = LoadedAdapter(name, slot, str(adapter.path), next(self._generations), adapter.rank, adapter.modules,
+                               adapter.digest or adapter_digest(adapter, self.slab_dtype))
         self.by_name[name] = loaded
         return loaded
 
@@ -160,3 +168,14 @@ class AdapterSlots:
     def describe(self) -> list[dict[str, Any]]:
         """The loaded adapters (any thread: the dict is copied in one step under the GIL)."""
         return [a.describe() for a in list(self.by_name.values())]
+
+
+def adapter_digest(adapter: Adapter, slab_dtype: np.dtype) -> str:
+    """32 hex digits naming what an adapter's KV depends on: every (module, layer)'s A and scaled B (shape,
+    dtype, bytes; the alpha / r scale is folded in) and the slabs' dtype they are cast to. Its path is not in it."""
+    h = xxhash.xxh3_128(json.dumps(["lora-v1", np.dtype(slab_dtype).name]).encode())
+    for (module, layer), pair in sorted(adapter.weights.items()):
+        for w in pair:
+            h.update(json.dumps([module, layer, w.dtype.str, list(w.shape)]).encode())
+            h.update(np.ascontiguousarray(w).tobytes())
+    return h.hexdigest()

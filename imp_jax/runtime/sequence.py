@@ -49,7 +49,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     reasoning: ThinkTracker | None = None  # its think-block tracker, when the request splits reasoning
     lora_slot: int = 0                  # its LoRA adapter's slot (runtime/lora.py), 0 = none
-    lora_key: tuple[str, int] | None = None  # the adapter's (name, load generation)
+    lora_key: tuple[str, str] | None = None  # the adapter's (name, content digest): LoadedAdapter.cache_key
     # tokens sampled by launched steps the host has not read yet (asynchronous scheduling, engine.py):
     # they count in num_tokens (the scheduler plans with them), not in output_ids / all_ids
     pending: int = 0

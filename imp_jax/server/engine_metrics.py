@@ -69,7 +69,7 @@ ENGINE_COUNTERS = (
     ("imp_kv_disk_tier_write_errors", "kv_disk_write_errors", "Block writes that failed (disk full, "
      "permissions)"),
     ("imp_kv_disk_tier_skipped", "kv_host_not_durable_total", "Blocks the host tier evicted without writing to "
-     "disk: their cache key does not survive a restart (LoRA adapters, prompt scoring)"),
+     "disk: their cache key does not survive a restart (prompt scoring's private blocks)"),
     ("imp_kv_swap_refusals", "kv_swap_refusals_total", "Preempted sequences the host tier had no room for "
      "(they recompute)"),
     ("imp_kv_evicted_tokens", "kv_evicted_tokens_total", "Tokens of cached prefix blocks that left the "
