@@ -136,7 +136,7 @@ def disk_fingerprint(core: EngineCore) -> str:
     """The identity a disk block must match to serve this engine: weights, KV geometry and storage dtype, compute
     dtype, tensor-parallel size, model class, rope as served, payload layout (runtime/kv_fingerprint.py)."""
     loaded, config = core.loaded, core.config
-    k = core.step_fn._kv_spec[0]   # [layers, blocks, block_size, kv_heads, head_dim], the whole head count
+    k = core.step_fn.kv_spec[0]   # [layers, blocks, block_size, kv_heads, head_dim], the whole head count
     layers, _, block_size, kv_heads, head_dim = k.shape
     model_class = config.model_class or f"{type(loaded.model).__module__}.{type(loaded.model).__qualname__}"
     return model_fingerprint(weights_digest(loaded.path), kv_dtype=np.dtype(k.dtype).name, block_size=block_size,

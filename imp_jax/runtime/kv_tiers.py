@@ -70,8 +70,8 @@ class KVTiers:
     def __init__(self, step_fn: CompiledStep, store: HostKVStore, min_swap_tokens: int):
         self.step_fn = step_fn
         self.store = store
-        self.copier = BlockCopier(step_fn._kv_spec, step_fn.mesh)
-        self.block_size = step_fn._kv_spec[0].shape[2]
+        self.copier = BlockCopier(step_fn.kv_spec, step_fn.mesh)
+        self.block_size = step_fn.kv_spec[0].shape[2]
         self.min_swap_tokens = min_swap_tokens
         self._ops: list[tuple[str, list[int], list]] = []   # queued copies, in decision order (_queue)
         self._inflight: list[_Gather] = []

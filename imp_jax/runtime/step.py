@@ -192,6 +192,11 @@ class CompiledStep:
         return not self.suspended and (bool(self._unrun) or self._score_unrun)
 
     @property
+    def kv_spec(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """The K and V caches' shape, storage dtype and sharding: [layers, blocks, block_size, kv_heads, head_dim]."""
+        return self._kv_spec
+
+    @property
     def num_compiled(self) -> int:
         """Step programs compiled so far (all of `buckets` once warm)."""
         return len(self._compiled)
