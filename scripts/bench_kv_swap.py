@@ -3,7 +3,8 @@
     python scripts/bench_kv_swap.py [--model smollm2-135m-instruct] [--prompt-lens 64 256] [--repeats 3]
 
 Measures, on this machine's backend: the host tier's block copies (gather N blocks + read them to the host;
-scatter N blocks back), and prefill time per prompt token (a fresh prompt, max_tokens 1). A preempted sequence
+scatter N blocks back) in the tier's host memory and, where that is pinned_host, in pageable numpy arrays too
+(kv_copy.host_memory_kind), and prefill time per prompt token (a fresh prompt, max_tokens 1). A preempted sequence
 of n computed tokens costs, swapped, out + in = 2 * fixed + n * 2 * copy_per_token; recomputed,
 n * prefill_per_token. The break-even n* = 2 * fixed / (prefill_per_token - 2 * copy_per_token).
 """
@@ -36,7 +37,7 @@ def main() -> None:
 
     from imp_jax.runtime.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.kv_copy import to_host
+    from imp_jax.runtime.kv_copy import BlockCopier
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
     top = max(args.prompt_lens)
@@ -45,16 +46,24 @@ def main() -> None:
     core = build_engine(config)
     tiers, bs = core.tiers, config.block_size
     per_block = tiers.copier.block_bytes
-    copies = {}
-    for n in (1, 16, 64):
-        ids = list(range(1, n + 1))
-        out = best_of(lambda: to_host(tiers.copier.gather(core.step_fn.kv, ids)), args.repeats)
-        payload = to_host(tiers.copier.gather(core.step_fn.kv, ids))
+    def measure(copier: BlockCopier) -> dict[int, tuple[float, float]]:
+        copies = {}
+        for n in (1, 16, 64):
+            ids = list(range(1, n + 1))
+            out = best_of(lambda: copier.payloads(copier.gather(core.step_fn.kv, ids)), args.repeats)
+            payload = copier.payloads(copier.gather(core.step_fn.kv, ids))
 
-        def back():
-            core.step_fn.kv = tiers.copier.scatter(core.step_fn.kv, ids, payload)
-            jax.block_until_ready(core.step_fn.kv)
-        copies[n] = (out, best_of(back, args.repeats))
+            def back():
+                core.step_fn.kv = copier.scatter(core.step_fn.kv, ids, payload)
+                jax.block_until_ready(core.step_fn.kv)
+            copies[n] = (out, best_of(back, args.repeats))
+        return copies
+
+    # the tier's own host memory (pinned_host where the backend has it), and pageable numpy to compare
+    by_memory = {tiers.copier.host_kind or "pageable": measure(tiers.copier)}
+    if tiers.copier.host_kind is not None:
+        by_memory["pageable"] = measure(BlockCopier(core.step_fn.kv_spec, core.step_fn.mesh, None))
+    copies = next(iter(by_memory.values()))
     fixed = (copies[1][0] + copies[1][1]) / 2
     copy_per_token = (copies[64][0] + copies[64][1]) / 2 / (64 * bs)
     rng = np.random.default_rng(0)
@@ -72,8 +81,9 @@ def main() -> None:
     margin = prefill_per_token - 2 * copy_per_token
     result = dict(
         backend=jax.default_backend(), model=args.model, block_bytes=per_block, block_size=bs,
-        gather_ms={n: round(1e3 * c[0], 3) for n, c in copies.items()},
-        scatter_ms={n: round(1e3 * c[1], 3) for n, c in copies.items()},
+        host_memory=tiers.copier.host_kind or "pageable",
+        gather_ms={kind: {n: round(1e3 * c[0], 3) for n, c in cs.items()} for kind, cs in by_memory.items()},
+        scatter_ms={kind: {n: round(1e3 * c[1], 3) for n, c in cs.items()} for kind, cs in by_memory.items()},
         copy_gb_per_s=round(64 * per_block / ((copies[64][0] + copies[64][1]) / 2) / 1e9, 2),
         prefill_ms={n: round(1e3 * t, 1) for n, t in prefill.items()},
         prefill_us_per_token=round(1e6 * prefill_per_token, 1), copy_us_per_token=round(1e6 * copy_per_token, 2),

@@ -89,23 +89,49 @@ def test_host_store_refuses_a_swap_it_cannot_hold_and_frees_it_on_take():
     assert store.take_swap(7).sum() == 25 and store.used == 0
 
 
-def test_block_copies_gather_and_scatter_any_count_through_fixed_buckets():
+@pytest.mark.parametrize("host_kind", ["pinned_host", None])
+def test_block_copies_gather_and_scatter_any_count_through_fixed_buckets(host_kind):
+    """Both host memories: pinned JAX arrays (the gather writes them, the scatter reads them) and numpy; a scatter
+    also takes numpy payloads (disk reads) in pinned mode."""
     import jax
 
-    from imp_jax.runtime.kv_copy import BlockCopier, _chunks, to_host
+    from imp_jax.runtime.kv_copy import BlockCopier, _chunks
 
     assert _chunks(70) == [(0, 64, 64), (64, 6, 16)] and _chunks(1) == [(0, 1, 1)] and _chunks(0) == []
     rng = np.random.default_rng(0)
     k0, v0 = (rng.standard_normal((2, 80, 2, 2, 4)).astype(np.float32) for _ in range(2))
     kv = (jnp.asarray(k0), jnp.asarray(v0))
     copier = BlockCopier(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in kv),
-                         default_mesh())
+                         default_mesh(), host_kind)
     src, dst = list(range(1, 71)), list(range(79, 9, -1))
-    blocks = to_host(copier.gather(kv, src))
-    assert blocks.shape == (70, 2, 2, 2, 2, 4) and np.array_equal(blocks[5], np.stack([k0[:, 6], v0[:, 6]]))
+    blocks = copier.payloads(copier.gather(kv, src))
+    assert len(blocks) == 70 and all(b.shape == (2, 2, 2, 2, 4) for b in blocks)
+    assert all(isinstance(b, np.ndarray) if host_kind is None else b.sharding.memory_kind == host_kind
+               for b in blocks)
+    assert np.array_equal(np.asarray(blocks[5]), np.stack([k0[:, 6], v0[:, 6]]))
+    blocks[3] = np.asarray(blocks[3])   # a disk read's numpy payload among them
     k1, v1 = (np.asarray(a) for a in copier.scatter(kv, dst, blocks))
     assert np.array_equal(k1[:, dst], k0[:, src]) and np.array_equal(v1[:, dst], v0[:, src])
     assert np.array_equal(k1[:, :10], k0[:, :10])   # nothing else written (padding ids are dropped)
+
+
+def test_the_host_tier_uses_pinned_host_memory_where_every_device_has_it():
+    from types import SimpleNamespace
+
+    from imp_jax.runtime.kv_copy import host_memory_kind
+
+    def mesh(*kinds):
+        device = lambda ks: SimpleNamespace(addressable_memories=lambda: [SimpleNamespace(kind=k) for k in ks])
+        return SimpleNamespace(devices=np.array([device(ks) for ks in kinds], dtype=object))
+
+    def no_memories():
+        raise NotImplementedError("no memory kinds on this backend")
+
+    assert host_memory_kind(mesh(["device", "pinned_host", "unpinned_host"])) == "pinned_host"
+    assert host_memory_kind(mesh(["device", "pinned_host"], ["device"])) is None
+    assert host_memory_kind(SimpleNamespace(devices=np.array([SimpleNamespace(addressable_memories=no_memories)],
+                                                             dtype=object))) is None
+    assert host_memory_kind(default_mesh()) == "pinned_host"   # JAX's CPU backend offers it
 
 
 # ------------------------------------------------------------------------------------- the pool over a tier
@@ -178,10 +204,13 @@ def plain(tiny_loaded, _tiny_hf_template) -> EngineCore:
     return _engine(tiny_loaded, _tiny_hf_template)
 
 
-@pytest.fixture(scope="module")
-def tiered(tiny_loaded, _tiny_hf_template) -> EngineCore:
-    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=1 / 1024, kv_swap_min_tokens=1)
-    assert core.tiers is not None
+@pytest.fixture(scope="module", params=["pinned_host", None])
+def tiered(tiny_loaded, _tiny_hf_template, request) -> EngineCore:
+    """A host tier holding pinned JAX arrays (what the CPU backend offers), and one holding numpy arrays."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("imp_jax.runtime.kv_tiers.host_memory_kind", lambda mesh: request.param)
+        core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=1 / 1024, kv_swap_min_tokens=1)
+    assert core.tiers is not None and core.tiers.copier.host_kind == request.param
     return core
 
 
@@ -234,6 +263,8 @@ def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(plain, tie
     assert after["kv_lower_tier_hits_total"] - before["kv_lower_tier_hits_total"] == 5
     assert after["kv_host_spills_total"] > before["kv_host_spills_total"]
     assert after["kv_host_bytes_in_total"] - before["kv_host_bytes_in_total"] == 5 * BLOCK_BYTES
+    kinds = {getattr(p, "sharding", None) and p.sharding.memory_kind for p, _ in tiered.tiers.store._prefix.values()}
+    assert kinds == {tiered.tiers.copier.host_kind}   # pinned JAX arrays, or numpy (None)
 
 
 def test_preempted_sequences_swap_out_and_in_to_the_tokens_they_give_alone(plain, tiered):

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from imp_jax.runtime.kv_hash import durable_preimage
 
+if TYPE_CHECKING:
+    from imp_jax.runtime.kv_copy import Payload
+
 BLOCK_PAYLOAD = "[2, num_layers, block_size, num_kv_heads, head_dim]"
-"""One block's payload: ONE C-contiguous numpy array of this shape in the cache's storage dtype
-(kernels_pallas/kv_cache.py kv_storage_dtype: bfloat16 on a CPU is its bits as uint16), index 0 of the
-first axis K and 1 V, every layer, every kv head (the whole head count, also under tensor parallelism).
-A lower store keeps bytes, dtype and shape, and gives back an equal array."""
+"""One block's payload: ONE array of this shape in the cache's storage dtype (kernels_pallas/kv_cache.py
+kv_storage_dtype: bfloat16 on a CPU is its bits as uint16), index 0 of the first axis K and 1 V, every layer,
+every kv head (the whole head count, also under tensor parallelism). The host store holds a JAX array in
+pinned host memory or a numpy array (runtime/kv_copy.py); the lower store is given a C-contiguous numpy array,
+keeps bytes, dtype and shape, and gives back an equal numpy array."""
 
 
 class LowerStore(Protocol):
@@ -56,8 +60,8 @@ class HostKVStore:
         self.capacity = capacity
         self.lower = lower
         self.used = 0
-        self._prefix: OrderedDict[bytes, tuple[np.ndarray, bytes | None]] = OrderedDict()  # oldest first
-        self._swapped: dict[int, tuple[int, np.ndarray | None]] = {}   # seq_id -> (bytes reserved, payload)
+        self._prefix: OrderedDict[bytes, tuple[Payload, bytes | None]] = OrderedDict()  # oldest first
+        self._swapped: dict[int, tuple[int, list[Payload] | None]] = {}   # seq_id -> (bytes reserved, payload)
         self.stats = HostStats()
 
     @property
@@ -77,7 +81,7 @@ class HostKVStore:
             return entry[1] is None or entry[1] == preimage
         return self.lower is not None and self.lower.contains(block_hash)
 
-    def get(self, block_hash: bytes, preimage: bytes) -> np.ndarray | None:
+    def get(self, block_hash: bytes, preimage: bytes) -> Payload | None:
         """The block's payload (marked recently used) when the host holds it; None otherwise. Never reads the
         lower store: its blocks are read off the engine thread and held for their admission (runtime/kv_staging.py)."""
         entry = self._prefix.get(block_hash)
@@ -91,7 +95,7 @@ class HostKVStore:
         entry = self._prefix.get(block_hash)
         return entry is not None and (entry[1] is None or entry[1] == preimage)
 
-    def put(self, block_hash: bytes, preimage: bytes | None, payload: np.ndarray, to_lower: bool = True) -> None:
+    def put(self, block_hash: bytes, preimage: bytes | None, payload: Payload, to_lower: bool = True) -> None:
         """Keep a prefix block's payload, evicting older ones for room; one larger than the room is dropped."""
         if block_hash in self._prefix:
             self._prefix.move_to_end(block_hash)
@@ -112,7 +116,7 @@ class HostKVStore:
             self._hand_down(h, pre, payload, True)
         return self.used + nbytes <= self.capacity
 
-    def _hand_down(self, block_hash: bytes, preimage: bytes | None, payload: np.ndarray, to_lower: bool) -> None:
+    def _hand_down(self, block_hash: bytes, preimage: bytes | None, payload: Payload, to_lower: bool) -> None:
         """Give an evicted block to the lower store, if its key means the same after a restart (durable_preimage:
         prompt-scoring blocks stay out) and the store lacks it."""
         if not to_lower or self.lower is None:
@@ -120,7 +124,7 @@ class HostKVStore:
         if preimage is None or not durable_preimage(preimage):
             self.stats.not_durable += 1
         elif not self.lower.contains(block_hash):
-            self.lower.put(block_hash, payload)
+            self.lower.put(block_hash, np.asarray(payload))   # a pinned JAX array: copied out for the writer
 
     def hand_down_all(self) -> None:
         """Offer every prefix entry to the lower store, oldest first (shutdown: the disk tier keeps them)."""
@@ -143,12 +147,12 @@ class HostKVStore:
         self.used += nbytes
         return True
 
-    def put_swap(self, seq_id: int, payload: np.ndarray) -> None:
-        """The swapped blocks [n, *BLOCK_PAYLOAD] of a reservation, once copied to the host."""
+    def put_swap(self, seq_id: int, payload: list[Payload]) -> None:
+        """The swapped blocks (a payload per block) of a reservation, once copied to the host."""
         if seq_id in self._swapped:
             self._swapped[seq_id] = (self._swapped[seq_id][0], payload)
 
-    def take_swap(self, seq_id: int) -> np.ndarray | None:
+    def take_swap(self, seq_id: int) -> list[Payload] | None:
         """Remove a sequence's swap (resumed or ended), freeing its bytes; its payload if it had landed."""
         nbytes, payload = self._swapped.pop(seq_id, (0, None))
         self.used -= nbytes

@@ -6,6 +6,7 @@ queues the copies those decisions need and runs them, in the order they were dec
 program is about to run (`flush`, CompiledStep's hook before every program). Device -> host copies are
 gathers whose transfer starts at once and which the host reads when it next flushes and finds them done,
 so no step waits on the host; host -> device copies are scatters launched before the step that reads them.
+The host store keeps its blocks in pinned host memory where the backend has it (runtime/kv_copy.py).
 
 Swap or recompute (docs/ARCHITECTURE.md, "KV tiers"): a preempted sequence swaps when it has at least
 `min_swap_tokens` computed tokens and its blocks fit in the host budget; otherwise it recomputes.
@@ -17,9 +18,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 
-from imp_jax.runtime.kv_copy import BlockCopier, to_host
+from imp_jax.runtime.kv_copy import BlockCopier, Payload, host_memory_kind
 from imp_jax.runtime.kv_host import HostKVStore, LowerStore
 from imp_jax.runtime.kv_staging import DiskStaging
 
@@ -58,7 +58,7 @@ def host_budget_bytes(config: EngineConfig, platform: str) -> int:
 class _Gather:
     """A dispatched device -> host copy and where its blocks go when they land."""
 
-    chunks: list[tuple[Any, int]]
+    blocks: list[Any]                                  # per block, its copy (BlockCopier.gather)
     spills: list[tuple[bytes, bytes]] | None = None   # prefix blocks: (hash, preimage) per block
     seq_id: int = -1                                   # else: a swapped sequence's blocks
     generation: int = 0
@@ -67,10 +67,11 @@ class _Gather:
 class KVTiers:
     """Queues and runs the copies between the device pool and the host store (module docstring)."""
 
-    def __init__(self, step_fn: CompiledStep, store: HostKVStore, min_swap_tokens: int):
+    def __init__(self, step_fn: CompiledStep, store: HostKVStore, min_swap_tokens: int,
+                 host_kind: str | None = None):
         self.step_fn = step_fn
         self.store = store
-        self.copier = BlockCopier(step_fn.kv_spec, step_fn.mesh)
+        self.copier = BlockCopier(step_fn.kv_spec, step_fn.mesh, host_kind)   # host_kind: kv_copy.host_memory_kind
         self.block_size = step_fn.kv_spec[0].shape[2]
         self.min_swap_tokens = min_swap_tokens
         self._ops: list[tuple[str, list[int], list]] = []   # queued copies, in decision order (_queue)
@@ -89,7 +90,7 @@ class KVTiers:
     @property
     def inflight_blocks(self) -> int:
         queued = sum(len(ids) for _, ids, _ in self._ops)
-        return queued + sum(n for g in self._inflight for _, n in g.chunks)
+        return queued + sum(len(g.blocks) for g in self._inflight)
 
     def attach_lower(self, lower: LowerStore, pool: KVBlockPool) -> None:
         """Put a store (the disk tier) under the host: evicted prefix blocks go down to it, and admissions read
@@ -130,7 +131,7 @@ class KVTiers:
         pending = self._spilling.get(block_hash)
         return pending == preimage if pending is not None else self.store.holds(block_hash, preimage)
 
-    def fetch(self, block_hash: bytes, preimage: bytes) -> np.ndarray | None:
+    def fetch(self, block_hash: bytes, preimage: bytes) -> Payload | None:
         """The block's payload from host memory (a disk block only once staged for this admission); None: recompute."""
         if block_hash in self._spilling:
             self.flush()
@@ -141,7 +142,7 @@ class KVTiers:
             return staged
         return self.store.get(block_hash, preimage)
 
-    def restore(self, block_id: int, content: np.ndarray) -> None:
+    def restore(self, block_id: int, content: Payload) -> None:
         self._queue("scatter", [block_id], [content])
 
     def spill(self, block_id: int, block_hash: bytes, preimage: bytes) -> None:
@@ -207,9 +208,8 @@ class KVTiers:
         ops, self._ops = self._ops, []
         for kind, ids, items in ops:
             if kind == "scatter":
-                payload = np.stack(items)
-                self.step_fn.kv = self.copier.scatter(self.step_fn.kv, ids, payload)
-                self.store.stats.bytes_in += payload.nbytes
+                self.step_fn.kv = self.copier.scatter(self.step_fn.kv, ids, items)
+                self.store.stats.bytes_in += sum(p.nbytes for p in items)
                 continue
             g = _Gather(self.copier.gather(self.step_fn.kv, ids), generation=self._generation)
             if kind == "spill":
@@ -230,17 +230,17 @@ class KVTiers:
 
     def land(self, wait: bool = False) -> None:
         """Move finished gathers (all of them with `wait`) into the store, in dispatch order."""
-        while self._inflight and (wait or all(arr.is_ready() for arr, _ in self._inflight[0].chunks)):
+        while self._inflight and (wait or self.copier.landed(self._inflight[0].blocks)):
             g = self._inflight.pop(0)
-            blocks = to_host(g.chunks)
-            self.store.stats.bytes_out += blocks.nbytes
+            blocks = self.copier.payloads(g.blocks)
+            self.store.stats.bytes_out += sum(b.nbytes for b in blocks)
             if g.spills is None:
                 self.store.put_swap(g.seq_id, blocks)
                 continue
             for (h, pre), block in zip(g.spills, blocks):
                 if self._spilling.get(h) == pre and g.generation == self._generation:
                     del self._spilling[h]
-                    self.store.put(h, pre, block.copy())   # its own memory, not a view of the chunk
+                    self.store.put(h, pre, block)   # each block is its own buffer (one gather output each)
                     self.store.stats.spills += 1
 
     def stats(self) -> dict[str, int]:
@@ -272,10 +272,13 @@ def attach_tiers(core: Any, platform: str) -> KVTiers | None:
         return None
     swap = core.config.kv_swap_min_tokens
     tiers = KVTiers(core.step_fn, HostKVStore(capacity),
-                    MIN_SWAP_TOKENS.get(platform, MIN_SWAP_TOKENS["gpu"]) if swap is None else swap)
+                    MIN_SWAP_TOKENS.get(platform, MIN_SWAP_TOKENS["gpu"]) if swap is None else swap,
+                    host_memory_kind(core.step_fn.mesh))
     core.pool.tier = tiers
     core.scheduler.swapper = tiers
     core.step_fn.before_programs = tiers.flush
-    log.info("KV host tier: %.2f GiB; preempted sequences of >= %d computed tokens swap, shorter ones recompute",
-             capacity / (1 << 30), tiers.min_swap_tokens)
+    memory = ("pinned host memory (JAX memory kind pinned_host: copies are DMA inside the copy programs)"
+              if tiers.copier.host_kind == "pinned_host" else "pageable host memory (numpy arrays)")
+    log.info("KV host tier: %.2f GiB of %s; preempted sequences of >= %d computed tokens swap, shorter ones "
+             "recompute", capacity / (1 << 30), memory, tiers.min_swap_tokens)
     return tiers
