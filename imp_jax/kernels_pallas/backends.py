@@ -13,16 +13,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from imp_jax.kernels_pallas.choices import ATTENTION_BACKENDS, CPU_GEMMS, GEMM_BACKENDS, QUANTIZED_CHOICES
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.kernels_pallas.metadata import AttentionShape
 from imp_jax.kernels_pallas.pallas import shapes as pallas_attention
 
 log = logging.getLogger("imp_jax.kernels")
-ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
-GEMM_BACKENDS = ("auto", "xla", "exact", "cpu_q8")   # the operator's choices (EngineConfig turns "cpu" into "exact")
-CPU_GEMMS = ("exact", "cpu_q8")   # the x86-64 C++ kernel, exact or with int8 activations
-QUANTIZED_CHOICES = ("auto", "keep", "dequantize")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import dataclasses
 import secrets
 from pathlib import Path
 
-from imp_jax.kernels_pallas.backends import ATTENTION_BACKENDS, GEMM_BACKENDS, QUANTIZED_CHOICES
+from imp_jax.kernels_pallas.choices import ATTENTION_BACKENDS, GEMM_BACKENDS, QUANTIZED_CHOICES
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.hub import DEFAULT_MODEL
 from imp_jax.paths import compilation_cache_dir
