@@ -21,7 +21,7 @@ def _field(default, help: str, choices: tuple[str, ...] | None = None):
 
 def overlaps_steps(async_scheduling: str, platform: str) -> bool:
     """`--async-scheduling` on `platform`: `auto` is off on a CPU, where the host thread and the step share the
-    cores (PERF.md, "Asynchronous scheduling on a CPU, served"), and on for an accelerator."""
+    cores (PERF.md, "Issue 41 item 3 on Q4_K_M"), and on for an accelerator."""
     return async_scheduling == "on" or (async_scheduling == "auto" and platform != "cpu")
 
 
