@@ -2,10 +2,12 @@
 
     python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128]
                                    [--dtype auto|float32|bfloat16] [--kv-cache-dtype auto|bfloat16] [--out FILE]
-                                   [--async-scheduling on off] [--repeats N]
+                                   [--async-scheduling auto|on|off ...] [--prompts text|random] [--repeats N]
 
 Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
-tokens with ignore_eos). The roofline is weight bytes / measured memory read bandwidth.
+tokens with ignore_eos); 'steps' counts the engine steps it took (fewer than prefill + output-len
+where n-gram speculation accepted drafts: the text prompts' repetitive greedy output is
+where it does, so `--prompts random` is the one to hold against scripts/bench_serving.py). The roofline is weight bytes / measured memory read bandwidth.
 'ceiling' is the tok/s with every FLOP at XLA's best measured GEMM rate; 'peak' the tok/s with
 every FLOP at the float32 FMA peak of all cores (measured with a small C++ loop built with the
 system compiler), which no implementation can beat.
@@ -17,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -129,22 +132,27 @@ def ceiling_tok_s(model, batch: int, prompt_len: int, output_len: int, gemm_rate
     return batch * output_len / seconds
 
 
-def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, length: int, kind: str = "text") -> list[list[int]]:
     """n prompts of exactly `length` tokens, each distinct from every prompt made before in this
-    process: the first token differs, so no run reuses another's prefix cache."""
+    process: the first token differs, so no run reuses another's prefix cache. "text" repeats one
+    English sentence (greedy decoding then repeats too, and n-gram speculation accepts several tokens a
+    step); "random": ids drawn from [1000, 30000) as scripts/bench_serving.py's prompts are."""
+    if kind == "random":
+        rng = random.Random(next(_PROMPTS_MADE))
+        return [[100 + next(_PROMPTS_MADE)] + [rng.randrange(1000, 30000) for _ in range(length - 1)] for _ in range(n)]
     base = tokenizer.encode("The history of science is long and full of surprising turns. " * max(40, length // 8),
                             add_special_tokens=False)
     return [[100 + next(_PROMPTS_MADE)] + base[1:length] for _ in range(n)]
 
 
-def bench_engine(core, batch: int, prompt_len: int, output_len: int) -> dict:
+def bench_engine(core, batch: int, prompt_len: int, output_len: int, kind: str = "text") -> dict:
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
     first: dict[str, float] = {}
     t0 = time.perf_counter()
     host0, dev0, steps0 = core.host_seconds, core.device_seconds, core.num_steps
     work0 = core.loop_seconds - core.wait_seconds
-    for i, ids in enumerate(prompts(core.tokenizer, batch, prompt_len)):
+    for i, ids in enumerate(prompts(core.tokenizer, batch, prompt_len, kind)):
         rid = f"b{batch}-{i}-{time.time_ns()}"
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         core.add_request(GenerationRequest(rid, ids, params),
@@ -211,15 +219,19 @@ def main() -> int:
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
     ap.add_argument("--long-context", type=int, default=0,
                     help="also one stream decoding --output-len tokens after a prompt of this many (0: none)")
-    ap.add_argument("--async-scheduling", nargs="+", choices=("on", "off"), default=["on"],
-                    help="the engine's flag; several (on off) run each batch under each, interleaved")
+    ap.add_argument("--async-scheduling", nargs="+", choices=("auto", "on", "off"), default=["auto"],
+                    help="the engine's flag (auto: off on a CPU); several (on off) run each batch under each, "
+                    "interleaved")
+    ap.add_argument("--prompts", choices=("text", "random"), default="text",
+                    help="text: one English sentence repeated (n-gram speculation accepts several tokens a step); "
+                    "random: token ids as scripts/bench_serving.py sends them")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each batch (and mode), interleaved; "
                     "the summary gives medians")
     ap.add_argument("--out", default="bench_results/engine.json")
     args = ap.parse_args()
 
     from imp_jax.runtime.builder import build_engine
-    from imp_jax.runtime.config import EngineConfig
+    from imp_jax.runtime.config import EngineConfig, overlaps_steps
 
     max_seqs = max(args.batches)
     t0 = time.perf_counter()
@@ -265,11 +277,11 @@ def main() -> int:
           f"{'the CPU GEMM kernel (--gemm %s; float32 matrices at %d-%d rows, narrow ones at all)' % (kernels.gemm, cpu_gemm.MIN_ROWS, cpu_gemm.MAX_ROWS) if kernel else 'XLA dot (--gemm xla, or no kernel here)'}; "
           f"attention: {kernels.attention}")
     print(f"{'batch':>5} {'async':>5} {'engine tok/s':>13} {'TTFT med':>9} {'TTFT max':>9} {'host %':>7} "
-          f"{'step ms':>8} {'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
+          f"{'step ms':>8} {'steps':>6} {'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
     runs = [(b, mode) for b in args.batches for _ in range(args.repeats) for mode in args.async_scheduling]
     for b, mode in runs:
-        core.async_scheduling = mode == "on"
-        e = bench_engine(core, b, args.prompt_len, args.output_len)
+        core.async_scheduling = overlaps_steps(mode, platform)
+        e = bench_engine(core, b, args.prompt_len, args.output_len, args.prompts)
         e["async_scheduling"] = mode
         e["ceiling_tok_s"] = ceiling_tok_s(core.loaded.model, b, args.prompt_len, args.output_len, gemm,
                                            weight_bytes, bw)
@@ -283,7 +295,8 @@ def main() -> int:
         hf = f"{h['output_tok_s']:9.1f} {e['output_tok_s'] / h['output_tok_s']:6.2f}" if h else f"{'-':>9} {'-':>6}"
         pk = f"{e['peak_tok_s']:7.1f}" if peak else f"{'-':>7}"
         print(f"{b:5d} {mode:>5} {e['output_tok_s']:13.1f} {e['ttft_median_s']:9.2f} {e['ttft_max_s']:9.2f} "
-              f"{100 * e['host_fraction']:6.1f}% {1e3 * e['decode_step_s']:8.2f} {e['ceiling_tok_s']:8.1f} {pk} {hf}")
+              f"{100 * e['host_fraction']:6.1f}% {1e3 * e['decode_step_s']:8.2f} {e['steps']:6d} {e['ceiling_tok_s']:8.1f} "
+              f"{pk} {hf}")
     if args.repeats > 1 or len(args.async_scheduling) > 1:
         print("medians:")
         for b in args.batches:

@@ -37,7 +37,8 @@ def hf_logits(hf_model, ids: Sequence[int]) -> np.ndarray:
 
 def tiny_engine(path, num_blocks: int):
     """An EngineCore on the tiny float32 model at `path` (max_model_len 128, 8 sequences, 32 tokens a step,
-    blocks of 16), warmed up, and the same model in transformers."""
+    blocks of 16, asynchronous scheduling on: the accelerators' default, off on a CPU unless asked), warmed up,
+    and the same model in transformers."""
     import transformers
 
     from imp_jax.model.loader import load_model
@@ -47,7 +48,7 @@ def tiny_engine(path, num_blocks: int):
 
     loaded = load_model(path, dtype="float32")
     config = EngineConfig(model=str(path), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
-                          block_size=16, num_kv_blocks=num_blocks)
+                          block_size=16, num_kv_blocks=num_blocks, async_scheduling="on")
     shape = loaded.model.kv_cache_shape(num_blocks, 16)
     core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), num_blocks, default_mesh())
     core.step_fn.warm_up()

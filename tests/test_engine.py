@@ -153,8 +153,9 @@ def make_engine(loaded, config: EngineConfig, num_blocks: int, kv_dtype=None) ->
 
 @pytest.fixture(scope="session")
 def core(smollm2_loaded, smollm2_gguf_path: Path) -> EngineCore:
+    # asynchronous scheduling asked for: a CPU's default (auto) is off, and these tests pin the overlapped path
     config = EngineConfig(model=str(smollm2_gguf_path), max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                          max_num_batched_tokens=TOKEN_BUDGET, num_kv_blocks=BIG_POOL_BLOCKS)
+                          max_num_batched_tokens=TOKEN_BUDGET, num_kv_blocks=BIG_POOL_BLOCKS, async_scheduling="on")
     enable_compilation_cache(config)
     return make_engine(smollm2_loaded, config, BIG_POOL_BLOCKS)
 
@@ -469,7 +470,7 @@ def _async_workload(core, tok, prompts, greedy_alone, cancel_after: int | None =
 def test_async_scheduling_gives_the_synchronous_outputs(core, tok, prompts, greedy_alone):
     """--async-scheduling on launches each decode step before reading the last one; every choice's
     tokens, text, finish and logprob-free events are those of the synchronous engine, greedy and seeded."""
-    assert core.async_scheduling   # the default
+    assert core.async_scheduling   # the fixture's
     try:
         core.async_scheduling = False
         sync, overlapped_sync = _async_workload(core, tok, prompts, greedy_alone, cancel_after=14)
@@ -491,6 +492,18 @@ def test_async_scheduling_gives_the_synchronous_outputs(core, tok, prompts, gree
     assert asyn[-1].usage.completion_tokens == len(asyn[-1].ids) > 0
     assert asyn[4].ids != run(core, req(prompts[5], max_tokens=8))[0].ids   # the penalties bite
     assert core.step_fn.compilations_after_warmup == 0
+
+
+def test_async_scheduling_auto_is_off_on_a_cpu_and_on_for_an_accelerator() -> None:
+    """--async-scheduling auto, the default, overlaps steps only where the device is not the host's own cores."""
+    from imp_jax.runtime.config import overlaps_steps
+
+    assert EngineConfig().async_scheduling == "auto"
+    assert [overlaps_steps("auto", p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert overlaps_steps("on", "cpu") and not overlaps_steps("off", "gpu")
+    assert EngineConfig(async_scheduling="on").async_scheduling_on("cpu")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        EngineConfig(async_scheduling="yes")
 
 
 def test_async_scheduling_keeps_the_token_of_a_sequence_preempted_while_its_step_runs(core, prompts, greedy_alone):

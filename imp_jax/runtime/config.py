@@ -19,6 +19,12 @@ def _field(default, help: str, choices: tuple[str, ...] | None = None):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
+def overlaps_steps(async_scheduling: str, platform: str) -> bool:
+    """`--async-scheduling` on `platform`: `auto` is off on a CPU, where the host thread and the step share the
+    cores (PERF.md, "Issue 41 item 3 on Q4_K_M"), and on for an accelerator."""
+    return async_scheduling == "on" or (async_scheduling == "auto" and platform != "cpu")
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Engine settings; the server's flags mirror these fields one to one (`--max-num-seqs` ...)."""
@@ -94,10 +100,11 @@ class EngineConfig:
                                            "and carry every prompt's token ids in the clear (docs/SECURITY.md)")
     num_processes: int = _field(1, "processes (hosts) one model spans with --coordinator; "
                                 "--tensor-parallel-size counts the devices of all of them")
-    async_scheduling: str = dataclasses.field(default="on", metadata={"choices": ("on", "off"), "help": (
+    async_scheduling: str = dataclasses.field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": (
         "on: launch step N+1 before reading step N's tokens, so the device never waits for the host in "
         "steady decode (grammar rows, think budgets, prompt_logprobs and multi-host fall back per step); "
-        "off: schedule, launch, read, one step at a time (docs/PERF.md)")})
+        "off: schedule, launch, read, one step at a time; auto: on for an accelerator, off on a CPU backend, "
+        "where the host's work would take cores from the step itself (docs/PERF.md)")})
     speculative: str = dataclasses.field(default="on", metadata={"choices": ("on", "off"), "help": (
         "on: decoding sequences draft tokens by n-gram lookup in their prompt and output and verify them "
         "in the same step (output unchanged; faster on text that repeats its input); off: plain decoding "
@@ -128,8 +135,8 @@ class EngineConfig:
             name, _, path = spec.partition("=")
             if not name or not path:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
-        if self.async_scheduling not in ("on", "off"):
-            raise ValueError(f"--async-scheduling must be on or off, got {self.async_scheduling!r}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"--async-scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.speculative not in ("on", "off"):
             raise ValueError(f"--speculative must be on or off, got {self.speculative!r}")
         if not 0 <= self.speculative_max_draft <= 16:
@@ -156,6 +163,10 @@ class EngineConfig:
     def lora_adapters(self) -> list[tuple[str, str]]:
         """The start-up adapters as (name, path)."""
         return [tuple(spec.split("=", 1)) for spec in self.lora]
+
+    def async_scheduling_on(self, platform: str) -> bool:
+        """Whether steps overlap on `platform` (`overlaps_steps`)."""
+        return overlaps_steps(self.async_scheduling, platform)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
