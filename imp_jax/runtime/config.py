@@ -117,10 +117,11 @@ class EngineConfig:
                               "repeat a run's samples. Seeded requests do not depend on it")
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "attention", "quantized_weights"):   # the offline API skips argparse's choices
-            allowed = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        for f in dataclasses.fields(self):   # the offline API and config files skip argparse's choices
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r}: expected one of "
+                                 f"{', '.join(allowed)}")
         self.gemm = GEMM_ALIASES.get(self.gemm, self.gemm)   # the one place an old name is read
         if self.seed is None:
             self.seed = secrets.randbits(32)   # unseeded samples differ from one process to the next
@@ -135,10 +136,6 @@ class EngineConfig:
             name, _, path = spec.partition("=")
             if not name or not path:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
-        if self.async_scheduling not in ("auto", "on", "off"):
-            raise ValueError(f"--async-scheduling must be auto, on or off, got {self.async_scheduling!r}")
-        if self.speculative not in ("on", "off"):
-            raise ValueError(f"--speculative must be on or off, got {self.speculative!r}")
         if not 0 <= self.speculative_max_draft <= 16:
             raise ValueError(f"--speculative-max-draft must be in 0..16, got {self.speculative_max_draft}")
         if self.kv_disk_gib <= 0:
