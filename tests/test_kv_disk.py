@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import struct
@@ -122,11 +123,14 @@ def test_block_larger_than_the_cap_is_dropped(tmp_path: Path) -> None:
     assert s.stats()["dropped_writes"] == 1 and s.stats()["files"] == 0
 
 
-def test_restart_reuses_blocks_in_mtime_order(tmp_path: Path) -> None:
+def test_restart_reuses_blocks_in_mtime_order(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     first = DiskKVStore(tmp_path, FP, 1 << 20)
     for i in range(3):
         first.put(h(i), block(i))
-    first.close()
+    with caplog.at_level(logging.INFO, logger="imp_jax.kv_disk"):
+        first.close()
+    assert [r.getMessage() for r in caplog.records if "closed" in r.getMessage()] == [
+        "KV disk tier closed: 3 blocks (0 MiB) written this run, 0 dropped; 3 files (0 MiB) kept for the next start"]
     for i, age in ((0, 10), (1, 30), (2, 20)):          # 1 oldest, then 2, then 0
         t = time.time() - age
         os.utime(path_of(tmp_path, h(i)), (t, t))

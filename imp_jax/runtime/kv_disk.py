@@ -250,6 +250,10 @@ class DiskKVStore:
                 self._abandon = True            # (the write in progress, if it ends, is counted twice)
                 self._counts["dropped_writes"] += len(self._queue)
                 self._cv.notify_all()
+            c = self._counts
+            log.info("KV disk tier closed: %d blocks (%.0f MiB) written this run, %d dropped; %d files (%.0f MiB) "
+                     "kept for the next start", c["writes"], c["bytes_written"] / 2**20, c["dropped_writes"],
+                     len(self._index), self._total / 2**20)
 
     # -- the writer ----------------------------------------------------------------------------
 
