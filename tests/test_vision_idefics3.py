@@ -118,6 +118,21 @@ def test_smolvlm_checkpoint_and_preprocessor_match_transformers(tmp_path):
     np.testing.assert_allclose(np.asarray(rows).reshape(want_rows.shape), want_rows, atol=1e-4, rtol=0)
 
 
+def test_padding_frames_change_no_real_rows(tiny_vlm):
+    """A bucket of N frames padded with zero frames (mask all off or all on) gives the real frames' rows
+    bit for bit, and no NaN: the engine may round the frame count up."""
+    vlm = load_idefics3(tiny_vlm[0])
+    forward = nnx.jit(lambda m, p, pm: m(p, pm))
+    pixels = np.random.default_rng(0).normal(size=(3, 3, 32, 32)).astype(np.float32)
+    real = np.asarray(forward(vlm.vision, jnp.asarray(pixels), jnp.ones((3, 8, 8), bool)))
+    padded = jnp.asarray(np.concatenate([pixels, np.zeros((1, 3, 32, 32), np.float32)]))
+    for fill in (False, True):
+        mask = jnp.concatenate([jnp.ones((3, 8, 8), bool), jnp.full((1, 8, 8), fill)])
+        out = np.asarray(forward(vlm.vision, padded, mask))
+        assert not np.isnan(out).any()
+        np.testing.assert_array_equal(out[:3], real)
+
+
 def test_position_boundaries_are_torch_arange():
     """Bit-exact for the grids real checkpoints use (Idefics3-8B 364/14 = 26, SmolVLM 512/16 = 32); torch's
     CPU arange rounds a few other sides (27, 29) one float32 ulp away from the float64 values."""
