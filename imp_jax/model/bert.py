@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.layers import linear
+from imp_jax.model.layers import layer_norm, linear
 from imp_jax.model.weights import WeightSource
 
 EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
@@ -85,13 +85,6 @@ class EncoderConfig:
         if config.family == "roberta":
             config = dataclasses.replace(config, position_offset=pad + 1)
         return config
-
-
-def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    return ((xf - mean) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
 
 
 class EncoderLayer(nnx.Module):

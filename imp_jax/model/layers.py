@@ -1,4 +1,4 @@
-"""Small pure building blocks shared by model definitions: projection, embedding, RMSNorm, RoPE."""
+"""Small pure building blocks shared by model definitions: projection, embedding, RMSNorm, LayerNorm, RoPE."""
 from __future__ import annotations
 
 import jax
@@ -39,6 +39,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis, computed in float32 (the encoders: BERT, the SigLIP vision tower)."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
 
 
 def row_sum(x: jax.Array) -> jax.Array:
