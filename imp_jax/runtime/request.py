@@ -219,6 +219,23 @@ class GenerationRequest:
         return None if self.cache_prompt_tokens is None else self.cache_prompt_tokens // block_size
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One decoded image of a request (server/images.py): RGB pixels, and a digest of them the prefix
+    cache can key on (equal pixels, equal digest, whatever the encoding they came in)."""
+
+    pixels: Any           # numpy uint8 [height, width, 3], RGB
+    digest: bytes         # xxh3_128 of the pixels and their shape (16 bytes)
+    format: str           # what it was sent as: PNG, JPEG, WEBP, GIF
+    encoded_bytes: int    # its size as sent (after base64 decoding)
+    detail: str = "auto"  # the client's detail hint: auto, low or high (OpenAI's)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) in pixels."""
+        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamLimits:
     """How far a request's reader may fall behind its events before it is dropped (runtime/event_buffer.py)."""
