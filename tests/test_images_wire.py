@@ -140,6 +140,18 @@ class _Images(http.server.BaseHTTPRequestHandler):
     }
 
     def do_GET(self) -> None:
+        if self.path == "/drip":   # a byte every 0.2 s: each read is quick, the whole is slow
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            try:
+                for _ in range(20):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:   # the client gave up, as it should
+                pass
+            return
         if self.path == "/to-file":
             self.send_response(302)
             self.send_header("Location", "file:///etc/passwd")
@@ -173,6 +185,10 @@ def test_url_fetch_when_allowed(image_host: str) -> None:
                               ("/to-file", "image_fetch_failed", "could not be fetched")):
         err = refused(image_bytes, ImageSource("p", url=image_host + path), allowed)
         assert (err.code, err.param) == (code, "p") and words in err.message, (path, err.message)
+    start = time.monotonic()
+    err = refused(image_bytes, ImageSource("p", url=image_host + "/drip"), ImageLimits(allow_urls=True,
+                                                                                      fetch_timeout_s=0.5))
+    assert err.code == "image_fetch_failed" and time.monotonic() - start < 2
 
 
 # --------------------------------------------------------------------------- the dialects, on a live app
@@ -317,7 +333,11 @@ def test_anthropic_sources(servers: dict[str, str]) -> None:
              ({"type": "image", "source": {"type": "base64", "data": "AAAA"}},
               "messages[0].content[1].source.media_type", "is required"),
              (anthropic_b64(encoded("PNG"), "text/plain"), "messages[0].content[1].source.data", "not an image"),
-             ({"type": "image"}, "messages[0].content[1].source", "is required")]
+             ({"type": "image"}, "messages[0].content[1].source", "is required"),
+             ({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]},
+              "messages[0].content[1].content[0].text", "is required"),
+             ({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]},
+              "messages[0].content[1].content[0].source", "is required")]
     for block, field, words in cases:
         _, _, message = error_of(servers["plain"], *messages(block))
         assert f"'{field}'" in message and words in message, message

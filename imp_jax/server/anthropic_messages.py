@@ -1,6 +1,7 @@
 """Anthropic Messages: `POST /v1/messages` (whole or streamed per token) and `POST /v1/messages/count_tokens`.
 
-Native wire format, no shim through Chat: text and tool blocks in (replayed thinking dropped); thinking
+Native wire format, no shim through Chat: text, image and tool blocks in (replayed thinking dropped; images
+parsed and decoded, then refused while no served model has vision: image_parts.py); thinking
 (opted in), text and tool_use blocks out, in that order; Anthropic's stop reasons and usage, its SSE
 event sequence with pings, and its error envelope (errors.py).
 """
@@ -110,6 +111,11 @@ class Block(WireModel):
             if getattr(self, field) is None:
                 raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} block",
                                           param=f"{param}.{field}")
+        for k, b in enumerate(self.content if isinstance(self.content, list) else []):
+            if (b.text if b.type == "text" else b.source) is None:
+                field = "text" if b.type == "text" else "source"
+                raise InvalidRequestError(f"'{param}.content[{k}].{field}' is required in a {b.type} block",
+                                          param=f"{param}.content[{k}].{field}")
 
     @property
     def result_text(self) -> str:
@@ -192,7 +198,7 @@ class Conversation(WireModel):
                 for ref in b.image_refs(f"messages[{i}].content[{j}]")]
 
     def check_conversation(self) -> None:
-        """Anthropic's rules: at least one turn, none empty but a final assistant prefill; text only."""
+        """Anthropic's rules: at least one turn, none empty but a final assistant prefill."""
         if not self.messages:
             raise InvalidRequestError("'messages' must hold at least one message", param="messages")
         last = len(self.messages) - 1

@@ -13,6 +13,7 @@ import binascii
 import dataclasses
 import io
 import re
+import time
 
 import numpy as np
 import xxhash
@@ -110,8 +111,8 @@ def too_large(size: int, param: str, limits: ImageLimits) -> None:
 
 
 def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
-    """GET an http(s) image URL (blocking: run it off the loop), at most limits.max_bytes read; redirects are
-    followed only to http(s) URLs (httpx refuses other schemes), at most 3."""
+    """GET an http(s) image URL (blocking: run it off the loop): at most limits.max_bytes read, within about
+    twice fetch_timeout_s in all; redirects are followed only to http(s) URLs (httpx refuses others), at most 3."""
     import httpx
 
     try:
@@ -123,11 +124,15 @@ def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
                 kind = r.headers.get("content-type", "").split(";")[0].strip()
                 if kind and kind.lower() != "application/octet-stream":
                     check_media_type(kind, param)
-                body = bytearray()
+                body, deadline = bytearray(), time.monotonic() + limits.fetch_timeout_s
                 for chunk in r.iter_bytes():
                     body += chunk
                     if len(body) > limits.max_bytes:
                         too_large(len(body), param, limits)
+                    if time.monotonic() > deadline:   # a server dripping bytes under the read timeout
+                        raise InvalidRequestError(f"'{param}': fetching the image took more than "
+                                                  f"{limits.fetch_timeout_s:g} s", param=param,
+                                                  code="image_fetch_failed")
                 return bytes(body)
     except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, ValueError) as e:   # ValueError: URL parsing
         raise InvalidRequestError(f"'{param}': the image could not be fetched ({type(e).__name__})",

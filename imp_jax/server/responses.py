@@ -11,7 +11,7 @@ import json
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import field_validator
 from quart import Blueprint, current_app, jsonify
 from quart.blueprints import BlueprintSetupState
 
@@ -61,12 +61,6 @@ class InputPart(WireModel):
                              "'input_image' are")
         return v
 
-    @model_validator(mode="after")
-    def _text_needs_text(self) -> InputPart:
-        if self.type != "input_image" and self.text is None:
-            raise ValueError(f"an {self.type} part needs 'text'")
-        return self
-
 
 # Input item types and the fields each needs besides `type`; replayed reasoning items are dropped before
 # (ResponsesRequest.input), other types (item references, ...) are a 400.
@@ -109,6 +103,10 @@ class InputItem(WireModel):
             if getattr(self, field) is None:
                 raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} item",
                                           param=f"{param}.{field}")
+        for j, part in enumerate(self.content or []):
+            if part.type != "input_image" and part.text is None:
+                raise InvalidRequestError(f"'{param}.content[{j}].text' is required in an {part.type} part",
+                                          param=f"{param}.content[{j}].text")
 
     @property
     def text(self) -> str:
