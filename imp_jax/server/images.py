@@ -154,7 +154,8 @@ def decode(raw: bytes, param: str, limits: ImageLimits, detail: str = "auto") ->
             im.seek(0)
             pixels = np.asarray(im.convert("RGB"), dtype=np.uint8)
     except Image.DecompressionBombError:
-        raise InvalidRequestError(f"'{param}' claims more pixels than this server decodes", param=param,
+        raise InvalidRequestError(f"'{param}' claims more pixels than this server decodes (at most "
+                                  f"{limits.max_pixels}, --max-image-pixels)", param=param,
                                   code="image_too_large") from None
     except UnidentifiedImageError:
         raise InvalidRequestError(f"'{param}' is not a PNG, JPEG, WebP or GIF image", param=param,
