@@ -7,7 +7,10 @@ included, as JSON escapes), or bytes that are not JSON or not UTF-8.
 """
 from __future__ import annotations
 
+import base64
 import json
+import struct
+import zlib
 from typing import Any
 
 import httpx
@@ -87,6 +90,40 @@ json_values = st.recursive(
 )
 
 
+def _png_claiming(width: int, height: int) -> str:
+    """A data: URL of a PNG whose header claims width x height: a decompression bomb's first bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+_image_urls = st.one_of(st.sampled_from([
+    "data:image/png;base64," + PNG_1PX, "data:image/png;base64," + PNG_1PX[:30], "data:image/png;base64,@@",
+    "data:text/plain;base64,aGk=", "data:image/png," + PNG_1PX, "http://127.0.0.1:1/x.png", "file:///etc/passwd",
+    _png_claiming(100_000, 100_000), _png_claiming(1, 1), "data:image/gif;base64,R0lGODlh"]), _text, json_values)
+_details = st.one_of(st.sampled_from(["auto", "low", "high"]), json_values)
+
+
+def _image_part(route: str) -> st.SearchStrategy[Any]:
+    """An image content part of the route's dialect, its fields valid, hostile or any JSON."""
+    if route.startswith("/v1/messages"):
+        source = st.fixed_dictionaries({"type": st.sampled_from(["base64", "url", "file"])}, optional={
+            "media_type": st.one_of(st.sampled_from(["image/png", "image/gif", "text/plain"]), json_values),
+            "data": st.one_of(st.just(PNG_1PX), _text, json_values), "url": _image_urls})
+        return st.fixed_dictionaries({"type": st.just("image"), "source": st.one_of(source, json_values)})
+    if route == "/v1/responses":
+        return st.fixed_dictionaries({"type": st.just("input_image"), "image_url": _image_urls},
+                                     optional={"detail": _details, "file_id": json_values})
+    return st.one_of(
+        st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
+            st.fixed_dictionaries({"url": _image_urls}, optional={"detail": _details}), _image_urls)}),
+        st.fixed_dictionaries({"type": st.sampled_from(["video", "video_url"]),
+                               "video": st.one_of(st.lists(_image_urls, max_size=3), json_values)}))
+
+
 DEEP_MARK = "__deep__"
 DEEP_JSON = '[{"a": ' * 2500 + "1" + "}]" * 2500  # 5000 levels: past Python's recursion limit
 
@@ -120,7 +157,15 @@ def bodies(draw: st.DrawFn, route: str) -> bytes:
         base["stream"] = True
     fields = sorted(set(base) | set(KNOBS[route]))
     kind = draw(st.sampled_from(["replace", "replace", "replace", "text", "text", "text", "drop", "extra", "nested",
-                                 "special", "any", "raw"]))
+                                 "special", "any", "raw", "image"]))
+    if kind == "image" and ("messages" in base or route == "/v1/responses"):
+        text = "input_text" if route == "/v1/responses" else "text"
+        content = [{"type": text, "text": "see"}, draw(_image_part(route))]
+        if route == "/v1/responses":
+            base["input"] = [{"role": "user", "content": content}]
+        else:
+            base["messages"][0]["content"] = content
+        return _encode(base)
     if kind == "text":
         path = draw(st.sampled_from(TEXT_PATHS[route]))
         value: Any = draw(st.one_of(_text, st.lists(_text, min_size=1, max_size=3)))

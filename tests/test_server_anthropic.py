@@ -13,6 +13,8 @@ from server_fixtures import (FAULT_MARKER, MODEL, FakeEngine, LiveServer, fake_s
 
 from imp_jax.server import anthropic_messages
 
+PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"   # a 1x1 red PNG
+
 real = pytest.mark.real_model
 SYSTEM = "You are a terse assistant."
 QUESTION = [{"role": "user", "content": "Name three colours."}]
@@ -234,8 +236,10 @@ CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "content_empty_list": (_with(messages=_user([])), "messages[0].content"),
     "middle_assistant_empty": (_with(messages=[*_user("a"), {"role": "assistant", "content": ""}, *_user("b")]),
                                "messages[1].content"),
-    "image_block": (_with(messages=_user([{"type": "text", "text": "see"}, {"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AA=="}}])), "messages[0].content[1].type"),
+    "image_block_not_an_image": (_with(messages=_user([{"type": "text", "text": "see"}, {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AA=="}}])), "messages[0].content[1].source.data"),
+    "image_block_no_vision": (_with(messages=_user([{"type": "text", "text": "see"}, {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": PNG_1PX}}])), "messages[0].content[1]"),
     "tool_use_block_without_input": (_with(messages=[*_user("a"), {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f"}]}]), "messages[1].content[0].input"),
     "text_block_without_text": (_with(messages=_user([{"type": "text"}])), "messages[0].content[0].text"),
@@ -297,7 +301,9 @@ COUNT_CASES: dict[str, tuple[dict[str, Any], str | None]] = {
     "messages_empty": ({"model": MODEL, "messages": []}, "messages"),
     "bad_role": ({"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
     "image_block": ({"model": MODEL, "messages": _user([{"type": "image", "source": {}}])},
-                    "messages[0].content[0].type"),
+                    "messages[0].content[0].source.type"),
+    "image_block_no_vision": ({"model": MODEL, "messages": _user([{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": PNG_1PX}}])}, "messages[0].content[0]"),
 }
 
 

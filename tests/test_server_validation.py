@@ -49,7 +49,10 @@ CASES: dict[str, tuple[str, dict[str, Any], str | None, str | None]] = {
     "role_missing": (CHAT_PATH, _with(CHAT, messages=[{"content": "hi"}]), "messages[0].role", None),
     "user_content_missing": (CHAT_PATH, _with(CHAT, messages=[{"role": "user"}]), "messages[0].content", None),
     "image_part": (CHAT_PATH, _with(CHAT, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages[0].content[0].type", None),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), "messages[0].content[0].image_url.url",
+        "image_urls_off"),
+    "video_url_part": (CHAT_PATH, _with(CHAT, messages=[{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "http://x"}}]}]), "messages[0].content[0].type", None),
     "prompt_missing": (COMPLETIONS_PATH, _with(COMPLETION, prompt=_DROP), "prompt", None),
     "prompt_batch": (COMPLETIONS_PATH, _with(COMPLETION, prompt=["a", "b"]), "prompt", None),
     "prompt_id_batch": (COMPLETIONS_PATH, _with(COMPLETION, prompt=[[1, 2], [3]]), "prompt", None),

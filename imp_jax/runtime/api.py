@@ -85,6 +85,11 @@ class Engine(Protocol):
     def cancel(self, request_id: str) -> None:
         """End the request's open choices as `cancelled` (their last event carries usage); unknown ids: no-op."""
 
+    @property
+    def vision(self) -> bool:
+        """A model fact: whether the loaded model has a vision encoder (takes image parts); no family has one yet."""
+        return False
+
     # ---------------------------------------------------------------- capabilities
     async def end_thinking(self, request_id: str) -> str:
         """capabilities.end_thinking: "ending", "already_closed", "not_thinking" or "unknown"."""

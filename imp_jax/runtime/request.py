@@ -6,6 +6,8 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.banned import check_phrases
 from imp_jax.runtime.dry import (
@@ -217,6 +219,23 @@ class GenerationRequest:
     def pinned_blocks(self, block_size: int) -> int | None:
         """How many leading full blocks cache_prompt pins (None: every full block of the prompt)."""
         return None if self.cache_prompt_tokens is None else self.cache_prompt_tokens // block_size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One decoded image of a request (server/images.py): RGB pixels, and a digest of them the prefix
+    cache can key on (equal pixels, equal digest, whatever the encoding they came in)."""
+
+    pixels: np.ndarray    # uint8 [height, width, 3], RGB
+    digest: bytes         # xxh3_128 of the pixels and their shape (16 bytes)
+    format: str           # what it was sent as: PNG, JPEG, WEBP, GIF
+    encoded_bytes: int    # its size as sent (after base64 decoding)
+    detail: str = "auto"  # the client's detail hint: auto, low or high (OpenAI's)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) in pixels."""
+        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)

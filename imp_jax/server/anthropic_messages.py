@@ -1,6 +1,7 @@
 """Anthropic Messages: `POST /v1/messages` (whole or streamed per token) and `POST /v1/messages/count_tokens`.
 
-Native wire format, no shim through Chat: text and tool blocks in (replayed thinking dropped); thinking
+Native wire format, no shim through Chat: text, image and tool blocks in (replayed thinking dropped; images
+parsed and decoded, then refused while no served model has vision: image_parts.py); thinking
 (opted in), text and tool_use blocks out, in that order; Anthropic's stop reasons and usage, its SSE
 event sequence with pings, and its error envelope (errors.py).
 """
@@ -18,9 +19,10 @@ from quart import Blueprint, Response, current_app, jsonify, request
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
 from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.context import answering_model, engine_request, granted, set_response_id
+from imp_jax.server.context import answering_model, engine_request, granted, server, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
+from imp_jax.server.image_parts import ImageRef, anthropic_image, request_images
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
@@ -73,16 +75,26 @@ def _as_blocks(v: Any) -> Any:
     return v if v is None else [b for b in v if not (isinstance(b, dict) and b.get("type") in thinking)]
 
 
-class Block(WireModel):
-    """A message's content block: `text`, `tool_use` (a replayed call) or `tool_result` (images, documents: a 400)."""
+class ResultBlock(WireModel):
+    """A tool_result's content block: `text` or `image`."""
 
-    type: Literal["text", "tool_use", "tool_result"]
+    type: Literal["text", "image"]
     text: str | None = None
+    source: Any = None
+    cache_control: dict[str, Any] | None = None
+
+
+class Block(WireModel):
+    """A message's content block: `text`, `image`, `tool_use` (a replayed call) or `tool_result` (documents: a 400)."""
+
+    type: Literal["text", "image", "tool_use", "tool_result"]
+    text: str | None = None
+    source: Any = None                            # image: {"type": "base64" | "url", ...}
     id: str | None = None                         # tool_use
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None                # tool_result
-    content: str | list[TextBlock] | None = None
+    content: str | list[ResultBlock] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -93,17 +105,32 @@ class Block(WireModel):
 
     def check(self, param: str) -> None:
         """The fields each block type needs (a 400 naming the first missing one)."""
-        needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}[self.type]
+        needs = {"text": ("text",), "image": ("source",), "tool_use": ("id", "name", "input"),
+                 "tool_result": ("tool_use_id",)}[self.type]
         for field in needs:
             if getattr(self, field) is None:
                 raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} block",
                                           param=f"{param}.{field}")
+        for k, b in enumerate(self.content if isinstance(self.content, list) else []):
+            if (b.text if b.type == "text" else b.source) is None:
+                field = "text" if b.type == "text" else "source"
+                raise InvalidRequestError(f"'{param}.content[{k}].{field}' is required in a {b.type} block",
+                                          param=f"{param}.content[{k}].{field}")
 
     @property
     def result_text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return BLOCK_JOIN.join(b.text for b in self.content or [] if b.text)
+        return BLOCK_JOIN.join(b.text for b in self.content or [] if b.type == "text" and b.text)
+
+    def image_refs(self, param: str) -> list[ImageRef]:
+        """This block's images: itself, or a tool_result's image blocks."""
+        if self.type == "image":
+            return [anthropic_image(self.source, param)]
+        if self.type == "tool_result" and isinstance(self.content, list):
+            return [anthropic_image(b.source, f"{param}.content[{k}]")
+                    for k, b in enumerate(self.content) if b.type == "image"]
+        return []
 
 
 class Message(WireModel):
@@ -165,8 +192,13 @@ class Conversation(WireModel):
     def _system_string_or_blocks(cls, v: Any) -> Any:
         return _as_blocks(v)
 
+    def image_refs(self) -> list[ImageRef]:
+        """Every image block (tool results' too), in body order."""
+        return [ref for i, m in enumerate(self.messages) for j, b in enumerate(m.content)
+                for ref in b.image_refs(f"messages[{i}].content[{j}]")]
+
     def check_conversation(self) -> None:
-        """Anthropic's rules: at least one turn, none empty but a final assistant prefill; text only."""
+        """Anthropic's rules: at least one turn, none empty but a final assistant prefill."""
         if not self.messages:
             raise InvalidRequestError("'messages' must hold at least one message", param="messages")
         last = len(self.messages) - 1
@@ -352,6 +384,7 @@ def message_json(mid: str, model: str, text: str | None, reason: tuple[str | Non
 async def messages() -> Any:
     req, engine = await engine_request(MessagesRequest)
     req.check()
+    await request_images(req.image_refs(), engine, server().config.image_limits)
     ids = await off_loop(prompt_ids, req, engine.tokenizer)
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
@@ -388,6 +421,7 @@ async def messages() -> Any:
 async def count_tokens() -> Any:
     req, engine = await engine_request(CountTokensRequest)
     req.check_conversation()
+    await request_images(req.image_refs(), engine, server().config.image_limits)
     return jsonify({"input_tokens": len(await off_loop(prompt_ids, req, engine.tokenizer))})
 
 

@@ -10,8 +10,9 @@ from quart import Blueprint
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
 from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
+from imp_jax.server.context import answering_model, default_max_tokens, engine_request, server, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
+from imp_jax.server.image_parts import VIDEO_URL_REFUSED, ImageRef, openai_image, request_images, video_frames
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
@@ -25,21 +26,33 @@ from imp_jax.server.validation import WireModel
 bp = Blueprint("chat_completions", __name__)
 
 
-class TextPart(WireModel):
+class ContentPart(WireModel):
+    """A content part: `text`, `image_url` or `video` (client-extracted frames); others are a 400 naming the part."""
+
     type: str
     text: str = ""
+    image_url: Any = None    # image_url parts: {"url": ..., "detail": ...} (image_parts.openai_image)
+    video: Any = None        # video parts: [frame URLs]
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"content part type {v!r} is not supported; only 'text' parts are")
+    def _known_type(cls, v: str) -> str:
+        if v == "video_url":
+            raise ValueError(VIDEO_URL_REFUSED)
+        if v not in ("text", "image_url", "video"):
+            raise ValueError(f"content part type {v!r} is not supported; 'text', 'image_url' and 'video' parts are")
         return v
+
+    def image_refs(self, param: str) -> list[ImageRef]:
+        """This part's images (a video's frames), none for text."""
+        if self.type == "image_url":
+            return [openai_image(self.image_url, param)]
+        return video_frames(self.video, param) if self.type == "video" else []
 
 
 class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: list[TextPart] | None = None
+    content: list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -57,7 +70,7 @@ class ChatMessage(WireModel):
 
     @property
     def text(self) -> str | None:
-        return None if self.content is None else "".join(p.text for p in self.content)
+        return None if self.content is None else "".join(p.text for p in self.content if p.type == "text")
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: string content, developer spelled system."""
@@ -67,6 +80,16 @@ class ChatMessage(WireModel):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
         return msg
+
+
+def refuse_images(messages: list[ChatMessage]) -> None:
+    """400 naming the first image or video part: routes that render chats as text only (scoring, tokenize)."""
+    for i, m in enumerate(messages):
+        for j, p in enumerate(m.content or []):
+            if p.type != "text":
+                raise InvalidRequestError(f"'messages[{i}].content[{j}]': {p.type} parts are taken on "
+                                          "/v1/chat/completions only", param=f"messages[{i}].content[{j}]",
+                                          code="not_supported")
 
 
 # apply_chat_template's own parameters: a template variable of these names would clash with them
@@ -131,9 +154,14 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
             raise InvalidRequestError(f"{names} may not be set: the request's own fields set them",
                                       param=f"chat_template_kwargs.{taken[0]}")
 
+    def image_refs(self) -> list[ImageRef]:
+        """Every image part (and video frame), in body order."""
+        return [ref for i, m in enumerate(self.messages) for j, p in enumerate(m.content or [])
+                for ref in p.image_refs(f"messages[{i}].content[{j}]")]
+
     def _check_cfg(self) -> None:
         """cfg_scale in [1, 10]; on (> 1) it needs a system message or cfg_negative_prompt, and takes no tools
-        or banned strings (images never reach here: content parts are text)."""
+        or banned strings."""
         if self.cfg_scale is None:
             return
         if not 1 <= self.cfg_scale <= MAX_CFG_SCALE:
@@ -219,6 +247,7 @@ def shadow_prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int] | None:
 async def chat_completions() -> Any:
     req, engine = await engine_request(ChatRequest)
     req.check()
+    await request_images(req.image_refs(), engine, server().config.image_limits)
     ids = await off_loop(prompt_ids, req, engine.tokenizer)
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from imp_jax.runtime.request import StreamLimits
+from imp_jax.server.images import ImageLimits
 from imp_jax.server.limits import FieldLimits
 
 OTLP_PROTOCOLS = ("http/json", "http/protobuf")
@@ -75,6 +76,14 @@ class ServerConfig:
     max_constraint_bytes: int = _field(64 << 10, "bytes of one output constraint: a JSON schema, regex, grammar "
                                                  "or the choices together (400 past it)")
     max_json_depth: int = _field(64, "levels arrays and objects may nest in a request body (400 past it)")
+    max_image_bytes: int = _field(20 << 20, "encoded bytes of one image content part (400 past it)")
+    max_images_per_request: int = _field(16, "images per request, client video frames included (400 past it)")
+    max_image_pixels: int = _field(33_177_600, "width x height of one image, read from its header before it is "
+                                               "decoded (400 past it); default 8K UHD, 7680 x 4320")
+    max_video_frames: int = _field(32, "frames of one client video content part (400 past it)")
+    allow_image_urls: bool = _field(False, "fetch http(s) image URLs in content parts (off: a 400; only inline "
+                                           "data: URLs are taken); the server then GETs any URL a client names "
+                                           "(docs/SECURITY.md)")
     max_queued_requests: int = _field(0, "generation requests waiting for their first token at most "
                                          "(429 past it); 0 = no limit")
     max_queued_tokens: int = _field(0, "prompt tokens of the requests waiting for their first token at most "
@@ -147,7 +156,8 @@ class ServerConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("stream_buffer_events", "stream_stall_timeout", "max_stop_strings", "max_stop_chars",
-                     "max_stop_token_ids", "max_tools", "max_constraint_bytes", "max_json_depth"):
+                     "max_stop_token_ids", "max_tools", "max_constraint_bytes", "max_json_depth", "max_image_bytes",
+                     "max_images_per_request", "max_image_pixels", "max_video_frames"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.encoder_max_batch < 1:
@@ -165,6 +175,11 @@ class ServerConfig:
     def field_limits(self) -> FieldLimits:
         return FieldLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids, self.max_tools,
                            self.max_constraint_bytes, self.max_json_depth)
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_image_bytes, self.max_images_per_request, self.max_image_pixels,
+                           self.max_video_frames, self.allow_image_urls)
 
     @property
     def stream_limits(self) -> StreamLimits:

@@ -19,10 +19,11 @@ from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
 from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, Usage, check_context
 from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
-from imp_jax.server.context import (answering_model, caller_owner, default_max_tokens, engine_request,
+from imp_jax.server.context import (answering_model, caller_owner, default_max_tokens, engine_request, server,
                                    set_response_id, state_of)
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
+from imp_jax.server.image_parts import ImageRef, request_images, responses_image
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, now
@@ -44,16 +45,20 @@ INCLUDES = (LOGPROBS_INCLUDE, ENCRYPTED_REASONING)
 
 
 class InputPart(WireModel):
-    """A content part of an input message: `input_text` or `output_text` (anything else is a 400)."""
+    """A content part of an input message: `input_text`, `output_text` or `input_image` (anything else is a 400)."""
 
     type: str
-    text: str
+    text: str | None = None
+    image_url: Any = None     # input_image: a data: URL (image_parts.responses_image)
+    detail: Any = None
+    file_id: Any = None
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v not in ("input_text", "output_text"):
-            raise ValueError(f"content part type {v!r} is not supported; only 'input_text' and 'output_text' are")
+    def _known_type(cls, v: str) -> str:
+        if v not in ("input_text", "output_text", "input_image"):
+            raise ValueError(f"content part type {v!r} is not supported; 'input_text', 'output_text' and "
+                             "'input_image' are")
         return v
 
 
@@ -98,15 +103,29 @@ class InputItem(WireModel):
             if getattr(self, field) is None:
                 raise InvalidRequestError(f"'{param}.{field}' is required in a {self.type} item",
                                           param=f"{param}.{field}")
+        for j, part in enumerate(self.content or []):
+            if part.type != "input_image" and part.text is None:
+                raise InvalidRequestError(f"'{param}.content[{j}].text' is required in an {part.type} part",
+                                          param=f"{param}.content[{j}].text")
 
     @property
     def text(self) -> str:
         """A message's text, or a tool output's (its text parts)."""
         if self.type == "message":
-            return PART_JOIN.join(p.text for p in self.content or [] if p.text)
+            return PART_JOIN.join(p.text for p in self.content or [] if p.text and p.type != "input_image")
         if isinstance(self.output, str):
             return self.output
         return PART_JOIN.join(str(p.get("text", "")) for p in self.output or [] if isinstance(p, dict))
+
+    def image_refs(self, param: str) -> list[ImageRef]:
+        """A message's input_image parts, or a tool output's, in order."""
+        if self.type == "message":
+            parts: list[Any] = list(self.content or [])
+        else:
+            parts = self.output if isinstance(self.output, list) else []
+        where = "content" if self.type == "message" else "output"
+        return [responses_image(p if isinstance(p, dict) else p.model_dump(), f"{param}.{where}[{j}]")
+                for j, p in enumerate(parts) if (p.get("type") if isinstance(p, dict) else p.type) == "input_image"]
 
     def message(self) -> dict[str, Any]:
         """A message item as one stored conversation message: role and text."""
@@ -192,7 +211,8 @@ class ResponsesRequest(OpenAISampling):
         self.check_common()
         for i, item in enumerate(self.input):
             item.check(f"input[{i}]")
-        if not self.input or not any(item.text or item.type != "message" for item in self.input):
+        if not self.input or not any(item.text or item.type != "message" or item.image_refs(f"input[{i}]")
+                                     for i, item in enumerate(self.input)):
             raise InvalidRequestError("'input' must hold some text", param="input")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequestError("'max_output_tokens' must be >= 1", param="max_output_tokens")
@@ -215,6 +235,10 @@ class ResponsesRequest(OpenAISampling):
             if last.type != "message" or last.role != "assistant" or not last.text:
                 raise InvalidRequestError("'continue_final_message' needs a final assistant message with text",
                                           param="continue_final_message")
+
+    def image_refs(self) -> list[ImageRef]:
+        """Every input_image part (tool outputs' too), in body order."""
+        return [ref for i, item in enumerate(self.input) for ref in item.image_refs(f"input[{i}]")]
 
     def _check_include(self) -> None:
         """`include`: `message.output_text.logprobs` and `reasoning.encrypted_content` map to something here
@@ -397,6 +421,7 @@ def fit_context(conversation: list[dict[str, Any]], tokenize: Any, max_model_len
 async def create_response() -> Any:
     req, engine = await engine_request(ResponsesRequest)
     req.check()
+    await request_images(req.image_refs(), engine, server().config.image_limits)
     store = responses_store()
     previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:

@@ -23,7 +23,7 @@ from imp_jax.errors import EngineError, InvalidRequestError
 from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import MAX_LOGIT_BIAS, GenerationRequest, SamplingParams, check_context
 from imp_jax.server import fields, lifecycle
-from imp_jax.server.chat_completions import ChatMessage, TextPart
+from imp_jax.server.chat_completions import ChatMessage, ContentPart, refuse_images
 from imp_jax.server.context import answering_model, engine_request, set_response_id
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
@@ -85,6 +85,7 @@ def chat_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
     for i, m in enumerate(messages):
         if m.content is None:
             raise InvalidRequestError(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
+    refuse_images(messages)
     text = tokenizer.render_chat([m.for_template() for m in messages], add_generation_prompt=True)
     check_chars(text, "messages")
     return tokenizer.encode_chat(text)
@@ -154,7 +155,7 @@ def decide_messages(req: DecideRequest) -> list[ChatMessage]:
     if last is None or last.role != "user" or not last.text:
         raise InvalidRequestError("'messages' must end with a user message holding the question",
                                   param="messages")
-    messages[-1] = last.model_copy(update={"content": [TextPart(type="text", text=decide_text(last.text, options))]})
+    messages[-1] = last.model_copy(update={"content": [ContentPart(type="text", text=decide_text(last.text, options))]})
     return messages
 
 

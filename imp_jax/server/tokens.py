@@ -6,7 +6,7 @@ from typing import Any
 from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.server.chat_completions import ChatMessage
+from imp_jax.server.chat_completions import ChatMessage, refuse_images
 from imp_jax.server.context import engine_request
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.validation import WireModel, check_token_ids
@@ -55,6 +55,7 @@ async def tokenize() -> Any:
 
 def _tokenize(req: TokenizeRequest, tokenizer: Any) -> list[int]:
     if req.messages is not None:
+        refuse_images(req.messages)
         text = tokenizer.render_chat([m.for_template() for m in req.messages],
                                      add_generation_prompt=req.add_generation_prompt)
         check_chars(text, "messages")
