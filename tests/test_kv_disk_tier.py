@@ -157,14 +157,21 @@ class SlowLower(FakeLower):
         return super().get(block_hash)
 
 
-def test_a_disk_read_never_holds_up_other_sequences_steps(tiny_loaded, _tiny_hf_template):
-    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
+def _blocked_read_engine(loaded, template, seed: int):
+    """An engine whose disk tier holds an 80-token prefix that has left device and host, and whose next read of
+    it blocks until `lower.release` is set: (core, lower, the prefix)."""
+    core = _engine(loaded, template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
     core.tiers.attach_lower(lower := SlowLower(), core.pool)
-    shared = _prompt(90, 80)
+    shared = _prompt(seed, 80)
     lower.release.set()
-    evict_then_ask(core, shared, seed=90)
+    evict_then_ask(core, shared, seed=seed)
     core.pool.reset_prefix_cache()
     lower.release.clear()
+    return core, lower, shared
+
+
+def test_a_disk_read_never_holds_up_other_sequences_steps(tiny_loaded, _tiny_hf_template):
+    core, lower, shared = _blocked_read_engine(tiny_loaded, _tiny_hf_template, seed=90)
     other, waiter = [], []
     core.add_request(_request(_prompt(95, 20), max_tokens=30), other.append)
     core.add_request(_request(shared + [5]), waiter.append)
@@ -188,13 +195,7 @@ def test_the_engine_thread_sleeps_while_its_only_work_is_a_disk_read(tiny_loaded
 
     from imp_jax.runtime.async_engine import AsyncEngine
 
-    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
-    core.tiers.attach_lower(lower := SlowLower(), core.pool)
-    shared = _prompt(130, 80)
-    lower.release.set()
-    evict_then_ask(core, shared, seed=130)
-    core.pool.reset_prefix_cache()
-    lower.release.clear()
+    core, lower, shared = _blocked_read_engine(tiny_loaded, _tiny_hf_template, seed=130)
     steps: list[int] = []
     step = core.step
     core.step = lambda: steps.append(ran := step()) or ran
