@@ -25,6 +25,30 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
     query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6, rope_local_base_freq=1e4,
     bos_token_id=2, eos_token_id=1)
 
+# Image-text architectures whose decoder `text_config` describes, and that sub-config's own defaults
+# (Idefics3Config builds its Llama text config with rms_norm_eps 1e-5)
+TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma3ForConditionalGeneration": GEMMA3_TEXT_DEFAULTS,   # served text only
+    "Idefics3ForConditionalGeneration": {"rms_norm_eps": 1e-5},
+    "SmolVLMForConditionalGeneration": {"rms_norm_eps": 1e-5},
+}
+
+
+def language_model_config(hf: dict[str, Any], archs: list[str], source: str) -> dict[str, Any]:
+    """The decoder's config of an image-text checkpoint: its `text_config` over that sub-config's defaults,
+    under the top-level `architectures`, top-level bos/eos filling in. Idefics3 / SmolVLM: the text model
+    must be a Llama, and the top-level tie_word_embeddings wins (transformers ties the top-level LM head by it)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{source}: {archs[0]} without a 'text_config' object")
+    gemma = archs[0] == "Gemma3ForConditionalGeneration"
+    if not gemma and text.get("model_type", "llama") != "llama":
+        raise ModelLoadError(f"{source}: text model_type {text.get('model_type')!r} is not supported "
+                             f"for {archs[0]} (supported: llama)")
+    top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
+    tie = {} if gemma or "tie_word_embeddings" not in hf else {"tie_word_embeddings": hf["tie_word_embeddings"]}
+    return {**TEXT_CONFIG_DEFAULTS[archs[0]], **top, **text, **tie, "architectures": archs}
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -194,12 +218,8 @@ class ModelConfig:
         archs = hf.get("architectures")
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ModelLoadError(f"{source}: 'architectures' must be a non-empty list of names")
-        if archs[0] == "Gemma3ForConditionalGeneration":   # served text-only: its language model
-            text = hf.get("text_config")
-            if not isinstance(text, dict):
-                raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration without a 'text_config' object")
-            top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
-            hf = {**GEMMA3_TEXT_DEFAULTS, **top, **text, "architectures": archs}
+        if archs[0] in TEXT_CONFIG_DEFAULTS:
+            hf = language_model_config(hf, archs, source)
 
         def need(key: str, typ: type = int) -> Any:
             if key not in hf or hf[key] is None:
