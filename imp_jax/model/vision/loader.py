@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.base import ModelOptions
-from imp_jax.model.config import ModelConfig, language_model_config, read_json
+from imp_jax.model.config import ModelConfig, read_json
+from imp_jax.model.language_model_config import language_model_config
 from imp_jax.model.llama import DecoderLM
 from imp_jax.model.loader import SafetensorsDir
 from imp_jax.model.vision.idefics3 import ARCHITECTURES, Idefics3Config, Idefics3Vision
