@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +15,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
-from imp_jax.model.llama import DecoderLM  # noqa: E402
 from imp_jax.model.vision import idefics3_processor as proc  # noqa: E402
 from imp_jax.model.vision.idefics3 import patch_mask  # noqa: E402
 from imp_jax.model.vision.loader import load_idefics3  # noqa: E402
@@ -208,27 +206,30 @@ def test_expand_prompt_counts_must_agree():
         proc.expand_prompt("<image><image>", [(0, 0)], 4)
 
 
-def spliced_logits(vlm, ids: list[int], rows: np.ndarray) -> np.ndarray:
-    """Our Llama's logits [len(ids), V] for one prompt whose image tokens read `rows` (one paged prefill)."""
-    text = vlm.text
-    b = build_step_batch([SeqChunk(ids, 0, list(range(1, 9)))], num_tokens=128, num_seqs=1, max_blocks=8,
-                         block_size=16)
-    meta = AttentionMetadata(*(jnp.asarray(a) for a in (b.query_start_loc, b.seq_lens, b.block_tables,
-                                                         b.slot_mapping, b.num_seqs)))
-    table = np.zeros((128, rows.shape[1]), np.float32)
-    is_image = np.zeros(128, bool)
-    is_image[:len(ids)] = np.asarray(ids) == IMAGE_TOKEN
-    table[np.flatnonzero(is_image)] = rows
-    plain = DecoderLM._embed
-
-    def embed(self, input_ids):
-        return jnp.where(jnp.asarray(is_image)[:, None], jnp.asarray(table), plain(self, input_ids))
-
+def prefill_logits(text, ids: list[int], rows: np.ndarray, cuts: tuple[int, ...] = (), M: int = 128) -> np.ndarray:
+    """Our Llama's logits [len(ids), V] for one prompt prefilled in chunks split at `cuts` (paged KV carried
+    over), each chunk given only its own image rows (the k-th `<image>` token reads rows[k]) through the
+    model's `embed_rows`/`embed_slots`, padded to M rows whose slot T writes nowhere."""
+    T = 128
+    forward = nnx.jit(lambda m, ids, pos, kv, meta, r, s: m(ids, pos, kv, meta, embed_rows=r, embed_slots=s))
     shape = text.kv_cache_shape(16, 16)
-    with mock.patch.object(DecoderLM, "_embed", embed):
-        hidden, _ = text(jnp.asarray(b.input_ids), jnp.asarray(b.positions), (jnp.zeros(shape), jnp.zeros(shape)),
-                         meta)
-    return np.asarray(text.logits(hidden[:len(ids)]))
+    kv = (jnp.zeros(shape), jnp.zeros(shape))
+    image_index = np.cumsum(np.asarray(ids) == IMAGE_TOKEN) - 1   # each token's row in `rows` (if an image)
+    out = []
+    for a, b in zip((0, *cuts), (*cuts, len(ids))):
+        batch = build_step_batch([SeqChunk(ids[a:b], a, list(range(1, 9)))], num_tokens=T, num_seqs=1,
+                                 max_blocks=8, block_size=16)
+        meta = AttentionMetadata(*(jnp.asarray(x) for x in (batch.query_start_loc, batch.seq_lens,
+                                                             batch.block_tables, batch.slot_mapping, batch.num_seqs)))
+        where = np.flatnonzero(np.asarray(ids[a:b]) == IMAGE_TOKEN)
+        slots = np.full(M, T, np.int32)
+        slots[:len(where)] = where
+        chunk_rows = np.zeros((M, rows.shape[1]), np.float32)
+        chunk_rows[:len(where)] = rows[image_index[a + where]]
+        hidden, kv = forward(text, jnp.asarray(batch.input_ids), jnp.asarray(batch.positions), kv, meta,
+                             jnp.asarray(chunk_rows), jnp.asarray(slots))
+        out.append(np.asarray(text.logits(hidden[:b - a])))
+    return np.concatenate(out)
 
 
 def layout_ids(layout: str) -> list[int]:
@@ -246,27 +247,42 @@ def layout_ids(layout: str) -> list[int]:
     return ids
 
 
-def test_logits_with_one_image_match_transformers(tiny_vlm):
-    path, hf = tiny_vlm
-    vlm = load_idefics3(path)
-    image = synthetic_image(*SIZES[0])
-    pre = proc.preprocess([image], proc.ImageProcessorConfig.from_hf(PRE))
+def one_image_prompt(vlm) -> tuple[list[int], np.ndarray, dict]:
+    """A prompt with one image (5 frames: 2 x 2 tiles + global), its image rows, and transformers' inputs."""
+    pre = proc.preprocess([synthetic_image(*SIZES[0])], proc.ImageProcessorConfig.from_hf(PRE))
     layout = proc.image_prompt(pre.grids[0], vlm.config.image_seq_len)
     ids = [1, 5, 6] + layout_ids(layout) + [7, 8, 9]
     assert ids.count(IMAGE_TOKEN) == 16 * sum(pre.frames_per_image)
     rows = np.asarray(vlm.vision(jnp.asarray(pre.pixel_values),
                                  jnp.asarray(patch_mask(pre.pixel_attention_mask, 4)))).reshape(-1, 48)
-    pixels = torch.tensor(pre.pixel_values[None])
-    pmask = torch.tensor(pre.pixel_attention_mask[None])
+    return ids, rows, dict(pixel_values=torch.tensor(pre.pixel_values[None]),
+                           pixel_attention_mask=torch.tensor(pre.pixel_attention_mask[None]))
+
+
+def test_logits_with_one_image_match_transformers(tiny_vlm):
+    path, hf = tiny_vlm
+    vlm = load_idefics3(path)
+    ids, rows, images = one_image_prompt(vlm)
     with torch.no_grad():
-        want = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, pixel_attention_mask=pmask).logits[0].numpy()
-    ours = spliced_logits(vlm, ids, rows)
+        want = hf(input_ids=torch.tensor([ids]), **images).logits[0].numpy()
+    ours = prefill_logits(vlm.text, ids, rows)
     np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
     # greedy continuation: the image sits in the prompt's KV only, so later steps are plain text
     with torch.no_grad():
-        gen = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, pixel_attention_mask=pmask,
-                          max_new_tokens=5, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        gen = hf.generate(input_ids=torch.tensor([ids]), **images, max_new_tokens=5, do_sample=False,
+                          pad_token_id=0)[0, len(ids):].tolist()
     seq = list(ids)
     for _ in range(5):
-        seq.append(int(np.argmax(spliced_logits(vlm, seq, rows)[-1])))
+        seq.append(int(np.argmax(prefill_logits(vlm.text, seq, rows)[-1])))
     assert seq[len(ids):] == gen
+
+
+def test_chunked_prefill_with_image_rows_equals_one_chunk(tiny_vlm):
+    """A prefill cut inside the image, each chunk given only its own slice of the rows (slots relative to
+    the chunk), gives one chunk's logits: the engine may split a prompt's image over steps."""
+    vlm = load_idefics3(tiny_vlm[0])
+    ids, rows, _ = one_image_prompt(vlm)
+    image_at = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN]
+    whole = prefill_logits(vlm.text, ids, rows)
+    for cuts in [(image_at[37],), (image_at[5], image_at[60] + 1)]:
+        np.testing.assert_allclose(prefill_logits(vlm.text, ids, rows, cuts), whole, atol=1e-5, rtol=0)

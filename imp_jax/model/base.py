@@ -8,6 +8,7 @@ A model class (built in: llama.py; yours: `--model-class package.module:Class`) 
     model.logits(hidden[R, E]) -> float32 [R, vocab]                         only the sampled rows
     model.kv_cache_shape(num_blocks, block_size) -> shape of K (and of V)
     model(..., residuals=True) -> (hidden, kv, [L, T, E])                  optional: logit_lens
+    model(..., embed_rows=[M, E], embed_slots=[M]) -> (hidden, kv)          optional: images
 
 `kv` is (K, V), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]; `meta` is
 kernels_pallas.AttentionMetadata. A model calls `layers.linear` and
@@ -15,6 +16,11 @@ kernels_pallas.AttentionMetadata. A model calls `layers.linear` and
 `weights.Matrix` (so the loader may store them narrow) and names every parameter's axes
 (`axes=(...)` metadata, names from `AXES`) so the engine can shard it. docs/ARCHITECTURE.md has
 a worked example.
+
+Embedding overrides: a class that sets `takes_embed_rows = True` accepts `embed_rows` [M, E] and
+`embed_slots` [M] int32, rows that replace the embeddings of token rows `embed_slots` before the
+first layer (an image's rows over its `<image>` tokens); a slot >= T is padding and writes nowhere.
+The engine passes them only to such a class, and only in a step that has them.
 """
 from __future__ import annotations
 
@@ -56,6 +62,11 @@ def default_layer_loop(platform: str) -> str:
     weight pick (`lax.switch`) reads weights in place. `unroll` elsewhere: on XLA:GPU a switch on a
     traced index can cost a device-to-host sync per layer (docs/PERF.md)."""
     return "scan" if platform == "cpu" else "unroll"
+
+
+def takes_embed_rows(model: Any) -> bool:
+    """Whether a model (or model class) declares the optional `embed_rows`/`embed_slots` arguments."""
+    return getattr(model, "takes_embed_rows", False) is True
 
 
 class CausalLM(Protocol):

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
+from imp_jax.model.language_model_config import TEXT_CONFIG_DEFAULTS, language_model_config
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # q/k/v biases unless the config says otherwise
@@ -18,12 +19,6 @@ ROUTERS = ("softmax_topk", "topk_softmax")
 ROPE_ALIASES = {"su": "longrope"}   # Phi-3's early configs name longrope "su"
 LAYER_TYPES = ("sliding_attention", "full_attention")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-# Gemma3TextConfig's defaults, which a multimodal Gemma 3's `text_config` relies on (it omits them)
-GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072,
-    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6, rope_local_base_freq=1e4,
-    bos_token_id=2, eos_token_id=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +189,8 @@ class ModelConfig:
         archs = hf.get("architectures")
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ModelLoadError(f"{source}: 'architectures' must be a non-empty list of names")
-        if archs[0] == "Gemma3ForConditionalGeneration":   # served text-only: its language model
-            text = hf.get("text_config")
-            if not isinstance(text, dict):
-                raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration without a 'text_config' object")
-            top = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in hf}
-            hf = {**GEMMA3_TEXT_DEFAULTS, **top, **text, "architectures": archs}
+        if archs[0] in TEXT_CONFIG_DEFAULTS:
+            hf = language_model_config(hf, archs, source)
 
         def need(key: str, typ: type = int) -> Any:
             if key not in hf or hf[key] is None:

@@ -70,6 +70,8 @@ class GemmaLM(DecoderLM):
     """Gemma2ForCausalLM / Gemma3ForCausalLM over a ragged token batch and a paged KV cache
     (model/base.py, the contract)."""
 
+    takes_embed_rows = False   # its own forward: text only so far (no image side is loaded)
+
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         super().__init__(config, options, rngs=rngs)
         self.layers = GemmaLayers(config, options.dtype, rngs, self.tp)

@@ -33,6 +33,12 @@ def embed(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return rows.astype(dtype)
 
 
+def override_rows(x: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """x [T, E] with row slots[m] replaced by rows[m] ([M, E], [M] int32): image embeddings over their
+    placeholder tokens. A slot >= T (padding up to the bucketed M) writes nowhere."""
+    return x.at[slots].set(rows.astype(x.dtype), mode="drop")
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in float32; a row's bits do not depend on the other rows
     (row_sum)."""

@@ -18,7 +18,7 @@ from flax import nnx
 from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.layers import apply_rope, embed, linear, rms_norm, rope_tables
+from imp_jax.model.layers import apply_rope, embed, linear, override_rows, rms_norm, rope_tables
 from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
 from imp_jax.model.weights import Matrix, WeightSource, stored
@@ -86,6 +86,7 @@ class DecoderLM(nnx.Module):
     """A causal LM over a flat ragged token batch with a paged KV cache (model/base.py, the contract)."""
 
     layers_class = DecoderLayers   # a subclass may swap the MLPs (model/moe.py: `_mlp`, `_load_mlp`)
+    takes_embed_rows = True        # the forward takes `embed_rows`/`embed_slots` (model/base.py)
 
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         self.config = config
@@ -136,10 +137,13 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
                  meta: AttentionMetadata, lora_ids: jax.Array | None = None,
-                 residuals: bool = False) -> tuple[jax.Array, KVCache]:
+                 residuals: bool = False, embed_rows: jax.Array | None = None,
+                 embed_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states [T, hidden] (before the final norm) and the updated KV cache. `lora_ids`
         [T] (with `enable_lora`): each token's adapter slot, 0 = none. `residuals` (logit_lens,
-        runtime/logit_lens.py): also return the residual after every layer, stacked [L, T, hidden]."""
+        runtime/logit_lens.py): also return the residual after every layer, stacked [L, T, hidden].
+        `embed_rows` [M, hidden] replace the embeddings of token rows `embed_slots` [M] (images; a
+        slot >= T is padding and writes nowhere)."""
         cfg = self.config
         x = self._embed(input_ids)
         cos, sin = rope_tables(positions, cfg.rope_inv_freq(), cfg.rope_attention_scale)
@@ -150,6 +154,8 @@ class DecoderLM(nnx.Module):
             embed_lora = self.lora.global_delta("embed_tokens", lora_ids)
             if embed_lora is not None:
                 x = (x + embed_lora.embed(input_ids, self.options.kernels.dynamic_skips)).astype(x.dtype)
+        if embed_rows is not None:   # after the embedding's LoRA delta: an image row replaces it all
+            x = override_rows(x, embed_rows, embed_slots)
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry

@@ -23,7 +23,10 @@ from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.converted import read_converted, restore_model
 from imp_jax.model.hub import resolve_model
+from imp_jax.model.base import takes_embed_rows
 from imp_jax.model.registry import get_model_class, import_model_class
+from imp_jax.model.vision.side import (LoadedVision, TextModelTensors, VisionCheckpoint, build_vision,
+                                       is_vision_language, open_vision)
 from imp_jax.model.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
 
 if TYPE_CHECKING:
@@ -44,6 +47,7 @@ class LoadedModel:
     served_name: str
     path: Path
     dtype: Any
+    vision: LoadedVision | None = None   # the image side: set when the model sees images (model/vision/)
 
 
 @dataclasses.dataclass
@@ -59,6 +63,7 @@ class Checkpoint:
     tensors: Mapping[str, np.ndarray] | None      # HF-named tensors; None for a converted checkpoint
     stored_dtype: str = "float32"                 # a converted checkpoint's array dtype
     quantized: dict[str, str] | None = None       # a converted checkpoint's matrices stored as GGML blocks
+    vision: VisionCheckpoint | None = None        # an image-text HF directory's image side
 
     @property
     def ggml_blocks(self) -> bool:
@@ -97,8 +102,13 @@ def open_checkpoint(name_or_path: str | Path) -> Checkpoint:
         return Checkpoint("converted", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
                           read_generation_config(path), None, marker["dtype"], marker.get("quantized"))
     config = parse_config(lambda: ModelConfig.from_file(path / "config.json"), str(path / "config.json"))
+    tensors: Mapping[str, np.ndarray] = SafetensorsDir(path)
+    vision = None
+    if is_vision_language(config.architecture):   # the decoder reads `model.text_model.*` as `model.*`
+        vision = open_vision(path, read_json(path / "config.json"), tensors)
+        tensors = TextModelTensors(tensors)
     return Checkpoint("hf_dir", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
-                      read_generation_config(path), SafetensorsDir(path))
+                      read_generation_config(path), tensors, vision=vision)
 
 
 def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None = None) -> LoadedModel:
@@ -115,10 +125,15 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
         model = build_from_tensors(cls, ckpt.config, WeightSource(ckpt.tensors, formats, str(ckpt.path)), options)
     narrow_exact_bf16(model, formats)
     log.info("weights: %s", describe(model))
+    vision = None
+    if ckpt.vision is not None and takes_embed_rows(cls):   # a class without the overrides serves text only
+        vision = build_vision(ckpt.vision, options.dtype)
+        log.info("vision: %d-layer tower, %d rows per %d-pixel frame", ckpt.vision.config.vision.num_layers,
+                 ckpt.vision.config.image_seq_len, ckpt.vision.config.vision.image_size)
     log.info("loaded %s: %d layers, hidden %d, vocab %d in %.1fs", ckpt.served_name, ckpt.config.num_layers,
              ckpt.config.hidden_size, ckpt.config.vocab_size, time.perf_counter() - t0)
     return LoadedModel(model, ckpt.config, ckpt.tokenizer, ckpt.generation_config, ckpt.served_name,
-                       ckpt.path, options.dtype)
+                       ckpt.path, options.dtype, vision)
 
 
 def attention_shape(config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: int,

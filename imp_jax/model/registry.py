@@ -15,6 +15,9 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # text only: the vision tower is not loaded
+    # image-text: the Llama decoder, images as embedding overrides (model/vision/side.py)
+    "Idefics3ForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
+    "SmolVLMForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
     # mixture of experts (model/moe.py)
     "MixtralForCausalLM": "imp_jax.model.moe:MoELM",
     "Qwen2MoeForCausalLM": "imp_jax.model.moe:MoELM",
