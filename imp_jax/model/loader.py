@@ -19,11 +19,10 @@ import numpy as np
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import AttentionShape, Kernels, ggml_blocks, kv_storage_dtype, select_tested_kernels
-from imp_jax.model.base import ModelOptions, default_layer_loop
+from imp_jax.model.base import ModelOptions, default_layer_loop, takes_embed_rows
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.converted import read_converted, restore_model
 from imp_jax.model.hub import resolve_model
-from imp_jax.model.base import takes_embed_rows
 from imp_jax.model.registry import get_model_class, import_model_class
 from imp_jax.model.vision.side import (LoadedVision, TextModelTensors, VisionCheckpoint, build_vision,
                                        is_vision_language, open_vision)
