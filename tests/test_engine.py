@@ -502,7 +502,7 @@ def test_async_scheduling_auto_is_off_on_a_cpu_and_on_for_an_accelerator() -> No
     assert [overlaps_steps("auto", p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
     assert overlaps_steps("on", "cpu") and not overlaps_steps("off", "gpu")
     assert EngineConfig(async_scheduling="on").async_scheduling_on("cpu")
-    with pytest.raises(ValueError, match="auto, on or off"):
+    with pytest.raises(ValueError, match="--async-scheduling .yes.: expected one of auto, on, off"):
         EngineConfig(async_scheduling="yes")
 
 
