@@ -53,12 +53,12 @@ def test_a_burst_past_max_queued_tokens_is_refused_as_overloaded(ops_server: Ops
     wait_idle(ops_server.url)
     bodies = [{"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": _words(220, 50 + i)}]}
               for i in range(3)]
-    n = httpx.post(ops_server.url + "/tokenize", json={"messages": bodies[0]["messages"]},
-                   headers=OpsServer.auth()).json()["count"]
-    assert OPS_MAX_QUEUED_TOKENS / 2 < n < 1000  # one fits, two do not; one fills ~13 prefill steps
+    counts = [httpx.post(ops_server.url + "/tokenize", json={"messages": b["messages"]},
+                         headers=OpsServer.auth()).json()["count"] for b in bodies]
+    assert all(OPS_MAX_QUEUED_TOKENS / 2 < n < 1000 for n in counts)  # one fits, two do not; ~13 prefill steps
     responses = asyncio.run(_burst(ops_server.url, "/v1/messages", bodies))
     assert sorted(r.status_code for r in responses) == [200, 429, 429], [r.text for r in responses]
-    for r in responses:
+    for r, n in zip(responses, counts, strict=True):   # whichever body got in: its own prompt's tokens
         if r.status_code == 429:  # Anthropic spells a full queue as overloaded (with a 429, not its 529)
             body = r.json()
             assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
