@@ -18,7 +18,7 @@ from imp_jax.model.language_model_config import language_model_config
 from imp_jax.model.llama import DecoderLM
 from imp_jax.model.loader import SafetensorsDir
 from imp_jax.model.vision.idefics3 import ARCHITECTURES, Idefics3Config, Idefics3Vision
-from imp_jax.model.vision.side import TextModelTensors
+from imp_jax.model.vision.side import TextModelTensors, build_vision, open_vision
 from imp_jax.model.weights import WeightSource
 
 
@@ -49,9 +49,9 @@ def load_idefics3(path: str | Path, options: ModelOptions = ModelOptions(),
     archs = hf.get("architectures") if isinstance(hf, dict) else None
     if not isinstance(archs, list) or not archs or archs[0] not in ARCHITECTURES:
         raise ModelLoadError(f"{source}: architecture {archs!r} is not one of {', '.join(ARCHITECTURES)}")
-    config, tcfg = Idefics3Config.from_hf(hf, source), text_config(hf, source)
-    tensors = SafetensorsDir(path)
-    vision = Idefics3Vision.from_hf_tensors(config, WeightSource(tensors, source=str(path)), vision_dtype)
+    tcfg, tensors = text_config(hf, source), SafetensorsDir(path)
+    side = build_vision(open_vision(path, hf, tensors), vision_dtype)   # as the main loader builds it
+    config, vision = side.config, side.encoder
     try:
         text = DecoderLM.from_hf_tensors(tcfg, WeightSource(TextModelTensors(tensors), source=str(path)), options)
     except ValueError as e:
