@@ -153,6 +153,15 @@ def test_preprocessor_matches_transformers(size):
     assert ours.grids == ((want["rows"][0][0], want["cols"][0][0]),)
 
 
+@pytest.mark.parametrize("pre", [PRE, {**PRE, "do_image_splitting": False}, {**PRE, "do_resize": False},
+                                 {"size": {"longest_edge": 1456}, "max_image_size": {"longest_edge": 364}}])
+def test_image_grid_from_size_alone_equals_the_frames_cut(pre):
+    cfg = proc.ImageProcessorConfig.from_hf(pre)
+    for w, h in SIZES + [(1, 1), (33, 32), (2000, 1000), (365, 1500)]:
+        grid = proc.image_frames(synthetic_image(w, h), cfg)[1]
+        assert proc.image_grid(w, h, cfg) == grid, (w, h)
+
+
 def test_preprocessor_config_reads_hf_json():
     hf = hf_image_processor().to_dict()
     cfg = proc.ImageProcessorConfig.from_hf(json.loads(json.dumps(hf)))

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from imp_jax.errors import EngineError, InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
 
 # loading -> warming_up -> ready <-> suspended; any -> faulted | stopped. no_model: a --models-dir slot.
 ENGINE_STATES = ("no_model", "loading", "warming_up", "ready", "suspended", "faulted", "stopped")
@@ -87,8 +87,14 @@ class Engine(Protocol):
 
     @property
     def vision(self) -> bool:
-        """A model fact: whether the loaded model has a vision encoder (takes image parts); no family has one yet."""
+        """A model fact: whether the loaded model has a vision encoder (takes image parts)."""
         return False
+
+    def image_prompt(self, image: ImageInput) -> str:
+        """The prompt text that stands for one image (with vision): the model's image special tokens, laid out
+        for this image's size. A request's prompt holds each of its images' text, in `GenerationRequest.images`
+        order; the engine puts the image's embedding rows on its image tokens."""
+        raise not_supported("image input")
 
     # ---------------------------------------------------------------- capabilities
     async def end_thinking(self, request_id: str) -> str:

@@ -215,6 +215,7 @@ class GenerationRequest:
     speculative: bool | None = None  # draft and verify (runtime/speculative.py); None = the server's --speculative
     spec_ngram_k: int | None = None  # the n-gram drafter's depth for this request; None = --speculative-max-draft
     spec_mtp_k: int | None = None    # the MTP head depth asked for (there is none: > 0 is declined)
+    images: tuple[ImageInput, ...] = ()  # in prompt order; prompt_ids hold each one's Engine.image_prompt text
 
     def pinned_blocks(self, block_size: int) -> int | None:
         """How many leading full blocks cache_prompt pins (None: every full block of the prompt)."""

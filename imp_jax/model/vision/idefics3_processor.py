@@ -119,6 +119,19 @@ def image_frames(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[list[Im
     return tiles + [resize(img, t, t)], (rows, cols)
 
 
+def image_grid(width: int, height: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
+    """The (rows, cols) of tiles `image_frames` cuts an image of this size into ((0, 0): one frame), from its
+    size alone: what a prompt needs before any pixel is resized."""
+    if not cfg.do_image_splitting:
+        return 0, 0
+    if cfg.do_resize:
+        height, width = longest_edge_size(height, width, cfg.longest_edge)
+    height, width = tile_multiple_size(height, width, cfg.tile)
+    if height <= cfg.tile and width <= cfg.tile:
+        return 0, 0
+    return (height - cfg.tile) // cfg.tile + 1, (width - cfg.tile) // cfg.tile + 1
+
+
 def normalize(frame: Image.Image, cfg: ImageProcessorConfig) -> np.ndarray:
     """[3, H, W] float32: rescaled in float64 then cast, normalised per channel in float32."""
     x = np.asarray(frame, np.uint8).transpose(2, 0, 1)
