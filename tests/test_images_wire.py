@@ -19,6 +19,7 @@ from PIL import Image
 from server_fixtures import FakeEngine, anthropic_for, app_in_thread, fake_tokenizer, openai_for, wait_for
 
 from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.request import GenerationRequest, ImageInput
 from imp_jax.server.app import create_app
 from imp_jax.server.config import ServerConfig
 from imp_jax.server.image_parts import ImageRef, check_counts, video_frames
@@ -196,7 +197,22 @@ PNG_URL = data_url(encoded("PNG"))
 
 
 class VisionEngine(FakeEngine):
+    """FakeEngine with vision, recording what reaches it. Why a fake: these tests check where the server puts
+    each image's text and the order of GenerationRequest.images on every dialect; the layout of an image's
+    text is the engine's (tests/test_vision_engine.py serves a real one)."""
+
     vision = True
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.seen: list[GenerationRequest] = []
+
+    def image_prompt(self, image: ImageInput) -> str:
+        return f"[image {image.size[0]}x{image.size[1]}]"
+
+    def generate(self, req: GenerationRequest, limits: Any = None, on_stall: Any = None) -> Any:
+        self.seen.append(req)
+        return super().generate(req, limits, on_stall)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +227,7 @@ def servers(image_host: str) -> Iterator[dict[str, str]]:
             app_in_thread(create_app(engines[2], ServerConfig())) as vision:
         for url in (plain, small, vision):
             wait_for(url + "/ready", 200, timeout=30)
-        yield {"plain": plain, "small": small, "vision": vision, "host": image_host}
+        yield {"plain": plain, "small": small, "vision": vision, "host": image_host, "vision_engine": engines[2]}
 
 
 def chat(*parts: Any) -> tuple[str, dict[str, Any]]:
@@ -285,9 +301,51 @@ def test_count_tokens_takes_images_like_messages(servers: dict[str, str]) -> Non
     assert "no vision encoder" in message
 
 
-def test_a_vision_model_gets_past_the_gate_to_the_missing_plumbing(servers: dict[str, str]) -> None:
-    param, code, message = error_of(servers["vision"], *chat(image_url(PNG_URL)))
-    assert (param, code) == ("messages[0].content[1]", "not_supported") and "does not pass images" in message
+def sent(servers: dict[str, str], path: str, body: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+    """What a request made the vision engine see: its prompt as text and its images' sizes, in order."""
+    engine = servers["vision_engine"]
+    engine.seen.clear()
+    r = httpx.post(servers["vision"] + path, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    (req,) = engine.seen
+    return engine.tokenizer.decode(req.prompt_ids, skip_special_tokens=False), [im.size for im in req.images]
+
+
+def test_chat_images_and_video_frames_reach_the_engine_in_prompt_order(servers: dict[str, str]) -> None:
+    small, wide = data_url(encoded("PNG", (3, 2))), data_url(encoded("JPEG", (9, 4)))
+    path, body = chat(image_url(small), {"type": "text", "text": " and "}, {"type": "video", "video": [wide, small]})
+    prompt, sizes = sent(servers, path, body)
+    assert "see[image 3x2] and [image 9x4][image 3x2]" in prompt and sizes == [(3, 2), (9, 4), (3, 2)]
+
+
+def test_anthropic_images_follow_the_template_order_not_the_body_order(servers: dict[str, str]) -> None:
+    # a tool_result renders as a tool message before its turn's text, so its image comes first in the prompt
+    first = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]}
+    path, body = messages(anthropic_b64(encoded("PNG", (5, 5))),
+                          {"type": "tool_result", "tool_use_id": "t1",
+                           "content": [{"type": "text", "text": "shot"}, anthropic_b64(encoded("PNG", (7, 3)))]})
+    body["messages"] = [{"role": "user", "content": "go"}, first, *body["messages"]]
+    prompt, sizes = sent(servers, path, body)
+    assert sizes == [(7, 3), (5, 5)] and prompt.index("[image 7x3]") < prompt.index("see") < prompt.index("[image 5x5]")
+    r = httpx.post(servers["vision"] + "/v1/messages/count_tokens", json=body, timeout=30)
+    assert r.json()["input_tokens"] == len(servers["vision_engine"].tokenizer.encode_chat(prompt))
+
+
+def test_responses_keep_an_earlier_turns_image_for_previous_response_id(servers: dict[str, str]) -> None:
+    path, body = responses({"type": "input_image", "image_url": data_url(encoded("PNG", (4, 4)))})
+    prompt, sizes = sent(servers, path, body)
+    assert "see\n[image 4x4]" in prompt and sizes == [(4, 4)]
+    rid = httpx.post(servers["vision"] + path, json=body, timeout=30).json()["id"]
+    follow = {"model": "fake-model", "previous_response_id": rid, "input": "and now?", "max_output_tokens": 2}
+    prompt, sizes = sent(servers, path, follow)
+    assert sizes == [(4, 4)] and prompt.index("[image 4x4]") < prompt.index("and now?")
+
+
+def test_cfg_scale_takes_no_images(servers: dict[str, str]) -> None:
+    path, body = chat(image_url(PNG_URL))
+    body = {**body, "cfg_scale": 2.0, "messages": [{"role": "system", "content": "be brief"}, *body["messages"]]}
+    param, _, message = error_of(servers["vision"], path, body)
+    assert param == "cfg_scale" and "image" in message
 
 
 BAD = [   # (case, the field named, code)

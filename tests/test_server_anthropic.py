@@ -3,6 +3,7 @@ faults and pings over FakeEngine."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -429,17 +430,18 @@ def test_cache_control_pins_up_to_the_last_breakpoint() -> None:
     from server_fixtures import fake_tokenizer
 
     tok = fake_tokenizer()
+    engine = SimpleNamespace(tokenizer=tok)   # prompt building reads only the engine's tokenizer (no images here)
     mark = {"type": "ephemeral"}
     body = {"model": MODEL, "max_tokens": 5,
             "system": [{"type": "text", "text": "You are terse.", "cache_control": mark}],
             "messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi"},
                          {"role": "user", "content": "the quick brown fox"}]}
     req = MessagesRequest.model_validate(body)
-    ids = prompt_ids(req, tok)
-    n = breakpoint_tokens(req, tok, ids)
+    ids = prompt_ids(req, engine)[0]
+    n = breakpoint_tokens(req, engine, ids)
     assert tok.decode(ids[:n], skip_special_tokens=False) == "<|im_start|>system\nYou are terse.<|im_end|>\n"
     body["messages"][0]["content"] = [{"type": "text", "text": "hello world", "cache_control": mark}]
     req = MessagesRequest.model_validate(body)
-    n = breakpoint_tokens(req, tok, ids)
+    n = breakpoint_tokens(req, engine, ids)
     assert tok.decode(ids[:n], skip_special_tokens=False).endswith("hello world<|im_end|>\n") and n < len(ids)
-    assert breakpoint_tokens(MessagesRequest.model_validate({**body, "cache_control": mark}), tok, ids) is None
+    assert breakpoint_tokens(MessagesRequest.model_validate({**body, "cache_control": mark}), engine, ids) is None

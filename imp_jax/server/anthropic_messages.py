@@ -17,12 +17,15 @@ from pydantic import field_validator, model_validator
 from quart import Blueprint, Response, current_app, jsonify, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
+from imp_jax.runtime.api import Engine
+from imp_jax.runtime.request import (EngineEvent, GenerationRequest, ImageInput, SamplingParams, Usage,
+                                     check_context)
 from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, engine_request, granted, server, set_response_id
 from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
 from imp_jax.server.generation import collect
 from imp_jax.server.image_parts import ImageRef, anthropic_image, request_images
+from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
@@ -117,11 +120,13 @@ class Block(WireModel):
                 raise InvalidRequestError(f"'{param}.content[{k}].{field}' is required in a {b.type} block",
                                           param=f"{param}.content[{k}].{field}")
 
-    @property
-    def result_text(self) -> str:
+    def result_text(self, images: PromptImages = NO_IMAGES, at: str = "") -> str:
+        """A tool_result's content as text, its image blocks as their marks (the block being `at`)."""
         if isinstance(self.content, str):
             return self.content
-        return BLOCK_JOIN.join(b.text for b in self.content or [] if b.type == "text" and b.text)
+        parts = (b.text if b.type == "text" else images.mark(f"{at}.content[{k}]")
+                 for k, b in enumerate(self.content or []))
+        return BLOCK_JOIN.join(p for p in parts if p)
 
     def image_refs(self, param: str) -> list[ImageRef]:
         """This block's images: itself, or a tool_result's image blocks."""
@@ -146,15 +151,19 @@ class Message(WireModel):
     def text(self) -> str:
         return BLOCK_JOIN.join(b.text for b in self.content if b.type == "text" and b.text)
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """This turn in Chat's shape: tool results become `tool` messages (before the turn's text),
-        tool_use blocks the assistant turn's `tool_calls`."""
-        out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.result_text}
-                                     for b in self.content if b.type == "tool_result"]
+    def chat_messages(self, images: PromptImages = NO_IMAGES, at: str = "") -> list[dict[str, Any]]:
+        """This turn (`messages[i]` = `at`) in Chat's shape: tool results become `tool` messages (before the
+        turn's text), tool_use blocks the assistant turn's `tool_calls`, image blocks their marks in the text."""
+        out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": b.tool_use_id,
+                                      "content": b.result_text(images, f"{at}.content[{j}]")}
+                                     for j, b in enumerate(self.content) if b.type == "tool_result"]
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                  for b in self.content if b.type == "tool_use"]
-        if self.text or calls or not out:
-            out.append({"role": self.role, "content": self.text, **({"tool_calls": calls} if calls else {})})
+        parts = ((b.text if b.type == "text" else images.mark(f"{at}.content[{j}]"))
+                 for j, b in enumerate(self.content) if b.type in ("text", "image"))
+        text = BLOCK_JOIN.join(p for p in parts if p)
+        if text or calls or not out:
+            out.append({"role": self.role, "content": text, **({"tool_calls": calls} if calls else {})})
         return out
 
 
@@ -216,13 +225,15 @@ class Conversation(WireModel):
     def tool_plan(self) -> ToolPlan:
         return anthropic_plan(self.tools, self.tool_choice)
 
-    def template_messages(self) -> tuple[list[dict[str, Any]], bool]:
-        """Chat-template messages (system first, same-role turns merged), and whether the last is a prefill."""
+    def template_messages(self, images: PromptImages = NO_IMAGES) -> tuple[list[dict[str, Any]], bool]:
+        """Chat-template messages (system first, same-role turns merged, image blocks as their marks), and
+        whether the last is a prefill."""
         out: list[dict[str, Any]] = []
         system = BLOCK_JOIN.join(b.text for b in self.system or [] if b.text)
         if system:
             out.append({"role": "system", "content": system})
-        for msg in (chat for m in self.messages for chat in m.chat_messages()):
+        turns = (m.chat_messages(images, f"messages[{i}]") for i, m in enumerate(self.messages))
+        for msg in (chat for turn in turns for chat in turn):
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == msg["role"] != "tool":  # Anthropic combines same-role turns
                 prev["content"] = BLOCK_JOIN.join(t for t in (prev["content"], msg["content"]) if t)
@@ -317,27 +328,31 @@ class CountTokensRequest(Conversation):
     """`POST /v1/messages/count_tokens`."""
 
 
-def prompt_ids(conv: Conversation, tokenizer: Any) -> list[int]:
-    """Render the turns with the chat template; a final assistant turn with text is continued, not closed."""
-    messages, prefill = conv.template_messages()
-    text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
+def prompt_ids(conv: Conversation, engine: Engine,
+               images: PromptImages = NO_IMAGES) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """Render the turns with the chat template; a final assistant turn with text is continued, not closed.
+    Also the images in the order the prompt holds them."""
+    messages, prefill = conv.template_messages(images)
+    text = render_prompt(engine.tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
                          continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
     check_chars(text, "messages")
-    return tokenizer.encode_chat(text)
+    text, in_order = expand(text, images, engine, "messages", count_marks(m["content"] for m in messages))
+    return engine.tokenizer.encode_chat(text), in_order
 
 
-def breakpoint_tokens(conv: Conversation, tokenizer: Any, ids: list[int]) -> int | None:
+def breakpoint_tokens(conv: Conversation, engine: Engine, ids: list[int],
+                      images: PromptImages = NO_IMAGES) -> int | None:
     """How many leading tokens of the prompt `ids` the last cache_control breakpoint covers: the prompt's common
     token prefix with the conversation rendered through that block (None: the whole prompt)."""
     cut = conv.through_breakpoint()
     if cut is None:
         return None
-    messages, _ = cut.template_messages()
+    messages, _ = cut.template_messages(images)
     if not messages:
         return None
-    text = render_prompt(tokenizer, messages, conv.tool_plan, add_generation_prompt=False,
+    text = render_prompt(engine.tokenizer, messages, conv.tool_plan, add_generation_prompt=False,
                          enable_thinking=anthropic_thinking(conv.thinking).enabled)
-    part = tokenizer.encode_chat(text)
+    part = engine.tokenizer.encode_chat(expand(text, images, engine, "messages")[0])
     n = 0
     while n < min(len(part), len(ids)) and part[n] == ids[n]:
         n += 1
@@ -384,8 +399,9 @@ def message_json(mid: str, model: str, text: str | None, reason: tuple[str | Non
 async def messages() -> Any:
     req, engine = await engine_request(MessagesRequest)
     req.check()
-    await request_images(req.image_refs(), engine, server().config.image_limits)
-    ids = await off_loop(prompt_ids, req, engine.tokenizer)
+    refs = req.image_refs()
+    images = PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
+    ids, in_order = await off_loop(prompt_ids, req, engine, images)
     check_context(len(ids), None, engine.max_model_len, "messages")
     max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
     params = req.sampling_params(max_tokens, None, engine.vocab_size)
@@ -394,11 +410,11 @@ async def messages() -> Any:
     set_response_id(mid)
     thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
     marked = not req.cache_prompt and req.has_cache_control and granted("pins")   # pinned to the last breakpoint
-    pin_tokens = await off_loop(breakpoint_tokens, req, engine.tokenizer, ids) if marked else None
+    pin_tokens = await off_loop(breakpoint_tokens, req, engine, ids, images) if marked else None
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
                              cache_prompt=bool(req.cache_prompt) or marked, cache_prompt_tokens=pin_tokens,
                              constraint=constraint,
-                             reasoning=True, reasoning_budget=thinking.budget_tokens)
+                             reasoning=True, reasoning_budget=thinking.budget_tokens, images=in_order)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:
@@ -421,8 +437,9 @@ async def messages() -> Any:
 async def count_tokens() -> Any:
     req, engine = await engine_request(CountTokensRequest)
     req.check_conversation()
-    await request_images(req.image_refs(), engine, server().config.image_limits)
-    return jsonify({"input_tokens": len(await off_loop(prompt_ids, req, engine.tokenizer))})
+    refs = req.image_refs()
+    images = PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
+    return jsonify({"input_tokens": len((await off_loop(prompt_ids, req, engine, images))[0])})
 
 
 class MessageStream:

@@ -8,11 +8,14 @@ from pydantic import field_validator
 from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.request import MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, check_context
+from imp_jax.runtime.api import Engine
+from imp_jax.runtime.request import (MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, ImageInput,
+                                     check_context)
 from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.context import answering_model, default_max_tokens, engine_request, server, set_response_id
 from imp_jax.server.generation import Choice, Completion, collect
 from imp_jax.server.image_parts import VIDEO_URL_REFUSED, ImageRef, openai_image, request_images, video_frames
+from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
@@ -72,10 +75,12 @@ class ChatMessage(WireModel):
     def text(self) -> str | None:
         return None if self.content is None else "".join(p.text for p in self.content if p.type == "text")
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: string content, developer spelled system."""
-        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": self.text if self.content is not None else ""}
+    def for_template(self, images: PromptImages = NO_IMAGES, at: str = "") -> dict[str, Any]:
+        """The message as chat templates expect it: string content (each image part as its marks, the
+        message being `messages[i]` = `at`), developer spelled system."""
+        content = "".join(p.text if p.type == "text" else images.mark(f"{at}.content[{j}]")
+                          for j, p in enumerate(self.content or []))
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
@@ -173,6 +178,8 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
                                       "'cfg_negative_prompt'", param="cfg_scale")
         if self.tools:
             raise InvalidRequestError("'cfg_scale' cannot be combined with 'tools'", param="cfg_scale")
+        if any(p.type != "text" for m in self.messages for p in m.content or []):
+            raise InvalidRequestError("'cfg_scale' cannot be combined with image or video parts", param="cfg_scale")
         extra = self.model_extra or {}
         for name in ("banned_strings", "banned_regex"):
             if getattr(self, name, None) or extra.get(name):
@@ -219,18 +226,22 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
 SYSTEM_ROLES = ("system", "developer")
 
 
-def prompt_ids(req: ChatRequest, tokenizer: Any, messages: list[dict[str, Any]] | None = None) -> list[int]:
-    """Render the conversation (or `messages`) with the model's chat template and tokenize it."""
+def prompt_ids(req: ChatRequest, engine: Engine, images: PromptImages = NO_IMAGES,
+               messages: list[dict[str, Any]] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """Render the conversation (or `messages`) with the model's chat template and tokenize it; the images
+    in the order the prompt holds them."""
     cont = req.continue_final_message
-    messages = [m.for_template() for m in req.messages] if messages is None else messages
-    text = render_prompt(tokenizer, messages, req.tool_plan,
+    if messages is None:
+        messages = [m.for_template(images, f"messages[{i}]") for i, m in enumerate(req.messages)]
+    text = render_prompt(engine.tokenizer, messages, req.tool_plan,
                          add_generation_prompt=req.add_generation_prompt and not cont, continue_final_message=cont,
                          **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
     check_chars(text, "messages")
-    return tokenizer.encode_chat(text)
+    text, in_order = expand(text, images, engine, "messages", count_marks(m["content"] for m in messages))
+    return engine.tokenizer.encode_chat(text), in_order
 
 
-def shadow_prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int] | None:
+def shadow_prompt_ids(req: ChatRequest, engine: Engine) -> list[int] | None:
     """cfg_scale's shadow prompt: the conversation without its system messages, with cfg_negative_prompt
     as the system message when given (None: guidance off)."""
     if not req.guided:
@@ -240,26 +251,27 @@ def shadow_prompt_ids(req: ChatRequest, tokenizer: Any) -> list[int] | None:
         raise InvalidRequestError("'cfg_scale' needs a message besides the system message", param="cfg_scale")
     if req.cfg_negative_prompt is not None:
         messages.insert(0, {"role": "system", "content": req.cfg_negative_prompt})
-    return prompt_ids(req, tokenizer, messages)
+    return prompt_ids(req, engine, messages=messages)[0]
 
 
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Any:
     req, engine = await engine_request(ChatRequest)
     req.check()
-    await request_images(req.image_refs(), engine, server().config.image_limits)
-    ids = await off_loop(prompt_ids, req, engine.tokenizer)
+    refs = req.image_refs()
+    images = PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
+    ids, in_order = await off_loop(prompt_ids, req, engine, images)
     check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
     max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
     params.logit_lens = req.lens_top
-    shadow_ids = await off_loop(shadow_prompt_ids, req, engine.tokenizer)
+    shadow_ids = await off_loop(shadow_prompt_ids, req, engine)
     constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     rid = new_id("chatcmpl")
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint, cfg_scale=req.cfg_scale or 1.0,
-                             cfg_prompt_ids=shadow_ids)
+                             cfg_prompt_ids=shadow_ids, images=in_order)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:

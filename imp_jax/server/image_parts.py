@@ -123,18 +123,11 @@ async def load_images(refs: list[ImageRef], limits: ImageLimits) -> list[ImageIn
 
 
 def require_vision(engine: Engine, refs: list[ImageRef]) -> None:
-    """400 naming the first image part unless the served model takes images (Engine.vision). The vision
-    work plugs in here: once prompts carry image placeholders and GenerationRequest the images, the second
-    refusal goes."""
-    if not refs:
-        return
-    ref = refs[0]
-    param = ref.video or ref.param
-    if not engine.vision:
+    """400 naming the first image part unless the served model takes images (Engine.vision)."""
+    if refs and not engine.vision:
+        param = refs[0].video or refs[0].param
         raise InvalidRequestError(f"'{param}' is an image, and the served model '{engine.served_name}' has no "
                                   "vision encoder; send text only", param=param, code="model_not_multimodal")
-    raise InvalidRequestError(f"'{param}': this server does not pass images to a model yet", param=param,
-                              code="not_supported")
 
 
 async def request_images(refs: list[ImageRef], engine: Engine, limits: ImageLimits) -> list[ImageInput]:

@@ -16,7 +16,7 @@ from quart import Blueprint, current_app, jsonify
 from quart.blueprints import BlueprintSetupState
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
-from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, Usage, check_context
+from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, ImageInput, Usage, check_context
 from imp_jax.server import fields, lifecycle, structured
 from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
 from imp_jax.server.context import (answering_model, caller_owner, default_max_tokens, engine_request, server,
@@ -24,6 +24,7 @@ from imp_jax.server.context import (answering_model, caller_owner, default_max_t
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.image_parts import ImageRef, request_images, responses_image
+from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, now
@@ -127,20 +128,30 @@ class InputItem(WireModel):
         return [responses_image(p if isinstance(p, dict) else p.model_dump(), f"{param}.{where}[{j}]")
                 for j, p in enumerate(parts) if (p.get("type") if isinstance(p, dict) else p.type) == "input_image"]
 
-    def message(self) -> dict[str, Any]:
-        """A message item as one stored conversation message: role and text."""
-        return {"role": self.role, "content": self.text}
+    def template_text(self, images: PromptImages, at: str) -> str:
+        """`text` with the item's (`input[i]` = `at`) input_image parts as their marks, in place."""
+        if self.type == "message":
+            parts: list[Any] = [p.model_dump() for p in self.content or []]
+        elif isinstance(self.output, list):
+            parts = [p for p in self.output if isinstance(p, dict)]
+        else:
+            return self.text
+        where = "content" if self.type == "message" else "output"
+        texts = (images.mark(f"{at}.{where}[{j}]") if p.get("type") == "input_image" else str(p.get("text") or "")
+                 for j, p in enumerate(parts))
+        return PART_JOIN.join(t for t in texts if t)
 
 
-def conversation_of(items: list[InputItem]) -> list[dict[str, Any]]:
-    """Input items as conversation messages (Chat's shape): tool outputs are `tool` messages, and replayed
-    calls join the assistant message before them, so one response stays one assistant turn."""
+def conversation_of(items: list[InputItem], images: PromptImages = NO_IMAGES) -> list[dict[str, Any]]:
+    """Input items as conversation messages (Chat's shape, image parts as their marks): tool outputs are `tool`
+    messages, and replayed calls join the assistant message before them, so one response stays one assistant turn."""
     out: list[dict[str, Any]] = []
-    for item in items:
+    for i, item in enumerate(items):
         if item.type == "message":
-            out.append(item.message())
+            out.append({"role": item.role, "content": item.template_text(images, f"input[{i}]")})
         elif item.type.endswith("_output"):
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": item.template_text(images, f"input[{i}]")})
         else:
             name = f"{item.namespace}{NAMESPACE_SEP}{item.name}" if item.namespace else item.name
             arguments = item.arguments if item.type == "function_call" else json.dumps({"input": item.input})
@@ -317,6 +328,7 @@ class ResponseDraft:
     conversation: list[dict[str, Any]]  # the previous conversation plus this input
     store: ResponsesStore
     owner: str | None = None   # the API key's digest (responses_store.StoredResponse.owner)
+    images: dict[str, ImageInput] = dataclasses.field(default_factory=dict)   # the conversation's, by digest
     created_at: int = dataclasses.field(default_factory=now)
     item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     reasoning_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
@@ -382,7 +394,7 @@ class ResponseDraft:
             else:
                 conversation.append({"role": "assistant", "content": text,
                                      **({"tool_calls": tool_calls} if tool_calls else {})})
-            self.store.put(self.id, final, conversation, self.owner)
+            self.store.put(self.id, final, conversation, self.owner, self.images)
         return final
 
 
@@ -421,23 +433,31 @@ def fit_context(conversation: list[dict[str, Any]], tokenize: Any, max_model_len
 async def create_response() -> Any:
     req, engine = await engine_request(ResponsesRequest)
     req.check()
-    await request_images(req.image_refs(), engine, server().config.image_limits)
+    refs = req.image_refs()
+    decoded = await request_images(refs, engine, server().config.image_limits)
     store = responses_store()
     previous: list[dict[str, Any]] = []
+    earlier: dict[str, ImageInput] = {}
     if req.previous_response_id is not None:
         entry = store.get(req.previous_response_id, caller_owner())
         if entry is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
-        previous = entry.conversation
-    conversation = previous + conversation_of(req.input)
+        previous, earlier = entry.conversation, entry.images
+    images = PromptImages(refs, decoded, earlier)
+    conversation = previous + conversation_of(req.input, images)
     cont = req.continue_final_message
     kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
                              "reasoning.effort")
 
+    in_order: tuple[ImageInput, ...] = ()
+
     def tokenize(turns: list[dict[str, Any]]) -> list[int]:
-        text = render_prompt(engine.tokenizer, template_messages(req, turns), req.tool_plan,
+        nonlocal in_order
+        messages = template_messages(req, turns)
+        text = render_prompt(engine.tokenizer, messages, req.tool_plan,
                              add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
         check_chars(text, "input")
+        text, in_order = expand(text, images, engine, "input", count_marks(m["content"] for m in messages))
         return engine.tokenizer.encode_chat(text)
 
     if req.truncation == "auto":
@@ -451,10 +471,11 @@ async def create_response() -> Any:
     params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
     constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
     token_text = TokenText(engine.tokenizer) if req.logprobs else None
-    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", answering_model(engine), req, conversation, store, caller_owner())
+    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", answering_model(engine), req, conversation, store, caller_owner(),
+                          images.by_digest)
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True, constraint=constraint)
+                             reasoning=True, constraint=constraint, images=in_order)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
         return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format, token_text)))

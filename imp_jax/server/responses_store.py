@@ -38,11 +38,14 @@ class StoredResponse:
     size: int
     expires_at: float
     owner: str | None = None   # a digest of the API key that created it; None when the server has no keys
+    images: dict[str, Any] = dataclasses.field(default_factory=dict)   # the conversation's ImageInputs by digest
 
 
-def entry_size(response: dict[str, Any], conversation: list[dict[str, str]]) -> int:
-    """The bytes an entry is charged: its JSON encoding (conversations shared along a chain count each time)."""
-    return len(json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode())
+def entry_size(response: dict[str, Any], conversation: list[dict[str, str]], images: dict[str, Any] | None = None) -> int:
+    """The bytes an entry is charged: its JSON encoding and its images' pixels (what a chain shares counts
+    in each entry)."""
+    text = len(json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode())
+    return text + sum(image.pixels.nbytes for image in (images or {}).values())
 
 
 class ResponsesStore:
@@ -69,9 +72,10 @@ class ResponsesStore:
         return self._bytes
 
     def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, str]],
-            owner: str | None = None) -> bool:
-        """Store an entry (replacing one of the same id) for `owner`; False when it alone exceeds the limits."""
-        size = entry_size(response, conversation)
+            owner: str | None = None, images: dict[str, Any] | None = None) -> bool:
+        """Store an entry (replacing one of the same id) for `owner`, with the images its conversation's marks
+        name (server/image_prompts.py); False when it alone exceeds the limits."""
+        size = entry_size(response, conversation, images)
         self._remove(response_id)
         self._expire()
         lim = self.limits
@@ -82,7 +86,7 @@ class ResponsesStore:
         while self._entries and (len(self._entries) >= lim.max_entries or self._bytes + size > lim.max_bytes):
             self._remove(next(iter(self._by_owner[self._largest(by_bytes=len(self._entries) < lim.max_entries)])))
             self.evictions += 1
-        entry = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s, owner)
+        entry = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s, owner, dict(images or {}))
         self._entries[response_id] = entry
         self._by_owner.setdefault(owner, OrderedDict())[response_id] = entry
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
