@@ -1,0 +1,72 @@
+"""A tiny random Idefics3 checkpoint (SmolVLM's architecture) with a byte-level tokenizer that holds the image
+special tokens: what scripts/bench_vision.py serves by default and tests/test_vision_server.py checks against
+transformers. Needs torch and transformers (the test extras).
+
+    python scripts/tiny_vlm.py DIR      # write one
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+          " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIALS = ["<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>",
+            "<global-img>", "<end_of_utterance>", *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5))]
+IMAGE_ID = SPECIALS.index("<image>")
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+              patch_size=4)
+TEXT = dict(model_type="llama", vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)
+PRE = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})   # tiles of 32: up to 2 x 2 + global
+IMAGE_SEQ_LEN = 16   # rows per frame: (32 / 4)^2 patches / scale_factor^2
+
+
+def write_tiny_idefics3(path: Path, seed: int = 0, vision: dict[str, Any] | None = None,
+                        text: dict[str, Any] | None = None) -> Any:
+    """Write the checkpoint to `path` (config, safetensors, tokenizer, processor files); returns transformers' model."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["what is in this picture? a red square, a blue sky, hello world 12345"] * 5,
+                            trainers.BpeTrainer(vocab_size=200, show_progress=False, special_tokens=SPECIALS))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|endoftext|>", "chat_template": CHATML,
+         "additional_special_tokens": SPECIALS[4:]}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    vision, text = {**VISION, **(vision or {})}, {**TEXT, **(text or {})}
+    seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // 4
+    cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMAGE_ID)
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"longest_edge": 2 * vision["image_size"]}, "max_image_size": {"longest_edge": vision["image_size"]}}))
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": seq_len}))
+    return model
+
+
+def hf_processor(path: Path) -> Any:
+    """transformers' Idefics3Processor for a checkpoint written here."""
+    import transformers
+
+    pre = json.loads((path / "preprocessor_config.json").read_text())
+    seq_len = json.loads((path / "processor_config.json").read_text())["image_seq_len"]
+    return transformers.Idefics3Processor(transformers.Idefics3ImageProcessor(**pre),
+                                          transformers.PreTrainedTokenizerFast.from_pretrained(path),
+                                          image_seq_len=seq_len)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    write_tiny_idefics3(out)
+    print(f"wrote a tiny random Idefics3 to {out}")
