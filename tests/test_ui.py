@@ -382,3 +382,116 @@ def test_api_key_prompt_thinking_fold_and_end_thinking(browser: Any, keyed_think
         assert page.locator(".msg.assistant .think-body").first.text_content() == "Hmm so"
     finally:
         ui.close()
+
+
+# ------------------------------------------------------------------------------------------ images
+def _png(color: tuple[int, int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+PASTE = """b64 => {   // what a Ctrl+V of a copied image dispatches: a paste whose clipboardData holds the file
+  const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0)), dt = new DataTransfer();
+  dt.items.add(new File([bytes], 'image.png', {type: 'image/png'}));
+  document.querySelector('#input').dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true,
+                                                                              cancelable: true}));
+}"""
+
+
+# A PNG header and zeros, one byte past 20 MiB, dropped on the composer: made in the page, since 20 MiB
+# through set_input_files costs Playwright's pipe about 15 s.
+DROP_HUGE = """b64 => {
+  const head = Uint8Array.from(atob(b64), c => c.charCodeAt(0)), dt = new DataTransfer();
+  dt.items.add(new File([head, new Uint8Array((20 << 20) + 1 - head.length)], 'huge.png', {type: 'image/png'}));
+  document.querySelector('#composer').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true,
+                                                                           cancelable: true}));
+}"""
+
+
+def test_images_attached_pasted_refused_sent_and_the_servers_refusal_shown(ui: UiPage):
+    """The real server: SmolLM2 has no vision encoder, so the image reaches it and is refused (400
+    model_not_multimodal), which the page must show; the request bodies are read from the browser's side."""
+    import base64
+
+    red, blue = _png((255, 0, 0)), _png((0, 0, 255))
+    page = ui.open()
+    page.set_input_files("#file", files=[{"name": "red.png", "mimeType": "image/png", "buffer": red}])
+    page.wait_for_selector("#attachments .thumb img")
+    assert page.locator("#attachments img").evaluate("i => i.complete && i.naturalWidth") == 8   # a real image
+    page.evaluate(PASTE, base64.b64encode(blue).decode())
+    page.wait_for_function("document.querySelectorAll('#attachments .thumb img').length === 2")
+    page.locator("#attachments .thumb-remove").nth(1).click()   # the pasted one goes again
+    assert page.locator("#attachments img").count() == 1
+
+    # Refused, each with a line saying why: text, and text named .png (the bytes decide, not the name).
+    page.set_input_files("#file", files=[
+        {"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hello"},
+        {"name": "fake.png", "mimeType": "image/png", "buffer": b"hello, not a png"}])
+    page.wait_for_selector("#attach-error:not([hidden])")
+    assert page.locator("#attach-error").inner_text().split("\n") == [
+        "notes.txt: not a PNG, JPEG, WebP or GIF image", "fake.png: not a PNG, JPEG, WebP or GIF image"]
+    page.evaluate(DROP_HUGE, base64.b64encode(red[:16]).decode())   # one byte past 20 MiB
+    page.wait_for_function("document.querySelector('#attach-error').textContent.startsWith('huge.png')")
+    assert page.locator("#attach-error").inner_text() == "huge.png: 20.0 MiB, over the 20 MiB the server takes for an image"
+    assert page.locator("#attachments img").count() == 1
+
+    ui.send("What is in this picture?")
+    ui.wait_done()
+    url = "data:image/png;base64," + base64.b64encode(red).decode()
+    sent = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    assert ui.chat_bodies()[-1]["messages"] == sent
+    error = page.locator(".msg.assistant .msg-error").inner_text()
+    assert "no vision encoder" in error and "messages[0].content[1]" in error, error
+    assert page.locator(".msg.user .msg-images img").get_attribute("src") == url
+    assert page.locator(".msg.user .msg-body").inner_text() == "What is in this picture?"
+    assert page.locator("#attachments").is_hidden() and page.locator("#attach-error").is_hidden()
+    assert not any("image_url" in (r.post_data or "") for r in ui.requests if r.url.endswith("/tokenize"))
+
+    ui.send("And now?")   # the earlier turn's image is sent again with the history
+    ui.wait_done()
+    assert ui.chat_bodies()[-1]["messages"] == [*sent, {"role": "user", "content": "And now?"}]
+    assert page.locator(".msg.assistant .msg-error").count() == 2
+    page.reload()   # kept in localStorage with the conversation
+    page.wait_for_selector(".msg.user .msg-images img")
+    assert page.locator(".msg.user .msg-images img").get_attribute("src") == url
+
+    ui.knob("max_tokens", 4)   # Edit keeps the images unless removed (✕): text only now, which SmolLM2 answers
+    page.locator(".msg.user .msg-edit").first.click()
+    page.click(".msg.user .msg-images .thumb-remove")
+    assert page.locator(".msg.user .msg-images .thumb").count() == 0
+    page.click(".edit-send")
+    ui.wait_done()
+    assert ui.chat_bodies()[-1]["messages"] == [{"role": "user", "content": "What is in this picture?"}]
+    assert ui.reply().strip() and page.locator("#messages .msg-images, #messages .msg-error").count() == 0
+
+
+def test_a_big_image_the_servers_413_and_a_full_storage(ui: UiPage):
+    """6 MiB (a PNG header and zeros: the page checks only the header) is past this server's request body
+    limit (4 MiB at a 1024-token context) and past what localStorage holds: the 413's message is shown, and
+    the conversation is kept without the image, which is then not sent again."""
+    import base64
+
+    page = ui.open()
+    ui.knob("max_tokens", 4)
+    page.evaluate(DROP_HUGE.replace("(20 << 20) + 1", "(6 << 20)").replace("huge.png", "big.png"),
+                  base64.b64encode(_png((0, 255, 0))[:16]).decode())
+    page.wait_for_selector("#attachments .thumb img")
+    ui.send("Big one")
+    ui.wait_done()
+    error = page.locator(".msg.assistant .msg-error").inner_text()
+    assert re.fullmatch(r"the request body has \d+ bytes; this server takes at most 4194304", error), error
+    assert page.locator("#toast").inner_text() == "Images are not kept across a reload: the browser's storage is full"
+    page.reload()
+    page.wait_for_function("document.querySelector('#model').value !== ''")
+    assert page.locator(".msg.user .msg-images .thumb.gone").inner_text() == "image not kept"
+    ui.send("Small now")
+    ui.wait_done()
+    assert ui.chat_bodies()[-1]["messages"] == [{"role": "user", "content": "Big one"},
+                                                {"role": "user", "content": "Small now"}]
+    assert ui.reply().strip()

@@ -3,7 +3,7 @@
 (function () {
   "use strict";
   const { $, store, KNOBS, state, api, errorText, askKey, toast, copyText, closePanels } = window.Imp;
-  const { current, newConv, renderAll, exportJson, send, stop, updateTokenCount } = window.Imp.chat;
+  const { current, newConv, renderAll, exportJson, send, stop, updateTokenCount, addImages } = window.Imp.chat;
 
   // ------------------------------------------------------------------------------------------ server facts
   function loadServer() {   // one at a time: the health poll and the start may both ask
@@ -106,6 +106,22 @@
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
     });
     $("input").addEventListener("input", updateTokenCount);
+    $("attach").onclick = () => $("file").click();
+    $("file").onchange = (e) => { addImages([...e.target.files]); e.target.value = ""; };
+    document.addEventListener("paste", (e) => {   // an image pasted anywhere but the settings' fields
+      const files = e.clipboardData ? [...e.clipboardData.files] : [];
+      if (!files.length || (e.target.closest && e.target.closest("#settings, dialog"))) return;
+      if (!e.clipboardData.types.includes("text/plain")) e.preventDefault();   // a copied page image has both
+      addImages(files);
+    });
+    $("composer").addEventListener("dragover", (e) => {
+      if (e.dataTransfer.types.includes("Files")) e.preventDefault();   // lets the drop come
+    });
+    $("composer").addEventListener("drop", (e) => {
+      if (!e.dataTransfer.files.length) return;
+      e.preventDefault();
+      addImages([...e.dataTransfer.files]);
+    });
     document.addEventListener("keydown", (e) => { if (e.key === "Escape" && state.busy) { e.preventDefault(); stop(); } });
     $("stop").onclick = stop;
     $("key-cancel").onclick = () => { $("key-input").value = ""; };

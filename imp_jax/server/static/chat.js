@@ -1,5 +1,6 @@
-/* Conversations, messages and replies: the sidebar, the chat, streaming a reply (SSE from the fetch body),
-   stop, end thinking, regenerate, edit, and the live token count. Shared as window.Imp.chat. */
+/* Conversations, messages and replies: the sidebar, the chat, images attached to a message, streaming a reply
+   (SSE from the fetch body), stop, end thinking, regenerate, edit, and the live token count. Shared as
+   window.Imp.chat. */
 (function () {
   "use strict";
   const { $, store, KNOBS, state, api, errorText, toast, button, copyText, closePanels } = window.Imp;
@@ -7,9 +8,15 @@
 
   // ------------------------------------------------------------------------------------------ conversations
   function save() {
-    store.set("conversations", state.convs);
+    if (!store.set("conversations", state.convs, true)) {   // too big with its images: keep the text at least
+      store.set("conversations", state.convs.map(withoutImages));
+      if (!save.warned) toast("Images are not kept across a reload: the browser's storage is full");
+      save.warned = true;
+    }
     store.set("current", state.currentId);
   }
+  const withoutImages = (c) => ({ ...c,   // each image becomes "" (shown as "image not kept", never sent)
+    messages: c.messages.map((m) => (m.images ? { ...m, images: m.images.map(() => "") } : m)) });
   const current = () => state.convs.find((c) => c.id === state.currentId) || null;
 
   function newConv() {
@@ -108,10 +115,18 @@
       think.append(summary, tbody);
       el.append(think);
     }
+    if (msg.images && msg.images.length) {
+      const pics = document.createElement("div");
+      pics.className = "thumbs msg-images";
+      pics.append(...thumbs(msg.images));
+      pics.onclick = (e) => { if (e.target.tagName === "IMG") e.target.parentNode.classList.toggle("full"); };
+      el.append(pics);
+    }
     const body = document.createElement("div");
     body.className = "msg-body";
     if (msg.role === "assistant") body.innerHTML = md.render(msg.content || "");
     else body.textContent = msg.content;
+    body.hidden = msg.role === "user" && !msg.content;   // an image alone
     if (streaming) body.classList.add("streaming");
     el.append(body);
     if (msg.error) {
@@ -180,13 +195,17 @@
     const ta = document.createElement("textarea");
     ta.className = "edit-box";
     ta.value = conv.messages[index].content;
+    const kept = (conv.messages[index].images || []).slice();   // the images go with the edit unless removed
+    const pics = el.querySelector(".msg-images");
+    const drawPics = () => pics.replaceChildren(...thumbs(kept, (i) => { kept.splice(i, 1); drawPics(); }));
+    if (pics) { pics.onclick = null; pics.classList.add("editing"); drawPics(); }
     const bar = document.createElement("div");
     bar.className = "edit-bar";
     bar.append(button("Send", "Send the edited message", () => {
       const text = ta.value.trim();
-      if (!text) return;
+      if (!text && !kept.length) return;
       conv.messages = conv.messages.slice(0, index);
-      conv.messages.push({ role: "user", content: text });
+      conv.messages.push(kept.length ? { role: "user", content: text, images: kept } : { role: "user", content: text });
       save();
       renderChat();
       generate(conv);
@@ -203,13 +222,97 @@
     generate(conv);
   }
 
+  // ------------------------------------------------------------------------------------------ images
+  // The types the server decodes, told by the file's first bytes (a name can lie); the caps are the server's
+  // defaults (--max-image-bytes: raw bytes of one image; --max-images-per-request), which it does not publish.
+  const MAX_IMAGE_BYTES = 20 << 20, MAX_IMAGES = 16;
+
+  async function sniff(file) {
+    const b = new Uint8Array(await file.slice(0, 12).arrayBuffer());
+    const at = (offset, text) => [...text].every((ch, i) => b[offset + i] === ch.charCodeAt(0));
+    if (at(0, "\x89PNG")) return "image/png";
+    if (at(0, "\xff\xd8\xff")) return "image/jpeg";
+    if (at(0, "GIF8")) return "image/gif";
+    if (at(0, "RIFF") && at(8, "WEBP")) return "image/webp";
+    return null;
+  }
+
+  function dataUrl(blob) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(blob);
+    });
+  }
+
+  async function addImages(files) {   // from the file picker, a paste or a drop
+    const refused = [];
+    for (const file of files) {
+      const name = file.name || "the pasted file";
+      const sent = current() ? current().messages.reduce((n, m) => n + (m.images || []).length, 0) : 0;
+      let type = null;
+      try { type = await sniff(file); } catch (e) { /* unreadable: refused below */ }
+      if (!type) refused.push(`${name}: not a PNG, JPEG, WebP or GIF image`);
+      else if (file.size > MAX_IMAGE_BYTES) {
+        refused.push(`${name}: ${(file.size / 1048576).toFixed(1)} MiB, over the 20 MiB the server takes for an image`);
+      } else if (sent + state.pending.length >= MAX_IMAGES) {
+        refused.push(`${name}: at most ${MAX_IMAGES} images a conversation (every turn's images are sent again)`);
+      } else {
+        try {
+          state.pending.push({ name: file.name || "pasted image", url: await dataUrl(new Blob([file], { type })) });
+        } catch (e) { refused.push(`${name}: ${e.message}`); }
+      }
+    }
+    showAttachError(refused.join("\n"));
+    renderPending();
+  }
+
+  function showAttachError(text) {
+    $("attach-error").textContent = text;
+    $("attach-error").hidden = !text;
+  }
+
+  function renderPending() {
+    const box = $("attachments");
+    box.hidden = !state.pending.length;
+    const drop = (i) => { state.pending.splice(i, 1); renderPending(); };
+    box.replaceChildren(...thumbs(state.pending.map((p) => p.url), drop, state.pending.map((p) => p.name)));
+  }
+
+  function thumbs(urls, onRemove, names) {   // "" is an image the browser's storage could not keep
+    return urls.map((url, i) => {
+      const fig = document.createElement("div");
+      fig.className = "thumb";
+      if (url) {
+        const img = document.createElement("img");
+        img.src = url;
+        img.alt = img.title = names ? names[i] : `image ${i + 1}`;
+        fig.append(img);
+      } else {
+        fig.classList.add("gone");
+        fig.textContent = "image not kept";
+        fig.title = "The browser's storage was full: this image was not saved, and is not sent again";
+      }
+      if (onRemove) fig.append(button("✕", "Remove the image", () => onRemove(i), "icon thumb-remove"));
+      return fig;
+    });
+  }
+
   // ------------------------------------------------------------------------------------------ generation
-  function wireMessages(conv, draft) {
+  function wireContent(m, textOnly) {   // OpenAI content parts when the message has images: text first
+    const urls = textOnly ? [] : (m.images || []).filter(Boolean);
+    if (!urls.length) return m.content;
+    return (m.content ? [{ type: "text", text: m.content }] : [])
+      .concat(urls.map((url) => ({ type: "image_url", image_url: { url } })));
+  }
+
+  function wireMessages(conv, draft, textOnly) {
     const out = [];
     if (state.settings.system.trim()) out.push({ role: "system", content: state.settings.system });
     for (const m of conv ? conv.messages : []) {
       if (m.role === "assistant" && !m.content && !m.reasoning) continue;
-      out.push({ role: m.role, content: m.content });
+      out.push({ role: m.role, content: wireContent(m, textOnly) });
     }
     if (draft) out.push({ role: "user", content: draft });
     return out;
@@ -228,12 +331,17 @@
   }
 
   async function send() {
-    const input = $("input"), text = input.value.trim();
-    if (!text || state.busy) return;
+    const input = $("input"), text = input.value.trim(), pending = state.pending;
+    if ((!text && !pending.length) || state.busy) return;
     const conv = current() || newConv();
-    conv.messages.push({ role: "user", content: text });
-    if (conv.title === "New chat") conv.title = text.replace(/\s+/g, " ").slice(0, 48);
+    const msg = { role: "user", content: text };
+    if (pending.length) msg.images = pending.map((p) => p.url);
+    conv.messages.push(msg);
+    if (conv.title === "New chat") conv.title = (text || pending[0].name).replace(/\s+/g, " ").slice(0, 48);
     input.value = "";
+    state.pending = [];
+    renderPending();
+    showAttachError("");
     save();
     renderAll();
     await generate(conv);
@@ -331,7 +439,7 @@
 
   async function countTokens() {
     const el = $("token-count");
-    const messages = wireMessages(current(), $("input").value);
+    const messages = wireMessages(current(), $("input").value, true);   // text only: no image to /tokenize
     if (!messages.length || !state.model) { el.textContent = state.nCtx ? `0 / ${state.nCtx} tokens` : ""; return; }
     if (countTokens.controller) countTokens.controller.abort();
     const controller = countTokens.controller = new AbortController();
@@ -344,5 +452,5 @@
     } catch (e) { /* superseded or offline */ }
   }
 
-  window.Imp.chat = { current, newConv, renderAll, renderChat, exportJson, send, stop, updateTokenCount };
+  window.Imp.chat = { current, newConv, renderAll, renderChat, exportJson, send, stop, updateTokenCount, addImages };
 })();

@@ -7,9 +7,10 @@
     get(key, dflt) {
       try { const v = localStorage.getItem("imp." + key); return v === null ? dflt : JSON.parse(v); } catch (e) { return dflt; }
     },
-    set(key, value) {
-      try { localStorage.setItem("imp." + key, JSON.stringify(value)); } catch (e) {
-        toast("Not saved: the browser's storage is full (export and delete old conversations)");
+    set(key, value, quiet) {   // true when kept; `quiet`: no toast when the storage is full
+      try { localStorage.setItem("imp." + key, JSON.stringify(value)); return true; } catch (e) {
+        if (!quiet) toast("Not saved: the browser's storage is full (export and delete old conversations)");
+        return false;
       }
     },
   };
@@ -25,6 +26,7 @@
     settings: Object.assign({ system: "", knobs: {} }, store.get("settings", {})),
     apiKey: store.get("apiKey", ""),
     busy: null,   // the streaming reply: {controller, requestId, conv, msg}
+    pending: [],   // images attached to the message being written: {name, url (a data: URL)}
     keyPrompt: null,
   };
 
