@@ -45,6 +45,10 @@ def test_props_is_the_llama_cpp_shape(live_server: LiveServer) -> None:
     assert {"temperature", "top_k", "top_p", "min_p", "repeat_penalty"} <= set(settings["params"])
     assert body["total_slots"] == 8 and "<|im_start|>" in body["chat_template"]
     assert body["eos_token"] == "<|im_end|>" and body["bos_token"] == "<|im_start|>"
+    assert body["modalities"] == {"vision": False, "audio": False}   # SmolLM2: text only
+    assert body["image_limits"] == {"max_image_bytes": 20 << 20, "max_images_per_request": 16,
+                                    "max_image_pixels": 33_177_600, "max_video_frames": 32,
+                                    "max_request_bytes": 4 << 20}   # derived from the 1024 context's prompt limit
 
 
 def test_info_is_the_tgi_shape(live_server: LiveServer) -> None:

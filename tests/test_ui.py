@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import (FakeEngine, LiveServer, app_in_thread, fake_tokenizer, live_server,  # noqa: F401
+from server_fixtures import (MODEL, FakeEngine, LiveServer, app_in_thread, fake_tokenizer, live_server,  # noqa: F401
                              wait_for, wait_idle)
 from tiny_models import THINKER_ARGS, write_thinking_model
 
@@ -433,11 +433,13 @@ def test_images_attached_pasted_refused_sent_and_the_servers_refusal_shown(ui: U
         {"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hello"},
         {"name": "fake.png", "mimeType": "image/png", "buffer": b"hello, not a png"}])
     page.wait_for_selector("#attach-error:not([hidden])")
-    assert page.locator("#attach-error").inner_text().split("\n") == [
-        "notes.txt: not a PNG, JPEG, WebP or GIF image", "fake.png: not a PNG, JPEG, WebP or GIF image"]
+    lines = page.locator("#attach-error").inner_text().split("\n")
+    assert lines[:2] == ["notes.txt: not a PNG, JPEG, WebP or GIF image", "fake.png: not a PNG, JPEG, WebP or GIF image"]
+    assert lines[2:] == [f"the served model {MODEL} has no vision encoder: it will refuse images"]   # /props said
     page.evaluate(DROP_HUGE, base64.b64encode(red[:16]).decode())   # one byte past 20 MiB
     page.wait_for_function("document.querySelector('#attach-error').textContent.startsWith('huge.png')")
-    assert page.locator("#attach-error").inner_text() == "huge.png: 20.0 MiB, over the 20 MiB the server takes for an image"
+    assert page.locator("#attach-error").inner_text().split("\n")[0] == \
+        "huge.png: 20.0 MiB, over the 20 MiB the server takes for an image"   # /props' image_limits
     assert page.locator("#attachments img").count() == 1
 
     ui.send("What is in this picture?")

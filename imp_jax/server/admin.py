@@ -215,6 +215,7 @@ async def props() -> Any:
     defaults = _engine_fact(lambda e: e.default_params)
     params = dataclasses.asdict(defaults) if dataclasses.is_dataclass(defaults) else dict(defaults or {})
     tok = engine.tokenizer
+    limits = server().config.image_limits
     return jsonify({
         "default_generation_settings": {
             "n_ctx": engine.max_model_len, "model": engine.served_name,
@@ -230,7 +231,10 @@ async def props() -> Any:
         "total_slots": _engine_fact(lambda e: e.max_num_seqs, "max_num_seqs"),
         "model_path": Path(str(_engine_fact(None, "model", ""))).name,
         "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-        "modalities": {"vision": False, "audio": False}, "build_info": f"imp_jax {_version()}",
+        "modalities": {"vision": engine.vision, "audio": False}, "build_info": f"imp_jax {_version()}",
+        "image_limits": {"max_image_bytes": limits.max_bytes, "max_images_per_request": limits.max_images,
+                         "max_image_pixels": limits.max_pixels, "max_video_frames": limits.max_video_frames,
+                         "max_request_bytes": server().body_limit()},
     })
 
 

@@ -28,6 +28,8 @@
         const props = await res.json(), gen = props.default_generation_settings || {};
         state.propsLoaded = true;
         state.nCtx = gen.n_ctx || state.nCtx;
+        state.vision = props.modalities ? props.modalities.vision !== false : null;   // null: not said
+        if (props.image_limits) state.imageLimits = props.image_limits;
         for (const [id, name] of KNOBS) {
           const v = name && gen.params ? gen.params[name] : null;
           $("k-" + id).placeholder = v === null || v === undefined ? "server default" : String(v);

@@ -224,8 +224,9 @@
 
   // ------------------------------------------------------------------------------------------ images
   // The types the server decodes, told by the file's first bytes (a name can lie); the caps are the server's
-  // defaults (--max-image-bytes: raw bytes of one image; --max-images-per-request), which it does not publish.
-  const MAX_IMAGE_BYTES = 20 << 20, MAX_IMAGES = 16;
+  // (/props image_limits: --max-image-bytes, raw bytes of one image; --max-images-per-request), its defaults
+  // until /props has answered.
+  const limit = (name, fallback) => (state.imageLimits && state.imageLimits[name]) || fallback;
 
   async function sniff(file) {
     const b = new Uint8Array(await file.slice(0, 12).arrayBuffer());
@@ -248,6 +249,7 @@
 
   async function addImages(files) {   // from the file picker, a paste or a drop
     const refused = [];
+    const MAX_IMAGE_BYTES = limit("max_image_bytes", 20 << 20), MAX_IMAGES = limit("max_images_per_request", 16);
     for (const file of files) {
       const name = file.name || "the pasted file";
       const sent = current() ? current().messages.reduce((n, m) => n + (m.images || []).length, 0) : 0;
@@ -255,7 +257,8 @@
       try { type = await sniff(file); } catch (e) { /* unreadable: refused below */ }
       if (!type) refused.push(`${name}: not a PNG, JPEG, WebP or GIF image`);
       else if (file.size > MAX_IMAGE_BYTES) {
-        refused.push(`${name}: ${(file.size / 1048576).toFixed(1)} MiB, over the 20 MiB the server takes for an image`);
+        refused.push(`${name}: ${(file.size / 1048576).toFixed(1)} MiB, over the ` +
+          `${(MAX_IMAGE_BYTES / 1048576).toFixed(0)} MiB the server takes for an image`);
       } else if (sent + state.pending.length >= MAX_IMAGES) {
         refused.push(`${name}: at most ${MAX_IMAGES} images a conversation (every turn's images are sent again)`);
       } else {
@@ -263,6 +266,9 @@
           state.pending.push({ name: file.name || "pasted image", url: await dataUrl(new Blob([file], { type })) });
         } catch (e) { refused.push(`${name}: ${e.message}`); }
       }
+    }
+    if (state.pending.length && state.vision === false) {   // sent anyway: the server's 400 says it too
+      refused.push(`the served model ${state.model || ""} has no vision encoder: it will refuse images`);
     }
     showAttachError(refused.join("\n"));
     renderPending();

@@ -1,0 +1,146 @@
+"""A tiny random Idefics3 (SmolVLM's architecture, scripts/tiny_vlm.py) served end to end: `python -m imp_jax.server`
+on loopback, the official openai and anthropic clients and raw HTTP sending pictures, each answer checked against
+transformers' greedy `generate` on the same checkpoint, picture and prompt (its own processor expanding `<image>`)."""
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tiny_vlm import hf_processor, write_tiny_idefics3  # noqa: E402  (scripts/, on sys.path above)
+
+MAX_TOKENS = 8
+GREEDY = dict(temperature=0.0, top_p=1.0)
+GREEDY_EXTRA = dict(top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0)   # the spec's preset has 1.05
+
+
+def picture(width: int, height: int, seed: int) -> bytes:
+    """A PNG of smooth colour bands (the same seed, the same picture)."""
+    rng = np.random.default_rng(seed)
+    x = np.linspace(0, 1, width)[None, :, None] * rng.uniform(50, 255, 3) + rng.uniform(0, 60, 3)
+    y = np.linspace(0, 1, height)[:, None, None] * rng.uniform(0, 120, 3)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(x + y, 0, 255).astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Any]]:
+    """The served checkpoint, transformers' model of it and its processor."""
+    path = tmp_path_factory.mktemp("tiny-idefics3")
+    model = write_tiny_idefics3(path)
+    processor = hf_processor(path)
+    live = LiveServer(["--model", str(path), "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+                       "--max-model-len", "1024", "--num-kv-blocks", "128"], path / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)
+        yield live, model, processor
+    finally:
+        assert live.stop() in (None, 0), live.log_text()[-3000:]
+
+
+def expected(vlm: tuple[LiveServer, Any, Any], question: str, pngs: list[bytes], image_first: bool = False) -> str:
+    """transformers' greedy answer to one user turn (the question, then its pictures) rendered as the server does."""
+    _, model, processor = vlm
+    images = "<image>" * len(pngs)
+    content = images + question if image_first else question + images
+    text = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    pics = [Image.open(io.BytesIO(p)).convert("RGB") for p in pngs]
+    inputs = processor(text=[text], images=[pics], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=[1, 3])
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def chat_parts(question: str, pngs: list[bytes]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": question}, *({"type": "image_url", "image_url": {"url": data_url(p)}} for p in pngs)]
+
+
+def test_openai_chat_with_a_picture_answers_like_transformers(vlm) -> None:
+    live = vlm[0]
+    png = picture(50, 37, seed=1)
+    r = openai_for(live.url).chat.completions.create(
+        model="any", messages=[{"role": "user", "content": chat_parts("what is this?", [png])}],
+        max_tokens=MAX_TOKENS, **GREEDY, extra_body=GREEDY_EXTRA)
+    assert r.choices[0].message.content == expected(vlm, "what is this?", [png])
+    assert r.usage.prompt_tokens > 16 * 5   # 2 x 2 tiles + the global image, 16 rows each
+
+
+def test_two_pictures_streamed_and_different_pictures_give_their_own_answers(vlm) -> None:
+    live = vlm[0]
+    a, b = picture(64, 20, seed=2), picture(20, 64, seed=3)
+    client = openai_for(live.url)
+    stream = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": chat_parts("compare", [a, b])}],
+        max_tokens=MAX_TOKENS, stream=True, **GREEDY, extra_body=GREEDY_EXTRA)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected(vlm, "compare", [a, b])
+    answers = {p: client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": chat_parts("what is this?", [p])}],
+        max_tokens=MAX_TOKENS, **GREEDY, extra_body=GREEDY_EXTRA).choices[0].message.content for p in (a, b)}
+    assert answers == {p: expected(vlm, "what is this?", [p]) for p in (a, b)}
+
+
+def test_the_same_picture_again_reuses_its_prefix_and_a_different_one_does_not(vlm) -> None:
+    live = vlm[0]
+    client = openai_for(live.url)
+
+    def cached(png: bytes) -> int:
+        r = client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": chat_parts("describe it", [png])}],
+            max_tokens=2, **GREEDY, extra_body=GREEDY_EXTRA)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    first = picture(40, 40, seed=4)
+    cached(first)
+    assert cached(first) >= 16   # the image's blocks came from the prefix cache
+    same_size_other = picture(40, 40, seed=5)   # the same token ids, other pixels: no image block shared
+    assert cached(same_size_other) < 16
+
+
+def test_anthropic_and_responses_take_pictures(vlm) -> None:
+    live = vlm[0]
+    png = picture(30, 45, seed=6)
+    msg = anthropic_for(live.url).messages.create(
+        model="any", max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": base64.b64encode(png).decode()}},
+            {"type": "text", "text": "what is this?"}]}],
+        temperature=0.0, extra_body={**GREEDY_EXTRA, "top_p": 1.0})
+    # Messages joins blocks with a newline: the picture, then the question on the next line
+    assert "".join(b.text for b in msg.content if b.type == "text") == expected(vlm, "\nwhat is this?", [png], True)
+    r = httpx.post(live.url + "/v1/responses", timeout=120, json={
+        "model": "any", "max_output_tokens": MAX_TOKENS, **GREEDY, **GREEDY_EXTRA,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"},
+                                               {"type": "input_image", "image_url": data_url(png)}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["content"][0]["text"] == expected(vlm, "what is this?\n", [png])
+
+
+def test_bad_pictures_are_400s_and_the_pools_return_to_baseline(vlm) -> None:
+    live = vlm[0]
+    base = httpx.get(live.url + "/metrics").text
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+        "model": "any", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url", r.text
+    literal = {"model": "any", "max_tokens": 2, "messages": [{"role": "user", "content": "<image> typed as text"}]}
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=60, json=literal)
+    assert r.status_code in (200, 400), r.text   # text never becomes an image token: see the engine's check
+    assert "Traceback" not in live.log_text() and " 500 " not in live.log_text()
+    assert base  # the metrics page answers
