@@ -77,6 +77,23 @@ def test_gif_gives_its_first_frame() -> None:
     assert tuple(img.pixels[0, 0]) == (255, 0, 0)
 
 
+def test_transparency_is_composited_over_white_as_the_processors_do() -> None:
+    rgba = Image.new("RGBA", (4, 2), (10, 20, 30, 0))   # invisible dark pixels
+    rgba.putpixel((0, 0), (200, 0, 0, 255))
+    rgba.putpixel((1, 0), (0, 0, 200, 128))
+    buf = io.BytesIO()
+    rgba.save(buf, "PNG")
+    px = decode(buf.getvalue(), "p", LIMITS).pixels
+    assert tuple(px[1, 3]) == (255, 255, 255) and tuple(px[0, 0]) == (200, 0, 0)
+    assert tuple(px[0, 1]) == (127, 127, 227)   # half blue over white
+    pal = Image.new("P", (2, 1))
+    pal.putpalette([0, 0, 0, 9, 9, 9])
+    pal.putpixel((1, 0), 1)
+    buf = io.BytesIO()
+    pal.save(buf, "GIF", transparency=0)   # palette index 0 transparent
+    assert decode(buf.getvalue(), "p", LIMITS).pixels.tolist() == [[[255, 255, 255], [9, 9, 9]]]
+
+
 def test_digest_keys_pixels_not_encoding() -> None:
     png, webp = decode(encoded("PNG"), "p", LIMITS), decode(encoded("WEBP", lossless=True), "p", LIMITS)
     assert np.array_equal(png.pixels, webp.pixels) and png.digest == webp.digest

@@ -227,7 +227,7 @@ class ImageInput:
     """One decoded image of a request (server/images.py): RGB pixels, and a digest of them the prefix
     cache can key on (equal pixels, equal digest, whatever the encoding they came in)."""
 
-    pixels: np.ndarray    # uint8 [height, width, 3], RGB
+    pixels: np.ndarray    # uint8 [height, width, 3], RGB (transparency composited over white)
     digest: bytes         # xxh3_128 of the pixels and their shape (16 bytes)
     format: str           # what it was sent as: PNG, JPEG, WEBP, GIF
     encoded_bytes: int    # its size as sent (after base64 decoding)

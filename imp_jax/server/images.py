@@ -152,7 +152,7 @@ def decode(raw: bytes, param: str, limits: ImageLimits, detail: str = "auto") ->
                                           param=param, code="image_too_large")
             fmt = str(im.format)
             im.seek(0)
-            pixels = np.asarray(im.convert("RGB"), dtype=np.uint8)
+            pixels = np.asarray(over_white(im), dtype=np.uint8)
     except Image.DecompressionBombError:
         raise InvalidRequestError(f"'{param}' claims more pixels than this server decodes (at most "
                                   f"{limits.max_pixels}, --max-image-pixels)", param=param,
@@ -164,6 +164,16 @@ def decode(raw: bytes, param: str, limits: ImageLimits, detail: str = "auto") ->
         raise InvalidRequestError(f"'{param}' is a corrupt or truncated image ({type(e).__name__})", param=param,
                                   code="invalid_image") from None
     return ImageInput(pixels, pixel_digest(pixels), fmt, len(raw), detail)
+
+
+def over_white(im: Image.Image) -> Image.Image:
+    """RGB, with any transparency (an alpha band, a palette's transparent index) composited over white: what
+    the image processors of Idefics3, SmolVLM and Qwen2-VL do, where a bare RGB conversion would keep the
+    colour under each transparent pixel."""
+    if "A" not in im.getbands() and im.info.get("transparency") is None:
+        return im.convert("RGB")
+    rgba = im.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def pixel_digest(pixels: np.ndarray) -> bytes:
