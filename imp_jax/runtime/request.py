@@ -230,8 +230,12 @@ class ImageInput:
     pixels: np.ndarray    # uint8 [height, width, 3], RGB (transparency composited over white)
     digest: bytes         # xxh3_128 of the pixels and their shape (16 bytes)
     format: str           # what it was sent as: PNG, JPEG, WEBP, GIF
-    encoded_bytes: int    # its size as sent (after base64 decoding)
+    encoded: bytes = dataclasses.field(repr=False)   # as sent (after base64): what a stored conversation keeps
     detail: str = "auto"  # the client's detail hint: auto, low or high (OpenAI's)
+
+    @property
+    def encoded_bytes(self) -> int:
+        return len(self.encoded)
 
     @property
     def size(self) -> tuple[int, int]:

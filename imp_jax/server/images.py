@@ -163,7 +163,7 @@ def decode(raw: bytes, param: str, limits: ImageLimits, detail: str = "auto") ->
     except (OSError, ValueError, SyntaxError, EOFError, IndexError) as e:   # Pillow's ways of saying "corrupt"
         raise InvalidRequestError(f"'{param}' is a corrupt or truncated image ({type(e).__name__})", param=param,
                                   code="invalid_image") from None
-    return ImageInput(pixels, pixel_digest(pixels), fmt, len(raw), detail)
+    return ImageInput(pixels, pixel_digest(pixels), fmt, raw, detail)
 
 
 def over_white(im: Image.Image) -> Image.Image:

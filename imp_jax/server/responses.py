@@ -24,6 +24,7 @@ from imp_jax.server.context import (answering_model, caller_owner, default_max_t
 from imp_jax.server.errors import not_supported
 from imp_jax.server.generation import collect
 from imp_jax.server.image_parts import ImageRef, request_images, responses_image
+from imp_jax.server.images import decode
 from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
@@ -442,7 +443,9 @@ async def create_response() -> Any:
         entry = store.get(req.previous_response_id, caller_owner())
         if entry is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
-        previous, earlier = entry.conversation, entry.images
+        previous = entry.conversation
+        for digest, (raw, detail) in entry.images.items():   # stored encoded: decoded again, the same pixels
+            earlier[digest] = await off_loop(decode, raw, "previous_response_id", server().config.image_limits, detail)
     images = PromptImages(refs, decoded, earlier)
     conversation = previous + conversation_of(req.input, images)
     cont = req.continue_final_message

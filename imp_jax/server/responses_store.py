@@ -38,14 +38,15 @@ class StoredResponse:
     size: int
     expires_at: float
     owner: str | None = None   # a digest of the API key that created it; None when the server has no keys
-    images: dict[str, Any] = dataclasses.field(default_factory=dict)   # the conversation's ImageInputs by digest
+    # the conversation's images by digest: (encoded bytes, detail), decoded again for a continuation
+    images: dict[str, tuple[bytes, str]] = dataclasses.field(default_factory=dict)
 
 
 def entry_size(response: dict[str, Any], conversation: list[dict[str, str]], images: dict[str, Any] | None = None) -> int:
-    """The bytes an entry is charged: its JSON encoding and its images' pixels (what a chain shares counts
+    """The bytes an entry is charged: its JSON encoding and its images' encoded bytes (what a chain shares counts
     in each entry)."""
     text = len(json.dumps([response, conversation], ensure_ascii=False, separators=(",", ":")).encode())
-    return text + sum(image.pixels.nbytes for image in (images or {}).values())
+    return text + sum(image.encoded_bytes for image in (images or {}).values())
 
 
 class ResponsesStore:
@@ -86,7 +87,8 @@ class ResponsesStore:
         while self._entries and (len(self._entries) >= lim.max_entries or self._bytes + size > lim.max_bytes):
             self._remove(next(iter(self._by_owner[self._largest(by_bytes=len(self._entries) < lim.max_entries)])))
             self.evictions += 1
-        entry = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s, owner, dict(images or {}))
+        kept = {digest: (image.encoded, image.detail) for digest, image in (images or {}).items()}   # no pixels held
+        entry = StoredResponse(response, conversation, size, self._clock() + lim.ttl_s, owner, kept)
         self._entries[response_id] = entry
         self._by_owner.setdefault(owner, OrderedDict())[response_id] = entry
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
