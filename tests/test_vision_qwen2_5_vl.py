@@ -251,3 +251,22 @@ def test_mrope_with_equal_components_is_plain_rope():
     pos = jnp.arange(0, 300, 7)
     for a, b in zip(mrope_tables(jnp.stack([pos] * 3), inv, (2, 3, 3)), rope_tables(pos, inv)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_full_attention_in_query_chunks_equals_one_step():
+    from imp_jax.model.vision.qwen2_5_vl import frame_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(70, 2, 8)).astype(np.float32)) for _ in range(3))
+    segments = jnp.asarray(np.repeat([0, 1, 2, -1], [30, 20, 12, 8]).astype(np.int32))
+    np.testing.assert_allclose(np.asarray(frame_attention(q, k, v, segments, chunk=16)),
+                               np.asarray(frame_attention(q, k, v, segments, chunk=128)), atol=1e-6, rtol=0)
+
+
+def test_processor_sizes_must_match_the_tower(tiny_qwen, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_qwen[0], tmp_path, dirs_exist_ok=True)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PRE, "patch_size": 14}))
+    with pytest.raises(ModelLoadError, match="differ from the tower's 4/2/2"):
+        load_model(tmp_path, dtype="float32")

@@ -12,8 +12,9 @@ permutes the merged rows back. Attention does not care where a token sits, only 
 window, so here the patches stay in the processor's order: `VisionLayout` (host, NumPy) lists each window's
 patches (`windows` [num_windows, window_len], the concatenation of the lists being transformers'
 `window_index`) and each patch's frame (`segments`), the window layers gather a window's q/k/v, attend
-and scatter back; the full layers attend under a same-frame mask. Several images of different sizes go
-in one call, concatenated.
+and scatter back; the full layers attend under a same-frame mask (queries in chunks: memory H x chunk x N).
+Several images of different sizes go in one call, concatenated; the full layers then spend N^2 work across
+them where transformers spends sum(n_i^2), so large images are cheaper one per call.
 
 What the engine must do for this family (not wired here; runtime/ owns it):
 - images: preprocess each (qwen2_5_vl_processor.preprocess), build `VisionLayout.of(grids, ...)` padded to a
@@ -44,6 +45,7 @@ ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
                "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 NORM_EPS = 1e-6   # transformers hard-codes the tower's and the merger's RMSNorm eps
+QUERY_CHUNK = 2048   # the full-attention blocks' queries per step (frame_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,8 @@ class Qwen25VLConfig:
                 int(v.get("patch_size", d.patch_size)), int(v.get("temporal_patch_size", d.temporal_patch_size)),
                 int(v.get("spatial_merge_size", d.spatial_merge_size)), int(v.get("window_size", d.window_size)),
                 tuple(int(i) for i in v.get("fullatt_block_indexes", d.fullatt_block_indexes)),
-                int(v.get("out_hidden_size", d.out_hidden_size)), int(v.get("in_channels", d.in_channels)),
+                int(v.get("out_hidden_size", d.out_hidden_size)),
+                int(v.get("in_channels", v.get("in_chans", d.in_channels))),   # the hub's configs: in_chans
                 str(v.get("hidden_act", d.hidden_act)), float(rope.get("rope_theta", d.rope_theta)))
             config = cls(vision, *(int(hf.get(k, getattr(top, k))) for k in (
                 "image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id")))
@@ -198,6 +201,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array) -> jax.
     return jnp.einsum("...hqk,...khd->...qhd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
 
 
+def frame_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array,
+                    chunk: int = QUERY_CHUNK) -> jax.Array:
+    """Attention of q, k, v [N, H, D] within each frame (equal `segments`), `chunk` queries at a time: the
+    scores take [H, chunk, N] rather than [H, N, N] (a 1280 x 1280 image has 8k patches)."""
+    N = q.shape[0]
+    if N <= chunk:
+        return attention(q, k, v, segments[:, None] == segments[None, :])
+    pad = -N % chunk
+    qs = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, *q.shape[1:])
+    ss = jnp.pad(segments, (0, pad), constant_values=-2).reshape(-1, chunk)   # -2: a padding query, no key
+    out = jax.lax.map(lambda a: attention(a[0], k, v, a[1][:, None] == segments[None, :]), (qs, ss))
+    return out.reshape(-1, *q.shape[1:])[:N]
+
+
 class VisionBlock(nnx.Module):
     """One pre-RMSNorm block: attention (q|k|v fused, biased), SwiGLU MLP (gate|up fused, biased)."""
 
@@ -218,7 +235,7 @@ class VisionBlock(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if windows is None:
-            ctx = attention(q, k, v, segments[:, None] == segments[None, :])
+            ctx = frame_attention(q, k, v, segments)
         else:
             real = windows < N
             gather = lambda a: a[jnp.where(real, windows, 0)]   # [W, L, H, D]
