@@ -13,10 +13,12 @@ from imp_jax.errors import ModelLoadError
 from imp_jax.model.language_model_config import TEXT_CONFIG_DEFAULTS, language_model_config
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
-QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # q/k/v biases unless the config says otherwise
+# q/k/v biases unless the config says otherwise
+QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration")
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 ROUTERS = ("softmax_topk", "topk_softmax")
-ROPE_ALIASES = {"su": "longrope"}   # Phi-3's early configs name longrope "su"
+ROPE_ALIASES = {"su": "longrope",   # Phi-3's early configs name longrope "su"
+                "mrope": "default"}  # Qwen2-VL's multimodal RoPE: default frequencies, `mrope_section` apart
 LAYER_TYPES = ("sliding_attention", "full_attention")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
@@ -75,6 +77,9 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     # --- Phi-3 / Phi-4 (issue 24) -----------------------------------------------------------------
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims only (Phi-4-mini)
+    # --- Qwen2.5-VL: multimodal RoPE (model/vision/mrope.py) ------------------------------------
+    mrope_section: tuple[int, ...] = ()  # rotary half-dims per position component (temporal, height,
+                                         # width), in order; () = one component (plain RoPE)
 
     @property
     def rotary_dim(self) -> int:
@@ -242,6 +247,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
             partial_rotary_factor=partial,
+            mrope_section=_mrope_section(rope, int(head_dim * partial), source),
             **_moe_fields(hf, arch, source),
         )
         return cls(**{**fields, **gemma})
@@ -313,6 +319,19 @@ def _gemma_fields(hf: dict[str, Any], arch: str, num_layers: int, source: str) -
     if g3 and "rope_local_theta" not in out:
         out["rope_local_theta"] = 10000.0
     return out
+
+
+def _mrope_section(rope: dict[str, Any], rotary_dim: int, source: str) -> tuple[int, ...]:
+    """`mrope_section` of rope_scaling / rope_parameters (() when absent): three counts of rotary half-dims
+    that must add up to rotary_dim / 2."""
+    section = rope.get("mrope_section")
+    if section is None:
+        return ()
+    if (not isinstance(section, list) or len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section)
+            or sum(section) != rotary_dim // 2):
+        raise ModelLoadError(f"{source}: 'mrope_section' must be 3 counts adding up to {rotary_dim // 2} (half "
+                             f"the rotary dims), got {section!r}"[:300])
+    return tuple(section)
 
 
 def _opt_float(x: Any) -> float | None:

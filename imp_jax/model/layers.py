@@ -1,4 +1,4 @@
-"""Small pure building blocks shared by model definitions: projection, embedding, RMSNorm, LayerNorm, RoPE."""
+"""Small pure building blocks shared by model definitions: projection, embedding, RMSNorm, LayerNorm, RoPE, M-RoPE."""
 from __future__ import annotations
 
 import jax
@@ -75,6 +75,21 @@ def row_sum(x: jax.Array) -> jax.Array:
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """cos/sin [T, rotary_dim // 2] for integer positions, times `scale` (longrope's attention factor)."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def mrope_tables(positions: jax.Array, inv_freq: np.ndarray, sections: tuple[int, ...],
+                 scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, rotary_dim // 2] for multimodal positions [len(sections), T] (Qwen2-VL's M-RoPE): the
+    first sections[0] frequencies turn with component 0 (temporal), the next sections[1] with component 1
+    (height), the rest with component 2 (width), as transformers recomposes them."""
+    if positions.ndim != 2 or positions.shape[0] != len(sections) or sum(sections) != len(inv_freq):
+        raise ValueError(f"positions {positions.shape} do not fit M-RoPE sections {sections} over "
+                         f"{len(inv_freq)} frequencies")
+    component = np.repeat(np.arange(len(sections)), sections)   # each frequency's position component
+    angles = positions.astype(jnp.float32)[component].T * jnp.asarray(inv_freq, jnp.float32)[None, :]
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale

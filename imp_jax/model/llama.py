@@ -18,7 +18,7 @@ from flax import nnx
 from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.layers import apply_rope, embed, linear, override_rows, rms_norm, rope_tables
+from imp_jax.model.layers import apply_rope, embed, linear, mrope_tables, override_rows, rms_norm, rope_tables
 from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
 from imp_jax.model.weights import Matrix, WeightSource, stored
@@ -143,10 +143,14 @@ class DecoderLM(nnx.Module):
         [T] (with `enable_lora`): each token's adapter slot, 0 = none. `residuals` (logit_lens,
         runtime/logit_lens.py): also return the residual after every layer, stacked [L, T, hidden].
         `embed_rows` [M, hidden] replace the embeddings of token rows `embed_slots` [M] (images; a
-        slot >= T is padding and writes nowhere)."""
+        slot >= T is padding and writes nowhere). `positions` may be [3, T] when the config has
+        `mrope_section` (Qwen2.5-VL: temporal, height, width per token); [T] means all three equal."""
         cfg = self.config
         x = self._embed(input_ids)
-        cos, sin = rope_tables(positions, cfg.rope_inv_freq(), cfg.rope_attention_scale)
+        if positions.ndim == 2:
+            cos, sin = mrope_tables(positions, cfg.rope_inv_freq(), cfg.mrope_section, cfg.rope_attention_scale)
+        else:
+            cos, sin = rope_tables(positions, cfg.rope_inv_freq(), cfg.rope_attention_scale)
         vectors, matrices = self.layers.vectors(), self.layers.matrices()
         loras: dict[str, LoraLayers] = {}
         if self.lora is not None and lora_ids is not None:

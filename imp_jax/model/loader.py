@@ -24,8 +24,8 @@ from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.converted import read_converted, restore_model
 from imp_jax.model.hub import resolve_model
 from imp_jax.model.registry import get_model_class, import_model_class
-from imp_jax.model.vision.side import (LoadedVision, TextModelTensors, VisionCheckpoint, build_vision,
-                                       is_vision_language, open_vision)
+from imp_jax.model.vision.side import (LoadedVision, VisionCheckpoint, build_vision, describe_vision,
+                                       is_vision_language, open_vision, text_tensors)
 from imp_jax.model.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
 
 if TYPE_CHECKING:
@@ -103,9 +103,9 @@ def open_checkpoint(name_or_path: str | Path) -> Checkpoint:
     config = parse_config(lambda: ModelConfig.from_file(path / "config.json"), str(path / "config.json"))
     tensors: Mapping[str, np.ndarray] = SafetensorsDir(path)
     vision = None
-    if is_vision_language(config.architecture):   # the decoder reads `model.text_model.*` as `model.*`
+    if is_vision_language(config.architecture):   # the decoder reads e.g. `model.text_model.*` as `model.*`
         vision = open_vision(path, read_json(path / "config.json"), tensors)
-        tensors = TextModelTensors(tensors)
+        tensors = text_tensors(tensors)
     return Checkpoint("hf_dir", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
                       read_generation_config(path), tensors, vision=vision)
 
@@ -127,8 +127,7 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
     vision = None
     if ckpt.vision is not None and takes_embed_rows(cls):   # a class without the overrides serves text only
         vision = build_vision(ckpt.vision, options.dtype)
-        log.info("vision: %d-layer tower, %d rows per %d-pixel frame", ckpt.vision.config.vision.num_layers,
-                 ckpt.vision.config.image_seq_len, ckpt.vision.config.vision.image_size)
+        log.info("vision: %s", describe_vision(ckpt.vision.config))
     log.info("loaded %s: %d layers, hidden %d, vocab %d in %.1fs", ckpt.served_name, ckpt.config.num_layers,
              ckpt.config.hidden_size, ckpt.config.vocab_size, time.perf_counter() - t0)
     return LoadedModel(model, ckpt.config, ckpt.tokenizer, ckpt.generation_config, ckpt.served_name,

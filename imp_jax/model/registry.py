@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, str] = {
     # image-text: the Llama decoder, images as embedding overrides (model/vision/side.py)
     "Idefics3ForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
     "SmolVLMForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
+    "Qwen2_5_VLForConditionalGeneration": "imp_jax.model.llama:DecoderLM",   # Qwen2 with M-RoPE (positions [3, T])
     # mixture of experts (model/moe.py)
     "MixtralForCausalLM": "imp_jax.model.moe:MoELM",
     "Qwen2MoeForCausalLM": "imp_jax.model.moe:MoELM",

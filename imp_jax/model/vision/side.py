@@ -1,9 +1,13 @@
 """An image-text checkpoint's image side as the main loader sees it (model/loader.py): opened with the
 checkpoint, built next to its text model, and exposed as `LoadedModel.vision` (None: text only).
 
-transformers saves `Idefics3ForConditionalGeneration` / `SmolVLMForConditionalGeneration` as
-`model.vision_model.*`, `model.connector.*`, `model.text_model.*` and `lm_head.weight`; the text model
-is a plain Llama, so `DecoderLM` reads it through `TextModelTensors`, a view that drops `text_model.`.
+Two families:
+- Idefics3 / SmolVLM: transformers saves `model.vision_model.*`, `model.connector.*`, `model.text_model.*` and
+  `lm_head.weight`; the text model is a plain Llama, so `DecoderLM` reads it through `TextModelTensors`, a
+  view that drops `text_model.`. Every frame gives `config.image_seq_len` rows.
+- Qwen2.5-VL: `visual.*` beside a Qwen2 text model under `model.*` (as the hub has it and transformers 5
+  saves it; `model.language_model.*` is read through the same view). An image of grid (t, h, w) gives
+  `config.rows(grid)` rows, and the decoder takes M-RoPE positions [3, T] (model/vision/qwen2_5_vl.py).
 """
 from __future__ import annotations
 
@@ -15,19 +19,27 @@ import numpy as np
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.config import read_json
-from imp_jax.model.vision.idefics3 import ARCHITECTURES, Idefics3Config, Idefics3Vision
+from imp_jax.model.vision import idefics3, qwen2_5_vl
+from imp_jax.model.vision.idefics3 import Idefics3Config, Idefics3Vision
 from imp_jax.model.vision.idefics3_processor import ImageProcessorConfig
+from imp_jax.model.vision.qwen2_5_vl import Qwen25Vision, Qwen25VLConfig
+from imp_jax.model.vision.qwen2_5_vl_processor import Qwen2VLProcessorConfig
 from imp_jax.model.weights import WeightSource
+
+VisionConfig = Idefics3Config | Qwen25VLConfig
+ProcessorConfig = ImageProcessorConfig | Qwen2VLProcessorConfig
 
 
 class TextModelTensors(Mapping[str, np.ndarray]):
-    """The text model's tensors under the names a causal LM has: `model.text_model.X` as `model.X`."""
+    """The text model's tensors under the names a causal LM has: `model.text_model.X` (or another
+    `prefix`) as `model.X`."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray]):
+    def __init__(self, tensors: Mapping[str, np.ndarray], prefix: str = "model.text_model."):
         self._tensors = tensors
+        self._prefix = prefix
 
     def _name(self, name: str) -> str:
-        return "model.text_model." + name[len("model."):] if name.startswith("model.") else name
+        return self._prefix + name[len("model."):] if name.startswith("model.") else name
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._tensors[self._name(name)]
@@ -36,7 +48,7 @@ class TextModelTensors(Mapping[str, np.ndarray]):
         return isinstance(name, str) and self._name(name) in self._tensors
 
     def __iter__(self) -> Iterator[str]:
-        pre = "model.text_model."
+        pre = self._prefix
         return (("model." + k[len(pre):]) if k.startswith(pre) else k for k in self._tensors
                 if k.startswith(pre) or not k.startswith("model."))
 
@@ -48,31 +60,68 @@ class TextModelTensors(Mapping[str, np.ndarray]):
 class VisionCheckpoint:
     """The image side on disk, opened: configs read, the (whole checkpoint's) tensors not yet read."""
 
-    config: Idefics3Config
-    processor: ImageProcessorConfig
+    config: VisionConfig
+    processor: ProcessorConfig
     tensors: Mapping[str, np.ndarray]
     source: str
 
 
 @dataclasses.dataclass
 class LoadedVision:
-    """What turns a request's images into embedding rows: `encoder(pixels, patch_mask)` gives
-    [frames, config.image_seq_len, hidden], the rows of its `<image>` tokens (config.image_token_id)."""
+    """What turns a request's images into embedding rows, for either family (module docstring): the
+    rows replace the prompt's `config.image_token_id` tokens, in order.
+    - Idefics3 / SmolVLM: `encoder(pixels, patch_mask)` gives [frames, config.image_seq_len, hidden];
+    - Qwen2.5-VL: `encoder(patches, *VisionLayout arrays)` gives [patches / merge^2, hidden], image i's
+      `config.rows(grid_i)` of them in turn; its prompt also needs M-RoPE positions (vision/mrope.py)."""
 
-    encoder: Idefics3Vision
-    config: Idefics3Config
-    processor: ImageProcessorConfig   # preprocessor_config.json (transformers' defaults when absent)
+    encoder: Idefics3Vision | Qwen25Vision
+    config: VisionConfig
+    processor: ProcessorConfig   # preprocessor_config.json (transformers' defaults when absent)
+
+    @property
+    def family(self) -> str:
+        """"idefics3" (Idefics3, SmolVLM) or "qwen2_5_vl"."""
+        return "qwen2_5_vl" if isinstance(self.config, Qwen25VLConfig) else "idefics3"
 
 
 def is_vision_language(architecture: str) -> bool:
     """Whether an HF architecture name is an image-text model whose image side we load."""
-    return architecture in ARCHITECTURES
+    return architecture in idefics3.ARCHITECTURES or architecture in qwen2_5_vl.ARCHITECTURES
+
+
+def text_tensors(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """The view of an image-text checkpoint's tensors that its decoder reads as `model.*`."""
+    for prefix in ("model.text_model.", "model.language_model."):
+        if prefix + "embed_tokens.weight" in tensors:
+            return TextModelTensors(tensors, prefix)
+    return tensors   # Qwen2.5-VL as the hub has it: the text model is `model.*` already
+
+
+def describe_vision(config: VisionConfig) -> str:
+    """One line on the image side, for the load log."""
+    if isinstance(config, Qwen25VLConfig):
+        return config.describe()
+    return (f"{config.vision.num_layers}-layer tower, {config.image_seq_len} rows per "
+            f"{config.vision.image_size}-pixel frame")
 
 
 def open_vision(path: Path, hf: dict[str, Any], tensors: Mapping[str, np.ndarray]) -> VisionCheckpoint:
     """Read the image side's settings of the HF directory `path` (config.json parsed as `hf`)."""
-    config = Idefics3Config.from_hf(hf, str(path / "config.json"))
     pre, proc = path / "preprocessor_config.json", path / "processor_config.json"
+    if (hf.get("architectures") or [None])[0] in qwen2_5_vl.ARCHITECTURES:
+        config = Qwen25VLConfig.from_hf(hf, str(path / "config.json"))
+        try:
+            processor = Qwen2VLProcessorConfig.from_hf(_json_object(pre))
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{pre}: bad value ({e})") from None
+        v = config.vision
+        if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != (
+                v.patch_size, v.spatial_merge_size, v.temporal_patch_size):
+            raise ModelLoadError(f"{pre}: patch/merge/temporal sizes {processor.patch_size}/{processor.merge_size}/"
+                                 f"{processor.temporal_patch_size} differ from the tower's {v.patch_size}/"
+                                 f"{v.spatial_merge_size}/{v.temporal_patch_size}")
+        return VisionCheckpoint(config, processor, tensors, str(path))
+    config = Idefics3Config.from_hf(hf, str(path / "config.json"))
     try:
         processor = ImageProcessorConfig.from_hf(_json_object(pre))
     except (TypeError, ValueError, AttributeError) as e:
@@ -95,6 +144,9 @@ def _json_object(f: Path) -> dict[str, Any]:
 
 
 def build_vision(ckpt: VisionCheckpoint, dtype: Any) -> LoadedVision:
-    """The tower and connector built from the checkpoint's `model.vision_model.*` / `model.connector.*`."""
-    encoder = Idefics3Vision.from_hf_tensors(ckpt.config, WeightSource(ckpt.tensors, source=ckpt.source), dtype)
-    return LoadedVision(encoder, ckpt.config, ckpt.processor)
+    """The encoder built from the checkpoint: Idefics3's `model.vision_model.*` / `model.connector.*`, or
+    Qwen2.5-VL's `visual.*`."""
+    weights = WeightSource(ckpt.tensors, source=ckpt.source)
+    if isinstance(ckpt.config, Qwen25VLConfig):
+        return LoadedVision(Qwen25Vision.from_hf_tensors(ckpt.config, weights, dtype), ckpt.config, ckpt.processor)
+    return LoadedVision(Idefics3Vision.from_hf_tensors(ckpt.config, weights, dtype), ckpt.config, ckpt.processor)
