@@ -21,6 +21,9 @@ Embedding overrides: a class that sets `takes_embed_rows = True` accepts `embed_
 `embed_slots` [M] int32, rows that replace the embeddings of token rows `embed_slots` before the
 first layer (an image's rows over its `<image>` tokens); a slot >= T is padding and writes nowhere.
 The engine passes them only to such a class, and only in a step that has them.
+
+Multimodal positions: a config with `mrope_section` (Qwen2.5-VL) takes `positions` [3, T] (temporal, height,
+width per token; model/vision/mrope.py computes them) as well as [T] (all three equal: text only).
 """
 from __future__ import annotations
 
