@@ -86,15 +86,34 @@ def health_latencies_during(url: str, requests: list[tuple[str, bytes]]) -> tupl
     return latencies, replies
 
 
+def largest_image_url() -> str:
+    """A PNG at the default pixel cap (8K UHD, 100 MB as RGB pixels) with transparency, small as sent."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    im = Image.new("RGBA", (7680, 4320), (20, 200, 90, 128))
+    im.paste((250, 10, 10, 255), (0, 0, 640, 480))
+    buf = io.BytesIO()
+    im.save(buf, "PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def test_health_answers_within_100_ms_through_the_largest_tokenizer_work(url: str) -> None:
     ids = list(range(256)) * 1500   # 384,000 ids to detokenize
-    hostile = [("/tokenize", json.dumps({"content": HOSTILE_TEXT}).encode()),
+    picture = {"type": "image_url", "image_url": {"url": largest_image_url()}}   # decoded, then refused: no vision
+    hostile = [("/v1/chat/completions", json.dumps({"model": "fake-model", "messages": [
+                   {"role": "user", "content": [{"type": "text", "text": "hi"}, picture]}]}).encode()),
+               ("/tokenize", json.dumps({"content": HOSTILE_TEXT}).encode()),
                ("/tokenize", json.dumps({"prompt": HOSTILE_TEXT, "with_pieces": True}).encode()),
                ("/tokenize", json.dumps({"messages": [{"role": "user", "content": HOSTILE_TEXT[:-100]}]}).encode()),
                ("/detokenize", json.dumps({"tokens": ids}).encode()),
                ("/v1/embeddings", json.dumps({"model": "wide-embed", "input": [[1, 2, 3]] * 2048}).encode())]
     latencies, replies = health_latencies_during(url, hostile)
-    assert [r.status_code for r in replies] == [200, 400, 200, 200, 200], [r.text[:200] for r in replies]
+    assert [r.status_code for r in replies] == [400, 200, 400, 200, 200, 200], [r.text[:200] for r in replies]
+    assert replies[0].json()["error"]["code"] == "model_not_multimodal"   # after decoding all 33 MP of it
+    replies = replies[1:]
     assert len(replies[4].json()["data"]) == 2048
     assert replies[0].json()["count"] > 500_000
     assert replies[1].json()["error"]["param"] == "with_pieces"
