@@ -98,9 +98,9 @@ def vlm(tmp_path_factory):
     return path, hf
 
 
-def config(path, budget: int) -> EngineConfig:
+def config(path, budget: int, **kw) -> EngineConfig:
     return EngineConfig(model=str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
-                        num_kv_blocks=96, image_cache_rows=16 * 12, seed=0)
+                        num_kv_blocks=96, image_cache_rows=16 * 12, seed=0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,16 @@ def test_chunked_prefill_across_an_image_equals_one_chunk(core, chunked_core):
     (a, _), (b, _) = pic("a"), pic("b")
     ids = prompt(a, b)
     assert run(chunked_core, request(ids, (a, b)))[0]["tokens"] == run(core, request(ids, (a, b)))[0]["tokens"]
+
+
+def test_async_scheduling_gives_the_same_tokens(vlm, chunked_core):
+    """Steps launched before the previous one is read (the accelerators' default): an encoder launch donates
+    the pool while a step reading it may still run."""
+    async_core = build_engine(config(vlm[0], 32, async_scheduling="on"))
+    a, b = image(41, 47, 21), image(47, 41, 22)
+    reqs = lambda: [request(prompt(a, b, tail=(15,)), (a, b)), request(prompt(b, tail=(16,)), (b,))]
+    assert [o["tokens"] for o in run(async_core, *reqs())] == [o["tokens"] for o in run(chunked_core, *reqs())]
+    assert async_core.counters.overlapped_steps > 0 and async_core.stats()["compilations_after_warmup"] == 0
 
 
 def test_encoder_launches_images_of_several_requests_at_once(core):
@@ -241,6 +251,34 @@ def test_async_engine_streams_an_image_request(core):
 
     assert asyncio.run(main()) == want
     assert core.pool.num_free_blocks == core.baseline_free_blocks and core.stats()["image_rows_used"] == 0
+
+
+def test_a_cancelled_image_request_gives_back_its_blocks_and_rows(chunked_core):
+    a = image(44, 52, 31)
+    r = request(prompt(a), (a,))
+    chunked_core.prepare(r)
+    chunked_core.add_request(r, lambda ev: None)
+    for _ in range(3):   # into the image: its rows encoded and in use
+        chunked_core.step()
+    assert chunked_core.stats()["image_rows_used"] == 5 * 16
+    chunked_core.cancel(r.request_id)
+    assert not chunked_core.requests and chunked_core.stats()["image_rows_used"] == 0
+    assert chunked_core.pool.num_free_blocks == chunked_core.baseline_free_blocks
+
+
+def test_every_tier_hashes_image_blocks_alike():
+    """The pool's committed hashes are the chain the host and disk tiers and the replica router compute
+    (kv_hash.prefix_hashes), and an image block's preimage may go to disk."""
+    from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
+    from imp_jax.runtime.kv_hash import durable_preimage, prefix_hashes
+    ids, keys = list(range(80)), ImageKeys("salt", ((20, 50, "ab" * 16),))
+    pool, table = KVBlockPool(16, 16), BlockTable()
+    assert pool.allocate(table, ids, len(ids), keys)
+    pool.commit(table, ids, keys)
+    assert table.block_hashes[:4] == list(prefix_hashes(ids, 16, keys))
+    assert table.block_hashes[0] == next(prefix_hashes(ids, 16, "salt"))   # before the image: the plain key
+    assert table.block_hashes[1] != next(itertools.islice(prefix_hashes(ids, 16, "salt"), 1, None))
+    assert all(durable_preimage(pool._preimage[b]) for b in table.block_ids[:5])
 
 
 def test_image_keys_vary_by_block_and_stay_durable():

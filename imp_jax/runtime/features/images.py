@@ -106,7 +106,7 @@ class ImagesFeature(Feature):
         if entries is None:
             raise EngineError("the image cache is held by running requests' images; retry shortly",
                               code="image_cache_full", status=503)
-        prepared = req.prepared_images
+        prepared, req.prepared_images = req.prepared_images, None   # the pixels live on in the new entries only
         for i, entry in enumerate(entries):
             if not entry.encoded and entry.pixels is None:   # new: its frames wait for the encoder
                 entry.pixels = prepared[i] if prepared is not None else frames_of(req.images[i].pixels,
@@ -134,9 +134,11 @@ class ImagesFeature(Feature):
         due: dict[ImageEntry, list[RequestImages]] = {}
         for c in chunks:
             images = c.seq.ext.get(self.name)
+            if images is None:
+                continue
             a, b = c.seq.num_computed, c.seq.num_computed + c.num_tokens
-            for entry, (lo, hi) in zip(images.entries if images else (), images.bounds if images else ()):
-                if not entry.encoded and lo < b and a < hi:
+            for entry, (lo, hi) in zip(images.entries, images.bounds):
+                if not entry.encoded and lo < b and a < hi:   # an image whose KV is all cached is never encoded
                     due.setdefault(entry, []).append(images)
         bad = self._encode(due) if due else {}
         src = np.full(num_tokens, -1, np.int32)
