@@ -25,7 +25,7 @@ from imp_jax.runtime.config import EngineConfig  # noqa: E402
 from imp_jax.runtime.features import Services  # noqa: E402
 from imp_jax.runtime.features.images import ImagesFeature  # noqa: E402
 from imp_jax.runtime.image_rows import ImageRows  # noqa: E402
-from imp_jax.runtime.kv_hash import ImageKeys, block_key, durable_key  # noqa: E402
+from imp_jax.runtime.kv_hash import ImageKeys, block_key, durable_key, prefix_hashes  # noqa: E402
 from imp_jax.runtime.request import GenerationRequest, ImageInput, SamplingParams  # noqa: E402
 
 ARCH = "SmolVLMForConditionalGeneration"
@@ -245,7 +245,10 @@ def test_async_engine_streams_an_image_request(core):
             assert engine.vision and layout_ids(engine.image_prompt(a)) == prompt(a)[len(SYSTEM):-5]
             with pytest.raises(InvalidRequestError):
                 [ev async for ev in engine.generate(request(prompt(a), (a, b)))]
-            return [t async for ev in engine.generate(request(prompt(a), (a,))) for t in ev.token_ids]
+            tokens = [t async for ev in engine.generate(request(prompt(a), (a,))) for t in ev.token_ids]
+            key = engine.prefix_key(request(prompt(a), (a,)))   # data-parallel routing finds the image's blocks
+            assert isinstance(key, ImageKeys) and all(map(engine.holds_block, prefix_hashes(prompt(a), 16, key)))
+            return tokens
         finally:
             engine.shutdown()
 
@@ -270,7 +273,7 @@ def test_every_tier_hashes_image_blocks_alike():
     """The pool's committed hashes are the chain the host and disk tiers and the replica router compute
     (kv_hash.prefix_hashes), and an image block's preimage may go to disk."""
     from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
-    from imp_jax.runtime.kv_hash import durable_preimage, prefix_hashes
+    from imp_jax.runtime.kv_hash import durable_preimage
     ids, keys = list(range(80)), ImageKeys("salt", ((20, 50, "ab" * 16),))
     pool, table = KVBlockPool(16, 16), BlockTable()
     assert pool.allocate(table, ids, len(ids), keys)

@@ -25,6 +25,7 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.engine_thread import EngineThread, to_loop
+from imp_jax.runtime.features.images import image_keys
 from imp_jax.runtime.event_buffer import EventBuffer
 from imp_jax.runtime.multihost import PEER_LOST
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
@@ -223,10 +224,11 @@ class AsyncEngine(EngineThread, Engine):
         """The prefix-cache extra key `req`'s blocks get here (Sequence.cache_key); KeyError when its LoRA
         adapter is not loaded here. Read from another thread (a dict lookup), for routing only."""
         if not req.lora:
-            return req.cache_salt
+            return image_keys(req.cache_salt, req, self.core.loaded.vision)
         if self.core.loras is None:
             raise KeyError(req.lora)
-        return (req.cache_salt, "lora", *self.core.loras.by_name[req.lora].cache_key)
+        return image_keys((req.cache_salt, "lora", *self.core.loras.by_name[req.lora].cache_key), req,
+                          self.core.loaded.vision)
 
     def holds_block(self, block_hash: bytes) -> bool:
         """Whether this engine's prefix cache holds a block of that hash (KVBlockPool.holds; any thread)."""

@@ -21,6 +21,7 @@ from imp_jax.model.vision.idefics3_processor import image_grid, image_token_posi
 from imp_jax.runtime.features.base import Feature, Services
 from imp_jax.runtime.image_encoder import ImageEncoder, frames_of, num_frames
 from imp_jax.runtime.image_rows import ImageEntry, ImageRows
+from imp_jax.runtime.kv_hash import ImageKeys
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,6 +34,26 @@ class RequestImages:
     bounds: list[tuple[int, int]]
     spans: tuple[tuple[int, int, str], ...]
     seqs: list
+
+
+def image_bounds(req, vision) -> list[tuple[int, int]] | None:
+    """Each image's [first, end) token span in `req.prompt_ids` (its frames x image_seq_len `<image>` tokens,
+    in order), or None when the prompt's image tokens do not match the images."""
+    frames = [num_frames(image_grid(*image.size, vision.processor)) for image in req.images]
+    L = vision.config.image_seq_len
+    positions = image_token_positions(req.prompt_ids, vision.config.image_token_id)
+    if len(positions) != sum(frames) * L:
+        return None
+    ends = np.cumsum([f * L for f in frames])
+    return [(int(positions[e - f * L]), int(positions[e - 1]) + 1) for e, f in zip(ends, frames)]
+
+
+def image_keys(key: Any, req, vision) -> Any:
+    """`key` as the prefix cache applies it to `req`'s blocks (kv_hash.ImageKeys when it has images)."""
+    bounds = image_bounds(req, vision) if req.images and vision is not None else None
+    if bounds is None:
+        return key
+    return ImageKeys(key, tuple((lo, hi, image.digest.hex()) for (lo, hi), image in zip(bounds, req.images)))
 
 
 class ImagesFeature(Feature):
@@ -113,14 +134,10 @@ class ImagesFeature(Feature):
                                                                                   self.s.vision)
         positions = image_token_positions(req.prompt_ids, self.s.vision.config.image_token_id)
         src = np.full(len(req.prompt_ids), -1, np.int32)
-        bounds, spans, at = [], [], 0
-        for image, entry, f in zip(req.images, entries, frames):
-            where = positions[at:at + f * self.rows.rows_per_frame]
-            at += len(where)
-            src[where] = self.rows.rows(entry)
-            bounds.append((int(where[0]), int(where[-1]) + 1))
-            spans.append((*bounds[-1], image.digest.hex()))
-        state.ext[self.name] = RequestImages(entries, src, bounds, tuple(spans), state.seqs)
+        src[positions] = np.concatenate([self.rows.rows(entry) for entry in entries])
+        keys = image_keys(None, req, self.s.vision)
+        state.ext[self.name] = RequestImages(entries, src, [(lo, hi) for lo, hi, _ in keys.spans], keys.spans,
+                                             state.seqs)
 
     def start(self, seq, state) -> None:
         images = state.ext.get(self.name)
