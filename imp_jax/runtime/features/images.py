@@ -27,19 +27,23 @@ from imp_jax.runtime.kv_hash import ImageKeys
 @dataclasses.dataclass(eq=False)
 class RequestImages:
     """What a request holds: its images' entries, each prompt token's pool row (-1: not an image's), each
-    image's [first, end) token span, and the request's sequences (a failed encode fails them all)."""
+    image's (first, end token, digest hex) span, and the request's sequences (a failed encode fails them all)."""
 
     entries: list[ImageEntry]
     prompt_src: np.ndarray
-    bounds: list[tuple[int, int]]
     spans: tuple[tuple[int, int, str], ...]
     seqs: list
+
+
+def frames_per_image(req, vision) -> list[int]:
+    """How many frames each of the request's images is cut into (from its size alone)."""
+    return [num_frames(image_grid(*image.size, vision.processor)) for image in req.images]
 
 
 def image_bounds(req, vision) -> list[tuple[int, int]] | None:
     """Each image's [first, end) token span in `req.prompt_ids` (its frames x image_seq_len `<image>` tokens,
     in order), or None when the prompt's image tokens do not match the images."""
-    frames = [num_frames(image_grid(*image.size, vision.processor)) for image in req.images]
+    frames = frames_per_image(req, vision)
     L = vision.config.image_seq_len
     positions = image_token_positions(req.prompt_ids, vision.config.image_token_id)
     if len(positions) != sum(frames) * L:
@@ -90,10 +94,6 @@ class ImagesFeature(Feature):
         if req.images and self.encoder is not None and req.prepared_images is None:
             req.prepared_images = [frames_of(image.pixels, self.s.vision) for image in req.images]
 
-    def _frames(self, req) -> list[int]:
-        cfg = self.s.vision.processor
-        return [num_frames(image_grid(*image.size, cfg)) for image in req.images]
-
     def check(self, req, params):
         if self.rows is None:
             if req.images:
@@ -104,7 +104,7 @@ class ImagesFeature(Feature):
             raise InvalidRequestError("prompt_logprobs is not supported for prompts with images",
                                       param="prompt_logprobs")
         L = self.rows.rows_per_frame
-        frames = self._frames(req)
+        frames = frames_per_image(req, self.s.vision)
         have = len(image_token_positions(req.prompt_ids, self.s.vision.config.image_token_id))
         if have != sum(frames) * L:
             raise InvalidRequestError(
@@ -122,7 +122,7 @@ class ImagesFeature(Feature):
         req = state.request
         if not req.images:
             return
-        frames = self._frames(req)
+        frames = frames_per_image(req, self.s.vision)
         entries = self.rows.acquire([(image.digest, f) for image, f in zip(req.images, frames)])
         if entries is None:
             raise EngineError("the image cache is held by running requests' images; retry shortly",
@@ -135,9 +135,7 @@ class ImagesFeature(Feature):
         positions = image_token_positions(req.prompt_ids, self.s.vision.config.image_token_id)
         src = np.full(len(req.prompt_ids), -1, np.int32)
         src[positions] = np.concatenate([self.rows.rows(entry) for entry in entries])
-        keys = image_keys(None, req, self.s.vision)
-        state.ext[self.name] = RequestImages(entries, src, [(lo, hi) for lo, hi, _ in keys.spans], keys.spans,
-                                             state.seqs)
+        state.ext[self.name] = RequestImages(entries, src, image_keys(None, req, self.s.vision).spans, state.seqs)
 
     def start(self, seq, state) -> None:
         images = state.ext.get(self.name)
@@ -154,7 +152,7 @@ class ImagesFeature(Feature):
             if images is None:
                 continue
             a, b = c.seq.num_computed, c.seq.num_computed + c.num_tokens
-            for entry, (lo, hi) in zip(images.entries, images.bounds):
+            for entry, (lo, hi, _) in zip(images.entries, images.spans):
                 if not entry.encoded and lo < b and a < hi:   # an image whose KV is all cached is never encoded
                     due.setdefault(entry, []).append(images)
         bad = self._encode(due) if due else {}
