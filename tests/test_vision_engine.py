@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -170,6 +171,23 @@ def test_async_scheduling_gives_the_same_tokens(vlm, chunked_core):
     reqs = lambda: [request(prompt(a, b, tail=(15,)), (a, b)), request(prompt(b, tail=(16,)), (b,))]
     assert [o["tokens"] for o in run(async_core, *reqs())] == [o["tokens"] for o in run(chunked_core, *reqs())]
     assert async_core.counters.overlapped_steps > 0 and async_core.stats()["compilations_after_warmup"] == 0
+
+
+def test_structured_output_and_speculation_with_an_image(core):
+    """A grammar constrains the answer to an image prompt; a drafting request (speculative: images only in
+    the prompt) gives the tokens it gives without drafting."""
+    import llguidance
+
+    a, _ = pic("a")
+    r = request(prompt(a), (a,), max_tokens=8, ignore_eos=False)
+    r.constraint = llguidance.LLMatcher.grammar_from_regex(r"(yes|no), [0-9]{2}")
+    out = run(core, r)[0]
+    assert out["error"] is None and re.fullmatch(r"(yes|no), [0-9]{2}", core.tokenizer.decode(out["tokens"]))
+    ids = prompt(a, tail=tuple(range(20, 30)) * 3)   # a repetitive tail: something to draft from
+    plain = run(core, dataclasses.replace(request(ids, (a,), max_tokens=16), speculative=False))[0]
+    before = core.counters.spec_drafted
+    drafted = run(core, dataclasses.replace(request(ids, (a,), max_tokens=16), speculative=True))[0]
+    assert drafted["tokens"] == plain["tokens"] and core.counters.spec_drafted > before
 
 
 def test_encoder_launches_images_of_several_requests_at_once(core):
