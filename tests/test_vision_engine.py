@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_vision_idefics3 import layout_ids, synthetic_image  # noqa: E402
 from test_vision_model import write_vlm  # noqa: E402
-from imp_jax.errors import InvalidRequestError, ModelLoadError  # noqa: E402
+from imp_jax.errors import EngineError, InvalidRequestError, ModelLoadError  # noqa: E402
 from imp_jax.model.loader import open_checkpoint  # noqa: E402
 from imp_jax.model.vision import idefics3_processor as proc  # noqa: E402
 from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
@@ -283,6 +283,18 @@ def test_a_cancelled_image_request_gives_back_its_blocks_and_rows(chunked_core):
         chunked_core.step()
     assert chunked_core.stats()["image_rows_used"] == 5 * 16
     chunked_core.cancel(r.request_id)
+    assert not chunked_core.requests and chunked_core.stats()["image_rows_used"] == 0
+    assert chunked_core.pool.num_free_blocks == chunked_core.baseline_free_blocks
+
+
+def test_images_held_by_running_requests_make_a_retryable_503(chunked_core):
+    a, b, c = image(36, 50, 41), image(50, 36, 42), image(40, 40, 43)   # 5 frames each; the pool holds 12
+    holder = request(prompt(a, b), (a, b))
+    chunked_core.add_request(holder, lambda ev: None)
+    with pytest.raises(EngineError) as e:
+        chunked_core.add_request(request(prompt(c), (c,)), lambda ev: None)
+    assert e.value.code == "image_cache_full" and e.value.status == 503
+    chunked_core.cancel(holder.request_id)
     assert not chunked_core.requests and chunked_core.stats()["image_rows_used"] == 0
     assert chunked_core.pool.num_free_blocks == chunked_core.baseline_free_blocks
 
