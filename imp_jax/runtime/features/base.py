@@ -17,7 +17,7 @@ per call; unbounded work belongs in `prepare`, run before admission on a worker 
 3. step inputs: `masks` fills allowed-token bitmasks for the batch's rows; `row` adds to a row's
    sampling fields (bias, DRY slots, mirostat state); `step_extras` adds launch inputs (CFG's rows);
    `token_extras` adds per-token-row launch inputs for the step's T rows (images: each row's pool row), and may
-   fail a sequence whose inputs it cannot make (its rows run neutral, its request fails after the launch);
+   fail a sequence whose inputs it cannot make (its request fails after the launch);
 4. after a step is read: `accepted` sees each sampled token (may set its kind, attach to its logprobs,
    or raise `EndSequence` to end that sequence with an error);
 5. the end: `usage` adds to the request's usage, `release` frees what `acquire` took (every path).
