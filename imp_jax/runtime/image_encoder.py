@@ -8,7 +8,6 @@ reads the rows follows it on the device), and more frames than the largest bucke
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable
 
@@ -24,7 +23,6 @@ from imp_jax.model.vision.side import LoadedVision
 from imp_jax.runtime.batch import pow2_buckets
 from imp_jax.runtime.sharding import replicated
 
-log = logging.getLogger("imp_jax.engine")
 Progress = Callable[[int, int, int, float], None]   # (i, n, frames, seconds)
 
 
