@@ -17,6 +17,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from imp_jax.errors import EngineError, ImpError, InvalidRequestError
+from imp_jax.model.vision.idefics3_processor import image_grid, image_prompt
 from imp_jax.runtime.api import Capabilities, Engine, not_serving, not_supported
 from imp_jax.runtime.commands import (AddRequest, Cancel, CloseSession, Command, EndThinking, KeepLora, LoadLora,
                                       Reply, Resume, Suspend, UnloadLora)
@@ -24,9 +25,10 @@ from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.engine_thread import EngineThread, to_loop
+from imp_jax.runtime.features.images import image_keys
 from imp_jax.runtime.event_buffer import EventBuffer
 from imp_jax.runtime.multihost import PEER_LOST
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
 
 log = logging.getLogger("imp_jax.engine")
 
@@ -108,6 +110,19 @@ class AsyncEngine(EngineThread, Engine):
     @property
     def max_num_seqs(self) -> int:
         return self.config.max_num_seqs
+
+    @property
+    def vision(self) -> bool:
+        """Whether the loaded model has an image side (model/vision/): it takes `GenerationRequest.images`."""
+        return self.core.loaded.vision is not None
+
+    def image_prompt(self, image: ImageInput) -> str:
+        """The text standing for `image` in a prompt: its tiles' and global image's special tokens, with
+        image_seq_len `<image>` tokens per frame (idefics3_processor.image_prompt), from its size alone."""
+        vision = self.core.loaded.vision
+        if vision is None:
+            raise not_supported("image input")
+        return image_prompt(image_grid(*image.size, vision.processor), vision.config.image_seq_len)
 
     @property
     def default_params(self) -> dict[str, Any]:
@@ -209,10 +224,11 @@ class AsyncEngine(EngineThread, Engine):
         """The prefix-cache extra key `req`'s blocks get here (Sequence.cache_key); KeyError when its LoRA
         adapter is not loaded here. Read from another thread (a dict lookup), for routing only."""
         if not req.lora:
-            return req.cache_salt
+            return image_keys(req.cache_salt, req, self.core.loaded.vision)
         if self.core.loras is None:
             raise KeyError(req.lora)
-        return (req.cache_salt, "lora", *self.core.loras.by_name[req.lora].cache_key)
+        return image_keys((req.cache_salt, "lora", *self.core.loras.by_name[req.lora].cache_key), req,
+                          self.core.loaded.vision)
 
     def holds_block(self, block_hash: bytes) -> bool:
         """Whether this engine's prefix cache holds a block of that hash (KVBlockPool.holds; any thread)."""

@@ -143,6 +143,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
             raise ModelLoadError(f"--lora {name}={path}: {e.message}") from None
         log.info("LoRA adapter %r loaded from %s", name, path)
     progress("warming_up", 0.0)
+    core.by_name["images"].warm_up(lambda i, n, frames, s: log.info(
+        "compiled image encoder %d/%d (frames=%d) in %.1fs", i, n, frames, s))
     t0 = time.perf_counter()
 
     def report(i: int, n: int, bucket: tuple[int, int, int], seconds: float) -> None:
@@ -187,6 +189,9 @@ def tensor_parallel_layout(config: EngineConfig, ckpt: Checkpoint) -> TensorPara
                                  "HF directory or GGUF file (not yet)")
         if config.max_loras:
             raise ModelLoadError(f"{flag}: LoRA adapters (--lora, --max-loras) do not run tensor-parallel yet")
+        if ckpt.vision is not None:
+            raise ModelLoadError(f"{flag}: image-text models do not run tensor-parallel yet; serve "
+                                 f"{ckpt.config.architecture} on one device per replica (--data-parallel-size)")
         if ckpt.config.num_heads % ckpt.config.num_kv_heads:
             raise ModelLoadError(f"{flag}: {ckpt.config.num_heads} query heads are not a multiple of "
                                  f"{ckpt.config.num_kv_heads} KV heads")

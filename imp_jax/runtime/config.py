@@ -112,6 +112,11 @@ class EngineConfig:
     speculative_max_draft: int = _field(7, "the most tokens one sequence drafts per step (0..16)")
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
+    image_cache_rows: int = _field(
+        8192, "image models (Idefics3 / SmolVLM): rows of encoder output kept on the device, in the model's dtype "
+        "(rows x hidden size; whole frames of image_seq_len rows, e.g. 64 for SmolVLM, 169 for Idefics3). A "
+        "request's images hold their rows until it ends; a picture seen before is served from them without "
+        "encoding it again, the least recently used leaving first. A request whose images need more is refused")
     seed: int | None = _field(None, "base of the sampling keys of requests that send no seed (taken modulo "
                               "2**32); default a random one per process, logged at start-up: set it to "
                               "repeat a run's samples. Seeded requests do not depend on it")
@@ -138,6 +143,8 @@ class EngineConfig:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
         if not 0 <= self.speculative_max_draft <= 16:
             raise ValueError(f"--speculative-max-draft must be in 0..16, got {self.speculative_max_draft}")
+        if self.image_cache_rows < 1:
+            raise ValueError(f"--image-cache-rows must be >= 1, got {self.image_cache_rows}")
         if self.kv_disk_gib <= 0:
             raise ValueError(f"--kv-disk-gib must be > 0, got {self.kv_disk_gib}")
         if self.data_parallel_size < 1:

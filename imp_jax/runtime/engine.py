@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh
 
-from imp_jax.errors import InvalidRequestError
+from imp_jax.errors import InvalidRequestError, ModelLoadError
 from imp_jax.model.loader import LoadedModel
 from imp_jax.runtime.admission import admit
 from imp_jax.runtime.config import EngineConfig
@@ -62,13 +62,15 @@ class EngineCore:
                                    fair_tenants=config.fair_tenants)
         shapes = StepShapes(max_blocks=-(-self.max_model_len // config.block_size), vocab_size=loaded.config.vocab_size)
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
-                                    step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh)
+                                    step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh,
+                                    image_pool_shape(loaded, config))
         self.tiers = attach_tiers(self, mesh.devices.flat[0].platform)   # the host KV tier, None when off
         self.counters = EngineCounters()
         self.requests: dict[str, RequestState] = {}
         self.services = Services(loaded.model, loaded.tokenizer, loaded.config.vocab_size, self.max_model_len,
                                  config, self.pool, self.scheduler, self.step_fn, self.counters,
-                                 self.baseline_free_blocks, loaded.generation_config, loaded.config.architecture)
+                                 self.baseline_free_blocks, loaded.generation_config, loaded.config.architecture,
+                                 loaded.vision)
         self.features: list[Feature] = [f(self.services) for f in FEATURES]
         self.by_name = {f.name: f for f in self.features}
         self.scheduler.drafter = self._draft
@@ -356,3 +358,14 @@ class EngineCore:
     def stats(self) -> dict[str, int | float]:
         """Counters and sizes, safe to read from another thread (runtime/engine_stats.py)."""
         return engine_stats(self)
+
+
+def image_pool_shape(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int] | None:
+    """The image row pool's (rows, hidden) for a model with vision (whole frames of --image-cache-rows), else None."""
+    if loaded.vision is None:
+        return None
+    per_frame = loaded.vision.config.image_seq_len
+    if config.image_cache_rows < per_frame:
+        raise ModelLoadError(f"--image-cache-rows {config.image_cache_rows} holds no image frame "
+                             f"({per_frame} rows each)")
+    return config.image_cache_rows // per_frame * per_frame, loaded.vision.config.text_hidden_size

@@ -74,6 +74,7 @@ def engine_stats(core: EngineCore) -> dict[str, int | float]:
                 spec_emitted_total=c.spec_emitted, spec_verify_steps_total=c.spec_verify_rows,
                 spec_miss_steps_total=c.spec_miss_rows, spec_verify_wall_ms_total=1000 * c.spec_verify_seconds,
                 steps_failed_total=c.steps_failed, requests_failed_total=c.requests_failed,
+                **core.by_name["images"].stats(),
                 **kv_tier_stats(core, pc))
 
 

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from imp_jax.runtime.kv_hash import block_preimage, hash_block
+from imp_jax.runtime.kv_hash import block_key, block_preimage, hash_block
 
 NULL_BLOCK = 0
 
@@ -129,7 +129,8 @@ class KVBlockPool:
         hashes: list[bytes] = []
         parent = None
         for i in range((len(token_ids) - 1) // bs):
-            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            key = block_key(extra_key, i * bs, (i + 1) * bs)
+            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], key)
             h = hash_block(pre)
             b = self._cached.get(h)
             if b is None:
@@ -150,7 +151,8 @@ class KVBlockPool:
             return []
         bs, out = self.block_size, []
         for i in range(start, (len(token_ids) - 1) // bs):
-            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            key = block_key(extra_key, i * bs, (i + 1) * bs)
+            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], key)
             h = hash_block(pre)
             if h in self._cached or not self.tier.holds(h, pre):
                 break
@@ -243,7 +245,8 @@ class KVBlockPool:
         num_full = min(len(token_ids) // bs, len(table.block_ids))
         parent = table.block_hashes[-1] if table.block_hashes else None
         for i in range(len(table.block_hashes), num_full):
-            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            key = block_key(extra_key, i * bs, (i + 1) * bs)
+            pre = block_preimage(parent, token_ids[i * bs : (i + 1) * bs], key)
             h = hash_block(pre)
             b = table.block_ids[i]
             other = self._cached.get(h)

@@ -2,9 +2,11 @@
 
 A block's preimage is its parent's digest, the partition's extra key (kv_blocks: Sequence.cache_key) and
 its token ids; its hash is SHA-256 of that, so a block's hash names its whole prefix and partition.
+An extra key may vary by block (`ImageKeys`: a block holding an image's tokens is keyed on its pixels too).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
 from collections.abc import Hashable, Iterator, Sequence
@@ -27,6 +29,26 @@ def key_bytes(extra_key: Hashable) -> bytes:
     return tag + len(data).to_bytes(8, "little") + data
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageKeys:
+    """A prompt's extra key when it holds images: a block with any token of an image is keyed on the image's
+    digest as well, so equal token ids over different pictures share no block from the first image on, while
+    the blocks before it (a shared system prompt) keep the plain key and stay shared."""
+
+    base: Hashable
+    spans: tuple[tuple[int, int, str], ...]   # per image, in prompt order: (first token, end token, digest hex)
+
+    def at(self, start: int, end: int) -> Hashable:
+        """The extra key of the block of tokens [start, end)."""
+        digests = tuple(d for a, b, d in self.spans if a < end and start < b)
+        return (self.base, "images", *digests) if digests else self.base
+
+
+def block_key(extra_key: Hashable, start: int, end: int) -> Hashable:
+    """The extra key of the block of tokens [start, end): an `ImageKeys`' for that block, any other as it is."""
+    return extra_key.at(start, end) if isinstance(extra_key, ImageKeys) else extra_key
+
+
 def block_preimage(parent: bytes | None, token_ids: Sequence[int], extra_key: Hashable = None) -> bytes:
     """The bytes a block's hash is taken of: parent digest, extra key, token ids as int64."""
     head = parent or b""
@@ -43,7 +65,8 @@ def prefix_hashes(token_ids: Sequence[int], block_size: int, extra_key: Hashable
     last token, as in match_prefix), computed lazily: a caller that stops early pays only for what it read."""
     parent = None
     for i in range((len(token_ids) - 1) // block_size):
-        parent = hash_block(block_preimage(parent, token_ids[i * block_size:(i + 1) * block_size], extra_key))
+        key = block_key(extra_key, i * block_size, (i + 1) * block_size)
+        parent = hash_block(block_preimage(parent, token_ids[i * block_size:(i + 1) * block_size], key))
         yield parent
 
 
@@ -71,10 +94,13 @@ def key_from_bytes(data: bytes) -> tuple[Hashable, bytes]:
 
 def durable_key(extra_key: Hashable) -> bool:
     """Whether an extra key means the same after a restart: None, a string (a request's cache_salt: the API
-    key's digest), or a LoRA key (salt, "lora", name, content digest: lora.adapter_digest). Anything else is
-    per-process: a private key (prompt scoring) carries a fresh uuid4, an older LoRA key a load counter."""
+    key's digest), a LoRA key (salt, "lora", name, content digest: lora.adapter_digest), or either with the
+    digests of the images its block holds (ImageKeys.at: pixels' hashes). Anything else is per-process: a
+    private key (prompt scoring) carries a fresh uuid4, an older LoRA key a load counter."""
     if extra_key is None or isinstance(extra_key, str):
         return True
+    if isinstance(extra_key, tuple) and len(extra_key) > 2 and extra_key[1] == "images":
+        return durable_key(extra_key[0]) and all(isinstance(d, str) for d in extra_key[2:])
     return (isinstance(extra_key, tuple) and len(extra_key) == 4 and extra_key[1] == "lora"
             and all(k is None or isinstance(k, str) for k in extra_key))
 

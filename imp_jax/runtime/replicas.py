@@ -22,7 +22,7 @@ from imp_jax.runtime.api import Engine, not_serving
 from imp_jax.runtime.async_engine import AsyncEngine, capabilities_of
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv_hash import prefix_hashes
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits
+from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
 
 STATE_ORDER = ("faulted", "stopped", "loading", "warming_up", "suspended", "ready")   # worst first
 MAX_SESSIONS = 65536   # session ids remembered for stickiness (least recently used forgotten first)
@@ -132,6 +132,10 @@ class EngineReplicas(Engine):
     dtype = _same_on_every_replica("dtype")
     device = _same_on_every_replica("device")
     default_params = _same_on_every_replica("default_params")
+    vision = _same_on_every_replica("vision")
+
+    def image_prompt(self, image: ImageInput) -> str:
+        return self.replicas[0].image_prompt(image)
 
     @property
     def max_num_seqs(self) -> int:

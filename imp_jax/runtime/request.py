@@ -216,6 +216,7 @@ class GenerationRequest:
     spec_ngram_k: int | None = None  # the n-gram drafter's depth for this request; None = --speculative-max-draft
     spec_mtp_k: int | None = None    # the MTP head depth asked for (there is none: > 0 is declined)
     images: tuple[ImageInput, ...] = ()  # in prompt order; prompt_ids hold each one's Engine.image_prompt text
+    prepared_images: Any = None    # their encoder frames (runtime/features/images.py), made before admission off the engine thread
 
     def pinned_blocks(self, block_size: int) -> int | None:
         """How many leading full blocks cache_prompt pins (None: every full block of the prompt)."""

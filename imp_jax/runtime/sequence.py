@@ -10,6 +10,7 @@ from typing import Any
 from imp_jax.model.detokenizer import IncrementalDetokenizer
 from imp_jax.runtime.banned import BannedFilter
 from imp_jax.runtime.kv_blocks import BlockTable
+from imp_jax.runtime.kv_hash import ImageKeys
 from imp_jax.runtime.reasoning import ThinkTracker
 from imp_jax.runtime.request import GenerationRequest, SamplingParams, TokenLogprob
 from imp_jax.runtime.stop import StopStringMatcher
@@ -64,11 +65,14 @@ class Sequence:
     @property
     def cache_key(self) -> Any:
         """Its prefix-cache extra key: the request's salt, with the adapter when it has one (blocks
-        computed under one adapter are never served to another, or to the base model)."""
+        computed under one adapter are never served to another, or to the base model), and per block the
+        digests of the images the block holds (kv_hash.ImageKeys)."""
         salt = self.request.cache_salt
         key = salt if self.lora_key is None else (salt, "lora", *self.lora_key)
         private = self.ext.get("private_cache")   # a feature's own blocks (prompt scoring): never shared
-        return key if private is None else ("private", private, key)
+        key = key if private is None else ("private", private, key)
+        spans = self.ext.get("image_spans")       # the images feature's (first, end, digest hex) per image
+        return key if spans is None else ImageKeys(key, spans)
 
     @property
     def all_ids(self) -> list[int]:

@@ -65,10 +65,13 @@ class CompiledStep:
     one device the forward and the LM head run per shard under `shard_map` (the model's kernels are
     custom calls GSPMD cannot split; the model sums its row-parallel outputs itself) and the
     sampler runs on the gathered logits.
+    With `image_pool` = (rows, hidden) (a model that sees images) it also owns the image row pool
+    (runtime/image_rows.py) that the encoder writes and the step reads: one more step input, and each token
+    row's `embed_src` in the packed ints (-1: its token's own embedding). Without, the step is unchanged.
     """
 
     def __init__(self, model: Any, kv: tuple[jax.Array, jax.Array], shapes: StepShapes,
-                 buckets: list[tuple[int, int]], mesh: Mesh):
+                 buckets: list[tuple[int, int]], mesh: Mesh, image_pool: tuple[int, int] | None = None):
         self.graphdef, state = nnx.split(model)
         self.shapes = shapes
         self.context_buckets = context_buckets(shapes.max_blocks, model.options.kernels.bucketed_context)
@@ -84,6 +87,8 @@ class CompiledStep:
         # preempted sequences' rows are reclaimed in batches (block_tables.py)
         self.device_tables = DeviceTables(2 * self.max_rows + 2, shapes.max_blocks)
         self.tables = jax.device_put(np.zeros((self.device_tables.num_slots, shapes.max_blocks), np.int32), rep)
+        self.image_pool = (jax.device_put(np.zeros(image_pool, jnp.dtype(model.options.dtype)), rep)
+                           if image_pool else None)   # encoder rows, replaced whole by each encoder launch
         self._block_size = self.kv[0].shape[2]
         # the programs take the parameters as a flat list (flattening nnx Variables on every call
         # cost more host time than the rest of the dispatch) and every host input as two packed
@@ -116,9 +121,10 @@ class CompiledStep:
         ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
         self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
         self.last_tokens = self.no_prev   # the tokens of the step launched last, padded to max_rows
-        jit = lambda f: jax.jit(f, static_argnums=(6, 7), donate_argnums=(1, 2), in_shardings=ins,
-                                out_shardings=(rep, (kv_sh, kv_sh), rep))
-        self._step_jit, self._score_jit = jit(programs["step"]), jit(programs["score"])
+        jit = lambda f, ins=ins: jax.jit(f, static_argnums=(6, 7), donate_argnums=(1, 2), in_shardings=ins,
+                                         out_shardings=(rep, (kv_sh, kv_sh), rep))
+        self._step_jit = jit(programs["step"], ins + ((rep,) if image_pool else ()))   # the pool: not donated
+        self._score_jit = jit(programs["score"])
         self._jits = {"step": self._step_jit, "score": self._score_jit, "lens": jit(programs["lens"])}
         self._score_exec: Any = None
         self.supports_lens = supports_lens(model)   # logit_lens: the model returns per-layer residuals
@@ -218,11 +224,14 @@ class CompiledStep:
         block-table columns (default: all), lowered, not compiled."""
         layout = self._layout(program, T, S)
         jitted = self._jits[program]
+        pool = self.image_pool
+        images = (jax.ShapeDtypeStruct(pool.shape, pool.dtype, sharding=pool.sharding),) if (
+            program == "step" and pool is not None) else ()
         return jitted.lower(self._leaf_specs, self._kv_spec, self._tables_spec,
                             jax.ShapeDtypeStruct((layout.int_size,), jnp.int32),
                             jax.ShapeDtypeStruct((layout.float_size,), jnp.float32),
                             jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.no_prev.sharding),
-                            layout, context or self.shapes.max_blocks)
+                            layout, context or self.shapes.max_blocks, *images)
 
     def _lower(self, program: str, T: int, S: int, context: int | None = None, counted: bool = True) -> Any:
         """Compile `program` for T tokens over S sequence slots and `context` table columns (counted once
@@ -305,7 +314,8 @@ class CompiledStep:
             self.tables = self._write_exec(self.tables, ints.reshape(3, -1))
             return
         exe = (self._exec.get(bucket) or self._compile(bucket)) if program == "step" else self._score_program()
-        out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
+        images = self._images() if program == "step" else ()
+        out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev, *images)
         jax.block_until_ready(out)
 
     def _attach_tables(self, batch: StepBatch, tables: list[BlockTable]) -> None:
@@ -362,16 +372,23 @@ class CompiledStep:
             raise ValueError(f"the {program} inputs for T={T} S={S} do not match the compiled layout")
         return ints, floats
 
+    def _images(self) -> tuple[jax.Array, ...]:
+        """The step program's image input: the row pool, when it has one."""
+        return () if self.image_pool is None else (self.image_pool,)
+
     def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
                      follow: tuple[np.ndarray, np.ndarray] | None = None,
-                     cfg: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[Any, ...]:
+                     cfg: tuple[np.ndarray, np.ndarray] | None = None,
+                     embed_src: np.ndarray | None = None) -> tuple[Any, ...]:
         T, S = len(batch.input_ids), len(batch.seq_lens)
         src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
         cfg = cfg if cfg is not None else (np.full(S, -1, np.int32), np.ones(S, np.float32))
+        images = () if self.image_pool is None else (
+            np.full(T, -1, np.int32) if embed_src is None else np.asarray(embed_src, np.int32),)
         return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
                 batch.last_token_rows, sampling,
                 np.array([self.base_seed % 2**32, step_no % 2**32], np.uint32),
-                batch.lora_ids if self.with_lora else None, src, hist_pos, cfg)
+                batch.lora_ids if self.with_lora else None, src, hist_pos, cfg, *images)
 
     def _lens_inputs(self, batch: StepBatch, token: int) -> tuple[Any, ...]:
         return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
@@ -423,7 +440,8 @@ class CompiledStep:
 
     def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int, tables: list[BlockTable],
                follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None,
-               cfg: tuple[np.ndarray, np.ndarray] | None = None, context: int | None = None) -> SamplerOutput:
+               cfg: tuple[np.ndarray, np.ndarray] | None = None, context: int | None = None,
+               embed_src: np.ndarray | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
         arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
         `batch` is built without tables (`with_tables=False`); `tables` are its sequences' BlockTables.
@@ -432,6 +450,7 @@ class CompiledStep:
         takes prev[src[t]] when src[t] >= 0, and sampling row r's history slot hist_pos[r] (>= 0) gets
         its last token's id (the engine's asynchronous scheduling). `last_tokens` is this step's.
         `cfg` = (shadow row [S], scale [S]) guides row r's logits by row shadow[r] >= 0 (runtime/cfg.py).
+        `embed_src` [T] (with an image pool): token row t's embedding is pool row embed_src[t] when >= 0.
         `context`: the program's context bucket (default: the smallest reaching the batch's sequences)."""
         T, S = len(batch.input_ids), len(batch.seq_lens)
         bucket = (T, S, context) if context else self._program_key(T, S, int(batch.seq_lens.max(initial=0)))
@@ -441,13 +460,13 @@ class CompiledStep:
                 self._unrun.remove(bucket)
         self.before_programs()
         self._attach_tables(batch, tables)
-        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg))
+        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg, embed_src))
         if self.leader is not None:
             if follow is not None:
                 raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")
             self.leader.send(STEP, bucket, ints, floats)
         (out, self.last_tokens), self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats,
-                                                            self.no_prev if prev is None else prev)
+                                                            self.no_prev if prev is None else prev, *self._images())
         return SamplerOutput(*out)
 
 

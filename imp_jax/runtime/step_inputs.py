@@ -126,6 +126,7 @@ class StepBuilder:
         extras: dict[str, Any] = {}
         for f in self.features:
             extras.update(f.step_extras(chunks, len(batch.seq_lens)))
+            extras.update(f.token_extras(chunks, T, failed))
         follow = (src, hist_pos) if prev_tokens else None
         return StepInputs(batch, sampling, follow, samples, decode_rows, extra_rows, extras, failed)
 

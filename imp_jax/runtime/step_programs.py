@@ -24,16 +24,18 @@ NUM_TOP_LOGPROBS = 20   # always computed; each request reads as many as it aske
 
 def model_forward(model: Any, graphdef: Any, treedef: Any) -> Callable:
     """The one forward pass every program (and the model tests, tests/paged.py) runs: (leaves, kv, input_ids,
-    positions, meta, lora_ids, rows) -> (logits of `rows`, None: every row; the updated cache). With LoRA
-    slabs (model/lora.py) each token's adapter slot is an input; without, the program is the one it always was."""
+    positions, meta, lora_ids, rows[, embed]) -> (logits of `rows`, None: every row; the updated cache). With LoRA
+    slabs (model/lora.py) each token's adapter slot is an input; `embed` = (embed_rows, embed_slots) overrides
+    token rows' embeddings (images: model/base.py); without either, the program is the one it always was."""
     with_lora = getattr(model, "lora", None) is not None
 
-    def forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows):
+    def forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows, embed=None):
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        extra = {} if embed is None else dict(embed_rows=embed[0], embed_slots=embed[1])
         if not with_lora:
-            hidden, kv = model(input_ids, positions, kv, meta)
+            hidden, kv = model(input_ids, positions, kv, meta, **extra)
             return model.logits(hidden if rows is None else hidden[rows]), kv
-        hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids)
+        hidden, kv = model(input_ids, positions, kv, meta, lora_ids=lora_ids, **extra)
         if rows is not None:
             hidden, lora_ids = hidden[rows], lora_ids[rows]
         return model.logits(hidden, lora_ids=lora_ids), kv   # adapters on the LM head: each row's slot
@@ -76,9 +78,9 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
         qsl, seq_lens, slot_mapping, num_seqs = meta_in
         return AttentionMetadata(qsl, seq_lens, tables[table_rows, :context], slot_mapping, num_seqs), tables
 
-    def step(leaves, kv, tables, ints, floats, prev, layout, context):
+    def step(leaves, kv, tables, ints, floats, prev, layout, context, pool=None):
         (input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos,
-         (cfg_rows, cfg_scale)) = unpack(layout, ints, floats)
+         (cfg_rows, cfg_scale), *images) = unpack(layout, ints, floats)
         meta, tables = meta_of(tables, meta, table_rows, edits, context)
         # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
         # step's sample at row src (-1: the host's id); a penalised row's history gets it too
@@ -87,7 +89,14 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
         history = sampling.history.at[hist_rows, jnp.where(hist_pos >= 0, hist_pos, sampling.history.shape[1])
                                       ].set(input_ids[rows], mode="drop")
         sampling = dataclasses.replace(sampling, history=history)
-        logits, kv = forward_logits(leaves, kv, input_ids, positions, meta, lora_ids, rows)
+        args = (leaves, kv, input_ids, positions, meta, lora_ids, rows)
+        if pool is None:
+            logits, kv = forward_logits(*args)
+        else:   # images (runtime/image_rows.py): token row t takes pool row embed_src[t] when >= 0
+            embed_src = images[0]
+            T = embed_src.shape[0]
+            slots = jnp.where(embed_src >= 0, jnp.arange(T, dtype=jnp.int32), T)
+            logits, kv = forward_logits(*args, (pool[jnp.maximum(embed_src, 0)], slots))
         logits = guide(logits, cfg_rows, cfg_scale, dynamic_skips)   # CFG rows (runtime/cfg.py); others as they are
         key = jax.random.fold_in(jax.random.key(step_no[0]), step_no[1])   # (base seed, step number)
         out = sample(logits, sampling, key, NUM_TOP_LOGPROBS, dynamic_skips=dynamic_skips)

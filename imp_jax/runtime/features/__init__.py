@@ -12,6 +12,7 @@ from imp_jax.runtime.features.base import Accepted, EndSequence, Feature, Servic
 from imp_jax.runtime.features.cfg import CfgFeature
 from imp_jax.runtime.features.dry import DryFeature
 from imp_jax.runtime.features.grammar import GrammarFeature
+from imp_jax.runtime.features.images import ImagesFeature
 from imp_jax.runtime.features.lens import LensFeature
 from imp_jax.runtime.features.lora import AdapterFeature
 from imp_jax.runtime.features.mirostat import MirostatFeature
@@ -22,7 +23,7 @@ from imp_jax.runtime.features.think import ThinkFeature
 
 FEATURES: tuple[type[Feature], ...] = (
     AdapterFeature, ThinkFeature, GrammarFeature, BannedFeature, DryFeature, MirostatFeature, CfgFeature,
-    ProbesFeature, LensFeature, SpeculationFeature, ScoringFeature,
+    ProbesFeature, LensFeature, SpeculationFeature, ScoringFeature, ImagesFeature,
 )
 
 

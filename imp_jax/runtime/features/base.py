@@ -16,6 +16,8 @@ per call; unbounded work belongs in `prepare`, run before admission on a worker 
    `holds_drafts` stops drafting for one step;
 3. step inputs: `masks` fills allowed-token bitmasks for the batch's rows; `row` adds to a row's
    sampling fields (bias, DRY slots, mirostat state); `step_extras` adds launch inputs (CFG's rows);
+   `token_extras` adds per-token-row launch inputs for the step's T rows (images: each row's pool row), and may
+   fail a sequence whose inputs it cannot make (its request fails after the launch);
 4. after a step is read: `accepted` sees each sampled token (may set its kind, attach to its logprobs,
    or raise `EndSequence` to end that sequence with an error);
 5. the end: `usage` adds to the request's usage, `release` frees what `acquire` took (every path).
@@ -58,6 +60,7 @@ class Services:
     baseline_free_blocks: int
     generation_config: Any = None
     architecture: str = ""
+    vision: Any = None       # the model's image side (model/vision/side.py LoadedVision), None: text only
 
 
 @dataclasses.dataclass
@@ -121,6 +124,12 @@ class Feature:
 
     def step_extras(self, chunks: list[ScheduledChunk], num_rows: int) -> dict[str, Any]:
         """Extra keyword inputs of the step's launch (CompiledStep.launch)."""
+        return {}
+
+    def token_extras(self, chunks: list[ScheduledChunk], num_tokens: int,
+                     failed: list[tuple[Sequence, BaseException]]) -> dict[str, Any]:
+        """Extra keyword inputs of the launch sized by the step's `num_tokens` rows (chunk i's tokens follow
+        chunk i-1's); a sequence whose inputs cannot be made is appended to `failed` with the error."""
         return {}
 
     def runs_tokens(self, chunk: ScheduledChunk) -> int:
