@@ -4,6 +4,7 @@ logits and greedy tokens with an image, and text-only generation through the mai
 from __future__ import annotations
 
 import json
+import logging
 
 import jax.numpy as jnp
 import numpy as np
@@ -228,6 +229,15 @@ def test_text_only_generation_matches_transformers(tiny_qwen, loaded):
         want = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                            pad_token_id=0)[0, len(ids):].tolist()
     assert seq[len(ids):] == want
+
+
+def test_the_engine_serves_qwen2_5_vl_as_text_until_it_passes_its_images(loaded, caplog):
+    from imp_jax.runtime.builder import served_vision
+
+    with caplog.at_level(logging.INFO, logger="imp_jax.engine"):
+        served = served_vision(loaded)
+    assert served.vision is None and served.model is loaded.model and loaded.vision is not None
+    assert "serving it as text" in caplog.text and "Qwen2_5_VLForConditionalGeneration" in caplog.text
 
 
 def test_flat_hub_config_and_bad_sections():

@@ -17,7 +17,8 @@ from imp_jax.kernels_pallas import kv_storage_dtype, select_tested_kernels
 from imp_jax.kernels_pallas.cpu import build as cpu_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
-from imp_jax.model.loader import Checkpoint, attention_shape, build_model, open_checkpoint, resolve_dtype
+from imp_jax.model.loader import (Checkpoint, LoadedModel, attention_shape, build_model, open_checkpoint,
+                                  resolve_dtype)
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, kv_bytes_per_block, kv_pool_floored, num_kv_blocks
@@ -28,6 +29,9 @@ from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
 from imp_jax.runtime.weights_fit import fit_on_gpu
 
 log = logging.getLogger("imp_jax.engine")
+# image-text families whose images the engine passes (features/images.py); others load their image side and are
+# served as text until the engine does their positions (Qwen2.5-VL's M-RoPE: model/vision/qwen2_5_vl.py)
+SERVED_VISION = {"idefics3": "Idefics3 / SmolVLM"}
 Progress = Callable[[str, float], None]   # (phase, fraction done)
 
 
@@ -104,7 +108,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
                                     quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
-    loaded = build_model(ckpt, options, config.model_class)
+    loaded = served_vision(build_model(ckpt, options, config.model_class))
     if n > 1:
         log.info("%s", tp.describe(ckpt.config))
         if getattr(loaded.model, "tp", None) != tp:
@@ -177,6 +181,17 @@ def free_device_bytes(mesh) -> int | None:
             left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             free = left if free is None else min(free, left)
     return free
+
+
+def served_vision(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` as the engine serves it: an image side of a family it does not pass images to yet is dropped
+    (the model is served as text, and says so once)."""
+    if loaded.vision is None or loaded.vision.family in SERVED_VISION:
+        return loaded
+    log.info("vision: %s's image side is loaded but the engine passes images to %s only so far: serving it as "
+             "text (image parts answer 400 model_not_multimodal)", loaded.config.architecture,
+             ", ".join(SERVED_VISION.values()))
+    return dataclasses.replace(loaded, vision=None)
 
 
 def tensor_parallel_layout(config: EngineConfig, ckpt: Checkpoint) -> TensorParallel:
