@@ -165,5 +165,7 @@ def test_bad_input_is_a_400_naming_the_field_and_everything_returns_to_baseline(
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     stats = wait_idle(url)
     assert stats["image_rows_used"] == 0 and stats["image_frames_encoded_total"] > 0
+    metrics = httpx.get(url + "/metrics").text
+    assert "imp_image_rows_used 0.0" in metrics and f"imp_image_frames_encoded_total {stats['image_frames_encoded_total']}.0" in metrics
     log = live.log_text()
     assert "Traceback" not in log and " 500 " not in log

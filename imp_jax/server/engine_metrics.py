@@ -22,6 +22,9 @@ ENGINE_GAUGES = (
     ("imp_kv_blocks_reserved", "kv_blocks_reserved", "KV blocks promised to running sequences and not yet "
      "written; free minus this is what the next request is admitted against"),
     ("imp_kv_block_size", "kv_block_size", "Tokens per KV block"),
+    ("imp_image_rows_total", "image_rows_total", "Rows of the image-encoder output pool (--image-cache-rows; 0: "
+     "a text model)"),
+    ("imp_image_rows_used", "image_rows_used", "Image-encoder output rows held by running requests"),
     ("imp_decode_batch_last_rows", "decode_batch_last_rows", "Sequences in the most recent decode step; 0 while "
      "the engine idles"),
     ("imp_decode_batch_max", "decode_batch_max", "Most sequences in one decode step since start"),
@@ -77,6 +80,11 @@ ENGINE_COUNTERS = (
     ("imp_kv_pressure_rejections", "kv_pressure_rejections", "Requests refused or ended early because the KV "
      "pool could not hold them"),
     ("imp_decode_batch_rows", "decode_batch_rows_total", "Decode rows summed over decode steps"),
+    ("imp_image_row_cache_hits", "image_row_cache_hits_total", "Images whose encoder rows were already in the pool "
+     "(sent again: not encoded again)"),
+    ("imp_image_encoder_launches", "image_encoder_launches_total", "Vision-encoder program launches (each may "
+     "encode several requests' images)"),
+    ("imp_image_frames_encoded", "image_frames_encoded_total", "Image frames (tiles and global images) encoded"),
     ("imp_decode_batch_steps", "decode_batch_steps_total", "Steps that ran at least one decode row"),
     ("imp_engine_steps", "num_steps", "Engine steps run"),
     ("imp_engine_steps_failed", "steps_failed_total", "Engine steps that raised (only the requests in them "
