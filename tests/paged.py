@@ -21,6 +21,23 @@ def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[li
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
+def paged_greedy(model, ids: Sequence[int], steps: int) -> list[int]:
+    """Greedy tokens of `model` (a causal LM of model/base.py's contract) for a text prompt: one paged prefill
+    of the whole sequence per step, plain [T] positions."""
+    forward = nnx.jit(lambda m, ids, pos, kv, meta: m(ids, pos, kv, meta))
+    shape = model.kv_cache_shape(8, 16)
+    seq = list(ids)
+    for _ in range(steps):
+        b = build_step_batch([SeqChunk(seq, 0, list(range(1, 5)))], num_tokens=32, num_seqs=1, max_blocks=4,
+                             block_size=16)
+        meta = AttentionMetadata(*(jnp.asarray(a) for a in (b.query_start_loc, b.seq_lens, b.block_tables,
+                                                             b.slot_mapping, b.num_seqs)))
+        hidden, _ = forward(model, jnp.asarray(b.input_ids), jnp.asarray(b.positions),
+                            (jnp.zeros(shape), jnp.zeros(shape)), meta)
+        seq.append(int(np.argmax(np.asarray(model.logits(hidden[len(seq) - 1:len(seq)]))[0])))
+    return seq[len(ids):]
+
+
 def assert_close(a: np.ndarray, b: np.ndarray, tol: float = 1e-4) -> None:
     """|a - b| at most `tol` times b's range, everywhere."""
     scale = max(np.ptp(b), 1e-6)

@@ -5,22 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import write_tiny_tokenizer  # noqa: E402
+from paged import paged_greedy  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
-from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
 from imp_jax.model.base import takes_embed_rows  # noqa: E402
 from imp_jax.model.llama import DecoderLM  # noqa: E402
 from imp_jax.model.loader import load_model  # noqa: E402
 from imp_jax.model.vision.idefics3 import Idefics3Vision  # noqa: E402
-from imp_jax.runtime.batch import SeqChunk, build_step_batch  # noqa: E402
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
               patch_size=4)
@@ -48,22 +44,6 @@ def write_vlm(path: Path, arch: str, tie: bool, seed: int = 0):
     return model
 
 
-def greedy(model, ids: list[int], steps: int) -> list[int]:
-    """Greedy tokens of our model for a text prompt: one paged prefill of the whole sequence per step."""
-    forward = nnx.jit(lambda m, ids, pos, kv, meta: m(ids, pos, kv, meta))
-    shape = model.kv_cache_shape(8, 16)
-    seq = list(ids)
-    for _ in range(steps):
-        b = build_step_batch([SeqChunk(seq, 0, list(range(1, 5)))], num_tokens=32, num_seqs=1, max_blocks=4,
-                             block_size=16)
-        meta = AttentionMetadata(*(jnp.asarray(a) for a in (b.query_start_loc, b.seq_lens, b.block_tables,
-                                                             b.slot_mapping, b.num_seqs)))
-        hidden, _ = forward(model, jnp.asarray(b.input_ids), jnp.asarray(b.positions),
-                            (jnp.zeros(shape), jnp.zeros(shape)), meta)
-        seq.append(int(np.argmax(np.asarray(model.logits(hidden[len(seq) - 1:len(seq)]))[0])))
-    return seq[len(ids):]
-
-
 @pytest.mark.parametrize("arch,tie", [("Idefics3ForConditionalGeneration", False),
                                       ("SmolVLMForConditionalGeneration", True)])
 def test_load_model_serves_text_like_transformers_and_exposes_vision(tmp_path, arch, tie):
@@ -80,7 +60,7 @@ def test_load_model_serves_text_like_transformers_and_exposes_vision(tmp_path, a
     with torch.no_grad():
         want = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                            pad_token_id=0)[0, len(ids):].tolist()
-    assert greedy(loaded.model, ids, 6) == want
+    assert paged_greedy(loaded.model, ids, 6) == want
 
 
 def test_plain_llama_and_user_models_have_no_vision(tiny_hf_dir, tmp_path):

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import write_tiny_tokenizer  # noqa: E402
+from paged import paged_greedy  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
 from imp_jax.model.config import ModelConfig  # noqa: E402
@@ -213,22 +214,12 @@ def test_text_only_generation_matches_transformers(tiny_qwen, loaded):
     assert isinstance(loaded.model, DecoderLM) and loaded.vision.family == "qwen2_5_vl"
     assert isinstance(loaded.vision.encoder, Qwen25Vision) and loaded.vision.config.image_token_id == IMAGE
     assert (loaded.config.mrope_section, loaded.config.attention_bias) == ((2, 3, 3), True)
-    model, ids = loaded.model, [1, 17, 42, 99, 7, 130, 5]
-    forward = nnx.jit(lambda m, ids, pos, kv, meta: m(ids, pos, kv, meta))
-    shape = model.kv_cache_shape(8, 16)
-    seq = list(ids)
-    for _ in range(6):   # [T] positions: the engine's existing call
-        b = build_step_batch([SeqChunk(seq, 0, list(range(1, 5)))], num_tokens=32, num_seqs=1, max_blocks=4,
-                             block_size=16)
-        meta = AttentionMetadata(*(jnp.asarray(a) for a in (b.query_start_loc, b.seq_lens, b.block_tables,
-                                                             b.slot_mapping, b.num_seqs)))
-        hidden, _ = forward(model, jnp.asarray(b.input_ids), jnp.asarray(b.positions),
-                            (jnp.zeros(shape), jnp.zeros(shape)), meta)
-        seq.append(int(np.argmax(np.asarray(model.logits(hidden[len(seq) - 1:len(seq)]))[0])))
+    ids = [1, 17, 42, 99, 7, 130, 5]
+    got = paged_greedy(loaded.model, ids, 6)   # [T] positions: the engine's existing call
     with torch.no_grad():
         want = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                            pad_token_id=0)[0, len(ids):].tolist()
-    assert seq[len(ids):] == want
+    assert got == want
 
 
 def test_the_engine_serves_qwen2_5_vl_as_text_until_it_passes_its_images(loaded, caplog):
