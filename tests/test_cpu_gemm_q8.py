@@ -230,23 +230,6 @@ def test_one_row_on_each_path_is_that_row_inside_a_tile(qtype):
                 np.testing.assert_array_equal(run_q8(x[r:r + 1], blocks[:n], isa), tiled[r:r + 1], err_msg=PATHS[isa])
 
 
-@needs_kernel
-@pytest.mark.parametrize("N,K,rows", [(50, 1600, (1, 2, 9)), (53, 320, (3, 8, 70)), (19, 64, (5, 258, 300))])
-def test_q5_0_held_as_q8_0_gives_the_q5_0_kernels_bits(N, K, rows):
-    """`--gemm cpu_q8` loads Q5_0 matrices as Q8_0 (model/weights.py hold_q5_0_as_q8_0): the same int32
-    lanes (q read with a bias of 16, q - 16 with one of 128 or by the sign trick) and the same float32
-    operations on the same d, so the same outputs on every path, one row, tiles and 256-row items."""
-    lib = library()
-    blocks, _ = ggml("Q5_0", N, K, 11)
-    q8 = quant.to_q8_0(blocks)
-    assert quant.format_of(q8) == "Q8_0"
-    for m in rows:
-        x = activations(m, K, m + 1)
-        for isa in range(lib.imp_gemm_q8_isa() + 1):
-            np.testing.assert_array_equal(run_q8(x, q8, isa), run_q8(x, blocks, isa), err_msg=PATHS[isa])
-        np.testing.assert_array_equal(np.asarray(q8_kernel(x, jnp.asarray(q8))), np.asarray(q8_kernel(x, jnp.asarray(blocks))))
-
-
 # ------------------------------------------------------------------------- the dispatch
 CPU_Q8 = Kernels(gemm="cpu_q8")
 
@@ -281,10 +264,6 @@ def test_cpu_q8_is_auto_for_ggml_blocks_only_and_keeps_them():
     assert select_kernels(cpu, shape, gemm="cpu_q8").gemm == "cpu_q8"
     assert WeightFormats.for_model(CPU_Q8, jnp.float32).ggml_blocks
     assert not WeightFormats.for_model(CPU_Q8, jnp.bfloat16).ggml_blocks
-    # Q5_0 held as Q8_0 for the int8 kernel only (the exact one reads Q5_0 at its own 5.5 bits)
-    assert WeightFormats.for_model(CPU_Q8, jnp.float32).q5_0_as_q8_0
-    assert not WeightFormats.for_model(CPU_Q8, jnp.bfloat16).q5_0_as_q8_0
-    assert not WeightFormats.for_model(Kernels(gemm="exact"), jnp.float32).q5_0_as_q8_0
 
 
 # -------------------------------------------------------------------- SmolLM2 end to end

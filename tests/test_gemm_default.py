@@ -30,8 +30,7 @@ def test_auto_on_a_cpu_is_cpu_q8_for_kept_blocks_and_exact_for_float_weights(cap
     with caplog.at_level(logging.INFO, logger="imp_jax.kernels"):
         assert select_kernels(CPU, F32, ggml_blocks=True).gemm == "cpu_q8"
     assert gemm_lines(caplog) == [(logging.INFO, "gemm: cpu_q8 (auto: quantised GGUF matrices on an x86-64 CPU; "
-                                                 "--gemm exact for bit-parity; Q5_0 matrices held as Q8_0 (the same "
-                                                 "outputs, unpacked once: 1.55x their bytes))")]
+                                                 "--gemm exact for bit-parity)")]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="imp_jax.kernels"):
         assert select_kernels(CPU, F32).gemm == "exact"

@@ -61,35 +61,3 @@ def test_the_writer_gives_llama_quantizes_type_counts(q4_k_m: Path):
 
     counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(q4_k_m)).tensors)
     assert counts == {"Q5_0": 166, "Q4_K": 16, "Q6_K": 14, "Q8_0": 15, "F32": 61}
-
-
-def test_cpu_q8_holds_q5_0_as_q8_0_and_answers_as_the_q5_0_kernel(q4_k_m: Path, monkeypatch: pytest.MonkeyPatch):
-    """`--gemm cpu_q8` (auto's pick) holds the file's Q5_0 matrices as Q8_0 (1.55x their bytes): no Q5_0
-    left, and greedy tokens and logits bit for bit those of the Q5_0 kernel (the repacking turned off)."""
-    import jax
-    from flax import nnx
-
-    from imp_jax.model import loader
-
-    def run(loaded) -> tuple[list[np.ndarray], list[list[int]]]:
-        runner = PagedRunner(loaded.model, num_blocks=24, max_blocks=8)
-        out = [greedy(runner, chat_ids(loaded, q), 12, [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4])
-               for i, q in enumerate(["Name three colors of the rainbow.", "What is 12 times 7?"])]
-        return [o[0] for o in out], [o[1] for o in out]
-
-    def formats(loaded) -> set[str]:
-        return {ggml_blocks.format_of(w) for ws in loaded.model.layers.matrices().values() for w in ws}
-
-    def nbytes(loaded) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(nnx.state(loaded.model)))
-
-    held = loader.load_model(q4_k_m, dtype="float32", gemm="cpu_q8")
-    assert formats(held) == {"Q8_0", "Q4_K", "Q6_K"}
-    monkeypatch.setattr(loader, "hold_q5_0_as_q8_0", lambda model, formats: 0)
-    as_stored = loader.load_model(q4_k_m, dtype="float32", gemm="cpu_q8")
-    assert formats(as_stored) == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
-    assert nbytes(held) > nbytes(as_stored)
-    (held_logits, held_tokens), (logits, tokens) = run(held), run(as_stored)
-    assert held_tokens == tokens
-    for a, b in zip(held_logits, logits):
-        np.testing.assert_array_equal(a, b)

@@ -149,8 +149,6 @@ def _gemm(asked: str, device: Any, blocks_kept: bool) -> str:
     """The GEMM backend for `asked` on `device`; one log line says which and why (a warning where
     the int8 kernel `auto` wanted did not build)."""
     name, why = _gemm_choice(asked, device, blocks_kept)
-    if name == "cpu_q8" and blocks_kept:
-        why += "; Q5_0 matrices held as Q8_0 (the same outputs, unpacked once: 1.55x their bytes)"
     fell_back = asked == "auto" and blocks_kept and name != "cpu_q8"
     log.log(logging.WARNING if fell_back else logging.INFO, "gemm: %s (%s)", name, why)
     return name

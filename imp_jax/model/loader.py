@@ -26,7 +26,7 @@ from imp_jax.model.hub import resolve_model
 from imp_jax.model.registry import get_model_class, import_model_class
 from imp_jax.model.vision.side import (LoadedVision, TextModelTensors, VisionCheckpoint, build_vision,
                                        is_vision_language, open_vision)
-from imp_jax.model.weights import WeightFormats, WeightSource, describe, hold_q5_0_as_q8_0, narrow_exact_bf16
+from imp_jax.model.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
 
 if TYPE_CHECKING:
     from imp_jax.model.tokenizer import Tokenizer
@@ -123,9 +123,6 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
     else:
         model = build_from_tensors(cls, ckpt.config, WeightSource(ckpt.tensors, formats, str(ckpt.path)), options)
     narrow_exact_bf16(model, formats)
-    added = hold_q5_0_as_q8_0(model, formats)
-    if added:
-        log.info("weights: Q5_0 matrices held as Q8_0 for the int8 GEMM (+%.1f MiB)", added / 2**20)
     log.info("weights: %s", describe(model))
     vision = None
     if ckpt.vision is not None and takes_embed_rows(cls):   # a class without the overrides serves text only

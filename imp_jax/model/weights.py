@@ -35,17 +35,14 @@ class WeightFormats:
 
     ggml_blocks: bool = False   # keep a GGUF's quantised blocks (ggml_blocks.FORMATS) as stored
     exact_bf16: bool = False    # store an all-bfloat16-valued float32 matrix as bfloat16
-    q5_0_as_q8_0: bool = False  # hold kept Q5_0 blocks as Q8_0 (`hold_q5_0_as_q8_0`)
 
     @classmethod
     def for_model(cls, kernels: Kernels, dtype: Any) -> "WeightFormats":
         """GGML blocks where `kernels.keeps_blocks` (for the CPU GEMM kernel: in a float32 model, the
-        activations it takes), bf16 storage of float32 matrices for a float32 model whose GEMM reads it;
-        with `cpu_q8`, its Q5_0 blocks as Q8_0 (the int8 kernel reads those without unpacking)."""
+        activations it takes), bf16 storage of float32 matrices for a float32 model whose GEMM reads it."""
         f32 = jnp.dtype(dtype) == jnp.float32
         narrow = kernels.reads_narrow_weights and f32
-        blocks = kernels.keeps_blocks and (f32 or not kernels.reads_narrow_weights)
-        return cls(ggml_blocks=blocks, exact_bf16=narrow, q5_0_as_q8_0=blocks and kernels.gemm == "cpu_q8")
+        return cls(ggml_blocks=kernels.keeps_blocks and (f32 or not kernels.reads_narrow_weights), exact_bf16=narrow)
 
 
 class WeightSource:
@@ -130,30 +127,6 @@ def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
         param.set_value(np.asarray(w, jnp.bfloat16) if isinstance(w, np.ndarray) else jnp.asarray(w, jnp.bfloat16))
         saved += w.nbytes // 2
     return saved
-
-
-def hold_q5_0_as_q8_0(model: nnx.Module, formats: WeightFormats) -> int:
-    """Store every Q5_0 `Matrix` of `model` as Q8_0 blocks (`ggml_blocks.to_q8_0`: the same d, q - 16 as
-    the int8s), when `formats` allow; returns the bytes added (12 per 32 weights, 1.55x).
-
-    For `--gemm cpu_q8`: its Q5_0 kernel spends a large part of its time turning each block's nibbles and
-    fifth bits into bytes, which a Q8_0 block holds already. The outputs are the same bits: both kernels
-    compute the same int32 lanes (the Q5_0 weights read as q with a bias of 16, the Q8_0 ones as
-    q - 16 + 128 with a bias of 128, or by the sign trick) and then the same float32 operations on the
-    same d (tests/test_cpu_gemm_q8.py); embedding rows dequantise to the same float32 too."""
-    if not formats.q5_0_as_q8_0:
-        return 0
-    added = 0
-    for _, param in nnx.iter_graph(model):
-        if not isinstance(param, Matrix):
-            continue
-        w = param.get_value()
-        if ggml_blocks.format_of(w) != "Q5_0":
-            continue
-        q8 = ggml_blocks.to_q8_0(np.asarray(w))
-        param.set_value(q8 if isinstance(w, np.ndarray) else jnp.asarray(q8))
-        added += q8.nbytes - w.nbytes
-    return added
 
 
 def describe(model: nnx.Module) -> str:
