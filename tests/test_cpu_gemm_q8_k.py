@@ -159,10 +159,11 @@ def test_a_rows_result_does_not_depend_on_its_neighbours(fmt):
 def test_every_integer_dot_path_gives_the_same_bits(fmt):
     """vpmaddubsw + vpmaddwd and vpdpbusd (the AVX-512 path runs the VNNI kernels for K-quants) give
     the same lanes and the same float operations: the same outputs as the custom call, at one row
-    (4-stream passes of 1 to 4 weight rows: N = 50 and 7), tiles and several 64-row items."""
+    (4-stream passes of 1 to 4 weight rows: N = 50 and 7), tiles and several 64-row items; the AVX-512
+    tiles of 8 weight rows whole and in part (N = 12: 8 + 4; 7, 3: an odd row without a pair)."""
     lib = library()
     blocks = k_blocks(fmt, 50, 1024, 7)
-    for m, n in ((1, 50), (1, 7), (9, 50), (70, 7)):
+    for m, n in ((1, 50), (1, 7), (9, 50), (70, 7), (9, 12), (5, 3)):
         x = activations(m, 1024, m)
         via_xla = np.asarray(q8_kernel(x, jnp.asarray(blocks[:n])))
         for isa in range(lib.imp_gemm_q8_isa() + 1):

@@ -31,7 +31,7 @@
 // prefetcher; several rows through `tile`s, each weight tile's nibbles unpacked to bytes and its
 // scale products d_w * d_x computed once for all the tiles of rows that meet it.
 //
-// AVX-512 (`Isa::kAvx512`, where the CPU has F, BW, VL, DQ, VNNI and GFNI; compiled per function with
+// AVX-512 (`Isa::kAvx512`, where the CPU has F, BW, VL, DQ, VNNI, GFNI and BMI2; compiled per function with
 // target attributes, so the library still runs on AVX2-only CPUs): the tiles of several rows use
 // 512-bit registers, each holding two outputs' 8 lanes side by side: a weight tile's rows are stored
 // in pairs with their 4-byte groups interleaved (lane 2i: row 2p's group i, lane 2i + 1: row
@@ -81,13 +81,13 @@ inline Isa best_isa() {
   __builtin_cpu_init();   // this may run from a static initializer, before libgcc's own
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vl")) return kAvx2;
   const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("gfni");
+                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("bmi2");
   return wide ? kAvx512 : kVnni;
 }
 
 // The AVX-512 path's functions (the library itself is built for AVX2: these run only where best_isa
 // found the instructions).
-#define IMP_Q8_ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,gfni,avx2,fma,f16c")))
+#define IMP_Q8_ZMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,gfni,bmi2,avx2,fma,f16c")))
 
 
 inline float f16_at(const uint8_t* p) {
@@ -144,7 +144,8 @@ inline int32_t hsum_i32(__m256i v) {
 // themselves for the sign trick; `kOffset`: an offset m at byte 2 (Q4_1, Q5_1); `kUnpack`: worth
 // unpacking once into bytes when a weight tile meets several rows; `kNibbles`: the block ends in
 // its 16 bytes of nibbles and has nothing else to unpack (the AVX-512 paths split them directly);
-// `kFifth`: where a Q5_x block keeps its fifth bits (the nibbles end it too), else 0. (The table formats,
+// `kFifth`: where a Q5_x block keeps its fifth bits (the nibbles end it too; the AVX-512 paths split
+// those directly and add 16 under a mask of the fifth bits), else 0. (The table formats,
 // whose nibbles index 16 int8 values, and MXFP4's E8M0 scale: gemm_q8_iq.h, with the traits below.)
 struct Q8_0 {
   static constexpr const char* kName = "imp_gemm_q8_q8_0w";
@@ -584,13 +585,19 @@ struct Gemm {
         }
         const uint8_t *b0 = w0 + b * W::kBytes, *b1 = w1 + b * W::kBytes;
         __m512i pairs;
-        if constexpr (W::kNibbles) {   // [row 0's nibbles, row 1's] to dwords in pair order, high nibbles in the upper half
+        if constexpr (W::kNibbles || W::kFifth) {   // [row 0's nibbles, row 1's] to dwords in pair order, high nibbles in the upper half
           const __m256i raw = _mm256_inserti128_si256(
               _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + W::kBytes - 16))),
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + W::kBytes - 16)), 1);
           const __m512i spread = _mm512_permutexvar_epi32(nibble_order, _mm512_castsi256_si512(raw));
           pairs = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), _mm512_set1_epi8(15));
           if constexpr (HasTable<W>::value) pairs = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(W::table(true)), pairs);
+          if constexpr (W::kFifth != 0) {   // + 16 where the fifth bit is set: byte 4i + j of the pair order is
+            uint32_t h0, h1;                // bit 4 (i / 2) + j of row i % 2, so the rows' bits go to alternate nibbles
+            std::memcpy(&h0, b0 + W::kFifth, 4), std::memcpy(&h1, b1 + W::kFifth, 4);
+            const uint64_t bits = _pdep_u64(h0, 0x0f0f0f0f0f0f0f0full) | _pdep_u64(h1, 0xf0f0f0f0f0f0f0f0ull);
+            pairs = _mm512_mask_add_epi8(pairs, _cvtu64_mask64(bits), pairs, _mm512_set1_epi8(16));
+          }
         } else {
           pairs = _mm512_permutex2var_epi32(_mm512_castsi256_si512(W::template weights<true>(b0)), mix,
                                             _mm512_castsi256_si512(W::template weights<true>(b1)));

@@ -291,18 +291,20 @@ void kgemv_item(const Activations& a, int64_t r, const uint8_t* w, int64_t ldw, 
   }
 }
 
-// A weight tile as the tiles read it: per row its blocks' unsigned bytes [nb, 32], lane scales D
-// [nb, 8] and (kMins) mins [nb / 8, 2, 8] (the second vector Q2_K's only).
+// A weight tile as the tiles read it: its rows in pairs (2p, 2p + 1), per pair and block the two rows'
+// unsigned bytes side by side [rows / 2, nb, 2, 32] and so their lane scales D [rows / 2, nb, 2, 8]
+// (one 512-bit load each for `ktile_zmm`); per row (kMins) mins [nb / 8, 2, 8] (the second vector Q2_K's
+// only). Zeroed at first: the missing row of an odd tile reads as finite values (not stored).
 struct KTile {
   std::unique_ptr<uint8_t[]> bytes;
   std::unique_ptr<float[]> floats;
   int64_t nb;
   float *D, *M;
   KTile(int64_t rows, int64_t nb)
-      : bytes(new uint8_t[rows * nb * kBlock]), floats(new float[rows * nb * 8 + rows * nb * 2]), nb(nb),
-        D(floats.get()), M(D + rows * nb * 8) {}
-  uint8_t* bytes_at(int64_t c) const { return bytes.get() + c * nb * kBlock; }
-  float* D_at(int64_t c) const { return D + c * nb * 8; }
+      : bytes(new uint8_t[(rows + 1) / 2 * 2 * nb * kBlock]()), floats(new float[((rows + 1) / 2 * 2) * nb * 10]()),
+        nb(nb), D(floats.get()), M(D + (rows + 1) / 2 * 2 * nb * 8) {}
+  uint8_t* bytes_at(int64_t c, int64_t b) const { return bytes.get() + ((c / 2 * nb + b) * 2 + c % 2) * kBlock; }
+  float* D_at(int64_t c, int64_t b) const { return D + ((c / 2 * nb + b) * 2 + c % 2) * 8; }
   float* M_at(int64_t c) const { return M + c * nb * 2; }
 };
 
@@ -321,8 +323,8 @@ void ktile(const Activations& a, int64_t r0, const KTile& t, float* y, int64_t l
     __m256i wv[NR];
     __m256 D[NR];
     IMP_Q8_UNROLL for (int c = 0; c < NR; ++c) {
-      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.bytes_at(c) + b * kBlock));
-      D[c] = _mm256_loadu_ps(t.D_at(c) + 8 * b);
+      wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.bytes_at(c, b)));
+      D[c] = _mm256_loadu_ps(t.D_at(c, b));
     }
     IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r0 + r, b)));
@@ -352,17 +354,15 @@ inline float kmins(const Activations& a, int64_t r, const KTile& t, int64_t c) {
 using KTileFn = void (*)(const Activations&, int64_t, const KTile&, float*, int64_t);
 
 // `ktile` on 512 bits (the AVX-512 path): each zmm holds two tile rows' 8 lanes side by side (rows 2p,
-// 2p + 1 of NP pairs; `ncols` of the tile's rows real, a missing last one read as the first again and
-// not stored), lane for lane the same vpdpbusd, scale product, conversion and fma, then each half's
-// `hsum`: the same bits.
-constexpr int64_t kZKR = 4;   // tile rows per AVX-512 K-quant tile
+// 2p + 1 of NP pairs, as the tile stores them; `ncols` of the tile's rows real, a missing last one's
+// lanes not stored), lane for lane the same vpdpbusd, scale product, conversion and fma, then each
+// half's `hsum`: the same bits.
+constexpr int64_t kZKR = 8;   // tile rows per AVX-512 K-quant tile (as the 32-weight formats' kZNR)
 
 template <class W, int MR, int NP>
 IMP_Q8_ZMM void ktile_zmm(const Activations& a, int64_t r0, const KTile& t, float* y, int64_t ldy, int64_t ncols) {
   constexpr bool kBias = W::bias(true) != 0;
   const int64_t nb = a.nb;
-  int64_t rows[2 * NP];
-  IMP_Q8_UNROLL for (int c = 0; c < 2 * NP; ++c) rows[c] = c < ncols ? c : 0;
   __m512 acc[MR][NP];
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
     IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -370,11 +370,8 @@ IMP_Q8_ZMM void ktile_zmm(const Activations& a, int64_t r0, const KTile& t, floa
     __m512i wv[NP];
     __m512 D[NP];
     IMP_Q8_UNROLL for (int p = 0; p < NP; ++p) {
-      const uint8_t *w0 = t.bytes_at(rows[2 * p]) + b * kBlock, *w1 = t.bytes_at(rows[2 * p + 1]) + b * kBlock;
-      wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0))),
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1)), 1);
-      D[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(t.D_at(rows[2 * p]) + 8 * b)),
-                                _mm256_loadu_ps(t.D_at(rows[2 * p + 1]) + 8 * b), 1);
+      wv[p] = _mm512_loadu_si512(t.bytes_at(2 * p, b));
+      D[p] = _mm512_loadu_ps(t.D_at(2 * p, b));
     }
     IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
       const __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_at(r0 + r, b))));
@@ -399,10 +396,10 @@ using KZTileFn = void (*)(const Activations&, int64_t, const KTile&, float*, int
 template <class W>
 struct KZTiles {   // fn[mr - 1][np - 1]
   static constexpr KZTileFn fn[kMR][kZKR / 2] = {
-      {ktile_zmm<W, 1, 1>, ktile_zmm<W, 1, 2>},
-      {ktile_zmm<W, 2, 1>, ktile_zmm<W, 2, 2>},
-      {ktile_zmm<W, 3, 1>, ktile_zmm<W, 3, 2>},
-      {ktile_zmm<W, 4, 1>, ktile_zmm<W, 4, 2>},
+      {ktile_zmm<W, 1, 1>, ktile_zmm<W, 1, 2>, ktile_zmm<W, 1, 3>, ktile_zmm<W, 1, 4>},
+      {ktile_zmm<W, 2, 1>, ktile_zmm<W, 2, 2>, ktile_zmm<W, 2, 3>, ktile_zmm<W, 2, 4>},
+      {ktile_zmm<W, 3, 1>, ktile_zmm<W, 3, 2>, ktile_zmm<W, 3, 3>, ktile_zmm<W, 3, 4>},
+      {ktile_zmm<W, 4, 1>, ktile_zmm<W, 4, 2>, ktile_zmm<W, 4, 3>, ktile_zmm<W, 4, 4>},
   };
 };
 
@@ -449,8 +446,8 @@ struct KGemm {
         W::decode(sb, D, M);
         unpack_k<W, Vnni>(sb, wv);
         for (int j = 0; j < kSubs; ++j) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.bytes_at(c) + (kSubs * s + j) * kBlock), wv[j]);
-          _mm256_storeu_ps(t.D_at(c) + 8 * (kSubs * s + j), D[j]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.bytes_at(c, kSubs * s + j)), wv[j]);
+          _mm256_storeu_ps(t.D_at(c, kSubs * s + j), D[j]);
         }
         for (int v = 0; v < 2; ++v) _mm256_storeu_ps(t.M_at(c) + 16 * s + 8 * v, M[v]);
       }
