@@ -147,8 +147,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
             raise ModelLoadError(f"--lora {name}={path}: {e.message}") from None
         log.info("LoRA adapter %r loaded from %s", name, path)
     progress("warming_up", 0.0)
-    core.by_name["images"].warm_up(lambda i, n, frames, s: log.info(
-        "compiled image encoder %d/%d (frames=%d) in %.1fs", i, n, frames, s))
+    core.by_name["images"].warm_up(lambda i, n, bucket, s: log.info(
+        "compiled image encoder %d/%d (%s) in %.1fs", i, n, bucket, s))
     t0 = time.perf_counter()
 
     def report(i: int, n: int, bucket: tuple[int, int, int], seconds: float) -> None:
