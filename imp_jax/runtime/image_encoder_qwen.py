@@ -2,7 +2,7 @@
 the row pool (the same pool and bookkeeping as Idefics3's, runtime/image_rows.py).
 
 An image of grid (1, h, w) patches gives h*w / merge^2 rows, a count that varies per image, so a program is
-bucketed on two sizes: patches N (powers of two, a multiple of merge^2) and windows W (powers of two from
+bucketed on two sizes: patches N (powers of two, a multiple of merge^2) and windows W (powers of four from
 the fewest that more than N / 2 patches fill, (N / 2) / window_len, up to the most, N / merge^2). Several images go in
 one launch, concatenated (model/vision/qwen2_5_vl.py VisionLayout keeps full attention within each frame);
 each output row has its pool row in `dest`, padding rows one past the pool (`mode="drop"` writes them
@@ -44,6 +44,16 @@ def pixels_of(pixels: np.ndarray, vision: LoadedVision) -> QwenPixels:
     return QwenPixels(out.pixel_values, out.image_grid_thw[0])
 
 
+def window_buckets(lo: int, hi: int) -> list[int]:
+    """Window counts from lo up to hi in steps of 4 (hi last): a launch pads at most 4x the windows it has,
+    for half the programs of steps of 2 (a full-size image of the real model has 8 patch buckets)."""
+    out, w = [], lo
+    while w < hi:
+        out.append(w)
+        w *= 4
+    return out + [hi]
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -62,7 +72,7 @@ class QwenImageEncoder:
         for N in patch_buckets:
             # more than N / 2 patches (a smaller bucket held fewer) fill at least that / window_len windows
             lo = 1 if N == patch_buckets[0] else _pow2_at_least(-(-(N // 2 + 1) // self.window_len))
-            self.buckets += [(N, W) for W in pow2_buckets(min(lo, N // self.merge2), N // self.merge2)]
+            self.buckets += [(N, W) for W in window_buckets(min(lo, N // self.merge2), N // self.merge2)]
         self.max_patches = hi
         graphdef, state = nnx.split(vision.encoder)
         leaves, treedef = jax.tree.flatten(state)

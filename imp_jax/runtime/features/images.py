@@ -146,7 +146,8 @@ class ImagesFeature(Feature):
     def _positions(self, req) -> tuple[np.ndarray, int] | None:
         """The request's M-RoPE (positions, delta), from `prepare` when it ran."""
         prepared = req.prepared_images
-        if isinstance(prepared, Prepared) and prepared.mrope is not None:
+        if isinstance(prepared, Prepared) and prepared.mrope is not None and (
+                prepared.mrope[0].shape[1] == len(req.prompt_ids)):   # the prompt prepare saw
             return prepared.mrope
         mrope = self._mrope(req)
         if isinstance(prepared, Prepared):
