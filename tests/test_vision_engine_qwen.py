@@ -229,6 +229,10 @@ def test_bad_image_runs_are_clean_400s_and_nothing_compiles_after_warm_up(core):
     with pytest.raises(InvalidRequestError, match="one run of exactly its count"):
         core.add_request(request(joined, (a, b)), lambda ev: None)
     assert not core.requests
+    long = image(2000, 10, 5)   # resized to 8 x 672 pixels: past the largest bucket (transformers takes it)
+    with pytest.raises(InvalidRequestError, match="patches; the encoder takes at most 256") as e:
+        core.add_request(request(prompt(core, long), (long,)), lambda ev: None)
+    assert e.value.param == "images" and not core.requests
     encoder = core.by_name["images"].encoder
     assert len(encoder.buckets) > 1 and core.step_fn.mrope
     assert core.step_fn.warm and core.stats()["compilations_after_warmup"] == 0

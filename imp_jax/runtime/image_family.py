@@ -64,6 +64,9 @@ class Idefics3Family:
     def positions(self, prompt_ids: Sequence[int], sizes: Sequence[tuple[int, int]]) -> None:
         return None
 
+    def refusal(self, size: tuple[int, int]) -> str | None:
+        return None   # any number of frames: past the largest bucket they go in several launches
+
     def encode(self, owner: Any, entries: list, rows: list[np.ndarray]) -> None:
         """Launch the encoder on the entries' frames, into their pool slots."""
         pixels = np.concatenate([e.pixels[0] for e in entries])
@@ -105,6 +108,16 @@ class QwenFamily:
         match the images)."""
         pos, delta = get_rope_index(prompt_ids, [self.grid(s) for s in sizes], self.image_token_id, self.merge)
         return pos.astype(np.int32), delta
+
+    def refusal(self, size: tuple[int, int]) -> str | None:
+        """Why the encoder cannot take an image of this size (None: it can): its patches must fit the largest
+        bucket, a full-size image's (smart_resize can pass max_pixels for a very elongated image)."""
+        t, h, w = self.grid(size)
+        most = self.encoder.max_patches if self.encoder is not None else None
+        if most is not None and t * h * w > most:
+            return (f"a {size[0]} x {size[1]} image resizes to {t * h * w} patches; the encoder takes at most "
+                    f"{most} (a less elongated image)")
+        return None
 
     def encode(self, owner: Any, entries: list, rows: list[np.ndarray]) -> None:
         """Launch the tower on the entries' patches, image i's rows to pool rows `rows[i]`."""

@@ -133,6 +133,10 @@ class ImagesFeature(Feature):
                 f"the prompt has {have} image tokens, but its {len(counts)} image(s) need {sum(counts)}: each "
                 "image's prompt text (Engine.image_prompt) must be in the prompt once, in the order of the "
                 "images, and no other image token", param="images")
+        for image in req.images:
+            why = family.refusal(image.size)
+            if why:
+                raise InvalidRequestError(why, param="images")
         if req.images and family.mrope and self._positions(req) is None:
             raise InvalidRequestError("each image's tokens must be one run of exactly its count, between its "
                                       "start and end tokens (Engine.image_prompt)", param="images")
