@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_vision_qwen2_5_vl import END, IMAGE, START, synthetic_image, tiny_qwen  # noqa: E402,F401
+from test_vision_qwen2_5_vl import END, IMAGE, START, synthetic_image, tiny_qwen  # noqa: E402,F401,F811  (a fixture)
 from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
 from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402
