@@ -222,11 +222,15 @@ def test_text_only_generation_matches_transformers(tiny_qwen, loaded):
     assert got == want
 
 
-def test_the_engine_serves_qwen2_5_vl_as_text_until_it_passes_its_images(loaded, caplog):
-    from imp_jax.runtime.builder import served_vision
+def test_the_engine_serves_qwen2_5_vl_images(loaded, caplog, monkeypatch):
+    """Qwen2.5-VL's image side is served (tests/test_vision_engine_qwen.py); a family left out of SERVED_VISION
+    would be dropped at build, the model served as text."""
+    from imp_jax.runtime import builder
 
+    assert builder.served_vision(loaded) is loaded and "qwen2_5_vl" in builder.SERVED_VISION
+    monkeypatch.setattr(builder, "SERVED_VISION", {"idefics3": "Idefics3 / SmolVLM"})
     with caplog.at_level(logging.INFO, logger="imp_jax.engine"):
-        served = served_vision(loaded)
+        served = builder.served_vision(loaded)
     assert served.vision is None and served.model is loaded.model and loaded.vision is not None
     assert "serving it as text" in caplog.text and "Qwen2_5_VLForConditionalGeneration" in caplog.text
 

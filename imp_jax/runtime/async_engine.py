@@ -17,7 +17,6 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from imp_jax.errors import EngineError, ImpError, InvalidRequestError
-from imp_jax.model.vision.idefics3_processor import image_grid, image_prompt
 from imp_jax.runtime.api import Capabilities, Engine, not_serving, not_supported
 from imp_jax.runtime.commands import (AddRequest, Cancel, CloseSession, Command, EndThinking, KeepLora, LoadLora,
                                       Reply, Resume, Suspend, UnloadLora)
@@ -26,6 +25,7 @@ from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.engine_thread import EngineThread, to_loop
 from imp_jax.runtime.features.images import image_keys
+from imp_jax.runtime.image_family import image_family
 from imp_jax.runtime.event_buffer import EventBuffer
 from imp_jax.runtime.multihost import PEER_LOST
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
@@ -117,12 +117,13 @@ class AsyncEngine(EngineThread, Engine):
         return self.core.loaded.vision is not None
 
     def image_prompt(self, image: ImageInput) -> str:
-        """The text standing for `image` in a prompt: its tiles' and global image's special tokens, with
-        image_seq_len `<image>` tokens per frame (idefics3_processor.image_prompt), from its size alone."""
+        """The text standing for `image` in a prompt, from its size alone, by family (runtime/image_family.py):
+        Idefics3 its tiles' and global image's special tokens with image_seq_len `<image>` tokens per frame;
+        Qwen2.5-VL `<|vision_start|>`, one `<|image_pad|>` per row, `<|vision_end|>`."""
         vision = self.core.loaded.vision
         if vision is None:
             raise not_supported("image input")
-        return image_prompt(image_grid(*image.size, vision.processor), vision.config.image_seq_len)
+        return image_family(vision).prompt(image.size)
 
     @property
     def default_params(self) -> dict[str, Any]:

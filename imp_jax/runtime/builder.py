@@ -31,7 +31,7 @@ from imp_jax.runtime.weights_fit import fit_on_gpu
 log = logging.getLogger("imp_jax.engine")
 # image-text families whose images the engine passes (features/images.py); others load their image side and are
 # served as text until the engine does their positions (Qwen2.5-VL's M-RoPE: model/vision/qwen2_5_vl.py)
-SERVED_VISION = {"idefics3": "Idefics3 / SmolVLM"}
+SERVED_VISION = {"idefics3": "Idefics3 / SmolVLM", "qwen2_5_vl": "Qwen2.5-VL"}
 Progress = Callable[[str, float], None]   # (phase, fraction done)
 
 
@@ -147,8 +147,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
             raise ModelLoadError(f"--lora {name}={path}: {e.message}") from None
         log.info("LoRA adapter %r loaded from %s", name, path)
     progress("warming_up", 0.0)
-    core.by_name["images"].warm_up(lambda i, n, frames, s: log.info(
-        "compiled image encoder %d/%d (frames=%d) in %.1fs", i, n, frames, s))
+    core.by_name["images"].warm_up(lambda i, n, bucket, s: log.info(
+        "compiled image encoder %d/%d (%s) in %.1fs", i, n, bucket, s))
     t0 = time.perf_counter()
 
     def report(i: int, n: int, bucket: tuple[int, int, int], seconds: float) -> None:

@@ -113,8 +113,9 @@ class EngineConfig:
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
     image_cache_rows: int = _field(
-        8192, "image models (Idefics3 / SmolVLM): rows of encoder output kept on the device, in the model's dtype "
-        "(rows x hidden size; whole frames of image_seq_len rows, e.g. 64 for SmolVLM, 169 for Idefics3). A "
+        8192, "image models (Idefics3 / SmolVLM, Qwen2.5-VL): rows of encoder output kept on the device, in the "
+        "model's dtype (rows x hidden size; whole frames of image_seq_len rows, e.g. 64 for SmolVLM, 169 for "
+        "Idefics3; units of 16 rows for Qwen2.5-VL, about one row per 28 x 28 pixels of a resized image). A "
         "request's images hold their rows until it ends; a picture seen before is served from them without "
         "encoding it again, the least recently used leaving first. A request whose images need more is refused")
     seed: int | None = _field(None, "base of the sampling keys of requests that send no seed (taken modulo "

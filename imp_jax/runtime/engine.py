@@ -21,6 +21,7 @@ from imp_jax.runtime.admission import admit
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine_stats import EngineCounters, engine_stats
 from imp_jax.runtime.features import FEATURES, Feature, Services
+from imp_jax.runtime.image_family import image_family, row_unit, text_hidden
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.kv_tiers import attach_tiers
 from imp_jax.runtime.output import OutputStage
@@ -63,7 +64,8 @@ class EngineCore:
         shapes = StepShapes(max_blocks=-(-self.max_model_len // config.block_size), vocab_size=loaded.config.vocab_size)
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh,
-                                    image_pool_shape(loaded, config))
+                                    image_pool_shape(loaded, config),
+                                    mrope=loaded.vision is not None and image_family(loaded.vision).mrope)
         self.tiers = attach_tiers(self, mesh.devices.flat[0].platform)   # the host KV tier, None when off
         self.counters = EngineCounters()
         self.requests: dict[str, RequestState] = {}
@@ -361,11 +363,12 @@ class EngineCore:
 
 
 def image_pool_shape(loaded: LoadedModel, config: EngineConfig) -> tuple[int, int] | None:
-    """The image row pool's (rows, hidden) for a model with vision (whole frames of --image-cache-rows), else None."""
+    """The image row pool's (rows, hidden) for a model with vision (whole units of --image-cache-rows: frames
+    for Idefics3, runtime/image_family.py), else None."""
     if loaded.vision is None:
         return None
-    per_frame = loaded.vision.config.image_seq_len
-    if config.image_cache_rows < per_frame:
-        raise ModelLoadError(f"--image-cache-rows {config.image_cache_rows} holds no image frame "
-                             f"({per_frame} rows each)")
-    return config.image_cache_rows // per_frame * per_frame, loaded.vision.config.text_hidden_size
+    unit = row_unit(loaded.vision)
+    if config.image_cache_rows < unit:
+        raise ModelLoadError(f"--image-cache-rows {config.image_cache_rows} holds no image unit "
+                             f"({unit} rows each)")
+    return config.image_cache_rows // unit * unit, text_hidden(loaded.vision)

@@ -23,7 +23,7 @@ from imp_jax.model.vision.side import LoadedVision
 from imp_jax.runtime.batch import pow2_buckets
 from imp_jax.runtime.sharding import replicated
 
-Progress = Callable[[int, int, int, float], None]   # (i, n, frames, seconds)
+Progress = Callable[[int, int, str, float], None]   # (i, n, bucket label, seconds)
 
 
 def frames_of(pixels: np.ndarray, vision: LoadedVision) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +83,7 @@ class ImageEncoder:
             pool = self._run(pool, np.zeros((0, 3, self.side, self.side), np.float32),
                              np.zeros((0, self.patches, self.patches), bool), np.zeros(0, np.int32), n)
             if progress:
-                progress(i + 1, len(self.buckets), n, time.perf_counter() - t0)
+                progress(i + 1, len(self.buckets), f"frames={n}", time.perf_counter() - t0)
         return pool
 
     def encode(self, owner: Any, pixels: np.ndarray, mask: np.ndarray, slots: np.ndarray) -> None:

@@ -25,6 +25,7 @@ class ImageEntry:
     slots: list[int]
     refs: int = 0
     encoded: bool = False
+    num_rows: int = 0    # the image's rows: the first of its slots' rows (a Qwen2.5-VL image's last slot is partial)
     pixels: Any = None   # (pixels [F, 3, tile, tile], patch mask [F, n, n]) until the encoder is launched on them
 
 

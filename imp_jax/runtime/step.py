@@ -68,12 +68,17 @@ class CompiledStep:
     With `image_pool` = (rows, hidden) (a model that sees images) it also owns the image row pool
     (runtime/image_rows.py) that the encoder writes and the step reads: one more step input, and each token
     row's `embed_src` in the packed ints (-1: its token's own embedding). Without, the step is unchanged.
+    With `mrope` (Qwen2.5-VL's image side served) the step program's positions are [3, T] (temporal, height,
+    width: runtime/features/images.py fills them; all three the row's index when not given); the score and
+    lens programs keep [T] (they refuse prompts with images, whose positions differ from the index).
     """
 
     def __init__(self, model: Any, kv: tuple[jax.Array, jax.Array], shapes: StepShapes,
-                 buckets: list[tuple[int, int]], mesh: Mesh, image_pool: tuple[int, int] | None = None):
+                 buckets: list[tuple[int, int]], mesh: Mesh, image_pool: tuple[int, int] | None = None,
+                 mrope: bool = False):
         self.graphdef, state = nnx.split(model)
         self.shapes = shapes
+        self.mrope = mrope
         self.context_buckets = context_buckets(shapes.max_blocks, model.options.kernels.bucketed_context)
         self.buckets = sorted((T, S, C) for T, S in buckets for C in self.context_buckets)
         self.mesh = mesh
@@ -379,13 +384,18 @@ class CompiledStep:
     def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
                      follow: tuple[np.ndarray, np.ndarray] | None = None,
                      cfg: tuple[np.ndarray, np.ndarray] | None = None,
-                     embed_src: np.ndarray | None = None) -> tuple[Any, ...]:
+                     embed_src: np.ndarray | None = None,
+                     mrope_positions: np.ndarray | None = None) -> tuple[Any, ...]:
         T, S = len(batch.input_ids), len(batch.seq_lens)
+        positions = batch.positions
+        if self.mrope:
+            positions = (np.asarray(mrope_positions, np.int32) if mrope_positions is not None
+                         else np.broadcast_to(batch.positions, (3, T)).astype(np.int32))
         src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
         cfg = cfg if cfg is not None else (np.full(S, -1, np.int32), np.ones(S, np.float32))
         images = () if self.image_pool is None else (
             np.full(T, -1, np.int32) if embed_src is None else np.asarray(embed_src, np.int32),)
-        return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
+        return (batch.input_ids, positions, _meta(batch), batch.table_rows, batch.table_edits,
                 batch.last_token_rows, sampling,
                 np.array([self.base_seed % 2**32, step_no % 2**32], np.uint32),
                 batch.lora_ids if self.with_lora else None, src, hist_pos, cfg, *images)
@@ -441,7 +451,7 @@ class CompiledStep:
     def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int, tables: list[BlockTable],
                follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None,
                cfg: tuple[np.ndarray, np.ndarray] | None = None, context: int | None = None,
-               embed_src: np.ndarray | None = None) -> SamplerOutput:
+               embed_src: np.ndarray | None = None, mrope_positions: np.ndarray | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
         arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
         `batch` is built without tables (`with_tables=False`); `tables` are its sequences' BlockTables.
@@ -451,6 +461,7 @@ class CompiledStep:
         its last token's id (the engine's asynchronous scheduling). `last_tokens` is this step's.
         `cfg` = (shadow row [S], scale [S]) guides row r's logits by row shadow[r] >= 0 (runtime/cfg.py).
         `embed_src` [T] (with an image pool): token row t's embedding is pool row embed_src[t] when >= 0.
+        `mrope_positions` [3, T] (with `mrope`): the rows' M-RoPE positions (default: each row's index, thrice).
         `context`: the program's context bucket (default: the smallest reaching the batch's sequences)."""
         T, S = len(batch.input_ids), len(batch.seq_lens)
         bucket = (T, S, context) if context else self._program_key(T, S, int(batch.seq_lens.max(initial=0)))
@@ -460,7 +471,8 @@ class CompiledStep:
                 self._unrun.remove(bucket)
         self.before_programs()
         self._attach_tables(batch, tables)
-        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg, embed_src))
+        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg, embed_src,
+                                                              mrope_positions))
         if self.leader is not None:
             if follow is not None:
                 raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")

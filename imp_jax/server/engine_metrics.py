@@ -84,7 +84,7 @@ ENGINE_COUNTERS = (
      "(sent again: not encoded again)"),
     ("imp_image_encoder_launches", "image_encoder_launches_total", "Vision-encoder program launches (each may "
      "encode several requests' images)"),
-    ("imp_image_frames_encoded", "image_frames_encoded_total", "Image frames (tiles and global images) encoded"),
+    ("imp_image_frames_encoded", "image_frames_encoded_total", "Image frames (tiles and global images; Qwen2.5-VL: whole images) encoded"),
     ("imp_decode_batch_steps", "decode_batch_steps_total", "Steps that ran at least one decode row"),
     ("imp_engine_steps", "num_steps", "Engine steps run"),
     ("imp_engine_steps_failed", "steps_failed_total", "Engine steps that raised (only the requests in them "

@@ -1,12 +1,14 @@
-"""Images (Idefics3 / SmolVLM) as a feature: a request's pictures become encoder rows in the device row pool
-(runtime/image_rows.py), and each prompt token that stands for one reads its row in the step.
+"""Images as a feature: a request's pictures become encoder rows in the device row pool (runtime/image_rows.py),
+and each prompt token that stands for one reads its row in the step. The family (Idefics3 / SmolVLM, or
+Qwen2.5-VL) is behind runtime/image_family.py: its rows per image, pool units, preprocessing and encoder.
 
-`prepare` cuts and normalises the pixels (off the engine thread); admission checks the prompt's `<image>`
-tokens against the images and takes each image's pool slots (a picture already there is a hit, not encoded
-again) for the request's whole life, so recompute after preemption reads the same rows; a step whose chunks
-reach an image's tokens first launches the encoder on every such image, across requests, then gives each
-token row its pool row (`embed_src`). Blocks holding an image's tokens are keyed on its digest
-(kv_hash.ImageKeys through Sequence.cache_key).
+`prepare` preprocesses the pixels (and, for an M-RoPE family, computes the prompt's [3, T] positions) off the
+engine thread; admission checks the prompt's image tokens against the images and takes each image's pool
+units (a picture already there is a hit, not encoded again) for the request's whole life, so recompute after
+preemption reads the same rows; a step whose chunks reach an image's tokens first launches the encoder on
+every such image, across requests, then gives each token row its pool row (`embed_src`) and, for M-RoPE, its
+position [3] (`mrope_positions`: the prompt's below its length, index + delta, all three equal, after).
+Blocks holding an image's tokens are keyed on its digest (kv_hash.ImageKeys through Sequence.cache_key).
 """
 from __future__ import annotations
 
@@ -17,51 +19,59 @@ from typing import Any
 import numpy as np
 
 from imp_jax.errors import EngineError, InvalidRequestError
-from imp_jax.model.vision.idefics3_processor import image_grid, image_token_positions
 from imp_jax.runtime.features.base import Feature, Services
-from imp_jax.runtime.image_encoder import ImageEncoder, frames_of, num_frames
+from imp_jax.runtime.image_family import image_family, row_unit
 from imp_jax.runtime.image_rows import ImageEntry, ImageRows
 from imp_jax.runtime.kv_hash import ImageKeys
+
+
+@dataclasses.dataclass
+class Prepared:
+    """`GenerationRequest.prepared_images`: each image's encoder input and, for M-RoPE, (positions, delta)."""
+
+    pixels: list
+    mrope: tuple[np.ndarray, int] | None
 
 
 @dataclasses.dataclass(eq=False)
 class RequestImages:
     """What a request holds: its images' entries, each prompt token's pool row (-1: not an image's), each
-    image's (first, end token, digest hex) span, and the request's sequences (a failed encode fails them all)."""
+    image's (first, end token, digest hex) span, the request's sequences (a failed encode fails them all),
+    and for M-RoPE the prompt's positions [3, P] and the decode delta."""
 
     entries: list[ImageEntry]
     prompt_src: np.ndarray
     spans: tuple[tuple[int, int, str], ...]
     seqs: list
+    mrope: tuple[np.ndarray, int] | None = None
 
 
-def frames_per_image(req, vision) -> list[int]:
-    """How many frames each of the request's images is cut into (from its size alone)."""
-    return [num_frames(image_grid(*image.size, vision.processor)) for image in req.images]
+def image_positions(req, family) -> np.ndarray:
+    """Where the prompt's image tokens are."""
+    return np.flatnonzero(np.asarray(req.prompt_ids) == family.image_token_id)
 
 
-def image_bounds(req, vision) -> list[tuple[int, int]] | None:
-    """Each image's [first, end) token span in `req.prompt_ids` (its frames x image_seq_len `<image>` tokens,
-    in order), or None when the prompt's image tokens do not match the images."""
-    frames = frames_per_image(req, vision)
-    L = vision.config.image_seq_len
-    positions = image_token_positions(req.prompt_ids, vision.config.image_token_id)
-    if len(positions) != sum(frames) * L:
+def image_bounds(req, family) -> list[tuple[int, int]] | None:
+    """Each image's [first, end) token span in `req.prompt_ids` (its rows' image tokens, in order), or None
+    when the prompt's image tokens do not match the images."""
+    counts = [family.num_rows(image.size) for image in req.images]
+    positions = image_positions(req, family)
+    if len(positions) != sum(counts):
         return None
-    ends = np.cumsum([f * L for f in frames])
-    return [(int(positions[e - f * L]), int(positions[e - 1]) + 1) for e, f in zip(ends, frames)]
+    ends = np.cumsum(counts)
+    return [(int(positions[e - n]), int(positions[e - 1]) + 1) for e, n in zip(ends, counts)]
 
 
 def image_keys(key: Any, req, vision) -> Any:
     """`key` as the prefix cache applies it to `req`'s blocks (kv_hash.ImageKeys when it has images)."""
-    bounds = image_bounds(req, vision) if req.images and vision is not None else None
+    bounds = image_bounds(req, image_family(vision)) if req.images and vision is not None else None
     if bounds is None:
         return key
     return ImageKeys(key, tuple((lo, hi, image.digest.hex()) for (lo, hi), image in zip(bounds, req.images)))
 
 
 class ImagesFeature(Feature):
-    """`GenerationRequest.images`: the encoder's rows over each image's `<image>` tokens."""
+    """`GenerationRequest.images`: the encoder's rows over each image's tokens (and M-RoPE positions)."""
 
     name = "images"
 
@@ -69,15 +79,17 @@ class ImagesFeature(Feature):
         super().__init__(services)
         vision = services.vision
         self.rows: ImageRows | None = None
-        self.encoder: ImageEncoder | None = None
+        self.family = None
         if vision is not None:
-            L = vision.config.image_seq_len
-            slots = services.config.image_cache_rows // L
-            cfg = vision.processor
-            widest = num_frames(image_grid(cfg.longest_edge, cfg.longest_edge, cfg))   # a full-size image
-            step = -(-services.config.max_num_batched_tokens // L)   # the frames one step's tokens can cover
-            self.rows = ImageRows(slots, L)
-            self.encoder = ImageEncoder(vision, slots, max(widest, step), services.step_fn.mesh)
+            unit = row_unit(vision)
+            units = services.config.image_cache_rows // unit
+            self.rows = ImageRows(units, unit)
+            self.family = image_family(vision, units, services.config.max_num_batched_tokens,
+                                       services.step_fn.mesh)
+
+    @property
+    def encoder(self):
+        return None if self.family is None else self.family.encoder
 
     def warm_up(self, progress=None) -> None:
         """Compile the encoder's buckets and run each once (engine start-up)."""
@@ -90,9 +102,19 @@ class ImagesFeature(Feature):
         return bool(req.images)
 
     def prepare(self, req) -> None:
-        """Cut and normalise every image's frames (Pillow resizes: unbounded host work) before admission."""
-        if req.images and self.encoder is not None and req.prepared_images is None:
-            req.prepared_images = [frames_of(image.pixels, self.s.vision) for image in req.images]
+        """Preprocess every image (Pillow resizes: unbounded host work) and, for M-RoPE, the prompt's positions
+        (a Python scan of the prompt) before admission."""
+        if req.images and self.family is not None and req.prepared_images is None:
+            req.prepared_images = Prepared([self.family.pixels(image.pixels) for image in req.images],
+                                           self._mrope(req))
+
+    def _mrope(self, req) -> tuple[np.ndarray, int] | None:
+        if not self.family.mrope:
+            return None
+        try:
+            return self.family.positions(req.prompt_ids, [image.size for image in req.images])
+        except ValueError:
+            return None   # check() says what is wrong
 
     def check(self, req, params):
         if self.rows is None:
@@ -100,42 +122,62 @@ class ImagesFeature(Feature):
                 raise InvalidRequestError("this model takes no image input (it has no vision encoder)",
                                           param="images")
             return params
-        if params.prompt_logprobs is not None and req.images:
-            raise InvalidRequestError("prompt_logprobs is not supported for prompts with images",
-                                      param="prompt_logprobs")
-        L = self.rows.rows_per_frame
-        frames = frames_per_image(req, self.s.vision)
-        have = len(image_token_positions(req.prompt_ids, self.s.vision.config.image_token_id))
-        if have != sum(frames) * L:
+        for knob in ("prompt_logprobs", "logit_lens"):
+            if req.images and getattr(params, knob, None) is not None:
+                raise InvalidRequestError(f"{knob} is not supported for prompts with images", param=knob)
+        family, unit = self.family, self.rows.rows_per_frame
+        counts = [family.num_rows(image.size) for image in req.images]
+        have = len(image_positions(req, family))
+        if have != sum(counts):
             raise InvalidRequestError(
-                f"the prompt has {have} image tokens, but its {len(frames)} image(s) need {sum(frames) * L} "
-                f"({sum(frames)} frames of {L}): each image's prompt text (Engine.image_prompt) must be in the "
-                "prompt once, in the order of the images, and no other image token", param="images")
-        distinct = dict(zip((image.digest for image in req.images), frames))
+                f"the prompt has {have} image tokens, but its {len(counts)} image(s) need {sum(counts)}: each "
+                "image's prompt text (Engine.image_prompt) must be in the prompt once, in the order of the "
+                "images, and no other image token", param="images")
+        for image in req.images:
+            why = family.refusal(image.size)
+            if why:
+                raise InvalidRequestError(why, param="images")
+        if req.images and family.mrope and self._positions(req) is None:
+            raise InvalidRequestError("each image's tokens must be one run of exactly its count, between its "
+                                      "start and end tokens (Engine.image_prompt)", param="images")
+        distinct = {image.digest: family.units(image.size) for image in req.images}
         if sum(distinct.values()) > self.rows.num_slots:
             raise InvalidRequestError(
-                f"the images need {sum(distinct.values()) * L} rows of the image cache, which holds "
-                f"{self.rows.num_slots * L} (--image-cache-rows)", param="images")
+                f"the images need {sum(distinct.values()) * unit} rows of the image cache, which holds "
+                f"{self.rows.num_slots * unit} (--image-cache-rows)", param="images")
         return params
+
+    def _positions(self, req) -> tuple[np.ndarray, int] | None:
+        """The request's M-RoPE (positions, delta), from `prepare` when it ran."""
+        prepared = req.prepared_images
+        if isinstance(prepared, Prepared) and prepared.mrope is not None and (
+                prepared.mrope[0].shape[1] == len(req.prompt_ids)):   # the prompt prepare saw
+            return prepared.mrope
+        mrope = self._mrope(req)
+        if isinstance(prepared, Prepared):
+            prepared.mrope = mrope
+        return mrope
 
     def acquire(self, state) -> None:
         req = state.request
         if not req.images:
             return
-        frames = frames_per_image(req, self.s.vision)
-        entries = self.rows.acquire([(image.digest, f) for image, f in zip(req.images, frames)])
+        family = self.family
+        mrope = self._positions(req) if family.mrope else None
+        entries = self.rows.acquire([(image.digest, family.units(image.size)) for image in req.images])
         if entries is None:
             raise EngineError("the image cache is held by running requests' images; retry shortly",
                               code="image_cache_full", status=503)
         prepared, req.prepared_images = req.prepared_images, None   # the pixels live on in the new entries only
         for i, entry in enumerate(entries):
-            if not entry.encoded and entry.pixels is None:   # new: its frames wait for the encoder
-                entry.pixels = prepared[i] if prepared is not None else frames_of(req.images[i].pixels,
-                                                                                  self.s.vision)
-        positions = image_token_positions(req.prompt_ids, self.s.vision.config.image_token_id)
+            entry.num_rows = family.num_rows(req.images[i].size)
+            if not entry.encoded and entry.pixels is None:   # new: its pixels wait for the encoder
+                entry.pixels = (prepared.pixels[i] if isinstance(prepared, Prepared)
+                                else family.pixels(req.images[i].pixels))
         src = np.full(len(req.prompt_ids), -1, np.int32)
-        src[positions] = np.concatenate([self.rows.rows(entry) for entry in entries])
-        state.ext[self.name] = RequestImages(entries, src, image_keys(None, req, self.s.vision).spans, state.seqs)
+        src[image_positions(req, family)] = np.concatenate([self.rows.rows(e)[:e.num_rows] for e in entries])
+        spans = image_keys(None, req, self.s.vision).spans
+        state.ext[self.name] = RequestImages(entries, src, spans, state.seqs, mrope)
 
     def start(self, seq, state) -> None:
         images = state.ext.get(self.name)
@@ -157,29 +199,34 @@ class ImagesFeature(Feature):
                     due.setdefault(entry, []).append(images)
         bad = self._encode(due) if due else {}
         src = np.full(num_tokens, -1, np.int32)
+        pos = np.zeros((3, num_tokens), np.int32) if self.family.mrope else None
         t = 0
         for c in chunks:
             images = c.seq.ext.get(self.name)
+            a = c.seq.num_computed
+            if pos is not None:   # a sequence's index + delta (0 without images), the prompt's positions below
+                mrope = images.mrope if images is not None else None
+                index = np.arange(a, a + c.num_tokens, dtype=np.int32)
+                pos[:, t:t + c.num_tokens] = index + (mrope[1] if mrope else 0)
+                k = min(c.num_tokens, mrope[0].shape[1] - a) if mrope else 0
+                if k > 0:
+                    pos[:, t:t + k] = mrope[0][:, a:a + k]
             if images in bad:
                 if all(seq.request is not c.seq.request for seq, _ in failed):   # once per request
                     failed.append((c.seq, bad[images]))
             elif images is not None:
-                a = c.seq.num_computed
                 k = min(c.num_tokens, len(images.prompt_src) - a)
                 if k > 0:
                     src[t:t + k] = images.prompt_src[a:a + k]
             t += c.num_tokens
-        return {"embed_src": src}
+        return {"embed_src": src} if pos is None else {"embed_src": src, "mrope_positions": pos}
 
     def _encode(self, due: dict[ImageEntry, list[RequestImages]]) -> dict[RequestImages, BaseException]:
         """Launch the encoder on the due images, all in as few programs as the buckets allow; the requests of a
         failed launch, with its error (their rows run without images and their blocks are never shared)."""
         entries = list(due)
         try:
-            pixels = np.concatenate([e.pixels[0] for e in entries])
-            mask = np.concatenate([e.pixels[1] for e in entries])
-            slots = np.concatenate([np.asarray(e.slots, np.int32) for e in entries])
-            self.encoder.encode(self.s.step_fn, pixels, mask, slots)
+            self.family.encode(self.s.step_fn, entries, [self.rows.rows(e)[:e.num_rows] for e in entries])
         except Exception as error:
             bad = {}
             for entry in entries:
