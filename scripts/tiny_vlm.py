@@ -2,7 +2,7 @@
 special tokens: what scripts/bench_vision.py serves by default and tests/test_vision_server.py checks against
 transformers; and a tiny random Qwen2.5-VL likewise (tests/test_vision_server_qwen.py). Needs torch and transformers (the test extras).
 
-    python scripts/tiny_vlm.py DIR      # write one
+    python scripts/tiny_vlm.py DIR [idefics3|qwen2_5_vl]      # write one
 """
 from __future__ import annotations
 
@@ -110,5 +110,6 @@ def hf_processor(path: Path) -> Any:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    write_tiny_idefics3(out)
-    print(f"wrote a tiny random Idefics3 to {out}")
+    family = sys.argv[2] if len(sys.argv) > 2 else "idefics3"
+    {"idefics3": write_tiny_idefics3, "qwen2_5_vl": write_tiny_qwen2_5_vl}[family](out)
+    print(f"wrote a tiny random {family} checkpoint to {out}")
