@@ -120,9 +120,9 @@ class ModelConfig:
     rope_local_theta: float | None = None        # Gemma 3: RoPE base of the sliding layers (no scaling)
 
     def __post_init__(self) -> None:
-        for name in ("layer_types", "mlp_only_layers"):   # lists from JSON (converted checkpoints)
-            if not isinstance(getattr(self, name), tuple):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for f in dataclasses.fields(self):   # tuple fields come back from JSON as lists (converted checkpoints)
+            if str(f.type).startswith("tuple") and isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ModelLoadError(f"layer_types: {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
