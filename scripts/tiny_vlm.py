@@ -25,23 +25,30 @@ PRE = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})   # t
 IMAGE_SEQ_LEN = 16   # rows per frame: (32 / 4)^2 patches / scale_factor^2
 
 
-def write_tiny_idefics3(path: Path, seed: int = 0, vision: dict[str, Any] | None = None,
-                        text: dict[str, Any] | None = None) -> Any:
-    """Write the checkpoint to `path` (config, safetensors, tokenizer, processor files); returns transformers' model."""
-    import torch
-    import transformers
+def write_tokenizer(path: Path, specials: list[str]) -> None:
+    """A byte-level BPE of 200 ids whose first ids are `specials` (BOS, EOS, ChatML's, then the image tokens),
+    with a ChatML template and EOS ids [1, 3]."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(["what is in this picture? a red square, a blue sky, hello world 12345"] * 5,
-                            trainers.BpeTrainer(vocab_size=200, show_progress=False, special_tokens=SPECIALS))
+                            trainers.BpeTrainer(vocab_size=200, show_progress=False, special_tokens=specials))
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "<|endoftext|>", "chat_template": CHATML,
-         "additional_special_tokens": SPECIALS[4:]}))
+         "additional_special_tokens": specials[4:]}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+
+
+def write_tiny_idefics3(path: Path, seed: int = 0, vision: dict[str, Any] | None = None,
+                        text: dict[str, Any] | None = None) -> Any:
+    """Write the checkpoint to `path` (config, safetensors, tokenizer, processor files); returns transformers' model."""
+    import torch
+    import transformers
+
+    write_tokenizer(path, SPECIALS)
     vision, text = {**VISION, **(vision or {})}, {**TEXT, **(text or {})}
     seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // 4
     cfg = transformers.Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMAGE_ID)
@@ -69,18 +76,8 @@ def write_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Any:
     vision special tokens at the config's ids; returns transformers' model."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["what is in this picture? a red square, a blue sky, hello world 12345"] * 5,
-                            trainers.BpeTrainer(vocab_size=200, show_progress=False, special_tokens=QWEN_SPECIALS))
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "<|endoftext|>", "chat_template": CHATML,
-         "additional_special_tokens": QWEN_SPECIALS[4:]}))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    write_tokenizer(path, QWEN_SPECIALS)
     ids = {name: QWEN_SPECIALS.index(tok) for name, tok in [("vision_start_token_id", "<|vision_start|>"),
            ("vision_end_token_id", "<|vision_end|>"), ("image_token_id", "<|image_pad|>"),
            ("video_token_id", "<|video_pad|>")]}

@@ -38,6 +38,31 @@ def paged_greedy(model, ids: Sequence[int], steps: int) -> list[int]:
     return seq[len(ids):]
 
 
+def run_to_end(core, *reqs, prepare: bool = True, max_steps: int = 400) -> list[dict]:
+    """Run requests together on an EngineCore to the end: per request its choices' tokens (`tokens`: choice 0),
+    choice 0's logprobs, usage and error. The KV pool and the image row pool must be back at their baselines."""
+    out = [dict(choices={}, logprobs=[], usage=None, error=None) for _ in reqs]
+    for r, o in zip(reqs, out):
+        if prepare:
+            core.prepare(r)
+
+        def on_event(ev, o=o):
+            o["choices"].setdefault(ev.index, []).extend(ev.token_ids)
+            o["tokens"] = o["choices"].get(0, [])
+            o["logprobs"] += (ev.logprobs or []) if ev.index == 0 else []
+            o["usage"] = ev.usage or o["usage"]
+            o["error"] = ev.error or o["error"]
+        core.add_request(r, on_event)
+    for _ in range(max_steps):
+        if not core.has_work():
+            break
+        core.step()
+    assert not core.requests
+    assert core.pool.num_free_blocks == core.baseline_free_blocks
+    assert core.stats()["image_rows_used"] == 0
+    return out
+
+
 def assert_close(a: np.ndarray, b: np.ndarray, tol: float = 1e-4) -> None:
     """|a - b| at most `tol` times b's range, everywhere."""
     scale = max(np.ptp(b), 1e-6)

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from paged import run_to_end  # noqa: E402
 from test_vision_idefics3 import layout_ids, synthetic_image  # noqa: E402
 from test_vision_model import write_vlm  # noqa: E402
 from imp_jax.errors import EngineError, InvalidRequestError, ModelLoadError  # noqa: E402
@@ -55,28 +56,8 @@ def request(ids: list[int], images: tuple[ImageInput, ...], **params) -> Generat
 
 
 def run(core, *reqs: GenerationRequest, prepare: bool = True) -> list[dict]:
-    """Run the requests together to the end; each one's tokens, first-token logprob and usage. The KV pool and
-    the row pool must be back at their baselines."""
-    out = [dict(choices={}, logprobs=[], usage=None, error=None) for _ in reqs]
-    for r, o in zip(reqs, out):
-        if prepare:
-            core.prepare(r)
-
-        def on_event(ev, o=o):
-            o["choices"].setdefault(ev.index, []).extend(ev.token_ids)
-            o["tokens"] = o["choices"][0] if 0 in o["choices"] else []
-            o["logprobs"] += (ev.logprobs or []) if ev.index == 0 else []
-            o["usage"] = ev.usage or o["usage"]
-            o["error"] = ev.error or o["error"]
-        core.add_request(r, on_event)
-    for _ in range(300):
-        if not core.has_work():
-            break
-        core.step()
-    assert not core.requests
-    assert core.pool.num_free_blocks == core.baseline_free_blocks
-    assert core.stats()["image_rows_used"] == 0
-    return out
+    """Run the requests together to the end (paged.run_to_end: pools back at their baselines)."""
+    return run_to_end(core, *reqs, prepare=prepare, max_steps=300)
 
 
 def hf_greedy(hf, ids: list[int], images: list[tuple[int, int, int]]) -> tuple[list[int], np.ndarray]:

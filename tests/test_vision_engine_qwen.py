@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from paged import run_to_end  # noqa: E402
 from test_vision_qwen2_5_vl import END, IMAGE, START, synthetic_image, tiny_qwen  # noqa: E402,F401,F811  (a fixture)
 from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
 from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
@@ -53,27 +54,8 @@ def request(ids: list[int], images: tuple[ImageInput, ...], **params) -> Generat
 
 
 def run(core, *reqs: GenerationRequest) -> list[dict]:
-    """Run the requests together to the end; each one's tokens, logprobs and usage. The KV pool and the row pool
-    must be back at their baselines."""
-    out = [dict(choices={}, logprobs=[], usage=None, error=None) for _ in reqs]
-    for r, o in zip(reqs, out):
-        core.prepare(r)
-
-        def on_event(ev, o=o):
-            o["choices"].setdefault(ev.index, []).extend(ev.token_ids)
-            o["tokens"] = o["choices"].get(0, [])
-            o["logprobs"] += (ev.logprobs or []) if ev.index == 0 else []
-            o["usage"] = ev.usage or o["usage"]
-            o["error"] = ev.error or o["error"]
-        core.add_request(r, on_event)
-    for _ in range(400):
-        if not core.has_work():
-            break
-        core.step()
-    assert not core.requests
-    assert core.pool.num_free_blocks == core.baseline_free_blocks
-    assert core.stats()["image_rows_used"] == 0
-    return out
+    """Run the requests together to the end (paged.run_to_end: pools back at their baselines)."""
+    return run_to_end(core, *reqs)
 
 
 def hf_greedy(hf, ids: list[int], sizes: list[tuple[int, int, int]], vision, n: int = 8):
