@@ -26,14 +26,12 @@ QWEN_ROW_UNIT = 16   # pool rows per unit for Qwen2.5-VL: small images waste lit
 
 def row_unit(vision: LoadedVision) -> int:
     """Rows per pool unit (slot) for this family."""
-    return QWEN_ROW_UNIT if vision.family == "qwen2_5_vl" else vision.config.image_seq_len
+    return family_class(vision).unit_rows(vision)
 
 
 def text_hidden(vision: LoadedVision) -> int:
     """The width of an encoder row (the text model's hidden size)."""
-    if vision.family == "qwen2_5_vl":
-        return vision.config.vision.out_hidden_size
-    return vision.config.text_hidden_size
+    return family_class(vision).row_width(vision)
 
 
 class Idefics3Family:
@@ -41,8 +39,16 @@ class Idefics3Family:
 
     mrope = False
 
+    @staticmethod
+    def unit_rows(vision: LoadedVision) -> int:
+        return vision.config.image_seq_len
+
+    @staticmethod
+    def row_width(vision: LoadedVision) -> int:
+        return vision.config.text_hidden_size
+
     def __init__(self, vision: LoadedVision, num_units: int, step_tokens: int, mesh):
-        self.vision, self.unit = vision, vision.config.image_seq_len
+        self.vision, self.unit = vision, self.unit_rows(vision)
         self.image_token_id = vision.config.image_token_id
         cfg = vision.processor
         widest = num_frames(idefics3.image_grid(cfg.longest_edge, cfg.longest_edge, cfg))   # a full-size image
@@ -80,8 +86,16 @@ class QwenFamily:
 
     mrope = True
 
+    @staticmethod
+    def unit_rows(vision: LoadedVision) -> int:
+        return QWEN_ROW_UNIT
+
+    @staticmethod
+    def row_width(vision: LoadedVision) -> int:
+        return vision.config.vision.out_hidden_size
+
     def __init__(self, vision: LoadedVision, num_units: int, step_tokens: int, mesh):
-        self.vision, self.unit = vision, QWEN_ROW_UNIT
+        self.vision, self.unit = vision, self.unit_rows(vision)
         self.image_token_id = vision.config.image_token_id
         self.merge = vision.config.vision.spatial_merge_size
         p = vision.processor
@@ -126,5 +140,9 @@ class QwenFamily:
 
 def image_family(vision: LoadedVision, num_units: int = 0, step_tokens: int = 0, mesh=None):
     """The family's adapter; with a `mesh`, its encoder too (built for a pool of `num_units` units)."""
-    cls = QwenFamily if vision.family == "qwen2_5_vl" else Idefics3Family
-    return cls(vision, num_units, step_tokens, mesh)
+    return family_class(vision)(vision, num_units, step_tokens, mesh)
+
+
+def family_class(vision: LoadedVision) -> type[Idefics3Family] | type[QwenFamily]:
+    """The one place a vision family name picks its adapter."""
+    return QwenFamily if vision.family == "qwen2_5_vl" else Idefics3Family
