@@ -333,6 +333,8 @@ class EngineCore:
         self._fetched_at = time.perf_counter()
         self.wait_seconds += self._fetched_at - t
         self.num_steps += 1
+        # counted before the tokens go out: a client that reads /metrics after its last token sees this step
+        self.counters.count_step(launched.decode_rows)
         spec = self.by_name["speculation"]
         for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
             if c.drafts:
@@ -345,7 +347,7 @@ class EngineCore:
         if any(e >= 0 for e in launched.extra_rows):
             self.counters.spec_verify_steps += 1
             self.counters.spec_verify_seconds += self._fetched_at - launched.launched_at
-        self.counters.count_step(launched.decode_rows, self.scheduler.reserved_blocks())
+        self.counters.kv_blocks_reserved = self.scheduler.reserved_blocks()
         if not defer_text:
             self._emit_deferred()
         return len(launched.chunks), self._fetched_at - t

@@ -34,13 +34,12 @@ class EngineCounters:
     steps_failed: int = 0            # steps (or sequences' host work) that raised: their requests failed
     requests_failed: int = 0         # requests ended with engine_step_failed
 
-    def count_step(self, decode_rows: int, reserved_blocks: int) -> None:
+    def count_step(self, decode_rows: int) -> None:
         if decode_rows:
             self.decode_steps += 1
             self.decode_rows += decode_rows
             self.decode_rows_last = decode_rows
             self.decode_rows_max = max(self.decode_rows_max, decode_rows)
-        self.kv_blocks_reserved = reserved_blocks
 
 
 def engine_stats(core: EngineCore) -> dict[str, int | float]:
