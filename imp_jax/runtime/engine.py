@@ -335,6 +335,9 @@ class EngineCore:
         self.num_steps += 1
         # counted before the tokens go out: a client that reads /metrics after its last token sees this step
         self.counters.count_step(launched.decode_rows)
+        if any(e >= 0 for e in launched.extra_rows):
+            self.counters.spec_verify_steps += 1
+            self.counters.spec_verify_seconds += self._fetched_at - launched.launched_at
         spec = self.by_name["speculation"]
         for i, (c, samples) in enumerate(zip(launched.chunks, launched.samples)):
             if c.drafts:
@@ -344,9 +347,6 @@ class EngineCore:
                 self.failures.guard("advance", c.seq, lambda c=c, i=i, a=advance: spec.verify(c, out, i, launched.extra_rows[i], a))
             else:
                 self.failures.guard("advance", c.seq, lambda c=c, i=i, s=samples: self.output.advance(c.seq, s, out, i))
-        if any(e >= 0 for e in launched.extra_rows):
-            self.counters.spec_verify_steps += 1
-            self.counters.spec_verify_seconds += self._fetched_at - launched.launched_at
         self.counters.kv_blocks_reserved = self.scheduler.reserved_blocks()
         if not defer_text:
             self._emit_deferred()
