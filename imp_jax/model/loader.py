@@ -92,8 +92,9 @@ def open_checkpoint(name_or_path: str | Path, mmproj: str | None = None) -> Chec
     resolved = resolve_model(str(name_or_path))
     path = resolved.path
     if mmproj is not None and resolved.kind != "gguf":
-        raise ModelLoadError(f"--mmproj {mmproj}: a vision projector pairs with a GGUF text model, not a "
-                             f"{resolved.kind} checkpoint ({path}); an HF directory carries its own image side")
+        what = "an HF directory (which carries its own image side)" if resolved.kind == "hf_dir" else \
+            "a converted checkpoint"
+        raise ModelLoadError(f"--mmproj {mmproj}: a vision projector pairs with a GGUF text model; {path} is {what}")
     if resolved.kind == "gguf":
         from imp_jax.model.gguf_loader import load_gguf
         gguf = load_gguf(path)
