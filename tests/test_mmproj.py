@@ -280,11 +280,14 @@ def test_bad_pairings_are_refused_in_one_line(pair, tmp_path):
         open_checkpoint(text, str(mismatched))
 
 
-def test_llm_takes_mmproj(pair):
-    """The offline API passes `mmproj` through (EngineConfig's field): a refusal shows it reached the loader."""
+def test_the_server_flag_and_llm_take_mmproj(pair):
+    """`--mmproj` is EngineConfig's field, so the server's flag and the offline API pass it to the loader (a
+    refusal shows it got there)."""
     from imp_jax.llm import LLM
+    from imp_jax.server.cli import parse_config
 
     family, hf_dir, text, mmproj = pair
+    assert parse_config(["--model", str(text), "--mmproj", str(mmproj)], EngineConfig).engine.mmproj == str(mmproj)
     with pytest.raises(ModelLoadError, match="--mmproj"):
         LLM(str(hf_dir), mmproj=str(mmproj))
 

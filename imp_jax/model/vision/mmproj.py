@@ -99,9 +99,10 @@ def _idefics3(meta: _Metadata, text_hidden: int, ids: list[int]) -> tuple[Idefic
                          layer_norm_eps=_f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
                          hidden_act="gelu_pytorch_tanh")
     config = Idefics3Config(tower, int(meta.get("clip.vision.projector.scale_factor", 2)), text_hidden, ids[0])
-    if tower.patches_per_side % config.scale_factor:
-        raise ModelLoadError(f"{meta.path}: scale factor {config.scale_factor} does not divide the "
-                             f"{tower.patches_per_side}-patch side")
+    if tower.patches_per_side % config.scale_factor or tower.hidden_size % tower.num_heads:
+        raise ModelLoadError(f"{meta.path}: scale factor {config.scale_factor} must divide the "
+                             f"{tower.patches_per_side}-patch side and {tower.num_heads} heads the width "
+                             f"{tower.hidden_size}")
     longest = int(meta.get("clip.vision.preproc_image_size") or IDEFICS3_TILES * image_size)
     processor = ImageProcessorConfig(longest_edge=longest, tile=image_size,
                                      image_mean=_floats(meta, "clip.vision.image_mean"),
