@@ -45,7 +45,7 @@ FAMILIES = {"idefics3": ("llama", gguf.MODEL_ARCH.LLAMA, "idefics3"),
             "qwen2_5_vl": ("qwen2vl", gguf.MODEL_ARCH.QWEN2VL, "qwen2.5vl_merger")}
 GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=6,
               ignore_eos=True, logprobs=5)
-PICTURE = (37, 53, 0)   # width, height, seed: 2 x 1 tiles + global for Idefics3, 10 x 14 patches for Qwen
+PICTURE = (37, 53, 0)   # width, height, seed: 2 x 2 tiles + global for Idefics3, 14 x 10 patches for Qwen
 
 
 # ------------------------------------------------------------------------------------------------ the writer
@@ -180,10 +180,9 @@ def louder(model, family: str, gain: float = 50.0):
     import torch
 
     inner = model.model
-    layers = [inner.connector.modality_projection.proj] if family == "idefics3" else [inner.visual.merger.mlp[2]]
-    with torch.no_grad():
-        for layer in layers:   # the weight alone: the bias is the same for every picture
-            layer.weight.mul_(gain)
+    last = inner.connector.modality_projection.proj if family == "idefics3" else inner.visual.merger.mlp[2]
+    with torch.no_grad():   # the weight alone: the bias is the same for every picture
+        last.weight.mul_(gain)
     return model
 
 
