@@ -31,6 +31,7 @@ from paged import run_to_end  # noqa: E402
 from test_vision_qwen2_5_vl import synthetic_image  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.model.config import ModelConfig, read_json  # noqa: E402
+from imp_jax.model.gguf_file import GGUFFile  # noqa: E402
 from imp_jax.model.gguf_loader import permute_rotary  # noqa: E402
 from imp_jax.model.loader import SafetensorsDir, open_checkpoint  # noqa: E402
 from imp_jax.model.vision.side import build_vision, text_tensors  # noqa: E402
@@ -105,8 +106,9 @@ def write_text_gguf(hf_dir: Path, out: Path, family: str) -> Path:
     return out
 
 
-def write_mmproj(hf_dir: Path, out: Path, family: str) -> Path:
-    """The image side of `hf_dir` as `convert_hf_to_gguf.py --mmproj` writes it (conversion/smolvlm.py, qwenvl.py).
+def write_mmproj(hf_dir: Path, out: Path, family: str, f16: bool = False) -> Path:
+    """The image side of `hf_dir` as `convert_hf_to_gguf.py --mmproj` writes it (conversion/smolvlm.py, qwenvl.py);
+    `f16`: as its default `--outtype f16` does, matrices in float16 (not SmolVLM's embeddings, kept float32).
     Qwen: the tiny tower's window (16 px) and the HF preprocessor's pixel bounds go in gguf's `window_size` and
     `image_min/max_pixels` keys, which the converter leaves out (llama.cpp then uses 112 px and its own bounds)."""
     hf, pre = read_json(hf_dir / "config.json"), read_json(hf_dir / "preprocessor_config.json")
@@ -146,7 +148,8 @@ def write_mmproj(hf_dir: Path, out: Path, family: str) -> Path:
         for hf_name, x in _converter_split(name, tensors[name]):
             suffix = ".weight.1" if hf_name.endswith(".weight.1") else None
             gname = names.get_name(hf_name.removesuffix(".1") if suffix else hf_name, try_suffixes=(".weight", ".bias"))
-            w.add_tensor(gname + ".1" if suffix else gname, x)
+            half = f16 and x.ndim > 1 and ".embeddings." not in name
+            w.add_tensor(gname + ".1" if suffix else gname, x.astype(np.float16) if half else x)
     _finish(w)
     return out
 
@@ -221,12 +224,21 @@ def as_stored(processor):
     return dataclasses.replace(processor, image_mean=f32(processor.image_mean), image_std=f32(processor.image_std))
 
 
-def assert_same_weights(got, want) -> None:
-    """The encoders built from two opened image sides hold the same parameters, bit for bit."""
+def assert_same_weights(got, want, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """The encoders built from two opened image sides hold the same parameters (bit for bit by default)."""
     a, b = (nnx.to_flat_state(nnx.state(build_vision(c, np.float32).encoder)) for c in (got, want))
     assert [path for path, _ in a] == [path for path, _ in b]
     for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(path))
+        np.testing.assert_allclose(np.asarray(x[...]), np.asarray(y[...]), rtol=rtol, atol=atol, err_msg=str(path))
+
+
+def test_an_f16_projector_loads_the_weights_rounded_to_f16(pair, tmp_path):
+    """The converter's default output type: float16 matrices are read back as float32 (to f16's precision)."""
+    family, hf_dir, text, _ = pair
+    path = write_mmproj(hf_dir, tmp_path / "f16.gguf", family, f16=True)
+    assert {t.tensor_type.name for t in GGUFFile(path).tensors} == {"F16", "F32"}
+    got = open_checkpoint(text, str(path)).vision
+    assert_same_weights(got, open_checkpoint(hf_dir).vision, rtol=1e-3, atol=6e-8)   # f16's subnormal step
 
 
 def test_the_gguf_pair_serves_an_image_like_the_hf_directory(pair):
@@ -249,11 +261,11 @@ def test_the_gguf_pair_serves_an_image_like_the_hf_directory(pair):
                                    [ref.logprob] + [x for _, x in ref.top], atol=1e-6, rtol=0)
 
 
-def _clip_file(path: Path, projector: str) -> Path:
+def _clip_file(path: Path, projector: str, width: int = 48) -> Path:
     """A minimal clip GGUF of projector type `projector` (what the refusals read before any tensor)."""
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_clip_projector_type(projector)
-    w.add_vision_projection_dim(48)
+    w.add_vision_projection_dim(width)
     w.add_tensor("v.post_ln.weight", np.zeros(4, np.float32))
     _finish(w)
     return path
@@ -277,6 +289,19 @@ def test_bad_pairings_are_refused_in_one_line(pair, tmp_path):
     with pytest.raises(ModelLoadError, match=f"pairs with a '{FAMILIES[other][0]}' text GGUF, not "
                                              f"'{FAMILIES[family][0]}'"):
         open_checkpoint(text, str(mismatched))
+
+
+def test_a_text_gguf_without_the_image_tokens_or_of_another_width_is_refused(tmp_path):
+    """A llama GGUF of width 64 whose vocabulary has no `<image>` (test_gguf_loader's): an idefics3 projector of
+    width 64 is refused for the token, one of width 48 for the width."""
+    from test_gguf_loader import HIDDEN, write_gguf
+
+    text = tmp_path / "plain.gguf"
+    write_gguf(text)
+    with pytest.raises(ModelLoadError, match="vocabulary lacks <image>"):
+        open_checkpoint(text, str(_clip_file(tmp_path / "a.gguf", "idefics3", HIDDEN)))
+    with pytest.raises(ModelLoadError, match=f"projection width 48 differs from the text model's hidden size {HIDDEN}"):
+        open_checkpoint(text, str(_clip_file(tmp_path / "b.gguf", "idefics3", 48)))
 
 
 def test_the_server_flag_and_llm_take_mmproj(pair):
