@@ -147,6 +147,22 @@ def test_pallas_kernel_honours_key_limits(name: str, kv_splits: int) -> None:
     check(sc, *run_backends(sc, {"pallas": pallas}))
 
 
+def test_pallas_kernel_with_key_limits_and_sinks_matches_xla() -> None:
+    """The sinks and the rows' last keys share the kernel's first barrier (three copies); both count."""
+    sc = SPAN_CASES["window_soft_cap"]
+    q, k, v, k_cache, v_cache, meta = make_batch(sc.case, seed=3)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, 1)
+    meta = dataclasses.replace(meta, key_limit=jnp.asarray(key_limits(sc, sc.case.num_tokens)))
+    sinks = jnp.linspace(-2.0, 4.0, q.shape[1], dtype=jnp.float32)
+    kw = dict(sm_scale=sc.case.head_dim ** -0.5, sliding_window=sc.case.sliding_window, soft_cap=sc.case.soft_cap,
+              sinks=sinks)
+    want = jax.jit(lambda *a: ragged_paged_attention_xla(*a, **kw))(q, k_cache, v_cache, meta, 1)
+    got = jax.jit(lambda *a: rpa.ragged_paged_attention_pallas(*a, **kw, interpret=True, kv_splits=2))(
+        q, k_cache, v_cache, meta, 1)
+    tol = TOLERANCE[sc.case.dtype]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("kv_splits", [1, 2])
 def test_pallas_kernel_with_key_limits_lowers_for_cuda(kv_splits: int) -> None:
     """The key-limit rows' TMA, their WGMMA-layout load and mask lower through Mosaic GPU (export for CUDA,
