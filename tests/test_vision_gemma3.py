@@ -144,11 +144,24 @@ def test_chat_route_prompt_ids_equal_the_processors(tiny, parts):
     assert loaded.tokenizer.encode_chat(text) == list(want["input_ids"][0])
 
 
-def prefill_logits(model, ids: list[int], rows: np.ndarray, image_token: int, cuts: tuple[int, ...] = ()
-                   ) -> np.ndarray:
+def key_limits(ids: list[int], image_token: int) -> np.ndarray:
+    """Each token's key limit (AttentionMetadata.key_limit): an image token's is the last token of its run of
+    image tokens (transformers' token_type_ids blocks), every other token's -1 (causal)."""
+    is_image = np.asarray(ids) == image_token
+    limit = np.full(len(ids), -1, np.int32)
+    starts = np.flatnonzero(is_image & ~np.r_[False, is_image[:-1]])
+    ends = np.flatnonzero(is_image & ~np.r_[is_image[1:], False])
+    for a, b in zip(starts, ends):
+        limit[a:b + 1] = b
+    return limit
+
+
+def prefill_logits(model, ids: list[int], rows: np.ndarray, image_token: int, cuts: tuple[int, ...] = (),
+                   bidirectional: bool = False) -> np.ndarray:
     """Our model's logits [len(ids), V] for one prompt prefilled in chunks split at `cuts` through the engine's
     forward (step_programs.model_forward), each chunk given its own image rows (the k-th image token reads
-    rows[k]) as (embed_rows, embed_slots) padded to 64 rows whose slot T writes nowhere."""
+    rows[k]) as (embed_rows, embed_slots) padded to 64 rows whose slot T writes nowhere; `bidirectional`: each
+    image's tokens see each other (the metadata's key limits)."""
     T, M = 128, 64
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
@@ -160,8 +173,11 @@ def prefill_logits(model, ids: list[int], rows: np.ndarray, image_token: int, cu
     for a, b in zip((0, *cuts), (*cuts, len(ids))):
         batch = build_step_batch([SeqChunk(ids[a:b], a, list(range(1, 9)))], num_tokens=T, num_seqs=1,
                                  max_blocks=8, block_size=16)
+        limit = np.full(T, -1, np.int32)
+        limit[:b - a] = key_limits(ids, image_token)[a:b]
         meta = AttentionMetadata(*(jnp.asarray(x) for x in (batch.query_start_loc, batch.seq_lens,
-                                                             batch.block_tables, batch.slot_mapping, batch.num_seqs)))
+                                                             batch.block_tables, batch.slot_mapping, batch.num_seqs)),
+                                 key_limit=jnp.asarray(limit) if bidirectional else None)
         where = np.flatnonzero(np.asarray(ids[a:b]) == image_token)
         slots = np.full(M, T, np.int32)
         slots[:len(where)] = where
@@ -195,3 +211,18 @@ def test_causal_logits_with_an_image_match_transformers(tiny):
     with torch.no_grad():
         want = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0].numpy()
     np.testing.assert_allclose(prefill_logits(loaded.model, ids, rows, 6), want, atol=1e-4, rtol=0)
+
+
+def test_bidirectional_logits_with_two_images_match_transformers(tiny):
+    """With token_type_ids (what Gemma3Processor returns) an image's tokens attend to each other both ways, within
+    the sliding layers' window too; prefilled whole or in chunks cut between the images."""
+    _, hf, _, loaded = tiny
+    ids, rows, inputs = image_prompt_ids(tiny, [SIZES[0], SIZES[3]])
+    with torch.no_grad():
+        want = hf(**inputs).logits[0].numpy()
+        causal = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0].numpy()
+    assert np.abs(want - causal).max() > 1e-2   # the key limit matters on this prompt
+    first_image_end = int(np.flatnonzero(np.asarray(ids) == 6)[15]) + 1
+    for cuts in [(), (first_image_end, first_image_end + 5)]:
+        ours = prefill_logits(loaded.model, ids, rows, 6, cuts, bidirectional=True)
+        np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
