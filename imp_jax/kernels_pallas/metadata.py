@@ -18,6 +18,9 @@ class AttentionMetadata:
     `seq_lens[s]` tokens of KV after this step, and reads its KV through `block_tables[s]`.
     Padding sequences have zero query tokens and seq_len 0; padding tokens sit past
     `query_start_loc[num_seqs]` and have `slot_mapping == -1` (their K/V is written nowhere).
+    `key_limit` (bidirectional image spans, Gemma 3): token t at KV position p attends keys
+    k <= max(p, key_limit[t]) (never past its sequence's seq_len); -1 is plain causal. A sliding
+    window still drops keys with p - k >= window. None (every step without such spans) is causal.
     """
 
     query_start_loc: jax.Array  # int32 [S + 1]
@@ -25,6 +28,7 @@ class AttentionMetadata:
     block_tables: jax.Array     # int32 [S, max_blocks_per_seq]; unused entries point at block 0
     slot_mapping: jax.Array     # int32 [T]; block_id * block_size + offset, or -1
     num_seqs: jax.Array         # int32 []
+    key_limit: jax.Array | None = None   # int32 [T]; -1: causal (the class docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +63,11 @@ def token_positions(meta: AttentionMetadata, num_tokens: int) -> tuple[jax.Array
     valid = t < qsl[meta.num_seqs]
     pos = meta.seq_lens[seq] - (qsl[seq + 1] - t)
     return seq, pos, valid
+
+
+def key_reach(meta: AttentionMetadata, seq: jax.Array, pos: jax.Array) -> jax.Array:
+    """Per token (of `token_positions`' seq and pos): the last KV position it attends, max(pos, key_limit)
+    kept inside its sequence's KV; pos itself without key limits."""
+    if meta.key_limit is None:
+        return pos
+    return jnp.maximum(pos, jnp.minimum(meta.key_limit, meta.seq_lens[seq] - 1))

@@ -65,7 +65,9 @@ class EngineCore:
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh,
                                     image_pool_shape(loaded, config),
-                                    mrope=loaded.vision is not None and image_family(loaded.vision).mrope)
+                                    mrope=loaded.vision is not None and image_family(loaded.vision).mrope,
+                                    bidirectional_images=loaded.vision is not None
+                                    and image_family(loaded.vision).bidirectional)
         self.tiers = attach_tiers(self, mesh.devices.flat[0].platform)   # the host KV tier, None when off
         self.counters = EngineCounters()
         self.requests: dict[str, RequestState] = {}

@@ -42,6 +42,7 @@ class Idefics3Family:
     """Idefics3 / SmolVLM: frames of image_seq_len rows."""
 
     mrope = False
+    bidirectional = False   # an image's tokens attend causally, like text (Gemma 3's see their whole image)
 
     @staticmethod
     def unit_rows(vision: LoadedVision) -> int:
@@ -113,6 +114,7 @@ class QwenFamily:
     """Qwen2.5-VL: h*w / merge^2 rows per image, M-RoPE positions."""
 
     mrope = True
+    bidirectional = False
 
     @staticmethod
     def unit_rows(vision: LoadedVision) -> int:

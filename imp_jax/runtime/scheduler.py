@@ -12,6 +12,12 @@ ends (`fair_tenants=False`: rank alone, no such preemption). When blocks run out
 worst-ranked running sequence is preempted: of the tenant running the most sequences (when fair),
 the newest. A preempted sequence frees its blocks and later recomputes its KV from its tokens, or, with
 a host tier (`swapper`, runtime/kv_tiers.py) whose rule says swap, gets its KV copied back when readmitted.
+
+Atomic spans (a bidirectional model's images, `Sequence.chunk_fit`): a prefill chunk is cut back to the start
+of a span it would end inside. A sequence cut to nothing (its next span does not fit what the step has left)
+is held until it runs: each step schedules held sequences first, before the decodes, so the first of them
+has the whole budget, which holds any span (the images feature refuses longer ones): none starves behind
+decodes or other prefills (nor, taking turns, behind each other); the decodes they displace run a step later.
 """
 from __future__ import annotations
 
@@ -69,6 +75,7 @@ class Scheduler:
         # given count; None: no drafting
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
         self.swapper: Swapper | None = None   # the host KV tier, when there is one
+        self.held: list[Sequence] = []         # cut to nothing by an atomic span, not run since: they go first
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -138,10 +145,21 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
-        order = sorted(self.running, key=lambda s: (s.is_prefill, s.request.priority, s.arrival))
+        self.held = [s for s in self.held if s.status is not SeqStatus.FINISHED]
+        for seq in list(self.held):   # the module docstring: a sequence an atomic span held back goes first
+            if budget == 0 or len(chunks) == self.max_num_seqs:
+                break
+            n = self._admit(seq, budget, now) if seq.status is SeqStatus.WAITING and seq.can_start else 0
+            if n:
+                chunks.append(ScheduledChunk(seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+        first = {s.seq_id for s in self.held}
+        order = sorted(self.running, key=lambda s: (s.seq_id not in first, s.is_prefill, s.request.priority,
+                                                    s.arrival))
         for seq in order:
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this pass
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
+                continue  # preempted earlier in this pass, or admitted above
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
             if seq.shadow is not None:   # a CFG pair runs together (runtime/cfg.py)
@@ -149,14 +167,16 @@ class Scheduler:
                 chunks += pair
                 budget -= sum(c.num_tokens for c in pair)
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if self._grow(seq, n, scheduled):
+            n = self._fit(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget))
+            if n and self._grow(seq, n, scheduled):
                 chunks.append(ScheduledChunk(seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
         for seq in self._admission_order(now):
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
+            if seq.seq_id in scheduled:
+                continue
             if seq.shadow is not None:
                 pair = self._admit_pair(seq, budget, self.max_num_seqs - len(chunks), now) if seq.can_start else []
                 chunks += pair
@@ -168,6 +188,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
+        self.held = [s for s in self.held if s.seq_id not in scheduled]
         return self._add_drafts(chunks, budget) if self.drafter is not None else chunks
 
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
@@ -208,8 +229,8 @@ class Scheduler:
         if needed > self.pool.num_free_blocks - self.reserved_blocks():
             return 0
         cached = self.pool.cached_tokens(ids, salt)
-        n = min(len(ids) - cached, budget)
-        if not self.pool.allocate(seq.table, ids, cached + n, salt):  # one lookup: takes the hits
+        n = self._fit(seq, cached, min(len(ids) - cached, budget))
+        if not n or not self.pool.allocate(seq.table, ids, cached + n, salt):  # one lookup: takes the hits
             return 0
         seq.num_computed = seq.table.num_cached_tokens
         self._start(seq, now)
@@ -225,14 +246,22 @@ class Scheduler:
         pool = self.pool
         if pool.num_blocks_for(seq.num_tokens) > pool.num_free_blocks - self.reserved_blocks():
             return 0
-        n = min(seq.num_tokens - saved, budget)
-        if not pool.allocate(seq.table, (), saved + n):
+        n = self._fit(seq, saved, min(seq.num_tokens - saved, budget))
+        if not n or not pool.allocate(seq.table, (), saved + n):
             return 0
         self.swapper.swap_in(seq)
         seq.num_computed = saved
         pool.commit(seq.table, seq.all_ids[:saved], seq.cache_key)   # its full blocks join the prefix cache
         self._start(seq, now)
         return n
+
+    def _fit(self, seq: Sequence, start: int, n: int) -> int:
+        """`Sequence.chunk_fit`: n tokens from `start`, cut back before an atomic span; a sequence cut to
+        nothing is held (it goes first next step: the module docstring)."""
+        fit = seq.chunk_fit(start, n)
+        if n and not fit and seq not in self.held:
+            self.held.append(seq)
+        return fit
 
     def _start(self, seq: Sequence, now: float) -> None:
         """An admitted sequence's move from waiting to running."""

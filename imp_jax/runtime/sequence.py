@@ -74,6 +74,18 @@ class Sequence:
         spans = self.ext.get("image_spans")       # the images feature's (first, end, digest hex) per image
         return key if spans is None else ImageKeys(key, spans)
 
+    def chunk_fit(self, start: int, n: int) -> int:
+        """How many of the n tokens from `start` one prefill chunk may take: n, cut back to the start of the
+        atomic span it would end strictly inside (`ext["atomic_spans"]`, token [lo, hi) ranges: an image whose
+        tokens attend each other, runtime/features/images.py), 0 when that start is not past `start`. A chunk
+        may start inside a span (its head's KV came from a pass that ran to the span's end) if it reaches
+        the end."""
+        end = start + n
+        for lo, hi in self.ext.get("atomic_spans", ()):
+            if lo < end < hi:
+                return max(0, lo - start)
+        return n
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

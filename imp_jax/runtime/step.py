@@ -71,14 +71,21 @@ class CompiledStep:
     With `mrope` (Qwen2.5-VL's image side served) the step program's positions are [3, T] (temporal, height,
     width: runtime/features/images.py fills them; all three the row's index when not given); the score and
     lens programs keep [T] (they refuse prompts with images, whose positions differ from the index).
+    With `bidirectional_images` (Gemma 3: an image's tokens see each other during prefill) the step program
+    also takes `key_limit` [T] in the packed ints, after embed_src, into its AttentionMetadata (each row's last
+    key past its own position, -1: causal; runtime/features/images.py fills it); the score and lens programs
+    take none (they refuse images).
     """
 
     def __init__(self, model: Any, kv: tuple[jax.Array, jax.Array], shapes: StepShapes,
                  buckets: list[tuple[int, int]], mesh: Mesh, image_pool: tuple[int, int] | None = None,
-                 mrope: bool = False):
+                 mrope: bool = False, bidirectional_images: bool = False):
+        if bidirectional_images and not image_pool:
+            raise ValueError("bidirectional_images needs an image pool (a model that sees images)")
         self.graphdef, state = nnx.split(model)
         self.shapes = shapes
         self.mrope = mrope
+        self.bidirectional_images = bidirectional_images
         self.context_buckets = context_buckets(shapes.max_blocks, model.options.kernels.bucketed_context)
         self.buckets = sorted((T, S, C) for T, S in buckets for C in self.context_buckets)
         self.mesh = mesh
@@ -120,7 +127,8 @@ class CompiledStep:
         # runs before every program reading or writing the cache: the host KV tier's queued copies (kv_tiers.py)
         self.before_programs: Callable[[], None] = lambda: None
         self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
-        programs = step_programs(model, self.graphdef, treedef, self._leaves, mesh, self.max_rows)
+        programs = step_programs(model, self.graphdef, treedef, self._leaves, mesh, self.max_rows,
+                                 bidirectional_images)
         self.with_lora = getattr(model, "lora", None) is not None
         # params, kv, block tables, ints, floats, the previous step's tokens (`last_tokens`)
         ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
@@ -385,7 +393,8 @@ class CompiledStep:
                      follow: tuple[np.ndarray, np.ndarray] | None = None,
                      cfg: tuple[np.ndarray, np.ndarray] | None = None,
                      embed_src: np.ndarray | None = None,
-                     mrope_positions: np.ndarray | None = None) -> tuple[Any, ...]:
+                     mrope_positions: np.ndarray | None = None,
+                     key_limit: np.ndarray | None = None) -> tuple[Any, ...]:
         T, S = len(batch.input_ids), len(batch.seq_lens)
         positions = batch.positions
         if self.mrope:
@@ -393,8 +402,10 @@ class CompiledStep:
                          else np.broadcast_to(batch.positions, (3, T)).astype(np.int32))
         src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
         cfg = cfg if cfg is not None else (np.full(S, -1, np.int32), np.ones(S, np.float32))
-        images = () if self.image_pool is None else (
-            np.full(T, -1, np.int32) if embed_src is None else np.asarray(embed_src, np.int32),)
+        per_token = lambda a: np.full(T, -1, np.int32) if a is None else np.asarray(a, np.int32)   # noqa: E731
+        images = () if self.image_pool is None else (per_token(embed_src),)
+        if self.bidirectional_images:
+            images += (per_token(key_limit),)
         return (batch.input_ids, positions, _meta(batch), batch.table_rows, batch.table_edits,
                 batch.last_token_rows, sampling,
                 np.array([self.base_seed % 2**32, step_no % 2**32], np.uint32),
@@ -451,7 +462,8 @@ class CompiledStep:
     def launch(self, batch: StepBatch, sampling: SamplingTensors, step_no: int, tables: list[BlockTable],
                follow: tuple[np.ndarray, np.ndarray] | None = None, prev: jax.Array | None = None,
                cfg: tuple[np.ndarray, np.ndarray] | None = None, context: int | None = None,
-               embed_src: np.ndarray | None = None, mrope_positions: np.ndarray | None = None) -> SamplerOutput:
+               embed_src: np.ndarray | None = None, mrope_positions: np.ndarray | None = None,
+               key_limit: np.ndarray | None = None) -> SamplerOutput:
         """Start one step and return at once (JAX dispatches asynchronously): its output as device
         arrays, which `fetch` waits for. The host may work meanwhile; the next launch follows it.
         `batch` is built without tables (`with_tables=False`); `tables` are its sequences' BlockTables.
@@ -462,6 +474,7 @@ class CompiledStep:
         `cfg` = (shadow row [S], scale [S]) guides row r's logits by row shadow[r] >= 0 (runtime/cfg.py).
         `embed_src` [T] (with an image pool): token row t's embedding is pool row embed_src[t] when >= 0.
         `mrope_positions` [3, T] (with `mrope`): the rows' M-RoPE positions (default: each row's index, thrice).
+        `key_limit` [T] (with `bidirectional_images`): each row's last key past its own position (default -1).
         `context`: the program's context bucket (default: the smallest reaching the batch's sequences)."""
         T, S = len(batch.input_ids), len(batch.seq_lens)
         bucket = (T, S, context) if context else self._program_key(T, S, int(batch.seq_lens.max(initial=0)))
@@ -472,7 +485,7 @@ class CompiledStep:
         self.before_programs()
         self._attach_tables(batch, tables)
         ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg, embed_src,
-                                                              mrope_positions))
+                                                              mrope_positions, key_limit))
         if self.leader is not None:
             if follow is not None:
                 raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")

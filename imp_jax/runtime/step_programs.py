@@ -44,11 +44,12 @@ def model_forward(model: Any, graphdef: Any, treedef: Any) -> Callable:
 
 
 def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Array], mesh: Mesh,
-                  max_rows: int) -> dict[str, Callable]:
+                  max_rows: int, bidirectional_images: bool = False) -> dict[str, Callable]:
     """The programs' functions for `model` split into (graphdef, flat leaves): each takes (leaves, kv, tables,
     ints, floats, prev, layout, context) and returns (outputs, kv, tables); `context` (static) is how many
     leading block-table columns the attention gets (runtime/step.py, context buckets). On a mesh of more
-    than one device the forward and the LM head run per shard under `shard_map`."""
+    than one device the forward and the LM head run per shard under `shard_map`. With `bidirectional_images`
+    the step's packed ints end with key_limit [T] after embed_src, which joins its AttentionMetadata."""
     dynamic_skips = model.options.kernels.dynamic_skips
     with_lora = getattr(model, "lora", None) is not None
     forward_logits = model_forward(model, graphdef, treedef)
@@ -82,6 +83,8 @@ def step_programs(model: Any, graphdef: Any, treedef: Any, leaves_: list[jax.Arr
         (input_ids, positions, meta, table_rows, edits, rows, sampling, step_no, lora_ids, src, hist_pos,
          (cfg_rows, cfg_scale), *images) = unpack(layout, ints, floats)
         meta, tables = meta_of(tables, meta, table_rows, edits, context)
+        if bidirectional_images:   # image tokens see their whole image (runtime/features/images.py)
+            meta = dataclasses.replace(meta, key_limit=images[1])
         # asynchronous scheduling (engine.py): a token the host has not read yet is the previous
         # step's sample at row src (-1: the host's id); a penalised row's history gets it too
         input_ids = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], input_ids)

@@ -9,8 +9,9 @@
 // and reads each key and value once, straight from the cache, with an online softmax over chunks
 // of at most 16 keys of one page. Items are shared through XLA's intra-op thread pool.
 //
-// A token's result depends only on its own query, its sequence's pages and its position, never
-// on the other tokens of the step.
+// A token's result depends only on its own query, its sequence's pages, its position and its key
+// limit (bidirectional image spans: it also sees keys up to key_limit, -1 = causal), never on the
+// other tokens of the step.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -77,6 +78,7 @@ struct Attention {
   const int32_t* seq_lens; // [S]
   const int32_t* tables;   // [S, MB]
   const float* sinks;      // [H] attention-sink logits (gpt-oss), or nullptr: none
+  const int32_t* key_limit;  // [T] the last key each token sees besides its own past, or nullptr: causal
   float* out;              // [T, H, D]
   int64_t T, H, D, KVH, G, NB, BS, MB, layer, num_seqs, window;
   float sm_scale, soft_cap;
@@ -94,6 +96,9 @@ struct Attention {
     }
     const int64_t pos = static_cast<int64_t>(seq_lens[s]) - (qsl[s + 1] - t);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    // the last key it attends: its own position, or further inside its sequence's KV by its key limit
+    const int64_t last =
+        key_limit ? std::max<int64_t>(pos, std::min<int64_t>(key_limit[t], seq_lens[s] - 1)) : pos;
     scratch.assign(H * D * 2 + H * kChunk + 2 * H, 0.0f);
     float* qs = scratch.data();            // [H, D]: q * sm_scale
     float* acc = qs + H * D;               // [H, D]
@@ -107,7 +112,7 @@ struct Attention {
     // Where the chunk of keys starting at kp lies in the caches, and how many keys it holds.
     const auto chunk = [&](int64_t kp, int64_t& n) {
       const int64_t col = kp / BS, off = kp % BS;
-      n = std::min({kChunk, BS - off, pos + 1 - kp});
+      n = std::min({kChunk, BS - off, last + 1 - kp});
       const int64_t block = col < MB ? std::clamp<int64_t>(table[col], 0, NB - 1) : 0;
       return ((layer * NB + block) * BS + off) * stride;
     };
@@ -115,7 +120,7 @@ struct Attention {
     // this layer last ran), and a page is scattered: the next chunk's keys and values are
     // fetched while this one computes. Prefetching changes no result.
     const auto prefetch = [&](int64_t kp) {
-      if (kp > pos) return;
+      if (kp > last) return;
       int64_t n;
       const int64_t base = chunk(kp, n);
       const char* kb = reinterpret_cast<const char*>(k_cache + base);
@@ -127,7 +132,7 @@ struct Attention {
       }
     };
     prefetch(lo);
-    for (int64_t kp = lo; kp <= pos;) {
+    for (int64_t kp = lo; kp <= last;) {
       int64_t n;
       const int64_t base = chunk(kp, n);
       prefetch(kp + n);
@@ -252,7 +257,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& 
                ffi::AnyBuffer& v_cache, ffi::Buffer<ffi::S32>& layer,
                ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& seq_lens,
                ffi::Buffer<ffi::S32>& block_tables, ffi::Buffer<ffi::S32>& num_seqs,
-               ffi::Buffer<ffi::F32>& sinks,
+               ffi::Buffer<ffi::F32>& sinks, ffi::Buffer<ffi::S32>& key_limit,
                ffi::ResultBuffer<ffi::F32>& out, float sm_scale, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto vd = v_cache.dimensions();
@@ -261,11 +266,12 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& 
       !std::equal(cd.begin(), cd.end(), vd.begin()) || qd[2] != cd[4] || cd[3] == 0 || qd[1] % cd[3] != 0 || qd[2] % 8 != 0 ||
       seq_lens.dimensions().size() != 1 || seq_lens.dimensions()[0] != td[0] ||
       query_start_loc.dimensions().size() != 1 || query_start_loc.dimensions()[0] != td[0] + 1 ||
-      sinks.dimensions().size() != 1 || (sinks.dimensions()[0] != 0 && sinks.dimensions()[0] != qd[1]))
+      sinks.dimensions().size() != 1 || (sinks.dimensions()[0] != 0 && sinks.dimensions()[0] != qd[1]) ||
+      key_limit.dimensions().size() != 1 || (key_limit.dimensions()[0] != 0 && key_limit.dimensions()[0] != qd[0]))
     return ffi::Error::InvalidArgument(
         "imp_ragged_paged_attention: q [T, H, D] with D % 8 == 0, caches [L, NB, BS, KVH, D] of one type "
         "with H % KVH == 0, query_start_loc [S + 1], seq_lens [S], block_tables [S, MB], "
-        "sinks [H] or [0] expected");
+        "sinks [H] or [0], key_limit [T] or [0] expected");
   auto a = std::make_shared<Attention<C>>();
   a->q = q.typed_data();
   a->k_cache = static_cast<const C*>(k_cache.untyped_data());
@@ -274,6 +280,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& 
   a->seq_lens = seq_lens.typed_data();
   a->tables = block_tables.typed_data();
   a->sinks = sinks.dimensions()[0] ? sinks.typed_data() : nullptr;
+  a->key_limit = key_limit.dimensions()[0] ? key_limit.typed_data() : nullptr;
   a->out = out->typed_data();
   a->T = qd[0], a->H = qd[1], a->D = qd[2];
   a->NB = cd[1], a->BS = cd[2], a->KVH = cd[3], a->G = qd[1] / cd[3];
@@ -306,16 +313,17 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> seq_lens,
                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
-                         ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                         ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> key_limit,
+                         ffi::ResultBuffer<ffi::F32> out, float sm_scale,
                          int64_t sliding_window, float soft_cap) {
   switch (k_cache.element_type()) {
     case ffi::DataType::F32:
       return Run<float>(pool, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-                        num_seqs, sinks, out, sm_scale, sliding_window, soft_cap);
+                        num_seqs, sinks, key_limit, out, sm_scale, sliding_window, soft_cap);
     case ffi::DataType::BF16:
     case ffi::DataType::U16:   // bfloat16 bits (how a CPU engine stores a bfloat16 cache)
       return Run<uint16_t>(pool, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-                           num_seqs, sinks, out, sm_scale, sliding_window, soft_cap);
+                           num_seqs, sinks, key_limit, out, sm_scale, sliding_window, soft_cap);
     default:
       return ffi::Error::InvalidArgument("imp_ragged_paged_attention: float32 or bfloat16 (or its bits in uint16) caches expected");
   }
@@ -335,6 +343,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ImpRaggedPagedAttentionF32, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] (gpt-oss) or [0]: none
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // key_limit [T] or [0]: causal
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")

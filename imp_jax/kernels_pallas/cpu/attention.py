@@ -37,9 +37,11 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer`; see the oracle for the contract.
-    `sinks` [H] (gpt-oss): per-head logits that join each softmax's denominator only."""
+    `sinks` [H] (gpt-oss): per-head logits that join each softmax's denominator only; `meta.key_limit`
+    [T] (bidirectional image spans): keys past each token's own position it also sees ([0] when None)."""
     sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    key_limit = jnp.zeros((0,), jnp.int32) if meta.key_limit is None else meta.key_limit.astype(jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), meta.query_start_loc, meta.seq_lens,
-                meta.block_tables, meta.num_seqs, sinks, sm_scale=np.float32(sm_scale),
+                meta.block_tables, meta.num_seqs, sinks, key_limit, sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))

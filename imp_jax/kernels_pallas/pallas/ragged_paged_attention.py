@@ -12,6 +12,9 @@ query tokens of one sequence; grid = (work items, kv heads[, kv splits]). A work
 tokens x the G query heads of its kv head as the 64 MMA rows (GQA: K/V are read once per group),
 walks its sequence's pages through `block_tables` (never a dense context) in steps of `block_kv`
 keys, and keeps an f32 online softmax. Causal, sliding-window and soft-cap masking are per row.
+Key limits (`AttentionMetadata.key_limit`, bidirectional image spans) come in as each row's last
+key, max(position, limit) (`_reach_rows`, one more small TMA beside the sinks); a work item then
+walks to its rows' furthest last key, not only to its last row. Without them the kernel is as before.
 Attention sinks (gpt-oss: a logit per query head, of value 0) are the softmax's starting state:
 m = sink, l = 1, acc = 0, as if the sink were a key already seen; never soft-capped.
 Split-KV (`split_kv.py`): when few (work item, kv head) programs would leave most SMs idle (a
@@ -36,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape, token_positions
+from imp_jax.kernels_pallas.metadata import AttentionMetadata, AttentionShape, key_reach, token_positions
 from imp_jax.kernels_pallas.pallas import split_kv
 from imp_jax.kernels_pallas.pallas.shapes import MMA_ROWS, block_kv_for, supports
 
@@ -102,11 +105,14 @@ def _plan(meta: AttentionMetadata, num_tokens: int, block_q: int,
     return work, qsl[seq] + j * block_q, tok_work, tok_row, valid
 
 
-def _kv_steps(work: jax.Array, block_kv: int, sliding_window: int | None) -> jax.Array:
-    """Append each work item's [first, end) kv step: keys from the window start to its last row."""
+def _kv_steps(work: jax.Array, block_kv: int, sliding_window: int | None,
+              last_key: jax.Array | None = None) -> jax.Array:
+    """Append each work item's [first, end) kv step: keys from the window start to its last row (to
+    `last_key` [W], its rows' furthest key, with key limits)."""
     pos0, rows = work[:, 1], work[:, 2]
     lo = jnp.zeros_like(pos0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-    end = jnp.where(rows > 0, (pos0 + rows + block_kv - 1) // block_kv, 0)
+    last = pos0 + rows - 1 if last_key is None else last_key
+    end = jnp.where(rows > 0, (last + block_kv) // block_kv, 0)
     lo = jnp.minimum(lo // block_kv, end)
     return jnp.concatenate([work, lo[:, None], end[:, None]], axis=1)
 
@@ -124,6 +130,17 @@ def _sink_rows(sinks: jax.Array | None, kv_heads: int, group: int, block_q: int,
     return none.at[:, 0, :block_q * group].set(rows)
 
 
+def _reach_rows(meta: AttentionMetadata, num_tokens: int, tok: jax.Array, live: jax.Array, group: int,
+                rows_m: int) -> tuple[jax.Array, jax.Array]:
+    """Key limits as the kernel reads them: int32 [W, rows_m], each row's last key (`metadata.key_reach`:
+    max(position, limit)), row r of an item being its token r // group (padding rows -1: no key); and
+    [W] each item's furthest one (where its kv steps end)."""
+    seq, pos, _ = token_positions(meta, num_tokens)
+    reach = jnp.where(live, key_reach(meta, seq, pos)[tok], -1)                  # [W, block_q]
+    rows = jnp.repeat(reach, group, axis=1)
+    return jnp.pad(rows, ((0, 0), (0, rows_m - rows.shape[1])), constant_values=-1), reach.max(axis=1)
+
+
 def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
     """An SMEM buffer tiled and swizzled the way TMA and wgmma want 2D operands."""
     tile = SWIZZLE // jnp.dtype(dtype).itemsize
@@ -134,12 +151,15 @@ def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, sinks_ref: Any, q_ref: Any, k_ref: Any,
-            v_ref: Any, o_ref: Any, lse_ref: Any = None, *, group: int, block_kv: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None, splits: int, interpret: bool) -> None:
+            v_ref: Any, *refs: Any, group: int, block_kv: int, sm_scale: float, sliding_window: int | None,
+            soft_cap: float | None, splits: int, key_limits: bool, interpret: bool) -> None:
     """One (work item, kv head[, kv slice]): online-softmax attention of its rows over its
     sequence's pages (its slice of them when splits > 1: then the f32 partial and lse go out).
     The softmax starts from m = the rows' sink logits (`_sink_rows`), l = 1, acc = 0: the sink as
-    a key already seen, of value 0; a sink of -1e30 (no sinks, later slices) is no key at all."""
+    a key already seen, of value 0; a sink of -1e30 (no sinks, later slices) is no key at all.
+    refs: the rows' last keys (`_reach_rows`) with key limits, then the output (and, split, the lse)."""
+    reach_ref, (o_ref, *lse) = (refs[0], refs[1:]) if key_limits else (None, refs)
+    lse_ref = lse[0] if lse else None
     _, _, bs, _, d = k_ref.shape
     rows_m = q_ref.shape[2]
     pages = block_kv // bs
@@ -158,9 +178,11 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, sinks_ref: Any, q_re
     lay = (lambda x, _: x) if interpret else plgpu.layout_cast
 
     def scoped(q_smem: Any, k_smem: Any, v_smem: Any, p_smem: Any, kt_smem: Any, sink_smem: Any,
-               q_bar: Any, k_bar: Any, v_bar: Any) -> None:
+               reach_smem: Any, q_bar: Any, k_bar: Any, v_bar: Any) -> None:
         plgpu.copy_gmem_to_smem(q_ref.at[w, h], q_smem, q_bar.at[0])
         plgpu.copy_gmem_to_smem(sinks_ref.at[h, split], sink_smem, q_bar.at[0])
+        if key_limits:
+            plgpu.copy_gmem_to_smem(reach_ref.at[w], reach_smem, q_bar.at[0])
 
         def fetch(step: jax.Array, slot: jax.Array | int) -> None:
             for p in range(pages):  # one TMA per page; each barrier expects `pages` arrivals
@@ -175,6 +197,10 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, sinks_ref: Any, q_re
                           jnp.int32(group))
         col = lay(lax.broadcasted_iota(jnp.int32, (rows_m, block_kv), 1), plgpu.Layout.WGMMA)
         q_pos = pos0 + row_tok
+        last_key = q_pos   # each row's last key: its own position, or further by its key limit
+        if key_limits:
+            last_key = lax.broadcast_in_dim(lay(reach_smem[...], plgpu.Layout.WGMMA.reduce(1)),
+                                            (rows_m, block_kv), [0])
 
         def qk(slot: jax.Array) -> jax.Array:
             def mma(acc_ref: Any) -> jax.Array:
@@ -201,7 +227,7 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, sinks_ref: Any, q_re
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             key = step * block_kv + col
-            mask = (key <= q_pos) & (row_tok < n_rows)
+            mask = (key <= last_key) & (row_tok < n_rows)
             if sliding_window is not None:
                 mask &= key > q_pos - sliding_window
             s = jnp.where(mask, s, _MASKED)
@@ -246,9 +272,9 @@ def _kernel(work_ref: Any, tables_ref: Any, layer_ref: Any, sinks_ref: Any, q_re
             scoped,
             _smem((rows_m, d), dtype), _smem((2, block_kv, d), dtype), _smem((2, block_kv, d), dtype),
             _smem((rows_m, block_kv), dtype), _smem((d, block_kv), dtype) if interpret else None,
-            plgpu.SMEM((rows_m,), jnp.float32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=1), plgpu.Barrier(num_arrivals=pages, num_barriers=2),
-            plgpu.Barrier(num_arrivals=pages, num_barriers=2),
+            plgpu.SMEM((rows_m,), jnp.float32), plgpu.SMEM((rows_m,), jnp.int32) if key_limits else None,
+            plgpu.Barrier(num_arrivals=3 if key_limits else 2, num_barriers=1),   # q, sinks[, last keys]
+            plgpu.Barrier(num_arrivals=pages, num_barriers=2), plgpu.Barrier(num_arrivals=pages, num_barriers=2),
         )
         if splits > 1:
             pl.run_scoped(functools.partial(store_partial, *result), _smem((rows_m, d), jnp.float32),
@@ -265,7 +291,8 @@ def ragged_paged_attention_pallas(
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
     Same contract as `xla.oracle.ragged_paged_attention_oracle` (sinks [H] included: one more
-    logit per head in each softmax's denominator, never soft-capped); K/V must already be written.
+    logit per head in each softmax's denominator, never soft-capped; `meta.key_limit` too); K/V must
+    already be written.
     kv_splits: slices of each work item's keys, one program each (None: `split_kv.default_kv_splits`
     of the static shapes; 1: no split, no combine). lowering: the Mosaic GPU mode (LOWERING; the other
     one only for checks that lower the kernel under it, tests/test_pallas_export.py).
@@ -280,23 +307,25 @@ def ragged_paged_attention_pallas(
     rows_m = MMA_ROWS * math.ceil(block_q * G / MMA_ROWS)
     bk = block_kv_for(BS, block_kv)
     work, first_tok, tok_work, tok_row, valid = _plan(meta, T, block_q, num_work)
-    work = _kv_steps(work, bk, sliding_window)
+    # q rows of each work item: its tokens (token, group head) -> [W, KVH, rows_m, D] below
+    tok = jnp.clip(first_tok[:, None] + jnp.arange(block_q)[None, :], 0, T - 1)
+    live = jnp.arange(block_q)[None, :] < work[:, 2:3]
+    key_limits = meta.key_limit is not None
+    reach_rows, last_key = _reach_rows(meta, T, tok, live, G, rows_m) if key_limits else ((), None)
+    work = _kv_steps(work, bk, sliding_window, last_key)
     splits = auto_kv_splits(q, k_cache, meta, sliding_window, block_kv) if kv_splits is None else kv_splits
     if splits < 1:
         raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
     if splits > 1:
         work = split_kv.with_split_size(work, splits)
 
-    # q rows of each work item, stacked (token, group head) -> [W, KVH, rows_m, D]
-    tok = jnp.clip(first_tok[:, None] + jnp.arange(block_q)[None, :], 0, T - 1)
-    live = jnp.arange(block_q)[None, :] < work[:, 2:3]
     qw = jnp.where(live[..., None, None], q[tok], 0).astype(k_cache.dtype)
     qw = qw.reshape(num_work, block_q, KVH, G, D).transpose(0, 2, 1, 3, 4)
     qw = qw.reshape(num_work, KVH, block_q * G, D)
     qw = jnp.pad(qw, ((0, 0), (0, 0), (0, rows_m - block_q * G), (0, 0)))
 
     kernel = functools.partial(_kernel, group=G, block_kv=bk, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, splits=splits, interpret=interpret)
+                               soft_cap=soft_cap, splits=splits, key_limits=key_limits, interpret=interpret)
     if splits == 1:
         out_type: Any = jax.ShapeDtypeStruct((num_work, KVH, rows_m, D), k_cache.dtype)
         grid, names = (num_work, KVH), ("work", "kv_head")
@@ -310,7 +339,8 @@ def ragged_paged_attention_pallas(
                         **({"interpret": interpret_params()} if interpret else {}))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     sink_rows = _sink_rows(sinks, KVH, G, block_q, rows_m, splits)
-    out = call(work, meta.block_tables.astype(jnp.int32), layer_arr, sink_rows, qw, k_cache, v_cache)
+    out = call(work, meta.block_tables.astype(jnp.int32), layer_arr, sink_rows, qw, k_cache, v_cache,
+               *([reach_rows] if key_limits else []))
 
     rows = block_q * G
     if splits == 1:

@@ -30,13 +30,14 @@ def rows_per_item(group: int) -> int:
 
 def smem_bytes(shape: AttentionShape, block_kv: int = 64) -> int:
     """The shared memory one program of the kernel holds at once (ragged_paged_attention.py): q, two
-    stages of K and of V, the probabilities and the sinks in its main scope, then (split-KV) the f32
-    partial output and its lse; each buffer aligned, barriers and Mosaic's own scratch in the reserve."""
+    stages of K and of V, the probabilities, the sinks and the rows' last keys (key limits: counted
+    whether a call has them or not) in its main scope, then (split-KV) the f32 partial output and its
+    lse; each buffer aligned, barriers and Mosaic's own scratch in the reserve."""
     bk = block_kv_for(shape.block_size, block_kv)
     rows, d = rows_per_item(shape.num_heads // shape.num_kv_heads), shape.head_dim
     item = jnp.dtype(shape.cache_dtype).itemsize
     align = lambda n: SMEM_ALIGN * math.ceil(n / SMEM_ALIGN)   # noqa: E731
-    main = (align(rows * d * item) + 2 * align(2 * bk * d * item) + align(rows * bk * item) + align(rows * 4))
+    main = (align(rows * d * item) + 2 * align(2 * bk * d * item) + align(rows * bk * item) + 2 * align(rows * 4))
     partial = align(rows * d * 4) + align(rows * LSE_COLS * 4)
     return max(main, partial) + SMEM_RESERVE
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from imp_jax.kernels_pallas.kv_cache import as_float32
-from imp_jax.kernels_pallas.metadata import AttentionMetadata, token_positions
+from imp_jax.kernels_pallas.metadata import AttentionMetadata, key_reach, token_positions
 
 
 TILE_ROWS = 64   # query rows per tile
@@ -23,7 +23,9 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:
     """Attention of q [T, H, D] over the paged KV of `layer` (caches [L, NB, BS, KVH, D]).
 
-    Causal inside each sequence; a sliding window keeps keys with pos - window < key_pos;
+    Causal inside each sequence (with `meta.key_limit`, token t also sees its sequence's keys up to
+    key_limit[t]: they are all this step's own tokens, as the scheduler never ends a chunk inside such
+    a span, so only part 1 below looks at them); a sliding window keeps keys with pos - window < key_pos;
     soft-cap applies cap * tanh(s / cap) to the scores; `sinks` [H] (gpt-oss) are per-head logits
     that join each softmax's denominator only (folded in after the online softmax). Padding
     tokens produce zeros.
@@ -40,8 +42,8 @@ def ragged_paged_attention_xla(
        gathers per row. Tiles of fresh prompts walk nothing.
 
     With `dynamic_skips` off (GPUs: see `Kernels`) both parts loop to static bounds, the whole
-    block table and every earlier tile, masked, and tiles always gather per row: more work, but
-    no data-dependent branch or trip count for the host to wait on. The engine's step then hands
+    block table and every earlier tile (every tile, with key limits), masked, and tiles always
+    gather per row: more work, but no data-dependent branch or trip count for the host to wait on. The engine's step then hands
     it only its context bucket's leading columns of the tables (runtime/step.py), so the walk
     follows the step's longest sequence, rounded up to a power of two, not max_model_len.
     """
@@ -49,6 +51,7 @@ def ragged_paged_attention_xla(
     _, NB, BS, KVH, _ = k_cache.shape
     S = meta.seq_lens.shape[0]
     seq, pos, valid = token_positions(meta, T)
+    reach = key_reach(meta, seq, pos)
     qg = q.astype(jnp.float32).reshape(T, KVH, H // KVH, D) * sm_scale
     slots = jnp.clip(meta.slot_mapping, 0, NB * BS - 1)
     k_new = as_float32(k_cache[layer, slots // BS, slots % BS])     # [T, KVH, D]
@@ -80,7 +83,7 @@ def ragged_paged_attention_xla(
     n_tiles = -(-T // tile)
     pad = n_tiles * tile - T
     padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    q_t, k_t, v_t, seq_t, pos_t, valid_t = map(padded, (qg, k_new, v_new, seq, pos, valid))
+    q_t, k_t, v_t, seq_t, pos_t, reach_t, valid_t = map(padded, (qg, k_new, v_new, seq, pos, reach, valid))
     max_blocks = meta.block_tables.shape[1]
     one_owner_blocks = 8                                      # blocks per step when a tile is one sequence
     per_row_blocks = max(1, min(8, 2048 // (BS * tile)))   # else: keeps the gathered K/V near 1-2 MB
@@ -88,13 +91,14 @@ def ragged_paged_attention_xla(
               for b in (one_owner_blocks, per_row_blocks)}
 
     def own_tokens(i: int, st):
-        """Part 1 for query tile i: key tiles from its first sequence's first row up to itself."""
-        q_i, seq_i, pos_i = (x[i * tile:(i + 1) * tile] for x in (q_t, seq_t, pos_t))
+        """Part 1 for query tile i: key tiles from its first sequence's first row up to itself (with key
+        limits: up to its rows' furthest key)."""
+        q_i, seq_i, pos_i, reach_i = (x[i * tile:(i + 1) * tile] for x in (q_t, seq_t, pos_t, reach_t))
 
         def key_tile(j, st):
             k_j, v_j, seq_j, pos_j, ok_j = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile)
                                             for x in (k_t, v_t, seq_t, pos_t, valid_t))
-            mask = (seq_i[:, None] == seq_j[None, :]) & (pos_j[None, :] <= pos_i[:, None]) & ok_j[None, :]
+            mask = (seq_i[:, None] == seq_j[None, :]) & (pos_j[None, :] <= reach_i[:, None]) & ok_j[None, :]
             return attend(st, jnp.einsum("tkgd,jkd->tkgj", q_i, k_j), v_j,
                           window(mask, pos_i[:, None], pos_j[None, :]),
                           lambda p, v: jnp.einsum("tkgj,jkd->tkgd", p, v))
@@ -102,9 +106,16 @@ def ragged_paged_attention_xla(
         if n_tiles == 1:
             return key_tile(0, st)
         if not dynamic_skips:
-            return jax.lax.fori_loop(0, i + 1, key_tile, st)
+            return jax.lax.fori_loop(0, i + 1 if meta.key_limit is None else n_tiles, key_tile, st)
         first = jnp.where(valid_t[i * tile], meta.query_start_loc[seq_i[0]] // tile, i + 1)
-        return jax.lax.fori_loop(first, i + 1, key_tile, st)
+        return jax.lax.fori_loop(first, i + 1 if meta.key_limit is None else last_key_tile(i), key_tile, st)
+
+    def last_key_tile(i: int) -> jax.Array:
+        """With key limits: one past the key tile holding tile i's furthest key (a row's key at KV
+        position k is flat token t + k - pos_t: a sequence's step tokens are contiguous)."""
+        rows = slice(i * tile, (i + 1) * tile)
+        furthest = jnp.arange(i * tile, (i + 1) * tile) + reach_t[rows] - pos_t[rows]
+        return jnp.clip(jnp.max(jnp.where(valid_t[rows], furthest, 0)) // tile + 1, i + 1, n_tiles)
 
     def cached_prefix(i: int, st):
         """Part 2 for query tile i: each row's sequence's KV from before this step, a few blocks at a time."""

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from imp_jax.kernels_pallas.kv_cache import as_float32
-from imp_jax.kernels_pallas.metadata import AttentionMetadata, token_positions
+from imp_jax.kernels_pallas.metadata import AttentionMetadata, key_reach, token_positions
 
 
 def ragged_paged_attention_oracle(
@@ -15,8 +15,9 @@ def ragged_paged_attention_oracle(
 ) -> jax.Array:
     """Each token of q [T, H, D] against every key its sequence's block table reaches.
 
-    Causal; a sliding window keeps keys with pos - window < key_pos; soft-cap applies
-    cap * tanh(s / cap) to the scores; padding tokens give zeros. K/V must already be written.
+    Causal (with `meta.key_limit`: keys up to max(pos, limit)); a sliding window keeps keys with
+    pos - window < key_pos; soft-cap applies cap * tanh(s / cap) to the scores; padding tokens give
+    zeros. K/V must already be written.
     `sinks` [H] (gpt-oss): a logit per head joining the softmax as one more column, its value dropped.
     """
     T, H, D = q.shape
@@ -26,7 +27,7 @@ def ragged_paged_attention_oracle(
     k = as_float32(k_cache[layer][blocks]).reshape(T, -1, KVH, D)       # [T, N, KVH, D]
     v = as_float32(v_cache[layer][blocks]).reshape(T, -1, KVH, D)
     key_pos = jnp.arange(k.shape[1])
-    visible = (key_pos[None, :] <= pos[:, None]) & valid[:, None]
+    visible = (key_pos[None, :] <= key_reach(meta, seq, pos)[:, None]) & valid[:, None]
     if sliding_window is not None:
         visible &= key_pos[None, :] > pos[:, None] - sliding_window
     qg = q.astype(jnp.float32).reshape(T, KVH, H // KVH, D)

@@ -9,6 +9,9 @@ preemption reads the same rows; a step whose chunks reach an image's tokens firs
 every such image, across requests, then gives each token row its pool row (`embed_src`) and, for M-RoPE, its
 position [3] (`mrope_positions`: the prompt's below its length, index + delta, all three equal, after).
 Blocks holding an image's tokens are keyed on its digest (kv_hash.ImageKeys through Sequence.cache_key).
+A bidirectional family (Gemma 3: an image's tokens attend each other during prefill) makes each image's span
+atomic for the scheduler (`seq.ext["atomic_spans"]`: a prefill chunk never ends inside one, so its queries
+never attend KV not yet written) and gives each token row inside a span its last key (`key_limit`, hi - 1).
 """
 from __future__ import annotations
 
@@ -68,6 +71,20 @@ def image_keys(key: Any, req, vision) -> Any:
     if bounds is None:
         return key
     return ImageKeys(key, tuple((lo, hi, image.digest.hex()) for (lo, hi), image in zip(bounds, req.images)))
+
+
+def key_limits(chunks, num_tokens: int) -> np.ndarray:
+    """int32 [num_tokens]: for each token row of the step's chunks (chunk i's rows after chunk i-1's), the last
+    key it attends, hi - 1, when it lies in one of its sequence's atomic spans [lo, hi); -1 (causal) elsewhere."""
+    out = np.full(num_tokens, -1, np.int32)
+    t = 0
+    for c in chunks:
+        a, b = c.seq.num_computed, c.seq.num_computed + c.num_tokens
+        for lo, hi in c.seq.ext.get("atomic_spans", ()):
+            if lo < b and a < hi:
+                out[t + max(lo, a) - a:t + min(hi, b) - a] = hi - 1
+        t += c.num_tokens
+    return out
 
 
 class ImagesFeature(Feature):
@@ -137,6 +154,8 @@ class ImagesFeature(Feature):
             why = family.refusal(image.size)
             if why:
                 raise InvalidRequestError(why, param="images")
+        if req.images and family.bidirectional:
+            self._check_atomic(req, params)
         if req.images and family.mrope and self._positions(req) is None:
             raise InvalidRequestError("each image's tokens must be one run of exactly its count, between its "
                                       "start and end tokens (Engine.image_prompt)", param="images")
@@ -146,6 +165,18 @@ class ImagesFeature(Feature):
                 f"the images need {sum(distinct.values()) * unit} rows of the image cache, which holds "
                 f"{self.rows.num_slots * unit} (--image-cache-rows)", param="images")
         return params
+
+    def _check_atomic(self, req, params) -> None:
+        """A bidirectional image runs in one prefill chunk: it must fit the step's token budget. A CFG shadow
+        pair is scheduled without atomic spans, so guidance is refused with such images."""
+        budget = self.s.config.max_num_batched_tokens
+        longest = max(hi - lo for lo, hi in image_bounds(req, self.family))
+        if longest > budget:
+            raise InvalidRequestError(
+                f"an image of {longest} tokens must run in one step, whose budget is {budget} tokens "
+                "(--max-num-batched-tokens): a smaller image, or a larger budget", param="images")
+        if req.cfg_scale != 1:
+            raise InvalidRequestError("cfg_scale is not supported with images for this model", param="cfg_scale")
 
     def _positions(self, req) -> tuple[np.ndarray, int] | None:
         """The request's M-RoPE (positions, delta), from `prepare` when it ran."""
@@ -184,6 +215,8 @@ class ImagesFeature(Feature):
         if images is not None:
             seq.ext[self.name] = images
             seq.ext["image_spans"] = images.spans   # Sequence.cache_key: blocks keyed on their images
+            if self.family.bidirectional:   # Sequence.chunk_fit: a prefill chunk never ends inside one
+                seq.ext["atomic_spans"] = tuple((lo, hi) for lo, hi, _ in images.spans)
 
     def token_extras(self, chunks, num_tokens: int, failed) -> dict[str, Any]:
         if self.rows is None:
@@ -219,7 +252,10 @@ class ImagesFeature(Feature):
                 if k > 0:
                     src[t:t + k] = images.prompt_src[a:a + k]
             t += c.num_tokens
-        return {"embed_src": src} if pos is None else {"embed_src": src, "mrope_positions": pos}
+        extras = {"embed_src": src} if pos is None else {"embed_src": src, "mrope_positions": pos}
+        if self.family.bidirectional:
+            extras["key_limit"] = key_limits(chunks, num_tokens)
+        return extras
 
     def _encode(self, due: dict[ImageEntry, list[RequestImages]]) -> dict[RequestImages, BaseException]:
         """Launch the encoder on the due images, all in as few programs as the buckets allow; the requests of a
