@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from paged import run_to_end  # noqa: E402
-from test_vision_gemma3 import tiny  # noqa: E402,F401  (a fixture)
+from test_vision_gemma3 import tiny  # noqa: E402,F401,F811  (a fixture)
 from test_vision_idefics3 import synthetic_image  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402

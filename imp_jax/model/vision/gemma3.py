@@ -86,7 +86,7 @@ class Gemma3Vision(nnx.Module):
         self.config, self.dtype = config, dtype
         E = config.vision.hidden_size
         self.tower = VisionTransformer(config.vision, dtype)
-        self.norm = nnx.Param(jnp.zeros((E,), dtype))                                  # Gemma's: scale 1 + w
+        self.norm = nnx.Param(jnp.zeros((E,), dtype))                           # Gemma's RMSNorm: scale 1 + w
         self.proj = nnx.Param(jnp.zeros((config.text_hidden_size, E), dtype))   # [out, in]: the saved one transposed
 
     def __call__(self, pixels: jax.Array, patch_mask: jax.Array) -> jax.Array:
@@ -96,7 +96,7 @@ class Gemma3Vision(nnx.Module):
     def project(self, hidden: jax.Array) -> jax.Array:
         """`Gemma3MultiModalProjector`: [N, n*n, E] patch rows -> [N, mm_tokens_per_image, text hidden]."""
         cfg = self.config
-        N, S, E = hidden.shape
+        N, _, E = hidden.shape
         n, k = cfg.vision.patches_per_side, cfg.pool
         grid = hidden.reshape(N, n // k, k, n // k, k, E)
         pooled = grid.astype(jnp.float32).mean(axis=(2, 4)).astype(hidden.dtype).reshape(N, (n // k) ** 2, E)
