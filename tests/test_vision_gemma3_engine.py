@@ -134,3 +134,27 @@ def test_same_picture_again_hits_the_row_and_prefix_caches(core):
 def test_no_compilation_after_warm_up(core, chunked_core):
     for c in (core, chunked_core):
         assert c.step_fn.warm and c.stats()["compilations_after_warmup"] == 0
+
+
+def test_preempted_request_recomputes_the_same_tokens(chunked_core):
+    """Preempted after its first image, its KV dropped: the recompute (chunks again ending before each image)
+    gives the tokens and logprobs of an uninterrupted run, from the rows it kept."""
+    a, b = image(45, 50, 11), image(50, 45, 12)
+    ids = prompt(chunked_core, a, b, tail=(13, 14))
+    want = run_to_end(chunked_core, greedy(ids, (a, b), logprobs=0))[0]
+    r, out, logprobs = greedy(ids, (a, b), logprobs=0), [], []
+    chunked_core.prepare(r)
+    chunked_core.add_request(r, lambda ev: (out.extend(ev.token_ids), logprobs.extend(ev.logprobs or [])))
+    seq = chunked_core.requests[r.request_id].seqs[0]
+    while seq.num_computed < 60:   # past the first image
+        chunked_core.step()
+    frames = chunked_core.stats()["image_frames_encoded_total"]
+    chunked_core.scheduler.preempt(seq)
+    chunked_core.pool.reset_prefix_cache()
+    while chunked_core.has_work():
+        chunked_core.step()
+    assert out == want["tokens"] and seq.num_preemptions == 1
+    assert [x.logprob for x in logprobs] == pytest.approx([x.logprob for x in want["logprobs"]], abs=1e-5)
+    assert chunked_core.stats()["image_frames_encoded_total"] == frames
+    assert chunked_core.stats()["image_rows_used"] == 0
+    assert chunked_core.pool.num_free_blocks == chunked_core.baseline_free_blocks
