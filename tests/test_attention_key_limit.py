@@ -93,8 +93,8 @@ SPAN_CASES = {
 
 
 def run_backends(sc: SpanCase, backends: dict, seed: int = 0):
-    """(dense reference, {name: output with key limits}, {name: output with all-(-1) limits},
-    {name: output without}) for `sc` on `backends` (name -> attention function)."""
+    """(dense reference, outputs) for `sc` on `backends` (name -> attention function): outputs["limited"],
+    ["causal"] (every limit -1) and ["none"] (key_limit None), each {name: output}."""
     case = sc.case
     q, k, v, k_cache, v_cache, meta = make_batch(case, seed=seed)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, 1)
