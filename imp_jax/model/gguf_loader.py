@@ -28,7 +28,10 @@ log = logging.getLogger("imp_jax.gguf")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "gpt-oss": "GptOssForCausalLM"}
+                 "gpt-oss": "GptOssForCausalLM",
+                 # Qwen2-VL / Qwen2.5-VL's text model: a Qwen2 with M-RoPE (`rope.dimension_sections`); its
+                 # image side comes from a --mmproj file (model/vision/mmproj.py)
+                 "qwen2vl": "Qwen2_5_VLForConditionalGeneration"}
 GEMMA = ("gemma2", "gemma3")
 # a `llama` GGUF with expert tensors is a Mixtral (llama.cpp's converter writes Mixtral so)
 MIXTRAL = "MixtralForCausalLM"
@@ -260,8 +263,11 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what the dequantised tensors are; the loader picks the compute dtype
     }
-    if arch in ("qwen2", "qwen2moe", "qwen3moe"):
+    if arch in ("qwen2", "qwen2moe", "qwen3moe", "qwen2vl"):
         cfg["use_sliding_window"] = False
+    if arch == "qwen2vl":   # the text fields of a Qwen2.5-VL config.json, flat as the hub has them
+        sections = list(meta.need(a("rope.dimension_sections")))
+        cfg.update(model_type="qwen2_5_vl", rope_scaling={"type": "mrope", "mrope_section": sections[:3]})
     if arch == "phi3":   # issue 24: partial rotary (Phi-4-mini) and a sliding window (Phi-3-mini-4k)
         rope_dims = meta.get(a("rope.dimension_count"))
         if rope_dims:

@@ -84,18 +84,27 @@ def resolve_dtype(dtype: str, platform: str = "cpu") -> Any:
         raise ModelLoadError(f"--dtype {dtype!r}: expected auto, float32 or bfloat16") from None
 
 
-def open_checkpoint(name_or_path: str | Path) -> Checkpoint:
-    """Resolve `name_or_path` (path or alias; fetched on first use) and read everything but the weights."""
+def open_checkpoint(name_or_path: str | Path, mmproj: str | None = None) -> Checkpoint:
+    """Resolve `name_or_path` (path or alias; fetched on first use) and read everything but the weights.
+    `mmproj`: a llama.cpp vision projector GGUF giving a GGUF text model its image side (model/vision/mmproj.py)."""
     from imp_jax.model.tokenizer import Tokenizer
 
     resolved = resolve_model(str(name_or_path))
     path = resolved.path
+    if mmproj is not None and resolved.kind != "gguf":
+        what = "an HF directory (which carries its own image side)" if resolved.kind == "hf_dir" else \
+            "a converted checkpoint"
+        raise ModelLoadError(f"--mmproj {mmproj}: a vision projector pairs with a GGUF text model; {path} is {what}")
     if resolved.kind == "gguf":
         from imp_jax.model.gguf_loader import load_gguf
         gguf = load_gguf(path)
         config = parse_config(lambda: ModelConfig.from_hf(gguf.hf_config, source=str(path)), str(path))
+        vision = None
+        if mmproj is not None:
+            from imp_jax.model.vision.mmproj import open_mmproj
+            vision = open_mmproj(mmproj, config.architecture, config.hidden_size, gguf.tokenizer)
         return Checkpoint("gguf", path, resolved.served_name, config, gguf.tokenizer, gguf.generation_config,
-                          gguf.tensors)
+                          gguf.tensors, vision=vision)
     if resolved.kind == "converted":
         marker, config = read_converted(path)
         return Checkpoint("converted", path, resolved.served_name, config, Tokenizer.from_hf_dir(path),
@@ -142,12 +151,13 @@ def attention_shape(config: ModelConfig, dtype: Any, kv_dtype: Any, block_size: 
 
 
 def load_model(name_or_path: str | Path, *, dtype: str = "auto", layer_loop: str | None = None,
-               model_class: str | None = None, kernels: Kernels | None = None, gemm: str = "auto") -> LoadedModel:
+               model_class: str | None = None, kernels: Kernels | None = None, gemm: str = "auto",
+               mmproj: str | None = None) -> LoadedModel:
     """Open and build a model for the default device: `kernels` default to what `select_tested_kernels`
     picks there for `gemm` (the server's --gemm) and a KV cache of the model's dtype, as the engine builder
     does: with `auto`, cpu_q8 for a quantised GGUF on an x86-64 CPU; `exact` gives transformers' products."""
     device = jax.local_devices()[0]
-    ckpt = open_checkpoint(name_or_path)
+    ckpt = open_checkpoint(name_or_path, mmproj)
     jdtype = resolve_dtype(dtype, device.platform)
     if kernels is None:
         kernels = select_tested_kernels(device, attention_shape(ckpt.config, jdtype, jdtype, 16, device.platform),

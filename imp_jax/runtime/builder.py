@@ -84,7 +84,7 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     platform = device.platform
     if platform == "cpu":   # the C++ kernels compile (first start) while the model is fetched and opened
         cpu_kernels.prebuild(cpu_kernels.cpu_libraries(config.attention, config.gemm, config.max_loras > 0))
-    ckpt = open_checkpoint(config.model)
+    ckpt = open_checkpoint(config.model, config.mmproj)
     # longrope (Phi-3/4) picks short or long factors once, from the served context (model/config.py)
     ckpt = dataclasses.replace(ckpt, config=ckpt.config.for_context(config.resolved_max_model_len(ckpt.config)))
     if ckpt.config.rope_scaling.rope_type == "longrope":

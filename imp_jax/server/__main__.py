@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m imp_jax.server: error: {e}", file=sys.stderr)
         return 2
     if models_dir is not None:
-        def make_engine(path: Path) -> Engine:   # start-up adapters belong to the start-up model: not on a swap
-            return engine_for(dataclasses.replace(config.engine, model=str(path), lora=[]))
+        def make_engine(path: Path) -> Engine:   # start-up adapters and projector belong to the start-up model
+            return engine_for(dataclasses.replace(config.engine, model=str(path), lora=[], mmproj=None))
 
         current = Path(config.engine.model) if config.model_given else None
         state_of(app).models = ModelDirectory(models_dir, make_engine, config.swap_timeout, current,

@@ -1,0 +1,185 @@
+"""llama.cpp's vision projector files (`--mmproj`): a CLIP GGUF (`general.architecture` "clip") read as the image
+side of a GGUF text model, into the same vision modules an HF directory builds (model/vision/side.py).
+
+What llama.cpp's converter writes (convert_hf_to_gguf.py --mmproj: conversion/smolvlm.py, qwenvl.py, base.py's
+MmprojModel) is the spec. Two projector types (`clip.projector_type`):
+- `idefics3` (Idefics3 / SmolVLM), beside a `llama` text GGUF: the SigLIP tower and the connector's one matrix,
+  tensors renamed only. `clip.vision.preproc_image_size` is the first resize's longest edge; files from before the
+  converter wrote it get 4 tiles a side (transformers' Idefics3 default; llama.cpp falls back to its generic
+  resize there).
+- `qwen2.5vl_merger` (Qwen2.5-VL), beside a `qwen2vl` text GGUF: the converter splits the fused q|k|v back into
+  q, k, v and the Conv3d patch kernel [E, C, 2, p, p] into two Conv2d kernels (`v.patch_embd.weight` and
+  `.weight.1`, the two frames); both are joined again here. Full-attention blocks are those i with
+  (i + 1) % `clip.vision.n_wa_pattern` == 0, as llama.cpp's graph takes them. The file carries no window size:
+  `clip.vision.window_size` when present, else llama.cpp's fixed 112 pixels. Nor the pixel bounds: the gguf keys
+  `clip.vision.image_min_pixels` / `image_max_pixels` when present, else llama.cpp's (clip.cpp
+  `set_limit_image_tokens(8, 4096)`: 8 to 4096 merged rows, i.e. x (patch * merge)^2 pixels; the HF
+  preprocessor's own default is 4 to 1280). The merge size is `clip.vision.spatial_merge_size`, else 2; the
+  tower's RMSNorm eps is fixed at 1e-6 as in transformers (real files carry that value).
+Tensor names go through gguf's own TensorNameMap (MODEL_ARCH.MMPROJ), as the converter's do. Image token ids and
+the prompt's special tokens come from the text GGUF's tokenizer. Anything else (another projector type, a text
+GGUF of another family, a projection width other than the text model's) is refused with one line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from imp_jax.errors import ModelLoadError
+from imp_jax.model.gguf_loader import ARCHITECTURES, _f32, _Metadata, _open, metadata_errors
+from imp_jax.model.vision.idefics3 import Idefics3Config
+from imp_jax.model.vision.idefics3_processor import IMAGE_TOKEN, ImageProcessorConfig
+from imp_jax.model.vision.qwen2_5_vl import Qwen25VisionConfig, Qwen25VLConfig
+from imp_jax.model.vision.qwen2_5_vl_processor import (IMAGE_TOKEN as QWEN_IMAGE_TOKEN, VISION_END, VISION_START,
+                                                       Qwen2VLProcessorConfig)
+from imp_jax.model.vision.side import VisionCheckpoint
+from imp_jax.model.vision.siglip import VisionConfig
+
+# `clip.projector_type` -> the text GGUF architecture it pairs with
+PROJECTORS = {"idefics3": "llama", "qwen2.5vl_merger": "qwen2vl"}
+VIDEO_TOKEN = "<|video_pad|>"   # Qwen2.5-VL's config names it; images never use it
+QWEN_WINDOW = 112          # pixels: llama.cpp's attention window for Qwen2.5-VL (clip.cpp)
+QWEN_ROWS = (8, 4096)      # merged rows per image: llama.cpp's bounds for Qwen2.5-VL (clip.cpp)
+IDEFICS3_TILES = 4         # tiles a side when the file lacks preproc_image_size (transformers' default)
+
+
+def open_mmproj(path: str | Path, architecture: str, text_hidden: int, tokenizer: Any) -> VisionCheckpoint:
+    """The image side in `path` for a text GGUF loaded as HF `architecture`, of width `text_hidden`, whose
+    tokenizer holds the image tokens; a ModelLoadError (one line) for any file or pairing we do not serve."""
+    path = Path(path)
+    text_arch = {hf: name for name, hf in ARCHITECTURES.items()}.get(architecture, architecture)
+    reader = _open(path)
+    with metadata_errors(path):
+        meta = _Metadata(reader, path)
+        if meta.get("general.architecture") != "clip":
+            raise ModelLoadError(f"--mmproj {path}: not a vision projector (general.architecture "
+                                 f"{meta.get('general.architecture')!r}, expected 'clip')")
+        kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
+        if kind not in PROJECTORS:
+            raise ModelLoadError(f"--mmproj {path}: projector type {kind!r} is not supported (supported: "
+                                 f"{', '.join(PROJECTORS)})")
+        if PROJECTORS[kind] != text_arch:
+            raise ModelLoadError(f"--mmproj {path}: a {kind} projector pairs with a '{PROJECTORS[kind]}' text "
+                                 f"GGUF, not '{text_arch}'")
+        width = int(meta.need("clip.vision.projection_dim"))
+        if width != text_hidden:
+            raise ModelLoadError(f"--mmproj {path}: projection width {width} differs from the text model's "
+                                 f"hidden size {text_hidden}")
+        raw = {t.name: t for t in reader.tensors}
+        if kind == "idefics3":
+            config, processor = _idefics3(meta, text_hidden, _token_ids(path, tokenizer, IMAGE_TOKEN))
+        else:
+            config, processor = _qwen(meta, raw, _token_ids(path, tokenizer, QWEN_IMAGE_TOKEN, VISION_START,
+                                                              VISION_END, VIDEO_TOKEN))
+        blocks = config.vision.num_layers if kind == "idefics3" else config.vision.depth
+        return VisionCheckpoint(config, processor, MmprojTensors(raw, blocks, str(path)), str(path))
+
+
+def _token_ids(path: Path, tokenizer: Any, *texts: str) -> list[int]:
+    """The text GGUF's ids of the image prompt's special tokens `texts` (each must be in its vocabulary)."""
+    ids = [tokenizer.token_to_id(t) for t in texts]
+    missing = [t for t, i in zip(texts, ids) if i is None]
+    if missing:
+        raise ModelLoadError(f"--mmproj {path}: the text GGUF's vocabulary lacks {', '.join(missing)}")
+    return ids
+
+
+def _floats(meta: _Metadata, key: str) -> tuple[float, ...]:
+    return tuple(_f32(x) for x in meta.need(key))
+
+
+def _idefics3(meta: _Metadata, text_hidden: int, ids: list[int]) -> tuple[Idefics3Config, ImageProcessorConfig]:
+    """Idefics3 / SmolVLM: the SigLIP tower's shape, the shuffle factor and the tiling (module docstring)."""
+    v = lambda key: meta.need(f"clip.vision.{key}")  # noqa: E731
+    image_size = int(v("image_size"))
+    tower = VisionConfig(int(v("embedding_length")), int(v("feed_forward_length")), int(v("block_count")),
+                         int(v("attention.head_count")), image_size, int(v("patch_size")),
+                         layer_norm_eps=_f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+                         hidden_act="gelu_pytorch_tanh")
+    config = Idefics3Config(tower, int(meta.get("clip.vision.projector.scale_factor", 2)), text_hidden, ids[0])
+    if tower.patches_per_side % config.scale_factor or tower.hidden_size % tower.num_heads:
+        raise ModelLoadError(f"{meta.path}: scale factor {config.scale_factor} must divide the "
+                             f"{tower.patches_per_side}-patch side and {tower.num_heads} heads the width "
+                             f"{tower.hidden_size}")
+    longest = int(meta.get("clip.vision.preproc_image_size") or IDEFICS3_TILES * image_size)
+    processor = ImageProcessorConfig(longest_edge=longest, tile=image_size,
+                                     image_mean=_floats(meta, "clip.vision.image_mean"),
+                                     image_std=_floats(meta, "clip.vision.image_std"))
+    return config, processor
+
+
+def _qwen(meta: _Metadata, raw: dict[str, Any], ids: list[int]) -> tuple[Qwen25VLConfig, Qwen2VLProcessorConfig]:
+    """Qwen2.5-VL: the windowed ViT's shape, its full-attention blocks and the pixel bounds (module docstring)."""
+    v = lambda key: meta.need(f"clip.vision.{key}")  # noqa: E731
+    depth, pattern = int(v("block_count")), int(v("n_wa_pattern"))
+    patch, merge = int(v("patch_size")), int(meta.get("clip.vision.spatial_merge_size", 2))
+    if "v.patch_embd.weight.1" not in raw:
+        raise ModelLoadError(f"{meta.path}: no second patch-embedding frame (v.patch_embd.weight.1); the "
+                             "temporal patch size must be 2")
+    if not meta.get("clip.use_silu"):
+        raise ModelLoadError(f"{meta.path}: a Qwen2.5-VL projector without clip.use_silu (its MLP is SiLU)")
+    if pattern < 1:
+        raise ModelLoadError(f"{meta.path}: clip.vision.n_wa_pattern must be >= 1, got {pattern}")
+    vision = Qwen25VisionConfig(
+        depth, int(v("embedding_length")), int(v("feed_forward_length")), int(v("attention.head_count")), patch, 2,
+        merge, int(meta.get("clip.vision.window_size", QWEN_WINDOW)),
+        tuple(i for i in range(depth) if (i + 1) % pattern == 0), int(v("projection_dim")),
+        int(raw["v.patch_embd.weight"].shape[2]), "silu")   # GGUF dims [p, p, C, E]
+    if vision.hidden_size % vision.num_heads or vision.head_dim % 4 or vision.window_units < 1:
+        raise ModelLoadError(f"{meta.path}: vision head_dim {vision.head_dim} must divide by 4 and the window "
+                             f"{vision.window_size} px must cover a merge block")
+    area = (patch * merge) ** 2
+    processor = Qwen2VLProcessorConfig(
+        min_pixels=int(meta.get("clip.vision.image_min_pixels") or QWEN_ROWS[0] * area),
+        max_pixels=int(meta.get("clip.vision.image_max_pixels") or QWEN_ROWS[1] * area),
+        patch_size=patch, temporal_patch_size=2, merge_size=merge,
+        image_mean=_floats(meta, "clip.vision.image_mean"), image_std=_floats(meta, "clip.vision.image_std"))
+    return Qwen25VLConfig(vision, *ids), processor
+
+
+class MmprojTensors(Mapping[str, np.ndarray]):
+    """The file's tensors under the HF names our vision modules read (transformers' names, which gguf's
+    TensorNameMap maps to the file's), dequantised to float32 on access; Qwen's `attn.qkv` and Conv3d
+    `patch_embed.proj` joined from the pieces the converter split them into."""
+
+    def __init__(self, raw: dict[str, Any], blocks: int, source: str):
+        import gguf
+
+        self._raw, self._source = raw, source
+        self._names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, blocks)
+
+    def _gguf_name(self, name: str) -> str | None:
+        return self._names.get_name(name, try_suffixes=(".weight", ".bias"))
+
+    def _read(self, gguf_name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._raw[gguf_name]
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+        return np.require(w, np.float32, ["C", "W", "O"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if ".attn.qkv." in name:   # split q|k|v (conversion/qwenvl.py)
+            return np.concatenate([self[name.replace(".qkv.", f".{x}.")] for x in "qkv"])
+        gguf_name = self._gguf_name(name)
+        if gguf_name is None or gguf_name not in self._raw:
+            raise KeyError(name)
+        if name.endswith("patch_embed.proj.weight"):   # Conv3d [E, C, 2, p, p] split into its two frames
+            return np.stack([self._read(gguf_name), self._read(gguf_name + ".1")], axis=2)
+        return self._read(gguf_name)
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        if ".attn.qkv." in name:
+            return name.replace(".qkv.", ".q.") in self
+        return self._gguf_name(name) in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        """The file's own names: many HF names map to one GGUF name, so only lookups speak HF."""
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)

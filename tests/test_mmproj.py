@@ -1,0 +1,348 @@
+"""`--mmproj`: a GGUF text model plus llama.cpp's vision projector GGUF (model/vision/mmproj.py) served like the
+HF directory both came from, for Idefics3 / SmolVLM and Qwen2.5-VL.
+
+The GGUF pairs are written here as llama.cpp's converter writes them (convert_hf_to_gguf.py: Llama's Q/K row
+permutation, Qwen's q|k|v and Conv3d splits), names through gguf's own TensorNameMap, from the tiny checkpoints of
+scripts/tiny_vlm.py (which tests/test_vision_engine*.py tie to transformers). One test also runs the real
+converter when its sources are on this machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import tiny_vlm  # noqa: E402
+
+from paged import run_to_end  # noqa: E402
+from test_vision_qwen2_5_vl import synthetic_image  # noqa: E402
+from imp_jax.errors import ModelLoadError  # noqa: E402
+from imp_jax.model.config import ModelConfig, read_json  # noqa: E402
+from imp_jax.model.gguf_file import GGUFFile  # noqa: E402
+from imp_jax.model.gguf_loader import permute_rotary  # noqa: E402
+from imp_jax.model.loader import SafetensorsDir, open_checkpoint  # noqa: E402
+from imp_jax.model.vision.side import build_vision, text_tensors  # noqa: E402
+from imp_jax.runtime.builder import build_engine  # noqa: E402
+from imp_jax.runtime.config import EngineConfig  # noqa: E402
+from imp_jax.runtime.image_family import image_family  # noqa: E402
+from imp_jax.runtime.request import GenerationRequest, ImageInput, SamplingParams  # noqa: E402
+
+# llama.cpp's converter (the llama-cpp-python sdist the peer benchmarks unpack); absent: that test skips
+CONVERTER = (Path.home() / ".cache/imp_jax/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py")
+FAMILIES = {"idefics3": ("llama", gguf.MODEL_ARCH.LLAMA, "idefics3"),
+            "qwen2_5_vl": ("qwen2vl", gguf.MODEL_ARCH.QWEN2VL, "qwen2.5vl_merger")}
+GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=6,
+              ignore_eos=True, logprobs=5)
+PICTURE = (37, 53, 0)   # width, height, seed: 2 x 2 tiles + global for Idefics3, 14 x 10 patches for Qwen
+
+
+# ------------------------------------------------------------------------------------------------ the writer
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _vocab(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
+    """The HF tokenizer as the converter's `_set_vocab_gpt2` writes it: byte-level BPE, special added tokens as
+    control tokens, ids past the tokenizer up to the embedding rows as [PADn] (unused)."""
+    tok = read_json(hf_dir / "tokenizer.json")
+    cfg = read_json(hf_dir / "tokenizer_config.json")
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    by_id = {i: t for t, i in vocab.items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 if i in by_id else 5 for i, t in enumerate(tokens)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(vocab[cfg["bos_token"]])
+    w.add_eos_token_id(vocab[cfg["eos_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(cfg["chat_template"])
+
+
+def write_text_gguf(hf_dir: Path, out: Path, family: str) -> Path:
+    """The decoder of the image-text checkpoint `hf_dir` as a text GGUF (`llama` or `qwen2vl`)."""
+    arch_name, arch, _ = FAMILIES[family]
+    cfg = ModelConfig.from_file(hf_dir / "config.json")
+    w = gguf.GGUFWriter(str(out), arch_name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.mrope_section:
+        w.add_rope_dimension_sections([*cfg.mrope_section, 0])
+    names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+    tensors = text_tensors(SafetensorsDir(hf_dir))
+    for name in (n for n in tensors if n.startswith(("model.", "lm_head."))):   # not Qwen's `visual.*`
+        x = tensors[name]
+        if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):   # LlamaModel.permute
+            x = permute_rotary(x, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    _vocab(w, hf_dir, cfg.vocab_size)
+    _finish(w)
+    return out
+
+
+def write_mmproj(hf_dir: Path, out: Path, family: str, f16: bool = False) -> Path:
+    """The image side of `hf_dir` as `convert_hf_to_gguf.py --mmproj` writes it (conversion/smolvlm.py, qwenvl.py);
+    `f16`: as its default `--outtype f16` does, matrices in float16 (not SmolVLM's embeddings, kept float32).
+    Qwen: the tiny tower's window (16 px) and the HF preprocessor's pixel bounds go in gguf's `window_size` and
+    `image_min/max_pixels` keys, which the converter leaves out (llama.cpp then uses 112 px and its own bounds)."""
+    hf, pre = read_json(hf_dir / "config.json"), read_json(hf_dir / "preprocessor_config.json")
+    v, qwen = hf["vision_config"], family == "qwen2_5_vl"
+    blocks = v["depth"] if qwen else v["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(hf["text_config"]["hidden_size"])
+    w.add_vision_image_size(v.get("image_size", 560))
+    w.add_vision_patch_size(v["patch_size"])
+    w.add_vision_embedding_length(v["hidden_size"])
+    w.add_vision_feed_forward_length(v["intermediate_size"])
+    w.add_vision_block_count(blocks)
+    w.add_vision_head_count(v["num_heads"] if qwen else v["num_attention_heads"])
+    default_mean = (0.48145466, 0.4578275, 0.40821073) if qwen else (0.5, 0.5, 0.5)
+    default_std = (0.26862954, 0.26130258, 0.27577711) if qwen else (0.5, 0.5, 0.5)
+    w.add_vision_image_mean(list(pre.get("image_mean", default_mean)))
+    w.add_vision_image_std(list(pre.get("image_std", default_std)))
+    w.add_clip_projector_type(FAMILIES[family][2])
+    if qwen:
+        w.add_vision_use_silu(True)
+        w.add_vision_n_wa_pattern(v["fullatt_block_indexes"][0] + 1)
+        w.add_vision_attention_layernorm_eps(hf.get("rms_norm_eps", 1e-6))
+        w.add_vision_window_size(v["window_size"])
+        w.add_vision_min_pixels(pre["min_pixels"])
+        w.add_vision_max_pixels(pre["max_pixels"])
+    else:
+        w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-5))
+        w.add_vision_projector_scale_factor(hf.get("scale_factor", 2))
+        w.add_vision_use_gelu(True)
+        w.add_vision_preproc_image_size(pre["size"]["longest_edge"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, blocks)
+    tensors = SafetensorsDir(hf_dir)
+    prefixes = ("visual.",) if qwen else ("model.vision_model.", "model.connector.")
+    for name in (n for n in tensors if n.startswith(prefixes)):
+        for hf_name, x in _converter_split(name, tensors[name]):
+            suffix = ".weight.1" if hf_name.endswith(".weight.1") else None
+            gname = names.get_name(hf_name.removesuffix(".1") if suffix else hf_name, try_suffixes=(".weight", ".bias"))
+            half = f16 and x.ndim > 1 and ".embeddings." not in name
+            w.add_tensor(gname + ".1" if suffix else gname, x.astype(np.float16) if half else x)
+    _finish(w)
+    return out
+
+
+def _converter_split(name: str, x: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Qwen2VLVisionModel.modify_tensors: q|k|v split in three, the Conv3d kernel into its two frames."""
+    if ".qkv." in name:
+        return [(name.replace("qkv", p), part) for p, part in zip("qkv", np.split(x, 3))]
+    if name.endswith("patch_embed.proj.weight"):
+        return [(name, x[:, :, 0]), (name + ".1", x[:, :, 1])]
+    return [(name, x)]
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, tmp_path_factory):
+    """(family, HF dir, text GGUF, mmproj GGUF) of one tiny checkpoint."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"mmproj-{family}")
+    hf_dir = root / "hf"
+    hf_dir.mkdir()
+    model = {"idefics3": tiny_vlm.write_tiny_idefics3, "qwen2_5_vl": tiny_vlm.write_tiny_qwen2_5_vl}[family](hf_dir)
+    louder(model, family).save_pretrained(hf_dir)
+    return (family, hf_dir, write_text_gguf(hf_dir, root / "text.gguf", family),
+            write_mmproj(hf_dir, root / "mmproj.gguf", family))
+
+
+def louder(model, family: str, gain: float = 50.0):
+    """`model` with its image rows `gain` times larger: the tiny random decoder barely hears them otherwise (another
+    picture moved its logprobs by 5e-5), and a mistake in the image side must show in the tokens' logprobs."""
+    import torch
+
+    inner = model.model
+    last = inner.connector.modality_projection.proj if family == "idefics3" else inner.visual.merger.mlp[2]
+    with torch.no_grad():   # the weight alone: the bias is the same for every picture
+        last.weight.mul_(gain)
+    return model
+
+
+def engine(model: Path, mmproj: Path | None = None):
+    """A small engine whose 32-token budget chunks the image prompt's prefill."""
+    return build_engine(EngineConfig(model=str(model), mmproj=str(mmproj) if mmproj else None, max_model_len=256,
+                                     max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=48,
+                                     image_cache_rows=16 * 12, seed=0, dtype="float32", speculative="off"))
+
+
+def picture() -> ImageInput:
+    pixels = np.asarray(synthetic_image(*PICTURE))
+    return ImageInput(pixels, hashlib.blake2b(pixels.tobytes(), digest_size=16).digest(), "PNG", 0)
+
+
+def image_prompt(core, img: ImageInput) -> list[int]:
+    """A chat turn with the image's prompt text (the family's layout), tokenized by the engine's own tokenizer."""
+    text = image_family(core.loaded.vision).prompt(img.size)
+    return core.tokenizer.encode(f"<|im_start|>user\n{text}what is in this picture?<|im_end|>\n"
+                                 "<|im_start|>assistant\n", add_special_tokens=False)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_the_projector_opens_to_the_hf_directorys_image_side(pair):
+    """Config (tower shape, full-attention blocks, image token ids) and preprocessing equal the HF directory's,
+    and so does every tensor the encoder is built from."""
+    family, hf_dir, text, mmproj = pair
+    got, want = open_checkpoint(text, str(mmproj)).vision, open_checkpoint(hf_dir).vision
+    assert got.config == want.config and got.processor == as_stored(want.processor)
+    assert_same_weights(got, want)
+
+
+def as_stored(processor):
+    """A preprocessor config with its mean and std as a GGUF stores them (float32; preprocessing casts to it)."""
+    f32 = lambda xs: tuple(float(str(np.float32(x))) for x in xs)  # noqa: E731
+    return dataclasses.replace(processor, image_mean=f32(processor.image_mean), image_std=f32(processor.image_std))
+
+
+def assert_same_weights(got, want, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """The encoders built from two opened image sides hold the same parameters (bit for bit by default)."""
+    a, b = (nnx.to_flat_state(nnx.state(build_vision(c, np.float32).encoder)) for c in (got, want))
+    assert [path for path, _ in a] == [path for path, _ in b]
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x[...]), np.asarray(y[...]), rtol=rtol, atol=atol, err_msg=str(path))
+
+
+def test_an_f16_projector_loads_the_weights_rounded_to_f16(pair, tmp_path):
+    """The converter's default output type: float16 matrices are read back as float32 (to f16's precision)."""
+    family, hf_dir, text, _ = pair
+    path = write_mmproj(hf_dir, tmp_path / "f16.gguf", family, f16=True)
+    assert {t.tensor_type.name for t in GGUFFile(path).tensors} == {"F16", "F32"}
+    got = open_checkpoint(text, str(path)).vision
+    assert_same_weights(got, open_checkpoint(hf_dir).vision, rtol=1e-3, atol=6e-8)   # f16's subnormal step
+
+
+def test_the_gguf_pair_serves_an_image_like_the_hf_directory(pair):
+    """Greedy tokens and their logprobs (top 5 too) with a picture, prefill chunked across the image: the same
+    arithmetic on the same weights, so within 1e-6, not only 1e-4 (a wrong tower eps moved them 1e-5, full
+    attention in the wrong Qwen blocks 4e-5)."""
+    family, hf_dir, text, mmproj = pair
+    img = picture()
+    outs = []
+    for core in (engine(text, mmproj), engine(hf_dir)):
+        ids = image_prompt(core, img)
+        outs.append((ids, run_to_end(core, GenerationRequest(f"{family}-{len(outs)}", ids,
+                                                             SamplingParams(**GREEDY), images=(img,)))[0]))
+    (ids, got), (want_ids, want) = outs
+    assert ids == want_ids and len(ids) > 32
+    assert got["error"] is None and got["tokens"] == want["tokens"]
+    for lp, ref in zip(got["logprobs"], want["logprobs"]):
+        assert [t for t, _ in lp.top] == [t for t, _ in ref.top]
+        np.testing.assert_allclose([lp.logprob] + [x for _, x in lp.top],
+                                   [ref.logprob] + [x for _, x in ref.top], atol=1e-6, rtol=0)
+
+
+def _clip_file(path: Path, projector: str, width: int = 48) -> Path:
+    """A minimal clip GGUF of projector type `projector` (what the refusals read before any tensor)."""
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_clip_projector_type(projector)
+    w.add_vision_projection_dim(width)
+    w.add_tensor("v.post_ln.weight", np.zeros(4, np.float32))
+    _finish(w)
+    return path
+
+
+def test_bad_pairings_are_refused_in_one_line(pair, tmp_path):
+    """Another projector type, a text GGUF of the other family, a text GGUF as the projector, an HF directory."""
+    family, hf_dir, text, mmproj = pair
+    other = "qwen2_5_vl" if family == "idefics3" else "idefics3"
+    cases = {
+        str(_clip_file(tmp_path / "gemma3.gguf", "gemma3")): "projector type 'gemma3' is not supported",
+        str(text): "not a vision projector",
+    }
+    for path, match in cases.items():
+        with pytest.raises(ModelLoadError, match=match) as e:
+            open_checkpoint(text, path)
+        assert "\n" not in e.value.message
+    with pytest.raises(ModelLoadError, match="pairs with a GGUF text model; .* is an HF directory"):
+        open_checkpoint(hf_dir, str(mmproj))
+    mismatched = _clip_file(tmp_path / "mismatch.gguf", FAMILIES[other][2])
+    with pytest.raises(ModelLoadError, match=f"pairs with a '{FAMILIES[other][0]}' text GGUF, not "
+                                             f"'{FAMILIES[family][0]}'"):
+        open_checkpoint(text, str(mismatched))
+
+
+def test_a_text_gguf_without_the_image_tokens_or_of_another_width_is_refused(tmp_path):
+    """A llama GGUF of width 64 whose vocabulary has no `<image>` (test_gguf_loader's): an idefics3 projector of
+    width 64 is refused for the token, one of width 48 for the width."""
+    from test_gguf_loader import HIDDEN, write_gguf
+
+    text = tmp_path / "plain.gguf"
+    write_gguf(text)
+    with pytest.raises(ModelLoadError, match="vocabulary lacks <image>"):
+        open_checkpoint(text, str(_clip_file(tmp_path / "a.gguf", "idefics3", HIDDEN)))
+    with pytest.raises(ModelLoadError, match=f"projection width 48 differs from the text model's hidden size {HIDDEN}"):
+        open_checkpoint(text, str(_clip_file(tmp_path / "b.gguf", "idefics3", 48)))
+
+
+def test_the_server_flag_and_llm_take_mmproj(pair):
+    """`--mmproj` is EngineConfig's field, so the server's flag and the offline API pass it to the loader (a
+    refusal shows it got there)."""
+    from imp_jax.llm import LLM
+    from imp_jax.server.cli import parse_config
+
+    family, hf_dir, text, mmproj = pair
+    assert parse_config(["--model", str(text), "--mmproj", str(mmproj)], EngineConfig).engine.mmproj == str(mmproj)
+    with pytest.raises(ModelLoadError, match="--mmproj"):
+        LLM(str(hf_dir), mmproj=str(mmproj))
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason=f"llama.cpp's converter is not at {CONVERTER}")
+def test_the_real_converters_projector_opens_to_the_same_image_side(pair, tmp_path):
+    """`convert_hf_to_gguf.py --mmproj --outtype f32` on the tiny checkpoint (skipped only where the converter's
+    path does not exist): every tensor the encoder reads equals the HF directory's, and the config too, but for
+    what the converter does not write, where llama.cpp's own values stand (Qwen: the 112-pixel window and
+    8..4096 merged rows per image). The tiny preprocessor files gain transformers' default image_mean / image_std,
+    which the converter requires. Its text half cannot be checked here: the converter has no text model for
+    Idefics3 and needs `sentencepiece` for Qwen2.5-VL's vocabulary (not installed), so the text GGUF is ours."""
+    family, hf_dir, text, _ = pair
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    pre = read_json(src / "preprocessor_config.json")
+    qwen = family == "qwen2_5_vl"
+    mean, std = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)) if qwen else (
+        (0.5,) * 3, (0.5,) * 3)
+    (src / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std, **pre}))
+    out = tmp_path / "mmproj-real.gguf"
+    subprocess.run([sys.executable, str(CONVERTER), str(src), "--outtype", "f32", "--mmproj", "--outfile", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    got, want = open_checkpoint(text, str(out)).vision, open_checkpoint(hf_dir).vision
+    expected_config, expected_processor = want.config, want.processor
+    if qwen:
+        area = (want.processor.patch_size * want.processor.merge_size) ** 2
+        expected_config = dataclasses.replace(want.config, vision=dataclasses.replace(want.config.vision,
+                                                                                      window_size=112))
+        expected_processor = dataclasses.replace(want.processor, min_pixels=8 * area, max_pixels=4096 * area)
+    assert got.config == expected_config and got.processor == as_stored(expected_processor)
+    ours = open_checkpoint(text, str(write_mmproj(hf_dir, tmp_path / "ours.gguf", family))).vision
+    assert sorted(got.tensors) == sorted(ours.tensors)   # the same GGUF names
+    assert_same_weights(got, want)
