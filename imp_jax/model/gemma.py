@@ -30,7 +30,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, paged_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig, RopeScaling
-from imp_jax.model.layers import apply_rope, linear, rms_norm, rope_tables
+from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, rope_tables
 from imp_jax.model.llama import DecoderLayers, DecoderLM, layer_linear
 from imp_jax.model.lora import LoraLayers
 from imp_jax.model.tensor_parallel import TensorParallel
@@ -70,7 +70,7 @@ class GemmaLM(DecoderLM):
     """Gemma2ForCausalLM / Gemma3ForCausalLM over a ragged token batch and a paged KV cache
     (model/base.py, the contract)."""
 
-    takes_embed_rows = False   # its own forward: text only so far (no image side is loaded)
+    takes_embed_rows = True    # Gemma 3's images (model/vision/gemma3.py) as embedding overrides
 
     def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         super().__init__(config, options, rngs=rngs)
@@ -92,8 +92,11 @@ class GemmaLM(DecoderLM):
         return full, rope_tables(positions, local.rope_inv_freq())
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
-                 meta: AttentionMetadata, lora_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        """Hidden states [T, hidden] (before the final norm) and the updated KV cache."""
+                 meta: AttentionMetadata, lora_ids: jax.Array | None = None, embed_rows: jax.Array | None = None,
+                 embed_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Hidden states [T, hidden] (before the final norm) and the updated KV cache. `embed_rows` [M, hidden]
+        replace the embeddings of token rows `embed_slots` [M] after the sqrt(hidden) scaling, unscaled, as
+        transformers scatters Gemma 3's image features (model/base.py; a slot >= T writes nowhere)."""
         cfg = self.config
         x = self._embed(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         ropes = self._rope(positions)
@@ -104,6 +107,8 @@ class GemmaLM(DecoderLM):
             embed_lora = self.lora.global_delta("embed_tokens", lora_ids)
             if embed_lora is not None:   # PEFT adds the delta to the scaled embedding
                 x = (x + embed_lora.embed(input_ids, self.options.kernels.dynamic_skips)).astype(x.dtype)
+        if embed_rows is not None:
+            x = override_rows(x, embed_rows, embed_slots)
         sliding = self.sliding_layers()
 
         def layer(carry, xs):
@@ -181,7 +186,7 @@ class GemmaLM(DecoderLM):
                         options: ModelOptions = ModelOptions()) -> "GemmaLM":
         """Build from HF-named tensors: DecoderLM's names plus the feed-forward norms. A multimodal
         Gemma 3 checkpoint's language model (`language_model.model.*` or `model.language_model.*`)
-        is read under the plain names; its vision tower is left unread."""
+        is read under the plain names; its image side is model/vision/gemma3.py's."""
         weights = _language_model(weights)
         model = super().from_hf_tensors(config, weights, options)
         on_host = model.tp.n > 1

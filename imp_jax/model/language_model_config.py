@@ -16,7 +16,7 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
 # Image-text architectures whose decoder `text_config` describes, and that sub-config's own defaults
 # (Idefics3Config builds its Llama text config with rms_norm_eps 1e-5)
 TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
-    "Gemma3ForConditionalGeneration": GEMMA3_TEXT_DEFAULTS,   # served text only
+    "Gemma3ForConditionalGeneration": GEMMA3_TEXT_DEFAULTS,
     "Idefics3ForConditionalGeneration": {"rms_norm_eps": 1e-5},
     "SmolVLMForConditionalGeneration": {"rms_norm_eps": 1e-5},
     "Qwen2_5_VLForConditionalGeneration": {"rms_norm_eps": 1e-5},   # Qwen2_5_VLTextConfig's

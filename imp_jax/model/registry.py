@@ -14,7 +14,7 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "imp_jax.model.phi3:Phi3LM",   # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
     "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
     "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
-    "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # text only: the vision tower is not loaded
+    "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # images: model/vision/gemma3.py
     # image-text: the Llama decoder, images as embedding overrides (model/vision/side.py)
     "Idefics3ForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
     "SmolVLMForConditionalGeneration": "imp_jax.model.llama:DecoderLM",

@@ -31,7 +31,7 @@ from imp_jax.runtime.weights_fit import fit_on_gpu
 log = logging.getLogger("imp_jax.engine")
 # image-text families whose images the engine passes (features/images.py); others load their image side and are
 # served as text until the engine does their positions (Qwen2.5-VL's M-RoPE: model/vision/qwen2_5_vl.py)
-SERVED_VISION = {"idefics3": "Idefics3 / SmolVLM", "qwen2_5_vl": "Qwen2.5-VL"}
+SERVED_VISION = {"idefics3": "Idefics3 / SmolVLM", "qwen2_5_vl": "Qwen2.5-VL", "gemma3": "Gemma 3"}
 Progress = Callable[[str, float], None]   # (phase, fraction done)
 
 

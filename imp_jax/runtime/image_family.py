@@ -7,13 +7,17 @@ family the prompt's [3, T] positions and decode delta.
 - Qwen2.5-VL: an image of grid (1, h, w) gives h*w / merge^2 rows, a count that varies per image, so a unit is
   QWEN_ROW_UNIT rows and an image takes ceil(rows / unit) of them (its last one partly unused);
   runtime/image_encoder_qwen.py; positions from model/vision/mrope.py.
+- Gemma 3: every image is one frame of mm_tokens_per_image rows, one unit (runtime/image_encoder.py's frames);
+  an image's tokens attend to each other both ways (`bidirectional`).
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import numpy as np
+from PIL import Image
 
+from imp_jax.model.vision import gemma3_processor as gemma3
 from imp_jax.model.vision import idefics3_processor as idefics3
 from imp_jax.model.vision import qwen2_5_vl_processor as qwen
 from imp_jax.model.vision.mrope import get_rope_index
@@ -82,6 +86,30 @@ class Idefics3Family:
         self.encoder.encode(owner, pixels, mask, slots)
 
 
+class Gemma3Family(Idefics3Family):
+    """Gemma 3: one frame of mm_tokens_per_image rows per image, whatever its size; bidirectional within it."""
+
+    bidirectional = True
+
+    def __init__(self, vision: LoadedVision, num_units: int, step_tokens: int, mesh):
+        self.vision, self.unit = vision, self.unit_rows(vision)
+        self.image_token_id = vision.config.image_token_id
+        step = -(-step_tokens // self.unit)   # the images one step's tokens can cover
+        self.encoder = ImageEncoder(vision, num_units, max(1, step), mesh) if mesh is not None else None
+
+    def units(self, size: tuple[int, int]) -> int:
+        return 1
+
+    def prompt(self, size: tuple[int, int]) -> str:
+        return gemma3.image_prompt(self.unit)
+
+    def pixels(self, pixels: np.ndarray) -> Any:
+        """The image's one frame [1, 3, S, S] and its all-on patch mask."""
+        frame = gemma3.preprocess(Image.fromarray(pixels, "RGB"), self.vision.processor)
+        n = frame.shape[-1] // self.vision.config.vision.patch_size
+        return frame[None], np.ones((1, n, n), bool)
+
+
 class QwenFamily:
     """Qwen2.5-VL: h*w / merge^2 rows per image, M-RoPE positions."""
 
@@ -147,4 +175,4 @@ def image_family(vision: LoadedVision, num_units: int = 0, step_tokens: int = 0,
 
 def family_class(vision: LoadedVision) -> type[Idefics3Family] | type[QwenFamily]:
     """The one place a vision family name picks its adapter."""
-    return QwenFamily if vision.family == "qwen2_5_vl" else Idefics3Family
+    return {"qwen2_5_vl": QwenFamily, "gemma3": Gemma3Family}.get(vision.family, Idefics3Family)

@@ -1,4 +1,5 @@
-"""The SigLIP vision transformer as Idefics3 / SmolVLM use it (transformers' `Idefics3VisionTransformer`).
+"""The SigLIP vision transformer as Idefics3 / SmolVLM use it (transformers' `Idefics3VisionTransformer`), and
+as Gemma 3 uses it (`SiglipVisionTransformer`: whole image_size frames, `bucketed_positions` off).
 
 A batch of N frames [N, C, H, W] (tiles of one or more images, padded to one size) and their
 patch mask [N, H/p, W/p] (False: a patch of padding) give one row per patch [N, h*w, hidden]:
@@ -37,6 +38,7 @@ class VisionConfig:
     num_channels: int = 3
     layer_norm_eps: float = 1e-6
     hidden_act: str = "gelu_pytorch_tanh"
+    bucketed_positions: bool = True   # False: SigLIP's own table lookup, patch i reads row i (full frames only)
 
     @property
     def patches_per_side(self) -> int:
@@ -134,10 +136,15 @@ class VisionTransformer(nnx.Module):
         self.post_ln_w, self.post_ln_b = z(c.hidden_size), z(c.hidden_size)
 
     def __call__(self, pixels: jax.Array, patch_mask: jax.Array) -> jax.Array:
-        """Hidden states [N, h*w, hidden] of frames [N, C, H, W] with their patch mask [N, h, w] (bool)."""
+        """Hidden states [N, h*w, hidden] of frames [N, C, H, W] with their patch mask [N, h, w] (bool).
+        Without `bucketed_positions` (Gemma 3's SigLIP) every frame is image_size square and patch i reads
+        position row i, as `SiglipVisionEmbeddings` does."""
         cfg = self.config
         x = linear(patchify(pixels.astype(self.dtype), cfg.patch_size), self.patch_w[...], self.patch_b[...])
-        x = x + self.position[...][position_ids(patch_mask, cfg.patches_per_side)]
+        if cfg.bucketed_positions:
+            x = x + self.position[...][position_ids(patch_mask, cfg.patches_per_side)]
+        else:
+            x = x + self.position[...][None]
         keys = patch_mask.reshape(patch_mask.shape[0], -1)
         bias = jnp.where(keys, 0.0, -1e30).astype(jnp.float32)[:, None, None, :]   # [N, 1, 1, S] over keys
         for layer in self.layers:
