@@ -302,7 +302,7 @@ def test_an_f16_projector_loads_the_weights_rounded_to_f16(pair, tmp_path):
 def test_the_gguf_pair_serves_an_image_like_the_hf_directory(pair):
     """Greedy tokens and their logprobs (top 5 too) with a picture, prefill chunked across the image: the same
     arithmetic on the same weights, so within 1e-6, not only 1e-4 (a wrong tower eps moved them 1e-5, full
-    attention in the wrong Qwen blocks 4e-5; Gemma 3's pair gives them bit for bit, and its tower eps at 1e-5
+    attention in the wrong Qwen blocks 4e-5; Gemma 3's pair gave them bit for bit here, and its tower eps at 1e-5
     moved them 1.4e-6)."""
     family, hf_dir, text, mmproj = pair
     img = picture()
@@ -331,7 +331,8 @@ def _clip_file(path: Path, projector: str, width: int = 48) -> Path:
 
 
 def test_bad_pairings_are_refused_in_one_line(pair, tmp_path):
-    """Another projector type, a text GGUF of the other family, a text GGUF as the projector, an HF directory."""
+    """Another projector type, a projector of the next family (its text GGUF of another architecture), a text GGUF
+    as the projector, an HF directory."""
     family, hf_dir, text, mmproj = pair
     other = list(FAMILIES)[(list(FAMILIES).index(family) + 1) % len(FAMILIES)]
     cases = {
@@ -353,10 +354,10 @@ def test_bad_pairings_are_refused_in_one_line(pair, tmp_path):
 @pytest.mark.parametrize("projector, lacks", [
     ("idefics3", "<image>"), ("gemma3", "<image_soft_token>, <start_of_image>, <end_of_image>")])
 def test_a_text_gguf_without_the_image_tokens_or_of_another_width_is_refused(projector, lacks, tmp_path):
-    """A text GGUF of width 64 of the projector's family whose vocabulary has none of its image tokens (a llama
-    with a byte-level vocabulary from test_gguf_loader, a Gemma 3 with a SentencePiece one from test_gemma): a
-    projector of width 64 is refused for the tokens, one of width 48 for the width."""
-    from test_gguf_loader import HIDDEN, write_gguf
+    """A text GGUF of the projector's family whose vocabulary has none of its image tokens (a llama with a
+    byte-level vocabulary from test_gguf_loader, a Gemma 3 with a SentencePiece one from test_gemma): a projector
+    of the text model's width is refused for the tokens, one of width 48 for the width."""
+    from test_gguf_loader import write_gguf
 
     text = tmp_path / "plain.gguf"
     if projector == "gemma3":
@@ -367,9 +368,11 @@ def test_a_text_gguf_without_the_image_tokens_or_of_another_width_is_refused(pro
                          text, scale_key=True)
     else:
         write_gguf(text)
+    hidden = open_checkpoint(text).config.hidden_size
+    assert hidden != 48
     with pytest.raises(ModelLoadError, match=f"vocabulary lacks {lacks}$"):
-        open_checkpoint(text, str(_clip_file(tmp_path / "a.gguf", projector, HIDDEN)))
-    with pytest.raises(ModelLoadError, match=f"projection width 48 differs from the text model's hidden size {HIDDEN}"):
+        open_checkpoint(text, str(_clip_file(tmp_path / "a.gguf", projector, hidden)))
+    with pytest.raises(ModelLoadError, match=f"projection width 48 differs from the text model's hidden size {hidden}"):
         open_checkpoint(text, str(_clip_file(tmp_path / "b.gguf", projector, 48)))
 
 
