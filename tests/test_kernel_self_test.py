@@ -88,6 +88,27 @@ def test_the_cpu_kernels_pass_here(shape, caplog):
     assert self_test.gemm_error(CPU, kernels) is None
 
 
+KEY_LIMITS = dataclasses.replace(F32, key_limits=True)
+
+
+@needs_kernels
+def test_a_bidirectional_models_self_test_checks_key_limits(monkeypatch):
+    """A model with bidirectional image spans (Gemma 3) tests its backend on a batch with key limits: the
+    span changes the oracle's answer, the CPU kernel passes, and a kernel that ignores the limits (causal
+    only) fails where it passes the causal batch."""
+    q, k_cache, v_cache, meta, _ = self_test.tiny_batch(KEY_LIMITS)
+    assert np.asarray(meta.key_limit).tolist() == [-1, 6, 6, 6, -1, -1, -1, -1]   # positions 4-6 of the prefill
+    oracle = lambda m: np.asarray(ragged_paged_attention_oracle(q, k_cache, v_cache, m, 0, sm_scale=0.125))
+    assert np.abs(oracle(meta) - oracle(dataclasses.replace(meta, key_limit=None))).max() > 1e-3
+    kernels = Kernels(attention="cpu", gemm="exact")
+    assert self_test.attention_error(CPU, kernels, KEY_LIMITS) is None
+    real = cpu_attention.ragged_paged_attention_cpu
+    causal_only = lambda q, kc, vc, meta, *a, **kw: real(q, kc, vc, dataclasses.replace(meta, key_limit=None), *a, **kw)
+    monkeypatch.setattr("imp_jax.kernels_pallas.attention.ragged_paged_attention_cpu", causal_only)
+    assert self_test.attention_error(CPU, kernels, F32) is None
+    assert "max abs error" in self_test.attention_error(CPU, kernels, KEY_LIMITS)
+
+
 def test_xla_is_never_tested(monkeypatch):
     """XLA is the reference, and the fallback: choosing it costs no self-test."""
     monkeypatch.setattr(self_test, "attention_error", broken)

@@ -24,11 +24,11 @@ from test_vision_idefics3 import synthetic_image  # noqa: E402
 from tiny_vlm import GEMMA_PRE, GEMMA_TOKENS, hf_gemma3_processor, write_tiny_gemma3  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
-from imp_jax.model.loader import load_model  # noqa: E402
+from imp_jax.model.loader import load_model, open_checkpoint  # noqa: E402
 from imp_jax.model.vision import gemma3_processor as proc  # noqa: E402
 from imp_jax.model.vision.gemma3 import Gemma3Vision  # noqa: E402
 from imp_jax.runtime.batch import SeqChunk, build_step_batch  # noqa: E402
-from imp_jax.runtime.image_family import Gemma3Family, image_family  # noqa: E402
+from imp_jax.runtime.image_family import Gemma3Family, family_class, image_family  # noqa: E402
 from imp_jax.runtime.request import ImageInput  # noqa: E402
 from imp_jax.runtime.step_programs import model_forward  # noqa: E402
 from imp_jax.server.image_prompts import PromptImages, count_marks, expand, image_mark  # noqa: E402
@@ -79,9 +79,11 @@ def test_the_hubs_tensor_names_load_the_same_image_side(tiny, tmp_path):
 
 
 def test_loader_exposes_the_gemma3_family(tiny):
-    _, _, _, loaded = tiny
+    path, _, _, loaded = tiny
     v = loaded.vision
     assert isinstance(v.encoder, Gemma3Vision) and v.family == "gemma3"
+    # the opened checkpoint already says so: the builder's kernel self-test then checks key limits
+    assert family_class(open_checkpoint(path).vision) is Gemma3Family
     assert (v.config.image_seq_len, v.config.image_token_id, v.config.pool, v.processor.size) == (16, 6, 2, 32)
     family = image_family(v)
     assert isinstance(family, Gemma3Family) and family.bidirectional

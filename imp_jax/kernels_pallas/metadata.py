@@ -42,6 +42,7 @@ class AttentionShape:
     head_dim: int
     block_size: int
     sinks: bool = False         # per-head attention-sink logits (gpt-oss): every kernel takes them today
+    key_limits: bool = False    # per-token key limits (bidirectional image spans, Gemma 3): every kernel takes them
 
     @classmethod
     def of(cls, q: jax.Array, k_cache: jax.Array) -> "AttentionShape":

@@ -3,7 +3,8 @@
 A kernel that builds and claims a shape can still fail on a given device (a driver or toolchain that
 miscompiles it, a GPU model it was never run on). `select_tested_kernels` makes `select_kernels`' choice,
 then runs each chosen non-XLA backend on a tiny batch of the model's own head layout and dtypes (a prefill
-and two decodes over a few shuffled pages) and compares it with the XLA oracle. A backend `auto` chose
+and two decodes over a few shuffled pages; with key limits, the prefill's middle tokens attending each other)
+and compares it with the XLA oracle. A backend `auto` chose
 that fails is replaced by XLA with one warning; one the operator named makes start-up fail.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ log = logging.getLogger("imp_jax.kernels")
 # edge, a decode of a fresh sequence; then a padding slot and padding tokens
 SEQS = ((3, 5), (21, 1), (0, 1))
 NUM_TOKENS, NUM_SLOTS = 8, 4
+# with `AttentionShape.key_limits`: the first sequence's positions [4, 7) see each other (an image span)
+SPAN = (4, 7)
 # 16-bit inputs and outputs are rounded to 8 (bf16) or 11 (fp16) mantissa bits along the way
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 3e-2, jnp.dtype(jnp.float16): 5e-3}
 
@@ -99,7 +102,8 @@ def tiny_batch(shape: AttentionShape, seqs: tuple[tuple[int, int], ...] = SEQS, 
                num_slots: int = NUM_SLOTS) -> tuple[Any, ...]:
     """(q [T, H, D], one layer of caches [1, NB, BS, KVH, D] in the cache dtype, metadata, sinks or None) for
     `seqs` ((cached, new) tokens each) on shuffled pages of `shape`'s block size, padded to `num_tokens`
-    tokens and `num_slots` slots; the step's own K/V is already in the caches."""
+    tokens and `num_slots` slots; the step's own K/V is already in the caches. With `shape.key_limits` the
+    metadata's key_limit makes the first sequence's positions `SPAN` one bidirectional span."""
     rng = np.random.RandomState(0)
     bs = shape.block_size
     pages = [-(-(start + n) // bs) for start, n in seqs]
@@ -115,6 +119,12 @@ def tiny_batch(shape: AttentionShape, seqs: tuple[tuple[int, int], ...] = SEQS, 
         used, t, seq_lens[s] = used + p, t + n, start + n
         qsl[s + 1:] = t
     meta = AttentionMetadata(*(jnp.asarray(a) for a in (qsl, seq_lens, tables, slots, np.int32(len(seqs)))))
+    if shape.key_limits:
+        start, n = seqs[0]
+        limit = np.full(num_tokens, -1, np.int32)
+        pos = np.arange(start, start + n)
+        limit[:n][(pos >= SPAN[0]) & (pos < SPAN[1])] = SPAN[1] - 1
+        meta = dataclasses.replace(meta, key_limit=jnp.asarray(limit))
     cache_shape = (1, len(ids) + 1, bs, shape.num_kv_heads, shape.head_dim)
     k_cache, v_cache = (cache_of(rng.randn(*cache_shape), shape.cache_dtype) for _ in range(2))
     q = jnp.asarray(rng.randn(num_tokens, shape.num_heads, shape.head_dim), shape.q_dtype)

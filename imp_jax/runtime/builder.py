@@ -23,6 +23,7 @@ from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.paths import UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, kv_bytes_per_block, kv_pool_floored, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.image_family import family_class
 from imp_jax.runtime.kv_staging import attach_disk
 from imp_jax.runtime.multihost import Leader
 from imp_jax.runtime.sharding import kv_sharding, make_mesh, replica_devices
@@ -94,7 +95,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     dtype = resolve_dtype(config.dtype, platform)
     kv_dtype = resolve_kv_dtype(config, dtype)
     shape = attention_shape(ckpt.config, dtype, kv_dtype, config.block_size, platform)
-    shape = dataclasses.replace(shape, num_heads=tp.local_heads, num_kv_heads=tp.local_kv_heads)   # per shard
+    shape = dataclasses.replace(shape, num_heads=tp.local_heads, num_kv_heads=tp.local_kv_heads,   # per shard
+                                key_limits=ckpt.vision is not None and family_class(ckpt.vision).bidirectional)
     quantized = config.quantized_weights
     if platform != "cpu" and quantized == "auto":
         fit = fit_on_gpu(ckpt.tensors or {}, itemsize=jnp.dtype(dtype).itemsize, free_bytes=free_device_bytes(mesh),

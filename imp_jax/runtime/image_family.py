@@ -21,7 +21,7 @@ from imp_jax.model.vision import gemma3_processor as gemma3
 from imp_jax.model.vision import idefics3_processor as idefics3
 from imp_jax.model.vision import qwen2_5_vl_processor as qwen
 from imp_jax.model.vision.mrope import get_rope_index
-from imp_jax.model.vision.side import LoadedVision
+from imp_jax.model.vision.side import LoadedVision, VisionCheckpoint
 from imp_jax.runtime.image_encoder import ImageEncoder, frames_of, num_frames
 from imp_jax.runtime.image_encoder_qwen import QwenImageEncoder, pixels_of
 
@@ -173,6 +173,6 @@ def image_family(vision: LoadedVision, num_units: int = 0, step_tokens: int = 0,
     return family_class(vision)(vision, num_units, step_tokens, mesh)
 
 
-def family_class(vision: LoadedVision) -> type[Idefics3Family] | type[QwenFamily]:
-    """The one place a vision family name picks its adapter."""
+def family_class(vision: LoadedVision | VisionCheckpoint) -> type[Idefics3Family] | type[QwenFamily]:
+    """The one place a vision family name picks its adapter (for a loaded image side, or one opened only)."""
     return {"qwen2_5_vl": QwenFamily, "gemma3": Gemma3Family}.get(vision.family, Idefics3Family)

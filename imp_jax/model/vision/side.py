@@ -60,6 +60,13 @@ class TextModelTensors(Mapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
 
+def vision_family(config: VisionConfig) -> str:
+    """"idefics3" (Idefics3, SmolVLM), "qwen2_5_vl" or "gemma3": the family an image side's config is of."""
+    if isinstance(config, Gemma3VisionConfig):
+        return "gemma3"
+    return "qwen2_5_vl" if isinstance(config, Qwen25VLConfig) else "idefics3"
+
+
 @dataclasses.dataclass
 class VisionCheckpoint:
     """The image side on disk, opened: configs read, the (whole checkpoint's) tensors not yet read."""
@@ -68,6 +75,10 @@ class VisionCheckpoint:
     processor: ProcessorConfig
     tensors: Mapping[str, np.ndarray]
     source: str
+
+    @property
+    def family(self) -> str:
+        return vision_family(self.config)
 
 
 @dataclasses.dataclass
@@ -85,10 +96,7 @@ class LoadedVision:
 
     @property
     def family(self) -> str:
-        """"idefics3" (Idefics3, SmolVLM), "qwen2_5_vl" or "gemma3"."""
-        if isinstance(self.config, Gemma3VisionConfig):
-            return "gemma3"
-        return "qwen2_5_vl" if isinstance(self.config, Qwen25VLConfig) else "idefics3"
+        return vision_family(self.config)
 
 
 def is_vision_language(architecture: str) -> bool:
