@@ -180,13 +180,13 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_
               "mlp.down_proj": "ffn_down"}
 
 
-def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool) -> None:
+def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool, vocab=None) -> None:
     """The HF checkpoint as llama.cpp's convert_hf_to_gguf writes a Gemma: its metadata, norms
-    stored with 1 added, Q/K not permuted, a SentencePiece vocabulary (padded to the vocab size).
+    stored with 1 added, Q/K not permuted, a SentencePiece vocabulary (padded to the vocab size) unless
+    `vocab(writer, cfg)` writes the tokenizer. `tensors`: the language model's, under `model.*` / `lm_head.*`.
     `scale_key`: write `attention.scale` (else the reader falls back to 1/sqrt(head_dim))."""
-    from test_gguf_loader import sentencepiece_vocab
-
-    arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}[cfg.architecture]
+    arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+            "Gemma3ForConditionalGeneration": "gemma3"}[cfg.architecture]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -206,17 +206,11 @@ def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool) 
     else:
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+        if cfg.rope_scaling.rope_type == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    tokens, types, scores = sentencepiece_vocab()
-    pad = cfg.vocab_size - len(tokens)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
-    w.add_token_types(types + [4] * pad)
-    w.add_token_scores(scores + [0.0] * pad)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id[0])
+    (vocab or _sentencepiece_vocab)(w, cfg)
     for name in tensors:
         x = np.asarray(tensors[name], np.float32)
         if name.endswith("norm.weight"):
@@ -233,6 +227,20 @@ def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool) 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _sentencepiece_vocab(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """test_gguf_loader's SentencePiece vocabulary, padded with unused tokens to the model's vocab size."""
+    from test_gguf_loader import sentencepiece_vocab
+
+    tokens, types, scores = sentencepiece_vocab()
+    pad = cfg.vocab_size - len(tokens)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
+    w.add_token_types(types + [4] * pad)
+    w.add_token_scores(scores + [0.0] * pad)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id[0])
 
 
 def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path):

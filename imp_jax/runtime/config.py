@@ -32,8 +32,9 @@ class EngineConfig:
     model: str = _field(DEFAULT_MODEL, "path (HF dir, .gguf, converted) or alias")
     mmproj: str | None = _field(None, "a llama.cpp vision projector GGUF (general.architecture clip) giving a "
                                 "GGUF --model its image side, as llama-server's --mmproj: projector types "
-                                "idefics3 (SmolVLM / Idefics3, with a llama text GGUF) and qwen2.5vl_merger "
-                                "(Qwen2.5-VL, with a qwen2vl text GGUF); anything else is refused at start-up")
+                                "idefics3 (SmolVLM / Idefics3, with a llama text GGUF), qwen2.5vl_merger "
+                                "(Qwen2.5-VL, with a qwen2vl text GGUF) and gemma3 (Gemma 3, with a gemma3 "
+                                "text GGUF); anything else is refused at start-up")
     dtype: str = _field("auto", "auto | float32 | bfloat16; auto = bf16 on GPU, f32 on CPU")
     model_class: str | None = _field(None, "package.module:Class serving a user Flax NNX model")
     layer_loop: str | None = _field(None, "scan | unroll; default scan on CPU, unroll on GPU (docs/PERF.md)")
