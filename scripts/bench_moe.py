@@ -78,7 +78,7 @@ def write_models(root: Path, E: int, k: int, I: int) -> dict[str, Path]:
     import transformers
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
 
     out = {}
     for name, cls, cfg in (

@@ -132,7 +132,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import safetensors.torch
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
 
     model = tiny_model()
     packed = mxfp4_experts(model)

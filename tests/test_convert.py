@@ -17,7 +17,7 @@ from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.model.hub import CONVERTED_MARKER, classify_path
 from imp_jax.model.loader import load_model
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
-from conftest import write_tiny_tokenizer
+from tiny_models import write_tiny_tokenizer
 from tiny_models import ARCHS, write_tiny_hf
 
 TEXTS = ["hello world", "the quick brown fox <|im_end|> jumps", "", " 12345!"]

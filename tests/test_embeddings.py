@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, protocol_members, wait_for
+from support.servers import FakeEngine, app_in_thread, fake_tokenizer, protocol_members, wait_for
 from tiny_models import write_tiny_bert
 
 SENTENCES = [

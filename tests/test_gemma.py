@@ -265,8 +265,8 @@ def test_engine_serves_gemma_greedy_like_transformers_without_compiling_after_wa
     """Through EngineCore (chunked prefill on a budget of 16 tokens, then batched decode): two
     greedy requests together give transformers' tokens, the pool comes back whole, and no step
     compiles after warm-up."""
-    from conftest import write_tiny_tokenizer
-    from test_engine import make_engine, req, run
+    from tiny_models import write_tiny_tokenizer
+    from support.engine import make_engine, req, run
 
     from imp_jax.runtime.config import EngineConfig
 

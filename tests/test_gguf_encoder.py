@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from support.servers import FakeEngine, app_in_thread, fake_tokenizer, wait_for
 from test_embeddings import SENTENCES
 from tiny_models import write_tiny_bert
 

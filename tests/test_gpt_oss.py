@@ -32,7 +32,7 @@ from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
 from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
                    random_prompts)
-from test_pallas_attention import Case, make_batch
+from attention_cases import Case, make_batch
 from tiny_models import TINY
 
 YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -304,7 +304,7 @@ def test_bfloat16_model_tracks_transformers_float32(tiny):
 def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
     """`python -m imp_jax.convert` of the gpt-oss dir: the same config (YaRN, sinks, SwiGLU fields)
     and the same parameters, sinks and expert biases included."""
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
     from imp_jax.convert import main
     from imp_jax.model.loader import load_model
     from test_convert import _same_params

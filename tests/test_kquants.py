@@ -11,36 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
+from quant_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, gguf_py, random_blocks
+from support.cpu_gemm import needs_kernel
 
 from imp_jax.kernels_pallas import Kernels, matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
 NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"]
-# byte offsets of each format's f16 scales: random bytes there could be inf / NaN
-F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
 CPU, CPU_Q8 = Kernels(gemm="exact"), Kernels(gemm="cpu_q8")
-BLOCK_BYTES = {**quant.FORMATS, "IQ4_NL": quant.IQ4_NL_BYTES}   # the file's block sizes (IQ4_NL loads as Q8_0)
-BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
-
-
-def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05) -> np.ndarray:
-    """uint8 [n, blocks, bytes]: gguf-py's quantisation of a random matrix where gguf-py has one
-    (Q4_0, Q8_0, Q5_0, Q5_1), else random bytes with random finite f16 scales (every bit pattern of the rest is a
-    valid block)."""
-    rng = np.random.default_rng(seed)
-    if fmt in ("Q5_0", "Q5_1", "Q4_0", "Q8_0"):
-        x = rng.standard_normal((n, blocks * quant.WEIGHTS[fmt])).astype(np.float32)
-        return quantize(x, Q[fmt]).reshape(n, blocks, quant.FORMATS[fmt])
-    b = rng.integers(0, 256, (n, blocks, BLOCK_BYTES[fmt]), dtype=np.uint8)
-    if fmt == "MXFP4":   # E8M0 exponents: typical ones, the smallest normal scale, the largest (x 12: inf)
-        b[..., 0] = rng.integers(118, 130, (n, blocks))
-        b.reshape(-1, 17)[:2, 0] = (2, 255)
-    for at in F16_FIELDS[fmt]:
-        b[..., at:at + 2] = (rng.standard_normal((n, blocks)) * scale).astype(np.float16)[..., None].view(np.uint8)
-    return b
 
 
 def quantize_k(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -87,10 +67,6 @@ def test_the_k_quantiser_makes_blocks_close_to_the_matrix(fmt):
     err = np.abs(gguf_py(quantize_k(w, fmt), fmt) - w)
     # about a quarter of a step on average (4 bits over a sub-block's ~4-sigma range; 6 bits over twice its amax)
     assert err.mean() < (0.08 if fmt == "Q4_K" else 0.02) and err.max() < 0.25
-
-
-def gguf_py(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    return dequantize(blocks.reshape(blocks.shape[0], -1), Q[fmt]).reshape(blocks.shape[0], -1)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0"])
@@ -143,7 +119,6 @@ def test_dequantize_is_gguf_pys_bit_for_bit(fmt):
     np.testing.assert_array_equal(rows.view(np.uint32), want[[3, 0, 3]].view(np.uint32))
 
 
-needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
 kernel = jax.jit(cpu_gemm.matmul_wt_cpu)
 
 

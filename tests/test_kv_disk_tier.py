@@ -244,7 +244,7 @@ def test_on_a_cpu_a_disk_dir_turns_on_a_small_host_tier_and_multi_host_turns_bot
 
 def test_metrics_expose_the_disk_tier(tiny_loaded, _tiny_hf_template, tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_text import parse, value
+    from support.metrics_text import parse, value
 
     from imp_jax.server.admission import AdmissionGate
     from imp_jax.server.engine_metrics import EngineCollector

@@ -312,7 +312,7 @@ def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _t
 
 def test_metrics_expose_the_tier_with_swap_directions(tiered):
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_text import parse, value
+    from support.metrics_text import parse, value
 
     from imp_jax.server.admission import AdmissionGate
     from imp_jax.server.engine_metrics import EngineCollector

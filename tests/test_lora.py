@@ -33,7 +33,7 @@ from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.server.app import create_app
 from imp_jax.server.config import ServerConfig
 from paged import PagedRunner, host_kernels
-from server_fixtures import app_in_thread
+from support.servers import app_in_thread
 from tiny_models import make_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

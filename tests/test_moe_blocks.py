@@ -22,7 +22,8 @@ from imp_jax.model.tensor_parallel import take
 from imp_jax.model.weights import WeightFormats, WeightSource, describe
 from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner
-from test_kquants import BLOCK_BYTES, BLOCK_WEIGHTS, needs_kernel, random_blocks
+from quant_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, random_blocks
+from support.cpu_gemm import needs_kernel
 
 H, I, E, HEADS, KV_HEADS = 256, 256, 4, 4, 2
 # per family, per layer: the expert stacks' types (gate, up, down). Gate and up of one format fuse as it;

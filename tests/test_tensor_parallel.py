@@ -23,8 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import write_tiny_tokenizer
-from server_fixtures import LiveServer, wait_for
+from tiny_models import write_tiny_tokenizer
+from support.servers import LiveServer, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(ROOT)}

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import write_tiny_tokenizer  # noqa: E402
+from tiny_models import write_tiny_tokenizer  # noqa: E402
 from paged import paged_greedy  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.model.base import takes_embed_rows  # noqa: E402

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_fixtures import LiveServer, openai_for, wait_for, wait_idle
+from support.servers import LiveServer, openai_for, wait_for, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")

@@ -103,7 +103,7 @@ def check_llm_greedy(path, hf_model):
     batched give the tokens each gives alone, the second's are transformers' greedy tokens, and nothing
     compiles after warm-up. Returns the LLM for further checks."""
     import torch
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
 
     from imp_jax import LLM, SamplingParams
 

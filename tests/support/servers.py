@@ -27,7 +27,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from otlp_receiver import OTLPReceiver
+from support.otlp_receiver import OTLPReceiver
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.tokenizer import Tokenizer
