@@ -184,7 +184,7 @@ def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool) 
     """The HF checkpoint as llama.cpp's convert_hf_to_gguf writes a Gemma: its metadata, norms
     stored with 1 added, Q/K not permuted, a SentencePiece vocabulary (padded to the vocab size).
     `scale_key`: write `attention.scale` (else the reader falls back to 1/sqrt(head_dim))."""
-    from test_gguf_loader import sentencepiece_vocab
+    from tiny_gguf import sentencepiece_vocab
 
     arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}[cfg.architecture]
     w = gguf.GGUFWriter(str(path), arch)

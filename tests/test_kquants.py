@@ -213,7 +213,7 @@ SHAPES = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, 
 
 
 def write_mixed_gguf(path: Path) -> None:
-    from test_gguf_loader import sentencepiece_vocab
+    from tiny_gguf import sentencepiece_vocab
 
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")

@@ -175,7 +175,7 @@ def write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str,
     from gguf.quants import dequantize, quantize
 
     from imp_jax.model.gguf_loader import permute_rotary
-    from test_gguf_loader import add_byte_level_vocab
+    from tiny_gguf import add_byte_level_vocab
 
     mixtral = cfg.architecture == "MixtralForCausalLM"
     arch = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}.get(cfg.architecture, "qwen3moe")

@@ -50,7 +50,7 @@ def expert_blocks(qtype: Q, rows: int, k: int, seed: int) -> np.ndarray:
 def write_moe_blocks_gguf(path: Path, arch: str) -> None:
     """A 2-layer Mixtral (`llama` with expert stacks) or Qwen2-MoE (with a shared expert) GGUF whose
     expert stacks are the `EXPERTS` types, other tensors float32."""
-    from test_gguf_loader import add_byte_level_vocab
+    from tiny_gguf import add_byte_level_vocab
 
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), arch)

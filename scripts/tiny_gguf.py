@@ -1,0 +1,114 @@
+"""Tiny GGUF files for the tests and scripts: one writer (`write_gguf_file`) that names each HF tensor as
+imp_jax/model/gguf_loader.py's own tables read it back (their inverse, not a copy), stores it in the type asked
+for, and writes the metadata given; and two small vocabularies (byte-level BPE, SentencePiece) to write in.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from imp_jax.model import gguf_loader as loader
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello there, world of tokens. "
+          "Numbers 12345 and 2024; café, naïve, 日本語 text.\n\tIndented code: def f(x): return x * 2\n") * 20
+
+
+def gguf_name(hf_name: str, arch: str, hf_arch: str | None = None) -> str:
+    """The GGUF tensor name the loader maps to `hf_name` for a file of `arch` (`hf_arch`: the HF
+    architecture of a mixture of experts, whose expert leaves differ: Mixtral's w1/w3/w2 or gate/up/down_proj)."""
+    stem, _, suffix = hf_name.rpartition(".")
+    top = {hf: g for g, hf in loader._TOP_NAMES.items()}
+    if stem in top:
+        return f"{top[stem]}.{suffix}"
+    prefix, layer, rest = hf_name.split(".", 3)[1:3] + [hf_name.split(".", 3)[3]]
+    assert prefix == "layers", hf_name
+    layer_names = (loader._GEMMA_LAYER_NAMES if arch in loader.GEMMA else
+                   loader._GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else loader._LAYER_NAMES)
+    leaves = loader._MOE_LEAVES.get(hf_arch or "", loader._MOE_LEAVES["other"])
+    names = {**({g: hf.format(**leaves) for g, hf in loader._MOE_NAMES.items()} if arch != "gpt-oss" else {}),
+             **layer_names}
+    inverse = {hf: g for g, hf in names.items()}
+    if rest in inverse:   # a bare parameter (gpt-oss's sinks): llama.cpp names it `.weight`
+        return f"blk.{layer}.{inverse[rest]}.weight"
+    leaf, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{inverse[leaf]}.{suffix}"
+
+
+def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
+                    qtype: Callable[[str], Q] = lambda name: Q.F32, hf_arch: str | None = None,
+                    extra: Mapping[str, np.ndarray] | None = None) -> None:
+    """Write HF-named float32 `tensors` as a GGUF of `arch` that the loader reads back as them.
+
+    `metadata`: GGUFWriter `add_<key>` calls as {key: value} (e.g. {"block_count": 2}), tokenizer included.
+    `qtype(hf_name)`: each tensor's storage type; a uint8 array is GGML blocks already, written as they are.
+    What the loader undoes is done here: llama's Q/K row permutation, Gemma's norms stored as weight + 1.
+    `extra`: GGUF-named tensors written as they are (rope_freqs.weight)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        getattr(w, f"add_{key}")(value)
+    for hf_name, x in tensors.items():
+        name, q = gguf_name(hf_name, arch, hf_arch), qtype(hf_name)
+        leaf = name.split(".")[2] if name.startswith("blk.") else None
+        if arch == "llama" and leaf in ("attn_q", "attn_k"):
+            x = loader.permute_rotary(x, metadata["head_count" if leaf == "attn_q" else "head_count_kv"])
+        if arch in loader.GEMMA and hf_name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        if x.dtype == np.uint8:
+            w.add_tensor(name, x, raw_dtype=q)
+        elif q == Q.F32:
+            w.add_tensor(name, x)
+        elif q == Q.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(x, q), raw_dtype=q)
+    for name, x in (extra or {}).items():
+        w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a small byte-level BPE trained on CORPUS, with ChatML specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get) + ["<think>", "</think>"]
+    types = [3 if t in SPECIALS else 4 if "think" in t else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, types, merges
+
+
+def add_byte_level_vocab(w: gguf.GGUFWriter) -> list[str]:
+    """Write `byte_level_vocab` into a GGUF as a gpt2 (byte-level BPE) tokenizer; returns its tokens."""
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_merges(merges)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    return tokens
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """(tokens, token types, scores) of a small SentencePiece-BPE vocabulary with byte fallback."""
+    pieces = ["▁t", "he", "▁the", "▁h", "el", "lo", "ello", "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "in"]
+    chars = ["▁"] + list("abcdefghijklmnopqrstuvwxyz.,!?")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + chars
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) + len(chars))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [-100.0 - i for i in range(len(chars))]
+    return tokens, types, scores
