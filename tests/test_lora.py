@@ -579,7 +579,7 @@ def test_smollm2_adapter_matches_transformers_peft(smollm2_gguf_path, hf_smollm2
 
     from peft import LoraConfig, get_peft_model
 
-    from test_smollm2 import NUM_TOKENS, chat_ids
+    from support.smollm2 import NUM_TOKENS, chat_ids
 
     torch.manual_seed(5)
     peft_model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors
-from imp_jax.model.registry import get_model_class
-from imp_jax.model.weights import WeightFormats, WeightSource, narrow_exact_bf16
+from imp_jax.model.loader import SafetensorsDir
+from imp_jax.model.weights import WeightFormats, narrow_exact_bf16
 from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner, assert_close, host_kernels, random_prompts
+from support.models import build
 from tiny_models import ARCHS, write_tiny_hf
 
 
@@ -24,13 +23,6 @@ def tiny(request, tmp_path_factory):
     cfg = ModelConfig.from_file(path / "config.json")
     tensors = SafetensorsDir(path)
     return cfg, tensors, hf_model, PagedRunner(build(cfg, tensors))
-
-
-def build(cfg: ModelConfig, tensors, dtype=jnp.float32, layer_loop: str = "scan",
-          formats: WeightFormats = WeightFormats()):
-    """The model of `tensors` as this host's engine would run it (its kernels)."""
-    options = ModelOptions(dtype, layer_loop, host_kernels(cfg, dtype))
-    return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors, formats), options)
 
 
 def _rms(x, w, eps):

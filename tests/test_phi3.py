@@ -18,7 +18,7 @@ from imp_jax.model.loader import SafetensorsDir, load_model, open_checkpoint
 from imp_jax.model.phi3 import Phi3LM
 from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner
-from test_model import build
+from support.models import build
 from tiny_models import TINY
 
 ORIGINAL = 64   # original_max_position_embeddings of the longrope checkpoint (max_position_embeddings 512)

@@ -11,7 +11,7 @@ import pytest
 from imp_jax.kernels_pallas import ggml_blocks
 from support.kquant_writer import write_q4_k_m
 from paged import PagedRunner
-from test_smollm2 import NUM_TOKENS, chat_ids, greedy
+from support.smollm2 import NUM_TOKENS, chat_ids, greedy
 
 pytestmark = pytest.mark.real_model
 

@@ -32,7 +32,7 @@ from support.otlp_receiver import OTLPReceiver
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.tokenizer import Tokenizer
 from imp_jax.runtime.api import Capabilities, Engine, not_serving
-from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
+from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, Usage,
                                      check_context)
 
 CHATML = (
