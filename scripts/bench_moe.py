@@ -77,7 +77,6 @@ def write_models(root: Path, E: int, k: int, I: int) -> dict[str, Path]:
     import torch
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tiny_models import write_tiny_tokenizer
 
     out = {}
@@ -144,9 +143,8 @@ def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
     expert stacks are `qtype` blocks (random bytes, small finite scales), everything else float32."""
     import gguf
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_gguf_loader import add_byte_level_vocab
-    from test_kquants import BLOCK_WEIGHTS, random_blocks
+    from quant_blocks import BLOCK_WEIGHTS, random_blocks
+    from tiny_gguf import add_byte_level_vocab
 
     H, L = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
     heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]

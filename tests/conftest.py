@@ -20,9 +20,12 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-# Registered here, once, so every test module shares the one operations server (a fixture imported
-# into each module would be a separate session fixture per module, i.e. one server each).
+# Fixtures of tests/support/ that several test files use, registered here, once: every test module shares the
+# one operations server (a fixture imported into each module would be a separate session fixture per module,
+# i.e. one server each); the module-scoped tiny VLMs are still one per module.
 from support.servers import exact_server, ops_server, reliability_server  # noqa: E402,F401
+from support.idefics3 import vlm  # noqa: E402,F401
+from support.qwen_vl import tiny_qwen  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
