@@ -144,44 +144,39 @@ def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
     import gguf
 
     from quant_blocks import BLOCK_WEIGHTS, random_blocks
-    from tiny_gguf import add_byte_level_vocab
+    from tiny_gguf import byte_level_metadata, write_gguf_file
 
     H, L = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
     heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
     D = H // heads
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    for add, v in ((w.add_block_count, L), (w.add_context_length, 1024), (w.add_embedding_length, H),
-                   (w.add_feed_forward_length, I), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
-                   (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_expert_count, E),
-                   (w.add_expert_used_count, k), (w.add_eos_token_id, 2)):
-        add(v)
-    tokens = add_byte_level_vocab(w)
+    meta = dict(block_count=L, context_length=1024, embedding_length=H, feed_forward_length=I, head_count=heads,
+                head_count_kv=kv_heads, rope_freq_base=10000.0, layer_norm_rms_eps=1e-5, expert_count=E,
+                expert_used_count=k, eos_token_id=2, **byte_level_metadata())
+    tensors: dict[str, np.ndarray] = {}
 
     def f32(name: str, *shape: int, scale: float = 0.05) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+        tensors[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    f32("token_embd.weight", len(tokens), H, scale=1.0)
-    f32("output.weight", len(tokens), H)
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    f32("model.embed_tokens.weight", len(meta["token_list"]), H, scale=1.0)
+    f32("lm_head.weight", len(meta["token_list"]), H)
+    tensors["model.norm.weight"] = np.ones(H, np.float32)
     for i in range(L):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
-        for leaf, n in (("attn_q", heads * D), ("attn_k", kv_heads * D), ("attn_v", kv_heads * D)):
-            f32(f"blk.{i}.{leaf}.weight", n, H)
-        f32(f"blk.{i}.attn_output.weight", H, heads * D)
-        f32(f"blk.{i}.ffn_gate_inp.weight", E, H, scale=0.5)
-        for leaf, (n, kk) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+        pre = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{pre}{norm}.weight"] = np.ones(H, np.float32)
+        for proj, n in (("q", heads * D), ("k", kv_heads * D), ("v", kv_heads * D)):
+            f32(f"{pre}self_attn.{proj}_proj.weight", n, H)
+        f32(f"{pre}self_attn.o_proj.weight", H, heads * D)
+        f32(f"{pre}block_sparse_moe.gate.weight", E, H, scale=0.5)
+        for leaf, (n, kk) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
             stack = np.stack([random_blocks(qtype, n, kk // BLOCK_WEIGHTS[qtype], seed=int(rng.integers(1 << 30)),
                                             scale=0.3 / kk) for _ in range(E)])
             if qtype == "MXFP4":   # E8M0 exponents of small weights (2^-16..2^-12 times at most 6)
                 stack[..., 0] = rng.integers(112, 117, stack.shape[:-1])
-            stack = stack.reshape(E, n, -1)
-            w.add_tensor(f"blk.{i}.ffn_{leaf}_exps.weight", stack, raw_dtype=gguf.GGMLQuantizationType[qtype])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            tensors[f"{pre}block_sparse_moe.experts.{leaf}.weight"] = stack.reshape(E, n, -1)
+    write_gguf_file(path, "llama", meta, tensors, hf_arch="MixtralForCausalLM",
+                    qtype=lambda name: gguf.GGMLQuantizationType[qtype if ".experts." in name else "F32"])
 
 
 def bench_quant(path: Path, batches: list[int], repeats: int, prompt_len: int, output_len: int,

@@ -47,15 +47,19 @@ def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors:
                     extra: Mapping[str, np.ndarray] | None = None) -> None:
     """Write HF-named float32 `tensors` as a GGUF of `arch` that the loader reads back as them.
 
-    `metadata`: GGUFWriter `add_<key>` calls as {key: value} (e.g. {"block_count": 2}), tokenizer included.
+    `metadata`: GGUFWriter `add_<key>` calls as {key: value} (e.g. {"block_count": 2}), tokenizer included; a
+    key with a dot is a raw GGUF key whose value is (value, GGUFValueType), written with add_key_value.
     `qtype(hf_name)`: each tensor's storage type; a uint8 array is GGML blocks already, written as they are.
     What the loader undoes is done here: llama's Q/K row permutation, Gemma's norms stored as weight + 1.
     `extra`: GGUF-named tensors written as they are (rope_freqs.weight)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
-        getattr(w, f"add_{key}")(value)
+        if "." in key:
+            w.add_key_value(key, *value)
+        else:
+            getattr(w, f"add_{key}")(value)
     for hf_name, x in tensors.items():
-        name, q = gguf_name(hf_name, arch, hf_arch), qtype(hf_name)
+        name, q, x = gguf_name(hf_name, arch, hf_arch), qtype(hf_name), np.ascontiguousarray(x)
         leaf = name.split(".")[2] if name.startswith("blk.") else None
         if arch == "llama" and leaf in ("attn_q", "attn_k"):
             x = loader.permute_rotary(x, metadata["head_count" if leaf == "attn_q" else "head_count_kv"])
@@ -93,15 +97,11 @@ def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def add_byte_level_vocab(w: gguf.GGUFWriter) -> list[str]:
-    """Write `byte_level_vocab` into a GGUF as a gpt2 (byte-level BPE) tokenizer; returns its tokens."""
+def byte_level_metadata() -> dict[str, Any]:
+    """`byte_level_vocab` as a gpt2 (byte-level BPE) tokenizer's metadata, for write_gguf_file."""
     tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_merges(merges)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    return tokens
+    return dict(tokenizer_model="gpt2", tokenizer_pre="default", token_merges=merges, token_list=tokens,
+                token_types=types)
 
 
 def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:

@@ -172,67 +172,32 @@ def test_unservable_gemma_configs_are_model_load_errors_naming_why(arch, extra, 
 
 
 # --------------------------------------------------------------------------------------- GGUF
-GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
-
-
 def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool) -> None:
     """The HF checkpoint as llama.cpp's convert_hf_to_gguf writes a Gemma: its metadata, norms
     stored with 1 added, Q/K not permuted, a SentencePiece vocabulary (padded to the vocab size).
     `scale_key`: write `attention.scale` (else the reader falls back to 1/sqrt(head_dim))."""
-    from tiny_gguf import sentencepiece_vocab
+    from tiny_gguf import sentencepiece_vocab, write_gguf_file
 
     arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}[cfg.architecture]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_sliding_window(cfg.sliding_window)
+    meta = dict(context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size,
+                block_count=cfg.num_layers, feed_forward_length=cfg.intermediate_size, head_count=cfg.num_heads,
+                head_count_kv=cfg.num_kv_heads, layer_norm_rms_eps=cfg.rms_norm_eps, key_length=cfg.head_dim,
+                value_length=cfg.head_dim, sliding_window=cfg.sliding_window)
     if scale_key:
-        w.add_attention_scale(cfg.query_pre_attn_scalar ** -0.5)
+        meta["attention_scale"] = cfg.query_pre_attn_scalar ** -0.5
     if arch == "gemma2":
-        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        meta.update(attn_logit_softcapping=cfg.attn_logit_softcapping,
+                    final_logit_softcapping=cfg.final_logit_softcapping)
     else:
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_rope_freq_base_swa(cfg.rope_local_theta)
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        meta.update(rope_freq_base=cfg.rope_theta, rope_freq_base_swa=cfg.rope_local_theta,
+                    rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=cfg.rope_scaling.factor,
+                    sliding_window_pattern=[t == "sliding_attention" for t in cfg.layer_types])
     tokens, types, scores = sentencepiece_vocab()
     pad = cfg.vocab_size - len(tokens)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
-    w.add_token_types(types + [4] * pad)
-    w.add_token_scores(scores + [0.0] * pad)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id[0])
-    for name in tensors:
-        x = np.asarray(tensors[name], np.float32)
-        if name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, _, leaf = rest.rpartition(".")
-            gname = f"blk.{i}.{GGUF_LAYER[module]}.{leaf}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    meta.update(tokenizer_model="llama", token_list=tokens + [f"<unused{i}>" for i in range(pad)],
+                token_types=types + [4] * pad, token_scores=scores + [0.0] * pad, bos_token_id=cfg.bos_token_id,
+                eos_token_id=cfg.eos_token_id[0])
+    write_gguf_file(path, arch, meta, {name: np.asarray(tensors[name], np.float32) for name in tensors})
 
 
 def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path):

@@ -56,92 +56,70 @@ def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_windo
     output, tests/data/gpt_oss): its metadata keys, HF's interleaved gate_up split into [E, out, in]
     gate and up (biases too), down transposed, the sinks as `attn_sinks.weight`; experts float32 or
     MXFP4 GGML blocks (gguf-py's quantiser); `fuse_qkv` as its --fuse-qkv writes q|k|v (`attn_qkv`);
-    `extra` metadata on top. Returns the experts' values as stored (dequantised), keyed by HF
-    parameter name, [E, in, out] as HF holds them."""
+    `extra` metadata on top ({GGUF key: (value, GGUFValueType)}). Returns the experts' values as stored
+    (dequantised), keyed by HF parameter name, [E, in, out] as HF holds them."""
     import gguf
     from gguf.quants import dequantize, quantize
+    from tiny_gguf import write_gguf_file
 
     c = hf_model.config
     sd = {n: p.detach().numpy().astype(np.float32) for n, p in hf_model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if experts == "F32" else gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_expert_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(YARN["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.num_local_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
+    meta = dict(file_type=gguf.LlamaFileType.ALL_F32 if experts == "F32" else gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+                block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
+                embedding_length=c.hidden_size, feed_forward_length=c.intermediate_size,
+                expert_feed_forward_length=c.intermediate_size, head_count=c.num_attention_heads,
+                head_count_kv=c.num_key_value_heads, key_length=c.head_dim, value_length=c.head_dim,
+                rope_freq_base=YARN["rope_theta"], layer_norm_rms_eps=c.rms_norm_eps,
+                expert_count=c.num_local_experts, expert_used_count=c.num_experts_per_tok)
     if sliding_window:
-        w.add_sliding_window(sliding_window)
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(YARN["factor"])
-    w.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
-    w.add_rope_scaling_yarn_beta_fast(YARN["beta_fast"])
-    w.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
-    for key, value in (extra or {}).items():
-        w.add_key_value(key, *value)
+        meta["sliding_window"] = sliding_window
+    meta.update(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=YARN["factor"],
+                rope_scaling_orig_ctx_len=YARN["original_max_position_embeddings"],
+                rope_scaling_yarn_beta_fast=YARN["beta_fast"], rope_scaling_yarn_beta_slow=YARN["beta_slow"],
+                **(extra or {}))
     alphabet = _byte_alphabet()[:255]
     alphabet.append(alphabet[0] + alphabet[1])   # one merge, 256 tokens: the model's vocabulary
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list(alphabet)
-    w.add_token_types([1] * len(alphabet))
-    w.add_token_merges([alphabet[0] + " " + alphabet[1]])
-    w.add_eos_token_id(0)
+    meta.update(tokenizer_model="gpt2", tokenizer_pre="gpt-4o", token_list=alphabet, token_types=[1] * len(alphabet),
+                token_merges=[alphabet[0] + " " + alphabet[1]], eos_token_id=0)
+    tensors = {n: sd[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
+    stacks: set[str] = set()
     stored = {}
 
-    def put(name: str, x: np.ndarray, qtype: str = "F32") -> np.ndarray:
-        x = np.ascontiguousarray(x, np.float32)
-        if qtype == "F32":
-            w.add_tensor(name, x)
+    def as_stored(name: str, x: np.ndarray) -> np.ndarray:
+        """`x` as the file holds it: an expert stack in the `experts` type."""
+        tensors[name] = x
+        if experts == "F32":
             return x
-        q = gguf.GGMLQuantizationType[qtype]
-        blocks = quantize(x, q)
-        w.add_tensor(name, blocks, raw_dtype=q)
-        return dequantize(blocks, q).reshape(x.shape)
+        stacks.add(name)
+        q = gguf.GGMLQuantizationType[experts]
+        return dequantize(quantize(np.ascontiguousarray(x), q), q).reshape(x.shape)
 
-    put("token_embd.weight", sd["model.embed_tokens.weight"])
-    put("output_norm.weight", sd["model.norm.weight"])
-    put("output.weight", sd["lm_head.weight"])
     for i in range(c.num_hidden_layers):
-        pre, blk = f"model.layers.{i}.", f"blk.{i}."
-        put(blk + "attn_norm.weight", sd[pre + "input_layernorm.weight"])
-        put(blk + "post_attention_norm.weight", sd[pre + "post_attention_layernorm.weight"])
+        pre = f"model.layers.{i}."
+        for leaf in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.sinks",
+                     "mlp.router.weight", "mlp.router.bias"):
+            tensors[pre + leaf] = sd[pre + leaf]
         for leaf in ("weight", "bias"):
-            q, k, v = (sd[f"{pre}self_attn.{p}_proj.{leaf}"] for p in "qkv")
+            qkv = [sd[f"{pre}self_attn.{p}_proj.{leaf}"] for p in "qkv"]
             if fuse_qkv:
-                put(f"{blk}attn_qkv.{leaf}", np.concatenate([q, k, v]))
+                tensors[f"{pre}self_attn.qkv_proj.{leaf}"] = np.concatenate(qkv)
             else:
-                put(f"{blk}attn_q.{leaf}", q)
-                put(f"{blk}attn_k.{leaf}", k)
-                put(f"{blk}attn_v.{leaf}", v)
-            put(f"{blk}attn_output.{leaf}", sd[f"{pre}self_attn.o_proj.{leaf}"])
-        put(blk + "attn_sinks.weight", sd[pre + "self_attn.sinks"])
-        put(blk + "ffn_gate_inp.weight", sd[pre + "mlp.router.weight"])
-        put(blk + "ffn_gate_inp.bias", sd[pre + "mlp.router.bias"])
+                tensors.update({f"{pre}self_attn.{p}_proj.{leaf}": x for p, x in zip("qkv", qkv)})
+            tensors[f"{pre}self_attn.o_proj.{leaf}"] = sd[f"{pre}self_attn.o_proj.{leaf}"]
         gate_up = np.swapaxes(sd[pre + "mlp.experts.gate_up_proj"], 1, 2)   # [E, 2I (interleaved), H]
-        gate = put(blk + "ffn_gate_exps.weight", gate_up[:, 0::2], experts)
-        up = put(blk + "ffn_up_exps.weight", gate_up[:, 1::2], experts)
-        down = put(blk + "ffn_down_exps.weight", np.swapaxes(sd[pre + "mlp.experts.down_proj"], 1, 2), experts)
+        gate = as_stored(pre + "mlp.experts.gate_proj.weight", gate_up[:, 0::2])
+        up = as_stored(pre + "mlp.experts.up_proj.weight", gate_up[:, 1::2])
+        down = as_stored(pre + "mlp.experts.down_proj.weight", np.swapaxes(sd[pre + "mlp.experts.down_proj"], 1, 2))
         bias = sd[pre + "mlp.experts.gate_up_proj_bias"]
-        put(blk + "ffn_gate_exps.bias", bias[:, 0::2])
-        put(blk + "ffn_up_exps.bias", bias[:, 1::2])
-        put(blk + "ffn_down_exps.bias", sd[pre + "mlp.experts.down_proj_bias"])
+        tensors[pre + "mlp.experts.gate_proj.bias"] = bias[:, 0::2]
+        tensors[pre + "mlp.experts.up_proj.bias"] = bias[:, 1::2]
+        tensors[pre + "mlp.experts.down_proj.bias"] = sd[pre + "mlp.experts.down_proj_bias"]
         interleaved = np.empty_like(gate_up)
         interleaved[:, 0::2], interleaved[:, 1::2] = gate, up
         stored[pre + "mlp.experts.gate_up_proj"] = np.swapaxes(interleaved, 1, 2)
         stored[pre + "mlp.experts.down_proj"] = np.swapaxes(down, 1, 2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_file(path, "gpt-oss", meta, tensors,
+                    qtype=lambda name: gguf.GGMLQuantizationType[experts] if name in stacks else gguf.GGMLQuantizationType.F32)
     return stored
 
 
