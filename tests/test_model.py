@@ -114,7 +114,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny):
 
 
 def test_scan_and_unrolled_layer_loops_agree(tmp_path):
-    hf_model = write_tiny_hf("LlamaForCausalLM", tmp_path)
+    write_tiny_hf("LlamaForCausalLM", tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")
     tensors = SafetensorsDir(tmp_path)
     prompt = random_prompts([9], cfg.vocab_size, seed=3)[0]
