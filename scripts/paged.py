@@ -1,4 +1,5 @@
-"""Test helpers: run a model on ragged chunks through the paged cache, like the engine will."""
+"""A model run on ragged chunks through the paged cache, like the engine runs it (PagedRunner), and the model
+tests' checks built on it; shared by the tests and scripts/gpu_check_logits.py."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -6,14 +6,13 @@ import dataclasses
 import functools
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (CASES, KERNEL_CASES, REFERENCE_CASES, SPLIT_CASES, TOLERANCE, dense_attention,
-                             make_batch, to_meta)
+                             make_batch)
 
 from imp_jax.kernels_pallas import (AttentionMetadata, AttentionShape, Kernels, ragged_paged_attention,
                                     select_kernels)
@@ -25,7 +24,6 @@ from imp_jax.kernels_pallas.pallas.ragged_paged_attention import (_kv_steps, aut
 from imp_jax.kernels_pallas.pallas.shapes import SMEM_LIMIT, SMEM_RESERVE, smem_bytes
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
-from imp_jax.runtime.batch import SeqChunk, build_step_batch
 
 
 
@@ -243,6 +241,7 @@ def test_entry_point_dispatch() -> None:
 
 
 def test_tiny_model_greedy_tokens_match(tmp_path: Path) -> None:
+    from paged import PagedRunner
     from tiny_models import write_tiny_hf
 
     from imp_jax.model.base import ModelOptions
@@ -262,24 +261,6 @@ def test_tiny_model_greedy_tokens_match(tmp_path: Path) -> None:
     for name, kernels in backends.items():
         model = build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(SafetensorsDir(tmp_path)),
                                    ModelOptions(kernels=kernels))
-        tokens[name] = greedy(model, prompt)
+        table = [3, 1, 4]   # deliberately not in order
+        tokens[name] = PagedRunner(model).greedy(prompt, 9, table, num_tokens=16, num_seqs=2)[1]
     assert all(t == tokens["xla"] for t in tokens.values()), tokens
-
-
-def greedy(model: Any, prompt: list[int], steps: int = 8, block_size: int = 16) -> list[int]:
-    """Prefill `prompt` then decode `steps` greedy tokens."""
-    @jax.jit
-    def step(ids, positions, kv, meta, rows):
-        hidden, kv = model(ids, positions, kv, meta)
-        return jnp.argmax(model.logits(hidden[rows]), axis=-1), kv
-
-    table = [3, 1, 4]  # deliberately not in order
-    kv = tuple(jnp.zeros(model.kv_cache_shape(8, block_size)) for _ in range(2))
-    out, chunk = [], SeqChunk(prompt, 0, table)
-    for _ in range(steps + 1):
-        b = build_step_batch([chunk], num_tokens=16, num_seqs=2, max_blocks=4, block_size=block_size)
-        nxt, kv = step(jnp.asarray(b.input_ids), jnp.asarray(b.positions), kv, to_meta(b),
-                       jnp.asarray(b.last_token_rows))
-        out.append(int(nxt[0]))
-        chunk = SeqChunk([out[-1]], chunk.start + len(chunk.token_ids), table)
-    return out
