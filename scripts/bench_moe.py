@@ -144,39 +144,18 @@ def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
     import gguf
 
     from quant_blocks import BLOCK_WEIGHTS, random_blocks
-    from tiny_gguf import byte_level_metadata, write_gguf_file
+    from tiny_gguf import write_random_moe_gguf
 
-    H, L = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
-    heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
-    D = H // heads
-    rng = np.random.default_rng(0)
-    meta = dict(block_count=L, context_length=1024, embedding_length=H, feed_forward_length=I, head_count=heads,
-                head_count_kv=kv_heads, rope_freq_base=10000.0, layer_norm_rms_eps=1e-5, expert_count=E,
-                expert_used_count=k, eos_token_id=2, **byte_level_metadata())
-    tensors: dict[str, np.ndarray] = {}
+    def stack(rng, i: int, leaf: str, n: int, kk: int) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        s = np.stack([random_blocks(qtype, n, kk // BLOCK_WEIGHTS[qtype], seed=int(rng.integers(1 << 30)),
+                                    scale=0.3 / kk) for _ in range(E)])
+        if qtype == "MXFP4":   # E8M0 exponents of small weights (2^-16..2^-12 times at most 6)
+            s[..., 0] = rng.integers(112, 117, s.shape[:-1])
+        return s.reshape(E, n, -1), gguf.GGMLQuantizationType[qtype]
 
-    def f32(name: str, *shape: int, scale: float = 0.05) -> None:
-        tensors[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    f32("model.embed_tokens.weight", len(meta["token_list"]), H, scale=1.0)
-    f32("lm_head.weight", len(meta["token_list"]), H)
-    tensors["model.norm.weight"] = np.ones(H, np.float32)
-    for i in range(L):
-        pre = f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"{pre}{norm}.weight"] = np.ones(H, np.float32)
-        for proj, n in (("q", heads * D), ("k", kv_heads * D), ("v", kv_heads * D)):
-            f32(f"{pre}self_attn.{proj}_proj.weight", n, H)
-        f32(f"{pre}self_attn.o_proj.weight", H, heads * D)
-        f32(f"{pre}block_sparse_moe.gate.weight", E, H, scale=0.5)
-        for leaf, (n, kk) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            stack = np.stack([random_blocks(qtype, n, kk // BLOCK_WEIGHTS[qtype], seed=int(rng.integers(1 << 30)),
-                                            scale=0.3 / kk) for _ in range(E)])
-            if qtype == "MXFP4":   # E8M0 exponents of small weights (2^-16..2^-12 times at most 6)
-                stack[..., 0] = rng.integers(112, 117, stack.shape[:-1])
-            tensors[f"{pre}block_sparse_moe.experts.{leaf}.weight"] = stack.reshape(E, n, -1)
-    write_gguf_file(path, "llama", meta, tensors, hf_arch="MixtralForCausalLM",
-                    qtype=lambda name: gguf.GGMLQuantizationType[qtype if ".experts." in name else "F32"])
+    write_random_moe_gguf(path, "llama", hidden=SHAPE["hidden_size"], ffn=I, heads=SHAPE["num_attention_heads"],
+                          kv_heads=SHAPE["num_key_value_heads"], layers=SHAPE["num_hidden_layers"], experts=E, used=k,
+                          expert_stack=stack)
 
 
 def bench_quant(path: Path, batches: list[int], repeats: int, prompt_len: int, output_len: int,

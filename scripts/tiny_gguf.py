@@ -81,6 +81,52 @@ def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors:
     w.close()
 
 
+def write_random_moe_gguf(path: Path, arch: str, *, hidden: int, ffn: int, heads: int, kv_heads: int, layers: int,
+                          experts: int, used: int,
+                          expert_stack: Callable[[np.random.Generator, int, str, int, int], tuple[np.ndarray, Q]],
+                          shared_ffn: int = 0, context: int = 1024, seed: int = 0) -> None:
+    """A random Mixtral (`llama` with expert stacks) or Qwen2-MoE (`qwen2moe`, with a shared expert `shared_ffn`
+    wide) GGUF of the byte-level vocabulary: float32 tensors of small random values, unit norms, and each layer's
+    expert stacks as `expert_stack(rng, layer, "gate" | "up" | "down", rows, k)` makes them (GGML blocks
+    [experts, rows, bytes] and their type)."""
+    hf_arch, moe, leaves = (("MixtralForCausalLM", "block_sparse_moe", dict(gate="w1", up="w3", down="w2"))
+                            if arch == "llama" else
+                            ("Qwen2MoeForCausalLM", "mlp", dict(gate="gate_proj", up="up_proj", down="down_proj")))
+    rng = np.random.default_rng(seed)
+    meta = dict(block_count=layers, context_length=context, embedding_length=hidden, feed_forward_length=ffn,
+                head_count=heads, head_count_kv=kv_heads, rope_freq_base=10000.0, layer_norm_rms_eps=1e-5,
+                expert_count=experts, expert_used_count=used)
+    if arch == "qwen2moe":
+        meta.update(expert_feed_forward_length=ffn, expert_shared_feed_forward_length=shared_ffn)
+    meta.update(byte_level_metadata(), eos_token_id=2)
+    tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, Q] = {}
+
+    def f32(name: str, *shape: int, scale: float = 0.05) -> None:
+        tensors[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    f32("model.embed_tokens.weight", len(meta["token_list"]), hidden, scale=1.0)
+    f32("lm_head.weight", len(meta["token_list"]), hidden)
+    tensors["model.norm.weight"] = np.ones(hidden, np.float32)
+    head_dim = hidden // heads
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{pre}{norm}.weight"] = np.ones(hidden, np.float32)
+        for proj, n in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+            f32(f"{pre}self_attn.{proj}_proj.weight", n, hidden)
+        f32(f"{pre}self_attn.o_proj.weight", hidden, heads * head_dim)
+        f32(f"{pre}{moe}.gate.weight", experts, hidden, scale=0.5)
+        for leaf, (n, k) in (("gate", (ffn, hidden)), ("up", (ffn, hidden)), ("down", (hidden, ffn))):
+            name = f"{pre}{moe}.experts.{leaves[leaf]}.weight"
+            tensors[name], blocks[name] = expert_stack(rng, i, leaf, n, k)
+        if arch == "qwen2moe":
+            for leaf, shape in (("gate", (shared_ffn, hidden)), ("up", (shared_ffn, hidden)), ("down", (hidden, shared_ffn))):
+                f32(f"{pre}mlp.shared_expert.{leaf}_proj.weight", *shape)
+            f32(f"{pre}mlp.shared_expert_gate.weight", hidden)
+    write_gguf_file(path, arch, meta, tensors, hf_arch=hf_arch, qtype=lambda name: blocks.get(name, Q.F32))
+
+
 def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of a small byte-level BPE trained on CORPUS, with ChatML specials."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -112,42 +112,11 @@ def expert_blocks(qtype: Q, rows: int, k: int, seed: int) -> np.ndarray:
 def write_moe_blocks_gguf(path: Path, arch: str) -> None:
     """A 2-layer Mixtral (`llama` with expert stacks) or Qwen2-MoE (with a shared expert) GGUF whose
     expert stacks are the `EXPERTS` types, other tensors float32."""
-    from tiny_gguf import byte_level_metadata, write_gguf_file
+    from tiny_gguf import write_random_moe_gguf
 
-    hf_arch, moe, leaves = (("MixtralForCausalLM", "block_sparse_moe", dict(gate="w1", up="w3", down="w2"))
-                            if arch == "llama" else
-                            ("Qwen2MoeForCausalLM", "mlp", dict(gate="gate_proj", up="up_proj", down="down_proj")))
-    rng = np.random.default_rng(1)
-    meta = dict(block_count=2, context_length=256, embedding_length=H, feed_forward_length=I, head_count=HEADS,
-                head_count_kv=KV_HEADS, rope_freq_base=10000.0, layer_norm_rms_eps=1e-5, expert_count=E,
-                expert_used_count=2)
-    if arch == "qwen2moe":
-        meta.update(expert_feed_forward_length=I, expert_shared_feed_forward_length=64)
-    meta.update(byte_level_metadata(), eos_token_id=2)
-    tensors: dict[str, np.ndarray] = {}
-    blocks: dict[str, Q] = {}
+    def stack(rng, i: int, leaf: str, n: int, k: int) -> tuple[np.ndarray, Q]:
+        qtype = EXPERTS[arch][i][("gate", "up", "down").index(leaf)]
+        return np.stack([expert_blocks(qtype, n, k, seed=100 * i + 10 * e + len(leaf)) for e in range(E)]), qtype
 
-    def f32(name: str, *shape: int, scale: float = 0.05) -> None:
-        tensors[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    f32("model.embed_tokens.weight", len(meta["token_list"]), H, scale=1.0)
-    f32("lm_head.weight", len(meta["token_list"]), H)
-    tensors["model.norm.weight"] = np.ones(H, np.float32)
-    D = H // HEADS
-    for i, (gate, up, down) in enumerate(EXPERTS[arch]):
-        pre = f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"{pre}{norm}.weight"] = np.ones(H, np.float32)
-        for proj, n in (("q", HEADS * D), ("k", KV_HEADS * D), ("v", KV_HEADS * D)):
-            f32(f"{pre}self_attn.{proj}_proj.weight", n, H)
-        f32(f"{pre}self_attn.o_proj.weight", H, HEADS * D)
-        f32(f"{pre}{moe}.gate.weight", E, H, scale=0.5)
-        for leaf, qtype, (n, k) in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
-            name = f"{pre}{moe}.experts.{leaves[leaf]}.weight"
-            tensors[name] = np.stack([expert_blocks(qtype, n, k, seed=100 * i + 10 * e + len(leaf)) for e in range(E)])
-            blocks[name] = qtype
-        if arch == "qwen2moe":
-            for leaf, shape in (("gate", (64, H)), ("up", (64, H)), ("down", (H, 64))):
-                f32(f"{pre}mlp.shared_expert.{leaf}_proj.weight", *shape)
-            f32(f"{pre}mlp.shared_expert_gate.weight", H)
-    write_gguf_file(path, arch, meta, tensors, hf_arch=hf_arch, qtype=lambda name: blocks.get(name, Q.F32))
+    write_random_moe_gguf(path, arch, hidden=H, ffn=I, heads=HEADS, kv_heads=KV_HEADS, layers=len(EXPERTS[arch]),
+                          experts=E, used=2, expert_stack=stack, shared_ffn=64, context=256, seed=1)
