@@ -1,6 +1,7 @@
 """Tiny GGUF files for the tests and scripts: one writer (`write_gguf_file`) that names each HF tensor as
 imp_jax/model/gguf_loader.py's own tables read it back (their inverse, not a copy), stores it in the type asked
-for, and writes the metadata given; and two small vocabularies (byte-level BPE, SentencePiece) to write in.
+for, and writes the metadata given; a random mixture of experts written with it; and two small vocabularies
+(byte-level BPE, SentencePiece) to write in.
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello there
 
 def gguf_name(hf_name: str, arch: str, hf_arch: str | None = None) -> str:
     """The GGUF tensor name the loader maps to `hf_name` for a file of `arch` (`hf_arch`: the HF
-    architecture of a mixture of experts, whose expert leaves differ: Mixtral's w1/w3/w2 or gate/up/down_proj)."""
+    architecture of a mixture of experts, whose expert leaves differ: Mixtral's w1/w3/w2 or gate/up/down_proj).
+    The loader's tables are private to it; reading them here keeps one table, which a new family extends."""
     stem, _, suffix = hf_name.rpartition(".")
     top = {hf: g for g, hf in loader._TOP_NAMES.items()}
     if stem in top:
         return f"{top[stem]}.{suffix}"
-    prefix, layer, rest = hf_name.split(".", 3)[1:3] + [hf_name.split(".", 3)[3]]
-    assert prefix == "layers", hf_name
+    model, layers, layer, rest = hf_name.split(".", 3)   # model.layers.{i}.{leaf}
+    assert (model, layers) == ("model", "layers"), hf_name
     layer_names = (loader._GEMMA_LAYER_NAMES if arch in loader.GEMMA else
                    loader._GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else loader._LAYER_NAMES)
     leaves = loader._MOE_LEAVES.get(hf_arch or "", loader._MOE_LEAVES["other"])
