@@ -8,22 +8,19 @@ import json
 from pathlib import Path
 
 import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import XLA
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.gguf_loader import load_gguf
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors, load_model
-from imp_jax.model.registry import get_model_class
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.loader import SafetensorsDir, load_model
 from imp_jax.runtime.batch import SeqChunk
 from imp_jax.runtime.defaults import arch_preset
 from paged import PagedRunner, host_kernels
+from support.models import build
 
 WINDOW = 8   # every prompt below is longer
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -63,10 +60,6 @@ def tiny(request, tmp_path_factory):
     return ModelConfig.from_file(path / "config.json"), SafetensorsDir(path), hf_model, path
 
 
-def build(cfg, tensors, kernels, layer_loop="scan"):
-    options = ModelOptions(jnp.float32, layer_loop, kernels)
-    return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors), options)
-
 
 def prompts(lengths, vocab, seed=0):
     rng = np.random.default_rng(seed)
@@ -105,7 +98,7 @@ def test_ragged_batch_chunked_prefill_and_decode_match_transformers(tiny, kernel
     chunked prefill mixed with decodes, each sequence's logits vs transformers on the whole prefix
     (every prompt outruns the window, so sliding layers mask what global ones see)."""
     cfg, tensors, hf_model, _ = tiny
-    runner = PagedRunner(build(cfg, tensors, host_kernels(cfg) if kernels == "host" else XLA))
+    runner = PagedRunner(build(cfg, tensors, kernels=host_kernels(cfg) if kernels == "host" else XLA))
     ps = prompts([5, 20, 33, 1], cfg.vocab_size)
     tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9]]
     for p, got in zip(ps, runner.run([SeqChunk(p, 0, t) for p, t in zip(ps, tables)])):
@@ -129,7 +122,7 @@ def test_greedy_tokens_match_transformers_under_both_layer_loops(tiny):
         want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                  pad_token_id=0)[0, len(prompt):].tolist()
     for loop in ("scan", "unroll"):
-        runner = PagedRunner(build(cfg, tensors, host_kernels(cfg), loop))
+        runner = PagedRunner(build(cfg, tensors, layer_loop=loop, kernels=host_kernels(cfg)))
         _, tokens = runner.greedy(prompt, 12, [3, 4], num_tokens=16, num_seqs=1)
         assert tokens == want, loop
 
@@ -214,8 +207,8 @@ def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path
     assert sorted(ckpt.tensors) == sorted(tensors)
     for name in tensors:
         np.testing.assert_allclose(ckpt.tensors[name], tensors[name], rtol=0, atol=2e-7 if "norm" in name else 0)
-    model = build(cfg, ckpt.tensors, XLA)
-    hf_ref = build(cfg, tensors, XLA)
+    model = build(cfg, ckpt.tensors, kernels=XLA)
+    hf_ref = build(cfg, tensors, kernels=XLA)
     runner = PagedRunner(hf_ref)
     p = prompts([25], cfg.vocab_size, seed=3)[0]
     from_hf = runner.run([SeqChunk(p, 0, [1, 2])], num_tokens=32, num_seqs=1)[0]
@@ -273,5 +266,5 @@ def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.qk_norm and cfg.num_layers == 4
     assert cfg.layer_types[2] == "full_attention" and cfg.rope_local_theta == 1e4
     p = prompts([20], 298, seed=5)[0]
-    got = PagedRunner(build(cfg, SafetensorsDir(tmp_path), XLA)).run([SeqChunk(p, 0, [1, 2])], 32, 1)[0]
+    got = PagedRunner(build(cfg, SafetensorsDir(tmp_path), kernels=XLA)).run([SeqChunk(p, 0, [1, 2])], 32, 1)[0]
     close(got, hf_logits(hf_model, p))

@@ -22,24 +22,19 @@ from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.gpt_oss import FP4_VALUES, GptOssLM, dequantize_mxfp4
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+from imp_jax.model.loader import SafetensorsDir
 from imp_jax.model.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
 from imp_jax.model.registry import get_model_class
-from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
 from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
                    random_prompts)
 from attention_cases import Case, make_batch
 from support.gpt_oss_models import GPT_OSS, YARN, random_mxfp4, write_gpt_oss_gguf, write_tiny_gpt_oss
+from support.models import build
 
 
-
-def build(cfg: ModelConfig, tensors, kernels: Kernels | None = None, dtype=jnp.float32, loop="scan"):
-    opts = ModelOptions(dtype, loop, kernels or host_kernels(cfg, dtype))
-    return build_from_tensors(GptOssLM, cfg, WeightSource(tensors), opts)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +228,7 @@ def test_an_mxfp4_checkpoint_loads_dequantised_and_matches_transformers(tiny, tm
 def test_logits_and_greedy_tokens_match_transformers(tiny, runner, loop):
     cfg, tensors, hf_model, _ = tiny
     if loop == "unroll":
-        runner = PagedRunner(build(cfg, tensors, loop="unroll"))
+        runner = PagedRunner(build(cfg, tensors, layer_loop="unroll"))
     prompt = random_prompts([12], cfg.vocab_size, seed=2)[0]
     with torch.no_grad():
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
@@ -251,7 +246,7 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny,
         if attention == "cpu":
             pytest.skip("CPU attention kernel not built")
         kernels = dataclasses.replace(kernels, attention=attention, pallas_interpret=attention == "pallas")
-        runner = PagedRunner(build(cfg, tensors, kernels))
+        runner = PagedRunner(build(cfg, tensors, kernels=kernels))
     check_ragged_steps(runner, hf_model, cfg.vocab_size)
 
 

@@ -9,21 +9,15 @@ import pytest
 import torch
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors
-from imp_jax.model.moe import EXPERT_IMPLS, MoELM, expert_ffn, route
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.loader import SafetensorsDir
+from imp_jax.model.moe import EXPERT_IMPLS, expert_ffn, route
 from imp_jax.runtime.batch import SeqChunk
-from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
-                   random_prompts)
+from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, random_prompts)
 from support.moe_models import FAMILIES, write_moe_gguf, write_tiny_moe
+from support.models import build
 
 
-
-def build(cfg: ModelConfig, tensors, dtype=jnp.float32, **options):
-    opts = ModelOptions(dtype, "scan", host_kernels(cfg, dtype), **options)
-    return build_from_tensors(MoELM, cfg, WeightSource(tensors), opts)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -7,6 +7,7 @@ import numpy as np
 from flax import nnx
 from paged import host_kernels
 
+from imp_jax.kernels_pallas import Kernels
 from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.loader import build_from_tensors
@@ -15,9 +16,10 @@ from imp_jax.model.weights import WeightFormats, WeightSource
 
 
 def build(cfg: ModelConfig, tensors, dtype=jnp.float32, layer_loop: str = "scan",
-          formats: WeightFormats = WeightFormats()):
-    """The model of `tensors` as this host's engine would run it (its kernels)."""
-    options = ModelOptions(dtype, layer_loop, host_kernels(cfg, dtype))
+          formats: WeightFormats = WeightFormats(), *, kernels: Kernels | None = None, **options):
+    """The model of `tensors` (its architecture's class) as this host's engine would run it: its kernels
+    unless `kernels` are given; `options`: more ModelOptions fields."""
+    options = ModelOptions(dtype, layer_loop, kernels or host_kernels(cfg, dtype), **options)
     return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors, formats), options)
 
 
