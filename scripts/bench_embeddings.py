@@ -109,8 +109,7 @@ def bench_offline(imp_embed, torch_conn, texts: list[str], batches: list[int], r
 def bench_server(model: str, texts: list[str], clients: int, per_client: int, max_batch: int) -> dict:
     import httpx
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from server_fixtures import free_port, wait_for
+    from loopback import free_port, wait_for
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,17 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from loopback import free_port
 
 KEYS = {"A": "bench-key-a", "B": "bench-key-b"}
 SIZING = "--max-num-seqs 8 --max-num-batched-tokens 64 --max-model-len 1024 --num-kv-blocks 256"
 PROMPT_B = "Write a short story about a lighthouse keeper and the sea."
 PROMPT_A = "List every prime number you know, one per line, with a remark on each."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 MODE_FLAGS = {"fair": [], "unfair": ["--no-fair-tenants"], "capped": ["--max-concurrent-per-key"]}

@@ -5,14 +5,13 @@
     PYTHONPATH=. python scripts/bench_harmony.py [--tokenizer DIR] [--tokens 4000] [--out bench_harmony.json]
 
 DIR: a HF tokenizer directory with the harmony special tokens (a gpt-oss checkpoint); without it the tiny
-test vocabulary (tests/tiny_models.write_harmony_tokenizer) is written to a temporary directory.
+test vocabulary (scripts/tiny_models.write_harmony_tokenizer) is written to a temporary directory.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,6 @@ ARGS = json.dumps({"city": "Paris", "days": list(range(40)), "units": "metric", 
 def tokenizer(path: str | None) -> Tokenizer:
     if path:
         return Tokenizer.from_hf_dir(path)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tiny_models import write_harmony_tokenizer
 
     tmp = Path(tempfile.mkdtemp())

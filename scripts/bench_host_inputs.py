@@ -13,7 +13,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
 from imp_jax.runtime.block_tables import DeviceTables, edit_capacity

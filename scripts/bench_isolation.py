@@ -9,7 +9,7 @@ client of each kind that keeps one request in flight (a new one as soon as the l
 - long_prompt: the same prompt without them (what any long prompt's chunked prefill costs the streams).
 
 Everything goes through AsyncEngine.generate, as the server's requests do, on a tiny random Llama
-(tests/tiny_models.py, written to a temporary directory, with a 1k byte-level vocabulary), or with
+(scripts/tiny_models.py, written to a temporary directory, with a 1k byte-level vocabulary), or with
 --model on a real model by its registry name or path (e.g. smollm2-135m-instruct: its real step and its
 49k vocabulary, which makes the breaker scan and grammar masks dearer). TPOT of a stream: (last token's
 time - first token's) / (tokens - 1); an arm's number is the median over the 8 streams, and over
@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,11 +37,10 @@ KINDS = ("dry", "dry_reference", "regex", "grammar", "prompt_logprobs", "long_pr
 
 
 def tiny_model(path: Path, max_len: int) -> Path:
-    """The tests' tiny random Llama (tests/tiny_models.py) with a byte-level BPE of VOCAB ids that can write
+    """The tests' tiny random Llama (scripts/tiny_models.py) with a byte-level BPE of VOCAB ids that can write
     any text (JSON included), positions for `max_len` tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tiny_models import write_tiny_hf
 
     write_tiny_hf("LlamaForCausalLM", path, max_position_embeddings=max_len, vocab_size=VOCAB)

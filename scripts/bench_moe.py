@@ -77,8 +77,7 @@ def write_models(root: Path, E: int, k: int, I: int) -> dict[str, Path]:
     import torch
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
 
     out = {}
     for name, cls, cfg in (
@@ -144,46 +143,19 @@ def write_quant_gguf(path: Path, E: int, k: int, I: int, qtype: str) -> None:
     expert stacks are `qtype` blocks (random bytes, small finite scales), everything else float32."""
     import gguf
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_gguf_loader import add_byte_level_vocab
-    from test_kquants import BLOCK_WEIGHTS, random_blocks
+    from quant_blocks import BLOCK_WEIGHTS, random_blocks
+    from tiny_gguf import write_random_moe_gguf
 
-    H, L = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
-    heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
-    D = H // heads
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    for add, v in ((w.add_block_count, L), (w.add_context_length, 1024), (w.add_embedding_length, H),
-                   (w.add_feed_forward_length, I), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
-                   (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_expert_count, E),
-                   (w.add_expert_used_count, k), (w.add_eos_token_id, 2)):
-        add(v)
-    tokens = add_byte_level_vocab(w)
+    def stack(rng, i: int, leaf: str, n: int, kk: int) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        s = np.stack([random_blocks(qtype, n, kk // BLOCK_WEIGHTS[qtype], seed=int(rng.integers(1 << 30)),
+                                    scale=0.3 / kk) for _ in range(E)])
+        if qtype == "MXFP4":   # E8M0 exponents of small weights (2^-16..2^-12 times at most 6)
+            s[..., 0] = rng.integers(112, 117, s.shape[:-1])
+        return s.reshape(E, n, -1), gguf.GGMLQuantizationType[qtype]
 
-    def f32(name: str, *shape: int, scale: float = 0.05) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
-
-    f32("token_embd.weight", len(tokens), H, scale=1.0)
-    f32("output.weight", len(tokens), H)
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
-    for i in range(L):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
-        for leaf, n in (("attn_q", heads * D), ("attn_k", kv_heads * D), ("attn_v", kv_heads * D)):
-            f32(f"blk.{i}.{leaf}.weight", n, H)
-        f32(f"blk.{i}.attn_output.weight", H, heads * D)
-        f32(f"blk.{i}.ffn_gate_inp.weight", E, H, scale=0.5)
-        for leaf, (n, kk) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
-            stack = np.stack([random_blocks(qtype, n, kk // BLOCK_WEIGHTS[qtype], seed=int(rng.integers(1 << 30)),
-                                            scale=0.3 / kk) for _ in range(E)])
-            if qtype == "MXFP4":   # E8M0 exponents of small weights (2^-16..2^-12 times at most 6)
-                stack[..., 0] = rng.integers(112, 117, stack.shape[:-1])
-            stack = stack.reshape(E, n, -1)
-            w.add_tensor(f"blk.{i}.ffn_{leaf}_exps.weight", stack, raw_dtype=gguf.GGMLQuantizationType[qtype])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_random_moe_gguf(path, "llama", hidden=SHAPE["hidden_size"], ffn=I, heads=SHAPE["num_attention_heads"],
+                          kv_heads=SHAPE["num_key_value_heads"], layers=SHAPE["num_hidden_layers"], experts=E, used=k,
+                          expert_stack=stack)
 
 
 def bench_quant(path: Path, batches: list[int], repeats: int, prompt_len: int, output_len: int,

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_pallas_attention import KERNEL_CASES, TOLERANCE, Case, make_batch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_cases import KERNEL_CASES, TOLERANCE, Case, make_batch  # noqa: E402
 
 from imp_jax.kernels_pallas.backends import is_hopper  # noqa: E402
 from imp_jax.kernels_pallas.kv_cache import write_kv  # noqa: E402

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged import PagedRunner  # noqa: E402
 
 from imp_jax.kernels_pallas.backends import Kernels, is_hopper  # noqa: E402

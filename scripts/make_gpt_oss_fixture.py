@@ -130,9 +130,9 @@ def main() -> int:
     ap.add_argument("--llama-server", type=Path, default=SERVER if SERVER.exists() else None)
     ap.add_argument("--out", type=Path, default=ROOT / "tests/data/gpt_oss")
     args = ap.parse_args()
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    sys.path.insert(0, str(ROOT))
     import safetensors.torch
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
 
     model = tiny_model()
     packed = mxfp4_experts(model)

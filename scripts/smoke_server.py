@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving  # noqa: E402
+from loopback import free_port  # noqa: E402
 
 SMALL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "512",
                 "--num-kv-blocks", "128"]
 QUESTION = "What is the capital of France? Answer in one word."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:

@@ -1,20 +1,32 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the import paths the tests use.
+
+tests/ (pytest puts it first) holds the test files and support/, the helpers only tests use; scripts/ is put
+on the path here so tests import the helpers scripts share with them (tiny_models, paged, tiny_vlm ...):
+a script never imports the test tree.
+"""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from imp_jax.paths import compilation_cache_dir
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
+
 # Compiled programs persist across runs (set before jax is imported by any test module).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-# Registered here, once, so every test module shares the one operations server (a fixture imported
-# into each module would be a separate session fixture per module, i.e. one server each).
-from server_fixtures import exact_server, ops_server, reliability_server  # noqa: E402,F401
+# Fixtures of tests/support/ that several test files use, registered here, once: every test module shares the
+# one operations server (a fixture imported into each module would be a separate session fixture per module,
+# i.e. one server each); the module-scoped tiny VLMs are still one per module.
+from support.servers import exact_server, ops_server, reliability_server  # noqa: E402,F401
+from support.idefics3 import vlm  # noqa: E402,F401
+from support.qwen_vl import tiny_qwen  # noqa: E402,F401
+from support.gemma3_vl import tiny_gemma3  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -48,35 +60,9 @@ def hf_smollm2(smollm2_gguf_path: Path):
     return model.eval()
 
 
-TINY_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
-               " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
-               "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def write_tiny_tokenizer(path: Path) -> None:
-    """A byte-level BPE of < 256 ids (fits tiny_models' vocab) with BOS, ChatML specials and two templates."""
-    import json
-
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, hello world! 12345"] * 5,
-                            trainers.BpeTrainer(vocab_size=160, show_progress=False,
-                                                special_tokens=["<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "<|endoftext|>", "add_bos_token": True,
-              "chat_template": [{"name": "default", "template": TINY_CHATML},
-                                {"name": "tool_use", "template": "{# tools #}" + TINY_CHATML}]}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3], "temperature": 0.7}))
-
-
 @pytest.fixture(scope="session")
 def _tiny_hf_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import write_tiny_hf
+    from tiny_models import write_tiny_hf, write_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     write_tiny_hf("LlamaForCausalLM", path)

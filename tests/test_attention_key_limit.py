@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import TOLERANCE, Case, make_batch
 
 from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
@@ -21,8 +20,6 @@ from imp_jax.kernels_pallas.pallas import ragged_paged_attention as rpa
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_pallas_attention import TOLERANCE, Case, make_batch   # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +164,7 @@ def test_pallas_kernel_with_key_limits_and_sinks_matches_xla() -> None:
 def test_pallas_kernel_with_key_limits_lowers_for_cuda(kv_splits: int) -> None:
     """The key-limit rows' TMA, their WGMMA-layout load and mask lower through Mosaic GPU (export for CUDA,
     on this CPU), split and not."""
-    from test_pallas_export import assert_hopper_kernel
+    from support.kernels import assert_hopper_kernel
     t, s, pages, heads = 16, 4, 8, 8
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)   # noqa: E731
     q = jax.ShapeDtypeStruct((t, 2 * heads, 128), jnp.bfloat16)

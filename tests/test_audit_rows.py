@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_text import delta, parse, value
-from server_fixtures import MODEL, app_in_thread, fake_server, live_server, wait_for, wait_idle  # noqa: F401
+from support.metrics_text import delta, parse, value
+from support.servers import MODEL, app_in_thread, fake_server, live_server, wait_for, wait_idle  # noqa: F401
 from tiny_models import make_adapter
 
 from imp_jax.server.responses import InputItem, conversation_of

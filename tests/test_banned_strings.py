@@ -8,8 +8,8 @@ import dataclasses
 import anthropic
 import openai
 import pytest
-from server_fixtures import MODEL, LiveServer, anthropic_for, live_server, openai_for  # noqa: F401
-from test_engine import (
+from support.servers import MODEL, LiveServer, anthropic_for, live_server, openai_for  # noqa: F401
+from support.engine import (
     BIG_POOL_BLOCKS,
     MAX_MODEL_LEN,
     TOKEN_BUDGET,
@@ -302,7 +302,7 @@ ASK = [{"role": "user", "content": QUESTION}]
 
 @pytest.mark.real_model
 def test_server_routes_never_send_a_banned_phrase(oai, claude, live_server) -> None:  # noqa: F811
-    from server_fixtures import wait_idle
+    from support.servers import wait_idle
     chat = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=4, seed=1, logprobs=True,
                                        extra_body=BAN)
     assert all("Paris" not in c.message.content for c in chat.choices)
@@ -328,7 +328,7 @@ def test_server_routes_never_send_a_banned_phrase(oai, claude, live_server) -> N
 
 @pytest.mark.real_model
 def test_spent_regex_time_is_a_400_naming_banned_regex(oai, live_server) -> None:  # noqa: F811
-    from server_fixtures import wait_idle
+    from support.servers import wait_idle
     slow = {"banned_regex": [SLOW] * 16, "ignore_eos": True}
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, extra_body=slow)

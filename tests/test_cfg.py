@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from paged import tiny_engine
-from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
+from support.servers import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 _ids = itertools.count()
 MAIN = [5, 17, 42, 99, 3, 77, 120, 8, 61, 200, 14, 33, 150, 9, 71, 240, 2, 57, 88, 130]   # 20 tokens

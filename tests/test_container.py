@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from prometheus_text import parse
-from server_fixtures import FakeEngine, fake_server  # noqa: F401
+from support.metrics_text import parse
+from support.servers import FakeEngine, fake_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/dashboards/imp.json"

@@ -17,8 +17,8 @@ from imp_jax.kernels_pallas import AttentionMetadata
 from imp_jax.model.hub import CONVERTED_MARKER, classify_path
 from imp_jax.model.loader import load_model
 from imp_jax.runtime.batch import SeqChunk, build_step_batch
-from conftest import write_tiny_tokenizer
-from tiny_models import ARCHS, write_tiny_hf
+from support.models import same_params
+from tiny_models import ARCHS, write_tiny_hf, write_tiny_tokenizer
 
 TEXTS = ["hello world", "the quick brown fox <|im_end|> jumps", "", " 12345!"]
 
@@ -44,13 +44,6 @@ def prefill_logits(model, ids: list[int], num_tokens: int = 16) -> np.ndarray:
     return np.asarray(out)[:len(ids)]
 
 
-def _same_params(a, b) -> None:
-    pa, pb = nnx.to_pure_dict(nnx.state(a)), nnx.to_pure_dict(nnx.state(b))
-    assert jax.tree.structure(pa) == jax.tree.structure(pb)
-    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
-        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_converted_model_gives_identical_logits(arch, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
@@ -60,7 +53,7 @@ def test_converted_model_gives_identical_logits(arch, tmp_path):
     assert classify_path(dst) == "converted"
     ours, theirs = load_model(dst, dtype="float32"), load_model(src, dtype="float32")
     assert ours.config == theirs.config
-    _same_params(ours.model, theirs.model)
+    same_params(ours.model, theirs.model)
     ids = [5, 17, 33, 2, 99, 140, 7]
     assert np.array_equal(prefill_logits(ours.model, ids), prefill_logits(theirs.model, ids))
 
@@ -71,7 +64,7 @@ def test_bfloat16_load_is_identical_to_bfloat16_source(stored, tiny_hf_dir, tmp_
     assert main([str(tiny_hf_dir), str(dst), "--dtype", stored]) == 0
     assert json.loads((dst / CONVERTED_MARKER).read_text())["dtype"] == stored
     ours, theirs = load_model(dst, dtype="bfloat16"), load_model(tiny_hf_dir, dtype="bfloat16")
-    _same_params(ours.model, theirs.model)
+    same_params(ours.model, theirs.model)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     assert np.array_equal(prefill_logits(ours.model, ids), prefill_logits(theirs.model, ids))
 
@@ -87,7 +80,7 @@ def test_a_bf16_source_converts_with_its_bf16_matrices_kept(tiny_hf_dir, tmp_pat
     dst = tmp_path / "dst"
     assert main([str(tiny_hf_dir), str(dst)]) == 0
     ours, theirs = load_model(dst, dtype="float32"), load_model(tiny_hf_dir, dtype="float32")
-    _same_params(ours.model, theirs.model)
+    same_params(ours.model, theirs.model)
     ids = [2, 7, 1, 8, 2, 8, 1]
     assert np.array_equal(prefill_logits(ours.model, ids), prefill_logits(theirs.model, ids))
 

@@ -15,7 +15,7 @@ from imp_jax.kernels_pallas import AttentionShape, Kernels, select_kernels
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.kv_cache import BF16_BITS, write_kv
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
-from test_pallas_attention import REFERENCE_CASES, Case, dense_attention, make_batch
+from attention_cases import REFERENCE_CASES, Case, dense_attention, make_batch
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

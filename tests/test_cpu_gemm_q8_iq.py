@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cpu_gemm_q8 import (
+from support.cpu_gemm import (
     CPU_Q8,
     PATHS,
     activations,
@@ -22,7 +22,7 @@ from test_cpu_gemm_q8 import (
     quantise,
     run_q8,
 )
-from test_kquants import gguf_py, random_blocks
+from quant_blocks import gguf_py, random_blocks
 
 from imp_jax.kernels_pallas import matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cpu_gemm_q8 import (
+from support.cpu_gemm import (
     PATHS,
     activations,
     assert_rows_independent,
@@ -19,7 +19,7 @@ from test_cpu_gemm_q8 import (
     quantise,
     run_q8,
 )
-from test_kquants import gguf_py, random_blocks
+from quant_blocks import gguf_py, random_blocks
 
 from imp_jax.kernels_pallas import ggml_blocks as quant
 

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from prometheus_text import parse
-from server_fixtures import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, FakeEngine, LiveServer, app_in_thread,
+from support.metrics_text import parse
+from support.servers import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, FakeEngine, LiveServer, app_in_thread,
                              fake_tokenizer, live_server, wait_for)  # noqa: F401
 
 from imp_jax.errors import ImpError

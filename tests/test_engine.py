@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.engine import BIG_POOL_BLOCKS, MAX_MODEL_LEN, TOKEN_BUDGET, Result, make_engine, req, run
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.kernels_pallas import kv_storage_dtype
@@ -26,16 +26,12 @@ from imp_jax.runtime.async_engine import AsyncEngine
 from imp_jax.runtime.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.real_model
 
-MAX_MODEL_LEN = 256
-TOKEN_BUDGET = 16
 MAX_TOKENS = 6
 PROMPT_LENGTHS = (20, 27, 33, 41, 50, 61, 75, 90)
-BIG_POOL_BLOCKS = 96
 TINY_POOL_BLOCKS = 9      # 8 usable blocks: 128 tokens
 SEEDED = dict(temperature=0.8, seed=1234, max_tokens=MAX_TOKENS)
 PASSAGE = (
@@ -50,71 +46,6 @@ PASSAGE = (
     "the tides, collected samples of seaweed, and wrote long reports about the migrating birds "
     "that rested on the cliffs each autumn before crossing the ocean to warmer lands."
 )
-_ids = itertools.count()
-
-
-# ----------------------------------------------------------------------------- helpers
-@dataclasses.dataclass
-class Choice:
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Result:
-    """Everything a request emitted, gathered per choice."""
-
-    choices: dict[int, Choice] = dataclasses.field(default_factory=dict)
-    usage: Usage | None = None
-    events: list[EngineEvent] = dataclasses.field(default_factory=list)
-
-    def on_event(self, ev: EngineEvent) -> None:
-        assert self.usage is None, "an event arrived after the request was done"
-        self.events.append(ev)
-        c = self.choices.setdefault(ev.index, Choice())
-        assert c.finish_reason is None, "an event arrived after its choice finished"
-        c.token_ids += ev.token_ids
-        c.text += ev.text
-        c.logprobs += ev.logprobs or []
-        c.finish_reason, c.stop_reason = ev.finish_reason, ev.stop_reason
-        if ev.done:
-            self.usage = ev.usage
-
-    @property
-    def ids(self) -> list[int]:
-        return self.choices.get(0, Choice()).token_ids
-
-    @property
-    def first(self) -> Choice:
-        return self.choices[0]
-
-
-def req(prompt: list[int], cache_prompt: bool = False, **params: Any) -> GenerationRequest:
-    params.setdefault("temperature", 0.0)
-    return GenerationRequest(f"req-{next(_ids)}", list(prompt), SamplingParams(**params),
-                             cache_prompt=cache_prompt)
-
-
-def run(core: EngineCore, *reqs: GenerationRequest, max_steps: int = 400) -> list[Result]:
-    """Run the requests together to completion; the pool must be back at its baseline after."""
-    results = [Result() for _ in reqs]
-    for r, res in zip(reqs, results):
-        core.add_request(r, res.on_event)
-    for _ in range(max_steps):
-        if not core.has_work():
-            break
-        core.step()
-    else:
-        pytest.fail(f"engine still busy after {max_steps} steps: {core.stats()}")
-    assert not core.requests and not core.scheduler.running and not core.scheduler.waiting
-    assert core.pool.num_free_blocks == core.baseline_free_blocks
-    for res in results:
-        assert res.usage is not None and res.events[-1].done
-        assert all(c.finish_reason for c in res.choices.values())
-    return results
 
 
 def step_until(core: EngineCore, cond: Callable[[], bool], max_steps: int = 50) -> None:
@@ -138,17 +69,6 @@ def spanning_stop(tok, ids: list[int]) -> tuple[str, int, str] | None:
         if full.find(stop) == len(before) - 2:
             return stop, k, before[:-2]
     return None
-
-
-# ----------------------------------------------------------------------------- fixtures
-def make_engine(loaded, config: EngineConfig, num_blocks: int, kv_dtype=None) -> EngineCore:
-    """build_engine on a loaded model; the KV cache always has BIG_POOL_BLOCKS (same programs for any
-    pool), of the model's dtype unless kv_dtype is given (stored as kv_storage_dtype, like build_engine)."""
-    shape = loaded.model.kv_cache_shape(BIG_POOL_BLOCKS, config.block_size)
-    kv = tuple(jnp.zeros(shape, kv_storage_dtype(kv_dtype or loaded.dtype, "cpu")) for _ in range(2))
-    engine = EngineCore(loaded, config, kv, num_blocks, default_mesh())
-    engine.step_fn.warm_up()
-    return engine
 
 
 @pytest.fixture(scope="session")

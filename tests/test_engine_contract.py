@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import jax.numpy as jnp
 import pytest
-from server_fixtures import (FAULT_MARKER, FakeEngine, app_in_thread, check_event_contract, fake_tokenizer,
+from support.servers import (FAULT_MARKER, FakeEngine, app_in_thread, check_event_contract, fake_tokenizer,
                              parse_sse, protocol_members, wait_for)
 
 from imp_jax.errors import EngineError, ImpError, InvalidRequestError

@@ -76,7 +76,7 @@ def test_cpu_is_the_old_name_of_exact():
 
 @needs_kernels
 def test_load_model_picks_cpu_q8_for_a_quantised_gguf_and_exact_for_a_float_checkpoint(tmp_path, tiny_hf_dir):
-    from test_gguf_loader import write_gguf
+    from support.gguf_models import write_gguf
 
     from imp_jax.model.loader import load_model, open_checkpoint
 

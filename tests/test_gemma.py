@@ -5,54 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
-import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import XLA
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.gguf_loader import load_gguf
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors, load_model
-from imp_jax.model.registry import get_model_class
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.loader import SafetensorsDir, load_model
 from imp_jax.runtime.batch import SeqChunk
 from imp_jax.runtime.defaults import arch_preset
 from paged import PagedRunner, host_kernels
-
-WINDOW = 8   # every prompt below is longer
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=WINDOW,
-            query_pre_attn_scalar=24)   # not head_dim: the scale is the config's
-CONFIGS = {
-    # soft-caps small enough to bind on random weights; layers sliding, full, sliding, full
-    "Gemma2ForCausalLM": ("Gemma2Config", dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
-    # layers sliding, sliding, full, sliding; global RoPE linearly scaled, local RoPE its own base
-    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
-        sliding_window_pattern=3, tie_word_embeddings=False, rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
-}
-
-
-def write_tiny_gemma(arch: str, path: Path):
-    """A tiny random `arch` checkpoint (1-D weights jittered so every norm matters); the transformers model."""
-    import transformers
-
-    cfg_cls, extra = CONFIGS[arch]
-    torch.manual_seed(0)
-    model = getattr(transformers, arch)(getattr(transformers, cfg_cls)(**TINY, **extra)).float().eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+from support.gemma_models import CONFIGS, TINY, WINDOW, write_gemma_gguf, write_tiny_gemma
+from support.models import build
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -62,10 +29,6 @@ def tiny(request, tmp_path_factory):
     hf_model = write_tiny_gemma(request.param, path)
     return ModelConfig.from_file(path / "config.json"), SafetensorsDir(path), hf_model, path
 
-
-def build(cfg, tensors, kernels, layer_loop="scan"):
-    options = ModelOptions(jnp.float32, layer_loop, kernels)
-    return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors), options)
 
 
 def prompts(lengths, vocab, seed=0):
@@ -105,7 +68,7 @@ def test_ragged_batch_chunked_prefill_and_decode_match_transformers(tiny, kernel
     chunked prefill mixed with decodes, each sequence's logits vs transformers on the whole prefix
     (every prompt outruns the window, so sliding layers mask what global ones see)."""
     cfg, tensors, hf_model, _ = tiny
-    runner = PagedRunner(build(cfg, tensors, host_kernels(cfg) if kernels == "host" else XLA))
+    runner = PagedRunner(build(cfg, tensors, kernels=host_kernels(cfg) if kernels == "host" else XLA))
     ps = prompts([5, 20, 33, 1], cfg.vocab_size)
     tables = [[1, 2, 3], [4, 5], [6, 7, 8], [9]]
     for p, got in zip(ps, runner.run([SeqChunk(p, 0, t) for p, t in zip(ps, tables)])):
@@ -129,7 +92,7 @@ def test_greedy_tokens_match_transformers_under_both_layer_loops(tiny):
         want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                  pad_token_id=0)[0, len(prompt):].tolist()
     for loop in ("scan", "unroll"):
-        runner = PagedRunner(build(cfg, tensors, host_kernels(cfg), loop))
+        runner = PagedRunner(build(cfg, tensors, layer_loop=loop, kernels=host_kernels(cfg)))
         _, tokens = runner.greedy(prompt, 12, [3, 4], num_tokens=16, num_seqs=1)
         assert tokens == want, loop
 
@@ -172,77 +135,6 @@ def test_unservable_gemma_configs_are_model_load_errors_naming_why(arch, extra, 
 
 
 # --------------------------------------------------------------------------------------- GGUF
-GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
-
-
-def write_gemma_gguf(cfg: ModelConfig, tensors, path: Path, *, scale_key: bool, vocab=None) -> None:
-    """The HF checkpoint as llama.cpp's convert_hf_to_gguf writes a Gemma: its metadata, norms
-    stored with 1 added, Q/K not permuted, a SentencePiece vocabulary (padded to the vocab size) unless
-    `vocab(writer, cfg)` writes the tokenizer. `tensors`: the language model's, under `model.*` / `lm_head.*`.
-    `scale_key`: write `attention.scale` (else the reader falls back to 1/sqrt(head_dim))."""
-    arch = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-            "Gemma3ForConditionalGeneration": "gemma3"}[cfg.architecture]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_sliding_window(cfg.sliding_window)
-    if scale_key:
-        w.add_attention_scale(cfg.query_pre_attn_scalar ** -0.5)
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    else:
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_rope_freq_base_swa(cfg.rope_local_theta)
-        if cfg.rope_scaling.rope_type == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    (vocab or _sentencepiece_vocab)(w, cfg)
-    for name in tensors:
-        x = np.asarray(tensors[name], np.float32)
-        if name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, _, leaf = rest.rpartition(".")
-            gname = f"blk.{i}.{GGUF_LAYER[module]}.{leaf}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _sentencepiece_vocab(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
-    """test_gguf_loader's SentencePiece vocabulary, padded with unused tokens to the model's vocab size."""
-    from test_gguf_loader import sentencepiece_vocab
-
-    tokens, types, scores = sentencepiece_vocab()
-    pad = cfg.vocab_size - len(tokens)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
-    w.add_token_types(types + [4] * pad)
-    w.add_token_scores(scores + [0.0] * pad)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id[0])
-
-
 def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path):
     """Config, tensors (norms less llama.cpp's 1) and logits of the GGUF equal the HF checkpoint's."""
     cfg, tensors, hf_model, _ = tiny
@@ -257,8 +149,8 @@ def test_gguf_written_from_the_checkpoint_loads_to_the_same_model(tiny, tmp_path
     assert sorted(ckpt.tensors) == sorted(tensors)
     for name in tensors:
         np.testing.assert_allclose(ckpt.tensors[name], tensors[name], rtol=0, atol=2e-7 if "norm" in name else 0)
-    model = build(cfg, ckpt.tensors, XLA)
-    hf_ref = build(cfg, tensors, XLA)
+    model = build(cfg, ckpt.tensors, kernels=XLA)
+    hf_ref = build(cfg, tensors, kernels=XLA)
     runner = PagedRunner(hf_ref)
     p = prompts([25], cfg.vocab_size, seed=3)[0]
     from_hf = runner.run([SeqChunk(p, 0, [1, 2])], num_tokens=32, num_seqs=1)[0]
@@ -273,8 +165,8 @@ def test_engine_serves_gemma_greedy_like_transformers_without_compiling_after_wa
     """Through EngineCore (chunked prefill on a budget of 16 tokens, then batched decode): two
     greedy requests together give transformers' tokens, the pool comes back whole, and no step
     compiles after warm-up."""
-    from conftest import write_tiny_tokenizer
-    from test_engine import make_engine, req, run
+    from tiny_models import write_tiny_tokenizer
+    from support.engine import make_engine, req, run
 
     from imp_jax.runtime.config import EngineConfig
 
@@ -316,5 +208,5 @@ def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.qk_norm and cfg.num_layers == 4
     assert cfg.layer_types[2] == "full_attention" and cfg.rope_local_theta == 1e4
     p = prompts([20], 298, seed=5)[0]
-    got = PagedRunner(build(cfg, SafetensorsDir(tmp_path), XLA)).run([SeqChunk(p, 0, [1, 2])], 32, 1)[0]
+    got = PagedRunner(build(cfg, SafetensorsDir(tmp_path), kernels=XLA)).run([SeqChunk(p, 0, [1, 2])], 32, 1)[0]
     close(got, hf_logits(hf_model, p))

@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
-from test_embeddings import SENTENCES
+from support.corpora import SENTENCES
+from support.servers import FakeEngine, app_in_thread, fake_tokenizer, wait_for
 from tiny_models import write_tiny_bert
 
 MINILM = "all-minilm-l6-v2"

@@ -1,7 +1,6 @@
 """GGUF loading: config mapping, dequantisation, llama Q/K un-permutation, tokenizer, errors."""
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
@@ -14,152 +13,15 @@ from gguf.quants import dequantize, quantize
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.gguf_loader import _llama3_factors, load_gguf, permute_rotary, unpermute_rotary
+from support.gguf_models import (CHATML, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, storage_type,
+                                 write_gguf)
+from tiny_gguf import byte_level_vocab
 from tiny_models import write_arch_only_gguf
 
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
-HEAD_DIM = HIDDEN // HEADS
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello there, world of tokens. "
-          "Numbers 12345 and 2024; café, naïve, 日本語 text.\n\tIndented code: def f(x): return x * 2\n") * 20
 TEXTS = ["Hello world", "the lazy dog jumps", " 2024 café\n\n\tx", "<|im_start|>user\nhi<|im_end|>",
          "日本語 🙂 <think>why</think>", ""]
-# per layer: GGUF leaf, HF leaf, numpy shape, storage type of layer 0 (layer 1 stores everything F32)
-LAYER_TENSORS = [
-    ("attn_norm.weight", "input_layernorm.weight", (HIDDEN,), Q.F32),
-    ("attn_q.weight", "self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
-    ("attn_k.weight", "self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_0),
-    ("attn_v.weight", "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), Q.F16),
-    ("attn_output.weight", "self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM), Q.Q4_1),
-    ("ffn_norm.weight", "post_attention_layernorm.weight", (HIDDEN,), Q.F32),
-    ("ffn_gate.weight", "mlp.gate_proj.weight", (FFN, HIDDEN), Q.Q8_0),
-    ("ffn_up.weight", "mlp.up_proj.weight", (FFN, HIDDEN), Q.BF16),
-    ("ffn_down.weight", "mlp.down_proj.weight", (HIDDEN, FFN), Q.Q4_0),
-]
 # worst-case error of a storage type relative to the largest |value| of the tensor
 TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.1}
-
-
-def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges) of a small byte-level BPE trained on CORPUS, with ChatML specials."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([CORPUS], trainer)
-    model = json.loads(tok.to_str())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get) + ["<think>", "</think>"]
-    types = [3 if t in SPECIALS else 4 if "think" in t else 1 for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return tokens, types, merges
-
-
-def add_byte_level_vocab(w: gguf.GGUFWriter) -> list[str]:
-    """Write `byte_level_vocab` into a GGUF as a gpt2 (byte-level BPE) tokenizer; returns its tokens."""
-    tokens, types, merges = byte_level_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_merges(merges)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    return tokens
-
-
-def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
-    """(tokens, token types, scores) of a small SentencePiece-BPE vocabulary with byte fallback."""
-    pieces = ["▁t", "he", "▁the", "▁h", "el", "lo", "ello", "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "in"]
-    chars = ["▁"] + list("abcdefghijklmnopqrstuvwxyz.,!?")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + chars
-    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) + len(chars))
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [-100.0 - i for i in range(len(chars))]
-    return tokens, types, scores
-
-
-def write_gguf(path: Path, *, arch: str = "llama", vocab: str = "gpt2", tied: bool = False,
-               rope_freqs: np.ndarray | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Write a tiny 2-layer model; returns the HF-named float32 originals (before llama's Q/K permutation)."""
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    if arch == "qwen3":
-        w.add_key_length(HEAD_DIM)
-    if vocab == "gpt2":
-        tokens, types, merges = byte_level_vocab()
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        w.add_token_merges(merges)
-        w.add_bos_token_id(tokens.index("<|im_start|>"))
-        w.add_eos_token_id(tokens.index("<|im_end|>"))
-        w.add_pad_token_id(tokens.index("<|im_end|>"))
-        w.add_add_bos_token(False)
-        w.add_chat_template(CHATML)
-    else:
-        tokens, types, scores = sentencepiece_vocab()
-        w.add_tokenizer_model("llama")
-        w.add_token_scores(scores)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    vocab_size = len(tokens)
-    w.add_vocab_size(vocab_size)
-
-    originals: dict[str, np.ndarray] = {}
-
-    def put(gguf_name: str, hf_name: str, shape: tuple[int, ...], qtype: Q) -> None:
-        x = rng.standard_normal(shape).astype(np.float32)
-        originals[hf_name] = x
-        if arch == "llama" and ".attn_q." in gguf_name:
-            x = permute_rotary(x, HEADS)
-        elif arch == "llama" and ".attn_k." in gguf_name:
-            x = permute_rotary(x, KV_HEADS)
-        if qtype == Q.F32:
-            w.add_tensor(gguf_name, x)
-        elif qtype == Q.F16:
-            w.add_tensor(gguf_name, x.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name, quantize(x, qtype), raw_dtype=qtype)
-
-    put("token_embd.weight", "model.embed_tokens.weight", (vocab_size, HIDDEN), Q.Q8_0)
-    put("output_norm.weight", "model.norm.weight", (HIDDEN,), Q.F32)
-    if not tied:
-        put("output.weight", "lm_head.weight", (vocab_size, HIDDEN), Q.F16)
-    for i in range(LAYERS):
-        for leaf, hf_leaf, shape, qtype in LAYER_TENSORS:
-            put(f"blk.{i}.{leaf}", f"model.layers.{i}.{hf_leaf}", shape, qtype if i == 0 else Q.F32)
-        if arch == "qwen2":
-            for p, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-                put(f"blk.{i}.attn_{p}.bias", f"model.layers.{i}.self_attn.{p}_proj.bias", (n * HEAD_DIM,), Q.F32)
-        if arch == "qwen3":
-            for p in "qk":
-                put(f"blk.{i}.attn_{p}_norm.weight", f"model.layers.{i}.self_attn.{p}_norm.weight", (HEAD_DIM,), Q.F32)
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return originals
-
-
-def storage_type(hf_name: str) -> Q:
-    if ".layers.1." in hf_name:
-        return Q.F32
-    for _, hf_leaf, _, qtype in LAYER_TENSORS:
-        if hf_name.endswith(hf_leaf):
-            return qtype
-    return {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.F16}.get(hf_name, Q.F32)
 
 
 @pytest.fixture(scope="module")

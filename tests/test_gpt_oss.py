@@ -22,53 +22,19 @@ from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.gpt_oss import FP4_VALUES, GptOssLM, dequantize_mxfp4
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+from imp_jax.model.loader import SafetensorsDir
 from imp_jax.model.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
 from imp_jax.model.registry import get_model_class
-from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.batch import SeqChunk
 from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
                    random_prompts)
-from test_pallas_attention import Case, make_batch
-from tiny_models import TINY
-
-YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-            original_max_position_embeddings=64)
-# 3 layers: sliding, full, sliding (window 5, so a 30-token prompt crosses it)
-GPT_OSS = dict(TINY, num_hidden_layers=3, head_dim=16, intermediate_size=32, num_local_experts=4,
-               num_experts_per_tok=2, sliding_window=5, rope_parameters=YARN)
+from attention_cases import Case, make_batch
+from support.gpt_oss_models import GPT_OSS, YARN, random_mxfp4, write_gpt_oss_gguf, write_tiny_gpt_oss
+from support.models import build
 
 
-def write_tiny_gpt_oss(path: Path, seed: int = 0, **overrides):
-    """Save a tiny random GptOssForCausalLM (eager attention, so the sinks are transformers' own
-    softmax column); returns the transformers model. Sinks, biases and norms get noise; router and LM
-    head a scale that keeps routing and greedy picks away from near-ties. `overrides`: of GPT_OSS."""
-    import transformers
-
-    cfg = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("sinks"):
-                p.normal_(0, 1.0)
-            elif n.endswith("router.weight") or n.endswith("lm_head.weight"):
-                p.normal_(0, 0.5)
-            elif n.endswith(("gate_up_proj", "down_proj")):
-                p.normal_(0, 0.1)
-            elif p.ndim == 1 or n.endswith("_bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def build(cfg: ModelConfig, tensors, kernels: Kernels | None = None, dtype=jnp.float32, loop="scan"):
-    opts = ModelOptions(dtype, loop, kernels or host_kernels(cfg, dtype))
-    return build_from_tensors(GptOssLM, cfg, WeightSource(tensors), opts)
 
 
 @pytest.fixture(scope="module")
@@ -229,14 +195,6 @@ def test_mxfp4_dequantises_known_values():
         dequantize_mxfp4(blocks, scales[:, :1])
 
 
-def _mxfp4(rng, shape_out_in):
-    """Random MXFP4 (blocks, scales) for an [E, out, in] weight and its exact value."""
-    E, out, inp = shape_out_in
-    blocks = rng.integers(0, 256, (E, out, inp // 32, 16)).astype(np.uint8)
-    scales = rng.integers(120, 126, (E, out, inp // 32)).astype(np.uint8)
-    return blocks, scales, dequantize_mxfp4(blocks, scales)
-
-
 def test_an_mxfp4_checkpoint_loads_dequantised_and_matches_transformers(tiny, tmp_path):
     """A checkpoint whose experts are stored as MXFP4 `_blocks` / `_scales` (as gpt-oss ships) gives
     the logits of transformers' model holding the dequantised values."""
@@ -250,7 +208,7 @@ def test_an_mxfp4_checkpoint_loads_dequantised_and_matches_transformers(tiny, tm
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}.mlp.experts."
         for name, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32))):   # [E, out, in]
-            blocks, scales, value = _mxfp4(rng, shape)
+            blocks, scales, value = random_mxfp4(rng, shape)
             del out[pre + name]
             out[pre + name + "_blocks"], out[pre + name + "_scales"] = blocks, scales
             with torch.no_grad():   # transformers holds [E, in, out]
@@ -270,7 +228,7 @@ def test_an_mxfp4_checkpoint_loads_dequantised_and_matches_transformers(tiny, tm
 def test_logits_and_greedy_tokens_match_transformers(tiny, runner, loop):
     cfg, tensors, hf_model, _ = tiny
     if loop == "unroll":
-        runner = PagedRunner(build(cfg, tensors, loop="unroll"))
+        runner = PagedRunner(build(cfg, tensors, layer_loop="unroll"))
     prompt = random_prompts([12], cfg.vocab_size, seed=2)[0]
     with torch.no_grad():
         hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
@@ -288,7 +246,7 @@ def test_ragged_batch_with_prefill_chunks_and_decodes_matches_transformers(tiny,
         if attention == "cpu":
             pytest.skip("CPU attention kernel not built")
         kernels = dataclasses.replace(kernels, attention=attention, pallas_interpret=attention == "pallas")
-        runner = PagedRunner(build(cfg, tensors, kernels))
+        runner = PagedRunner(build(cfg, tensors, kernels=kernels))
     check_ragged_steps(runner, hf_model, cfg.vocab_size)
 
 
@@ -304,17 +262,17 @@ def test_bfloat16_model_tracks_transformers_float32(tiny):
 def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
     """`python -m imp_jax.convert` of the gpt-oss dir: the same config (YaRN, sinks, SwiGLU fields)
     and the same parameters, sinks and expert biases included."""
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
     from imp_jax.convert import main
     from imp_jax.model.loader import load_model
-    from test_convert import _same_params
+    from support.models import same_params
 
     _, _, _, path = tiny
     write_tiny_tokenizer(path)
     assert main([str(path), str(tmp_path / "dst")]) == 0
     ours, theirs = load_model(tmp_path / "dst", dtype="float32"), load_model(path, dtype="float32")
     assert ours.config == theirs.config and isinstance(ours.model, GptOssLM)
-    _same_params(ours.model, theirs.model)
+    same_params(ours.model, theirs.model)
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -322,109 +280,6 @@ def test_engine_loads_the_directory_and_compiles_nothing_after_warmup(tiny):
     cfg, _, hf_model, path = tiny
     llm = check_llm_greedy(path, hf_model)
     assert llm.core.pool.num_free_blocks == llm.core.baseline_free_blocks
-
-
-# ------------------------------------------------------------------------------------------- GGUF
-def write_gpt_oss_gguf(path: Path, hf_model, experts: str = "F32", sliding_window: int | None = 5,
-                       fuse_qkv: bool = False, extra: dict | None = None) -> dict:
-    """Write `hf_model` as llama.cpp's convert_hf_to_gguf.py writes a gpt-oss (checked against its
-    output, tests/data/gpt_oss): its metadata keys, HF's interleaved gate_up split into [E, out, in]
-    gate and up (biases too), down transposed, the sinks as `attn_sinks.weight`; experts float32 or
-    MXFP4 GGML blocks (gguf-py's quantiser); `fuse_qkv` as its --fuse-qkv writes q|k|v (`attn_qkv`);
-    `extra` metadata on top. Returns the experts' values as stored (dequantised), keyed by HF
-    parameter name, [E, in, out] as HF holds them."""
-    import gguf
-    from gguf.quants import dequantize, quantize
-
-    c = hf_model.config
-    sd = {n: p.detach().numpy().astype(np.float32) for n, p in hf_model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if experts == "F32" else gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_expert_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(YARN["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_expert_count(c.num_local_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    if sliding_window:
-        w.add_sliding_window(sliding_window)
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(YARN["factor"])
-    w.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
-    w.add_rope_scaling_yarn_beta_fast(YARN["beta_fast"])
-    w.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
-    for key, value in (extra or {}).items():
-        w.add_key_value(key, *value)
-    alphabet = _byte_alphabet()[:255]
-    alphabet.append(alphabet[0] + alphabet[1])   # one merge, 256 tokens: the model's vocabulary
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list(alphabet)
-    w.add_token_types([1] * len(alphabet))
-    w.add_token_merges([alphabet[0] + " " + alphabet[1]])
-    w.add_eos_token_id(0)
-    stored = {}
-
-    def put(name: str, x: np.ndarray, qtype: str = "F32") -> np.ndarray:
-        x = np.ascontiguousarray(x, np.float32)
-        if qtype == "F32":
-            w.add_tensor(name, x)
-            return x
-        q = gguf.GGMLQuantizationType[qtype]
-        blocks = quantize(x, q)
-        w.add_tensor(name, blocks, raw_dtype=q)
-        return dequantize(blocks, q).reshape(x.shape)
-
-    put("token_embd.weight", sd["model.embed_tokens.weight"])
-    put("output_norm.weight", sd["model.norm.weight"])
-    put("output.weight", sd["lm_head.weight"])
-    for i in range(c.num_hidden_layers):
-        pre, blk = f"model.layers.{i}.", f"blk.{i}."
-        put(blk + "attn_norm.weight", sd[pre + "input_layernorm.weight"])
-        put(blk + "post_attention_norm.weight", sd[pre + "post_attention_layernorm.weight"])
-        for leaf in ("weight", "bias"):
-            q, k, v = (sd[f"{pre}self_attn.{p}_proj.{leaf}"] for p in "qkv")
-            if fuse_qkv:
-                put(f"{blk}attn_qkv.{leaf}", np.concatenate([q, k, v]))
-            else:
-                put(f"{blk}attn_q.{leaf}", q)
-                put(f"{blk}attn_k.{leaf}", k)
-                put(f"{blk}attn_v.{leaf}", v)
-            put(f"{blk}attn_output.{leaf}", sd[f"{pre}self_attn.o_proj.{leaf}"])
-        put(blk + "attn_sinks.weight", sd[pre + "self_attn.sinks"])
-        put(blk + "ffn_gate_inp.weight", sd[pre + "mlp.router.weight"])
-        put(blk + "ffn_gate_inp.bias", sd[pre + "mlp.router.bias"])
-        gate_up = np.swapaxes(sd[pre + "mlp.experts.gate_up_proj"], 1, 2)   # [E, 2I (interleaved), H]
-        gate = put(blk + "ffn_gate_exps.weight", gate_up[:, 0::2], experts)
-        up = put(blk + "ffn_up_exps.weight", gate_up[:, 1::2], experts)
-        down = put(blk + "ffn_down_exps.weight", np.swapaxes(sd[pre + "mlp.experts.down_proj"], 1, 2), experts)
-        bias = sd[pre + "mlp.experts.gate_up_proj_bias"]
-        put(blk + "ffn_gate_exps.bias", bias[:, 0::2])
-        put(blk + "ffn_up_exps.bias", bias[:, 1::2])
-        put(blk + "ffn_down_exps.bias", sd[pre + "mlp.experts.down_proj_bias"])
-        interleaved = np.empty_like(gate_up)
-        interleaved[:, 0::2], interleaved[:, 1::2] = gate, up
-        stored[pre + "mlp.experts.gate_up_proj"] = np.swapaxes(interleaved, 1, 2)
-        stored[pre + "mlp.experts.down_proj"] = np.swapaxes(down, 1, 2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return stored
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet: 256 single-character tokens."""
-    from tokenizers import pre_tokenizers
-
-    return sorted(pre_tokenizers.ByteLevel.alphabet())
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +352,7 @@ def test_ggml_mxfp4_blocks_hold_the_values_of_the_hf_blocks():
     from gguf.quants import dequantize
 
     rng = np.random.default_rng(11)
-    blocks, scales, want = _mxfp4(rng, (2, 3, 64))
+    blocks, scales, want = random_mxfp4(rng, (2, 3, 64))
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
     qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
     ggml = np.concatenate([scales[..., None], qs], axis=-1).reshape(2, 3, -1)

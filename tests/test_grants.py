@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_fixtures import FakeEngine, fake_tokenizer
+from support.servers import FakeEngine, fake_tokenizer
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.api import Capabilities

@@ -17,8 +17,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from scripted_model import write_scripted_model
-from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for
+from support.scripted_model import write_scripted_model
+from support.servers import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import write_harmony_tokenizer
 
 from imp_jax.model.tokenizer import Tokenizer
@@ -60,7 +60,7 @@ def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def harmony_server(harmony_model: Path, tmp_path_factory: pytest.TempPathFactory):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    live = LiveServer(["--model", str(harmony_model), "--model-class", "scripted_model:ScriptedLM",
+    live = LiveServer(["--model", str(harmony_model), "--model-class", "support.scripted_model:ScriptedLM",
                        "--max-model-len", "512", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
                        "--num-kv-blocks", "96"], tmp_path_factory.mktemp("harmony-log") / "server.log",
                       env={"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])})
@@ -266,7 +266,7 @@ def core(harmony_model: Path):
     from imp_jax.runtime.engine import EngineCore
     from imp_jax.runtime.sharding import default_mesh
 
-    loaded = load_model(harmony_model, dtype="float32", model_class="scripted_model:ScriptedLM")
+    loaded = load_model(harmony_model, dtype="float32", model_class="support.scripted_model:ScriptedLM")
     config = EngineConfig(model=str(harmony_model), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32,
                           block_size=16, num_kv_blocks=40)
     shape = loaded.model.kv_cache_shape(40, 16)

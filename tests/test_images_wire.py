@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_fixtures import FakeEngine, anthropic_for, app_in_thread, fake_tokenizer, openai_for, wait_for
+from support.servers import FakeEngine, anthropic_for, app_in_thread, fake_tokenizer, openai_for, wait_for
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import GenerationRequest, ImageInput

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from otlp_receiver import parse_json_request
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from support.otlp_receiver import parse_json_request
+from support.servers import FakeEngine, app_in_thread, fake_tokenizer, wait_for
 
 from imp_jax.server.cli import parse_config
 from imp_jax.server.config import ServerConfig
@@ -192,9 +192,9 @@ def test_health_is_503_kv_pool_floored_with_the_pool_fields() -> None:
 def test_a_real_server_started_from_imps_config_exports_protobuf(tmp_path: Path) -> None:
     """SmolLM2 from a sectioned TOML: the mapped settings hold, /health and /metrics carry the pool fields,
     and a request's span reaches the collector as OTLP protobuf under imp's service.name."""
-    from otlp_receiver import OTLPReceiver
-    from prometheus_text import parse, value
-    from server_fixtures import MODEL, READY_TIMEOUT_S, LiveServer
+    from support.otlp_receiver import OTLPReceiver
+    from support.metrics_text import parse, value
+    from support.servers import MODEL, READY_TIMEOUT_S, LiveServer
 
     receiver = OTLPReceiver()
     config = _write(tmp_path, f"""

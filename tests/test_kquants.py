@@ -11,36 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
+from quant_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, gguf_py, random_blocks
+from support.cpu_gemm import needs_kernel
 
 from imp_jax.kernels_pallas import Kernels, matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+from imp_jax.model.gguf_loader import unpermute_rotary
 
 NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"]
-# byte offsets of each format's f16 scales: random bytes there could be inf / NaN
-F16_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
 CPU, CPU_Q8 = Kernels(gemm="exact"), Kernels(gemm="cpu_q8")
-BLOCK_BYTES = {**quant.FORMATS, "IQ4_NL": quant.IQ4_NL_BYTES}   # the file's block sizes (IQ4_NL loads as Q8_0)
-BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
-
-
-def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05) -> np.ndarray:
-    """uint8 [n, blocks, bytes]: gguf-py's quantisation of a random matrix where gguf-py has one
-    (Q4_0, Q8_0, Q5_0, Q5_1), else random bytes with random finite f16 scales (every bit pattern of the rest is a
-    valid block)."""
-    rng = np.random.default_rng(seed)
-    if fmt in ("Q5_0", "Q5_1", "Q4_0", "Q8_0"):
-        x = rng.standard_normal((n, blocks * quant.WEIGHTS[fmt])).astype(np.float32)
-        return quantize(x, Q[fmt]).reshape(n, blocks, quant.FORMATS[fmt])
-    b = rng.integers(0, 256, (n, blocks, BLOCK_BYTES[fmt]), dtype=np.uint8)
-    if fmt == "MXFP4":   # E8M0 exponents: typical ones, the smallest normal scale, the largest (x 12: inf)
-        b[..., 0] = rng.integers(118, 130, (n, blocks))
-        b.reshape(-1, 17)[:2, 0] = (2, 255)
-    for at in F16_FIELDS[fmt]:
-        b[..., at:at + 2] = (rng.standard_normal((n, blocks)) * scale).astype(np.float16)[..., None].view(np.uint8)
-    return b
 
 
 def quantize_k(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -87,10 +68,6 @@ def test_the_k_quantiser_makes_blocks_close_to_the_matrix(fmt):
     err = np.abs(gguf_py(quantize_k(w, fmt), fmt) - w)
     # about a quarter of a step on average (4 bits over a sub-block's ~4-sigma range; 6 bits over twice its amax)
     assert err.mean() < (0.08 if fmt == "Q4_K" else 0.02) and err.max() < 0.25
-
-
-def gguf_py(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    return dequantize(blocks.reshape(blocks.shape[0], -1), Q[fmt]).reshape(blocks.shape[0], -1)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0"])
@@ -143,7 +120,6 @@ def test_dequantize_is_gguf_pys_bit_for_bit(fmt):
     np.testing.assert_array_equal(rows.view(np.uint32), want[[3, 0, 3]].view(np.uint32))
 
 
-needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
 kernel = jax.jit(cpu_gemm.matmul_wt_cpu)
 
 
@@ -221,44 +197,33 @@ def test_tensor_parallel_columns_keep_whole_super_blocks():
 HIDDEN, FFN, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 DENSE_STD = 0.5   # the quantisable formats' weights: N(0, DENSE_STD^2 / K)
-# per layer: (GGUF leaf, shape, type); q/k/v and gate/up share a type so they stay fused as blocks, or
+# per layer: {HF leaf: type}; q/k/v and gate/up share a type so they stay fused as blocks, or
 # (layer 2, as llama.cpp's Q4_K_M gives attn_v a wider type) mix Q4_0 / Q5_0 / Q8_0, fused as Q8_0;
 # layer 1's IQ4_NL down_proj is kept in pairs of blocks, layer 2's IQ4_XS o_proj as itself
 LAYERS = [
-    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q3_K,
-     "ffn_gate": Q.Q6_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q2_K},
-    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1,
-     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.IQ4_NL},
-    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.IQ4_XS,
-     "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_K},
+    {"self_attn.q_proj": Q.Q4_K, "self_attn.k_proj": Q.Q4_K, "self_attn.v_proj": Q.Q4_K, "self_attn.o_proj": Q.Q3_K,
+     "mlp.gate_proj": Q.Q6_K, "mlp.up_proj": Q.Q6_K, "mlp.down_proj": Q.Q2_K},
+    {"self_attn.q_proj": Q.Q5_0, "self_attn.k_proj": Q.Q5_0, "self_attn.v_proj": Q.Q5_0, "self_attn.o_proj": Q.Q5_1,
+     "mlp.gate_proj": Q.Q5_K, "mlp.up_proj": Q.Q5_K, "mlp.down_proj": Q.IQ4_NL},
+    {"self_attn.q_proj": Q.Q5_0, "self_attn.k_proj": Q.Q5_0, "self_attn.v_proj": Q.Q8_0, "self_attn.o_proj": Q.IQ4_XS,
+     "mlp.gate_proj": Q.Q4_0, "mlp.up_proj": Q.Q8_0, "mlp.down_proj": Q.Q4_K},
 ]
-SHAPES = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-          "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
-          "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+SHAPES = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+          "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+          "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN), "mlp.down_proj": (HIDDEN, FFN)}
 
 
 def write_mixed_gguf(path: Path) -> None:
-    from test_gguf_loader import sentencepiece_vocab
+    from tiny_gguf import sentencepiece_vocab, write_gguf_file
 
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(len(LAYERS))
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
     tokens, types, scores = sentencepiece_vocab()
-    w.add_tokenizer_model("llama")
-    w.add_token_scores(scores)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_vocab_size(len(tokens))
+    meta = dict(block_count=len(LAYERS), context_length=256, embedding_length=HIDDEN, feed_forward_length=FFN,
+                head_count=HEADS, head_count_kv=KV_HEADS, rope_freq_base=10000.0, layer_norm_rms_eps=1e-5,
+                tokenizer_model="llama", token_scores=scores, bos_token_id=1, eos_token_id=2, unk_token_id=0,
+                token_list=tokens, token_types=types, vocab_size=len(tokens))
+    tensors: dict[str, np.ndarray] = {}
+    stored: dict[str, Q] = {}
 
     def put(name: str, shape: tuple[int, int], qtype: Q) -> None:
         fmt, seed = qtype.name, int(rng.integers(1 << 30))
@@ -274,20 +239,21 @@ def write_mixed_gguf(path: Path) -> None:
             # K-quant's for the same d (|sc - 32| * |table[q]|)
             scale = 0.2 / shape[1] / (4 if fmt == "IQ4_XS" else 1)
             blocks = random_blocks(fmt, shape[0], shape[1] // BLOCK_WEIGHTS[fmt], seed=seed, scale=scale)
-        w.add_tensor(name, blocks.reshape(shape[0], -1), raw_dtype=qtype)
+        blocks = blocks.reshape(shape[0], -1)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            # the writer permutes llama's q/k rows as the converter does: the file keeps them as drawn
+            blocks = unpermute_rotary(blocks, HEADS if "q_proj" in name else KV_HEADS)
+        tensors[name], stored[name] = blocks, qtype
 
-    put("token_embd.weight", (len(tokens), HIDDEN), Q.Q6_K)
-    put("output.weight", (len(tokens), HIDDEN), Q.Q4_K)
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    put("model.embed_tokens.weight", (len(tokens), HIDDEN), Q.Q6_K)
+    put("lm_head.weight", (len(tokens), HIDDEN), Q.Q4_K)
+    tensors["model.norm.weight"] = np.ones(HIDDEN, np.float32)
     for i, types_ in enumerate(LAYERS):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = np.ones(HIDDEN, np.float32)
         for leaf, qtype in types_.items():
-            put(f"blk.{i}.{leaf}.weight", SHAPES[leaf], qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            put(f"model.layers.{i}.{leaf}.weight", SHAPES[leaf], qtype)
+    write_gguf_file(path, "llama", meta, tensors, qtype=lambda name: stored.get(name, Q.F32))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The disk KV tier wired under the host tier (runtime/kv_staging.py over kv_disk.py): a prefix evicted from the
 device and host tiers comes back from disk with the same greedy tokens, a fresh engine over the same model and
 directory reuses it, another model never does, API-key partitions hold, and disk reads never hold up other
-sequences' steps. Tiny random-weight Llama on CPU; helpers from test_kv_tiers."""
+sequences' steps. Tiny random-weight Llama on CPU; helpers from support/kv_tiers.py."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ import pytest
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv_staging import attach_disk
 from imp_jax.runtime.kv_tiers import host_budget_bytes
-from test_kv_tiers import BLOCK_BYTES, FakeLower, _engine, _prompt, _request, run
+from support.kv_tiers import BLOCK_BYTES, FakeLower, random_prompt, run, tier_engine, tier_request
 
 HOST_GIB = 2 * BLOCK_BYTES / (1 << 30)   # a host tier of two blocks: an 80-token prefix overflows to disk
 
@@ -26,19 +26,19 @@ def tiny_loaded(_tiny_hf_template: Path):
 
 @pytest.fixture(scope="module")
 def plain(tiny_loaded, _tiny_hf_template):
-    return _engine(tiny_loaded, _tiny_hf_template)
+    return tier_engine(tiny_loaded, _tiny_hf_template)
 
 
 def disk_engine(loaded, path: Path, disk_dir: Path):
-    core = _engine(loaded, path, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1, kv_disk_dir=str(disk_dir))
+    core = tier_engine(loaded, path, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1, kv_disk_dir=str(disk_dir))
     assert attach_disk(core) is not None
     return core
 
 
 def evict_then_ask(core, shared: list[int], salt: str | None = None, seed: int = 0):
     """Serve `shared`, push it out of the device and host tiers with two other prompts, ask for it again."""
-    flow = [[shared + [9]], [_prompt(seed + 1, 100)], [_prompt(seed + 2, 100)], [shared + [11, 12]]]
-    return [run(core, *[_request(p, salt) for p in step]) for step in flow]
+    flow = [[shared + [9]], [random_prompt(seed + 1, 100)], [random_prompt(seed + 2, 100)], [shared + [11, 12]]]
+    return [run(core, *[tier_request(p, salt) for p in step]) for step in flow]
 
 
 def tokens(outs) -> list:
@@ -49,7 +49,7 @@ def test_a_prefix_evicted_to_disk_comes_back_with_the_same_greedy_tokens(tiny_lo
                                                                            tmp_path):
     plain.pool.reset_prefix_cache()
     core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
-    shared = _prompt(50, 80)
+    shared = random_prompt(50, 80)
     want, got = evict_then_ask(plain, shared, seed=50), evict_then_ask(core, shared, seed=50)
     assert tokens(got) == tokens(want) and want[-1][0][1] == 0
     stats = core.stats()
@@ -61,7 +61,7 @@ def test_a_prefix_evicted_to_disk_comes_back_with_the_same_greedy_tokens(tiny_lo
 
 def test_a_fresh_engine_over_the_same_model_and_directory_reuses_the_prefixes(tiny_loaded, _tiny_hf_template,
                                                                                plain, tmp_path):
-    shared = _prompt(60, 80)
+    shared = random_prompt(60, 80)
     first = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
     evict_then_ask(first, shared, seed=60)
     first.tiers.close(first.pool)   # engine shutdown: the cached prefixes of every tier go down to disk
@@ -70,8 +70,8 @@ def test_a_fresh_engine_over_the_same_model_and_directory_reuses_the_prefixes(ti
     second = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
     assert second.stats()["kv_disk_files"] == files   # found by the start-up scan
     plain.pool.reset_prefix_cache()
-    (want, _), = run(plain, _request(shared + [11, 12]))
-    (got, cached), = run(second, _request(shared + [11, 12]))
+    (want, _), = run(plain, tier_request(shared + [11, 12]))
+    (got, cached), = run(second, tier_request(shared + [11, 12]))
     assert got == want and cached == 80 and second.stats()["kv_disk_hits"] == 5
     second.tiers.close()
 
@@ -80,14 +80,14 @@ def test_another_model_never_loads_the_first_ones_blocks(tiny_loaded, _tiny_hf_t
     from imp_jax.model.loader import load_model
     from tiny_models import write_tiny_hf
 
-    shared = _prompt(70, 80)
+    shared = random_prompt(70, 80)
     first = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
     evict_then_ask(first, shared, seed=70)
     first.tiers.close()
     write_tiny_hf("LlamaForCausalLM", tiny_hf_dir, seed=1)   # same architecture and shapes, other weights
     other = disk_engine(load_model(tiny_hf_dir, dtype="float32"), tiny_hf_dir, tmp_path)
     assert other.tiers.store.lower.fingerprint != first.tiers.store.lower.fingerprint
-    (_, cached), = run(other, _request(shared + [11, 12]))
+    (_, cached), = run(other, tier_request(shared + [11, 12]))
     stats = other.stats()
     assert cached == 0 and stats["kv_disk_hits"] == 0 and stats["kv_disk_files"] == 0
     assert first.tiers.store.lower.stats()["files"] >= 3   # the first model's files stay, in their own directory
@@ -96,11 +96,11 @@ def test_another_model_never_loads_the_first_ones_blocks(tiny_loaded, _tiny_hf_t
 
 def test_api_key_partitions_hold_on_disk(tiny_loaded, _tiny_hf_template, tmp_path):
     core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
-    shared = _prompt(80, 80)
+    shared = random_prompt(80, 80)
     evict_then_ask(core, shared, salt="key:a", seed=80)
     core.pool.reset_prefix_cache()   # device and host forget; the disk keeps key a's blocks
-    (_, cached_b), = run(core, _request(shared + [7], salt="key:b"))
-    (_, cached_a), = run(core, _request(shared + [7], salt="key:a"))
+    (_, cached_b), = run(core, tier_request(shared + [7], salt="key:b"))
+    (_, cached_a), = run(core, tier_request(shared + [7], salt="key:a"))
     assert cached_b == 0 and cached_a == 80
     core.tiers.close()
 
@@ -112,7 +112,7 @@ def lora_disk_engine(path: Path, disk_dir: Path, adapter: Path):
 
     loaded = load_model(path, dtype="float32")
     loaded.model.enable_lora(LoraOptions(2, 8))
-    core = _engine(loaded, path, max_loras=2, max_lora_rank=8, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1,
+    core = tier_engine(loaded, path, max_loras=2, max_lora_rank=8, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1,
                    kv_disk_dir=str(disk_dir))
     assert attach_disk(core) is not None
     core.load_lora("a", core.loras.read(str(adapter)))
@@ -125,8 +125,8 @@ def test_lora_prefixes_on_disk_serve_the_same_adapter_after_a_restart_and_never_
 
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     same, other = (make_adapter(_tiny_hf_template, tmp_path / f"ad{seed}", seed, **lora) for seed in (1, 2))
-    shared = _prompt(140, 80) + [11, 12]
-    ask = lambda core: run(core, _request(shared, lora="a"))[0]
+    shared = random_prompt(140, 80) + [11, 12]
+    ask = lambda core: run(core, tier_request(shared, lora="a"))[0]
     first = lora_disk_engine(_tiny_hf_template, tmp_path / "disk", same)
     want, cached = ask(first)
     assert cached == 0
@@ -139,7 +139,7 @@ def test_lora_prefixes_on_disk_serve_the_same_adapter_after_a_restart_and_never_
     renamed = lora_disk_engine(_tiny_hf_template, tmp_path / "disk", other)   # same name, other weights
     got, cached = ask(renamed)
     assert cached == 0 and renamed.stats()["kv_disk_hits"] == 0 and got != want
-    (_, base_cached), = run(renamed, _request(shared))   # nor does the base model read the adapter's blocks
+    (_, base_cached), = run(renamed, tier_request(shared))   # nor does the base model read the adapter's blocks
     assert base_cached == 0 and renamed.stats()["kv_disk_hits"] == 0
     renamed.tiers.close()
 
@@ -160,9 +160,9 @@ class SlowLower(FakeLower):
 def _blocked_read_engine(loaded, template, seed: int):
     """An engine whose disk tier holds an 80-token prefix that has left device and host, and whose next read of
     it blocks until `lower.release` is set: (core, lower, the prefix)."""
-    core = _engine(loaded, template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
+    core = tier_engine(loaded, template, kv_host_gib=HOST_GIB, kv_swap_min_tokens=1)
     core.tiers.attach_lower(lower := SlowLower(), core.pool)
-    shared = _prompt(seed, 80)
+    shared = random_prompt(seed, 80)
     lower.release.set()
     evict_then_ask(core, shared, seed=seed)
     core.pool.reset_prefix_cache()
@@ -173,8 +173,8 @@ def _blocked_read_engine(loaded, template, seed: int):
 def test_a_disk_read_never_holds_up_other_sequences_steps(tiny_loaded, _tiny_hf_template):
     core, lower, shared = _blocked_read_engine(tiny_loaded, _tiny_hf_template, seed=90)
     other, waiter = [], []
-    core.add_request(_request(_prompt(95, 20), max_tokens=30), other.append)
-    core.add_request(_request(shared + [5]), waiter.append)
+    core.add_request(tier_request(random_prompt(95, 20), max_tokens=30), other.append)
+    core.add_request(tier_request(shared + [5]), waiter.append)
     for _ in range(10):   # the other request decodes while the waiter's read is blocked
         core.step()
     assert sum(len(e.token_ids) for e in other) >= 5 and not waiter
@@ -203,14 +203,14 @@ def test_the_engine_thread_sleeps_while_its_only_work_is_a_disk_read(tiny_loaded
 
     async def scenario() -> tuple[int, int, int, int]:
         await engine.wait_ready()
-        waiter = asyncio.ensure_future(_collect(engine, _request(shared + [5])))
+        waiter = asyncio.ensure_future(_collect(engine, tier_request(shared + [5])))
         deadline = time.monotonic() + 10
         while engine.stats()["kv_disk_reads_inflight"] == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         before = len(steps)
         await asyncio.sleep(1.0)   # only the read is left: a polling loop would step thousands of times
         idle_steps = len(steps) - before
-        other = await _collect(engine, _request(_prompt(131, 20), max_tokens=4))   # a command still wakes it
+        other = await _collect(engine, tier_request(random_prompt(131, 20), max_tokens=4))   # a command still wakes it
         assert not waiter.done() and engine.stats()["kv_disk_reads_inflight"] == 1
         lower.release.set()
         done = await asyncio.wait_for(waiter, 30)
@@ -244,13 +244,13 @@ def test_on_a_cpu_a_disk_dir_turns_on_a_small_host_tier_and_multi_host_turns_bot
 
 def test_metrics_expose_the_disk_tier(tiny_loaded, _tiny_hf_template, tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_text import parse, value
+    from support.metrics_text import parse, value
 
     from imp_jax.server.admission import AdmissionGate
     from imp_jax.server.engine_metrics import EngineCollector
 
     core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
-    evict_then_ask(core, _prompt(100, 80), seed=100)
+    evict_then_ask(core, random_prompt(100, 80), seed=100)
     registry = CollectorRegistry()
     registry.register(EngineCollector(core.stats, lambda: ("tiny", True), AdmissionGate(), lambda: {}))
     m, stats = parse(generate_latest(registry).decode()), core.stats()
@@ -266,9 +266,9 @@ def test_a_directory_others_may_write_is_refused_and_the_engine_serves_without_i
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
-    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_disk_dir=str(shared))
+    core = tier_engine(tiny_loaded, _tiny_hf_template, kv_host_gib=HOST_GIB, kv_disk_dir=str(shared))
     assert attach_disk(core) is None and core.tiers.store.lower is None
-    (_, cached), = run(core, _request(_prompt(110, 40)))
+    (_, cached), = run(core, tier_request(random_prompt(110, 40)))
     assert cached == 0 and not any(shared.iterdir())
 
 
@@ -279,7 +279,7 @@ def test_engine_shutdown_writes_the_cached_prefixes_to_disk(tiny_loaded, _tiny_h
     from imp_jax.runtime.async_engine import AsyncEngine
 
     core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
-    run(core, _request(_prompt(120, 80) + [1]))   # its 5 full blocks stay cached in the pool
+    run(core, tier_request(random_prompt(120, 80) + [1]))   # its 5 full blocks stay cached in the pool
     assert core.stats()["kv_disk_files"] == 0
     engine = AsyncEngine(core.config, build=lambda *a, **k: core)
     engine.start()

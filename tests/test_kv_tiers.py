@@ -3,49 +3,20 @@ spill to the host and come back on a hit, preempted sequences swap out and in, a
 the host, and greedy outputs are those of the same engine without the tier. Tiny random-weight Llama on CPU."""
 from __future__ import annotations
 
-import itertools
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.kv_tiers import BLOCK_BYTES, FakeLower, random_prompt, run, tier_engine, tier_request
 
-from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.kv_hash import (block_preimage, durable_preimage, hash_block, key_bytes, key_from_bytes,
                                      prefix_hashes)
 from imp_jax.runtime.kv_host import HostKVStore
-from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.runtime.sharding import default_mesh
 
-BS = 16
-POOL = 12            # 11 usable blocks: 176 tokens
-BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4   # [2, L=2, BS, KVH=2, D=16] float32
-_ids = itertools.count()
-
-
-class FakeLower:
-    """An in-memory stand-in for the disk store: the `lower` interface, counting calls."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[bytes, np.ndarray] = {}
-        self.puts = self.gets = 0
-
-    def contains(self, block_hash: bytes) -> bool:
-        return block_hash in self.blocks
-
-    def put(self, block_hash: bytes, payload: np.ndarray) -> None:
-        self.puts += 1
-        self.blocks[block_hash] = payload.copy()
-
-    def get(self, block_hash: bytes) -> np.ndarray | None:
-        self.gets += 1
-        return self.blocks.get(block_hash)
-
-    def stats(self) -> dict[str, int]:
-        return {"blocks": len(self.blocks), "puts": self.puts, "gets": self.gets}
 
 
 # ------------------------------------------------------------------------------------- host store alone
@@ -183,16 +154,6 @@ def test_pool_spills_evicted_blocks_and_restores_a_host_hit_into_fresh_blocks():
     assert pool.num_free_blocks == 5
 
 
-# ------------------------------------------------------------------------------------- the engine
-def _engine(loaded, path: Path, **overrides) -> EngineCore:
-    config = EngineConfig(model=str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
-                          block_size=BS, num_kv_blocks=POOL, **overrides)
-    shape = loaded.model.kv_cache_shape(POOL, BS)
-    core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), POOL, default_mesh())
-    core.step_fn.warm_up()
-    return core
-
-
 @pytest.fixture(scope="module")
 def tiny_loaded(_tiny_hf_template: Path):
     from imp_jax.model.loader import load_model
@@ -201,7 +162,7 @@ def tiny_loaded(_tiny_hf_template: Path):
 
 @pytest.fixture(scope="module")
 def plain(tiny_loaded, _tiny_hf_template) -> EngineCore:
-    return _engine(tiny_loaded, _tiny_hf_template)
+    return tier_engine(tiny_loaded, _tiny_hf_template)
 
 
 @pytest.fixture(scope="module", params=["pinned_host", None])
@@ -209,38 +170,9 @@ def tiered(tiny_loaded, _tiny_hf_template, request) -> EngineCore:
     """A host tier holding pinned JAX arrays (what the CPU backend offers), and one holding numpy arrays."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("imp_jax.runtime.kv_tiers.host_memory_kind", lambda mesh: request.param)
-        core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=1 / 1024, kv_swap_min_tokens=1)
+        core = tier_engine(tiny_loaded, _tiny_hf_template, kv_host_gib=1 / 1024, kv_swap_min_tokens=1)
     assert core.tiers is not None and core.tiers.copier.host_kind == request.param
     return core
-
-
-def _request(prompt: list[int], salt: str | None = None, max_tokens: int = 8, lora: str | None = None
-             ) -> GenerationRequest:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return GenerationRequest(f"tier-{next(_ids)}", list(prompt), params, cache_salt=salt, lora=lora)
-
-
-def run(core: EngineCore, *reqs: GenerationRequest) -> list[tuple[list[int], int]]:
-    """Run the requests together: each one's (tokens, cached_tokens); every tier at its baseline after."""
-    events: list[list] = [[] for _ in reqs]
-    for r, ev in zip(reqs, events):
-        core.add_request(r, ev.append)
-    deadline = time.monotonic() + 120   # by time, not steps: a step waiting for a disk read schedules nothing
-    while core.has_work() and time.monotonic() < deadline:
-        core.step()
-    assert not core.requests and core.pool.num_free_blocks == core.baseline_free_blocks
-    if core.tiers is not None:
-        core.tiers.land(wait=True)
-        stats = core.tiers.stats()
-        assert stats["kv_host_swapped_seqs"] == 0 and stats["kv_host_inflight_blocks"] == 0
-        assert core.tiers.store.used == sum(p.nbytes for p, _ in core.tiers.store._prefix.values())
-        assert core.tiers.store.used <= core.tiers.store.capacity
-    assert core.step_fn.compilations_after_warmup == 0
-    return [([t for e in ev for t in e.token_ids], ev[-1].usage.cached_tokens) for ev in events]
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return list(np.random.default_rng(seed).integers(4, 250, n))
 
 
 def _reset(*cores: EngineCore) -> None:
@@ -252,10 +184,10 @@ def test_evicted_prefix_comes_back_from_the_host_with_the_same_tokens(plain, tie
     """A long shared prefix is pushed out of the tiny pool by other prompts, then asked for again: the tier
     serves it (cached_tokens counts it), the plain engine recomputes it, and the greedy tokens agree."""
     _reset(plain, tiered)
-    shared = _prompt(1, 80)
-    flow = [[shared + _prompt(2, 9)], [_prompt(3, 100)], [_prompt(4, 100)], [shared + _prompt(5, 7)]]
+    shared = random_prompt(1, 80)
+    flow = [[shared + random_prompt(2, 9)], [random_prompt(3, 100)], [random_prompt(4, 100)], [shared + random_prompt(5, 7)]]
     before = tiered.stats()
-    outs = {name: [run(core, *[_request(p) for p in step]) for step in flow]
+    outs = {name: [run(core, *[tier_request(p) for p in step]) for step in flow]
             for name, core in (("plain", plain), ("tiered", tiered))}
     assert [[t for t, _ in s] for s in outs["plain"]] == [[t for t, _ in s] for s in outs["tiered"]]
     assert outs["plain"][-1][0][1] == 0 and outs["tiered"][-1][0][1] == 80
@@ -271,10 +203,10 @@ def test_preempted_sequences_swap_out_and_in_to_the_tokens_they_give_alone(plain
     """Three long decodes cannot fit the pool together: the scheduler preempts, the tier swaps them out and
     back in, and each finishes with the tokens it gives alone on the plain engine."""
     _reset(plain, tiered)
-    prompts = [_prompt(10 + i, 60) for i in range(3)]
-    alone = [run(plain, _request(p, max_tokens=40))[0][0] for p in prompts]
+    prompts = [random_prompt(10 + i, 60) for i in range(3)]
+    alone = [run(plain, tier_request(p, max_tokens=40))[0][0] for p in prompts]
     before = tiered.stats()
-    together = run(tiered, *[_request(p, max_tokens=40) for p in prompts])
+    together = run(tiered, *[tier_request(p, max_tokens=40) for p in prompts])
     after = tiered.stats()
     assert [t for t, _ in together] == alone
     assert after["num_preemptions"] > before["num_preemptions"]
@@ -285,26 +217,26 @@ def test_preempted_sequences_swap_out_and_in_to_the_tokens_they_give_alone(plain
 
 def test_api_key_partitions_never_hit_each_others_host_blocks(tiered):
     _reset(tiered)
-    shared = _prompt(20, 80)
-    run(tiered, _request(shared + [7], salt="key-a"))
-    run(tiered, _request(_prompt(21, 100)), _request(_prompt(22, 60)))   # a's blocks leave the device
+    shared = random_prompt(20, 80)
+    run(tiered, tier_request(shared + [7], salt="key-a"))
+    run(tiered, tier_request(random_prompt(21, 100)), tier_request(random_prompt(22, 60)))   # a's blocks leave the device
     before = tiered.stats()["kv_lower_tier_hits_total"]
-    (_, cached_b), = run(tiered, _request(shared + [7], salt="key-b"))
+    (_, cached_b), = run(tiered, tier_request(shared + [7], salt="key-b"))
     assert cached_b == 0 and tiered.stats()["kv_lower_tier_hits_total"] == before
-    run(tiered, _request(_prompt(23, 100)), _request(_prompt(24, 60)))
-    (_, cached_a), = run(tiered, _request(shared + [7], salt="key-a"))
+    run(tiered, tier_request(random_prompt(23, 100)), tier_request(random_prompt(24, 60)))
+    (_, cached_a), = run(tiered, tier_request(shared + [7], salt="key-a"))
     assert cached_a == 80
 
 
 def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _tiny_hf_template, plain):
     """A host tier of 2 blocks hands the rest of an evicted prefix to the lower store, which serves them back."""
-    core = _engine(tiny_loaded, _tiny_hf_template, kv_host_gib=2 * BLOCK_BYTES / (1 << 30), kv_swap_min_tokens=1)
+    core = tier_engine(tiny_loaded, _tiny_hf_template, kv_host_gib=2 * BLOCK_BYTES / (1 << 30), kv_swap_min_tokens=1)
     core.tiers.attach_lower(lower := FakeLower(), core.pool)
     _reset(plain)
-    shared = _prompt(30, 80)
-    flow = [[shared + [9]], [_prompt(31, 100)], [_prompt(32, 100)], [shared + [11, 12]]]
-    want = [run(plain, *[_request(p) for p in step]) for step in flow]
-    got = [run(core, *[_request(p) for p in step]) for step in flow]
+    shared = random_prompt(30, 80)
+    flow = [[shared + [9]], [random_prompt(31, 100)], [random_prompt(32, 100)], [shared + [11, 12]]]
+    want = [run(plain, *[tier_request(p) for p in step]) for step in flow]
+    got = [run(core, *[tier_request(p) for p in step]) for step in flow]
     assert [[t for t, _ in s] for s in got] == [[t for t, _ in s] for s in want]
     assert lower.puts >= 3 and lower.gets >= 1 and got[-1][0][1] == 80
     assert core.stats()["kv_host_lower_hits_total"] >= 1 and core.stats()["kv_disk_puts"] == lower.puts
@@ -312,7 +244,7 @@ def test_a_lower_store_takes_host_evictions_and_serves_them_back(tiny_loaded, _t
 
 def test_metrics_expose_the_tier_with_swap_directions(tiered):
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_text import parse, value
+    from support.metrics_text import parse, value
 
     from imp_jax.server.admission import AdmissionGate
     from imp_jax.server.engine_metrics import EngineCollector
@@ -329,7 +261,7 @@ def test_metrics_expose_the_tier_with_swap_directions(tiered):
 
 def test_cancelling_a_swapped_out_sequence_frees_its_host_bytes(tiered):
     _reset(tiered)
-    reqs = [_request(_prompt(40 + i, 60), max_tokens=40) for i in range(3)]
+    reqs = [tier_request(random_prompt(40 + i, 60), max_tokens=40) for i in range(3)]
     for r in reqs:
         tiered.add_request(r, lambda ev: None)
     for _ in range(400):

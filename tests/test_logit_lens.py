@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_fixtures import fake_server, live_server, openai_client  # noqa: F401
+from support.servers import fake_server, live_server, openai_client  # noqa: F401
 
 NEUTRAL = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0)
 _ids = itertools.count()
@@ -121,7 +121,7 @@ def test_lens_implies_logprobs_and_checks_its_range(tiny):
 
 
 # ------------------------------------------------------------------------------------------ the chat route
-from server_fixtures import MODEL  # noqa: E402
+from support.servers import MODEL  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Name a colour."}]
 RAW = dict(temperature=1.0, top_p=1.0, seed=4)
@@ -134,7 +134,7 @@ def lens_of(entry) -> list[dict]:
 
 @pytest.mark.real_model
 def test_chat_logit_lens_with_the_openai_client(openai_client, live_server):  # noqa: F811
-    from server_fixtures import wait_idle
+    from support.servers import wait_idle
 
     r = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **RAW,
                                               extra_body={"logit_lens": 3, **RAW_EXTRA})

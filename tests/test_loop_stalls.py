@@ -1,7 +1,7 @@
 """The event loop never stalls (issue 38, item 4): /health answers within 100 ms while one client sends
 the largest requests an 8k-context model takes. A FakeEngine app in this process (the engine plays no
 part: what is measured is the server's own work on the loop, tokenizing, detokenizing and serialising;
-server_fixtures' docstring says why the fake exists); the hostile bodies are serialised before the probe
+support/servers.py's docstring says why the fake exists); the hostile bodies are serialised before the probe
 starts and the replies read after it stops, so the test's own JSON work holds no GIL meanwhile."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from server_fixtures import (MODEL, FakeEngine, LiveServer, app_in_thread, engine_stats, fake_tokenizer,
+from support.servers import (MODEL, FakeEngine, LiveServer, app_in_thread, engine_stats, fake_tokenizer,
                              live_server, probe_health, wait_for)  # noqa: F401 (live_server: a fixture)
 
 from imp_jax.model import tokenizer as tokenizer_module

@@ -33,7 +33,7 @@ from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.server.app import create_app
 from imp_jax.server.config import ServerConfig
 from paged import PagedRunner, host_kernels
-from server_fixtures import app_in_thread
+from support.servers import app_in_thread
 from tiny_models import make_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -579,7 +579,7 @@ def test_smollm2_adapter_matches_transformers_peft(smollm2_gguf_path, hf_smollm2
 
     from peft import LoraConfig, get_peft_model
 
-    from test_smollm2 import NUM_TOKENS, chat_ids
+    from support.smollm2 import NUM_TOKENS, chat_ids
 
     torch.manual_seed(5)
     peft_model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -30,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import tiny_vlm  # noqa: E402
 
 from paged import run_to_end  # noqa: E402
-from test_vision_qwen2_5_vl import synthetic_image  # noqa: E402
+from support.gemma_models import write_gemma_gguf, write_tiny_gemma  # noqa: E402
+from support.gguf_models import write_gguf  # noqa: E402
+from support.vision import synthetic_image  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.model.config import ModelConfig, read_json  # noqa: E402
 from imp_jax.model.gguf_file import GGUFFile  # noqa: E402
@@ -65,24 +68,21 @@ def _finish(w: gguf.GGUFWriter) -> None:
     w.close()
 
 
-def _vocab(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
-    """The HF tokenizer as the converter's `_set_vocab_gpt2` writes it: byte-level BPE, special added tokens as
-    control tokens, ids past the tokenizer up to the embedding rows as [PADn] (unused)."""
+def _vocab(hf_dir: Path, vocab_size: int) -> dict[str, Any]:
+    """The HF tokenizer as the converter's `_set_vocab_gpt2` writes it (GGUFWriter `add_<key>` values by key):
+    byte-level BPE, special added tokens as control tokens, ids past the tokenizer up to the embedding rows as
+    [PADn] (unused)."""
     tok = read_json(hf_dir / "tokenizer.json")
     cfg = read_json(hf_dir / "tokenizer_config.json")
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
     by_id = {i: t for t, i in vocab.items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 if i in by_id else 5 for i, t in enumerate(tokens)])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(vocab[cfg["bos_token"]])
-    w.add_eos_token_id(vocab[cfg["eos_token"]])
-    w.add_add_bos_token(False)
-    w.add_chat_template(cfg["chat_template"])
+    return dict(tokenizer_model="gpt2", tokenizer_pre="default", token_list=tokens,
+                token_types=[3 if t in special else 1 if i in by_id else 5 for i, t in enumerate(tokens)],
+                token_merges=[m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]],
+                bos_token_id=vocab[cfg["bos_token"]], eos_token_id=vocab[cfg["eos_token"]], add_bos_token=False,
+                chat_template=cfg["chat_template"])
 
 
 def write_text_gguf(hf_dir: Path, out: Path, family: str) -> Path:
@@ -94,11 +94,9 @@ def write_text_gguf(hf_dir: Path, out: Path, family: str) -> Path:
     arch_name, arch, _ = FAMILIES[family]
     cfg = ModelConfig.from_file(hf_dir / "config.json")
     if family == "gemma3":
-        from test_gemma import write_gemma_gguf
-
         tensors = TextModelTensors(SafetensorsDir(hf_dir), "language_model.model.")
         write_gemma_gguf(cfg, {n: tensors[n] for n in tensors if n.startswith(("model.", "lm_head."))}, out,
-                         scale_key=True, vocab=lambda w, _: _vocab(w, hf_dir, cfg.vocab_size))
+                         scale_key=True, vocab=_vocab(hf_dir, cfg.vocab_size))
         return out
     w = gguf.GGUFWriter(str(out), arch_name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -120,7 +118,8 @@ def write_text_gguf(hf_dir: Path, out: Path, family: str) -> Path:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
-    _vocab(w, hf_dir, cfg.vocab_size)
+    for key, value in _vocab(hf_dir, cfg.vocab_size).items():
+        getattr(w, f"add_{key}")(value)
     _finish(w)
     return out
 
@@ -355,14 +354,10 @@ def test_bad_pairings_are_refused_in_one_line(pair, tmp_path):
     ("idefics3", "<image>"), ("gemma3", "<image_soft_token>, <start_of_image>, <end_of_image>")])
 def test_a_text_gguf_without_the_image_tokens_or_of_another_width_is_refused(projector, lacks, tmp_path):
     """A text GGUF of the projector's family whose vocabulary has none of its image tokens (a llama with a
-    byte-level vocabulary from test_gguf_loader, a Gemma 3 with a SentencePiece one from test_gemma): a projector
-    of the text model's width is refused for the tokens, one of width 48 for the width."""
-    from test_gguf_loader import write_gguf
-
+    byte-level vocabulary, a Gemma 3 with a SentencePiece one: tests/support): a projector of the text model's
+    width is refused for the tokens, one of width 48 for the width."""
     text = tmp_path / "plain.gguf"
     if projector == "gemma3":
-        from test_gemma import write_gemma_gguf, write_tiny_gemma
-
         write_tiny_gemma("Gemma3ForCausalLM", tmp_path / "hf")
         write_gemma_gguf(ModelConfig.from_file(tmp_path / "hf" / "config.json"), SafetensorsDir(tmp_path / "hf"),
                          text, scale_key=True)

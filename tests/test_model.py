@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors
-from imp_jax.model.registry import get_model_class
-from imp_jax.model.weights import WeightFormats, WeightSource, narrow_exact_bf16
+from imp_jax.model.loader import SafetensorsDir
+from imp_jax.model.weights import WeightFormats, narrow_exact_bf16
 from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner, assert_close, host_kernels, random_prompts
+from support.models import build
 from tiny_models import ARCHS, write_tiny_hf
 
 
@@ -24,13 +23,6 @@ def tiny(request, tmp_path_factory):
     cfg = ModelConfig.from_file(path / "config.json")
     tensors = SafetensorsDir(path)
     return cfg, tensors, hf_model, PagedRunner(build(cfg, tensors))
-
-
-def build(cfg: ModelConfig, tensors, dtype=jnp.float32, layer_loop: str = "scan",
-          formats: WeightFormats = WeightFormats()):
-    """The model of `tensors` as this host's engine would run it (its kernels)."""
-    options = ModelOptions(dtype, layer_loop, host_kernels(cfg, dtype))
-    return build_from_tensors(get_model_class(cfg.architecture), cfg, WeightSource(tensors, formats), options)
 
 
 def _rms(x, w, eps):
@@ -122,7 +114,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny):
 
 
 def test_scan_and_unrolled_layer_loops_agree(tmp_path):
-    hf_model = write_tiny_hf("LlamaForCausalLM", tmp_path)
+    write_tiny_hf("LlamaForCausalLM", tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")
     tensors = SafetensorsDir(tmp_path)
     prompt = random_prompts([9], cfg.vocab_size, seed=3)[0]

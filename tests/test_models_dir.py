@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from server_fixtures import READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, wait_for
+from support.servers import READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, wait_for
 from tiny_models import make_adapter
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"

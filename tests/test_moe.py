@@ -2,7 +2,6 @@
 NumPy, Mixtral / Qwen2-MoE / Qwen3-MoE vs transformers, GGUF vs safetensors, and the engine."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,52 +9,15 @@ import pytest
 import torch
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir, build_from_tensors
-from imp_jax.model.moe import EXPERT_IMPLS, MoELM, expert_ffn, route
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.loader import SafetensorsDir
+from imp_jax.model.moe import EXPERT_IMPLS, expert_ffn, route
 from imp_jax.runtime.batch import SeqChunk
-from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
-                   random_prompts)
-from tiny_models import TINY
-
-# each family on a tiny config; Qwen2-MoE with a shared expert and a dense middle layer
-# (mlp_only_layers), Qwen3-MoE renormalising its top-k weights, Mixtral always does
-FAMILIES = {
-    "MixtralForCausalLM": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(
-        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
-    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                                                   head_dim=32, norm_topk_prob=True)),
-}
+from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, random_prompts)
+from support.moe_models import FAMILIES, write_moe_gguf, write_tiny_moe
+from support.models import build
 
 
-def write_tiny_moe(name: str, path: Path, seed: int = 0, **overrides):
-    """Save a tiny random `name` (a FAMILIES key; `overrides` of its config) HF dir; returns the transformers model. Norms and
-    biases get noise; routers and the LM head a scale that makes routing and greedy picks decisive
-    (no near-ties to flip on rounding)."""
-    import transformers
-
-    cfg_cls, extra = FAMILIES[name]
-    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, name)(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
-                             "lm_head.weight")):
-                p.normal_(0, 0.5)   # decisive routers, and greedy tokens far apart
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def build(cfg: ModelConfig, tensors, dtype=jnp.float32, **options):
-    opts = ModelOptions(dtype, "scan", host_kernels(cfg, dtype), **options)
-    return build_from_tensors(MoELM, cfg, WeightSource(tensors), opts)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -164,91 +126,6 @@ def test_a_bad_top_k_is_a_load_error_naming_the_field(k):
               num_hidden_layers=1, num_attention_heads=2, num_local_experts=8, num_experts_per_tok=k)
     with pytest.raises(ModelLoadError, match="num_experts_per_tok|mixture-of-experts"):
         ModelConfig.from_hf(hf)
-
-
-# ----------------------------------------------------------------------------------------- GGUF
-def write_moe_gguf(path: Path, cfg: ModelConfig, t, quantised: str) -> dict[str, np.ndarray]:
-    """`t` (HF tensors of a Mixtral or Qwen2-MoE) as the GGUF llama.cpp's converter writes; the
-    `quantised` stacked-expert tensor in Q8_0. Returns the HF-named tensors the GGUF holds, dequantised."""
-    import gguf
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize, quantize
-
-    from imp_jax.model.gguf_loader import permute_rotary
-    from test_gguf_loader import add_byte_level_vocab
-
-    mixtral = cfg.architecture == "MixtralForCausalLM"
-    arch = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe"}.get(cfg.architecture, "qwen3moe")
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    if not mixtral:
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size:
-        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch == "qwen3moe":
-        w.add_key_length(cfg.head_dim)
-    add_byte_level_vocab(w)
-    w.add_eos_token_id(2)
-    held: dict[str, np.ndarray] = {}
-
-    def put(name: str, hf_name: str, x: np.ndarray) -> None:
-        held[hf_name] = x
-        if name.endswith("attn_q.weight") and mixtral:
-            x = permute_rotary(x, cfg.num_heads)
-        elif name.endswith("attn_k.weight") and mixtral:
-            x = permute_rotary(x, cfg.num_kv_heads)
-        if name.endswith(quantised):
-            q = quantize(x, Q.Q8_0)
-            w.add_tensor(name, q, raw_dtype=Q.Q8_0)
-            held[hf_name] = dequantize(q, Q.Q8_0).reshape(x.shape)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(x))
-
-    put("token_embd.weight", "model.embed_tokens.weight", t["model.embed_tokens.weight"])
-    put("output_norm.weight", "model.norm.weight", t["model.norm.weight"])
-    put("output.weight", "lm_head.weight", t["lm_head.weight"])
-    moe = "block_sparse_moe" if mixtral else "mlp"
-    names = dict(gate="w1", up="w3", down="w2") if mixtral else dict(gate="gate_proj", up="up_proj", down="down_proj")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for g, h in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-                     ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
-                     ("attn_output", "self_attn.o_proj")):
-            put(f"blk.{i}.{g}.weight", p + h + ".weight", t[p + h + ".weight"])
-            if p + h + ".bias" in t:
-                put(f"blk.{i}.{g}.bias", p + h + ".bias", t[p + h + ".bias"])
-        if cfg.qk_norm:
-            for q in "qk":
-                name = p + f"self_attn.{q}_norm.weight"
-                put(f"blk.{i}.attn_{q}_norm.weight", name, t[name])
-        if not cfg.is_sparse_layer(i):
-            for g in ("gate", "up", "down"):
-                put(f"blk.{i}.ffn_{g}.weight", p + f"mlp.{g}_proj.weight", t[p + f"mlp.{g}_proj.weight"])
-            continue
-        put(f"blk.{i}.ffn_gate_inp.weight", p + f"{moe}.gate.weight", t[p + f"{moe}.gate.weight"])
-        for g, leaf in names.items():
-            stack = np.stack([t[p + f"{moe}.experts.{e}.{leaf}.weight"] for e in range(cfg.num_experts)])
-            put(f"blk.{i}.ffn_{g}_exps.weight", p + f"{moe}.experts.{leaf}.weight", stack)
-        if cfg.shared_expert_intermediate_size:
-            for g in ("gate", "up", "down"):
-                put(f"blk.{i}.ffn_{g}_shexp.weight", p + f"mlp.shared_expert.{g}_proj.weight",
-                    t[p + f"mlp.shared_expert.{g}_proj.weight"])
-            put(f"blk.{i}.ffn_gate_inp_shexp.weight", p + "mlp.shared_expert_gate.weight",
-                t[p + "mlp.shared_expert_gate.weight"].reshape(-1))   # llama.cpp's is a vector
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return held
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -22,78 +22,11 @@ from imp_jax.model.tensor_parallel import take
 from imp_jax.model.weights import WeightFormats, WeightSource, describe
 from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner
-from test_kquants import BLOCK_BYTES, BLOCK_WEIGHTS, needs_kernel, random_blocks
+from quant_blocks import BLOCK_BYTES, random_blocks
+from support.cpu_gemm import needs_kernel
+from support.moe_models import EXPERTS, E, H, I, expert_blocks, write_moe_blocks_gguf
 
-H, I, E, HEADS, KV_HEADS = 256, 256, 4, 4, 2
-# per family, per layer: the expert stacks' types (gate, up, down). Gate and up of one format fuse as it;
-# Q4_0 with Q8_0 fuse as Q8_0 (which holds both exactly); Q4_K with Q5_K cannot fuse: that gate|up is
-# dequantised at load while its down stays blocks
-EXPERTS = {
-    "llama": [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_0, Q.Q8_0, Q.Q5_K)],
-    "qwen2moe": [(Q.IQ4_NL, Q.IQ4_NL, Q.Q2_K), (Q.Q4_K, Q.Q5_K, Q.MXFP4)],
-}
 KEPT = {"llama": [("Q4_K", "Q6_K"), ("Q8_0", "Q5_K")], "qwen2moe": [("IQ4_NL", "Q2_K"), (None, "MXFP4")]}
-
-
-def expert_blocks(qtype: Q, rows: int, k: int, seed: int) -> np.ndarray:
-    """Random [rows, k] blocks of `qtype` (the file's bytes, [rows, k / W * bytes]), small weights."""
-    fmt = qtype.name
-    per = BLOCK_WEIGHTS[fmt]
-    b = random_blocks(fmt, rows, k // per, seed=seed, scale=0.3 / k)
-    if fmt == "MXFP4":
-        b[..., 0] = np.random.default_rng(seed).integers(112, 117, b.shape[:-1])
-    assert b.shape[-1] == BLOCK_BYTES[fmt]
-    return b.reshape(rows, -1)
-
-
-def write_moe_blocks_gguf(path: Path, arch: str) -> None:
-    """A 2-layer Mixtral (`llama` with expert stacks) or Qwen2-MoE (with a shared expert) GGUF whose
-    expert stacks are the `EXPERTS` types, other tensors float32."""
-    from test_gguf_loader import add_byte_level_vocab
-
-    rng = np.random.default_rng(1)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(2)
-    w.add_context_length(256)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(I)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_expert_count(E)
-    w.add_expert_used_count(2)
-    if arch == "qwen2moe":
-        w.add_expert_feed_forward_length(I)
-        w.add_expert_shared_feed_forward_length(64)
-    tokens = add_byte_level_vocab(w)
-    w.add_eos_token_id(2)
-
-    def f32(name: str, *shape: int, scale: float = 0.05) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
-
-    f32("token_embd.weight", len(tokens), H, scale=1.0)
-    f32("output.weight", len(tokens), H)
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
-    D = H // HEADS
-    for i, (gate, up, down) in enumerate(EXPERTS[arch]):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
-        for leaf, n in (("attn_q", HEADS * D), ("attn_k", KV_HEADS * D), ("attn_v", KV_HEADS * D)):
-            f32(f"blk.{i}.{leaf}.weight", n, H)
-        f32(f"blk.{i}.attn_output.weight", H, HEADS * D)
-        f32(f"blk.{i}.ffn_gate_inp.weight", E, H, scale=0.5)
-        for leaf, qtype, (n, k) in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
-            stack = np.stack([expert_blocks(qtype, n, k, seed=100 * i + 10 * e + len(leaf)) for e in range(E)])
-            w.add_tensor(f"blk.{i}.ffn_{leaf}_exps.weight", stack, raw_dtype=qtype)
-        if arch == "qwen2moe":
-            for leaf, shape in (("gate", (64, H)), ("up", (64, H)), ("down", (H, 64))):
-                f32(f"blk.{i}.ffn_{leaf}_shexp.weight", *shape)
-            f32(f"blk.{i}.ffn_gate_inp_shexp.weight", H)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="module", params=sorted(EXPERTS))
@@ -208,7 +141,7 @@ def test_gpt_oss_hf_mxfp4_experts_stay_mxfp4_with_the_dequantised_logits(tmp_pat
     from imp_jax.model.gpt_oss import GptOssLM
     from imp_jax.model.loader import SafetensorsDir, build_from_tensors
     from paged import host_kernels
-    from test_gpt_oss import _mxfp4, write_tiny_gpt_oss
+    from support.gpt_oss_models import random_mxfp4, write_tiny_gpt_oss
 
     src = tmp_path / "src"
     write_tiny_gpt_oss(src)
@@ -220,7 +153,7 @@ def test_gpt_oss_hf_mxfp4_experts_stay_mxfp4_with_the_dequantised_logits(tmp_pat
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}.mlp.experts."
         for name, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32))):
-            blocks, scales, _ = _mxfp4(rng, shape)
+            blocks, scales, _ = random_mxfp4(rng, shape)
             del out[pre + name]
             out[pre + name + "_blocks"], out[pre + name + "_scales"] = blocks, scales
             hf_bytes += blocks.nbytes + scales.nbytes
@@ -246,7 +179,7 @@ def test_gpt_oss_gguf_mxfp4_experts_stay_as_the_files_blocks(tmp_path):
     the file's bytes, gate|up fused, and give the dequantised model's logits bit for bit; under
     `--gemm cpu_q8` the experts take MXFP4's int8 path (its other matrices are float32, kept exact):
     close to those logits, not their bits."""
-    from test_gpt_oss import write_gpt_oss_gguf, write_tiny_gpt_oss
+    from support.gpt_oss_models import write_gpt_oss_gguf, write_tiny_gpt_oss
 
     hf_model = write_tiny_gpt_oss(tmp_path / "src")
     path = tmp_path / "mxfp4.gguf"

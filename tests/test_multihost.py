@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import write_tiny_tokenizer
-from server_fixtures import LiveServer, free_port, wait_for
+from tiny_models import write_tiny_tokenizer
+from support.servers import LiveServer, free_port, wait_for
 
 TP_ARGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-kv-blocks", "32"]
 ONE_DEVICE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # each process: one CPU device

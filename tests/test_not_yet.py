@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from imp_jax.server.validation import NOT_YET
-from server_fixtures import fake_server  # noqa: F401
+from support.servers import fake_server  # noqa: F401
 
 ROUTES = {
     "/v1/chat/completions": {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},

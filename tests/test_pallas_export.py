@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from support.kernels import assert_hopper_kernel
 
 from imp_jax.kernels_pallas import AttentionMetadata, AttentionShape
 from imp_jax.kernels_pallas.pallas import ragged_paged_attention as rpa
@@ -77,13 +78,6 @@ def export(shape: AttentionShape, lowering: plgpu.LoweringSemantics, kv_splits: 
     fn = functools.partial(rpa.ragged_paged_attention_pallas, sm_scale=0.1, kv_splits=kv_splits, lowering=lowering)
     exported = jax.export.export(jax.jit(fn), platforms=("cuda",))(q, cache, cache, meta, i32(), sinks=sinks)
     return exported.mlir_module()
-
-
-def assert_hopper_kernel(text: str, dtype: str) -> None:
-    """A Mosaic GPU custom call whose kernel loads K/V by TMA and multiplies by wgmma in `dtype`."""
-    short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
-    assert "mosaic_gpu_v2" in text and "cp.async.bulk.tensor.shared.cluster.global" in text
-    assert "wgmma.mma_async.sync.aligned.m64n" in text and f"k16.f32.{short}.{short}" in text
 
 
 def test_every_accepted_shape_has_a_representative() -> None:

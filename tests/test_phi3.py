@@ -18,7 +18,7 @@ from imp_jax.model.loader import SafetensorsDir, load_model, open_checkpoint
 from imp_jax.model.phi3 import Phi3LM
 from imp_jax.runtime.batch import SeqChunk
 from paged import PagedRunner
-from test_model import build
+from support.models import build
 from tiny_models import TINY
 
 ORIGINAL = 64   # original_max_position_embeddings of the longrope checkpoint (max_position_embeddings 512)
@@ -238,51 +238,37 @@ def write_phi3_gguf(path: Path, hf_dir: Path, hf_config: dict, quantised: bool =
     """A phi3 GGUF of an HF Phi3 checkpoint, named as llama.cpp's converter names it: F32 tensors,
     or with `quantised` layer 0's fused attn_qkv and ffn_up (gate|up) as Q8_0 blocks."""
     import gguf
-    from gguf.quants import quantize
+    from tiny_gguf import write_gguf_file
 
     t = SafetensorsDir(hf_dir)
     c = hf_config
     rope = c["rope_parameters"]
     head_dim = c["hidden_size"] // c["num_attention_heads"]
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_dimension_count(int(head_dim * c["partial_rotary_factor"]))
-    w.add_sliding_window(c["sliding_window"])
-    w.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
     scale = c["max_position_embeddings"] / c["original_max_position_embeddings"]
-    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c["original_max_position_embeddings"])))
-    w.add_tokenizer_model("llama")
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    w.add_token_list(tokens[:c["vocab_size"]])
-    w.add_token_scores([0.0] * c["vocab_size"])
-    w.add_token_types([2, 3, 3] + [6] * (c["vocab_size"] - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
-    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
-    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", t["model.norm.weight"])
-    leaves = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-              "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+    meta = dict(block_count=c["num_hidden_layers"], context_length=c["max_position_embeddings"],
+                embedding_length=c["hidden_size"], feed_forward_length=c["intermediate_size"],
+                head_count=c["num_attention_heads"], head_count_kv=c["num_key_value_heads"],
+                rope_freq_base=rope["rope_theta"], layer_norm_rms_eps=c["rms_norm_eps"],
+                rope_dimension_count=int(head_dim * c["partial_rotary_factor"]), sliding_window=c["sliding_window"],
+                rope_scaling_orig_ctx_len=c["original_max_position_embeddings"],
+                rope_scaling_attn_factors=math.sqrt(1 + math.log(scale) / math.log(c["original_max_position_embeddings"])),
+                tokenizer_model="llama", token_list=tokens[:c["vocab_size"]], token_scores=[0.0] * c["vocab_size"],
+                token_types=[2, 3, 3] + [6] * (c["vocab_size"] - 3), bos_token_id=1, eos_token_id=2)
+    tensors = {n: t[n] for n in ("model.embed_tokens.weight", "model.norm.weight")}
     for i in range(c["num_hidden_layers"]):
-        for leaf, hf_leaf in leaves.items():
-            x = t[f"model.layers.{i}.{hf_leaf}.weight"]
-            if quantised and i == 0 and leaf in ("attn_qkv", "ffn_up"):
-                w.add_tensor(f"blk.{i}.{leaf}.weight", quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            else:
-                w.add_tensor(f"blk.{i}.{leaf}.weight", x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        pre = f"model.layers.{i}."
+        for leaf in ("input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
+                     "mlp.down_proj"):
+            tensors[f"{pre}{leaf}.weight"] = t[f"{pre}{leaf}.weight"]
+        # HF's fused gate|up goes in as `ffn_up` (the up_proj's name), which the loader reads, with no
+        # `ffn_gate` beside it, as gate_up_proj
+        tensors[f"{pre}mlp.up_proj.weight"] = t[f"{pre}mlp.gate_up_proj.weight"]
+    fused = ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.up_proj.weight")
+    Q = gguf.GGMLQuantizationType
+    write_gguf_file(path, "phi3", meta, tensors, qtype=lambda name: Q.Q8_0 if quantised and name in fused else Q.F32,
+                    extra={f"rope_factors_{k}.weight": np.asarray(rope[f"{k}_factor"], np.float32)
+                           for k in ("long", "short")})
     return path
 
 

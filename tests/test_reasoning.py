@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker, answer_reserve
-from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for
+from support.servers import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import THINKER_ARGS, write_thinking_model
 
 MODEL = "thinker"   # the served name: the model directory's

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from paged import tiny_engine
-from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
+from support.servers import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 from imp_jax.runtime.dry import DRY_SLOTS, BreakerTable, DryParams, repeat_penalties, top_slots
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from prometheus_text import parse, value
-from server_fixtures import MODEL, LiveServer, OpsServer, engine_stats, fake_server, live_server, wait_idle  # noqa: F401
+from support.metrics_text import parse, value
+from support.servers import MODEL, LiveServer, OpsServer, engine_stats, fake_server, live_server, wait_idle  # noqa: F401
 
 from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
 from imp_jax.server.scoring import MAX_CANDIDATES, decide_text

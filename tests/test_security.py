@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, probe_health, wait_for
+from support.servers import FakeEngine, app_in_thread, fake_tokenizer, probe_health, wait_for
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
@@ -421,7 +421,7 @@ def test_a_model_path_others_could_write_is_refused(tmp_path: Any, monkeypatch: 
 
 @pytest.mark.real_model
 def test_the_prefix_cache_is_partitioned_per_api_key(ops_server: Any) -> None:
-    from server_fixtures import OPS_KEY, OpsServer
+    from support.servers import OPS_KEY, OpsServer
 
     prompt = " ".join(f"salted{i}" for i in range(120)) + f" {time.time_ns()}"   # unseen before this test
     body = {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 1}
@@ -438,7 +438,7 @@ def test_the_prefix_cache_is_partitioned_per_api_key(ops_server: Any) -> None:
 
 @pytest.mark.real_model
 def test_a_session_belongs_to_its_api_key(ops_server: Any) -> None:
-    from server_fixtures import OPS_KEY, OpsServer
+    from support.servers import OPS_KEY, OpsServer
 
     sid = f"sess-{time.time_ns()}"
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
@@ -454,7 +454,7 @@ def test_a_session_belongs_to_its_api_key(ops_server: Any) -> None:
 def test_pins_and_priority_are_granted_per_api_key(ops_server: Any) -> None:
     """With API keys (--client-pins auto), only keys granted 'pins' in the key file may pin KV blocks, and
     only keys granted 'priority' may jump the queue; Anthropic cache_control from others is served unpinned."""
-    from server_fixtures import OPS_KEY, OpsServer
+    from support.servers import OPS_KEY, OpsServer
 
     chat = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     url = ops_server.url + "/v1/chat/completions"

@@ -8,7 +8,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_fixtures import (MODEL, OPS_ADMIN_KEY, OPS_FILE_KEYS, OPS_KEY, OPS_MAX_BYTES, OPS_ORIGIN, OPS_RATE_LIMIT, FakeEngine,
+from support.servers import (MODEL, OPS_ADMIN_KEY, OPS_FILE_KEYS, OPS_KEY, OPS_MAX_BYTES, OPS_ORIGIN, OPS_RATE_LIMIT, FakeEngine,
                              OpsServer, fake_tokenizer)
 
 from imp_jax.server.app import create_app
@@ -222,7 +222,7 @@ def test_a_request_id_names_only_the_callers_own_request() -> None:
     for no request, and a second key's X-Request-Id of the same spelling does not take the first's over."""
     import json
 
-    from server_fixtures import app_in_thread, wait_for
+    from support.servers import app_in_thread, wait_for
 
     engine = FakeEngine(fake_tokenizer(), token_delay=0.05)
     engine.start()

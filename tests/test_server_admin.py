@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_fixtures import MODEL, LiveServer, live_server  # noqa: F401
+from support.servers import MODEL, LiveServer, live_server  # noqa: F401
 
 pytestmark = pytest.mark.real_model
 

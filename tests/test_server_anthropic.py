@@ -9,7 +9,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from server_fixtures import (FAULT_MARKER, MODEL, FakeEngine, LiveServer, fake_server, live_server,  # noqa: F401
+from support.servers import (FAULT_MARKER, MODEL, FakeEngine, LiveServer, fake_server, live_server,  # noqa: F401
                              parse_sse)
 
 from imp_jax.server import anthropic_messages
@@ -427,7 +427,7 @@ def test_output_format_constrains_the_reply(live_server: LiveServer) -> None:
 
 def test_cache_control_pins_up_to_the_last_breakpoint() -> None:
     from imp_jax.server.anthropic_messages import MessagesRequest, breakpoint_tokens, prompt_ids
-    from server_fixtures import fake_tokenizer
+    from support.servers import fake_tokenizer
 
     tok = fake_tokenizer()
     engine = SimpleNamespace(tokenizer=tok)   # prompt building reads only the engine's tokenizer (no images here)

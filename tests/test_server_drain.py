@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from server_fixtures import MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, parse_sse, wait_for
+from support.servers import MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, LiveServer, parse_sse, wait_for
 
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(smollm2_gguf_path: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
-from server_fixtures import FAULT_MARKER, FakeEngine, fake_server, fake_tokenizer, parse_sse  # noqa: F401
+from support.servers import FAULT_MARKER, FakeEngine, fake_server, fake_tokenizer, parse_sse  # noqa: F401
 
 from imp_jax.errors import ImpError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
@@ -186,7 +186,7 @@ def test_events_dropped_unread_still_end_their_request(tmp_path) -> None:
 def test_steps_failed_total_is_on_health_and_metrics() -> None:
     """EngineCore.stats' steps_failed_total (a step that raised fails only its own requests): /health has it,
     0 from an engine that does not count it yet, and /metrics as the counter imp_engine_steps_failed_total."""
-    from prometheus_text import parse, value
+    from support.metrics_text import parse, value
 
     async def run() -> None:
         engine = FakeEngine(fake_tokenizer())

@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of every POST route on the real engine: a 4xx with the route's envelope or a valid answer.
 
-Bodies come from tests/fuzz_bodies.py (wrong types, missing and unknown fields, huge and non-finite
+Bodies come from tests/support/fuzz_bodies.py (wrong types, missing and unknown fields, huge and non-finite
 numbers, every kind of unicode with lone surrogates, deep nesting, huge arrays, bytes that are not
 JSON). Reproducible: derandomized, no example database; a bounded number of examples per route.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from server_fixtures import LiveServer, wait_idle
+from support.servers import LiveServer, wait_idle
 
-from fuzz_bodies import ROUTES, bodies, check_answer
+from support.fuzz_bodies import ROUTES, bodies, check_answer
 
 pytestmark = pytest.mark.real_model
 

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from imp_jax.server.infill import InfillRequest, infill_ids
-from server_fixtures import (FAKE_SCRIPT, MODEL, LiveServer, fake_server, fake_tokenizer, live_server,  # noqa: F401
+from support.servers import (FAKE_SCRIPT, MODEL, LiveServer, fake_server, fake_tokenizer, live_server,  # noqa: F401
                              parse_sse)
 
 

@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_text import delta, parse
-from server_fixtures import (MODEL, OPS_MAX_QUEUED, OPS_MAX_QUEUED_TOKENS, OPS_STALL_S, OPS_TIMEOUT_S, OpsServer,
+from support.metrics_text import delta, parse
+from support.servers import (MODEL, OPS_MAX_QUEUED, OPS_MAX_QUEUED_TOKENS, OPS_STALL_S, OPS_TIMEOUT_S, OpsServer,
                              wait_idle)
 
 pytestmark = pytest.mark.real_model

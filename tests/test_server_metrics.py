@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 import httpx
 import pytest
-from prometheus_text import delta, parse, value
-from server_fixtures import MODEL, OpsServer, wait_idle
+from support.metrics_text import delta, parse, value
+from support.servers import MODEL, OpsServer, wait_idle
 
 pytestmark = pytest.mark.real_model
 

@@ -6,7 +6,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_fixtures import MODEL, LiveServer, live_server, openai_client, parse_sse  # noqa: F401
+from support.servers import MODEL, LiveServer, live_server, openai_client, parse_sse  # noqa: F401
 
 pytestmark = pytest.mark.real_model
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_fixtures import (FAULT_MARKER, MODEL, FakeEngine, LiveServer, app_in_thread, fake_server,  # noqa: F401
+from support.servers import (FAULT_MARKER, MODEL, FakeEngine, LiveServer, app_in_thread, fake_server,  # noqa: F401
                              fake_tokenizer, live_server, openai_client, parse_sse, wait_for)
 
 from imp_jax.server.app import create_app

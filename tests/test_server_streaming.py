@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import MODEL, LiveServer, live_server, parse_sse, wait_idle  # noqa: F401
+from support.servers import MODEL, LiveServer, live_server, parse_sse, wait_idle  # noqa: F401
 
 pytestmark = pytest.mark.real_model
 

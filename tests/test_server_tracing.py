@@ -1,4 +1,4 @@
-"""OpenTelemetry export, decoded by a real OTLP/HTTP receiver on loopback (tests/otlp_receiver.py)."""
+"""OpenTelemetry export, decoded by a real OTLP/HTTP receiver on loopback (tests/support/otlp_receiver.py)."""
 from __future__ import annotations
 
 import os
@@ -7,9 +7,9 @@ import time
 
 import httpx
 import pytest
-from otlp_receiver import OTLPReceiver, Span
-from prometheus_text import delta, parse
-from server_fixtures import MODEL, OpsServer, wait_idle
+from support.otlp_receiver import OTLPReceiver, Span
+from support.metrics_text import delta, parse
+from support.servers import MODEL, OpsServer, wait_idle
 
 pytestmark = pytest.mark.real_model
 

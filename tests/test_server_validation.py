@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import MODEL, LiveServer, live_server  # noqa: F401
+from support.servers import MODEL, LiveServer, live_server  # noqa: F401
 
 pytestmark = pytest.mark.real_model
 

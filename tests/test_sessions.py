@@ -6,7 +6,7 @@ import httpx
 
 from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
 from imp_jax.runtime.sessions import SessionPins
-from server_fixtures import MODEL, LiveServer, live_server, wait_idle  # noqa: F401
+from support.servers import MODEL, LiveServer, live_server, wait_idle  # noqa: F401
 
 BS = 4
 

@@ -5,25 +5,14 @@ import numpy as np
 import pytest
 
 from paged import PagedRunner
+from support.smollm2 import NUM_TOKENS, chat_ids, greedy
 
 pytestmark = pytest.mark.real_model
-NUM_TOKENS = 64  # one compiled shape for prefill and decode steps alike
 
 
 @pytest.fixture(scope="module")
 def runner(smollm2_loaded) -> PagedRunner:
     return PagedRunner(smollm2_loaded.model, num_blocks=24, max_blocks=8)
-
-
-def chat_ids(loaded, question: str) -> list[int]:
-    text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}])
-    return loaded.tokenizer.encode(text, add_special_tokens=False)
-
-
-def greedy(runner: PagedRunner, prompt: list[int], steps: int, table: list[int],
-           stop: frozenset[int] = frozenset()) -> tuple[np.ndarray, list[int]]:
-    """PagedRunner.greedy at this file's one-sequence batch shape."""
-    return runner.greedy(prompt, steps, table, stop=stop, num_tokens=NUM_TOKENS, num_seqs=1)
 
 
 def test_logits_and_greedy_tokens_match_transformers(smollm2_loaded, hf_smollm2, runner):

@@ -1,4 +1,4 @@
-"""SmolLM2 in llama.cpp's Q4_K_M layout (Q5_0, Q4_K, Q6_K, Q8_0 blocks; tests/kquant_writer.py): kept as
+"""SmolLM2 in llama.cpp's Q4_K_M layout (Q5_0, Q4_K, Q6_K, Q8_0 blocks; tests/support/kquant_writer.py): kept as
 the file's blocks, and greedy output identical to transformers' own load of the same file."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from imp_jax.kernels_pallas import ggml_blocks
-from kquant_writer import write_q4_k_m
+from support.kquant_writer import write_q4_k_m
 from paged import PagedRunner
-from test_smollm2 import NUM_TOKENS, chat_ids, greedy
+from support.smollm2 import NUM_TOKENS, chat_ids, greedy
 
 pytestmark = pytest.mark.real_model
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_fixtures import LiveServer
+from support.servers import LiveServer
 
 pytestmark = pytest.mark.real_model
 

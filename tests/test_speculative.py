@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_fixtures import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
+from support.servers import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
 from imp_jax.runtime.features import speculation as speculation_module
 from imp_jax.runtime.request import GenerationRequest, SamplingParams

@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_fixtures import MODEL, LiveServer, engine_stats, live_server, openai_client, wait_idle  # noqa: F401
-from structured_schemas import SCHEMAS
+from support.servers import MODEL, LiveServer, engine_stats, live_server, openai_client, wait_idle  # noqa: F401
+from support.structured_schemas import SCHEMAS
 
 from imp_jax.server import structured
 from imp_jax.server.limits import FieldLimits

@@ -15,7 +15,7 @@ from imp_jax.errors import ImpError
 from imp_jax.runtime.async_engine import AsyncEngine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from server_fixtures import MODEL, LiveServer, live_server  # noqa: F401
+from support.servers import MODEL, LiveServer, live_server  # noqa: F401
 
 
 def greedy(prompt: list[int]) -> GenerationRequest:

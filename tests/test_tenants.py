@@ -1,6 +1,6 @@
 """Fairness between callers on the server: per-key limits (tenants.py), failed-key throttling per address
 (auth_throttle.py) and the encoders' own queue caps (admission.py). The limits are server bookkeeping, so
-the apps here run over FakeEngine and a held fake encoder (server_fixtures.py says why a fake is used)."""
+the apps here run over FakeEngine and a held fake encoder (support/servers.py says why a fake is used)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from server_fixtures import FakeEngine, app_in_thread, fake_tokenizer, wait_for
+from support.servers import FakeEngine, app_in_thread, fake_tokenizer, wait_for
 
 from imp_jax.server.admission import ENCODER_NAMES, AdmissionGate
 from imp_jax.server.app import create_app

@@ -23,8 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import write_tiny_tokenizer
-from server_fixtures import LiveServer, wait_for
+from tiny_models import write_tiny_tokenizer
+from support.servers import LiveServer, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(ROOT)}
@@ -64,9 +64,8 @@ def _write_moe_models(tmp: Path) -> dict[str, str]:
     """The mixtures of experts tp_runs compares: HF directories (a tokenizer beside each) and a GGUF."""
     from imp_jax.model.config import ModelConfig
     from imp_jax.model.loader import SafetensorsDir
-    from test_gpt_oss import write_tiny_gpt_oss
-    from test_moe import write_moe_gguf, write_tiny_moe
-    from test_moe_blocks import write_moe_blocks_gguf
+    from support.gpt_oss_models import write_tiny_gpt_oss
+    from support.moe_models import write_moe_blocks_gguf, write_moe_gguf, write_tiny_moe
 
     write_tiny_moe("MixtralForCausalLM", tmp / "mixtral")
     write_tiny_moe("Qwen2MoeForCausalLM", tmp / "qwen2moe", **TINY_QWEN2_MOE)
@@ -173,8 +172,6 @@ def test_one_device_program_has_no_shard_map_and_no_collectives(smollm2_loaded):
     """--tensor-parallel-size 1 is the one-device program: no manual (shard_map) region, no all-reduce
     (on 2 devices the same step has one shard_map and an all-reduce for the embedding, o_proj and
     down_proj)."""
-    import jax
-    import jax.numpy as jnp
 
     from imp_jax.runtime.sharding import default_mesh
     from imp_jax.runtime.step import CompiledStep, StepShapes
@@ -199,7 +196,7 @@ def test_expert_stacks_are_stored_shard_major_with_zero_pads(tmp_path):
     from imp_jax.model.loader import SafetensorsDir, build_from_tensors
     from imp_jax.model.weights import WeightSource
     from paged import host_kernels
-    from test_gpt_oss import write_tiny_gpt_oss
+    from support.gpt_oss_models import write_tiny_gpt_oss
 
     hf = write_tiny_gpt_oss(tmp_path, **TINY_GPT_OSS)
     cfg = ModelConfig.from_file(tmp_path / "config.json")

@@ -14,7 +14,7 @@ import jsonschema
 import llguidance
 import openai
 import pytest
-from server_fixtures import (MODEL, LiveServer, fake_tokenizer, live_server, openai_client,  # noqa: F401
+from support.servers import (MODEL, LiveServer, fake_tokenizer, live_server, openai_client,  # noqa: F401
                              parse_sse, wait_idle)
 
 from imp_jax.errors import InvalidRequestError

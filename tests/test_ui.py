@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import (MODEL, FakeEngine, LiveServer, app_in_thread, fake_tokenizer, live_server,  # noqa: F401
+from support.servers import (MODEL, FakeEngine, LiveServer, app_in_thread, fake_tokenizer, live_server,  # noqa: F401
                              wait_for, wait_idle)
 from tiny_models import THINKER_ARGS, write_thinking_model
 

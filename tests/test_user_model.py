@@ -71,7 +71,7 @@ def test_a_user_model_class_serves_a_chat_through_the_server(tiny_hf_dir, tmp_pa
     import httpx
 
     from imp_jax.model.tokenizer import Tokenizer
-    from server_fixtures import LiveServer, wait_for
+    from support.servers import LiveServer, wait_for
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     live = LiveServer(["--model", str(tiny_hf_dir), "--model-class", "user_model_example:OneLayerLM",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import itertools
 import re
 
@@ -15,9 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from paged import run_to_end  # noqa: E402
-from test_vision_idefics3 import layout_ids, synthetic_image  # noqa: E402
-from test_vision_model import write_vlm  # noqa: E402
+from support.idefics3 import SYSTEM, config, image, layout_ids, pic, prompt, request, run  # noqa: E402
+from support.vision import synthetic_image  # noqa: E402
 from imp_jax.errors import EngineError, InvalidRequestError, ModelLoadError  # noqa: E402
 from imp_jax.model.loader import open_checkpoint  # noqa: E402
 from imp_jax.model.vision import idefics3_processor as proc  # noqa: E402
@@ -28,36 +26,8 @@ from imp_jax.runtime.features import Services  # noqa: E402
 from imp_jax.runtime.features.images import ImagesFeature  # noqa: E402
 from imp_jax.runtime.image_rows import ImageRows  # noqa: E402
 from imp_jax.runtime.kv_hash import ImageKeys, block_key, durable_key, prefix_hashes  # noqa: E402
-from imp_jax.runtime.request import GenerationRequest, ImageInput, SamplingParams  # noqa: E402
+from imp_jax.runtime.request import SamplingParams  # noqa: E402
 
-ARCH = "SmolVLMForConditionalGeneration"
-GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=6, ignore_eos=True)
-SYSTEM = [1] + [10 + i % 40 for i in range(40)]   # 41 tokens: two full blocks before the first image
-_ids = itertools.count()
-
-
-def image(width: int, height: int, seed: int) -> ImageInput:
-    pixels = np.asarray(synthetic_image(width, height, seed))
-    return ImageInput(pixels, hashlib.blake2b(pixels.tobytes() + bytes(str(pixels.shape), "ascii"),
-                                              digest_size=16).digest(), "PNG", 0)
-
-
-def prompt(*images: ImageInput, tail=(7, 8, 9)) -> list[int]:
-    ids = list(SYSTEM)
-    for img in images:
-        grid = proc.image_grid(*img.size, proc.ImageProcessorConfig.from_hf(dict(
-            size={"longest_edge": 64}, max_image_size={"longest_edge": 32})))
-        ids += layout_ids(proc.image_prompt(grid, 16)) + [5, 6]
-    return ids + list(tail)
-
-
-def request(ids: list[int], images: tuple[ImageInput, ...], **params) -> GenerationRequest:
-    return GenerationRequest(f"img-{next(_ids)}", ids, SamplingParams(**{**GREEDY, **params}), images=images)
-
-
-def run(core, *reqs: GenerationRequest, prepare: bool = True) -> list[dict]:
-    """Run the requests together to the end (paged.run_to_end: pools back at their baselines)."""
-    return run_to_end(core, *reqs, prepare=prepare, max_steps=300)
 
 
 def hf_greedy(hf, ids: list[int], images: list[tuple[int, int, int]]) -> tuple[list[int], np.ndarray]:
@@ -74,18 +44,6 @@ def hf_greedy(hf, ids: list[int], images: list[tuple[int, int, int]]) -> tuple[l
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-smolvlm")
-    hf = write_vlm(path, ARCH, tie=True)
-    return path, hf
-
-
-def config(path, budget: int, **kw) -> EngineConfig:
-    return EngineConfig(model=str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
-                        num_kv_blocks=96, image_cache_rows=16 * 12, seed=0, **kw)
-
-
-@pytest.fixture(scope="module")
 def core(vlm):
     return build_engine(config(vlm[0], 256))
 
@@ -93,13 +51,6 @@ def core(vlm):
 @pytest.fixture(scope="module")
 def chunked_core(vlm):
     return build_engine(config(vlm[0], 32))
-
-
-PICS = {"a": (37, 53, 0), "b": (64, 64, 1), "c": (53, 37, 2)}
-
-
-def pic(name: str) -> tuple[ImageInput, tuple[int, int, int]]:
-    return image(*PICS[name]), PICS[name]
 
 
 def test_greedy_with_images_matches_transformers(core, vlm):

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_vision_engine import config, pic, prompt, request, run, vlm  # noqa: E402,F401
+from support.idefics3 import config, pic, prompt, request, run  # noqa: E402
 from imp_jax.errors import InvalidRequestError  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402
 from imp_jax.runtime.features.images import ImagesFeature, image_bounds  # noqa: E402

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from paged import run_to_end  # noqa: E402
-from test_vision_qwen2_5_vl import END, IMAGE, START, synthetic_image, tiny_qwen  # noqa: E402,F401,F811  (a fixture)
+from support.qwen_vl import END, IMAGE, START  # noqa: E402
+from support.vision import synthetic_image  # noqa: E402
 from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
 from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402

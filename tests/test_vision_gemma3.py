@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_vision_idefics3 import synthetic_image  # noqa: E402
-from tiny_vlm import GEMMA_PRE, GEMMA_TOKENS, hf_gemma3_processor, write_tiny_gemma3  # noqa: E402
+from support.vision import synthetic_image  # noqa: E402
+from tiny_vlm import GEMMA_PRE, GEMMA_TOKENS  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
 from imp_jax.model.loader import load_model, open_checkpoint  # noqa: E402
@@ -36,21 +36,13 @@ from imp_jax.server.image_prompts import PromptImages, count_marks, expand, imag
 SIZES = [(37, 53), (32, 32), (200, 90), (20, 300), (7, 5)]   # PIL (width, height): down, same, up, elongated
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory):
-    """(path, transformers' model, its processor, our loaded model)."""
-    path = tmp_path_factory.mktemp("tiny-gemma3")
-    hf = write_tiny_gemma3(path)
-    return path, hf, hf_gemma3_processor(path), load_model(path, dtype="float32", gemm="exact")
-
-
 def hf_rows(hf, pixels: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return hf.model.get_image_features(torch.tensor(pixels)).pooler_output.numpy()
 
 
-def test_tower_and_projector_match_transformers(tiny):
-    _, hf, _, loaded = tiny
+def test_tower_and_projector_match_transformers(tiny_gemma3):
+    _, hf, _, loaded = tiny_gemma3
     pixels = np.random.default_rng(0).normal(size=(3, 3, 32, 32)).astype(np.float32)
     forward = nnx.jit(lambda m, p, pm: m(p, pm))
     ours = np.asarray(forward(loaded.vision.encoder, jnp.asarray(pixels), jnp.ones((3, 8, 8), bool)))
@@ -59,12 +51,12 @@ def test_tower_and_projector_match_transformers(tiny):
     np.testing.assert_allclose(ours, want, atol=1e-5, rtol=0)
 
 
-def test_the_hubs_tensor_names_load_the_same_image_side(tiny, tmp_path):
+def test_the_hubs_tensor_names_load_the_same_image_side(tiny_gemma3, tmp_path):
     """google/gemma-3-*'s safetensors keep the tower under `vision_tower.vision_model.*` (transformers 5 saves
     `vision_tower.*`): either loads."""
     from safetensors.numpy import load_file, save_file
 
-    path, _, _, loaded = tiny
+    path, _, _, loaded = tiny_gemma3
     tensors = load_file(path / "model.safetensors")
     save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()},
               tmp_path / "model.safetensors")
@@ -78,8 +70,8 @@ def test_the_hubs_tensor_names_load_the_same_image_side(tiny, tmp_path):
                                   np.asarray(loaded.vision.encoder(pixels, mask)))
 
 
-def test_loader_exposes_the_gemma3_family(tiny):
-    path, _, _, loaded = tiny
+def test_loader_exposes_the_gemma3_family(tiny_gemma3):
+    path, _, _, loaded = tiny_gemma3
     v = loaded.vision
     assert isinstance(v.encoder, Gemma3Vision) and v.family == "gemma3"
     # the opened checkpoint already says so: the builder's kernel self-test then checks key limits
@@ -91,16 +83,16 @@ def test_loader_exposes_the_gemma3_family(tiny):
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_preprocessor_matches_transformers(tiny, size):
-    processor = tiny[2]
+def test_preprocessor_matches_transformers(tiny_gemma3, size):
+    processor = tiny_gemma3[2]
     image = synthetic_image(*size, seed=size[0])
     want = processor.image_processor(images=[image], return_tensors="np")["pixel_values"][0]
     cfg = proc.Gemma3ProcessorConfig.from_hf(GEMMA_PRE, 32)
     np.testing.assert_allclose(proc.preprocess(image, cfg), want, atol=1e-6, rtol=0)
 
 
-def test_preprocessor_alpha_and_grey(tiny):
-    processor, cfg = tiny[2], proc.Gemma3ProcessorConfig.from_hf(GEMMA_PRE, 32)
+def test_preprocessor_alpha_and_grey(tiny_gemma3):
+    processor, cfg = tiny_gemma3[2], proc.Gemma3ProcessorConfig.from_hf(GEMMA_PRE, 32)
     rgba = synthetic_image(50, 40, seed=3).convert("RGBA")
     rgba.putalpha(Image.fromarray(np.tile(np.arange(50, dtype=np.uint8) * 5, (40, 1))))
     for image in (rgba, synthetic_image(33, 61, seed=4).convert("L")):
@@ -116,8 +108,8 @@ def test_pan_and_scan_and_other_frame_sizes_are_refused(tmp_path):
     assert proc.Gemma3ProcessorConfig.from_hf({}, 896).size == 896   # transformers' default: the tower's side
 
 
-def test_a_checkpoint_turning_pan_and_scan_on_does_not_load(tiny, tmp_path):
-    path = tiny[0]
+def test_a_checkpoint_turning_pan_and_scan_on_does_not_load(tiny_gemma3, tmp_path):
+    path = tiny_gemma3[0]
     for f in path.iterdir():
         (tmp_path / f.name).symlink_to(f)
     (tmp_path / "preprocessor_config.json").unlink()
@@ -131,8 +123,8 @@ def image_input(size: tuple[int, int], seed: int) -> ImageInput:
     return ImageInput(pixels, bytes([seed]) * 16, "PNG", 0)
 
 
-def test_image_prompt_is_the_processors_expansion(tiny):
-    _, _, processor, loaded = tiny
+def test_image_prompt_is_the_processors_expansion(tiny_gemma3):
+    _, _, processor, loaded = tiny_gemma3
     family = image_family(loaded.vision)
     images = [synthetic_image(*s, seed=i) for i, s in enumerate(SIZES[:2])]
     text = "look: <start_of_image> and <start_of_image>, compare"
@@ -144,10 +136,10 @@ def test_image_prompt_is_the_processors_expansion(tiny):
 
 
 @pytest.mark.parametrize("parts", [["what is this?", "img"], ["img", "describe it"], ["img", "compare", "img"]])
-def test_chat_route_prompt_ids_equal_the_processors(tiny, parts):
+def test_chat_route_prompt_ids_equal_the_processors(tiny_gemma3, parts):
     """The chat route's steps (image parts as marks in the message text, the chat template, expand, encode_chat)
     give the ids transformers' processor gives for the same message through the same template."""
-    _, _, processor, loaded = tiny
+    _, _, processor, loaded = tiny_gemma3
     family = image_family(loaded.vision)
     images = [image_input(s, i) for i, s in enumerate(SIZES[:parts.count("img")])]
     refs = iter(images)
@@ -210,9 +202,9 @@ def prefill_logits(model, ids: list[int], rows: np.ndarray, image_token: int, cu
     return np.concatenate(out)
 
 
-def image_prompt_ids(tiny, sizes) -> tuple[list[int], np.ndarray, dict]:
+def image_prompt_ids(tiny_gemma3, sizes) -> tuple[list[int], np.ndarray, dict]:
     """A chat prompt with the images (transformers' processor), our rows for them, and transformers' inputs."""
-    _, _, processor, loaded = tiny
+    _, _, processor, loaded = tiny_gemma3
     content = [{"type": "text", "text": "what is in this picture?"}] + [{"type": "image"}] * len(sizes)
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
@@ -224,21 +216,21 @@ def image_prompt_ids(tiny, sizes) -> tuple[list[int], np.ndarray, dict]:
     return inputs["input_ids"][0].tolist(), rows.reshape(-1, rows.shape[-1]), inputs
 
 
-def test_causal_logits_with_an_image_match_transformers(tiny):
+def test_causal_logits_with_an_image_match_transformers(tiny_gemma3):
     """Without token_type_ids transformers attends causally over the image too: the splice alone (image rows over
     the sqrt(hidden)-scaled text embeddings, not scaled) checked against it."""
-    _, hf, _, loaded = tiny
-    ids, rows, inputs = image_prompt_ids(tiny, [SIZES[0]])
+    _, hf, _, loaded = tiny_gemma3
+    ids, rows, inputs = image_prompt_ids(tiny_gemma3, [SIZES[0]])
     with torch.no_grad():
         want = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0].numpy()
     np.testing.assert_allclose(prefill_logits(loaded.model, ids, rows, 6), want, atol=1e-4, rtol=0)
 
 
-def test_bidirectional_logits_with_two_images_match_transformers(tiny):
+def test_bidirectional_logits_with_two_images_match_transformers(tiny_gemma3):
     """With token_type_ids (what Gemma3Processor returns) an image's tokens attend to each other both ways, within
     the sliding layers' window too; prefilled whole or in chunks cut between the images."""
-    _, hf, _, loaded = tiny
-    ids, rows, inputs = image_prompt_ids(tiny, [SIZES[0], SIZES[3]])
+    _, hf, _, loaded = tiny_gemma3
+    ids, rows, inputs = image_prompt_ids(tiny_gemma3, [SIZES[0], SIZES[3]])
     with torch.no_grad():
         want = hf(**inputs).logits[0].numpy()
         causal = hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0].numpy()

@@ -15,8 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from paged import run_to_end  # noqa: E402
-from test_vision_gemma3 import tiny  # noqa: E402,F401,F811  (a fixture)
-from test_vision_idefics3 import synthetic_image  # noqa: E402
+from support.vision import synthetic_image  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402
 from imp_jax.runtime.image_family import image_family  # noqa: E402
@@ -48,10 +47,10 @@ def greedy(ids: list[int], images: tuple[ImageInput, ...], **params) -> Generati
     return GenerationRequest(f"gimg-{next(_ids)}", ids, SamplingParams(**{**GREEDY, **params}), images=images)
 
 
-def hf_greedy(tiny, ids: list[int], specs: list[tuple[int, int, int]], n: int = 8) -> tuple[list[int], np.ndarray]:
+def hf_greedy(tiny_gemma3, ids: list[int], specs: list[tuple[int, int, int]], n: int = 8) -> tuple[list[int], np.ndarray]:
     """transformers' greedy tokens (`generate` with token_type_ids, EOS off) and its logprobs [n, vocab] at each
     of them, the latter from one forward pass over the prompt and the tokens (image tokens bidirectional)."""
-    _, hf, processor, _ = tiny
+    _, hf, processor, _ = tiny_gemma3
     pixels = (processor.image_processor(images=[synthetic_image(*s) for s in specs], return_tensors="pt")
               ["pixel_values"] if specs else None)
 
@@ -75,15 +74,15 @@ def config(path, budget: int) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def core(tiny):
-    return build_engine(config(tiny[0], 256))
+def core(tiny_gemma3):
+    return build_engine(config(tiny_gemma3[0], 256))
 
 
 @pytest.fixture(scope="module")
-def chunked_core(tiny):
+def chunked_core(tiny_gemma3):
     """Budget 24 tokens: every image prompt's prefill is chunked, and a full chunk would end inside each image
     (tokens 43-58 and 65-80): the scheduler ends it before the image instead."""
-    return build_engine(config(tiny[0], 24))
+    return build_engine(config(tiny_gemma3[0], 24))
 
 
 def check_logprobs(got: dict, logprobs: np.ndarray) -> None:
@@ -95,23 +94,23 @@ def check_logprobs(got: dict, logprobs: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("engine", ["core", "chunked_core"])
-def test_greedy_with_one_and_two_images_matches_transformers(engine, tiny, request):
+def test_greedy_with_one_and_two_images_matches_transformers(engine, tiny_gemma3, request):
     core = request.getfixturevalue(engine)
     (a, b) = (image(*PICS["a"]), image(*PICS["b"]))
     for imgs, specs in [((a,), [PICS["a"]]), ((a, b), [PICS["a"], PICS["b"]])]:
         ids = prompt(core, *imgs)
         assert ids.count(IMAGE) == 16 * len(imgs)
         got = run_to_end(core, greedy(ids, imgs, logprobs=5))[0]
-        tokens, logprobs = hf_greedy(tiny, ids, specs)
+        tokens, logprobs = hf_greedy(tiny_gemma3, ids, specs)
         assert got["error"] is None and got["tokens"] == tokens
         check_logprobs(got, logprobs)
     assert core.stats()["image_rows_used"] == 0 and core.pool.num_free_blocks == core.baseline_free_blocks
 
 
-def test_the_key_limit_matters(core, tiny):
+def test_the_key_limit_matters(core, tiny_gemma3):
     """transformers without token_type_ids (causal over the image) answers otherwise: the engine's match above
     is the bidirectional mask's, not a coincidence of the tiny model."""
-    _, hf, processor, _ = tiny
+    _, hf, processor, _ = tiny_gemma3
     a = image(*PICS["a"])
     ids = prompt(core, a)
     got = run_to_end(core, greedy(ids, (a,), logprobs=0))[0]

@@ -3,7 +3,6 @@ preprocessor's frames and masks, the prompt expansion, and a whole prompt's logi
 from __future__ import annotations
 
 import json
-import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +13,8 @@ from PIL import Image
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from support.idefics3 import IMAGE_TOKEN, layout_ids  # noqa: E402
+from support.vision import synthetic_image  # noqa: E402
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
 from imp_jax.model.vision import idefics3_processor as proc  # noqa: E402
 from imp_jax.model.vision.idefics3 import patch_mask  # noqa: E402
@@ -21,7 +22,6 @@ from imp_jax.model.vision.loader import load_idefics3  # noqa: E402
 from imp_jax.model.vision.siglip import position_boundaries  # noqa: E402
 from imp_jax.runtime.batch import SeqChunk, build_step_batch  # noqa: E402
 
-IMAGE_TOKEN, FAKE, GLOBAL = 100, 101, 102
 SIZES = [(37, 53), (64, 64), (200, 90), (20, 300)]   # PIL (width, height)
 TINY = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               image_size=32, patch_size=4),
@@ -46,15 +46,6 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("tiny-idefics3")
     model.save_pretrained(path)
     return path, model
-
-
-def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
-    """Smooth gradients plus noise (LANCZOS has something to do), RGB uint8."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], -1)
-    noisy = base + rng.normal(0, 30, base.shape)
-    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
 
 
 def hf_image_features(model, pixels: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -239,21 +230,6 @@ def prefill_logits(text, ids: list[int], rows: np.ndarray, cuts: tuple[int, ...]
                              jnp.asarray(chunk_rows), jnp.asarray(slots))
         out.append(np.asarray(text.logits(hidden[:b - a])))
     return np.concatenate(out)
-
-
-def layout_ids(layout: str) -> list[int]:
-    """An image layout in the tiny vocab: each special token one stand-in id, any other character 10 + ord % 50."""
-    named = {proc.IMAGE_TOKEN: IMAGE_TOKEN, proc.FAKE_TOKEN: FAKE, proc.GLOBAL_TOKEN: GLOBAL}
-    ids = []
-    for special, char in re.findall(r"(<[^<>]+>)|(.)", layout, flags=re.S):
-        if char:
-            ids.append(10 + ord(char) % 50)
-        elif special in named:
-            ids.append(named[special])
-        else:
-            r, c = map(int, re.fullmatch(r"<row_(\d)_col_(\d)>", special).groups())
-            ids.append(103 + 4 * (r - 1) + c - 1)
-    return ids
 
 
 def one_image_prompt(vlm) -> tuple[list[int], np.ndarray, dict]:

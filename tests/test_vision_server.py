@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_fixtures import LiveServer, anthropic_for, openai_for, wait_for, wait_idle
+from support.servers import LiveServer, anthropic_for, openai_for, wait_for, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")

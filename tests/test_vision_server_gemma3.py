@@ -14,13 +14,13 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_fixtures import LiveServer, openai_for, wait_for, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_vision_server_qwen import picture  # noqa: E402
+from support.servers import LiveServer, openai_for, wait_for, wait_idle  # noqa: E402
+from support.vision import picture  # noqa: E402
 from tiny_vlm import hf_gemma3_processor, write_tiny_gemma3  # noqa: E402  (scripts/, on sys.path above)
 
 MAX_TOKENS = 8

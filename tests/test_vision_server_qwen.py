@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from server_fixtures import LiveServer, openai_for, wait_for, wait_idle
+from support.servers import LiveServer, openai_for, wait_for, wait_idle
+from support.vision import picture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")
@@ -26,17 +27,6 @@ from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
 MAX_TOKENS = 8
 GREEDY = dict(temperature=0.0, top_p=1.0)
 GREEDY_EXTRA = dict(top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0)
-
-
-def picture(width: int, height: int, seed: int) -> bytes:
-    """A PNG of smooth colour bands plus noise (the same seed, the same picture)."""
-    rng = np.random.default_rng(seed)
-    x = np.linspace(0, 1, width)[None, :, None] * rng.uniform(50, 255, 3) + rng.uniform(0, 60, 3)
-    y = np.linspace(0, 1, height)[:, None, None] * rng.uniform(0, 120, 3)
-    noise = rng.normal(0, 20, (height, width, 3))
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(x + y + noise, 0, 255).astype(np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

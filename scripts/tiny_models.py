@@ -215,3 +215,29 @@ def make_adapter(base_dir: Path, out: Path, seed: int, **lora: Any) -> Path:
                 p.copy_(torch.randn_like(p) * 0.1)
     peft_model.save_pretrained(out)
     return out
+
+
+TINY_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+               " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_tiny_tokenizer(path: Path) -> None:
+    """A byte-level BPE of < 256 ids (fits tiny_models' vocab) with BOS, ChatML specials and two templates."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, hello world! 12345"] * 5,
+                            trainers.BpeTrainer(vocab_size=160, show_progress=False,
+                                                special_tokens=["<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|endoftext|>", "add_bos_token": True,
+              "chat_template": [{"name": "default", "template": TINY_CHATML},
+                                {"name": "tool_use", "template": "{# tools #}" + TINY_CHATML}]}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3], "temperature": 0.7}))

@@ -1,4 +1,4 @@
-"""A user model (--model-class scripted_model:ScriptedLM) whose greedy reply is a fixed token script.
+"""A user model (--model-class support.scripted_model:ScriptedLM) whose greedy reply is a fixed token script.
 
 Why: a random tiny model cannot be made to write harmony, and a first-order token chain (the thinking
 model of tiny_models) cannot either: harmony repeats `<|start|>assistant<|channel|>` with a different

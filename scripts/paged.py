@@ -1,4 +1,5 @@
-"""Test helpers: run a model on ragged chunks through the paged cache, like the engine will."""
+"""A model run on ragged chunks through the paged cache, like the engine runs it (PagedRunner), and the model
+tests' checks built on it; shared by the tests and scripts/gpu_check_logits.py."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -103,7 +104,7 @@ def check_llm_greedy(path, hf_model):
     batched give the tokens each gives alone, the second's are transformers' greedy tokens, and nothing
     compiles after warm-up. Returns the LLM for further checks."""
     import torch
-    from conftest import write_tiny_tokenizer
+    from tiny_models import write_tiny_tokenizer
 
     from imp_jax import LLM, SamplingParams
 

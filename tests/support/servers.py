@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +26,13 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from otlp_receiver import OTLPReceiver
+from loopback import free_port, wait_for
+from support.otlp_receiver import OTLPReceiver
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.model.tokenizer import Tokenizer
 from imp_jax.runtime.api import Capabilities, Engine, not_serving
-from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
+from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, Usage,
                                      check_context)
 
 CHATML = (
@@ -230,12 +230,6 @@ def protocol_members(protocol: type) -> set[str]:
     return names | {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def app_in_thread(app: Any) -> Iterator[str]:
     """Serve a Quart app with hypercorn on a loopback port in a background thread; yields its base URL."""
@@ -259,19 +253,6 @@ def app_in_thread(app: Any) -> Iterator[str]:
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=10)
-
-
-def wait_for(url: str, status: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll `url` until it answers `status`; fail early if `proc` died."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered {status}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5).status_code == status:
-                return
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} did not answer {status} within {timeout}s")
 
 
 class LiveServer:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from hypothesis import strategies as st
 
-from server_fixtures import parse_sse
+from support.servers import parse_sse
 
 MODEL = "smollm2-135m-instruct"
 # Valid requests, short: max_tokens 2 keeps a body the fuzzer leaves valid cheap to answer.

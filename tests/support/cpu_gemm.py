@@ -1,0 +1,96 @@
+"""The int8-activation CPU GEMM under test (tests/test_cpu_gemm_q8*.py): a NumPy model of its rounding,
+the bounds its results must keep, and its paths called directly outside XLA."""
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from imp_jax.kernels_pallas import Kernels, matmul_wt
+from imp_jax.kernels_pallas.cpu import build
+from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
+
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="CPU GEMM kernel not built")
+
+
+q8_kernel = jax.jit(lambda x, w: cpu_gemm.matmul_wt_cpu(x, w, int8_activations=True))
+
+
+# ------------------------------------------------------------------ the arithmetic, in NumPy
+def quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] as the kernel rounds it: int8 q [M, K / 32, 32], float32 d_x and sd = d_x * sum q [M, K / 32]."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32).astype(np.float32)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        scale = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * scale[..., None]).astype(np.int64)   # float32 product, round half to even
+    d = (amax / np.float32(127)).astype(np.float32)
+    return q, d, (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+
+
+def activations(m: int, k: int, seed: int) -> np.ndarray:
+    """Rows of varied scale, with an all-zero block (d_x = 0) and a block with one large value."""
+    x = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+    x *= np.float32(4.0) ** (np.arange(m)[:, None] % 7 - 3)
+    x[:, 32:64] = 0.0
+    x[0, min(k - 1, 70)] = 50.0
+    return x
+
+
+def assert_within_activation_rounding(blocks: np.ndarray, dense: np.ndarray, x: np.ndarray) -> None:
+    """The q8 kernel's x @ w.T for GGML `blocks` (whose dequantised matrix is `dense`) is off the exact
+    product by at most the rounding of x (d_x / 2 per 32-wide block, times the block's sum |w|; the
+    weights are exact), and by something (it is not the exact path)."""
+    dense = dense.astype(np.float64)
+    got = np.asarray(q8_kernel(x, jnp.asarray(blocks))).astype(np.float64)
+    exact = x.astype(np.float64) @ dense.T
+    _, d, _ = quantise(x)
+    bound = (d.astype(np.float64) / 2) @ np.abs(dense).reshape(dense.shape[0], -1, 32).sum(-1).T
+    assert np.all(np.abs(got - exact) <= 1.001 * bound + 1e-5 * np.abs(x) @ np.abs(dense).T)
+    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
+
+
+def assert_rows_independent(blocks: np.ndarray, x: np.ndarray,
+                            slices=((0, 1), (5, 6), (3, 10), (63, 65), (64, 70), (250, 260))) -> None:
+    """Bit-identical rows of the q8 kernel whatever rows surround them (`slices` of x's rows)."""
+    w = jnp.asarray(blocks)
+    whole = np.asarray(q8_kernel(x, w))
+    for lo, hi in slices:
+        np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
+
+
+# ----------------------------------------------------------------------- the kernel itself
+def library() -> ctypes.CDLL:
+    lib = build.load("gemm_q8")
+    lib.imp_gemm_q8_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.imp_gemm_q8_quantise.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+# The kernel's paths (imp_q8::Isa), each forced by imp_gemm_q8_run.
+PATHS = {0: "AVX2 vpmaddubsw", 1: "VNNI vpdpbusd (256-bit)", 2: "AVX-512 (one row and tiles on zmm)"}
+
+
+def run_q8(x: np.ndarray, blocks: np.ndarray, isa: int) -> np.ndarray:
+    """The q8 product on this thread, outside XLA, on path `isa` (PATHS)."""
+    (m, k), n = x.shape, blocks.shape[0]
+    x, blocks = np.ascontiguousarray(x), np.ascontiguousarray(blocks)
+    y = np.zeros((m, n), np.float32)
+    assert library().imp_gemm_q8_run(blocks.shape[-1], isa, x.ctypes.data, m, k, blocks.ctypes.data, n,
+                                     y.ctypes.data) == 0, f"path {PATHS[isa]} refused"
+    return y
+
+
+# ------------------------------------------------------------------------- the dispatch
+CPU_Q8 = Kernels(gemm="cpu_q8")
+
+
+def lowered(kernels: Kernels, x: jax.Array, w: jax.Array) -> str:
+    return jax.jit(lambda x, w: matmul_wt(x, w, kernels)).lower(x, w).as_text()
