@@ -13,7 +13,8 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from support.servers import LiveServer, anthropic_for, openai_for, wait_for, wait_idle
+from support.servers import LiveServer, anthropic_for, openai_for, wait_idle
+from support.vision import served_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")
@@ -46,14 +47,8 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, 
     path = tmp_path_factory.mktemp("tiny-idefics3")
     model = write_tiny_idefics3(path)
     processor = hf_processor(path)
-    live = LiveServer(["--model", str(path), "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
-                       "--max-model-len", "1024", "--num-kv-blocks", "128"], path / "server.log")
-    try:
-        wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)
-        live.model = path.name   # the served name: the directory's
+    with served_checkpoint(path, 128) as live:
         yield live, model, processor
-    finally:
-        assert live.stop() in (None, 0), live.log_text()[-3000:]
 
 
 def expected(vlm: tuple[LiveServer, Any, Any], question: str, pngs: list[bytes], image_first: bool = False) -> str:

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from support.servers import LiveServer, openai_for, wait_for, wait_idle  # noqa: E402
-from support.vision import picture  # noqa: E402
+from support.servers import LiveServer, openai_for, wait_idle  # noqa: E402
+from support.vision import picture, served_checkpoint  # noqa: E402
 from tiny_vlm import hf_gemma3_processor, write_tiny_gemma3  # noqa: E402  (scripts/, on sys.path above)
 
 MAX_TOKENS = 8
@@ -34,15 +34,8 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, 
     and its processor."""
     path = tmp_path_factory.mktemp("tiny-gemma3")
     model = write_tiny_gemma3(path)
-    live = LiveServer(["--model", str(path), "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-                       "--max-model-len", "1024", "--num-kv-blocks", "128", "--dtype", "float32"],
-                      path / "server.log")
-    try:
-        wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)
-        live.model = path.name
+    with served_checkpoint(path, 32, "--dtype", "float32") as live:
         yield live, model, hf_gemma3_processor(path)
-    finally:
-        assert live.stop() in (None, 0), live.log_text()[-3000:]
 
 
 def expected(vlm, question: str, pngs: list[bytes]) -> tuple[str, int, np.ndarray]:

@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from support.servers import LiveServer, openai_for, wait_for, wait_idle
-from support.vision import picture
+from support.servers import LiveServer, openai_for, wait_idle
+from support.vision import picture, served_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 torch = pytest.importorskip("torch")
@@ -33,15 +33,8 @@ GREEDY_EXTRA = dict(top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0)
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any, Path]]:
     path = tmp_path_factory.mktemp("tiny-qwen2.5-vl")
     model = write_tiny_qwen2_5_vl(path)
-    live = LiveServer(["--model", str(path), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                       "--max-model-len", "1024", "--num-kv-blocks", "128", "--dtype", "float32"],
-                      path / "server.log")
-    try:
-        wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)
-        live.model = path.name
+    with served_checkpoint(path, 64, "--dtype", "float32") as live:
         yield live, model, path
-    finally:
-        assert live.stop() in (None, 0), live.log_text()[-3000:]
 
 
 def expected(vlm, question: str, pngs: list[bytes]) -> tuple[str, np.ndarray]:

@@ -1,11 +1,15 @@
 """Pictures for the image tests: a PIL image of gradients and noise (the resamplers have something to do) and
-a PNG of colour bands and noise, each the same for the same seed."""
+a PNG of colour bands and noise, each the same for the same seed; and a tiny vision checkpoint served on loopback."""
 from __future__ import annotations
 
+import contextlib
 import io
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from support.servers import LiveServer, wait_for
 
 
 def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -26,3 +30,18 @@ def picture(width: int, height: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.clip(x + y + noise, 0, 255).astype(np.uint8)).save(buf, "PNG")
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def served_checkpoint(path: Path, budget: int, *extra: str) -> Iterator[LiveServer]:
+    """`python -m imp_jax.server` on the checkpoint at `path` (4 sequences, a prefill budget of `budget` tokens, a
+    1024-token context, 128 KV blocks, `extra` flags), ready, its served name (the directory's) in `.model`;
+    it must exit cleanly after."""
+    live = LiveServer(["--model", str(path), "--max-num-seqs", "4", "--max-num-batched-tokens", str(budget),
+                       "--max-model-len", "1024", "--num-kv-blocks", "128", *extra], path / "server.log")
+    try:
+        wait_for(live.url + "/ready", 200, timeout=600, proc=live.proc)
+        live.model = path.name
+        yield live
+    finally:
+        assert live.stop() in (None, 0), live.log_text()[-3000:]
