@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from paged import run_to_end  # noqa: E402
 from support.qwen_vl import END, IMAGE, START  # noqa: E402
-from support.vision import synthetic_image  # noqa: E402
+from support.vision import hf_greedy_logprobs, synthetic_image  # noqa: E402
 from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
 from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402
@@ -71,12 +71,7 @@ def hf_greedy(hf, ids: list[int], sizes: list[tuple[int, int, int]], vision, n: 
                        mm_token_type_ids=(torch.tensor([seq]) == IMAGE).int())
         return out
 
-    config = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
-                                           repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
-    with torch.no_grad():
-        tokens = hf.generate(**inputs(ids), generation_config=config)[0, len(ids):].tolist()
-        logits = hf(**inputs(ids + tokens[:-1])).logits[0, len(ids) - 1:]
-    return tokens, torch.log_softmax(logits.float(), -1).numpy()
+    return hf_greedy_logprobs(hf, ids, inputs, n)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from paged import run_to_end  # noqa: E402
-from support.vision import synthetic_image  # noqa: E402
+from support.vision import hf_greedy_logprobs, synthetic_image  # noqa: E402
 from imp_jax.runtime.builder import build_engine  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402
 from imp_jax.runtime.image_family import image_family  # noqa: E402
@@ -60,12 +60,7 @@ def hf_greedy(tiny_gemma3, ids: list[int], specs: list[tuple[int, int, int]], n:
             out.update(pixel_values=pixels, token_type_ids=(torch.tensor([seq]) == IMAGE).long())
         return out
 
-    config = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
-                                           repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
-    with torch.no_grad():
-        tokens = hf.generate(**inputs(ids), generation_config=config)[0, len(ids):].tolist()
-        logits = hf(**inputs(ids + tokens[:-1])).logits[0, len(ids) - 1:]
-    return tokens, torch.log_softmax(logits.float(), -1).numpy()
+    return hf_greedy_logprobs(hf, ids, inputs, n)
 
 
 def config(path, budget: int) -> EngineConfig:

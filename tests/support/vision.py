@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -45,3 +45,19 @@ def served_checkpoint(path: Path, budget: int, *extra: str) -> Iterator[LiveServ
         yield live
     finally:
         assert live.stop() in (None, 0), live.log_text()[-3000:]
+
+
+def hf_greedy_logprobs(hf, ids: list[int], inputs: Callable[[list[int]], dict], n: int = 8
+                       ) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens (`generate`, EOS and every knob off) after `ids`, and its logprobs [n, vocab] at
+    each of them from one forward pass over the prompt and the tokens (generate's own logits drift ~1e-3 from
+    its forward); `inputs(seq)` gives the model's keyword inputs for a sequence (its pixels, image token types)."""
+    import torch
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                           repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
+    with torch.no_grad():
+        tokens = hf.generate(**inputs(ids), generation_config=config)[0, len(ids):].tolist()
+        logits = hf(**inputs(ids + tokens[:-1])).logits[0, len(ids) - 1:]
+    return tokens, torch.log_softmax(logits.float(), -1).numpy()
