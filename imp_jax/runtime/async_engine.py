@@ -119,7 +119,8 @@ class AsyncEngine(EngineThread, Engine):
     def image_prompt(self, image: ImageInput) -> str:
         """The text standing for `image` in a prompt, from its size alone, by family (runtime/image_family.py):
         Idefics3 its tiles' and global image's special tokens with image_seq_len `<image>` tokens per frame;
-        Qwen2.5-VL `<|vision_start|>`, one `<|image_pad|>` per row, `<|vision_end|>`."""
+        Qwen2.5-VL `<|vision_start|>`, one `<|image_pad|>` per row, `<|vision_end|>`; Gemma 3 `\n\n<start_of_image>`,
+        mm_tokens_per_image `<image_soft_token>`s, `<end_of_image>\n\n`."""
         vision = self.core.loaded.vision
         if vision is None:
             raise not_supported("image input")
