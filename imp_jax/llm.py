@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from imp_jax.model.hub import DEFAULT_MODEL
 from imp_jax.runtime.builder import build_engine
@@ -45,18 +46,17 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), all batched together; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = cast("list[str | Sequence[int]]", [prompts] if one else list(prompts))
+        plist = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         results: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, p in zip(prompts, plist):
+        order: list[str] = []
+        for prompt, p in zip(batch, plist):
             ids = self._encode(prompt, chat)
             rid = uuid.uuid4().hex
             out = RequestOutput(rid, ids, [CompletionOutput(i, "", [], None) for i in range(p.n)], None)
             results[rid], order = out, order + [rid]
-            self.core.add_request(GenerationRequest(rid, ids, dataclasses.replace(p)),
-                                  lambda ev, out=out: _collect(out, ev))
+            self.core.add_request(GenerationRequest(rid, ids, dataclasses.replace(p)), functools.partial(_collect, out))
         while self.core.has_work():
             self.core.step()
         return [results[r] for r in order]

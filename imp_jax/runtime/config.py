@@ -172,7 +172,7 @@ class EngineConfig:
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """The start-up adapters as (name, path)."""
-        return [tuple(spec.split("=", 1)) for spec in self.lora]
+        return [(name, path) for name, path in (spec.split("=", 1) for spec in self.lora)]
 
     def async_scheduling_on(self, platform: str) -> bool:
         """Whether steps overlap on `platform` (`overlaps_steps`)."""
