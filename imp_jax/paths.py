@@ -72,3 +72,9 @@ def kernels_dir() -> Path:
 def compilation_cache_dir() -> Path:
     """JAX's persistent compilation cache."""
     return imp_jax_home() / "jax_cache"
+
+
+# The compilation cache's bound (least recently used entries go first). A bound also makes JAX hold a file lock
+# around each entry's write and read: unbounded, a process reading an entry another is still writing (two
+# servers or replicas sharing the directory, the test suite's workers) gets a torn executable and crashes.
+COMPILATION_CACHE_MAX_BYTES = 8 * 2**30

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from imp_jax.paths import compilation_cache_dir
+from imp_jax.paths import COMPILATION_CACHE_MAX_BYTES, compilation_cache_dir
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 # Compiled programs persist across runs (set before jax is imported by any test module).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# bounded, so JAX locks each entry: the two workers and the servers they start share the directory
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(COMPILATION_CACHE_MAX_BYTES))
 
 # Fixtures of tests/support/ that several test files use, registered here, once: every test module shares the
 # one operations server (a fixture imported into each module would be a separate session fixture per module,

@@ -20,7 +20,7 @@ from imp_jax.model.base import ModelOptions, default_layer_loop
 from imp_jax.model.loader import (Checkpoint, LoadedModel, attention_shape, build_model, open_checkpoint,
                                   resolve_dtype)
 from imp_jax.model.tensor_parallel import TensorParallel
-from imp_jax.paths import UnsafePathError, check_tree, private_dir
+from imp_jax.paths import COMPILATION_CACHE_MAX_BYTES, UnsafePathError, check_tree, private_dir
 from imp_jax.runtime.config import EngineConfig, kv_bytes_per_block, kv_pool_floored, num_kv_blocks
 from imp_jax.runtime.engine import EngineCore
 from imp_jax.runtime.image_family import family_class
@@ -46,6 +46,7 @@ def enable_compilation_cache(config: EngineConfig) -> None:
         log.error("the JAX compilation cache is off: %s", e)
         return
     jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)   # and entries locked
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
