@@ -21,7 +21,7 @@ from imp_jax.runtime.admission import admit
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.engine_stats import EngineCounters, engine_stats
 from imp_jax.runtime.features import FEATURES, Feature, Services
-from imp_jax.runtime.image_family import image_family, row_unit, text_hidden
+from imp_jax.runtime.image_family import family_class, row_unit, text_hidden
 from imp_jax.runtime.kv_blocks import KVBlockPool
 from imp_jax.runtime.kv_tiers import attach_tiers
 from imp_jax.runtime.output import OutputStage
@@ -62,12 +62,11 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    fair_tenants=config.fair_tenants)
         shapes = StepShapes(max_blocks=-(-self.max_model_len // config.block_size), vocab_size=loaded.config.vocab_size)
+        family = family_class(loaded.vision) if loaded.vision is not None else None   # what the step program takes
         self.step_fn = CompiledStep(loaded.model, kv_cache, shapes,
                                     step_buckets(config.max_num_batched_tokens, config.max_num_seqs), mesh,
-                                    image_pool_shape(loaded, config),
-                                    mrope=loaded.vision is not None and image_family(loaded.vision).mrope,
-                                    bidirectional_images=loaded.vision is not None
-                                    and image_family(loaded.vision).bidirectional)
+                                    image_pool_shape(loaded, config), mrope=bool(family and family.mrope),
+                                    bidirectional_images=bool(family and family.bidirectional))
         self.tiers = attach_tiers(self, mesh.devices.flat[0].platform)   # the host KV tier, None when off
         self.counters = EngineCounters()
         self.requests: dict[str, RequestState] = {}
