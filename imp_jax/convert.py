@@ -1,7 +1,7 @@
 """`python -m imp_jax.convert SRC DST [--dtype float32|bfloat16] [--quantize int8|int4]`: write any
 loadable model (GGUF, HF dir, alias) as a converted checkpoint, a directory that loads without
 dequantising or re-stacking weights. The format, and the reader the loader uses, are in
-imp_jax/model/converted.py.
+imp_jax/model/formats/converted.py.
 
 `--quantize` stores every projection matrix (embedding and LM head included) weight-only quantised
 per group of 32 input weights, as GGML blocks: int8 = Q8_0 (an f16 scale per group, symmetric), int4
@@ -27,10 +27,10 @@ import numpy as np
 
 from imp_jax.errors import ImpError
 from imp_jax.kernels_pallas import ggml_blocks
-from imp_jax.model.converted import FORMAT, FORMAT_VERSION, STATE_DIR, matrix_path, matrix_paths, pure_state
-from imp_jax.model.hub import CONVERTED_MARKER
-from imp_jax.model.loader import LoadedModel, load_model, resolve_dtype
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.formats.converted import FORMAT, FORMAT_VERSION, STATE_DIR, matrix_path, matrix_paths, pure_state
+from imp_jax.model.formats.hub import CONVERTED_MARKER
+from imp_jax.model.formats.loader import LoadedModel, load_model, resolve_dtype
+from imp_jax.model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("imp_jax.convert")
 

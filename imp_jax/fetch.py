@@ -6,7 +6,7 @@ import logging
 import sys
 
 from imp_jax.errors import ImpError
-from imp_jax.model.hub import ALIASES, resolve_model
+from imp_jax.model.formats.hub import ALIASES, resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import sys
 
 from imp_jax.cli_flags import add_flags
 from imp_jax.errors import ImpError
-from imp_jax.model.hub import DEFAULT_MODEL
+from imp_jax.model.formats.hub import DEFAULT_MODEL
 from imp_jax.runtime.request import SamplingParams
 
 DEFAULTS = {"temperature": 0.0, "max_tokens": 128}   # generate's own: greedy, short

@@ -6,8 +6,8 @@ import functools
 import uuid
 from typing import Any, Sequence, cast
 
-from imp_jax.model.hub import DEFAULT_MODEL
-from imp_jax.runtime.builder import build_engine
+from imp_jax.model.formats.hub import DEFAULT_MODEL
+from imp_jax.runtime.core.builder import build_engine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.kernels_pallas import AttentionMetadata
-from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
+from imp_jax.runtime.execution.batch import SeqChunk, StepBatch, build_step_batch
 
 
 # bf16: inputs and output are rounded to 8 mantissa bits and P is fed to the PV matmul in bf16.

@@ -35,7 +35,7 @@ from imp_jax.kernels_pallas.backends import is_hopper
 from imp_jax.kernels_pallas.pallas.ragged_paged_attention import (auto_kv_splits, ragged_paged_attention_pallas,
                                                                   supports)
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
-from imp_jax.runtime.batch import SeqChunk, StepBatch, build_step_batch
+from imp_jax.runtime.execution.batch import SeqChunk, StepBatch, build_step_batch
 
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12)}  # HBM bytes/s, dense bf16 FLOP/s
 FIELDS = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_seqs")

@@ -54,7 +54,7 @@ def rate(fn, n: int, min_s: float = 1.0, min_iters: int = 2) -> float:
 
 def imp_embedder(model: str, max_batch: int) -> tuple[object, dict]:
     """imp_jax's embed(texts) on a started EncoderEngine, and its start-up facts."""
-    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+    from imp_jax.runtime.core.encoder_engine import EncoderEngine, EncoderEngineConfig
 
     t0 = time.perf_counter()
     engine = EncoderEngine(EncoderEngineConfig(model, max_batch=max_batch))
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench_results/embeddings.json")
     args = ap.parse_args()
 
-    from imp_jax.model.hub import resolve_model
+    from imp_jax.model.formats.hub import resolve_model
 
     path = resolve_model(args.model).path
     texts = sentences(max(args.batches))

@@ -230,7 +230,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench_results/engine.json")
     args = ap.parse_args()
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig, overlaps_steps
 
     max_seqs = max(args.batches)
@@ -251,7 +251,7 @@ def main() -> int:
     platform = core.step_fn.kv[0].devices().pop().platform
     peak = measure_fma_peak() if platform == "cpu" else None   # a CPU figure
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
-    from imp_jax.model.weights import describe as describe_weights
+    from imp_jax.model.formats.weights import describe as describe_weights
     kernels = core.loaded.model.options.kernels
     kernel = kernels.cpu_gemm
     results = dict(model=args.model, startup_s=startup, load_s=phases["warming_up"],

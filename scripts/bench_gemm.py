@@ -123,7 +123,7 @@ def main() -> int:
 
     from imp_jax.kernels_pallas import ggml_blocks
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     if not cpu_gemm.available():
         print("the CPU GEMM kernel is not available here")

@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     args = ap.parse_args()
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     cores = {}

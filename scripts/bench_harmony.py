@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from imp_jax.model.tokenizer import Tokenizer
-from imp_jax.runtime.harmony import HarmonyMarkers
-from imp_jax.runtime.reasoning import ThinkMarkers, ThinkTracker
+from imp_jax.model.text.tokenizer import Tokenizer
+from imp_jax.runtime.replies.harmony import HarmonyMarkers
+from imp_jax.runtime.replies.reasoning import ThinkMarkers, ThinkTracker
 from imp_jax.server.tool_parsers import HarmonyParser, HermesParser
 
 PROMPT = "<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant"

@@ -1,6 +1,6 @@
 """Host time to build one decode step's inputs: the ragged batch, its block tables and the packed
 buffers the step receives, with the tables sent whole each step (what `build_step_batch` makes
-for a standalone model call) against the engine's device-resident rows (runtime/block_tables.py:
+for a standalone model call) against the engine's device-resident rows (runtime/scheduling/block_tables.py:
 only the edits of the step travel). Each row's sequence grows by one token a step, so a row
 opens a new block every `block_size` steps, as in a real decode.
 
@@ -14,10 +14,10 @@ import statistics
 import time
 
 
-from imp_jax.runtime.batch import SeqChunk, build_step_batch
-from imp_jax.runtime.block_tables import DeviceTables, edit_capacity
-from imp_jax.runtime.kv_blocks import BlockTable
-from imp_jax.runtime.packing import pack
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
+from imp_jax.runtime.scheduling.block_tables import DeviceTables, edit_capacity
+from imp_jax.runtime.kv.kv_blocks import BlockTable
+from imp_jax.runtime.execution.packing import pack
 
 
 def measure(rows: int, context: int, max_blocks: int, block_size: int, steps: int, device_rows: bool) -> float:

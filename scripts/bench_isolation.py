@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.lead_s = min(args.lead_s, 0.2)
 
-    from imp_jax.runtime.async_engine import AsyncEngine
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.async_engine import AsyncEngine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     max_len = 2048 if args.quick else 8192

@@ -22,7 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from imp_jax.runtime.kv_disk import DiskKVStore, weights_digest
+from imp_jax.runtime.kv.kv_disk import DiskKVStore, weights_digest
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ def main() -> None:
 
     import jax
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.kv_copy import BlockCopier
+    from imp_jax.runtime.kv.kv_copy import BlockCopier
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
     top = max(args.prompt_lens)

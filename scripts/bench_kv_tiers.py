@@ -36,7 +36,7 @@ QUICK = dict(system=48, sessions=4, history=32, first_tokens=4, followup=8, seco
 
 
 def build(args, kv_host_gib: float, disk_dir: str | None):
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     config = EngineConfig(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.concurrency,

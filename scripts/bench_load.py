@@ -27,10 +27,10 @@ from flax import nnx
 
 from imp_jax.convert import convert, write_tokenizer
 from imp_jax.kernels_pallas import AttentionMetadata
-from imp_jax.model.hub import CONVERTED_MARKER, resolve_model
+from imp_jax.model.formats.hub import CONVERTED_MARKER, resolve_model
 from imp_jax.paths import imp_jax_home
-from imp_jax.model.loader import load_model
-from imp_jax.runtime.batch import SeqChunk, build_step_batch
+from imp_jax.model.formats.loader import load_model
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
 
 BLOCK_SIZE = 16
 DECODE_BUCKET = 16  # the engine's smallest token bucket: a batch-1 decode step runs at this shape
@@ -145,7 +145,7 @@ def write_hf_dir(gguf_path: Path, dst: Path) -> None:
     """A HF checkpoint dir from a GGUF: float32 safetensors, config.json (last) and tokenizer files."""
     from safetensors.numpy import save_file
 
-    from imp_jax.model.gguf_loader import load_gguf
+    from imp_jax.model.formats.gguf_loader import load_gguf
 
     ckpt = load_gguf(gguf_path)
     dst.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,7 @@ def main() -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         clock = time.process_time
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     config = dict(model=args.model, max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.streams,

@@ -4,7 +4,7 @@ same active parameters through the engine.
     PYTHONPATH=. python scripts/bench_moe.py [--part kernels engine quant] [--tokens 1 32 128] [--batches 1 32]
                                              [--repeats 5] [--out bench_results/moe.json]
 
-kernels: model/moe.py's `expert_ffn` ("ragged": tokens sorted by expert, jax.lax.ragged_dot_general;
+kernels: model/architectures/moe.py's `expert_ffn` ("ragged": tokens sorted by expert, jax.lax.ragged_dot_general;
 "dense": every expert on every token, the chosen ones kept; "gather": each token's k experts'
 weights gathered) on one layer's experts, jitted, interleaved repeats, median ms per call.
 engine: tiny random Mixtral (E experts, top-k, expert width I) against a tiny Llama whose MLP is
@@ -38,7 +38,7 @@ def bench_kernels(tokens: list[int], repeats: int, E: int, k: int, H: int, I: in
 
     from imp_jax.kernels_pallas import AttentionShape, select_kernels
 
-    from imp_jax.model.moe import EXPERT_IMPLS, expert_ffn, route
+    from imp_jax.model.architectures.moe import EXPERT_IMPLS, expert_ffn, route
 
     rng = np.random.default_rng(0)
     gate_up = jnp.asarray(rng.normal(0, 0.02, (E, 2 * I, H)), jnp.float32)
@@ -94,8 +94,8 @@ def write_models(root: Path, E: int, k: int, I: int) -> dict[str, Path]:
 
 def bench_engine(paths: dict[str, Path], batches: list[int], repeats: int, prompt_len: int, output_len: int,
                  impls: list[str], max_tokens: int = 64) -> list[dict]:
-    from imp_jax.model.moe import MoELM
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.model.architectures.moe import MoELM
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
@@ -167,8 +167,8 @@ def bench_quant(path: Path, batches: list[int], repeats: int, prompt_len: int, o
     from flax import nnx
 
     from imp_jax.kernels_pallas import Kernels
-    from imp_jax.model.loader import load_model
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.model.formats.loader import load_model
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 

@@ -75,7 +75,7 @@ def workload(core, batch: int, prompt_len: int, output_len: int, seed: int) -> d
 def run(args: argparse.Namespace) -> list[dict]:
     import jax
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     rows = []
@@ -105,7 +105,7 @@ def run_replicas(args: argparse.Namespace) -> dict:
     """D replicas (one device each), each batch split over them, each replica stepped on its own thread."""
     import threading
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     d = args.dp

@@ -117,7 +117,7 @@ quantize() {
 
 model_path() {
     if [[ -n "${MODEL:-}" ]]; then echo "$MODEL"; return; fi
-    python -c 'from imp_jax.model.hub import resolve_model; print(resolve_model("smollm2-135m-instruct").path)'
+    python -c 'from imp_jax.model.formats.hub import resolve_model; print(resolve_model("smollm2-135m-instruct").path)'
 }
 
 # time_to_ready NAME URL LOG CMD...: start CMD, poll URL until 200, write OUT_DIR/ready_NAME.json; leaves it running

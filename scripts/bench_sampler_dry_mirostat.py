@@ -1,6 +1,6 @@
 """Cost of DRY and mirostat in the sampler: the compiled `sample` step on random logits of SmolLM2's
 vocabulary (49152) at 1 and 32 rows, without DRY vs with every row holding DRY_SLOTS penalties (greedy
-rows, the default skips of this backend), the host's per-row penalty computation (runtime/dry.py: the
+rows, the default skips of this backend), the host's per-row penalty computation (runtime/decoding/dry.py: the
 full scan, and the engine's DryState fed one token a step) over a history of --history tokens, the scan
 of 16 fresh breakers over SmolLM2's vocabulary, and sampled rows (temperature 0.8, top_p 0.95) vs
 mirostat v1 / v2 rows. Medians of --repeats runs after a warm-up run.
@@ -17,8 +17,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from imp_jax.runtime.dry import DRY_SLOTS, BreakerTable, DryParams, DryState, repeat_penalties, top_slots
-from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
+from imp_jax.runtime.decoding.dry import DRY_SLOTS, BreakerTable, DryParams, DryState, repeat_penalties, top_slots
+from imp_jax.runtime.execution.sampling import RowSpec, build_sampling_tensors, sample
 
 VOCAB = 49152   # SmolLM2
 
@@ -84,8 +84,8 @@ def time_breakers(gguf: Path, count: int = 16) -> float | None:
     (its texts decoded beforehand, once per tokenizer); None without the file."""
     if not gguf.exists():
         return None
-    from imp_jax.model.gguf_loader import _Metadata, _open
-    from imp_jax.model.gguf_tokenizer import gguf_tokenizer
+    from imp_jax.model.formats.gguf_loader import _Metadata, _open
+    from imp_jax.model.text.gguf_tokenizer import gguf_tokenizer
 
     tok = gguf_tokenizer(_Metadata(_open(gguf), gguf))[0]
     table = BreakerTable(tok, VOCAB)

@@ -25,7 +25,7 @@ from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.backends import is_hopper
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.metadata import AttentionMetadata
-from imp_jax.runtime.batch import SeqChunk, build_step_batch
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
 
 H, KVH, D, BS = 64, 8, 64, 16
 FIELDS = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_seqs")

@@ -13,7 +13,7 @@ import itertools
 import statistics
 import time
 
-from imp_jax.runtime.builder import build_engine
+from imp_jax.runtime.core.builder import build_engine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 

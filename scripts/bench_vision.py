@@ -63,7 +63,7 @@ def bench_encoder(path: Path, model: Any, frames: list[int], rounds: int) -> lis
     import torch
     from flax import nnx
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.model.vision.idefics3 import patch_mask
 
     vision = load_model(path).vision

@@ -85,7 +85,7 @@ class Runner:
         import jax.numpy as jnp
 
         from imp_jax.kernels_pallas import AttentionMetadata
-        from imp_jax.runtime.batch import SeqChunk, build_step_batch
+        from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
 
         table = list(range(1, self.max_blocks + 1))
         b = build_step_batch([SeqChunk(ids, start, table)], num_tokens=num_tokens, num_seqs=1,
@@ -121,7 +121,7 @@ def main() -> int:
     from imp_jax.kernels_pallas import Kernels
     from imp_jax.kernels_pallas.cpu import attention as cpu_attention
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     if not (cpu_gemm.available() and cpu_attention.available()):
         print("the CPU kernels are not available here")

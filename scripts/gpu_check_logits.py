@@ -26,8 +26,8 @@ from paged import PagedRunner  # noqa: E402
 
 from imp_jax.kernels_pallas.backends import Kernels, is_hopper  # noqa: E402
 from imp_jax.model.base import ModelOptions  # noqa: E402
-from imp_jax.model.loader import build_model, open_checkpoint  # noqa: E402
-from imp_jax.runtime.batch import SeqChunk  # noqa: E402
+from imp_jax.model.formats.loader import build_model, open_checkpoint  # noqa: E402
+from imp_jax.runtime.execution.batch import SeqChunk  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -42,7 +42,7 @@ def smollm2_gguf() -> Path | None:
 def write_smollm2_tokenizer(gguf: Path, dest: Path) -> tuple[int, list[int]]:
     """SmolLM2's tokenizer files and generation config into dest; (vocab size, eos ids)."""
     from imp_jax.convert import write_tokenizer
-    from imp_jax.model.loader import open_checkpoint
+    from imp_jax.model.formats.loader import open_checkpoint
 
     ckpt = open_checkpoint(gguf)
     write_tokenizer(ckpt.tokenizer, dest)

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from imp_jax.runtime.builder import build_engine
+from imp_jax.runtime.core.builder import build_engine
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.request import GenerationRequest
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -75,7 +75,7 @@ def mxfp4_experts(model, seed: int = 7) -> dict[str, np.ndarray]:
     [E, out, G]); the model's experts are set to their values. Returns the `_blocks` / `_scales` tensors."""
     import torch
 
-    from imp_jax.model.gpt_oss import dequantize_mxfp4
+    from imp_jax.model.architectures.gpt_oss import dequantize_mxfp4
 
     rng, out = np.random.default_rng(seed), {}
     c = model.config

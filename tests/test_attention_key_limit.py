@@ -180,8 +180,8 @@ def test_images_feature_key_limits_for_a_hand_built_batch() -> None:
     starts inside one, one that ends at one's end, a decode past them), -1 elsewhere and in padding."""
     from imp_jax.runtime.features.images import key_limits as feature_key_limits
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
-    from imp_jax.runtime.scheduler import ScheduledChunk
-    from imp_jax.runtime.sequence import Sequence
+    from imp_jax.runtime.scheduling.scheduler import ScheduledChunk
+    from imp_jax.runtime.scheduling.sequence import Sequence
 
     def seq(n: int, computed: int, spans: tuple) -> Sequence:
         s = Sequence(request=GenerationRequest("r", list(range(n))), index=0, params=SamplingParams(),

@@ -173,7 +173,7 @@ def lora_adapters(_tiny_hf_template: Path, tmp_path_factory) -> dict[str, Path]:
 def lora_server(_tiny_hf_template: Path, lora_adapters) -> Iterator[tuple[str, Any]]:
     """The tiny Llama (test_lora.py's sizing, so its programs come from the compile cache) with adapter "a"
     loaded at start, two slots, and an idle unload; served in-process."""
-    from imp_jax.runtime.async_engine import AsyncEngine
+    from imp_jax.runtime.core.async_engine import AsyncEngine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.server.app import create_app
     from imp_jax.server.config import ServerConfig

@@ -1,4 +1,4 @@
-"""banned_strings / banned_regex: the matcher (runtime/banned.py) on its own, then on SmolLM2 through the
+"""banned_strings / banned_regex: the matcher (runtime/decoding/banned.py) on its own, then on SmolLM2 through the
 engine (a banned phrase never comes out, the pool returns to its baseline, the 64-rewind cap) and through
 the real server (streaming and not, and every 400 in each dialect's envelope)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from support.engine import (
 )
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.banned import (
+from imp_jax.runtime.decoding.banned import (
     MAX_REWINDS,
     REGEX_BUDGET_S,
     REGEX_S_PER_TOKEN,
@@ -30,7 +30,7 @@ from imp_jax.runtime.banned import (
     check_phrases,
     tail_chars,
 )
-from imp_jax.runtime.builder import enable_compilation_cache
+from imp_jax.runtime.core.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 

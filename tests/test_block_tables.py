@@ -1,4 +1,4 @@
-"""Device-resident block tables (runtime/block_tables.py): the edits each step carries keep a table's
+"""Device-resident block tables (runtime/scheduling/block_tables.py): the edits each step carries keep a table's
 row equal to its blocks through every pool operation that changes them, with slots reclaimed from
 emptied tables. The device array is simulated in NumPy with the programs' scatter semantics."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from imp_jax.runtime.block_tables import DeviceTables, edit_capacity
-from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool, OutOfBlocks
+from imp_jax.runtime.scheduling.block_tables import DeviceTables, edit_capacity
+from imp_jax.runtime.kv.kv_blocks import BlockTable, KVBlockPool, OutOfBlocks
 
 BS = 4
 

@@ -6,7 +6,7 @@ from datetime import datetime
 import pytest
 
 from imp_jax.errors import TemplateError
-from imp_jax.model.chat_template import compile_template, render_chat_template
+from imp_jax.model.text.chat_template import compile_template, render_chat_template
 
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

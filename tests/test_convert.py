@@ -14,9 +14,9 @@ from flax import nnx
 from imp_jax.convert import main, save_converted
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import AttentionMetadata
-from imp_jax.model.hub import CONVERTED_MARKER, classify_path
-from imp_jax.model.loader import load_model
-from imp_jax.runtime.batch import SeqChunk, build_step_batch
+from imp_jax.model.formats.hub import CONVERTED_MARKER, classify_path
+from imp_jax.model.formats.loader import load_model
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
 from support.models import same_params
 from tiny_models import ARCHS, write_tiny_hf, write_tiny_tokenizer
 
@@ -71,7 +71,7 @@ def test_bfloat16_load_is_identical_to_bfloat16_source(stored, tiny_hf_dir, tmp_
 
 def test_a_bf16_source_converts_with_its_bf16_matrices_kept(tiny_hf_dir, tmp_path):
     """A bf16 checkpoint loaded in float32 keeps its matrices bf16 on a CPU with the GEMM kernel
-    (model/weights.py); its conversion restores to the same mixed-dtype parameters and logits."""
+    (model/formats/weights.py); its conversion restores to the same mixed-dtype parameters and logits."""
     from ml_dtypes import bfloat16
     from safetensors.numpy import load_file, save_file
 
@@ -118,7 +118,7 @@ def test_tokenizer_and_generation_config_round_trip(tiny_hf_dir, tmp_path):
 def test_smollm2_gguf_tokenizer_round_trips(smollm2_loaded, tmp_path):
     """GGUF tokenizers are built in code; the converted tokenizer.json must reproduce them."""
     from imp_jax.convert import write_tokenizer
-    from imp_jax.model.tokenizer import Tokenizer
+    from imp_jax.model.text.tokenizer import Tokenizer
 
     write_tokenizer(smollm2_loaded.tokenizer, tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps(smollm2_loaded.generation_config))

@@ -114,7 +114,7 @@ def test_the_server_module_starts_the_builds_without_importing_jax() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, imp_jax.server.__main__, imp_jax.runtime.early_start as e; "
+    code = ("import sys, imp_jax.server.__main__, imp_jax.runtime.core.early_start as e; "
             "e.cpu_kernels.include_dir(); print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

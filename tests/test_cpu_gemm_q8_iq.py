@@ -123,7 +123,7 @@ def test_every_integer_dot_path_gives_the_same_bits(fmt, N, K, rows):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cpu_q8_calls_the_formats_q8_kernel(fmt):
     """`--gemm cpu_q8` reaches these formats' int8 path (no longer the exact widening), also for one
-    expert's matrix taken from an expert stack [E, N, K / W, bytes] inside the program (model/moe.py)."""
+    expert's matrix taken from an expert stack [E, N, K / W, bytes] inside the program (model/architectures/moe.py)."""
     blocks, _ = blocks_of(fmt, 3 * 16, 128, 9)
     stack = jnp.asarray(blocks.reshape(3, 16, *blocks.shape[1:]))
     x = jnp.asarray(activations(4, 128, 1))

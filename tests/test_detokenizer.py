@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from imp_jax.model.detokenizer import IncrementalDetokenizer
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.text.detokenizer import IncrementalDetokenizer
+from imp_jax.model.text.tokenizer import Tokenizer
 
 CORPUS = [
     "héllo wörld 你好 🙂 the quick brown fox",

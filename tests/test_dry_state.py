@@ -1,4 +1,4 @@
-"""DRY's incremental state (runtime/dry.py DryState) gives exactly `repeat_penalties` (kept as the
+"""DRY's incremental state (runtime/decoding/dry.py DryState) gives exactly `repeat_penalties` (kept as the
 reference) after every accepted token and every rewind, over random histories, breakers, allowed
 lengths and penalty_last_n windows; its work per token does not grow with the history; the breaker
 table's joined-text scan equals llama.cpp's per-token loop and is cached by content."""
@@ -9,7 +9,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from imp_jax.runtime.dry import BreakerTable, DryParams, DryState, _scan_plain, repeat_penalties
+from imp_jax.runtime.decoding.dry import BreakerTable, DryParams, DryState, _scan_plain, repeat_penalties
 
 BREAKER_SETS = [{}, {3: [()]}, {2: [(3,)]}, {0: [(1, 1)], 3: [()]}, {1: [(), (2,)], 2: [(0, 0), (0,)]}]
 

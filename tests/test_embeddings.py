@@ -34,8 +34,8 @@ def _write_cross_encoder(path: Path, tokenizer_dir: Path):
 
 @pytest.fixture(scope="module")
 def emb(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from imp_jax.model.hub import resolve_model
-    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+    from imp_jax.model.formats.hub import resolve_model
+    from imp_jax.runtime.core.encoder_engine import EncoderEngine, EncoderEngineConfig
     from imp_jax.server.app import create_app
     from imp_jax.server.config import ServerConfig
     from imp_jax.server.encoders import install_encoders
@@ -111,7 +111,7 @@ def test_both_encoder_engines_keep_the_encoder_protocol(emb: Any) -> None:
 
 def test_jobs_of_several_clients_run_in_one_padded_batch(emb: Any) -> None:
     """The batcher itself (what the engine thread runs on all that waits): three clients' inputs in one call."""
-    from imp_jax.runtime.commands import Encode
+    from imp_jax.runtime.core.commands import Encode
 
     tok = emb.minilm.tokenizer
     texts = [SENTENCES[:2], [SENTENCES[2]], [SENTENCES[3]]]   # 4 inputs: one call of the 4-row bucket
@@ -294,9 +294,9 @@ def test_roberta_position_offset_matches_transformers(tmp_path: Path) -> None:
     import torch
     import transformers
 
-    from imp_jax.model.bert import Encoder, EncoderConfig
-    from imp_jax.model.loader import SafetensorsDir
-    from imp_jax.model.weights import WeightSource
+    from imp_jax.model.architectures.bert import Encoder, EncoderConfig
+    from imp_jax.model.formats.loader import SafetensorsDir
+    from imp_jax.model.formats.weights import WeightSource
 
     cfg = transformers.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=40, pad_token_id=1,
@@ -322,7 +322,7 @@ def test_roberta_position_offset_matches_transformers(tmp_path: Path) -> None:
 
 def test_a_model_that_is_no_encoder_stops_start_up(smollm2_gguf_path: Path, tiny_hf_dir: Path) -> None:
     from imp_jax.errors import ModelLoadError
-    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+    from imp_jax.runtime.core.encoder_engine import EncoderEngine, EncoderEngineConfig
 
     with pytest.raises(ModelLoadError, match="GGUF architecture 'llama' is not an encoder"):
         EncoderEngine(EncoderEngineConfig(str(smollm2_gguf_path)))   # a BERT GGUF is: test_gguf_encoder.py

@@ -22,10 +22,10 @@ from support.engine import BIG_POOL_BLOCKS, MAX_MODEL_LEN, TOKEN_BUDGET, Result,
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.kernels_pallas import kv_storage_dtype
-from imp_jax.runtime.async_engine import AsyncEngine
-from imp_jax.runtime.builder import enable_compilation_cache
+from imp_jax.runtime.core.async_engine import AsyncEngine
+from imp_jax.runtime.core.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -169,7 +169,7 @@ def test_prefix_reuse_reports_cached_tokens_and_same_output(core, prompts, greed
 
 def test_forced_hash_collision_never_serves_another_prompts_kv(core, prompts, greedy_alone, monkeypatch):
     """Every block hashes alike: a different prompt must miss (tokens are verified), and answer as alone."""
-    import imp_jax.runtime.kv_blocks as kv_blocks
+    import imp_jax.runtime.kv.kv_blocks as kv_blocks
 
     core.pool.reset_prefix_cache()
     monkeypatch.setattr(kv_blocks, "hash_block", lambda preimage: b"\x00" * 32)
@@ -624,7 +624,7 @@ def test_bfloat16_kv_cache_runs_batch_invariant(core, prompts, greedy_alone):
 
 
 def test_device_block_tables_hold_every_launched_rows_blocks(core, tiny_core, tok, prompts, monkeypatch):
-    """The step reads block tables from device-resident rows it edits in place (runtime/block_tables.py):
+    """The step reads block tables from device-resident rows it edits in place (runtime/scheduling/block_tables.py):
     after every launch, each scheduled sequence's row holds its blocks, through preemption (tiny_core),
     prefix-cache hits written by the separate table program, and prompt scoring."""
     checked = {"rows": 0}
@@ -721,7 +721,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(core, prompts, 
 
 def test_a_device_fault_still_reaches_the_async_engine(core, prompts) -> None:
     """A runtime error from the device (not an out-of-memory) is not the step's to absorb: it propagates."""
-    from imp_jax.runtime.faults import is_device_fault
+    from imp_jax.runtime.core.faults import is_device_fault
 
     def device_lost(stage: str, seqs) -> None:
         if stage == "read":

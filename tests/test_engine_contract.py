@@ -27,13 +27,13 @@ from support.servers import (FAULT_MARKER, FakeEngine, app_in_thread, check_even
 from imp_jax.errors import EngineError, ImpError, InvalidRequestError
 from imp_jax.kernels_pallas import kv_storage_dtype
 from imp_jax.runtime.api import ENGINE_STATES, Capabilities, Engine
-from imp_jax.runtime.async_engine import AsyncEngine
-from imp_jax.runtime.builder import enable_compilation_cache
+from imp_jax.runtime.core.async_engine import AsyncEngine
+from imp_jax.runtime.core.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.replicas import EngineReplicas
+from imp_jax.runtime.core.engine import EngineCore
+from imp_jax.runtime.parallel.replicas import EngineReplicas
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.parallel.sharding import default_mesh
 from imp_jax.server.app import create_app
 
 pytestmark = pytest.mark.real_model

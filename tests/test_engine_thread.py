@@ -1,4 +1,4 @@
-"""EngineThread (runtime/engine_thread.py), the base of both engine threads, on a model-free engine:
+"""EngineThread (runtime/core/engine_thread.py), the base of both engine threads, on a model-free engine:
 commands answered by type, refusals and failures answered instead of raised, a load failure marking
 the engine faulted, and shutdown answering every command it never took."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from imp_jax.errors import EngineError, InvalidRequestError
-from imp_jax.runtime.commands import CloseSession, Command, EndThinking, Suspend
-from imp_jax.runtime.engine_thread import EngineThread
+from imp_jax.runtime.core.commands import CloseSession, Command, EndThinking, Suspend
+from imp_jax.runtime.core.engine_thread import EngineThread
 
 log = logging.getLogger("test_engine_thread")
 
@@ -106,7 +106,7 @@ def test_shutdown_answers_what_was_queued_and_refuses_what_comes_after() -> None
 def test_a_closed_readers_loop_drops_the_value_and_says_so():
     """The engine thread delivering to an event loop that has closed (a client script that ended with
     requests in flight) drops the value and runs `gone`, instead of raising into the engine's step."""
-    from imp_jax.runtime.engine_thread import to_loop
+    from imp_jax.runtime.core.engine_thread import to_loop
 
     loop = asyncio.new_event_loop()
     got, gone = [], []

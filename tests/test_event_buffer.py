@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from imp_jax.errors import EngineError, InvalidRequestError
-from imp_jax.runtime.event_buffer import EventBuffer
+from imp_jax.runtime.core.event_buffer import EventBuffer
 from imp_jax.runtime.request import EngineEvent, StreamLimits, TokenLogprob, Usage
 
 

@@ -78,7 +78,7 @@ def test_cpu_is_the_old_name_of_exact():
 def test_load_model_picks_cpu_q8_for_a_quantised_gguf_and_exact_for_a_float_checkpoint(tmp_path, tiny_hf_dir):
     from support.gguf_models import write_gguf
 
-    from imp_jax.model.loader import load_model, open_checkpoint
+    from imp_jax.model.formats.loader import load_model, open_checkpoint
 
     write_gguf(tmp_path / "q.gguf")   # Q8_0 / Q4_0 / Q4_1 matrices beside float ones
     assert open_checkpoint(tmp_path / "q.gguf").ggml_blocks and not open_checkpoint(tiny_hf_dir).ggml_blocks

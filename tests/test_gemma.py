@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (model/gemma.py) on tiny random checkpoints vs transformers: ragged batches,
+"""Gemma 2 and Gemma 3 (model/architectures/gemma.py) on tiny random checkpoints vs transformers: ragged batches,
 chunked prefill then decode, greedy tokens, windows and soft-caps exercised beyond their lengths;
 config parsing; a GGUF written from the HF checkpoint; the engine with no compilation after warm-up."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import XLA
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.gguf_loader import load_gguf
-from imp_jax.model.loader import SafetensorsDir, load_model
-from imp_jax.runtime.batch import SeqChunk
+from imp_jax.model.formats.gguf_loader import load_gguf
+from imp_jax.model.formats.loader import SafetensorsDir, load_model
+from imp_jax.runtime.execution.batch import SeqChunk
 from imp_jax.runtime.defaults import arch_preset
 from paged import PagedRunner, host_kernels
 from support.gemma_models import CONFIGS, TINY, WINDOW, write_gemma_gguf, write_tiny_gemma

@@ -1,4 +1,4 @@
-"""BERT encoders from GGUF (model/gguf_encoder.py): MiniLM written to a GGUF the way llama.cpp's
+"""BERT encoders from GGUF (model/formats/gguf_encoder.py): MiniLM written to a GGUF the way llama.cpp's
 convert_hf_to_gguf.py does (gguf-py's tensor names, the phantom-space WordPiece vocabulary,
 SpecialVocab's ids) against the HF directory it came from: token ids, embeddings, one request
 through a served /v1/embeddings; a tiny random BERT for fused q|k|v, F16 / Q8_0 matrices, CLS
@@ -87,7 +87,7 @@ def write_bert_gguf(hf_dir: Path, out: Path, matrices: str = "F32", pooling: int
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
-    from imp_jax.model.hub import resolve_model
+    from imp_jax.model.formats.hub import resolve_model
 
     return resolve_model(MINILM).path
 
@@ -135,9 +135,9 @@ def _pooled(loaded: list[Any], texts: list[str]) -> list[np.ndarray]:
 
 
 def test_wordpiece_from_the_gguf_vocabulary_gives_the_hf_ids(minilm_dir: Path, minilm_gguf: Path) -> None:
-    from imp_jax.model.encoder_loader import EncoderTokenizer
-    from imp_jax.model.gguf_encoder import gguf_wordpiece
-    from imp_jax.model.gguf_file import GGUFFile
+    from imp_jax.model.formats.encoder_loader import EncoderTokenizer
+    from imp_jax.model.formats.gguf_encoder import gguf_wordpiece
+    from imp_jax.model.formats.gguf_file import GGUFFile
 
     hf = EncoderTokenizer.from_dir(minilm_dir)
     ours = EncoderTokenizer(gguf_wordpiece(GGUFFile(minilm_gguf).fields, minilm_gguf))
@@ -155,8 +155,8 @@ def test_wordpiece_from_the_gguf_vocabulary_gives_the_hf_ids(minilm_dir: Path, m
 
 
 def test_a_cased_vocabulary_keeps_case() -> None:
-    from imp_jax.model.encoder_loader import EncoderTokenizer
-    from imp_jax.model.gguf_encoder import gguf_wordpiece
+    from imp_jax.model.formats.encoder_loader import EncoderTokenizer
+    from imp_jax.model.formats.gguf_encoder import gguf_wordpiece
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "\u2581Hello", "\u2581hello", "\u2581World", "\u2581world", "s"]
     fields = {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": words,
@@ -168,7 +168,7 @@ def test_a_cased_vocabulary_keeps_case() -> None:
 
 
 def test_minilm_gguf_embeds_as_the_hf_directory(minilm_dir: Path, minilm_gguf: Path) -> None:
-    from imp_jax.model.encoder_loader import load_encoder
+    from imp_jax.model.formats.encoder_loader import load_encoder
 
     gg, hf = load_encoder(minilm_gguf), load_encoder(minilm_dir)
     assert gg.config.vocab_size == hf.config.vocab_size and gg.config.num_layers == 6
@@ -185,8 +185,8 @@ def test_served_gguf_embeddings(minilm_dir: Path, minilm_gguf: Path) -> None:
     """One request through a real app: the engine serves the GGUF under its file name, unit vectors."""
     import openai
 
-    from imp_jax.model.encoder_loader import load_encoder
-    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+    from imp_jax.model.formats.encoder_loader import load_encoder
+    from imp_jax.runtime.core.encoder_engine import EncoderEngine, EncoderEngineConfig
     from imp_jax.server.app import create_app
     from imp_jax.server.config import ServerConfig
     from imp_jax.server.encoders import install_encoders
@@ -215,7 +215,7 @@ def test_served_gguf_embeddings(minilm_dir: Path, minilm_gguf: Path) -> None:
 @pytest.mark.parametrize("matrices,tol", [("F16", 3e-3), ("Q8_0", 3e-2)])
 def test_quantised_fused_qkv_cls_pooling(tiny_bert_dir: Path, tmp_path: Path, matrices: str, tol: float) -> None:
     """Fused attn_qkv, CLS pooling and F16 / Q8_0 matrices (dequantised to float32) against the F32 file."""
-    from imp_jax.model.encoder_loader import load_encoder
+    from imp_jax.model.formats.encoder_loader import load_encoder
 
     ref = load_encoder(write_bert_gguf(tiny_bert_dir, tmp_path / "f32.gguf", pooling=2))
     quant = load_encoder(write_bert_gguf(tiny_bert_dir, tmp_path / "q.gguf", matrices, pooling=2, fuse_qkv=True))
@@ -228,7 +228,7 @@ def test_quantised_fused_qkv_cls_pooling(tiny_bert_dir: Path, tmp_path: Path, ma
 
 def test_files_that_are_refused(tiny_bert_dir: Path, tmp_path: Path, smollm2_gguf_path: Path) -> None:
     from imp_jax.errors import ModelLoadError
-    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+    from imp_jax.runtime.core.encoder_engine import EncoderEngine, EncoderEngineConfig
 
     cases = [(dict(pooling=4), "pooling_type 4 is rank"), (dict(pooling=0), "pooling_type 0 is none"),
              (dict(arch="nomic-bert"), "architecture 'nomic-bert' is not an encoder"),

@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.gguf_loader import _llama3_factors, load_gguf, permute_rotary, unpermute_rotary
+from imp_jax.model.formats.gguf_loader import _llama3_factors, load_gguf, permute_rotary, unpermute_rotary
 from support.gguf_models import (CHATML, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, storage_type,
                                  write_gguf)
 from tiny_gguf import byte_level_vocab
@@ -71,10 +71,10 @@ def test_quantised_matrices_stay_ggml_blocks_with_the_dequantised_logits(tiny):
     import jax.numpy as jnp
 
     from imp_jax.kernels_pallas import ggml_blocks
-    from imp_jax.model.llama import DecoderLM
-    from imp_jax.model.loader import load_model
-    from imp_jax.model.weights import WeightSource
-    from imp_jax.runtime.batch import SeqChunk
+    from imp_jax.model.architectures.llama import DecoderLM
+    from imp_jax.model.formats.loader import load_model
+    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.runtime.execution.batch import SeqChunk
     from paged import PagedRunner
 
     path, _ = tiny

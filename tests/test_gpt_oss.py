@@ -1,4 +1,4 @@
-"""gpt-oss (model/gpt_oss.py) on a tiny random checkpoint: attention sinks in the XLA, CPU and Pallas
+"""gpt-oss (model/architectures/gpt_oss.py) on a tiny random checkpoint: attention sinks in the XLA, CPU and Pallas
 (interpreted) kernels vs the oracle, YaRN vs transformers, MXFP4 dequantisation, and the model vs
 transformers' GptOssForCausalLM (logits, greedy tokens, a ragged batch of prefill chunks and decodes on
 every attention backend, an MXFP4 checkpoint, the engine), and the same checkpoint written as a
@@ -16,18 +16,18 @@ import pytest
 import torch
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.gguf_loader import load_gguf
+from imp_jax.model.formats.gguf_loader import load_gguf
 from imp_jax.kernels_pallas import Kernels
 from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.gpt_oss import FP4_VALUES, GptOssLM, dequantize_mxfp4
-from imp_jax.model.loader import SafetensorsDir
-from imp_jax.model.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
+from imp_jax.model.architectures.gpt_oss import FP4_VALUES, GptOssLM, dequantize_mxfp4
+from imp_jax.model.formats.loader import SafetensorsDir
+from imp_jax.model.architectures.moe import EXPERT_IMPLS, ExpertAct, expert_ffn, route
 from imp_jax.model.registry import get_model_class
-from imp_jax.runtime.batch import SeqChunk
+from imp_jax.runtime.execution.batch import SeqChunk
 from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, host_kernels,
                    random_prompts)
 from attention_cases import Case, make_batch
@@ -108,7 +108,7 @@ def test_attention_sinks_match_numpy_and_the_oracle(name, backend):
 
 def test_kernel_choice_takes_sinks_everywhere(tiny):
     from imp_jax.kernels_pallas.pallas import shapes as pallas_shapes
-    from imp_jax.model.loader import attention_shape
+    from imp_jax.model.formats.loader import attention_shape
 
     cfg, _, _, _ = tiny
     shape = dataclasses.replace(attention_shape(cfg, jnp.bfloat16, jnp.bfloat16, 16, "gpu"), head_dim=64)
@@ -264,7 +264,7 @@ def test_a_converted_checkpoint_round_trips(tiny, tmp_path):
     and the same parameters, sinks and expert biases included."""
     from tiny_models import write_tiny_tokenizer
     from imp_jax.convert import main
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from support.models import same_params
 
     _, _, _, path = tiny
@@ -304,7 +304,7 @@ def test_a_gguf_config_is_the_hf_directory_config(tiny, tiny_gguf):
 
 
 def test_a_gguf_loads_to_the_hf_directory_model_and_transformers_logits(tiny, tiny_gguf, runner):
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     cfg, _, hf_model, _ = tiny
     loaded = load_model(tiny_gguf, dtype="float32")
@@ -419,7 +419,7 @@ def test_llama_cpps_converter_output_gives_transformers_logits_and_llama_cpps_gr
 
     import transformers
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     gguf_path = FIXTURE / "tiny-gpt-oss-mxfp4.gguf"
     hf = transformers.GptOssForCausalLM.from_pretrained(FIXTURE / "hf", dtype=torch.float32,

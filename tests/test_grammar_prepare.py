@@ -1,4 +1,4 @@
-"""Grammars are compiled before admission, off the engine thread (runtime/constraints.py `prepare`,
+"""Grammars are compiled before admission, off the engine thread (runtime/decoding/constraints.py `prepare`,
 AsyncEngine.generate): a prepared handle survives the compiled-grammar cache evicting its grammar, the
 engine thread only copies it, and a grammar that does not compile is a 400 before any event."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from paged import tiny_engine
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.async_engine import AsyncEngine
-from imp_jax.runtime.constraints import COMPILED_CACHE, GrammarConstraints
+from imp_jax.runtime.core.async_engine import AsyncEngine
+from imp_jax.runtime.decoding.constraints import COMPILED_CACHE, GrammarConstraints
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
 

@@ -93,7 +93,7 @@ def test_without_keys_admin_answers_loopback_clients_unless_admin_open(tokenizer
 # --------------------------------------------------------------------------------------------- LoRA paths
 class LoraEngine(FakeEngine):
     """FakeEngine with LoRA slots: a load records the path it was handed; a directory without an
-    adapter_config.json fails with the message shape of model/peft.py (the path first)."""
+    adapter_config.json fails with the message shape of model/formats/peft.py (the path first)."""
 
     capabilities = Capabilities(suspend=True, lora=True)
 

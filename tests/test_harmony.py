@@ -1,4 +1,4 @@
-"""gpt-oss's harmony replies: the engine's tracker (runtime/harmony.py) splits the analysis channel into
+"""gpt-oss's harmony replies: the engine's tracker (runtime/replies/harmony.py) splits the analysis channel into
 reasoning and the final channel into the answer, token by token, with headers never in the text; a
 message to `functions.NAME` becomes call markup the harmony tool parser reads; malformed headers are text.
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from tiny_models import write_harmony_tokenizer
 
-from imp_jax.model.tokenizer import Tokenizer
-from imp_jax.runtime.harmony import (
+from imp_jax.model.text.tokenizer import Tokenizer
+from imp_jax.runtime.replies.harmony import (
     MAX_HEADER_TOKENS,
     HarmonyMarkers,
     HarmonyTracker,
     Header,
 )
-from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers
+from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ThinkMarkers
 
 PROMPT = "<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>GO<|end|><|start|>assistant"
 REPLY = ("<|channel|>analysis<|message|>Hmm so the user wants weather.<|end|>"
@@ -216,7 +216,7 @@ def _gguf_meta(tok_dir: Path, rename: dict[str, str] | None = None) -> _Meta:
 
 def test_a_gguf_harmony_vocabulary_ends_at_return_and_call_not_end(tmp_path):
     """As llama.cpp: where <|return|> and <|call|> exist, <|end|> (even named the eot token) ends no reply."""
-    from imp_jax.model.gguf_tokenizer import gguf_tokenizer
+    from imp_jax.model.text.gguf_tokenizer import gguf_tokenizer
 
     write_harmony_tokenizer(tmp_path)
     tok, gen = gguf_tokenizer(_gguf_meta(tmp_path))

@@ -21,7 +21,7 @@ from support.scripted_model import write_scripted_model
 from support.servers import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import write_harmony_tokenizer
 
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.text.tokenizer import Tokenizer
 
 MODEL = "harmonic"
 GREEDY = {"temperature": 0}
@@ -261,10 +261,10 @@ def test_responses_function_calls(oai):
 def core(harmony_model: Path):
     import jax.numpy as jnp
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.core.engine import EngineCore
+    from imp_jax.runtime.parallel.sharding import default_mesh
 
     loaded = load_model(harmony_model, dtype="float32", model_class="support.scripted_model:ScriptedLM")
     config = EngineConfig(model=str(harmony_model), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32,

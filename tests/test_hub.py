@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model import hub
-from imp_jax.model.hub import Alias, resolve_model
+from imp_jax.model.formats import hub
+from imp_jax.model.formats.hub import Alias, resolve_model
 
 WHEELHOUSE = Path("/tmp/models")  # the real pinned wheels, where this machine has them
 

@@ -1,7 +1,7 @@
 """The start-up kernel self-test (kernels_pallas/self_test.py): a failing non-XLA backend that `auto`
 chose falls back to XLA with one warning, one asked for by name stops start-up, and the real CPU kernels
 pass it here. And the fallback on a GPU, XLA attention without dynamic skips, reads only its step's
-context bucket of block-table columns (runtime/step.py), with the same results."""
+context bucket of block-table columns (runtime/execution/step.py), with the same results."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +18,7 @@ from imp_jax.kernels_pallas.cpu import attention as cpu_attention
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.kernels_pallas.xla.attention import ragged_paged_attention_xla
 from imp_jax.kernels_pallas.xla.oracle import ragged_paged_attention_oracle
-from imp_jax.runtime import step as step_module
+from imp_jax.runtime.execution import step as step_module
 
 CPU = jax.local_devices()[0]
 F32 = AttentionShape(jnp.dtype(jnp.float32), jnp.dtype(jnp.float32), 9, 3, 64, 16)
@@ -172,7 +172,7 @@ def test_an_engine_without_dynamic_skips_reads_context_buckets_and_decodes_greed
     from paged import PagedRunner
 
     from imp_jax import LLM, SamplingParams
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     prompt = np.random.RandomState(0).randint(0, 256, 60).tolist()
     runner = PagedRunner(load_model(tiny_hf_dir, dtype="float32", kernels=Kernels()).model, num_blocks=24,
@@ -188,7 +188,7 @@ def test_an_engine_without_dynamic_skips_reads_context_buckets_and_decodes_greed
         return key
 
     monkeypatch.setattr(step_module.CompiledStep, "_program_key", spy)
-    monkeypatch.setattr("imp_jax.runtime.builder.select_tested_kernels",
+    monkeypatch.setattr("imp_jax.runtime.core.builder.select_tested_kernels",
                         lambda *a, **kw: Kernels(dynamic_skips=False))
     llm = LLM(str(tiny_hf_dir), max_num_seqs=1, max_num_batched_tokens=16, max_model_len=128, block_size=4,
               num_kv_blocks=32)

@@ -18,7 +18,7 @@ from support.cpu_gemm import needs_kernel
 from imp_jax.kernels_pallas import Kernels, matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
-from imp_jax.model.gguf_loader import unpermute_rotary
+from imp_jax.model.formats.gguf_loader import unpermute_rotary
 
 NEW_FORMATS = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"]
 CPU, CPU_Q8 = Kernels(gemm="exact"), Kernels(gemm="cpu_q8")
@@ -160,9 +160,9 @@ def test_cpu_q8_has_an_int8_path_for_every_kept_format(fmt):
 
 def test_hf_mxfp4_becomes_ggml_blocks_of_the_same_values():
     """gpt-oss's HF MXFP4 (`*_blocks`, value 2i / 2i + 1 in a byte's low / high nibble, and E8M0
-    `*_scales`) rearranged into GGML MXFP4 blocks: every weight the value model/gpt_oss.py's
+    `*_scales`) rearranged into GGML MXFP4 blocks: every weight the value model/architectures/gpt_oss.py's
     dequantisation gives (+0.0 for E2M1's -0.0), and gguf-py's dequantisation of the result."""
-    from imp_jax.model.gpt_oss import dequantize_mxfp4
+    from imp_jax.model.architectures.gpt_oss import dequantize_mxfp4
 
     rng = np.random.default_rng(8)
     blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)
@@ -271,11 +271,11 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     from paged import PagedRunner
 
     from imp_jax.model.config import ModelConfig
-    from imp_jax.model.gguf_loader import load_gguf
-    from imp_jax.model.llama import DecoderLM
-    from imp_jax.model.loader import load_model
-    from imp_jax.model.weights import WeightSource
-    from imp_jax.runtime.batch import SeqChunk
+    from imp_jax.model.formats.gguf_loader import load_gguf
+    from imp_jax.model.architectures.llama import DecoderLM
+    from imp_jax.model.formats.loader import load_model
+    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.runtime.execution.batch import SeqChunk
 
     kept = load_model(mixed, dtype="float32", gemm="exact").model
     assert kept.options.kernels.gemm == "exact"
@@ -327,8 +327,8 @@ def test_xla_keeps_the_blocks_and_dequantises_inside_the_program(mixed, dtype):
     from paged import PagedRunner
 
     from imp_jax.kernels_pallas.backends import select_kernels
-    from imp_jax.model.loader import attention_shape, load_model, open_checkpoint
-    from imp_jax.runtime.batch import SeqChunk
+    from imp_jax.model.formats.loader import attention_shape, load_model, open_checkpoint
+    from imp_jax.runtime.execution.batch import SeqChunk
 
     keep = Kernels(gemm="xla", quantized="keep")
     assert keep.keeps_blocks and not Kernels(gemm="xla").keeps_blocks and CPU.keeps_blocks

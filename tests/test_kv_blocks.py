@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 
-from imp_jax.runtime.kv_blocks import NULL_BLOCK, BlockTable, KVBlockPool
+from imp_jax.runtime.kv.kv_blocks import NULL_BLOCK, BlockTable, KVBlockPool
 
 BS = 4
 
@@ -457,7 +457,7 @@ def test_random_ops_with_a_host_tier_serve_the_evicted_content(seed: int) -> Non
 
 # -------------------------------------------------------------------- prefix-cache integrity
 def test_block_hash_is_sha256_of_a_canonical_preimage() -> None:
-    from imp_jax.runtime.kv_hash import block_preimage, hash_block, key_bytes
+    from imp_jax.runtime.kv.kv_hash import block_preimage, hash_block, key_bytes
 
     pre = block_preimage(None, [1, 2, 3, 4])
     assert len(hash_block(pre)) == 32 and hash_block(pre) == hash_block(block_preimage(None, (1, 2, 3, 4)))
@@ -471,7 +471,7 @@ def test_block_hash_is_sha256_of_a_canonical_preimage() -> None:
 
 
 def test_forced_collision_is_a_miss_not_another_prompts_blocks(monkeypatch) -> None:
-    import imp_jax.runtime.kv_blocks as kv_blocks
+    import imp_jax.runtime.kv.kv_blocks as kv_blocks
 
     monkeypatch.setattr(kv_blocks, "hash_block", lambda preimage: b"\x00" * 32)  # every block collides
     pool = KVBlockPool(num_blocks=16, block_size=BS)
@@ -487,7 +487,7 @@ def test_forced_collision_is_a_miss_not_another_prompts_blocks(monkeypatch) -> N
 
 def test_blocks_after_a_collision_are_not_cached(monkeypatch) -> None:
     """A chain whose first hash collided must not register descendants reachable from the other chain."""
-    import imp_jax.runtime.kv_blocks as kv_blocks
+    import imp_jax.runtime.kv.kv_blocks as kv_blocks
 
     real = kv_blocks.hash_block
     a1, b1, x2 = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]

@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 from imp_jax.paths import UnsafePathError
-from imp_jax.runtime.kv_disk import (DIGEST_SIZE, DiskKVStore, Rejected, block_digest, decode_block, encode_header,
+from imp_jax.runtime.kv.kv_disk import (DIGEST_SIZE, DiskKVStore, Rejected, block_digest, decode_block, encode_header,
                                      model_fingerprint, weights_digest)
 
 FP = "0123abcd"

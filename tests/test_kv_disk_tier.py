@@ -1,4 +1,4 @@
-"""The disk KV tier wired under the host tier (runtime/kv_staging.py over kv_disk.py): a prefix evicted from the
+"""The disk KV tier wired under the host tier (runtime/kv/kv_staging.py over kv_disk.py): a prefix evicted from the
 device and host tiers comes back from disk with the same greedy tokens, a fresh engine over the same model and
 directory reuses it, another model never does, API-key partitions hold, and disk reads never hold up other
 sequences' steps. Tiny random-weight Llama on CPU; helpers from support/kv_tiers.py."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.kv_staging import attach_disk
-from imp_jax.runtime.kv_tiers import host_budget_bytes
+from imp_jax.runtime.kv.kv_staging import attach_disk
+from imp_jax.runtime.kv.kv_tiers import host_budget_bytes
 from support.kv_tiers import BLOCK_BYTES, FakeLower, random_prompt, run, tier_engine, tier_request
 
 HOST_GIB = 2 * BLOCK_BYTES / (1 << 30)   # a host tier of two blocks: an 80-token prefix overflows to disk
@@ -20,7 +20,7 @@ HOST_GIB = 2 * BLOCK_BYTES / (1 << 30)   # a host tier of two blocks: an 80-toke
 
 @pytest.fixture(scope="module")
 def tiny_loaded(_tiny_hf_template: Path):
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     return load_model(_tiny_hf_template, dtype="float32")
 
 
@@ -77,7 +77,7 @@ def test_a_fresh_engine_over_the_same_model_and_directory_reuses_the_prefixes(ti
 
 
 def test_another_model_never_loads_the_first_ones_blocks(tiny_loaded, _tiny_hf_template, tiny_hf_dir, tmp_path):
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from tiny_models import write_tiny_hf
 
     shared = random_prompt(70, 80)
@@ -107,7 +107,7 @@ def test_api_key_partitions_hold_on_disk(tiny_loaded, _tiny_hf_template, tmp_pat
 
 def lora_disk_engine(path: Path, disk_dir: Path, adapter: Path):
     """A fresh engine (a restart: its own model and slots) with adapter "a" read from `adapter`, over `disk_dir`."""
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.model.lora import LoraOptions
 
     loaded = load_model(path, dtype="float32")
@@ -193,7 +193,7 @@ def test_the_engine_thread_sleeps_while_its_only_work_is_a_disk_read(tiny_loaded
     command (a landed read posts one) instead of stepping; other requests and stats are still served."""
     import asyncio
 
-    from imp_jax.runtime.async_engine import AsyncEngine
+    from imp_jax.runtime.core.async_engine import AsyncEngine
 
     core, lower, shared = _blocked_read_engine(tiny_loaded, _tiny_hf_template, seed=130)
     steps: list[int] = []
@@ -276,7 +276,7 @@ def test_engine_shutdown_writes_the_cached_prefixes_to_disk(tiny_loaded, _tiny_h
     """AsyncEngine.shutdown closes the tiers: a prefix still in the device pool reaches the disk."""
     import asyncio
 
-    from imp_jax.runtime.async_engine import AsyncEngine
+    from imp_jax.runtime.core.async_engine import AsyncEngine
 
     core = disk_engine(tiny_loaded, _tiny_hf_template, tmp_path)
     run(core, tier_request(random_prompt(120, 80) + [1]))   # its 5 full blocks stay cached in the pool

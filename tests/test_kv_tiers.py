@@ -1,4 +1,4 @@
-"""The host KV tier (runtime/kv_tiers.py, kv_host.py, kv_copy.py): prefix blocks evicted from a tiny device pool
+"""The host KV tier (runtime/kv/kv_tiers.py, kv_host.py, kv_copy.py): prefix blocks evicted from a tiny device pool
 spill to the host and come back on a hit, preempted sequences swap out and in, a lower (disk) store sits under
 the host, and greedy outputs are those of the same engine without the tier. Tiny random-weight Llama on CPU."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from support.kv_tiers import BLOCK_BYTES, FakeLower, random_prompt, run, tier_engine, tier_request
 
-from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.kv_blocks import KVBlockPool
-from imp_jax.runtime.kv_hash import (block_preimage, durable_preimage, hash_block, key_bytes, key_from_bytes,
+from imp_jax.runtime.core.engine import EngineCore
+from imp_jax.runtime.kv.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv.kv_hash import (block_preimage, durable_preimage, hash_block, key_bytes, key_from_bytes,
                                      prefix_hashes)
-from imp_jax.runtime.kv_host import HostKVStore
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.kv.kv_host import HostKVStore
+from imp_jax.runtime.parallel.sharding import default_mesh
 
 
 
@@ -66,7 +66,7 @@ def test_block_copies_gather_and_scatter_any_count_through_fixed_buckets(host_ki
     also takes numpy payloads (disk reads) in pinned mode."""
     import jax
 
-    from imp_jax.runtime.kv_copy import BlockCopier, _chunks
+    from imp_jax.runtime.kv.kv_copy import BlockCopier, _chunks
 
     assert _chunks(70) == [(0, 64, 64), (64, 6, 16)] and _chunks(1) == [(0, 1, 1)] and _chunks(0) == []
     rng = np.random.default_rng(0)
@@ -89,7 +89,7 @@ def test_block_copies_gather_and_scatter_any_count_through_fixed_buckets(host_ki
 def test_the_host_tier_uses_pinned_host_memory_where_every_device_has_it():
     from types import SimpleNamespace
 
-    from imp_jax.runtime.kv_copy import host_memory_kind
+    from imp_jax.runtime.kv.kv_copy import host_memory_kind
 
     def mesh(*kinds):
         device = lambda ks: SimpleNamespace(addressable_memories=lambda: [SimpleNamespace(kind=k) for k in ks])
@@ -130,7 +130,7 @@ class DictTier:
 
 
 def _fill(pool: KVBlockPool, tokens: list[int], key=None):
-    from imp_jax.runtime.kv_blocks import BlockTable
+    from imp_jax.runtime.kv.kv_blocks import BlockTable
     table = BlockTable()
     assert pool.allocate(table, tokens, len(tokens), key)
     pool.commit(table, tokens, key)
@@ -156,7 +156,7 @@ def test_pool_spills_evicted_blocks_and_restores_a_host_hit_into_fresh_blocks():
 
 @pytest.fixture(scope="module")
 def tiny_loaded(_tiny_hf_template: Path):
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     return load_model(_tiny_hf_template, dtype="float32")
 
 
@@ -169,7 +169,7 @@ def plain(tiny_loaded, _tiny_hf_template) -> EngineCore:
 def tiered(tiny_loaded, _tiny_hf_template, request) -> EngineCore:
     """A host tier holding pinned JAX arrays (what the CPU backend offers), and one holding numpy arrays."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("imp_jax.runtime.kv_tiers.host_memory_kind", lambda mesh: request.param)
+        mp.setattr("imp_jax.runtime.kv.kv_tiers.host_memory_kind", lambda mesh: request.param)
         core = tier_engine(tiny_loaded, _tiny_hf_template, kv_host_gib=1 / 1024, kv_swap_min_tokens=1)
     assert core.tiers is not None and core.tiers.copier.host_kind == request.param
     return core

@@ -25,16 +25,16 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the process entry point builds the engine, behind a late import (jax loads only there)
     # (multihost: jax.distributed must start before any other JAX use; processes != 0 serve no HTTP)
     # (early_start: the first start's kernel builds begin before that import, jax-free)
-    "imp_jax.server.__main__": ("imp_jax.runtime.async_engine", "imp_jax.runtime.replicas",
-                                "imp_jax.runtime.encoder_engine", "imp_jax.runtime.multihost",
-                                "imp_jax.runtime.early_start"),
+    "imp_jax.server.__main__": ("imp_jax.runtime.core.async_engine", "imp_jax.runtime.parallel.replicas",
+                                "imp_jax.runtime.core.encoder_engine", "imp_jax.runtime.parallel.multihost",
+                                "imp_jax.runtime.core.early_start"),
     # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract
     "imp_jax.server.embeddings": ("imp_jax.runtime.vectors",),
     # whether the served model thinks (<think> or harmony): the engine's own tests of the tokenizer (pure Python,
     # no jax)
-    "imp_jax.server.reasoning": ("imp_jax.runtime.reasoning", "imp_jax.runtime.harmony"),
+    "imp_jax.server.reasoning": ("imp_jax.runtime.replies.reasoning", "imp_jax.runtime.replies.harmony"),
     # output constraints compile at parse time into the engine's own cache of grammars (llguidance, no jax)
-    "imp_jax.server.structured": ("imp_jax.runtime.constraints",),
+    "imp_jax.server.structured": ("imp_jax.runtime.decoding.constraints",),
 }
 
 
@@ -83,9 +83,9 @@ def test_the_checker_finds_a_late_import_against_the_rules(tmp_path):
     model = tmp_path / "imp_jax" / "model"
     model.mkdir(parents=True)
     (model / "ok.py").write_text("from imp_jax.kernels_pallas import Kernels\n")
-    (model / "bad.py").write_text("def g():\n    from imp_jax.runtime.engine import EngineCore\n")
-    assert violations(tmp_path / "imp_jax") == ["imp_jax.model.bad imports imp_jax.runtime.engine",
-                                                 "imp_jax.model.bad imports imp_jax.runtime.engine.EngineCore"]
+    (model / "bad.py").write_text("def g():\n    from imp_jax.runtime.core.engine import EngineCore\n")
+    assert violations(tmp_path / "imp_jax") == ["imp_jax.model.bad imports imp_jax.runtime.core.engine",
+                                                 "imp_jax.model.bad imports imp_jax.runtime.core.engine.EngineCore"]
 
 
 def test_every_layer_is_listed():

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from imp_jax.model.loader import load_model
+from imp_jax.model.formats.loader import load_model
 
 
 def test_sharded_safetensors_load_like_a_single_file(tiny_hf_dir, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from imp_jax.errors import ImpError, ModelLoadError
-from imp_jax.model.loader import load_model
+from imp_jax.model.formats.loader import load_model
 from tiny_models import write_arch_only_gguf
 
 
@@ -68,7 +68,7 @@ def test_a_weight_file_outside_the_model_folder_is_refused(tiny_hf_dir, how):
 def test_a_hugging_face_cache_snapshot_of_links_loads(tiny_hf_dir, tmp_path):
     """A snapshot folder whose files link to ../../blobs (the Hugging Face cache's layout) is the
     operator's own and loads."""
-    from imp_jax.model.loader import open_checkpoint
+    from imp_jax.model.formats.loader import open_checkpoint
 
     blobs, snapshot = tmp_path / "repo" / "blobs", tmp_path / "repo" / "snapshots" / "abc123"
     blobs.mkdir(parents=True)

@@ -21,10 +21,10 @@ def tiny(_tiny_hf_template: Path):
     import jax.numpy as jnp
     import transformers
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.core.engine import EngineCore
+    from imp_jax.runtime.parallel.sharding import default_mesh
 
     loaded = load_model(_tiny_hf_template, dtype="float32")
     config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=4,
@@ -172,11 +172,11 @@ def test_chat_logit_lens_bad_values_are_400s(fake_server, value):  # noqa: F811
 
 def test_families_without_per_layer_residuals_refuse_the_lens(tiny):
     from imp_jax.errors import InvalidRequestError
-    from imp_jax.model.gemma import GemmaLM
-    from imp_jax.model.llama import DecoderLM
-    from imp_jax.model.moe import MoELM
-    from imp_jax.model.phi3 import Phi3LM
-    from imp_jax.runtime.logit_lens import supports_lens
+    from imp_jax.model.architectures.gemma import GemmaLM
+    from imp_jax.model.architectures.llama import DecoderLM
+    from imp_jax.model.architectures.moe import MoELM
+    from imp_jax.model.architectures.phi3 import Phi3LM
+    from imp_jax.runtime.decoding.logit_lens import supports_lens
 
     assert [supports_lens(c) for c in (DecoderLM, MoELM, Phi3LM, GemmaLM)] == [True, True, True, False]
     core, _, _ = tiny

@@ -17,7 +17,7 @@ import pytest
 from support.servers import (MODEL, FakeEngine, LiveServer, app_in_thread, engine_stats, fake_tokenizer,
                              live_server, probe_health, wait_for)  # noqa: F401 (live_server: a fixture)
 
-from imp_jax.model import tokenizer as tokenizer_module
+from imp_jax.model.text import tokenizer as tokenizer_module
 from imp_jax.server.limits import json_pieces
 from imp_jax.server.tokens import MAX_PIECES
 
@@ -201,7 +201,7 @@ def test_admin_routes_hold_bodies_to_the_same_limit_even_chunked(url: str) -> No
 
 def test_a_reply_past_the_logprobs_cap_is_a_400_naming_the_field(monkeypatch) -> None:
     """n x tokens x (1 + top alternatives), the prompt's too, is held to MAX_REPLY_LOGPROBS (checked at
-    admission with max_tokens resolved, runtime/admission.py)."""
+    admission with max_tokens resolved, runtime/core/admission.py)."""
     from imp_jax.errors import InvalidRequestError
     from imp_jax.runtime import request as request_module
     from imp_jax.runtime.request import SamplingParams, check_reply_size

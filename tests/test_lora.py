@@ -22,13 +22,13 @@ import torch
 from imp_jax.errors import ImpError
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.lora import LoraOptions
-from imp_jax.model.loader import load_model
-from imp_jax.runtime.async_engine import AsyncEngine
-from imp_jax.runtime.batch import SeqChunk
-from imp_jax.runtime.builder import build_engine
+from imp_jax.model.formats.loader import load_model
+from imp_jax.runtime.core.async_engine import AsyncEngine
+from imp_jax.runtime.execution.batch import SeqChunk
+from imp_jax.runtime.core.builder import build_engine
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
-from imp_jax.runtime.lora import AdapterSlots
+from imp_jax.runtime.core.engine import EngineCore
+from imp_jax.runtime.scheduling.lora import AdapterSlots
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.server.app import create_app
 from imp_jax.server.config import ServerConfig
@@ -385,7 +385,7 @@ def test_an_adapter_with_non_finite_or_absurd_weights_is_refused(_tiny_hf_templa
 
     from safetensors.numpy import load_file, save_file
 
-    from imp_jax.model.peft import AdapterError, read_adapter
+    from imp_jax.model.formats.peft import AdapterError, read_adapter
 
     bad = Path(shutil.copytree(adapters["a"], tmp_path / "bad"))
     tensors = load_file(str(bad / "adapter_model.safetensors"))

@@ -36,13 +36,13 @@ from support.gguf_models import write_gguf  # noqa: E402
 from support.vision import synthetic_image  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.model.config import ModelConfig, read_json  # noqa: E402
-from imp_jax.model.gguf_file import GGUFFile  # noqa: E402
-from imp_jax.model.gguf_loader import permute_rotary  # noqa: E402
-from imp_jax.model.loader import SafetensorsDir, open_checkpoint  # noqa: E402
+from imp_jax.model.formats.gguf_file import GGUFFile  # noqa: E402
+from imp_jax.model.formats.gguf_loader import permute_rotary  # noqa: E402
+from imp_jax.model.formats.loader import SafetensorsDir, open_checkpoint  # noqa: E402
 from imp_jax.model.vision.side import TextModelTensors, build_vision, text_tensors  # noqa: E402
-from imp_jax.runtime.builder import build_engine  # noqa: E402
+from imp_jax.runtime.core.builder import build_engine  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402
-from imp_jax.runtime.image_family import image_family  # noqa: E402
+from imp_jax.runtime.decoding.image_family import image_family  # noqa: E402
 from imp_jax.runtime.request import GenerationRequest, ImageInput, SamplingParams  # noqa: E402
 
 # llama.cpp's converter (the llama-cpp-python sdist the peer benchmarks unpack); absent: that test skips

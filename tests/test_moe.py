@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (model/moe.py) on tiny random checkpoints: routing and the expert FFN vs
+"""Mixture-of-experts models (model/architectures/moe.py) on tiny random checkpoints: routing and the expert FFN vs
 NumPy, Mixtral / Qwen2-MoE / Qwen3-MoE vs transformers, GGUF vs safetensors, and the engine."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir
-from imp_jax.model.moe import EXPERT_IMPLS, expert_ffn, route
-from imp_jax.runtime.batch import SeqChunk
+from imp_jax.model.formats.loader import SafetensorsDir
+from imp_jax.model.architectures.moe import EXPERT_IMPLS, expert_ffn, route
+from imp_jax.runtime.execution.batch import SeqChunk
 from paged import (PagedRunner, assert_close, check_llm_greedy, check_ragged_steps, hf_logits, random_prompts)
 from support.moe_models import FAMILIES, write_moe_gguf, write_tiny_moe
 from support.models import build
@@ -134,7 +134,7 @@ def test_gguf_loads_to_the_model_of_its_hf_tensors(name, tmp_path):
     with its shared expert and a dense layer, Qwen3-MoE with q/k norms; one expert stack Q8_0) gives
     the config of the HF checkpoint and the logits of the tensors it holds (the quantised one
     dequantised)."""
-    from imp_jax.model.gguf_loader import load_gguf
+    from imp_jax.model.formats.gguf_loader import load_gguf
 
     write_tiny_moe(name, tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")

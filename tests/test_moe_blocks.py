@@ -1,4 +1,4 @@
-"""Mixture-of-experts stacks kept as GGML blocks ([E, N, K / W, bytes], model/moe.py): tiny Mixtral and
+"""Mixture-of-experts stacks kept as GGML blocks ([E, N, K / W, bytes], model/architectures/moe.py): tiny Mixtral and
 Qwen2-MoE GGUFs with quantised expert stacks and a tiny gpt-oss with MXFP4 experts (HF and GGUF) hold
 the file's bytes, and compute the dequantised model's logits bit for bit (`--gemm exact`, XLA keep)."""
 from __future__ import annotations
@@ -15,12 +15,12 @@ from gguf import GGMLQuantizationType as Q
 from imp_jax.kernels_pallas import Kernels
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.gguf_loader import load_gguf
-from imp_jax.model.loader import load_model
-from imp_jax.model.moe import EXPERT_IMPLS, MoELM, expert_ffn
+from imp_jax.model.formats.gguf_loader import load_gguf
+from imp_jax.model.formats.loader import load_model
+from imp_jax.model.architectures.moe import EXPERT_IMPLS, MoELM, expert_ffn
 from imp_jax.model.tensor_parallel import take
-from imp_jax.model.weights import WeightFormats, WeightSource, describe
-from imp_jax.runtime.batch import SeqChunk
+from imp_jax.model.formats.weights import WeightFormats, WeightSource, describe
+from imp_jax.runtime.execution.batch import SeqChunk
 from paged import PagedRunner
 from quant_blocks import BLOCK_BYTES, random_blocks
 from support.cpu_gemm import needs_kernel
@@ -138,8 +138,8 @@ def test_gpt_oss_hf_mxfp4_experts_stay_mxfp4_with_the_dequantised_logits(tmp_pat
     import safetensors.numpy
 
     from imp_jax.model.base import ModelOptions
-    from imp_jax.model.gpt_oss import GptOssLM
-    from imp_jax.model.loader import SafetensorsDir, build_from_tensors
+    from imp_jax.model.architectures.gpt_oss import GptOssLM
+    from imp_jax.model.formats.loader import SafetensorsDir, build_from_tensors
     from paged import host_kernels
     from support.gpt_oss_models import random_mxfp4, write_tiny_gpt_oss
 

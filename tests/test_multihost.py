@@ -148,7 +148,7 @@ def test_multi_host_flags_go_together():
 ])
 def test_coordinator_addresses_are_classified(host, public):
     """Private (RFC 1918, fc00::/7, link-local) and loopback pass; global and every-interface ones do not."""
-    from imp_jax.runtime.multihost import public_addresses
+    from imp_jax.runtime.parallel.multihost import public_addresses
 
     assert public_addresses(host) == public
 
@@ -156,7 +156,7 @@ def test_coordinator_addresses_are_classified(host, public):
 def test_a_coordinator_hostname_is_classified_by_what_it_resolves_to(monkeypatch):
     import socket
 
-    from imp_jax.runtime.multihost import coordinator_host, public_addresses
+    from imp_jax.runtime.parallel.multihost import coordinator_host, public_addresses
 
     resolved = {"lan.example": ["10.1.2.3"], "mixed.example": ["10.1.2.3", "8.8.4.4"]}
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, **kw: [
@@ -167,7 +167,7 @@ def test_a_coordinator_hostname_is_classified_by_what_it_resolves_to(monkeypatch
 
 def test_a_public_coordinator_is_refused_without_insecure_ok():
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.multihost import check_config
+    from imp_jax.runtime.parallel.multihost import check_config
 
     config = EngineConfig(coordinator="8.8.8.8:7777", num_processes=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="unauthenticated and carry every prompt's token ids in the clear"):
@@ -183,7 +183,7 @@ def test_the_coordinator_binds_only_the_address_it_names(monkeypatch):
     import jax
 
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.multihost import initialize
+    from imp_jax.runtime.parallel.multihost import initialize
 
     calls = []
 

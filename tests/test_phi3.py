@@ -14,9 +14,9 @@ import torch
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir, load_model, open_checkpoint
-from imp_jax.model.phi3 import Phi3LM
-from imp_jax.runtime.batch import SeqChunk
+from imp_jax.model.formats.loader import SafetensorsDir, load_model, open_checkpoint
+from imp_jax.model.architectures.phi3 import Phi3LM
+from imp_jax.runtime.execution.batch import SeqChunk
 from paged import PagedRunner
 from support.models import build
 from tiny_models import TINY
@@ -297,7 +297,7 @@ def test_the_engine_serves_phi_without_compiling_after_warm_up(phi_dir, caplog):
     forced by logit_bias ends a request with finish reason stop."""
     import logging
 
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
@@ -332,7 +332,7 @@ def test_quantised_fused_phi3_matrices_stay_ggml_blocks(phi_dir, tmp_path):
     """A Q8_0 attn_qkv / ffn_up is read whole (no split), so where the CPU GEMM kernel runs it stays
     the file's blocks, and the model computes what its dequantised twin does."""
     from imp_jax.kernels_pallas import ggml_blocks
-    from imp_jax.model.weights import WeightSource
+    from imp_jax.model.formats.weights import WeightSource
 
     path, _, _ = phi_dir
     gguf_path = write_phi3_gguf(tmp_path / "phi-q8.gguf", path, json.loads((path / "config.json").read_text()),
@@ -356,7 +356,7 @@ def test_a_phi_peft_adapter_on_its_fused_modules_matches_transformers_peft(phi_d
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from imp_jax.model.lora import LoraOptions
-    from imp_jax.runtime.lora import AdapterSlots
+    from imp_jax.runtime.scheduling.lora import AdapterSlots
 
     path, _, _ = phi_dir
     torch.manual_seed(3)

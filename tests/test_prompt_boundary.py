@@ -9,8 +9,8 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from imp_jax.model.gguf_tokenizer import _bytes_to_unicode, gguf_tokenizer
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.text.gguf_tokenizer import _bytes_to_unicode, gguf_tokenizer
+from imp_jax.model.text.tokenizer import Tokenizer
 
 DEEPSEEK_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
                      "{% else %}{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from imp_jax.runtime.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker, answer_reserve
+from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ThinkMarkers, ThinkTracker, answer_reserve
 from support.servers import LiveServer, anthropic_for, openai_for, wait_for
 from tiny_models import THINKER_ARGS, write_thinking_model
 
@@ -274,11 +274,11 @@ def test_a_grammar_applies_after_the_think_block(thinking_model):
     import jax.numpy as jnp
     import llguidance
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
+    from imp_jax.runtime.core.engine import EngineCore
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
-    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.parallel.sharding import default_mesh
 
     path, ids = thinking_model
     loaded = load_model(path, dtype="float32")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from imp_jax.runtime.sampling import (
+from imp_jax.runtime.execution.sampling import (
     DRAW_BLOCK,
     RowSpec,
     SamplingTensors,
@@ -19,7 +19,7 @@ from imp_jax.runtime.sampling import (
     pack_allowed_tokens,
     sample,
 )
-from imp_jax.runtime.truncation import FAST_TOP_K
+from imp_jax.runtime.execution.truncation import FAST_TOP_K
 
 V, R, H, B, K = 128, 8, 16, 4, 5
 assert V > FAST_TOP_K  # so both the top_k fast path and the full sort are exercised
@@ -318,7 +318,7 @@ def test_builder_rejects_what_cannot_be_encoded(spec: RowSpec) -> None:
 def test_repetition_alone_on_history_ids_equals_the_dense_penalty_bitwise() -> None:
     """The repetition-only path (values written at the history's ids) gives the very bits of the
     whole-vocabulary penalty: repeated ids, padding, logits of both signs, penalties above and below 1."""
-    from imp_jax.runtime.sampling import _apply_penalties, _apply_repetition
+    from imp_jax.runtime.execution.sampling import _apply_penalties, _apply_repetition
 
     rng = np.random.default_rng(7)
     specs = [RowSpec(repetition_penalty=1.05, history=list(rng.integers(0, 12, 14)), num_output_tokens=5),
@@ -335,7 +335,7 @@ def test_repetition_alone_on_history_ids_equals_the_dense_penalty_bitwise() -> N
 
 
 def test_first_argmax_is_argmax_with_ties_infinities_and_nans() -> None:
-    from imp_jax.runtime.sampling import first_argmax
+    from imp_jax.runtime.execution.sampling import first_argmax
 
     x = _logits(3)
     x[1, [5, 9]] = x[1].max() + 1          # a tie: the first wins

@@ -1,9 +1,9 @@
-"""DRY (runtime/dry.py): the host's repeat penalties vs a quadratic NumPy reference written here (hand-built
+"""DRY (runtime/decoding/dry.py): the host's repeat penalties vs a quadratic NumPy reference written here (hand-built
 histories, breakers, allowed_length, penalty_last_n), the breaker table, the compiled sampler's sparse
 slots; on the tiny random Llama, greedy DRY tokens vs the plain transformers logits minus the reference
 penalties step by step, DRY rows never overlapped, the pool back at its baseline, no compilation after
 warm-up; the 400s naming the field on the four routes over the FakeEngine; the real server through the
-openai client. Mirostat (runtime/mirostat.py): the kept set and the mu update vs llama.cpp's algorithm in
+openai client. Mirostat (runtime/decoding/mirostat.py): the kept set and the mu update vs llama.cpp's algorithm in
 NumPy, greedy rows, mu carried from step to step through the engine, the 400s, the openai and anthropic
 clients."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from paged import tiny_engine
 from support.servers import MODEL, fake_server, live_server, openai_client, wait_idle  # noqa: F401
 
-from imp_jax.runtime.dry import DRY_SLOTS, BreakerTable, DryParams, repeat_penalties, top_slots
+from imp_jax.runtime.decoding.dry import DRY_SLOTS, BreakerTable, DryParams, repeat_penalties, top_slots
 
 _ids = itertools.count()
 
@@ -122,7 +122,7 @@ def test_breaker_table_single_tokens_and_overlaps() -> None:
 def test_sampler_subtracts_the_slots_in_both_skip_modes() -> None:
     import jax
 
-    from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
+    from imp_jax.runtime.execution.sampling import RowSpec, build_sampling_tensors, sample
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 300)).astype(np.float32)
@@ -322,7 +322,7 @@ def mirostat_reference(logits: np.ndarray, version: int, mu: float, vocab: int) 
 
 
 def mirostat_rows(version: int, mus: list[float], temperature: float = 1.0, **knobs):
-    from imp_jax.runtime.sampling import RowSpec
+    from imp_jax.runtime.execution.sampling import RowSpec
 
     return [RowSpec(temperature=temperature, mirostat=version, mirostat_mu=mu, mirostat_tau=3.0, mirostat_eta=0.2,
                     seed=7, position=i, wants_top_logprobs=True, **knobs) for i, mu in enumerate(mus)]
@@ -336,7 +336,7 @@ def test_mirostat_keeps_llama_cpps_set_and_moves_mu_by_the_surprise(version: int
     mu - eta * (-log2 p - tau); top_k, top_p, min_p and typical_p do not apply to mirostat rows."""
     import jax
 
-    from imp_jax.runtime.sampling import build_sampling_tensors, sample
+    from imp_jax.runtime.execution.sampling import build_sampling_tensors, sample
 
     vocab = 600
     rng = np.random.default_rng(version)
@@ -370,7 +370,7 @@ def test_a_greedy_mirostat_row_is_greedy_and_its_surprise_is_0() -> None:
     """At temperature 0 llama.cpp keeps one token: the argmax, surprise 0, so mu rises by eta * tau."""
     import jax
 
-    from imp_jax.runtime.sampling import build_sampling_tensors, sample
+    from imp_jax.runtime.execution.sampling import build_sampling_tensors, sample
 
     logits = np.random.default_rng(1).standard_normal((2, 300)).astype(np.float32)
     rows = mirostat_rows(2, [4.0], temperature=0.0) + mirostat_rows(1, [4.0], temperature=0.0)

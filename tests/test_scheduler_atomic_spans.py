@@ -1,4 +1,4 @@
-"""Atomic spans in the scheduler (a bidirectional model's images: runtime/scheduler.py, Sequence.chunk_fit): a
+"""Atomic spans in the scheduler (a bidirectional model's images: runtime/scheduling/scheduler.py, Sequence.chunk_fit): a
 prefill chunk never ends strictly inside one, may start inside one (prefix-cache hits) when it runs to its end,
 and a sequence held back by a span that does not fit the step's remaining budget runs first next step instead of
 starving behind decodes. Sequences are bare (no detokenizer): the scheduler reads only their tokens, tables,
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import random
 
-from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv.kv_blocks import KVBlockPool
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
-from imp_jax.runtime.sequence import Sequence, SeqStatus
+from imp_jax.runtime.scheduling.scheduler import ScheduledChunk, Scheduler
+from imp_jax.runtime.scheduling.sequence import Sequence, SeqStatus
 
 
 def _seq(prompt: list[int], spans: tuple[tuple[int, int], ...], arrival: float = 0.0) -> Sequence:

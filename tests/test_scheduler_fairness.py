@@ -1,12 +1,12 @@
 """The scheduler's fair share across tenants: admission round-robin within a priority, preemption of the
-tenant running the most (runtime/scheduler.py). Sequences here are bare (no detokenizer): the scheduler
+tenant running the most (runtime/scheduling/scheduler.py). Sequences here are bare (no detokenizer): the scheduler
 reads only their tokens, tables and request."""
 from __future__ import annotations
 
-from imp_jax.runtime.kv_blocks import KVBlockPool
+from imp_jax.runtime.kv.kv_blocks import KVBlockPool
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from imp_jax.runtime.scheduler import Scheduler
-from imp_jax.runtime.sequence import Sequence, SeqStatus
+from imp_jax.runtime.scheduling.scheduler import Scheduler
+from imp_jax.runtime.scheduling.sequence import Sequence, SeqStatus
 
 
 def _seq(tenant: str | None, prompt_len: int = 8, priority: int = 0, arrival: float = 0.0) -> Sequence:

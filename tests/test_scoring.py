@@ -17,7 +17,7 @@ import pytest
 from support.metrics_text import parse, value
 from support.servers import MODEL, LiveServer, OpsServer, engine_stats, fake_server, live_server, wait_idle  # noqa: F401
 
-from imp_jax.runtime.sampling import RowSpec, build_sampling_tensors, sample
+from imp_jax.runtime.execution.sampling import RowSpec, build_sampling_tensors, sample
 from imp_jax.server.scoring import MAX_CANDIDATES, decide_text
 
 QUESTION = "What is the capital of France? Answer in one word."

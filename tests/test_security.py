@@ -17,8 +17,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from imp_jax.errors import TemplateError
-from imp_jax.model import chat_template
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.text import chat_template
+from imp_jax.model.text.tokenizer import Tokenizer
 from imp_jax.server import limits
 
 _APPS: list[Any] = []   # the apps under test (in this process), for checks of their state
@@ -380,7 +380,7 @@ def test_a_writable_compilation_cache_entry_turns_the_cache_off(tmp_path: Any, m
 
     import jax
 
-    from imp_jax.runtime import builder
+    from imp_jax.runtime.core import builder
     from imp_jax.runtime.config import EngineConfig
 
     cache = tmp_path / "jax_cache"
@@ -400,7 +400,7 @@ def test_a_model_path_others_could_write_is_refused(tmp_path: Any, monkeypatch: 
     import os
 
     from imp_jax.errors import ModelLoadError
-    from imp_jax.model.hub import resolve_model
+    from imp_jax.model.formats.hub import resolve_model
 
     model = tmp_path / "m"
     model.mkdir()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
-from imp_jax.runtime.sessions import SessionPins
+from imp_jax.runtime.kv.kv_blocks import BlockTable, KVBlockPool
+from imp_jax.runtime.scheduling.sessions import SessionPins
 from support.servers import MODEL, LiveServer, live_server, wait_idle  # noqa: F401
 
 BS = 4

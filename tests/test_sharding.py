@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from imp_jax.model.base import AXES, KV_CACHE_AXES
-from imp_jax.runtime.sharding import RULES, TP, default_mesh, kv_sharding, partition_spec, state_shardings
+from imp_jax.runtime.parallel.sharding import RULES, TP, default_mesh, kv_sharding, partition_spec, state_shardings
 
 
 def test_logical_names_map_onto_the_tp_axis_and_trailing_axes_stay_whole():
@@ -37,7 +37,7 @@ def test_every_parameter_of_the_decoder_names_its_axes(smollm2_loaded):
 
 def test_the_engine_step_runs_on_its_mesh(smollm2_loaded):
     """The compiled step places the state and the KV cache with the shardings it was given."""
-    from imp_jax.runtime.step import CompiledStep, StepShapes
+    from imp_jax.runtime.execution.step import CompiledStep, StepShapes
 
     mesh = default_mesh()
     kv_shape = smollm2_loaded.model.kv_cache_shape(4, 16)

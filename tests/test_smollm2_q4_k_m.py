@@ -29,7 +29,7 @@ def test_q4_k_m_smollm2_keeps_its_blocks_and_matches_transformers(q4_k_m: Path):
     import transformers
     from flax import nnx
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
 
     loaded = load_model(q4_k_m, dtype="float32", gemm="exact")   # transformers' products, not llama.cpp's
     model = loaded.model

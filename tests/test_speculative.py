@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py): the n-gram drafter, the acceptance rule and the
+"""Speculative decoding (runtime/decoding/speculative.py): the n-gram drafter, the acceptance rule and the
 adaptive depth on their own; then on the tiny random Llama, seeded sampling with drafts forced
 (some accepted, some rejected) token for token the plain output, and unseeded sampling equal in
 distribution (a chi-square test with fixed seeds), the pool at its baseline after rejections and
@@ -18,7 +18,7 @@ from support.servers import MODEL, fake_server, live_server, openai_client, wait
 from imp_jax.runtime.features import speculation as speculation_module
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.runtime.features import speculation_allowed
-from imp_jax.runtime.speculative import MAX_BACKOFF, SpecState, accepted_prefix, ngram_draft
+from imp_jax.runtime.decoding.speculative import MAX_BACKOFF, SpecState, accepted_prefix, ngram_draft
 
 _ids = itertools.count()
 
@@ -92,10 +92,10 @@ POOL = 40
 def tiny(_tiny_hf_template: Path):
     import jax.numpy as jnp
 
-    from imp_jax.model.loader import load_model
+    from imp_jax.model.formats.loader import load_model
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.core.engine import EngineCore
+    from imp_jax.runtime.parallel.sharding import default_mesh
 
     loaded = load_model(_tiny_hf_template, dtype="float32")
     config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=16,
@@ -244,10 +244,10 @@ def smol(smollm2_loaded, smollm2_gguf_path: Path):
     import jax.numpy as jnp
 
     from imp_jax.kernels_pallas import kv_storage_dtype
-    from imp_jax.runtime.builder import enable_compilation_cache
+    from imp_jax.runtime.core.builder import enable_compilation_cache
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine import EngineCore
-    from imp_jax.runtime.sharding import default_mesh
+    from imp_jax.runtime.core.engine import EngineCore
+    from imp_jax.runtime.parallel.sharding import default_mesh
 
     config = EngineConfig(model=str(smollm2_gguf_path), max_model_len=256, max_num_seqs=8,
                           max_num_batched_tokens=16, num_kv_blocks=96)

@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from imp_jax.runtime.async_engine import AsyncEngine
+from imp_jax.runtime.core.async_engine import AsyncEngine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from imp_jax.runtime.step import CompiledStep, step_buckets
+from imp_jax.runtime.execution.step import CompiledStep, step_buckets
 
 
 def test_one_program_per_token_count_plus_the_decode_diagonal():

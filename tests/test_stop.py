@@ -1,7 +1,7 @@
 """StopStringMatcher: text that could still become a stop string is held back, never emitted."""
 from __future__ import annotations
 
-from imp_jax.runtime.stop import StopStringMatcher
+from imp_jax.runtime.replies.stop import StopStringMatcher
 
 
 def feed_all(m: StopStringMatcher, deltas: list[str]) -> tuple[list[str], str | None]:

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from imp_jax.errors import ImpError
-from imp_jax.runtime.async_engine import AsyncEngine
+from imp_jax.runtime.core.async_engine import AsyncEngine
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from support.servers import MODEL, LiveServer, live_server  # noqa: F401

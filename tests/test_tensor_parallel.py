@@ -5,7 +5,7 @@ fixed when jax starts; this process has one device): SmolLM2 (3 KV heads: replic
 shards; a tied, vocab-parallel LM head), a tiny Llama whose 4 KV heads split over 2 and 4, and a
 tiny Qwen2 (q/k/v biases) whose 3 KV heads and 45-row MLP split over neither 2 nor 4 without
 padding, and whose 250-token vocabulary splits over 2 but is replicated on 4. Mixtures of experts
-(model/moe.py) in the same child run: a tiny Mixtral, a Qwen2-MoE (shared expert, a dense layer; expert,
+(model/architectures/moe.py) in the same child run: a tiny Mixtral, a Qwen2-MoE (shared expert, a dense layer; expert,
 shared and dense widths 33, 45 and 50, which 2 or 4 does not divide) from its HF directory and from a
 GGUF with a Q8_0 expert stack, a gpt-oss (biases, sinks, sliding and full layers; width 30), and a
 Qwen2-MoE GGUF whose expert stacks stay GGML blocks (IQ4_NL, Q2_K, MXFP4; 1 and 2 shards); the
@@ -63,7 +63,7 @@ def tp_runs(smollm2_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -
 def _write_moe_models(tmp: Path) -> dict[str, str]:
     """The mixtures of experts tp_runs compares: HF directories (a tokenizer beside each) and a GGUF."""
     from imp_jax.model.config import ModelConfig
-    from imp_jax.model.loader import SafetensorsDir
+    from imp_jax.model.formats.loader import SafetensorsDir
     from support.gpt_oss_models import write_tiny_gpt_oss
     from support.moe_models import write_moe_blocks_gguf, write_moe_gguf, write_tiny_moe
 
@@ -139,7 +139,7 @@ def test_quantised_columns_move_in_whole_blocks_and_pads_are_zero():
 
 def test_more_devices_than_the_host_has_is_a_start_up_error():
     from imp_jax.errors import ModelLoadError
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
 
     with pytest.raises(ModelLoadError, match="--tensor-parallel-size 2 needs 2 devices; this host has 1 cpu device"):
@@ -173,8 +173,8 @@ def test_one_device_program_has_no_shard_map_and_no_collectives(smollm2_loaded):
     (on 2 devices the same step has one shard_map and an all-reduce for the embedding, o_proj and
     down_proj)."""
 
-    from imp_jax.runtime.sharding import default_mesh
-    from imp_jax.runtime.step import CompiledStep, StepShapes
+    from imp_jax.runtime.parallel.sharding import default_mesh
+    from imp_jax.runtime.execution.step import CompiledStep, StepShapes
 
     kv = tuple(np.zeros(smollm2_loaded.model.kv_cache_shape(4, 16), np.float32) for _ in range(2))
     step = CompiledStep(smollm2_loaded.model, kv, StepShapes(max_blocks=2, vocab_size=49152), [(1, 1)],
@@ -192,9 +192,9 @@ def test_expert_stacks_are_stored_shard_major_with_zero_pads(tmp_path):
     query heads 0 and 2, shard 1 heads 1 and 3, shards 2 and 3 only zero pads)."""
     from imp_jax.model.base import ModelOptions
     from imp_jax.model.config import ModelConfig
-    from imp_jax.model.gpt_oss import GptOssLM
-    from imp_jax.model.loader import SafetensorsDir, build_from_tensors
-    from imp_jax.model.weights import WeightSource
+    from imp_jax.model.architectures.gpt_oss import GptOssLM
+    from imp_jax.model.formats.loader import SafetensorsDir, build_from_tensors
+    from imp_jax.model.formats.weights import WeightSource
     from paged import host_kernels
     from support.gpt_oss_models import write_tiny_gpt_oss
 

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from imp_jax.errors import ModelLoadError, TemplateError
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.text.tokenizer import Tokenizer
 
 CORPUS = ["héllo wörld 你好 🙂 the quick brown fox", "naïve café 日本語 🙂🙃, hello world"] * 10
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<pad>"]

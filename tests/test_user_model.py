@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.loader import SafetensorsDir, load_model
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.formats.loader import SafetensorsDir, load_model
+from imp_jax.model.formats.weights import WeightSource
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.parallel.sharding import default_mesh
 from user_model_example import OneLayerLM
 
 
@@ -70,7 +70,7 @@ def test_a_user_model_class_serves_a_chat_through_the_server(tiny_hf_dir, tmp_pa
 
     import httpx
 
-    from imp_jax.model.tokenizer import Tokenizer
+    from imp_jax.model.text.tokenizer import Tokenizer
     from support.servers import LiveServer, wait_for
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))

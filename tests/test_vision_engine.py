@@ -17,15 +17,15 @@ transformers = pytest.importorskip("transformers")
 from support.idefics3 import SYSTEM, config, image, layout_ids, pic, prompt, request, run  # noqa: E402
 from support.vision import synthetic_image  # noqa: E402
 from imp_jax.errors import EngineError, InvalidRequestError, ModelLoadError  # noqa: E402
-from imp_jax.model.loader import open_checkpoint  # noqa: E402
+from imp_jax.model.formats.loader import open_checkpoint  # noqa: E402
 from imp_jax.model.vision import idefics3_processor as proc  # noqa: E402
-from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
-from imp_jax.runtime.builder import build_engine, tensor_parallel_layout  # noqa: E402
+from imp_jax.runtime.core.async_engine import AsyncEngine  # noqa: E402
+from imp_jax.runtime.core.builder import build_engine, tensor_parallel_layout  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402
 from imp_jax.runtime.features import Services  # noqa: E402
 from imp_jax.runtime.features.images import ImagesFeature  # noqa: E402
-from imp_jax.runtime.image_rows import ImageRows  # noqa: E402
-from imp_jax.runtime.kv_hash import ImageKeys, block_key, durable_key, prefix_hashes  # noqa: E402
+from imp_jax.runtime.scheduling.image_rows import ImageRows  # noqa: E402
+from imp_jax.runtime.kv.kv_hash import ImageKeys, block_key, durable_key, prefix_hashes  # noqa: E402
 from imp_jax.runtime.request import SamplingParams  # noqa: E402
 
 
@@ -234,8 +234,8 @@ def test_images_held_by_running_requests_make_a_retryable_503(chunked_core):
 def test_every_tier_hashes_image_blocks_alike():
     """The pool's committed hashes are the chain the host and disk tiers and the replica router compute
     (kv_hash.prefix_hashes), and an image block's preimage may go to disk."""
-    from imp_jax.runtime.kv_blocks import BlockTable, KVBlockPool
-    from imp_jax.runtime.kv_hash import durable_preimage
+    from imp_jax.runtime.kv.kv_blocks import BlockTable, KVBlockPool
+    from imp_jax.runtime.kv.kv_hash import durable_preimage
     ids, keys = list(range(80)), ImageKeys("salt", ((20, 50, "ab" * 16),))
     pool, table = KVBlockPool(16, 16), BlockTable()
     assert pool.allocate(table, ids, len(ids), keys)

@@ -16,9 +16,9 @@ pytest.importorskip("transformers")
 
 from support.idefics3 import config, pic, prompt, request, run  # noqa: E402
 from imp_jax.errors import InvalidRequestError  # noqa: E402
-from imp_jax.runtime.builder import build_engine  # noqa: E402
+from imp_jax.runtime.core.builder import build_engine  # noqa: E402
 from imp_jax.runtime.features.images import ImagesFeature, image_bounds  # noqa: E402
-from imp_jax.runtime.image_family import Idefics3Family  # noqa: E402
+from imp_jax.runtime.decoding.image_family import Idefics3Family  # noqa: E402
 from imp_jax.runtime.request import SamplingParams  # noqa: E402
 
 

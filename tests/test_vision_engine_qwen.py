@@ -1,4 +1,4 @@
-"""The engine serving Qwen2.5-VL images (runtime/image_family.py, image_encoder_qwen.py, M-RoPE positions in
+"""The engine serving Qwen2.5-VL images (runtime/decoding/image_family.py, image_encoder_qwen.py, M-RoPE positions in
 the step) on the tiny random checkpoint of test_vision_qwen2_5_vl.py: greedy tokens and first-token logprobs
 equal transformers' `generate` with one and two pictures of different sizes, through chunked prefill across
 the images, the text after them (decode at index + delta), the row and prefix caches, preemption,
@@ -20,10 +20,10 @@ from paged import run_to_end  # noqa: E402
 from support.qwen_vl import END, IMAGE, START  # noqa: E402
 from support.vision import hf_greedy_logprobs, synthetic_image  # noqa: E402
 from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
-from imp_jax.runtime.async_engine import AsyncEngine  # noqa: E402
-from imp_jax.runtime.builder import build_engine  # noqa: E402
+from imp_jax.runtime.core.async_engine import AsyncEngine  # noqa: E402
+from imp_jax.runtime.core.builder import build_engine  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402
-from imp_jax.runtime.kv_hash import ImageKeys  # noqa: E402
+from imp_jax.runtime.kv.kv_hash import ImageKeys  # noqa: E402
 from imp_jax.runtime.request import GenerationRequest, ImageInput, SamplingParams  # noqa: E402
 
 GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=8, ignore_eos=True)

@@ -24,13 +24,13 @@ from support.vision import synthetic_image  # noqa: E402
 from tiny_vlm import GEMMA_PRE, GEMMA_TOKENS  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
-from imp_jax.model.loader import load_model, open_checkpoint  # noqa: E402
+from imp_jax.model.formats.loader import load_model, open_checkpoint  # noqa: E402
 from imp_jax.model.vision import gemma3_processor as proc  # noqa: E402
 from imp_jax.model.vision.gemma3 import Gemma3Vision  # noqa: E402
-from imp_jax.runtime.batch import SeqChunk, build_step_batch  # noqa: E402
-from imp_jax.runtime.image_family import Gemma3Family, family_class, image_family  # noqa: E402
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch  # noqa: E402
+from imp_jax.runtime.decoding.image_family import Gemma3Family, family_class, image_family  # noqa: E402
 from imp_jax.runtime.request import ImageInput  # noqa: E402
-from imp_jax.runtime.step_programs import model_forward  # noqa: E402
+from imp_jax.runtime.execution.step_programs import model_forward  # noqa: E402
 from imp_jax.server.image_prompts import PromptImages, count_marks, expand, image_mark  # noqa: E402
 
 SIZES = [(37, 53), (32, 32), (200, 90), (20, 300), (7, 5)]   # PIL (width, height): down, same, up, elongated

@@ -1,4 +1,4 @@
-"""The engine serving Gemma 3 images (runtime/image_family.py Gemma3Family: one frame of mm_tokens_per_image rows
+"""The engine serving Gemma 3 images (runtime/decoding/image_family.py Gemma3Family: one frame of mm_tokens_per_image rows
 per image, its tokens attending to each other both ways through the step's key limit) on the tiny random
 checkpoint of test_vision_gemma3.py: greedy tokens and every token's logprobs equal transformers' `generate` with
 its token_type_ids (the bidirectional image mask), with one and two pictures, in one chunk and chunked, and
@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 from paged import run_to_end  # noqa: E402
 from support.vision import hf_greedy_logprobs, synthetic_image  # noqa: E402
-from imp_jax.runtime.builder import build_engine  # noqa: E402
+from imp_jax.runtime.core.builder import build_engine  # noqa: E402
 from imp_jax.runtime.config import EngineConfig  # noqa: E402
-from imp_jax.runtime.image_family import image_family  # noqa: E402
+from imp_jax.runtime.decoding.image_family import image_family  # noqa: E402
 from imp_jax.runtime.request import GenerationRequest, ImageInput, SamplingParams  # noqa: E402
 
 IMAGE = 6   # <image_soft_token> in scripts/tiny_vlm.py's Gemma 3 tokenizer

@@ -20,7 +20,7 @@ from imp_jax.model.vision import idefics3_processor as proc  # noqa: E402
 from imp_jax.model.vision.idefics3 import patch_mask  # noqa: E402
 from imp_jax.model.vision.loader import load_idefics3  # noqa: E402
 from imp_jax.model.vision.siglip import position_boundaries  # noqa: E402
-from imp_jax.runtime.batch import SeqChunk, build_step_batch  # noqa: E402
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch  # noqa: E402
 
 SIZES = [(37, 53), (64, 64), (200, 90), (20, 300)]   # PIL (width, height)
 TINY = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

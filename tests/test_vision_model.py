@@ -1,4 +1,4 @@
-"""Idefics3 / SmolVLM directories through the main loader (model/loader.py): the Llama decoder serves the
+"""Idefics3 / SmolVLM directories through the main loader (model/formats/loader.py): the Llama decoder serves the
 text, `loaded.vision` holds the image side, and text-only greedy output equals transformers'."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from paged import paged_greedy  # noqa: E402
 from support.idefics3 import write_vlm  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.model.base import takes_embed_rows  # noqa: E402
-from imp_jax.model.llama import DecoderLM  # noqa: E402
-from imp_jax.model.loader import load_model  # noqa: E402
+from imp_jax.model.architectures.llama import DecoderLM  # noqa: E402
+from imp_jax.model.formats.loader import load_model  # noqa: E402
 from imp_jax.model.vision.idefics3 import Idefics3Vision  # noqa: E402
 
 

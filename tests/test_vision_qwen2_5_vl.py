@@ -21,12 +21,12 @@ from support.vision import synthetic_image  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.kernels_pallas import AttentionMetadata  # noqa: E402
 from imp_jax.model.config import ModelConfig  # noqa: E402
-from imp_jax.model.llama import DecoderLM  # noqa: E402
-from imp_jax.model.loader import load_model  # noqa: E402
+from imp_jax.model.architectures.llama import DecoderLM  # noqa: E402
+from imp_jax.model.formats.loader import load_model  # noqa: E402
 from imp_jax.model.vision import qwen2_5_vl_processor as proc  # noqa: E402
 from imp_jax.model.vision.mrope import get_rope_index  # noqa: E402
 from imp_jax.model.vision.qwen2_5_vl import Qwen25Vision, VisionLayout  # noqa: E402
-from imp_jax.runtime.batch import SeqChunk, build_step_batch  # noqa: E402
+from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch  # noqa: E402
 
 SIZES = [(37, 53), (64, 64), (200, 90), (20, 300), (9, 9)]   # PIL (width, height): down, square, wide, tall, up
 
@@ -192,7 +192,7 @@ def test_text_only_generation_matches_transformers(tiny_qwen, loaded):
 def test_the_engine_serves_qwen2_5_vl_images(loaded, caplog, monkeypatch):
     """Qwen2.5-VL's image side is served (tests/test_vision_engine_qwen.py); a family left out of SERVED_VISION
     would be dropped at build, the model served as text."""
-    from imp_jax.runtime import builder
+    from imp_jax.runtime.core import builder
 
     assert builder.served_vision(loaded) is loaded and "qwen2_5_vl" in builder.SERVED_VISION
     monkeypatch.setattr(builder, "SERVED_VISION", {"idefics3": "Idefics3 / SmolVLM"})

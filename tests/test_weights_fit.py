@@ -1,15 +1,15 @@
 """GPU defaults decided on a CPU: a GGUF's quantised matrices widened at load where they fit beside the
-KV cache (runtime/weights_fit.py), and a bfloat16 KV cache."""
+KV cache (runtime/execution/weights_fit.py), and a bfloat16 KV cache."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from imp_jax.kernels_pallas import kv_storage_dtype
-from imp_jax.model.gguf_loader import load_gguf
-from imp_jax.model.loader import resolve_dtype
-from imp_jax.runtime.builder import resolve_kv_dtype
+from imp_jax.model.formats.gguf_loader import load_gguf
+from imp_jax.model.formats.loader import resolve_dtype
+from imp_jax.runtime.core.builder import resolve_kv_dtype
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.weights_fit import fit_on_gpu, quantized_weights
+from imp_jax.runtime.execution.weights_fit import fit_on_gpu, quantized_weights
 
 GIB = 2**30
 

@@ -21,10 +21,10 @@ SIZES = (1, 2, 4)
 
 
 def run(model: str, n: int, cache_dir: str | None) -> dict:
-    from imp_jax.runtime.batch import SeqChunk, build_step_batch
-    from imp_jax.runtime.builder import build_engine
+    from imp_jax.runtime.execution.batch import SeqChunk, build_step_batch
+    from imp_jax.runtime.core.builder import build_engine
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.kv_blocks import BlockTable
+    from imp_jax.runtime.kv.kv_blocks import BlockTable
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
     config = EngineConfig(model=model, gemm="exact", tensor_parallel_size=n, max_num_seqs=1, max_num_batched_tokens=16,

@@ -33,7 +33,7 @@ def paged_attention(
     sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The attention half of `ragged_paged_attention`, the step's K/V already in the caches: out [T, H, D].
-    A model that picks a layer's window at run time (`lax.cond`, model/gemma.py) calls it in each branch,
+    A model that picks a layer's window at run time (`lax.cond`, model/architectures/gemma.py) calls it in each branch,
     which then only read the caches. `sinks` [H] (gpt-oss): per-head logits in each softmax's
     denominator, never soft-capped (every backend takes them)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)

@@ -65,7 +65,7 @@ class Kernels:
 
     @property
     def bucketed_context(self) -> bool:
-        """Whether step programs come per context length (runtime/step.py): XLA attention without dynamic
+        """Whether step programs come per context length (runtime/execution/step.py): XLA attention without dynamic
         skips walks its block tables to a static bound, so each program hands it only the columns its
         step's longest sequence can reach, not the whole table."""
         return self.attention == "xla" and not self.dynamic_skips
@@ -114,7 +114,7 @@ def select_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto
         raise ValueError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_BACKENDS)} (cpu: exact)")
     on_cpu = device.platform == "cpu"
     # on a CPU whose C++ GEMM runs, a float32 model keeps the blocks unless told to dequantise them
-    # (model/weights.py WeightFormats): then, and only then, int8 activations have blocks to meet
+    # (model/formats/weights.py WeightFormats): then, and only then, int8 activations have blocks to meet
     blocks_kept = ggml_blocks and quantized != "dequantize" and jnp.dtype(shape.q_dtype) == jnp.float32
     return Kernels(attention=_attention(attention, device, shape, on_cpu), gemm=_gemm(gemm, device, blocks_kept),
                    dynamic_skips=on_cpu, quantized="keep" if quantized == "auto" and not on_cpu else quantized)

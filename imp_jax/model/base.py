@@ -37,7 +37,7 @@ from imp_jax.kernels_pallas import XLA, AttentionMetadata, Kernels
 from imp_jax.model.config import ModelConfig
 
 LAYER_LOOPS = ("scan", "unroll")
-# Logical axis names for parameters and the KV cache; runtime/sharding.py maps them onto a mesh.
+# Logical axis names for parameters and the KV cache; runtime/parallel/sharding.py maps them onto a mesh.
 AXES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "qkv", "gate_up")
 KVCache = tuple[jax.Array, jax.Array]   # K and V, each [L, num_blocks, block_size, KVH, D]
 KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)

@@ -111,7 +111,7 @@ class ModelConfig:
                      f"served context exceeds original_max_position_embeddings "
                      f"{rs.original_max_position_embeddings}), attention factor {rs.attention_factor:.6g}")
         return text
-    # --- Gemma 2 / Gemma 3 (model/gemma.py); the defaults leave every other family unchanged ---
+    # --- Gemma 2 / Gemma 3 (model/architectures/gemma.py); the defaults leave every other family unchanged ---
     query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (None: head_dim)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
     final_logit_softcapping: float | None = None # logits -> cap * tanh(logits / cap)
@@ -135,7 +135,7 @@ class ModelConfig:
         if self.layer_types and self.layer_types[i] == "full_attention":
             return None
         return self.sliding_window
-    # --- mixture of experts (model/moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE). The defaults (no experts)
+    # --- mixture of experts (model/architectures/moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE). The defaults (no experts)
     # leave every dense family as it was.
     num_experts: int = 0                      # routed experts per sparse layer; 0: a dense model
     num_experts_per_tok: int = 0              # top-k

@@ -70,7 +70,7 @@ def _own_slot(h: jax.Array, ids: jax.Array) -> jax.Array:
 def _finite(bt: jax.Array) -> jax.Array:
     """The B slab with non-finite entries selected to 0: the contraction over slots multiplies every
     slot's B by each row's (selected) zeros, and 0 * inf is NaN. Load refuses such adapters
-    (model/peft.py); this keeps one that got into a slot anyway inside its own rows."""
+    (model/formats/peft.py); this keeps one that got into a slot anyway inside its own rows."""
     return jnp.where(jnp.isfinite(bt), bt, jnp.zeros((), bt.dtype))
 
 

@@ -7,23 +7,23 @@ import importlib
 from imp_jax.errors import ModelLoadError
 
 ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "imp_jax.model.llama:DecoderLM",
-    "MistralForCausalLM": "imp_jax.model.llama:DecoderLM",
-    "Qwen2ForCausalLM": "imp_jax.model.llama:DecoderLM",
-    "Qwen3ForCausalLM": "imp_jax.model.llama:DecoderLM",
-    "Phi3ForCausalLM": "imp_jax.model.phi3:Phi3LM",   # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
-    "Gemma2ForCausalLM": "imp_jax.model.gemma:GemmaLM",
-    "Gemma3ForCausalLM": "imp_jax.model.gemma:GemmaLM",
-    "Gemma3ForConditionalGeneration": "imp_jax.model.gemma:GemmaLM",   # images: model/vision/gemma3.py
+    "LlamaForCausalLM": "imp_jax.model.architectures.llama:DecoderLM",
+    "MistralForCausalLM": "imp_jax.model.architectures.llama:DecoderLM",
+    "Qwen2ForCausalLM": "imp_jax.model.architectures.llama:DecoderLM",
+    "Qwen3ForCausalLM": "imp_jax.model.architectures.llama:DecoderLM",
+    "Phi3ForCausalLM": "imp_jax.model.architectures.phi3:Phi3LM",   # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
+    "Gemma2ForCausalLM": "imp_jax.model.architectures.gemma:GemmaLM",
+    "Gemma3ForCausalLM": "imp_jax.model.architectures.gemma:GemmaLM",
+    "Gemma3ForConditionalGeneration": "imp_jax.model.architectures.gemma:GemmaLM",   # images: model/vision/gemma3.py
     # image-text: the Llama decoder, images as embedding overrides (model/vision/side.py)
-    "Idefics3ForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
-    "SmolVLMForConditionalGeneration": "imp_jax.model.llama:DecoderLM",
-    "Qwen2_5_VLForConditionalGeneration": "imp_jax.model.llama:DecoderLM",   # Qwen2 with M-RoPE (positions [3, T])
-    # mixture of experts (model/moe.py)
-    "MixtralForCausalLM": "imp_jax.model.moe:MoELM",
-    "Qwen2MoeForCausalLM": "imp_jax.model.moe:MoELM",
-    "Qwen3MoeForCausalLM": "imp_jax.model.moe:MoELM",
-    "GptOssForCausalLM": "imp_jax.model.gpt_oss:GptOssLM",   # attention sinks, MXFP4 experts dequantised
+    "Idefics3ForConditionalGeneration": "imp_jax.model.architectures.llama:DecoderLM",
+    "SmolVLMForConditionalGeneration": "imp_jax.model.architectures.llama:DecoderLM",
+    "Qwen2_5_VLForConditionalGeneration": "imp_jax.model.architectures.llama:DecoderLM",   # Qwen2 with M-RoPE (positions [3, T])
+    # mixture of experts (model/architectures/moe.py)
+    "MixtralForCausalLM": "imp_jax.model.architectures.moe:MoELM",
+    "Qwen2MoeForCausalLM": "imp_jax.model.architectures.moe:MoELM",
+    "Qwen3MoeForCausalLM": "imp_jax.model.architectures.moe:MoELM",
+    "GptOssForCausalLM": "imp_jax.model.architectures.gpt_oss:GptOssLM",   # attention sinks, MXFP4 experts dequantised
 }
 
 

@@ -131,7 +131,7 @@ class Engine(Protocol):
 
 
 class Encoder(Protocol):
-    """An encoder engine (runtime/encoder_engine.py) as the server sees it: embeddings and rerank scores."""
+    """An encoder engine (runtime/core/encoder_engine.py) as the server sees it: embeddings and rerank scores."""
 
     state: str
     error: str | None

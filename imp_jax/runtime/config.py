@@ -7,7 +7,7 @@ from pathlib import Path
 
 from imp_jax.kernels_pallas.choices import ATTENTION_BACKENDS, GEMM_BACKENDS, QUANTIZED_CHOICES
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.hub import DEFAULT_MODEL
+from imp_jax.model.formats.hub import DEFAULT_MODEL
 from imp_jax.paths import compilation_cache_dir
 from imp_jax.runtime.request import SEED_RANGE
 
@@ -189,7 +189,7 @@ def models_in(directory: Path) -> dict[str, Path]:
     """name -> path of every model an EngineConfig's `model` could name in `directory` (a `.gguf` file,
     an HF or converted directory; named as the loader serves it: the entry's name), sorted by name."""
     from imp_jax.errors import ModelLoadError
-    from imp_jax.model.hub import classify_path
+    from imp_jax.model.formats.hub import classify_path
 
     found: dict[str, Path] = {}
     for path in sorted(directory.iterdir()):

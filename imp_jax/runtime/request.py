@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.banned import check_phrases
-from imp_jax.runtime.dry import (
+from imp_jax.runtime.decoding.banned import check_phrases
+from imp_jax.runtime.decoding.dry import (
     DEFAULT_BREAKERS,
     MAX_BREAKER_CHARS,
     MAX_BREAKERS,
@@ -28,8 +28,8 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 TOP_K_RANGE = (-(2**31), 2**31 - 1)     # <= 0 (or >= the vocabulary) is off
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_DRY_ALLOWED_LENGTH = 1024
-MAX_CFG_SCALE = 10.0                    # cfg_scale in [1, MAX_CFG_SCALE], 1 = off (runtime/cfg.py)
-MIROSTAT_TAU, MIROSTAT_ETA = 5.0, 0.1   # llama.cpp's defaults (runtime/mirostat.py)
+MAX_CFG_SCALE = 10.0                    # cfg_scale in [1, MAX_CFG_SCALE], 1 = off (runtime/decoding/cfg.py)
+MIROSTAT_TAU, MIROSTAT_ETA = 5.0, 0.1   # llama.cpp's defaults (runtime/decoding/mirostat.py)
 MAX_MIROSTAT_TAU = 100.0                # bits: far past any vocabulary's entropy
 
 
@@ -97,14 +97,14 @@ class SamplingParams:
     # event reports (EngineEvent.raw_logprobs; /v1/score, /v1/decide); each takes a logit_bias slot
     raw_logprob_ids: list[int] = dataclasses.field(default_factory=list)
     logit_lens: int | None = None         # None = off; N = per layer, the sampled token's raw rank/logprob + top N
-    # phrases the output must not contain: a completed one is rewound and resampled (runtime/banned.py)
+    # phrases the output must not contain: a completed one is rewound and resampled (runtime/decoding/banned.py)
     banned_strings: list[str] = dataclasses.field(default_factory=list)
     banned_regex: list[str] = dataclasses.field(default_factory=list)
-    # mirostat v1 / v2 (runtime/mirostat.py): 0 = off; tau and eta act only through it
+    # mirostat v1 / v2 (runtime/decoding/mirostat.py): 0 = off; tau and eta act only through it
     mirostat: int = 0
     mirostat_tau: float = MIROSTAT_TAU
     mirostat_eta: float = MIROSTAT_ETA
-    # DRY (runtime/dry.py): multiplier 0 = off; the others act only through it
+    # DRY (runtime/decoding/dry.py): multiplier 0 = off; the others act only through it
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -210,9 +210,9 @@ class GenerationRequest:
     compiled_constraint: Any = None  # its CompiledGrammar (constraints.py), set before admission off the engine thread
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
-    cfg_scale: float = 1.0         # classifier-free guidance (runtime/cfg.py); 1 = off
+    cfg_scale: float = 1.0         # classifier-free guidance (runtime/decoding/cfg.py); 1 = off
     cfg_prompt_ids: list[int] | None = None  # the shadow prompt CFG guides away from (with cfg_scale != 1)
-    speculative: bool | None = None  # draft and verify (runtime/speculative.py); None = the server's --speculative
+    speculative: bool | None = None  # draft and verify (runtime/decoding/speculative.py); None = the server's --speculative
     spec_ngram_k: int | None = None  # the n-gram drafter's depth for this request; None = --speculative-max-draft
     spec_mtp_k: int | None = None    # the MTP head depth asked for (there is none: > 0 is declined)
     images: tuple[ImageInput, ...] = ()  # in prompt order; prompt_ids hold each one's Engine.image_prompt text
@@ -246,7 +246,7 @@ class ImageInput:
 
 @dataclasses.dataclass(frozen=True)
 class StreamLimits:
-    """How far a request's reader may fall behind its events before it is dropped (runtime/event_buffer.py)."""
+    """How far a request's reader may fall behind its events before it is dropped (runtime/core/event_buffer.py)."""
 
     max_events: int = 256          # buffered events; past this, events coalesce
     stall_timeout_s: float = 30.0  # events left waiting this long, nothing taken, drop the reader
@@ -254,7 +254,7 @@ class StreamLimits:
 
 @dataclasses.dataclass
 class LensLayer:
-    """logit_lens: one layer's reading of the sampled token (runtime/logit_lens.py), of the raw distribution."""
+    """logit_lens: one layer's reading of the sampled token (runtime/decoding/logit_lens.py), of the raw distribution."""
 
     rank: int                       # 1 = the layer's most likely token
     logprob: float
@@ -279,7 +279,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     reasoning_tokens: int = 0   # of completion_tokens: the think block's, markers included
-    # speculative decoding (runtime/speculative.py): imp_spec_* counters when a verify step ran or a
+    # speculative decoding (runtime/decoding/speculative.py): imp_spec_* counters when a verify step ran or a
     # drafter the request asked for was declined (imp_spec_declined, imp_spec_declined_detail)
     spec: dict[str, Any] | None = None
 

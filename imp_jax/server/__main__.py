@@ -20,7 +20,7 @@ from quart import Quart
 from imp_jax.errors import ImpError
 from imp_jax.runtime.api import Encoder, Engine
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.early_start import start_kernel_builds
+from imp_jax.runtime.core.early_start import start_kernel_builds
 from imp_jax.server.app import create_app
 from imp_jax.server.cli import parse_config
 from imp_jax.server.context import ServerConfig, state_of
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if code is not None:
             return code
     start_kernel_builds(config.engine)   # a first start's C++ kernel builds run beside the jax import below
-    from imp_jax.runtime.replicas import check_devices  # the engine (and jax) live behind this import
-    from imp_jax.runtime.replicas import make_engine as engine_for
+    from imp_jax.runtime.parallel.replicas import check_devices  # the engine (and jax) live behind this import
+    from imp_jax.runtime.parallel.replicas import make_engine as engine_for
 
     models_dir = Path(config.models_dir) if config.models_dir else None
     if models_dir is not None and not models_dir.is_dir():
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 def start_multi_host(config: ServerConfig) -> int | None:
     """Join the process group (--coordinator); None on process 0, which goes on to serve HTTP; the others
     follow its steps here and return their exit code (docs/DEPLOYMENT.md, tensor parallel across hosts)."""
-    from imp_jax.runtime.multihost import check_config, initialize, run_follower
+    from imp_jax.runtime.parallel.multihost import check_config, initialize, run_follower
 
     try:
         if config.models_dir:
@@ -207,7 +207,7 @@ def start_multi_host(config: ServerConfig) -> int | None:
 
 def make_encoders(config: ServerConfig) -> list[Encoder]:
     """The EncoderEngines of --embedding-model and --rerank-model (not started; the app starts them)."""
-    from imp_jax.runtime.encoder_engine import EncoderEngine, EncoderEngineConfig
+    from imp_jax.runtime.core.encoder_engine import EncoderEngine, EncoderEngineConfig
 
     chat = None if not config.model_given and config.models_dir else Path(str(config.engine.model)).name
     out = []

@@ -288,7 +288,7 @@ def check_pins(req: Any) -> None:
 
 
 def session_id_of(req: Any) -> str | None:
-    """The body's `session_id` (every dialect; runtime/sessions.py), checked: a non-empty string."""
+    """The body's `session_id` (every dialect; runtime/scheduling/sessions.py), checked: a non-empty string."""
     sid = getattr(req, "session_id", None)
     if sid is None:
         return None

@@ -98,7 +98,7 @@ ENGINE_COUNTERS = (
      "phrase taken back and its first token resampled"),
     ("imp_constraint_mask_seconds", "constraint_mask_seconds_total", "Host seconds computing the "
      "allowed-token masks of constrained rows before each step"),
-    # speculative decoding (runtime/speculative.py): a verify step is one sequence's drafts checked in one
+    # speculative decoding (runtime/decoding/speculative.py): a verify step is one sequence's drafts checked in one
     # engine step; the n-gram matcher is the only drafter, so the aggregate and imp_spec_ngram_* agree
     ("imp_spec_drafted", "spec_drafted_total", "Draft tokens verified"),
     ("imp_spec_accepted", "spec_accepted_total", "Draft tokens accepted"),

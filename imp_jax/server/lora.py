@@ -4,7 +4,7 @@ in `context.engine_request` (validation.lora_of) and reaches the engine through 
 
 A run-time load reads only what the operator allowed: a `path` inside `--lora-dir` (resolved: no `..`
 or link leading out) or one of the start-up `--lora` paths; an answer never shows a host path
-(docs/SECURITY.md). The engine does the work (runtime/lora.py): load reads and checks the PEFT directory, then fills a
+(docs/SECURITY.md). The engine does the work (runtime/scheduling/lora.py): load reads and checks the PEFT directory, then fills a
 free slot; unload refuses new requests for the name at once and answers once those in flight ended,
 or, past its `timeout_s`, gives the name back and answers 503 (imp's answer to a drain that timed out).
 """

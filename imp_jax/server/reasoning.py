@@ -1,8 +1,8 @@
 """Reasoning on the wire: what reaches the chat template, Anthropic's `thinking` opt-in, the
 reasoning parts of the dialects' replies, and `POST /v1/requests/{id}/end_thinking`.
 
-The engine splits a thinking model's think block (runtime/reasoning.py), or a harmony reply's analysis
-channel (runtime/harmony.py, gpt-oss), from its answer into each event's `reasoning_text` and `text`; the
+The engine splits a thinking model's think block (runtime/replies/reasoning.py), or a harmony reply's analysis
+channel (runtime/replies/harmony.py, gpt-oss), from its answer into each event's `reasoning_text` and `text`; the
 dialects only place the two.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from quart import Blueprint, current_app, jsonify
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
-from imp_jax.runtime.harmony import HarmonyMarkers
-from imp_jax.runtime.reasoning import ThinkMarkers
+from imp_jax.runtime.replies.harmony import HarmonyMarkers
+from imp_jax.runtime.replies.reasoning import ThinkMarkers
 from imp_jax.server.context import caller_owner, ready_engine, server
 from imp_jax.server.errors import not_supported
 

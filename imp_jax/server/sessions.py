@@ -1,5 +1,5 @@
 """`POST /v1/sessions/{id}/close`: release the KV blocks a `session_id` keeps pinned for its next turn
-(runtime/sessions.py); they are also released after `--session-ttl-s` idle seconds."""
+(runtime/scheduling/sessions.py); they are also released after `--session-ttl-s` idle seconds."""
 from __future__ import annotations
 
 from typing import Any

@@ -11,7 +11,7 @@ The forms (docs/API.md, "Structured output"):
   cannot be combined with the ones above (`ToolPlan.admit`).
 
 Each becomes an llguidance grammar string through llguidance's own converters (JSON schema, regex,
-Lark, GBNF, choices), which the engine enforces token by token (runtime/constraints.py). Before any
+Lark, GBNF, choices), which the engine enforces token by token (runtime/decoding/constraints.py). Before any
 stream starts the grammar is compiled against the model's tokenizer, so a constraint that cannot
 compile, a schema keyword llguidance cannot enforce, or a form past the limits below is a 400 naming
 the exact field; the compiled grammar is kept for the engine.
@@ -25,7 +25,7 @@ from typing import Any
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.api import Engine
-from imp_jax.runtime.constraints import GrammarConstraints
+from imp_jax.runtime.decoding.constraints import GrammarConstraints
 from imp_jax.runtime.request import SamplingParams
 from imp_jax.server.limits import field_limits
 from imp_jax.server.validation import WireModel

@@ -412,7 +412,7 @@ class MistralParser(ToolCallParser):
 
 
 class HarmonyParser(ToolCallParser):
-    """gpt-oss's calls as the engine's harmony tracker writes them into the answer (runtime/harmony.py):
+    """gpt-oss's calls as the engine's harmony tracker writes them into the answer (runtime/replies/harmony.py):
     `<|start|>HEADER<|message|>ARGS`, closed by `<|end|>` (or the reply's end). A header addressed to
     `functions.NAME` is a call of NAME; any other recipient (a built-in tool) keeps its message as text."""
 

@@ -149,7 +149,7 @@ class ToolPlan:
     def output_format(self, fmt: str) -> OutputFormat | None:
         """The grammar a `required` or named choice decodes under, else None; structured.constraint compiles
         it as any output format (off the event loop, cached, a 400 before the stream). A harmony reply's
-        call follows headers the engine reads outside any grammar (runtime/harmony.py): not enforced there."""
+        call follows headers the engine reads outside any grammar (runtime/replies/harmony.py): not enforced there."""
         if not self.enforced or fmt == "harmony":
             return None
         return OutputFormat(_grammar(fmt, self._choosable(), self.parallel), self.choice_param, self.choice_param)
@@ -296,7 +296,7 @@ def _grammar(fmt: str, tools: Sequence[Tool], parallel: bool) -> str:
     """Lark (llguidance) for one call, or several when `parallel`, of `tools` in `fmt`'s markup.
 
     Nothing follows the last call: once the grammar is complete it allows every one of the model's
-    EOS ids, end of turn included (runtime/constraints.py), as for any output format.
+    EOS ids, end of turn included (runtime/decoding/constraints.py), as for any output format.
     """
     args_key = "parameters" if fmt == "llama3_json" else "arguments"
     bodies = [f"t{i}: %json{json.dumps(_call_schema(t, args_key))}" for i, t in enumerate(tools)]

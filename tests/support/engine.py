@@ -12,9 +12,9 @@ import pytest
 
 from imp_jax.kernels_pallas import kv_storage_dtype
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.parallel.sharding import default_mesh
 
 
 MAX_MODEL_LEN = 256

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny_vlm import hf_gemma3_processor, write_tiny_gemma3
 
-from imp_jax.model.loader import load_model
+from imp_jax.model.formats.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from tiny_models import TINY
 
-from imp_jax.model.gpt_oss import dequantize_mxfp4
+from imp_jax.model.architectures.gpt_oss import dequantize_mxfp4
 
 YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
             original_max_position_embeddings=64)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.runtime.config import EngineConfig
-from imp_jax.runtime.engine import EngineCore
+from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
-from imp_jax.runtime.sharding import default_mesh
+from imp_jax.runtime.parallel.sharding import default_mesh
 
 
 BS = 16

@@ -30,7 +30,7 @@ from loopback import free_port, wait_for
 from support.otlp_receiver import OTLPReceiver
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.model.tokenizer import Tokenizer
+from imp_jax.model.text.tokenizer import Tokenizer
 from imp_jax.runtime.api import Capabilities, Engine, not_serving
 from imp_jax.runtime.request import (EngineEvent, GenerationRequest, SamplingParams, Usage,
                                      check_context)

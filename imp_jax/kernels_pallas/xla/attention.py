@@ -44,7 +44,7 @@ def ragged_paged_attention_xla(
     With `dynamic_skips` off (GPUs: see `Kernels`) both parts loop to static bounds, the whole
     block table and every earlier tile (every tile, with key limits), masked, and tiles always
     gather per row: more work, but no data-dependent branch or trip count for the host to wait on. The engine's step then hands
-    it only its context bucket's leading columns of the tables (runtime/step.py), so the walk
+    it only its context bucket's leading columns of the tables (runtime/execution/step.py), so the walk
     follows the step's longest sequence, rounded up to a power of two, not max_model_len.
     """
     T, H, D = q.shape

@@ -6,7 +6,7 @@ each k x k block of that grid (k = n / sqrt(mm_tokens_per_image), `nn.AvgPool2d`
 with Gemma's RMSNorm (scale 1 + w, in float32, eps the tower's layer_norm_eps) and multiplies them by
 `mm_input_projection_weight` [vision hidden, text hidden]: `mm_tokens_per_image` rows per image, the
 embeddings that replace its `<image_soft_token>`s. They are not scaled by sqrt(hidden) as the text
-embeddings are (transformers scatters them over the scaled embeddings; model/gemma.py does the same).
+embeddings are (transformers scatters them over the scaled embeddings; model/architectures/gemma.py does the same).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from imp_jax.errors import ModelLoadError
 from imp_jax.model.language_model_config import GEMMA3_TEXT_DEFAULTS
 from imp_jax.model.layers import linear, rms_norm
 from imp_jax.model.vision.siglip import VisionConfig, VisionTransformer
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.formats.weights import WeightSource
 
 ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # SiglipVisionConfig's defaults, which a saved `vision_config` may leave out

@@ -39,7 +39,7 @@ class Gemma3ProcessorConfig:
 
     @property
     def tile(self) -> int:
-        """The frame side (runtime/image_encoder.py's name for it)."""
+        """The frame side (runtime/execution/image_encoder.py's name for it)."""
         return self.size
 
     @classmethod

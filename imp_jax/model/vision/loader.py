@@ -1,6 +1,6 @@
 """Load an Idefics3 / SmolVLM HF directory: the image side (model/vision/idefics3.py) and its Llama text model.
 
-The engine loads these through model/loader.py (the image side as `LoadedModel.vision`, model/vision/side.py);
+The engine loads these through model/formats/loader.py (the image side as `LoadedModel.vision`, model/vision/side.py);
 this builds both halves directly, for tests and tools.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from imp_jax.errors import ModelLoadError
 from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.language_model_config import language_model_config
-from imp_jax.model.llama import DecoderLM
-from imp_jax.model.loader import SafetensorsDir
+from imp_jax.model.architectures.llama import DecoderLM
+from imp_jax.model.formats.loader import SafetensorsDir
 from imp_jax.model.vision.idefics3 import ARCHITECTURES, Idefics3Config, Idefics3Vision
 from imp_jax.model.vision.side import TextModelTensors, build_vision, open_vision
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.formats.weights import WeightSource
 
 
 def text_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:

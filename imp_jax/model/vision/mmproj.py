@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.gguf_loader import ARCHITECTURES, _f32, _Metadata, _open, metadata_errors
+from imp_jax.model.formats.gguf_loader import ARCHITECTURES, _f32, _Metadata, _open, metadata_errors
 from imp_jax.model.vision.gemma3 import Gemma3VisionConfig
 from imp_jax.model.vision.gemma3_processor import (BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN as GEMMA_IMAGE_TOKEN,
                                                    Gemma3ProcessorConfig)

@@ -1,4 +1,4 @@
-"""An image-text checkpoint's image side as the main loader sees it (model/loader.py): opened with the
+"""An image-text checkpoint's image side as the main loader sees it (model/formats/loader.py): opened with the
 checkpoint, built next to its text model, and exposed as `LoadedModel.vision` (None: text only).
 
 Three families:
@@ -8,7 +8,7 @@ Three families:
 - Qwen2.5-VL: `visual.*` beside a Qwen2 text model under `model.*` (as the hub has it and transformers 5
   saves it; `model.language_model.*` is read through the same view). An image of grid (t, h, w) gives
   `config.rows(grid)` rows, and the decoder takes M-RoPE positions [3, T] (model/vision/qwen2_5_vl.py).
-- Gemma 3: `vision_tower.*` and `multi_modal_projector.*` beside `language_model.model.*` (model/gemma.py reads
+- Gemma 3: `vision_tower.*` and `multi_modal_projector.*` beside `language_model.model.*` (model/architectures/gemma.py reads
   it); every image is one frame of `config.image_seq_len` (mm_tokens_per_image) rows (model/vision/gemma3.py).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from imp_jax.model.vision.idefics3 import Idefics3Config, Idefics3Vision
 from imp_jax.model.vision.idefics3_processor import ImageProcessorConfig
 from imp_jax.model.vision.qwen2_5_vl import Qwen25Vision, Qwen25VLConfig
 from imp_jax.model.vision.qwen2_5_vl_processor import Qwen2VLProcessorConfig
-from imp_jax.model.weights import WeightSource
+from imp_jax.model.formats.weights import WeightSource
 
 VisionConfig = Idefics3Config | Qwen25VLConfig | Gemma3VisionConfig
 ProcessorConfig = ImageProcessorConfig | Qwen2VLProcessorConfig | Gemma3ProcessorConfig

@@ -1,12 +1,12 @@
-"""banned_strings / banned_regex (runtime/banned.py) as a feature: the phrases and rewind budget per request,
+"""banned_strings / banned_regex (runtime/decoding/banned.py) as a feature: the phrases and rewind budget per request,
 a filter per sequence, and the bans at a rewound position in the row's logit_bias. Holding text back and
-rewinding are the output stage's (runtime/output.py), which reads `seq.banned`."""
+rewinding are the output stage's (runtime/core/output.py), which reads `seq.banned`."""
 from __future__ import annotations
 
 from typing import Any
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.banned import BannedFilter, BannedPhrases, RewindBudget
+from imp_jax.runtime.decoding.banned import BannedFilter, BannedPhrases, RewindBudget
 from imp_jax.runtime.features.base import Feature
 
 

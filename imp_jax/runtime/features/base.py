@@ -31,13 +31,13 @@ import numpy as np
 
 if TYPE_CHECKING:
     from imp_jax.runtime.config import EngineConfig
-    from imp_jax.runtime.engine_stats import EngineCounters
-    from imp_jax.runtime.kv_blocks import KVBlockPool
+    from imp_jax.runtime.core.engine_stats import EngineCounters
+    from imp_jax.runtime.kv.kv_blocks import KVBlockPool
     from imp_jax.runtime.request import GenerationRequest, SamplingParams, TokenLogprob
-    from imp_jax.runtime.request_state import RequestState
-    from imp_jax.runtime.scheduler import ScheduledChunk, Scheduler
-    from imp_jax.runtime.sequence import Sequence
-    from imp_jax.runtime.step import CompiledStep
+    from imp_jax.runtime.core.request_state import RequestState
+    from imp_jax.runtime.scheduling.scheduler import ScheduledChunk, Scheduler
+    from imp_jax.runtime.scheduling.sequence import Sequence
+    from imp_jax.runtime.execution.step import CompiledStep
 
 
 class EndSequence(Exception):
@@ -70,7 +70,7 @@ class Accepted:
     token: int
     out: Any                 # the step's host SamplerOutput
     row: int                 # the token's row in it
-    kind: str                # runtime/reasoning.py ANSWER / THINK / MARKER (the think feature sets it)
+    kind: str                # runtime/replies/reasoning.py ANSWER / THINK / MARKER (the think feature sets it)
     logprobs: list[TokenLogprob] | None
     raw: dict[int, float] | None = None   # raw logprobs of probed ids (SamplingParams.raw_logprob_ids)
     verified: bool = False   # it came from a verify chunk (speculative drafts), not a plain decode row

@@ -1,10 +1,10 @@
-"""Classifier-free guidance (runtime/cfg.py) as a feature: a shadow sequence per choice, fed each token its
+"""Classifier-free guidance (runtime/decoding/cfg.py) as a feature: a shadow sequence per choice, fed each token its
 main samples, and the step's (shadow row, scale) inputs."""
 from __future__ import annotations
 
 from typing import Any
 
-from imp_jax.runtime import cfg as guidance
+from imp_jax.runtime.decoding import cfg as guidance
 from imp_jax.runtime.features.base import Accepted, Feature
 
 

@@ -1,10 +1,10 @@
-"""DRY (runtime/dry.py) as a feature: the row's (token, penalty) slots from the sequence's DryState, which
+"""DRY (runtime/decoding/dry.py) as a feature: the row's (token, penalty) slots from the sequence's DryState, which
 follows its history incrementally (never a scan of the whole history per step)."""
 from __future__ import annotations
 
 from typing import Any
 
-from imp_jax.runtime.dry import BreakerTable, DryState, top_slots
+from imp_jax.runtime.decoding.dry import BreakerTable, DryState, top_slots
 from imp_jax.runtime.features.base import Feature, Services
 
 

@@ -1,4 +1,4 @@
-"""Structured output (runtime/constraints.py) as a feature: a grammar matcher per sequence, its allowed-token
+"""Structured output (runtime/decoding/constraints.py) as a feature: a grammar matcher per sequence, its allowed-token
 masks filled in one call for the whole batch, and each answer token checked against it."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
-from imp_jax.runtime.constraints import GrammarConstraints
+from imp_jax.runtime.decoding.constraints import GrammarConstraints
 from imp_jax.runtime.features.base import Accepted, EndSequence, Feature, Services
-from imp_jax.runtime.reasoning import ANSWER
+from imp_jax.runtime.replies.reasoning import ANSWER
 
 
 def matcher(seq):

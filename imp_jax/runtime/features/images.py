@@ -1,6 +1,6 @@
-"""Images as a feature: a request's pictures become encoder rows in the device row pool (runtime/image_rows.py),
+"""Images as a feature: a request's pictures become encoder rows in the device row pool (runtime/scheduling/image_rows.py),
 and each prompt token that stands for one reads its row in the step. The family (Idefics3 / SmolVLM, or
-Qwen2.5-VL) is behind runtime/image_family.py: its rows per image, pool units, preprocessing and encoder.
+Qwen2.5-VL) is behind runtime/decoding/image_family.py: its rows per image, pool units, preprocessing and encoder.
 
 `prepare` preprocesses the pixels (and, for an M-RoPE family, computes the prompt's [3, T] positions) off the
 engine thread; admission checks the prompt's image tokens against the images and takes each image's pool
@@ -23,9 +23,9 @@ import numpy as np
 
 from imp_jax.errors import EngineError, InvalidRequestError
 from imp_jax.runtime.features.base import Feature, Services
-from imp_jax.runtime.image_family import image_family, row_unit
-from imp_jax.runtime.image_rows import ImageEntry, ImageRows
-from imp_jax.runtime.kv_hash import ImageKeys
+from imp_jax.runtime.decoding.image_family import image_family, row_unit
+from imp_jax.runtime.scheduling.image_rows import ImageEntry, ImageRows
+from imp_jax.runtime.kv.kv_hash import ImageKeys
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""logit_lens (runtime/logit_lens.py) as a feature: per-layer readouts of each sampled token, attached to its
+"""logit_lens (runtime/decoding/logit_lens.py) as a feature: per-layer readouts of each sampled token, attached to its
 logprobs by a second program run after the step is read."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.features.base import Accepted, Feature
-from imp_jax.runtime.logit_lens import lens_batch, lens_layers
+from imp_jax.runtime.decoding.logit_lens import lens_batch, lens_layers
 from imp_jax.runtime.request import check_reply_size
-from imp_jax.runtime.sequence import SeqStatus
+from imp_jax.runtime.scheduling.sequence import SeqStatus
 
 
 class LensFeature(Feature):

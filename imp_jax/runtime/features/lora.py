@@ -1,4 +1,4 @@
-"""LoRA adapters (runtime/lora.py) as a feature: the request holds its adapter's slot until it ends, and
+"""LoRA adapters (runtime/scheduling/lora.py) as a feature: the request holds its adapter's slot until it ends, and
 its sequences compute (and key their prefix-cache blocks) under it."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.features.base import Feature, Services
-from imp_jax.runtime.lora import AdapterSlots
+from imp_jax.runtime.scheduling.lora import AdapterSlots
 
 
 class AdapterFeature(Feature):

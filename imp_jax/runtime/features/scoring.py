@@ -1,4 +1,4 @@
-"""prompt_logprobs (runtime/prompt_logprobs.py) as a feature: the first sequence's prompt prefills through the
+"""prompt_logprobs (runtime/decoding/prompt_logprobs.py) as a feature: the first sequence's prompt prefills through the
 scheduler under a private prefix-cache key; the part of each chunk before the last prompt token runs through
 the scoring program (`runs_tokens` / `run_tokens`); the entries ride on the request's first event."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 from imp_jax.runtime.features.base import Accepted, Feature
-from imp_jax.runtime.prompt_logprobs import PromptScoring
+from imp_jax.runtime.decoding.prompt_logprobs import PromptScoring
 
 
 class ScoringFeature(Feature):

@@ -1,12 +1,12 @@
-"""Speculative decoding (runtime/speculative.py) as a feature: a drafting state per sequence, the scheduler's
+"""Speculative decoding (runtime/decoding/speculative.py) as a feature: a drafting state per sequence, the scheduler's
 drafter, the verify of a read chunk's drafts, and the request's imp_spec_* usage."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from imp_jax.runtime.features.base import Accepted, Feature
-from imp_jax.runtime.sequence import Sequence, SeqStatus
-from imp_jax.runtime.speculative import MAX_DRAFT, SpecState, accepted_prefix, ngram_draft
+from imp_jax.runtime.scheduling.sequence import Sequence, SeqStatus
+from imp_jax.runtime.decoding.speculative import MAX_DRAFT, SpecState, accepted_prefix, ngram_draft
 
 
 def spec_state(seq: Sequence) -> SpecState | None:

@@ -1,4 +1,4 @@
-"""Think blocks (runtime/reasoning.py, harmony.py) as a feature: a tracker per sequence, the forced end's
+"""Think blocks (runtime/replies/reasoning.py, harmony.py) as a feature: a tracker per sequence, the forced end's
 token mask, each token's kind (think, marker, answer), and the reasoning token count in usage."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from imp_jax.runtime.features.base import Accepted, Feature, Services
-from imp_jax.runtime.harmony import HarmonyMarkers
-from imp_jax.runtime.reasoning import ThinkMarkers, default_think_budget
-from imp_jax.runtime.sampling import pack_allowed_tokens
+from imp_jax.runtime.replies.harmony import HarmonyMarkers
+from imp_jax.runtime.replies.reasoning import ThinkMarkers, default_think_budget
+from imp_jax.runtime.execution.sampling import pack_allowed_tokens
 
 
 class ThinkFeature(Feature):

@@ -1,0 +1,236 @@
+"""Gemma 2 and Gemma 3 (text): the decoder of model/architectures/llama.py with Gemma's numerics.
+
+What differs from DecoderLM:
+- RMSNorm scales by (1 + weight); the weights are kept as the checkpoint has them (HF's, and a
+  GGUF's less the 1 llama.cpp added) and the 1 is added in float32 where they are used, as HF does;
+- the embedding is multiplied by sqrt(hidden_size) rounded to the model dtype;
+- attention is scaled by `query_pre_attn_scalar ** -0.5`, its scores soft-capped (Gemma 2), and its
+  output normed before the residual add; the MLP is gelu(tanh)-gated between two more norms;
+- the final logits are soft-capped (Gemma 2);
+- layers alternate sliding-window and global attention (`config.layer_types`); Gemma 3 norms q and
+  k per head and rotates the sliding layers with their own RoPE base (`rope_local_theta`).
+
+A layer's window is static to the attention kernels. Under the `scan` layer loop a layer picks its
+kind with `lax.cond` on a per-layer flag: K/V are written to the cache first, outside the cond, so
+the branches only read the cache (no copy of it), and only the chosen branch runs. Under `unroll`
+each layer's window is known when tracing. Every layer keeps a full-length paged KV cache: sliding
+layers only mask what they read (their blocks beyond the window are not reclaimed).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from imp_jax.kernels_pallas import AttentionMetadata, paged_attention
+from imp_jax.kernels_pallas.kv_cache import write_kv
+from imp_jax.model.base import KVCache, ModelOptions
+from imp_jax.model.config import ModelConfig, RopeScaling
+from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, rope_tables
+from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM, layer_linear
+from imp_jax.model.lora import LoraLayers
+from imp_jax.model.tensor_parallel import TensorParallel
+from imp_jax.model.formats.weights import WeightSource, stored
+
+# where a Gemma3ForConditionalGeneration checkpoint keeps its language model's `model.*` and `lm_head.*`
+MULTIMODAL_PREFIXES = (("language_model.model.", "language_model.lm_head."),
+                       ("model.language_model.", "lm_head."))
+NORMS = ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm")
+
+
+class GemmaLayers(DecoderLayers):
+    """DecoderLayers plus the feed-forward's pre and post norms; every norm holds HF's weight w
+    (the scale is 1 + w), zero-initialised."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
+        super().__init__(cfg, dtype, rngs, tp)
+        L, E = cfg.num_layers, cfg.hidden_size
+        self.pre_ffn_norm = nnx.Param(jnp.zeros((L, E), dtype), axes=("layers", "embed"))
+        self.post_ffn_norm = nnx.Param(jnp.zeros((L, E), dtype), axes=("layers", "embed"))
+        for name in NORMS:
+            p = getattr(self, name)
+            if p is not None:
+                p.set_value(jnp.zeros_like(p[...]))
+
+
+def gemma_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: x normalised in float32, times (1 + w) in float32, back to x's dtype."""
+    return rms_norm(x, 1.0 + w.astype(jnp.float32), eps)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class GemmaLM(DecoderLM):
+    """Gemma2ForCausalLM / Gemma3ForCausalLM over a ragged token batch and a paged KV cache
+    (model/base.py, the contract)."""
+
+    takes_embed_rows = True    # Gemma 3's images (model/vision/gemma3.py) as embedding overrides
+
+    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
+        super().__init__(config, options, rngs=rngs)
+        self.layers = GemmaLayers(config, options.dtype, rngs, self.tp)
+        self.norm = nnx.Param(jnp.zeros((config.hidden_size,), options.dtype), axes=("embed",))
+
+    def sliding_layers(self) -> np.ndarray:
+        """bool [L]: which layers attend through the sliding window."""
+        c = self.config
+        return np.array([c.layer_window(i) is not None for i in range(c.num_layers)])
+
+    def _rope(self, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        """(cos, sin) of the global layers and of the sliding ones (Gemma 3's local base, unscaled)."""
+        c = self.config
+        full = rope_tables(positions, c.rope_inv_freq())
+        if c.rope_local_theta is None:
+            return full, full
+        local = dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_scaling=RopeScaling())
+        return full, rope_tables(positions, local.rope_inv_freq())
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv: KVCache,
+                 meta: AttentionMetadata, lora_ids: jax.Array | None = None, embed_rows: jax.Array | None = None,
+                 embed_slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Hidden states [T, hidden] (before the final norm) and the updated KV cache. `embed_rows` [M, hidden]
+        replace the embeddings of token rows `embed_slots` [M] after the sqrt(hidden) scaling, unscaled, as
+        transformers scatters Gemma 3's image features (model/base.py; a slot >= T writes nowhere)."""
+        cfg = self.config
+        x = self._embed(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
+        ropes = self._rope(positions)
+        vectors, matrices = self.layers.vectors(), self.layers.matrices()
+        loras: dict[str, LoraLayers] = {}
+        if self.lora is not None and lora_ids is not None:
+            loras = {name: self.lora.all_layers(name, lora_ids) for name in self.lora.layered}
+            embed_lora = self.lora.global_delta("embed_tokens", lora_ids)
+            if embed_lora is not None:   # PEFT adds the delta to the scaled embedding
+                x = (x + embed_lora.embed(input_ids, self.options.kernels.dynamic_skips)).astype(x.dtype)
+        if embed_rows is not None:
+            x = override_rows(x, embed_rows, embed_slots)
+        sliding = self.sliding_layers()
+
+        def layer(carry, xs):
+            x, k_cache, v_cache = carry
+            w, i, is_sliding = xs
+            x, k_cache, v_cache = self._layer(x, w, matrices, loras, i, is_sliding, ropes, k_cache, v_cache, meta)
+            return (x, k_cache, v_cache), None
+
+        carry = (x, *kv)
+        if self.options.layer_loop == "scan":
+            layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            carry, _ = jax.lax.scan(layer, carry, (vectors, layer_ids, jnp.asarray(sliding)))
+        else:
+            for i in range(cfg.num_layers):
+                carry, _ = layer(carry, ({k: w[i] for k, w in vectors.items()}, i, bool(sliding[i])))
+        x, k_cache, v_cache = carry
+        return x, (k_cache, v_cache)
+
+    def _layer(self, x, w, mats, loras, i, is_sliding, ropes, k_cache, v_cache, meta):
+        """One Gemma layer; `is_sliding` a Python bool (unrolled) or a traced one (scan)."""
+        cfg, kernels = self.config, self.options.kernels
+        eps = cfg.rms_norm_eps
+        T, D = x.shape[0], cfg.head_dim
+        heads, kv_heads = self.tp.local_heads, self.tp.local_kv_heads
+        h = gemma_norm(x, w["input_norm"], eps)
+        qkv = layer_linear(h, mats["qkv_proj"], i, None, kernels, loras.get("qkv_proj"))
+        q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=-1)
+        q, k, v = q.reshape(T, heads, D), k.reshape(T, kv_heads, D), v.reshape(T, kv_heads, D)
+        if cfg.qk_norm:
+            q, k = gemma_norm(q, w["q_norm"], eps), gemma_norm(k, w["k_norm"], eps)
+        (cos_g, sin_g), (cos_l, sin_l) = ropes
+        static = isinstance(is_sliding, bool)
+        if static:
+            cos, sin = (cos_l, sin_l) if is_sliding else (cos_g, sin_g)
+        elif cos_l is cos_g:
+            cos, sin = cos_g, sin_g
+        else:
+            cos, sin = jnp.where(is_sliding, cos_l, cos_g), jnp.where(is_sliding, sin_l, sin_g)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, i)
+        scale = (cfg.query_pre_attn_scalar or D) ** -0.5
+
+        def attend(window):
+            return lambda q, kc, vc: paged_attention(q, kc, vc, meta, i, sm_scale=scale, sliding_window=window,
+                                                     soft_cap=cfg.attn_logit_softcapping, kernels=kernels)
+        kinds = set(self.sliding_layers().tolist())
+        if static or len(kinds) == 1:
+            window = cfg.sliding_window if (is_sliding if static else kinds.pop()) else None
+            attn = attend(window)(q, k_cache, v_cache)
+        else:
+            attn = jax.lax.cond(is_sliding, attend(cfg.sliding_window), attend(None), q, k_cache, v_cache)
+        attn = attn.astype(x.dtype)
+        o = self._reduce(layer_linear(attn.reshape(T, heads * D), mats["o_proj"], i, None, kernels,
+                                      loras.get("o_proj")))
+        x = x + gemma_norm(o, w["post_norm"], eps)
+        h = gemma_norm(x, w["pre_ffn_norm"], eps)
+        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
+                                          loras.get("gate_up_proj")), 2, axis=-1)
+        m = self._reduce(layer_linear(jax.nn.gelu(gate, approximate=True) * up, mats["down_proj"], i, None,
+                                      kernels, loras.get("down_proj")))
+        x = x + gemma_norm(m, w["post_ffn_norm"], eps)
+        return x, k_cache, v_cache
+
+    def logits(self, hidden: jax.Array, lora_ids: jax.Array | None = None) -> jax.Array:
+        """Final norm, LM head and (Gemma 2) soft-capping on the rows to sample: float32 [R, vocab]."""
+        h = gemma_norm(hidden, self.norm[...], self.config.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        lora = (self.lora.global_delta("lm_head", lora_ids)
+                if self.lora is not None and lora_ids is not None else None)
+        out = linear(h, head[...], kernels=self.options.kernels, out_dtype=jnp.float32, lora=lora)
+        return soft_cap(out, self.config.final_logit_softcapping)
+
+    @classmethod
+    def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
+                        options: ModelOptions = ModelOptions()) -> "GemmaLM":
+        """Build from HF-named tensors: DecoderLM's names plus the feed-forward norms. A multimodal
+        Gemma 3 checkpoint's language model (`language_model.model.*` or `model.language_model.*`)
+        is read under the plain names; its image side is model/vision/gemma3.py's."""
+        weights = _language_model(weights)
+        model = super().from_hf_tensors(config, weights, options)
+        on_host = model.tp.n > 1
+        for name, hf in (("pre_ffn_norm", "pre_feedforward_layernorm"),
+                         ("post_ffn_norm", "post_feedforward_layernorm")):
+            value = np.stack([weights.tensor(f"model.layers.{i}.{hf}.weight") for i in range(config.num_layers)])
+            param = getattr(model.layers, name)
+            if value.shape != tuple(param.shape):
+                raise ValueError(f"{hf}: shape {value.shape} where {param.shape} was expected")
+            param.set_value(stored(value, options.dtype, on_host=on_host))
+        return model
+
+
+class _Renamed(Mapping[str, np.ndarray]):
+    """A WeightSource's tensors under Gemma3ForCausalLM's names: `model.*` read from `model`,
+    `lm_head.*` from `head` (the names from_hf_tensors asks for; not iterable)."""
+
+    def __init__(self, weights: WeightSource, model: str, head: str):
+        self._weights, self._model, self._head = weights, model, head
+
+    def _stored(self, name: str) -> str:
+        if name.startswith("model."):
+            return self._model + name[len("model."):]
+        return self._head + name[len("lm_head."):] if name.startswith("lm_head.") else name
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._weights.tensor(self._stored(name))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._stored(name) in self._weights
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("a renamed view is read by name only")
+
+    def __len__(self) -> int:
+        raise TypeError("a renamed view is read by name only")
+
+
+def _language_model(weights: WeightSource) -> WeightSource:
+    """`weights` itself, or, for a multimodal Gemma 3 checkpoint, its language model's tensors under
+    the names of a Gemma3ForCausalLM."""
+    if "model.embed_tokens.weight" in weights:
+        return weights
+    for model, head in MULTIMODAL_PREFIXES:
+        if model + "embed_tokens.weight" in weights:
+            return WeightSource(_Renamed(weights, model, head), weights.formats, weights.source)
+    return weights   # the first lookup names what is missing

@@ -1,0 +1,2 @@
+"""What the decoding features compute on the host: each feature's plug-in (runtime/features/) calls the
+module here that holds its logic (DRY, mirostat, banned strings, grammars, CFG, speculation, logit lens...)."""

@@ -1,0 +1,1 @@
+"""Reply parsing over generated text, pure Python: stop strings, think blocks, harmony messages."""
