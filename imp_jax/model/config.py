@@ -213,7 +213,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             rope_scaling=parse_rope_scaling(rope, source, hf=hf, rotary_dim=int(head_dim * partial),
-                                             max_pos=max_pos),
+                                            max_pos=max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attention_bias(hf, default=False),

@@ -1,8 +1,10 @@
 """GGUF checkpoints: llama.cpp metadata -> HF config dict, lazily dequantised HF-named tensors, tokenizer.
 
 Matches transformers' own GGUF loading (config keys, Q/K un-permutation, tokenizer conversion) so a
-GGUF and the HF checkpoint it came from load to the same model. The tokenizer conversion lives in
-gguf_tokenizer.py.
+GGUF and the HF checkpoint it came from load to the same model. The common decoder's metadata keys and
+tensor names are here; each family declares its own (its llama.cpp architectures, their keys and tensor
+names: model/family.py's GGUFNames) in its own file, collected through the registry. The tokenizer
+conversion lives in gguf_tokenizer.py.
 """
 from __future__ import annotations
 
