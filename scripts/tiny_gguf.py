@@ -15,6 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from imp_jax.model.family import GGUFNames
 from imp_jax.model.formats import gguf_loader as loader
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -23,25 +24,28 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello there
 
 
 def gguf_name(hf_name: str, arch: str, hf_arch: str | None = None) -> str:
-    """The GGUF tensor name the loader maps to `hf_name` for a file of `arch` (`hf_arch`: the HF
-    architecture of a mixture of experts, whose expert leaves differ: Mixtral's w1/w3/w2 or gate/up/down_proj).
-    The loader's tables are private to it; reading them here keeps one table, which a new family extends."""
+    """The GGUF tensor name the loader maps to `hf_name` for a file of `arch` (`hf_arch`: the HF architecture,
+    where one `arch` serves two: a `llama` file with experts is a Mixtral). The loader's tables (the common
+    decoder's and each family's GGUFNames) are read here, inverted: one table, which a new family extends."""
     stem, _, suffix = hf_name.rpartition(".")
-    top = {hf: g for g, hf in loader._TOP_NAMES.items()}
+    top = {hf: g for g, hf in loader.TOP_NAMES.items()}
     if stem in top:
         return f"{top[stem]}.{suffix}"
     model, layers, layer, rest = hf_name.split(".", 3)   # model.layers.{i}.{leaf}
     assert (model, layers) == ("model", "layers"), hf_name
-    layer_names = (loader._GEMMA_LAYER_NAMES if arch in loader.GEMMA else
-                   loader._GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else loader._LAYER_NAMES)
-    leaves = loader._MOE_LEAVES.get(hf_arch or "", loader._MOE_LEAVES["other"])
-    names = {**({g: hf.format(**leaves) for g, hf in loader._MOE_NAMES.items()} if arch != "gpt-oss" else {}),
-             **layer_names}
-    inverse = {hf: g for g, hf in names.items()}
-    if rest in inverse:   # a bare parameter (gpt-oss's sinks): llama.cpp names it `.weight`
+    names = _names(arch, hf_arch)
+    inverse = {hf: g for g, hf in loader.layer_names(names).items()}
+    if rest in inverse and inverse[rest] in names.bare:   # a bare parameter: llama.cpp names it `.weight`
         return f"blk.{layer}.{inverse[rest]}.weight"
     leaf, _, suffix = rest.rpartition(".")
     return f"blk.{layer}.{inverse[leaf]}.{suffix}"
+
+
+def _names(arch: str, hf_arch: str | None) -> GGUFNames:
+    """The loader's declaration of a file of `arch` loading as `hf_arch` (any of `arch`'s, preferring one
+    without experts, when not given)."""
+    return next((n for n in loader.GGUF_NAMES if n.arch == arch and n.architecture == hf_arch),
+                loader.gguf_names(arch))
 
 
 def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
@@ -60,12 +64,13 @@ def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors:
             w.add_key_value(key, *value)
         else:
             getattr(w, f"add_{key}")(value)
+    names = _names(arch, hf_arch)
     for hf_name, x in tensors.items():
         name, q, x = gguf_name(hf_name, arch, hf_arch), qtype(hf_name), np.ascontiguousarray(x)
         leaf = name.split(".")[2] if name.startswith("blk.") else None
-        if arch == "llama" and leaf in ("attn_q", "attn_k"):
+        if names.permuted_qk and leaf in ("attn_q", "attn_k"):
             x = loader.permute_rotary(x, metadata["head_count" if leaf == "attn_q" else "head_count_kv"])
-        if arch in loader.GEMMA and hf_name.endswith("norm.weight"):
+        if names.norm_plus_one and hf_name.endswith("norm.weight"):
             x = x + np.float32(1.0)
         if x.dtype == np.uint8:
             w.add_tensor(name, x, raw_dtype=q)

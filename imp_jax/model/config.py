@@ -1,26 +1,23 @@
-"""Model configuration: one dataclass for the decoder family, parsed from HF config.json dicts."""
+"""Model configuration: the common decoder's fields, parsed from HF config.json dicts; a family's own fields
+live in its ModelConfig subclass, declared in its own file (model/family.py) and found through the registry."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
+from imp_jax.model import registry
 from imp_jax.model.language_model_config import TEXT_CONFIG_DEFAULTS, language_model_config
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
-# q/k/v biases unless the config says otherwise
-QKV_BIAS_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration")
-QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-ROUTERS = ("softmax_topk", "topk_softmax")
 ROPE_ALIASES = {"su": "longrope",   # Phi-3's early configs name longrope "su"
                 "mrope": "default"}  # Qwen2-VL's multimodal RoPE: default frequencies, `mrope_section` apart
 LAYER_TYPES = ("sliding_attention", "full_attention")
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +52,9 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only transformer (Llama, Mistral, Qwen2, Qwen3)."""
+    """Shape and numerics of a decoder-only transformer (Llama, Mistral, Qwen2, Qwen3, Phi-3); a family with
+    fields of its own subclasses it (Gemma, the mixtures of experts, gpt-oss). `raw` is the HF config dict
+    it was parsed from, for a family to read a hyperparameter no field names."""
 
     architecture: str
     vocab_size: int
@@ -80,6 +79,11 @@ class ModelConfig:
     # --- Qwen2.5-VL: multimodal RoPE (model/vision/mrope.py) ------------------------------------
     mrope_section: tuple[int, ...] = ()  # rotary half-dims per position component (temporal, height,
                                          # width), in order; () = one component (plain RoPE)
+    layer_types: tuple[str, ...] = ()    # per layer "sliding_attention" | "full_attention";
+                                         # () = every layer uses `sliding_window` as above (Gemma, gpt-oss)
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # a learned per-head logit joins each softmax's denominator (a family's class says so: gpt-oss)
+    attention_sinks: ClassVar[bool] = False
 
     @property
     def rotary_dim(self) -> int:
@@ -111,13 +115,6 @@ class ModelConfig:
                      f"served context exceeds original_max_position_embeddings "
                      f"{rs.original_max_position_embeddings}), attention factor {rs.attention_factor:.6g}")
         return text
-    # --- Gemma 2 / Gemma 3 (model/architectures/gemma.py); the defaults leave every other family unchanged ---
-    query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (None: head_dim)
-    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
-    final_logit_softcapping: float | None = None # logits -> cap * tanh(logits / cap)
-    layer_types: tuple[str, ...] = ()            # per layer "sliding_attention" | "full_attention";
-                                                 # () = every layer uses `sliding_window` as above
-    rope_local_theta: float | None = None        # Gemma 3: RoPE base of the sliding layers (no scaling)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):   # tuple fields come back from JSON as lists (converted checkpoints)
@@ -135,26 +132,6 @@ class ModelConfig:
         if self.layer_types and self.layer_types[i] == "full_attention":
             return None
         return self.sliding_window
-    # --- mixture of experts (model/architectures/moe.py: Mixtral, Qwen2-MoE, Qwen3-MoE). The defaults (no experts)
-    # leave every dense family as it was.
-    num_experts: int = 0                      # routed experts per sparse layer; 0: a dense model
-    num_experts_per_tok: int = 0              # top-k
-    moe_intermediate_size: int = 0            # each routed expert's; 0: intermediate_size (Mixtral)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
-    norm_topk_prob: bool = False              # renormalise the k kept probabilities to sum to 1
-    router: str = "softmax_topk"              # "softmax_topk" or "topk_softmax" (softmax of the k logits)
-    expert_bias: bool = False                 # router and experts carry biases (gpt-oss)
-    expert_act: str = "silu"                  # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's
-    swiglu_alpha: float = 1.702               # swiglu_clamped: gate * sigmoid(alpha * gate) * (up + 1),
-    swiglu_limit: float = 7.0                 # gate clamped above at limit, up to [-limit, limit]
-    attention_sinks: bool = False             # a learned per-head logit joins each softmax's denominator
-    decoder_sparse_step: int = 1              # layer i is sparse when (i + 1) % step == 0 ...
-    mlp_only_layers: tuple[int, ...] = ()     # ... and i is not listed here (dense MLP of intermediate_size)
-
-    def is_sparse_layer(self, i: int) -> bool:
-        """Whether layer i routes over experts (transformers' Qwen2-MoE rule; every layer for Mixtral)."""
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
 
     @property
     def q_size(self) -> int:
@@ -224,9 +201,7 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: partial_rotary_factor {partial} must be in (0, 1] and rotate "
                                  f"an even number of the {head_dim} head dims")
         max_pos = int(hf.get("max_position_embeddings", 2048))
-        gemma = _gemma_fields(hf, arch, num_layers=need("num_hidden_layers"), source=source)
-        gemma.update(_gpt_oss_fields(hf, arch, num_layers=need("num_hidden_layers"), source=source))
-        fields = dict(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
@@ -237,20 +212,23 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(rope, source, hf=hf, rotary_dim=int(head_dim * partial),
-                                             max_pos=max_pos),
+            rope_scaling=parse_rope_scaling(rope, source, hf=hf, rotary_dim=int(head_dim * partial),
+                                            max_pos=max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in QKV_BIAS_ARCHS))),
-            qk_norm=arch in QK_NORM_ARCHS,
+            attention_bias=attention_bias(hf, default=False),
             sliding_window=int(window) if window else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
             partial_rotary_factor=partial,
             mrope_section=_mrope_section(rope, int(head_dim * partial), source),
-            **_moe_fields(hf, arch, source),
         )
-        return cls(**{**fields, **gemma})
+        family = registry.family(arch)
+        if family is None:   # a user model's architecture (--model-class): the common fields
+            return cls(**fields, raw=dict(hf))
+        if family.parse is not None:
+            fields.update(family.parse(hf, fields, source))
+        return family.config(**fields, raw=dict(hf))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -263,62 +241,23 @@ class ModelConfig:
         return cls.from_hf(hf, source=str(path))
 
 
+def config_class(architecture: str) -> type[ModelConfig]:
+    """The ModelConfig (sub)class of an architecture's family (ModelConfig itself for an unregistered one)."""
+    family = registry.family(architecture)
+    return ModelConfig if family is None else family.config
+
+
+def attention_bias(hf: Mapping[str, Any], default: bool) -> bool:
+    """Whether q/k/v carry biases: the config's `attention_bias` (or `qkv_bias`), else the family's `default`."""
+    return bool(hf.get("attention_bias", hf.get("qkv_bias", default)))
+
+
 def read_json(path: Path) -> Any:
     """A JSON file's content; malformed content is a ModelLoadError naming the file (absence raises FileNotFoundError)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: malformed JSON ({e})") from None
-
-
-def _gemma_fields(hf: dict[str, Any], arch: str, num_layers: int, source: str) -> dict[str, Any]:
-    """ModelConfig fields of a Gemma 2 / 3 config (overriding the generic parse); {} for other families.
-
-    Gemma 2 alternates sliding and global layers (sliding first); Gemma 3 has `sliding_window_pattern`
-    - 1 sliding layers, then a global one, and RoPE bases per layer type: `rope_theta` (global,
-    with `rope_scaling`) and `rope_local_base_freq` (sliding). transformers 5 writes both as
-    `rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}` and `layer_types`."""
-    if arch not in GEMMA_ARCHITECTURES:
-        return {}
-    g3 = arch != "Gemma2ForCausalLM"
-    if hf.get("use_bidirectional_attention"):
-        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding Gemma) is not supported "
-                             f"by the causal-LM server")
-    if hf.get("attention_bias"):
-        raise ModelLoadError(f"{source}: attention_bias is not supported for {arch}")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelLoadError(f"{source}: hidden_activation {act!r} is not supported for {arch} "
-                             f"(supported: gelu_pytorch_tanh)")
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = int(hf.get("sliding_window_pattern") or (6 if g3 else 2))
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ModelLoadError(f"{source}: 'layer_types' must be a list of strings")
-    window = hf.get("sliding_window", 4096)
-    if window is None and "sliding_attention" in types:
-        raise ModelLoadError(f"{source}: 'sliding_window' is null but layer_types has sliding layers")
-    out: dict[str, Any] = dict(
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
-        attn_logit_softcapping=_opt_float(hf.get("attn_logit_softcapping", None if g3 else 50.0)),
-        final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping", None if g3 else 30.0)),
-        layer_types=tuple(types), sliding_window=int(window) if window else None,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
-    params = hf.get("rope_parameters") or {}
-    if isinstance(params.get("full_attention"), dict):   # transformers 5: per layer type
-        full, local = params["full_attention"], params.get("sliding_attention") or {}
-        out["rope_theta"] = float(full.get("rope_theta", 1e6 if g3 else 10000.0))
-        out["rope_scaling"] = _parse_rope_scaling(full, source)
-        if local.get("rope_type", "default") != "default":
-            raise ModelLoadError(f"{source}: scaled RoPE on sliding layers is not supported")
-        out["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
-    elif g3:
-        out["rope_theta"] = float(hf.get("rope_theta") or params.get("rope_theta") or 1e6)
-        out["rope_local_theta"] = float(hf.get("rope_local_base_freq") or 10000.0)
-    if g3 and "rope_local_theta" not in out:
-        out["rope_local_theta"] = 10000.0
-    return out
 
 
 def _mrope_section(rope: dict[str, Any], rotary_dim: int, source: str) -> tuple[int, ...]:
@@ -334,11 +273,11 @@ def _mrope_section(rope: dict[str, Any], rotary_dim: int, source: str) -> tuple[
     return tuple(section)
 
 
-def _opt_float(x: Any) -> float | None:
+def opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 
-def _parse_rope_scaling(rs: dict[str, Any] | None, source: str, *, hf: dict[str, Any] | None = None,
+def parse_rope_scaling(rs: dict[str, Any] | None, source: str, *, hf: dict[str, Any] | None = None,
                         rotary_dim: int = 0, max_pos: int = 0) -> RopeScaling:
     """`rs` as a RopeScaling; longrope also reads the whole config `hf` (a top-level
     original_max_position_embeddings), the rotary dims and max_position_embeddings."""
@@ -387,31 +326,6 @@ def _parse_longrope(rs: dict[str, Any], source: str, hf: dict[str, Any], rotary_
                        attention_factor=float(attention), use_long_factor=max_pos > original, **factors)
 
 
-def _moe_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a HF config (none for a dense one). Mixtral names its expert
-    count `num_local_experts` and always renormalises the top-k weights; the Qwen MoEs name it
-    `num_experts` (Qwen3-MoE configs written by transformers 5 say `num_local_experts`)."""
-    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
-    if not experts:
-        return {}
-    try:
-        experts, k = int(experts), int(hf.get("num_experts_per_tok") or 0)
-        mlp_only = tuple(int(i) for i in hf.get("mlp_only_layers") or ())
-        fields = dict(
-            num_experts=experts, num_experts_per_tok=k,
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(hf.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
-            mlp_only_layers=mlp_only)
-    except (TypeError, ValueError) as e:
-        raise ModelLoadError(f"{source}: bad mixture-of-experts field ({e})") from None
-    if not 1 <= k <= experts:
-        raise ModelLoadError(f"{source}: 'num_experts_per_tok' must be in 1..{experts} (the experts), "
-                             f"got {hf.get('num_experts_per_tok')!r}")
-    return fields
-
-
 def _parse_yarn(rs: dict[str, Any], source: str, max_pos: int) -> RopeScaling:
     """YaRN as transformers' `_compute_yarn_parameters` reads it: `factor` (else max_position_embeddings
     / original), the attention factor `attention_factor` if given, else 0.1 * ln(factor) + 1 (with
@@ -451,26 +365,3 @@ def _yarn_inv_freq(inv: np.ndarray, dim: int, base: float, rs: RopeScaling) -> n
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     extrapolate = 1 - ramp
     return inv / rs.factor * (1 - extrapolate) + inv * extrapolate
-
-
-def _gpt_oss_fields(hf: dict[str, Any], arch: str, num_layers: int, source: str) -> dict[str, Any]:
-    """ModelConfig fields of a gpt-oss config ({} for other families): alternating sliding / full
-    layers (sliding first unless `layer_types` says otherwise), attention sinks, the router's
-    softmax over the top-k logits, biased experts and the clamped SwiGLU."""
-    if arch != "GptOssForCausalLM":
-        return {}
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                      for i in range(num_layers)]
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ModelLoadError(f"{source}: 'layer_types' must be a list of strings")
-    window = hf.get("sliding_window", 128)
-    if not window and "sliding_attention" in types:
-        raise ModelLoadError(f"{source}: 'sliding_window' is null but layer_types has sliding layers")
-    try:
-        alpha, limit = float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))
-    except (TypeError, ValueError):
-        raise ModelLoadError(f"{source}: 'swiglu_alpha' and 'swiglu_limit' must be numbers") from None
-    return dict(layer_types=tuple(types), sliding_window=int(window) if window else None,
-                attention_bias=bool(hf.get("attention_bias", True)), router="topk_softmax", norm_topk_prob=False,
-                expert_bias=True, expert_act="swiglu_clamped", swiglu_alpha=alpha, swiglu_limit=limit,
-                attention_sinks=True)

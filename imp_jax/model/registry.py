@@ -1,10 +1,15 @@
 """Model registry: HF `architectures` names -> causal LM classes, as a static table of import paths
-(and user classes by `--model-class package.module:Class`)."""
+(and user classes by `--model-class package.module:Class`); each class's module declares its family
+(`FAMILY`, model/family.py), which `family` and `families` collect."""
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from imp_jax.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from imp_jax.model.family import Family
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "imp_jax.model.architectures.llama:DecoderLM",
@@ -39,6 +44,21 @@ def get_model_class(architecture: str) -> type:
                              f"{', '.join(supported_architectures())}; or pass --model-class "
                              f"package.module:Class)", code="unknown_architecture")
     return import_model_class(spec)
+
+
+def family(architecture: str) -> Family | None:
+    """The declaration of the family serving an HF architecture name (None: not a registered one)."""
+    spec = ARCHITECTURES.get(architecture)
+    return None if spec is None else _family(spec.partition(":")[0])
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family's declaration, in the table's order."""
+    return tuple(_family(m) for m in dict.fromkeys(spec.partition(":")[0] for spec in ARCHITECTURES.values()))
+
+
+def _family(module_name: str) -> Family:
+    return importlib.import_module(module_name).FAMILY
 
 
 def import_model_class(spec: str) -> type:

@@ -52,8 +52,9 @@ class TensorParallel:
         kv = (f"{self.local_kv_heads} KV heads per shard" if self.kv_sharded else
               f"KV heads replicated ({cfg.num_kv_heads} on every shard: {self.n} does not divide them)")
         pad = self.n * self.local_heads - cfg.num_heads
-        experts = (f", {self.padded(cfg.moe_intermediate_size or cfg.intermediate_size) // self.n} rows of "
-                   f"each of {cfg.num_experts} experts per shard" if cfg.num_experts else "")
+        count = getattr(cfg, "num_experts", 0)   # a mixture of experts' (model/architectures/moe.py: MoEConfig)
+        experts = (f", {self.padded(cfg.moe_intermediate_size or cfg.intermediate_size) // self.n} rows "
+                   f"of each of {count} experts per shard" if count else "")
         return (f"tensor parallel over {self.n}: {self.local_heads} query heads per shard"
                 f"{f' ({pad} zero-padded in all)' if pad else ''}, {kv}, {self.local_mlp} MLP rows per shard"
                 f"{experts}, vocabulary {'split' if self.vocab_parallel else 'replicated'}")

@@ -19,17 +19,20 @@ layers only mask what they read (their blocks beyond the window are not reclaime
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import AttentionMetadata, paged_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.model.base import KVCache, ModelOptions
-from imp_jax.model.config import ModelConfig, RopeScaling
+from imp_jax.model.config import ModelConfig, RopeScaling, opt_float, parse_rope_scaling
+from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.formats.gguf_metadata import Metadata, f32, layer_types, opt_f32
 from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, rope_tables
 from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM, layer_linear
 from imp_jax.model.lora import LoraLayers
@@ -40,6 +43,16 @@ from imp_jax.model.formats.weights import WeightSource, stored
 MULTIMODAL_PREFIXES = (("language_model.model.", "language_model.lm_head."),
                        ("model.language_model.", "lm_head."))
 NORMS = ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaConfig(ModelConfig):
+    """ModelConfig plus Gemma 2 / 3's numerics (`FAMILY.parse` reads them)."""
+
+    query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcapping: float | None = None # logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None        # Gemma 3: RoPE base of the sliding layers (no scaling)
 
 
 class GemmaLayers(DecoderLayers):
@@ -72,7 +85,7 @@ class GemmaLM(DecoderLM):
 
     takes_embed_rows = True    # Gemma 3's images (model/vision/gemma3.py) as embedding overrides
 
-    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
+    def __init__(self, config: GemmaConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         super().__init__(config, options, rngs=rngs)
         self.layers = GemmaLayers(config, options.dtype, rngs, self.tp)
         self.norm = nnx.Param(jnp.zeros((config.hidden_size,), options.dtype), axes=("embed",))
@@ -182,7 +195,7 @@ class GemmaLM(DecoderLM):
         return soft_cap(out, self.config.final_logit_softcapping)
 
     @classmethod
-    def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
+    def from_hf_tensors(cls, config: GemmaConfig, weights: WeightSource,
                         options: ModelOptions = ModelOptions()) -> "GemmaLM":
         """Build from HF-named tensors: DecoderLM's names plus the feed-forward norms. A multimodal
         Gemma 3 checkpoint's language model (`language_model.model.*` or `model.language_model.*`)
@@ -234,3 +247,92 @@ def _language_model(weights: WeightSource) -> WeightSource:
         if model + "embed_tokens.weight" in weights:
             return WeightSource(_Renamed(weights, model, head), weights.formats, weights.source)
     return weights   # the first lookup names what is missing
+
+
+# ------------------------------------------------------------------------------------- the family
+def _parse(hf: Mapping[str, Any], fields: dict[str, Any], source: str) -> dict[str, Any]:
+    """GemmaConfig fields of a Gemma 2 / 3 config, over the common ones.
+
+    Gemma 2 alternates sliding and global layers (sliding first); Gemma 3 has `sliding_window_pattern`
+    - 1 sliding layers, then a global one, and RoPE bases per layer type: `rope_theta` (global,
+    with `rope_scaling`) and `rope_local_base_freq` (sliding). transformers 5 writes both as
+    `rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}` and `layer_types`."""
+    arch, num_layers = fields["architecture"], fields["num_layers"]
+    g3 = arch != "Gemma2ForCausalLM"
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding Gemma) is not supported "
+                             f"by the causal-LM server")
+    if hf.get("attention_bias"):
+        raise ModelLoadError(f"{source}: attention_bias is not supported for {arch}")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{source}: hidden_activation {act!r} is not supported for {arch} "
+                             f"(supported: gelu_pytorch_tanh)")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = int(hf.get("sliding_window_pattern") or (6 if g3 else 2))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ModelLoadError(f"{source}: 'layer_types' must be a list of strings")
+    window = hf.get("sliding_window", 4096)
+    if window is None and "sliding_attention" in types:
+        raise ModelLoadError(f"{source}: 'sliding_window' is null but layer_types has sliding layers")
+    out: dict[str, Any] = dict(
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+        attn_logit_softcapping=opt_float(hf.get("attn_logit_softcapping", None if g3 else 50.0)),
+        final_logit_softcapping=opt_float(hf.get("final_logit_softcapping", None if g3 else 30.0)),
+        layer_types=tuple(types), sliding_window=int(window) if window else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), qk_norm=g3)
+    params = hf.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):   # transformers 5: per layer type
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        out["rope_theta"] = float(full.get("rope_theta", 1e6 if g3 else 10000.0))
+        out["rope_scaling"] = parse_rope_scaling(full, source)
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: scaled RoPE on sliding layers is not supported")
+        out["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
+    elif g3:
+        out["rope_theta"] = float(hf.get("rope_theta") or params.get("rope_theta") or 1e6)
+        out["rope_local_theta"] = float(hf.get("rope_local_base_freq") or 10000.0)
+    if g3 and "rope_local_theta" not in out:
+        out["rope_local_theta"] = 10000.0
+    return out
+
+
+def _gguf_config(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3 keys as llama.cpp reads them: the attention scale is `attention.scale` when
+    written, else 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B models (46 or 62
+    layers), which is HF's `query_pre_attn_scalar`; the sliding-window pattern is
+    `attention.sliding_window_pattern` (a period, or a per-layer bool array, true = sliding) else
+    llama.cpp's fixed 2 (Gemma 2) or 6 (Gemma 3); the sliding layers' RoPE base is
+    `rope.freq_base_swa`, else 10000."""
+    a = lambda key: f"{arch}.{key}"  # noqa: E731
+    layers, g3 = cfg["num_hidden_layers"], arch == "gemma3"
+    scale = meta.get(a("attention.scale"))
+    if scale:
+        scalar = round(1.0 / float(scale) ** 2, 4)   # a float32 scale: 24 comes back as 23.999998
+    elif layers == (62 if g3 else 46):
+        scalar = cfg["hidden_size"] / cfg["num_attention_heads"]
+    else:
+        scalar = cfg["head_dim"]
+    types = layer_types(meta, arch, layers, 6 if g3 else 2)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": f32(scalar),
+        "attn_logit_softcapping": opt_f32(meta.get(a("attn_logit_softcapping"))),
+        "final_logit_softcapping": opt_f32(meta.get(a("final_logit_softcapping"))),
+        "sliding_window": meta.get(a("attention.sliding_window"), 4096),
+        "layer_types": types,
+    }
+    if g3:
+        out["rope_theta"] = f32(meta.get(a("rope.freq_base"), 1e6))
+        out["rope_local_base_freq"] = f32(meta.get(a("rope.freq_base_swa"), 10000.0))
+    return out
+
+
+# Gemma's four norms per layer (llama's `ffn_norm` is Gemma's pre-feed-forward norm), stored as weight + 1
+_GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+FAMILY = Family(config=GemmaConfig, parse=_parse, gguf=tuple(
+    GGUFNames(arch, hf_arch, config=_gguf_config, layer_names=_GGUF_LAYER_NAMES, norm_plus_one=True)
+    for arch, hf_arch in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))))

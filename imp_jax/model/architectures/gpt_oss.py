@@ -21,19 +21,24 @@ OpenAI's harmony format, which runtime/replies/harmony.py reads (reasoning, answ
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, ClassVar, Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import ggml_blocks
 from imp_jax.kernels_pallas.attention import paged_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.model.base import ModelOptions
-from imp_jax.model.config import ModelConfig
+from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.formats.gguf_metadata import Metadata, f32, layer_types
 from imp_jax.model.layers import apply_rope, rms_norm
 from imp_jax.model.architectures.llama import layer_linear
-from imp_jax.model.architectures.moe import MoELayers, MoELM, shard_putter
+from imp_jax.model.architectures.moe import MoEConfig, MoELayers, MoELM, moe_fields, shard_putter
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.formats.weights import WeightSource
 
@@ -58,10 +63,17 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(blocks.shape[:-2] + (-1,))
 
 
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig(MoEConfig):
+    """MoEConfig with attention sinks: a learned per-head logit joins each softmax's denominator."""
+
+    attention_sinks: ClassVar[bool] = True
+
+
 class GptOssLayers(MoELayers):
     """MoELayers plus the o projection's bias and the attention sinks, stacked [L, ...]."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
+    def __init__(self, cfg: GptOssConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
         super().__init__(cfg, dtype, rngs, tp)
         L = cfg.num_layers
         self.o_bias = nnx.Param(jnp.zeros((L, cfg.hidden_size), dtype), axes=("layers", "embed"))
@@ -108,7 +120,7 @@ class GptOssLM(MoELM):
         return x, k_cache, v_cache
 
     @classmethod
-    def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
+    def from_hf_tensors(cls, config: GptOssConfig, weights: WeightSource,
                         options: ModelOptions = ModelOptions()) -> "GptOssLM":
         """Build from a GptOssForCausalLM checkpoint's tensors: MoELM's attention and norms, then the
         o projection's bias, the sinks and the experts (`_load_experts`)."""
@@ -121,7 +133,7 @@ class GptOssLM(MoELM):
         return model
 
     @classmethod
-    def _load_experts(cls, model: "GptOssLM", config: ModelConfig, weights: WeightSource,
+    def _load_experts(cls, model: "GptOssLM", config: GptOssConfig, weights: WeightSource,
                       options: ModelOptions) -> None:
         """Router weight and bias; experts from `mlp.experts.{gate_up,down}_proj` ([E, in, out],
         bf16 / float) or their MXFP4 `_blocks` / `_scales` ([E, out, in] once dequantised), gate and
@@ -165,3 +177,86 @@ class GptOssLM(MoELM):
         bias = np.concatenate([weights.tensor(f"{pre}.gate_proj.bias"), weights.tensor(f"{pre}.up_proj.bias")], axis=1)
         return (weights.stack(f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"), bias,
                 weights.stack(f"{pre}.down_proj.weight"), weights.tensor(f"{pre}.down_proj.bias"))
+
+
+# ------------------------------------------------------------------------------------- the family
+def _parse(hf: Mapping[str, Any], fields: dict[str, Any], source: str) -> dict[str, Any]:
+    """GptOssConfig fields of a gpt-oss config: the experts, alternating sliding / full layers (sliding first
+    unless `layer_types` says otherwise), the router's softmax over the top-k logits, biased experts and the
+    clamped SwiGLU."""
+    num_layers = fields["num_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                      for i in range(num_layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ModelLoadError(f"{source}: 'layer_types' must be a list of strings")
+    window = hf.get("sliding_window", 128)
+    if not window and "sliding_attention" in types:
+        raise ModelLoadError(f"{source}: 'sliding_window' is null but layer_types has sliding layers")
+    try:
+        alpha, limit = float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{source}: 'swiglu_alpha' and 'swiglu_limit' must be numbers") from None
+    return {**moe_fields(hf, fields["architecture"], source),
+            **dict(layer_types=tuple(types), sliding_window=int(window) if window else None,
+                   attention_bias=bool(hf.get("attention_bias", True)), router="topk_softmax", norm_topk_prob=False,
+                   expert_bias=True, expert_act="swiglu_clamped", swiglu_alpha=alpha, swiglu_limit=limit)}
+
+
+# llama.cpp's default gpt-oss values: every other layer slides (the first does), YaRN's betas; the
+# clamped SwiGLU's alpha and limit are fixed there (GptOssConfig's defaults, which `_parse` applies)
+_SWA_PERIOD = 2
+_YARN_BETAS = (32.0, 1.0)
+
+
+def _gguf_config(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss keys as llama.cpp's converter writes them (conversion/gpt_oss.py) and its loader reads
+    them (src/models/openai-moe.cpp): the experts' width is `expert_feed_forward_length` (HF's
+    `intermediate_size`; `feed_forward_length` holds the same), the window `attention.sliding_window`
+    (required), the sliding layers `attention.sliding_window_pattern` (never written: llama.cpp's
+    default period 2, the first layer sliding), YaRN as `rope.scaling.*` (betas from
+    `rope.scaling.yarn_beta_fast/slow`, else llama.cpp's 32 and 1). HF's gpt-oss YaRN does not
+    round the ramp's ends (`truncate: false`); llama.cpp does, which moves a few frequencies
+    slightly: we follow HF, so a GGUF and the checkpoint it came from load to the same model.
+    A `rope.freq_base_swa` other than `rope.freq_base` (llama.cpp reads one; HF's gpt-oss has no such
+    field) is refused."""
+    a = lambda key: f"gpt-oss.{key}"  # noqa: E731
+    layers = cfg["num_hidden_layers"]
+    window = meta.get(a("attention.sliding_window"))
+    if not window:
+        raise ModelLoadError(f"{meta.path}: GGUF metadata lacks '{a('attention.sliding_window')}'")
+    swa_base = meta.get(a("rope.freq_base_swa"))
+    if swa_base is not None and f32(swa_base) != cfg["rope_theta"]:
+        raise ModelLoadError(f"{meta.path}: {a('rope.freq_base_swa')} = {f32(swa_base)} differs from "
+                             f"{a('rope.freq_base')} = {cfg['rope_theta']}; gpt-oss has one RoPE base")
+    expert_width = meta.get(a("expert_feed_forward_length"))
+    if isinstance(expert_width, list):   # llama.cpp accepts one per layer; gpt-oss has one width
+        if len(set(expert_width)) != 1:
+            raise ModelLoadError(f"{meta.path}: per-layer {a('expert_feed_forward_length')} is not supported")
+        expert_width = expert_width[0]
+    out: dict[str, Any] = {
+        "intermediate_size": int(expert_width or cfg["intermediate_size"]),
+        "num_local_experts": int(meta.need(a("expert_count"))),
+        "num_experts_per_tok": int(meta.need(a("expert_used_count"))),
+        "sliding_window": int(window),
+        "layer_types": layer_types(meta, "gpt-oss", layers, _SWA_PERIOD),
+    }
+    rope = cfg["rope_scaling"]
+    if rope is not None:
+        if rope["rope_type"] != "yarn":
+            raise ModelLoadError(f"{meta.path}: gpt-oss rope scaling '{rope['rope_type']}' is not supported "
+                                 f"(llama.cpp writes yarn)")
+        fast = meta.get(a("rope.scaling.yarn_beta_fast")) or _YARN_BETAS[0]
+        slow = meta.get(a("rope.scaling.yarn_beta_slow")) or _YARN_BETAS[1]
+        out["rope_scaling"] = {**rope, "beta_fast": f32(fast), "beta_slow": f32(slow), "truncate": False}
+    return out
+
+
+# its own norm, sink and router names; llama.cpp's converter splits HF's interleaved gate_up into stacked
+# [E, out, in] gate and up tensors (biases [E, out] likewise), which keep HF's Qwen-MoE-style names here and
+# GptOssLM reads as they are
+FAMILY = Family(config=GptOssConfig, parse=_parse, gguf=(GGUFNames(
+    "gpt-oss", "GptOssForCausalLM", experts=True, config=_gguf_config, bare=("attn_sinks",), split_qkv=True,
+    layer_names={"attn_qkv": "self_attn.qkv_proj",   # --fuse-qkv: read as HF's q, k and v (split_qkv)
+                 "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                 "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+                 "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}),))

@@ -9,6 +9,7 @@ and biases are small and stay stacked along a leading layer axis.
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,9 @@ from flax import nnx
 
 from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
-from imp_jax.model.config import ModelConfig
+from imp_jax.model.config import ModelConfig, attention_bias
+from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import apply_rope, embed, linear, mrope_tables, override_rows, rms_norm, rope_tables
 from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
@@ -296,3 +299,33 @@ class DecoderLM(nnx.Module):
             put(ly.q_norm, stacked("self_attn.q_norm.weight"))
             put(ly.k_norm, stacked("self_attn.k_norm.weight"))
         return model
+
+
+# ------------------------------------------------------------------------------------- the family
+def _parse(hf: Mapping[str, Any], fields: dict[str, Any], source: str) -> dict[str, Any]:
+    """What the common fields say otherwise for this family's architectures: Qwen2's (and Qwen2.5-VL's) q/k/v
+    carry biases unless the config says otherwise; Qwen3 norms q and k."""
+    arch = fields["architecture"]
+    if arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
+        return {"attention_bias": attention_bias(hf, default=True)}
+    return {"qk_norm": arch == "Qwen3ForCausalLM"}
+
+
+def _qwen2_gguf(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen2 config's unused window stays unused."""
+    return {"use_sliding_window": False}
+
+
+def _qwen2vl_gguf(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2-VL / Qwen2.5-VL's text model: the text fields of its config.json, flat as the hub has them, with
+    M-RoPE's `rope.dimension_sections`; its image side comes from a --mmproj file (model/vision/mmproj.py)."""
+    sections = list(meta.need(f"{arch}.rope.dimension_sections"))
+    return {"use_sliding_window": False, "model_type": "qwen2_5_vl",
+            "rope_scaling": {"type": "mrope", "mrope_section": sections[:3]}}
+
+
+FAMILY = Family(config=ModelConfig, parse=_parse, gguf=(
+    GGUFNames("llama", "LlamaForCausalLM", permuted_qk=True),
+    GGUFNames("qwen2", "Qwen2ForCausalLM", config=_qwen2_gguf),
+    GGUFNames("qwen3", "Qwen3ForCausalLM"),
+    GGUFNames("qwen2vl", "Qwen2_5_VLForConditionalGeneration", config=_qwen2vl_gguf)))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,9 @@ from flax import nnx
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import XLA, Kernels, ggml_blocks, matmul_wt
 from imp_jax.model.base import ModelOptions
-from imp_jax.model.config import ROUTERS, ModelConfig
+from imp_jax.model.config import ModelConfig, attention_bias
+from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import linear
 from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel, take
@@ -57,6 +59,30 @@ log = logging.getLogger("imp_jax.loader")
 EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")
 TILE = 8   # rows per tile of the `tiles` grouped matmul
 DEFAULT_IMPL = "tiles"   # measured on this CPU: docs/PERF.md "Mixture of experts"
+ROUTERS = ("softmax_topk", "topk_softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(ModelConfig):
+    """ModelConfig plus the experts (`FAMILY.parse` reads them); the defaults (no experts) are a dense model."""
+
+    num_experts: int = 0                      # routed experts per sparse layer; 0: a dense model
+    num_experts_per_tok: int = 0              # top-k
+    moe_intermediate_size: int = 0            # each routed expert's; 0: intermediate_size (Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    norm_topk_prob: bool = False              # renormalise the k kept probabilities to sum to 1
+    router: str = "softmax_topk"              # "softmax_topk" or "topk_softmax" (softmax of the k logits)
+    expert_bias: bool = False                 # router and experts carry biases (gpt-oss)
+    expert_act: str = "silu"                  # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's
+    swiglu_alpha: float = 1.702               # swiglu_clamped: gate * sigmoid(alpha * gate) * (up + 1),
+    swiglu_limit: float = 7.0                 # gate clamped above at limit, up to [-limit, limit]
+    decoder_sparse_step: int = 1              # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()     # ... and i is not listed here (dense MLP of intermediate_size)
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer i routes over experts (transformers' Qwen2-MoE rule; every layer for Mixtral)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +242,7 @@ def expert_ffn(h: jax.Array, weights: jax.Array, idx: jax.Array, gate_up: jax.Ar
 class SparseMLP(nnx.Module):
     """One sparse layer's router, stacked experts, optional shared expert and (gpt-oss) biases."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any, tp: TensorParallel):
+    def __init__(self, cfg: MoEConfig, dtype: jnp.dtype, key: Any, tp: TensorParallel):
         E, H = cfg.num_experts, cfg.hidden_size
         I = tp.padded(expert_width(cfg))   # the intermediate axes, padded to the shards (shard-major)
         init = nnx.initializers.normal(0.02)
@@ -239,7 +265,7 @@ class SparseMLP(nnx.Module):
 class DenseMLP(nnx.Module):
     """A dense layer's gate|up and down projections (Qwen2-MoE's `mlp_only_layers`)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, key: Any, tp: TensorParallel):
+    def __init__(self, cfg: MoEConfig, dtype: jnp.dtype, key: Any, tp: TensorParallel):
         I, H = tp.padded(cfg.intermediate_size), cfg.hidden_size
         init = nnx.initializers.normal(0.02)
         self.gate_up = Matrix(init(key(), (2 * I, H), dtype), axes=("gate_up", "embed"))
@@ -254,13 +280,13 @@ class MoELayers(DecoderLayers):
 
     MATRICES = ("qkv_proj", "o_proj")
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
+    def __init__(self, cfg: MoEConfig, dtype: jnp.dtype, rngs: nnx.Rngs, tp: TensorParallel):
         super().__init__(cfg, dtype, rngs, tp)
         self.mlp = nnx.List([SparseMLP(cfg, dtype, rngs.params, tp) if cfg.is_sparse_layer(i)
                              else DenseMLP(cfg, dtype, rngs.params, tp) for i in range(cfg.num_layers)])
 
 
-def expert_width(cfg: ModelConfig) -> int:
+def expert_width(cfg: MoEConfig) -> int:
     """Each routed expert's intermediate size I."""
     return cfg.moe_intermediate_size or cfg.intermediate_size
 
@@ -287,7 +313,7 @@ def shard_putter(tp: TensorParallel, dtype: Any) -> Callable[..., None]:
     return put
 
 
-def check_moe_config(cfg: ModelConfig) -> None:
+def check_moe_config(cfg: MoEConfig) -> None:
     """A ModelLoadError for a config this module cannot run."""
     if cfg.num_experts < 1:
         raise ModelLoadError(f"{cfg.architecture}: the config names no experts "
@@ -302,7 +328,7 @@ class MoELM(DecoderLM):
     layers_class = MoELayers
     expert_impl = DEFAULT_IMPL
 
-    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
+    def __init__(self, config: MoEConfig, options: ModelOptions = ModelOptions(), *, rngs: nnx.Rngs):
         check_moe_config(config)
         super().__init__(config, options, rngs=rngs)
 
@@ -348,7 +374,7 @@ class MoELM(DecoderLM):
         return out
 
     @classmethod
-    def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
+    def from_hf_tensors(cls, config: MoEConfig, weights: WeightSource,
                         options: ModelOptions = ModelOptions()) -> "MoELM":
         """Build from HF-named tensors: attention as DecoderLM, the experts stacked at load from
         per-expert tensors (Mixtral `block_sparse_moe.experts.{e}.w1/w2/w3`, Qwen `mlp.experts.{e}.
@@ -359,7 +385,7 @@ class MoELM(DecoderLM):
         return model
 
     @classmethod
-    def _load_experts(cls, model: "MoELM", config: ModelConfig, weights: WeightSource,
+    def _load_experts(cls, model: "MoELM", config: MoEConfig, weights: WeightSource,
                       options: ModelOptions) -> None:
         """Set every layer's feed-forward weights (`mlp`) from HF-named tensors."""
         mixtral = config.architecture == "MixtralForCausalLM"
@@ -392,3 +418,76 @@ class MoELM(DecoderLM):
                     tp.fused_index(S), 0)
                 put(mlp.shared_down, weights.matrix(f"{s}.down_proj.weight"), tp.split_index(S), 1)
                 put(mlp.shared_gate, weights.tensor(f"{pre}.shared_expert_gate.weight").reshape(1, -1))
+
+
+# ------------------------------------------------------------------------------------- the family
+def moe_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a HF config (none for a dense one). Mixtral names its expert
+    count `num_local_experts` and always renormalises the top-k weights; the Qwen MoEs name it
+    `num_experts` (Qwen3-MoE configs written by transformers 5 say `num_local_experts`)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not experts:
+        return {}
+    try:
+        experts, k = int(experts), int(hf.get("num_experts_per_tok") or 0)
+        mlp_only = tuple(int(i) for i in hf.get("mlp_only_layers") or ())
+        fields = dict(
+            num_experts=experts, num_experts_per_tok=k,
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=mlp_only)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: bad mixture-of-experts field ({e})") from None
+    if not 1 <= k <= experts:
+        raise ModelLoadError(f"{source}: 'num_experts_per_tok' must be in 1..{experts} (the experts), "
+                             f"got {hf.get('num_experts_per_tok')!r}")
+    return fields
+
+
+def _parse(hf: Mapping[str, Any], fields: dict[str, Any], source: str) -> dict[str, Any]:
+    """MoEConfig fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config; Qwen2-MoE's q/k/v carry biases unless the
+    config says otherwise, Qwen3-MoE norms q and k."""
+    arch = fields["architecture"]
+    return {**moe_fields(hf, arch, source), "attention_bias": attention_bias(hf, default=arch == "Qwen2MoeForCausalLM"),
+            "qk_norm": arch == "Qwen3MoeForCausalLM"}
+
+
+def _gguf_config(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The experts as llama.cpp writes them: a Mixtral (a `llama` file) counts them as `num_local_experts`, the
+    Qwen MoEs as `num_experts`; the layers without a router are dense."""
+    out: dict[str, Any] = {} if arch == "llama" else {"use_sliding_window": False}
+    experts = meta.get(f"{arch}.expert_count")
+    if not experts:
+        return out
+    out["num_local_experts" if arch == "llama" else "num_experts"] = int(experts)
+    out["num_experts_per_tok"] = int(meta.need(f"{arch}.expert_used_count"))
+    # llama.cpp renormalises the top-k weights of qwen3moe, not of qwen2moe, unless the file says
+    out["norm_topk_prob"] = bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    out["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"])   # dense layers: no router
+                              if f"blk.{i}.ffn_gate_inp.weight" not in raw]
+    return out
+
+
+def _gguf_names(moe: str, gate: str, up: str, down: str) -> dict[str, str]:
+    """GGUF -> HF names of the router, the stacked experts ([E, out, in], as moe.py reads them whole; quantised
+    ones dequantised at load) and Qwen2-MoE's shared expert; `moe` is Mixtral's `block_sparse_moe` or the Qwen
+    MoEs' `mlp`, the experts' leaves Mixtral's w1/w3/w2 or gate/up/down_proj."""
+    return {"ffn_gate_inp": f"{moe}.gate", "ffn_gate_exps": f"{moe}.experts.{gate}",
+            "ffn_up_exps": f"{moe}.experts.{up}", "ffn_down_exps": f"{moe}.experts.{down}",
+            "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+            "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+
+
+_GGUF_METADATA = {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+_QWEN_NAMES = _gguf_names("mlp", "gate_proj", "up_proj", "down_proj")
+FAMILY = Family(config=MoEConfig, parse=_parse, gguf=(
+    # llama.cpp's converter writes a Mixtral as a `llama` file with expert tensors
+    GGUFNames("llama", "MixtralForCausalLM", experts=True, metadata=_GGUF_METADATA, config=_gguf_config,
+              layer_names=_gguf_names("block_sparse_moe", "w1", "w3", "w2"), permuted_qk=True),
+    GGUFNames("qwen2moe", "Qwen2MoeForCausalLM", experts=True, metadata=_GGUF_METADATA, config=_gguf_config,
+              layer_names=_QWEN_NAMES),
+    GGUFNames("qwen3moe", "Qwen3MoeForCausalLM", experts=True, metadata=_GGUF_METADATA, config=_gguf_config,
+              layer_names=_QWEN_NAMES)))

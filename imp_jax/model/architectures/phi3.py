@@ -13,11 +13,14 @@ blocks of them stay blocks.
 from __future__ import annotations
 
 import re
+from typing import Any, Mapping
 
 import numpy as np
 
 from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
+from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.architectures.llama import DecoderLM
 from imp_jax.model.lora import LoraTarget
 from imp_jax.model.formats.weights import WeightSource
@@ -63,3 +66,18 @@ class Phi3LM(DecoderLM):
     def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
                         options: ModelOptions = ModelOptions()) -> "Phi3LM":
         return super().from_hf_tensors(config, FusedPhiWeights(weights), options)
+
+
+# ------------------------------------------------------------------------------------- the family
+def _partial_rotary(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi-4-mini rotates `rope.dimension_count` of each head's dims (issue 24)."""
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    return {"partial_rotary_factor": int(rope_dims) / cfg["head_dim"]} if rope_dims else {}
+
+
+# the config parses as the common decoder's; a GGUF's sliding window (Phi-3-mini-4k), longrope's original
+# context, q|k|v fused as HF's Phi3 stores it, and gate|up fused in `ffn_up` where there is no `ffn_gate`
+FAMILY = Family(config=ModelConfig, gguf=(GGUFNames(
+    "phi3", "Phi3ForCausalLM", config=_partial_rotary, layer_names={"attn_qkv": "self_attn.qkv_proj"},
+    fused_gate_up=True, metadata={"attention.sliding_window": "sliding_window",
+                                  "rope.scaling.original_context_length": "original_max_position_embeddings"}),))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.kernels_pallas import ggml_blocks
-from imp_jax.model.config import ModelConfig, RopeScaling, read_json
+from imp_jax.model.config import ModelConfig, RopeScaling, config_class, read_json
 from imp_jax.model.formats.hub import CONVERTED_MARKER
 
 FORMAT = "imp_jax.converted"
@@ -155,20 +155,22 @@ def read_marker(path: Path) -> dict[str, Any]:
 
 
 def _model_config(marker: dict[str, Any], path: Path) -> ModelConfig:
-    """ModelConfig from the marker's fields (written by dataclasses.asdict)."""
+    """ModelConfig (its family's subclass) from the marker's fields (written by dataclasses.asdict); the fields of
+    other families, which markers of an older imp_jax list, are left out."""
     fields = marker.get("model_config")
     if not isinstance(fields, dict):
         raise ModelLoadError(f"{path / CONVERTED_MARKER}: 'model_config' must be an object")
-    for f in dataclasses.fields(ModelConfig):
+    cls = config_class(str(fields.get("architecture")))
+    for f in dataclasses.fields(cls):
         typ, value = _SCALARS.get(f.type), fields.get(f.name)
         if typ and f.name in fields and (not isinstance(value, typ) or (typ is int and isinstance(value, bool))):
             raise ModelLoadError(f"{path / CONVERTED_MARKER}: model_config '{f.name}' must be {f.type}, "
                                  f"got {value!r}")
     try:
-        fields = dict(fields)
+        fields = {f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields}
         fields["rope_scaling"] = RopeScaling(**fields.get("rope_scaling", {}))
         fields["eos_token_id"] = tuple(fields.get("eos_token_id", ()))
-        return ModelConfig(**fields)
+        return cls(**fields)
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path / CONVERTED_MARKER}: bad 'model_config' ({e})") from None
 

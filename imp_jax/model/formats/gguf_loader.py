@@ -1,8 +1,10 @@
 """GGUF checkpoints: llama.cpp metadata -> HF config dict, lazily dequantised HF-named tensors, tokenizer.
 
 Matches transformers' own GGUF loading (config keys, Q/K un-permutation, tokenizer conversion) so a
-GGUF and the HF checkpoint it came from load to the same model. The tokenizer conversion lives in
-gguf_tokenizer.py.
+GGUF and the HF checkpoint it came from load to the same model. The common decoder's metadata keys and
+tensor names are here; each family declares its own (its llama.cpp architectures, their keys and tensor
+names: model/family.py's GGUFNames) in its own file, collected through the registry. The tokenizer
+conversion lives in gguf_tokenizer.py.
 """
 from __future__ import annotations
 
@@ -18,61 +20,45 @@ import numpy as np
 
 from imp_jax.kernels_pallas import ggml_blocks
 from imp_jax.errors import ModelLoadError
+from imp_jax.model import registry
+from imp_jax.model.family import GGUFNames
 from imp_jax.model.formats.gguf_file import GGUFFile
+from imp_jax.model.formats.gguf_metadata import Metadata, f32
 from imp_jax.model.text.gguf_tokenizer import gguf_tokenizer
 from imp_jax.model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("imp_jax.gguf")
 
-# GGUF `general.architecture` -> HF `architectures[0]`
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "gpt-oss": "GptOssForCausalLM",
-                 # Qwen2-VL / Qwen2.5-VL's text model: a Qwen2 with M-RoPE (`rope.dimension_sections`); its
-                 # image side comes from a --mmproj file (model/vision/mmproj.py)
-                 "qwen2vl": "Qwen2_5_VLForConditionalGeneration"}
-GEMMA = ("gemma2", "gemma3")
-# a `llama` GGUF with expert tensors is a Mixtral (llama.cpp's converter writes Mixtral so)
-MIXTRAL = "MixtralForCausalLM"
-
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
+# every family's llama.cpp architectures (model/family.py), collected through the registry
+GGUF_NAMES: tuple[GGUFNames, ...] = tuple(names for family in registry.families() for names in family.gguf)
+# the common decoder's tensor names, GGUF -> HF; a family's GGUFNames.layer_names go over LAYER_NAMES
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_qkv": "self_attn.qkv_proj",   # phi3: q|k|v fused, as HF's Phi3 stores it
 }
 # phi3: longrope's per-frequency divisors, folded into rope_scaling (not model weights)
 _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-# Gemma's four norms per layer (llama's `ffn_norm` is Gemma's pre-feed-forward norm)
-_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# mixture-of-experts tensors: stacked experts keep their [E, out, in] stack (model/architectures/moe.py reads it
-# whole; quantised ones are dequantised at load); `{moe}` is Mixtral's `block_sparse_moe` or the
-# Qwen MoEs' `mlp`, and the experts' names are Mixtral's w1/w3/w2 or gate/up/down_proj
-_MOE_NAMES = {
-    "ffn_gate_inp": "{moe}.gate", "ffn_gate_exps": "{moe}.experts.{gate}", "ffn_up_exps": "{moe}.experts.{up}",
-    "ffn_down_exps": "{moe}.experts.{down}", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-}
-# gpt-oss (model/architectures/gpt_oss.py): its own norm, sink and router names; llama.cpp's converter splits HF's
-# interleaved gate_up into stacked [E, out, in] gate and up tensors (biases [E, out] likewise), which
-# keep HF's Qwen-MoE-style names here and GptOssLM reads as they are
-_GPT_OSS_LAYER_NAMES = {
-    **_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
-    "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-# llama.cpp's default gpt-oss values: every other layer slides (the first does), YaRN's betas; the
-# clamped SwiGLU's alpha and limit are fixed there (GptOssConfig's defaults, which ModelConfig applies)
-_GPT_OSS_SWA_PERIOD = 2
-_GPT_OSS_YARN_BETAS = (32.0, 1.0)
-_MOE_LEAVES = {MIXTRAL: dict(moe="block_sparse_moe", gate="w1", up="w3", down="w2"),
-               "other": dict(moe="mlp", gate="gate_proj", up="up_proj", down="down_proj")}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_Metadata, _f32 = Metadata, f32   # the names model/vision/mmproj.py imports them by
+
+
+def gguf_names(arch: str, experts: bool = False) -> GGUFNames:
+    """The declaration of a GGUF `arch` (one of ARCHITECTURES): its experts entry for a file with experts
+    (a `llama` one is a Mixtral), where the family has one."""
+    entries = [names for names in GGUF_NAMES if names.arch == arch]
+    return next((names for names in entries if names.experts == experts), entries[0])
+
+
+def layer_names(names: GGUFNames) -> dict[str, str]:
+    """GGUF layer leaf -> HF leaf in a file of `names`: the common decoder's, under the family's own."""
+    return {**LAYER_NAMES, **names.layer_names}
+
+
+# GGUF `general.architecture` -> HF `architectures[0]` (of a file without experts, where the two differ)
+ARCHITECTURES = {arch: gguf_names(arch).architecture for arch in dict.fromkeys(n.arch for n in GGUF_NAMES)}
 
 
 @dataclasses.dataclass
@@ -174,14 +160,15 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     path = Path(path)
     reader = _open(path)
     with metadata_errors(path):
-        meta = _Metadata(reader, path)
+        meta = Metadata(reader, path)
         arch = meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not supported "
                                  f"(supported: {', '.join(ARCHITECTURES)})", code="unknown_architecture")
         raw = {t.name: t for t in reader.tensors}
-        hf_config = _hf_config(arch, meta, raw)
-        return GGUFCheckpoint(hf_config, _hf_tensors(arch, raw, hf_config, path), *gguf_tokenizer(meta))
+        names = gguf_names(arch, experts=bool(meta.get(f"{arch}.expert_count")))
+        hf_config = _hf_config(names, meta, raw)
+        return GGUFCheckpoint(hf_config, _hf_tensors(names, raw, hf_config, path), *gguf_tokenizer(meta))
 
 
 @contextlib.contextmanager
@@ -211,24 +198,10 @@ def _open(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path}: unreadable GGUF file ({type(e).__name__}: {e})") from None
 
 
-class _Metadata:
-    """The file's key/value metadata as Python values."""
-
-    def __init__(self, reader: GGUFFile, path: Path):
-        self.path = path
-        self.values: dict[str, Any] = reader.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.values.get(key, default)
-
-    def need(self, key: str) -> Any:
-        if key not in self.values:
-            raise ModelLoadError(f"{self.path}: GGUF metadata lacks '{key}'")
-        return self.values[key]
-
-
-def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any]:
-    """A HF config.json-style dict from `{arch}.*` metadata (transformers' GGUF_CONFIG_MAPPING)."""
+def _hf_config(names: GGUFNames, meta: Metadata, raw: dict[str, Any]) -> dict[str, Any]:
+    """A HF config.json-style dict from `{arch}.*` metadata (transformers' GGUF_CONFIG_MAPPING): the common
+    decoder's keys, then the family's (`names`)."""
+    arch = names.arch
     a = lambda key: f"{arch}.{key}"  # noqa: E731
     heads = int(meta.need(a("attention.head_count")))
     kv_heads = meta.get(a("attention.head_count_kv"), heads)
@@ -242,7 +215,7 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
     vocab = int(embed.shape[1]) if embed is not None else meta.get(a("vocab_size")) or len(meta.need(
         "tokenizer.ggml.tokens"))
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [names.architecture],
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(meta.need(a("feed_forward_length"))),
@@ -250,8 +223,8 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(head_dim or hidden // heads),
-        "rms_norm_eps": _f32(meta.get(a("attention.layer_norm_rms_epsilon"), 1e-6)),
-        "rope_theta": _f32(meta.get(a("rope.freq_base"), 10000.0)),
+        "rms_norm_eps": f32(meta.get(a("attention.layer_norm_rms_epsilon"), 1e-6)),
+        "rope_theta": f32(meta.get(a("rope.freq_base"), 10000.0)),
         "rope_scaling": _rope_scaling(arch, meta, raw),
         "max_position_embeddings": int(meta.get(a("context_length"), 2048)),
         "vocab_size": int(vocab),
@@ -263,141 +236,15 @@ def _hf_config(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what the dequantised tensors are; the loader picks the compute dtype
     }
-    if arch in ("qwen2", "qwen2moe", "qwen3moe", "qwen2vl"):
-        cfg["use_sliding_window"] = False
-    if arch == "qwen2vl":   # the text fields of a Qwen2.5-VL config.json, flat as the hub has them
-        sections = list(meta.need(a("rope.dimension_sections")))
-        cfg.update(model_type="qwen2_5_vl", rope_scaling={"type": "mrope", "mrope_section": sections[:3]})
-    if arch == "phi3":   # issue 24: partial rotary (Phi-4-mini) and a sliding window (Phi-3-mini-4k)
-        rope_dims = meta.get(a("rope.dimension_count"))
-        if rope_dims:
-            cfg["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
-        window = meta.get(a("attention.sliding_window"))
-        if window:
-            cfg["sliding_window"] = int(window)
-        original = meta.get(a("rope.scaling.original_context_length"))
-        if original:
-            cfg["original_max_position_embeddings"] = int(original)
-    if arch in GEMMA:
-        cfg.update(_gemma_config(arch, meta, cfg))
-    if arch == "gpt-oss":
-        cfg.update(_gpt_oss_config(meta, cfg))
-        return cfg
-    experts = meta.get(a("expert_count"))
-    if experts:   # mixture of experts (model/architectures/moe.py)
-        if arch == "llama":
-            cfg["architectures"] = [MIXTRAL]
-        cfg["num_local_experts" if arch == "llama" else "num_experts"] = int(experts)
-        cfg["num_experts_per_tok"] = int(meta.need(a("expert_used_count")))
-        if meta.get(a("expert_feed_forward_length")):
-            cfg["moe_intermediate_size"] = int(meta.get(a("expert_feed_forward_length")))
-        if meta.get(a("expert_shared_feed_forward_length")):
-            cfg["shared_expert_intermediate_size"] = int(meta.get(a("expert_shared_feed_forward_length")))
-        # llama.cpp renormalises the top-k weights of qwen3moe, not of qwen2moe, unless the file says
-        cfg["norm_topk_prob"] = bool(meta.get(a("expert_weights_norm"), arch == "qwen3moe"))
-        cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"])   # dense layers: no router
-                                  if f"blk.{i}.ffn_gate_inp.weight" not in raw]
+    for key, hf_key in names.metadata.items():   # plain renames, where the file sets them
+        if meta.get(a(key)):
+            cfg[hf_key] = meta.get(a(key))
+    if names.config is not None:
+        cfg.update(names.config(arch, meta, cfg, raw))
     return cfg
 
 
-def _gpt_oss_config(meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
-    """gpt-oss keys as llama.cpp's converter writes them (conversion/gpt_oss.py) and its loader reads
-    them (src/models/openai-moe.cpp): the experts' width is `expert_feed_forward_length` (HF's
-    `intermediate_size`; `feed_forward_length` holds the same), the window `attention.sliding_window`
-    (required), the sliding layers `attention.sliding_window_pattern` (never written: llama.cpp's
-    default period 2, the first layer sliding), YaRN as `rope.scaling.*` (betas from
-    `rope.scaling.yarn_beta_fast/slow`, else llama.cpp's 32 and 1). HF's gpt-oss YaRN does not
-    round the ramp's ends (`truncate: false`); llama.cpp does, which moves a few frequencies
-    slightly: we follow HF, so a GGUF and the checkpoint it came from load to the same model.
-    A `rope.freq_base_swa` other than `rope.freq_base` (llama.cpp reads one; HF's gpt-oss has no such
-    field) is refused."""
-    a = lambda key: f"gpt-oss.{key}"  # noqa: E731
-    layers = cfg["num_hidden_layers"]
-    window = meta.get(a("attention.sliding_window"))
-    if not window:
-        raise ModelLoadError(f"{meta.path}: GGUF metadata lacks '{a('attention.sliding_window')}'")
-    swa_base = meta.get(a("rope.freq_base_swa"))
-    if swa_base is not None and _f32(swa_base) != cfg["rope_theta"]:
-        raise ModelLoadError(f"{meta.path}: {a('rope.freq_base_swa')} = {_f32(swa_base)} differs from "
-                             f"{a('rope.freq_base')} = {cfg['rope_theta']}; gpt-oss has one RoPE base")
-    expert_width = meta.get(a("expert_feed_forward_length"))
-    if isinstance(expert_width, list):   # llama.cpp accepts one per layer; gpt-oss has one width
-        if len(set(expert_width)) != 1:
-            raise ModelLoadError(f"{meta.path}: per-layer {a('expert_feed_forward_length')} is not supported")
-        expert_width = expert_width[0]
-    out: dict[str, Any] = {
-        "intermediate_size": int(expert_width or cfg["intermediate_size"]),
-        "num_local_experts": int(meta.need(a("expert_count"))),
-        "num_experts_per_tok": int(meta.need(a("expert_used_count"))),
-        "sliding_window": int(window),
-        "layer_types": _layer_types(meta, "gpt-oss", layers, _GPT_OSS_SWA_PERIOD),
-    }
-    rope = cfg["rope_scaling"]
-    if rope is not None:
-        if rope["rope_type"] != "yarn":
-            raise ModelLoadError(f"{meta.path}: gpt-oss rope scaling '{rope['rope_type']}' is not supported "
-                                 f"(llama.cpp writes yarn)")
-        fast = meta.get(a("rope.scaling.yarn_beta_fast")) or _GPT_OSS_YARN_BETAS[0]
-        slow = meta.get(a("rope.scaling.yarn_beta_slow")) or _GPT_OSS_YARN_BETAS[1]
-        out["rope_scaling"] = {**rope, "beta_fast": _f32(fast), "beta_slow": _f32(slow), "truncate": False}
-    return out
-
-
-def _gemma_config(arch: str, meta: _Metadata, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2 / 3 keys as llama.cpp reads them: the attention scale is `attention.scale` when
-    written, else 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B models (46 or 62
-    layers), which is HF's `query_pre_attn_scalar`; the sliding-window pattern is
-    `attention.sliding_window_pattern` (a period, or a per-layer bool array, true = sliding) else
-    llama.cpp's fixed 2 (Gemma 2) or 6 (Gemma 3); the sliding layers' RoPE base is
-    `rope.freq_base_swa`, else 10000."""
-    a = lambda key: f"{arch}.{key}"  # noqa: E731
-    layers, g3 = cfg["num_hidden_layers"], arch == "gemma3"
-    scale = meta.get(a("attention.scale"))
-    if scale:
-        scalar = round(1.0 / float(scale) ** 2, 4)   # a float32 scale: 24 comes back as 23.999998
-    elif layers == (62 if g3 else 46):
-        scalar = cfg["hidden_size"] / cfg["num_attention_heads"]
-    else:
-        scalar = cfg["head_dim"]
-    types = _layer_types(meta, arch, layers, 6 if g3 else 2)
-    out: dict[str, Any] = {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": _f32(scalar),
-        "attn_logit_softcapping": _opt_f32(meta.get(a("attn_logit_softcapping"))),
-        "final_logit_softcapping": _opt_f32(meta.get(a("final_logit_softcapping"))),
-        "sliding_window": meta.get(a("attention.sliding_window"), 4096),
-        "layer_types": types,
-    }
-    if g3:
-        out["rope_theta"] = _f32(meta.get(a("rope.freq_base"), 1e6))
-        out["rope_local_base_freq"] = _f32(meta.get(a("rope.freq_base_swa"), 10000.0))
-    return out
-
-
-def _layer_types(meta: _Metadata, arch: str, layers: int, period: int) -> list[str]:
-    """Which layers slide, as llama.cpp's `load_swa_pattern` reads `attention.sliding_window_pattern`:
-    a per-layer bool array (true = sliding), or a period n (default `period`) where layer i slides
-    unless i % n == n - 1 (n = 0: every layer slides)."""
-    key = f"{arch}.attention.sliding_window_pattern"
-    pattern = meta.get(key, period)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ModelLoadError(f"{meta.path}: {key} has {len(pattern)} entries for {layers} layers")
-        return ["sliding_attention" if p else "full_attention" for p in pattern]
-    n = int(pattern)
-    return ["sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)]
-
-
-def _opt_f32(x: float | None) -> float | None:
-    return None if x is None else _f32(x)
-
-
-def _f32(x: float) -> float:
-    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
-    return float(str(np.float32(x)))
-
-
-def _rope_scaling(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, Any] | None:
+def _rope_scaling(arch: str, meta: Metadata, raw: dict[str, Any]) -> dict[str, Any] | None:
     """HF rope_scaling from `rope.scaling.*`, or llama3 parameters recognised in a `rope_freqs` tensor,
     or phi3's longrope from its `rope_factors_long/short` tensors."""
     kind = meta.get(f"{arch}.rope.scaling.type")
@@ -431,7 +278,7 @@ def _rope_scaling(arch: str, meta: _Metadata, raw: dict[str, Any]) -> dict[str, 
     return None
 
 
-def _longrope(arch: str, meta: _Metadata, raw: dict[str, Any], original: int | None) -> dict[str, Any]:
+def _longrope(arch: str, meta: Metadata, raw: dict[str, Any], original: int | None) -> dict[str, Any]:
     """phi3's longrope: the factor tensors, the original context and llama.cpp's attention factor."""
     from gguf.quants import dequantize
 
@@ -444,7 +291,7 @@ def _longrope(arch: str, meta: _Metadata, raw: dict[str, Any], original: int | N
         out[key] = [float(f) for f in dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)]
     attn = meta.get(f"{arch}.rope.scaling.attn_factor")
     if attn is not None:
-        out["attention_factor"] = _f32(attn)
+        out["attention_factor"] = f32(attn)
     return out
 
 
@@ -459,37 +306,24 @@ def _llama3_factors(rs: dict[str, Any], theta: float, dim: int) -> np.ndarray:
     return np.where(wavelen < old / hi, 1.0, np.where(wavelen > old / lo, f, mid))
 
 
-def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path) -> GGUFTensors:
-    """Map GGUF tensor names to HF ones; llama Q/K rows get un-permuted (heads for q, kv heads for k).
-    A gpt-oss `attn_qkv` (convert_hf_to_gguf.py --fuse-qkv) is read as HF's q, k and v: row ranges of it."""
+def _hf_tensors(names: GGUFNames, raw: dict[str, Any], cfg: dict[str, Any], path: Path) -> GGUFTensors:
+    """Map GGUF tensor names to HF ones (`layer_names`); Q/K rows that llama.cpp permuted get un-permuted
+    (heads for q, kv heads for k). A split `attn_qkv` (gpt-oss, convert_hf_to_gguf.py --fuse-qkv) is read as
+    HF's q, k and v: row ranges of it."""
     entries: dict[str, tuple[Any, int | None]] = {}
     rows: dict[str, tuple[int, int]] = {}
-    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA else _GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else _LAYER_NAMES
+    leaves = layer_names(names)
     unknown = []
-    fused_gate_up = arch == "phi3" and "blk.0.ffn_gate.weight" not in raw   # ffn_up holds gate|up
+    fused_gate_up = names.fused_gate_up and "blk.0.ffn_gate.weight" not in raw   # ffn_up holds gate|up
     for name, tensor in raw.items():
         if name == "rope_freqs.weight" or name in _ROPE_FACTOR_TENSORS:
             continue  # folded into rope_scaling
         stem, _, suffix = name.rpartition(".")
-        if stem in _TOP_NAMES:
-            entries[f"{_TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
+        if stem in TOP_NAMES:
+            entries[f"{TOP_NAMES[stem]}.{suffix}"] = (tensor, None)
             continue
         m = _LAYER_RE.fullmatch(name)
-        if m and m[2] in _MOE_NAMES and cfg.get("num_experts_per_tok") and arch != "gpt-oss":
-            leaves = _MOE_LEAVES.get(cfg["architectures"][0], _MOE_LEAVES["other"])
-            entries[f"model.layers.{m[1]}.{_MOE_NAMES[m[2]].format(**leaves)}.{m[3]}"] = (tensor, None)
-            continue
-        if not m or m[2] not in layer_names or (m[2] == "attn_qkv" and arch not in ("phi3", "gpt-oss")):
-            unknown.append(name)
-            continue
-        heads = None
-        if arch == "llama" and m[2] in ("attn_q", "attn_k"):
-            heads = cfg["num_attention_heads"] if m[2] == "attn_q" else cfg["num_key_value_heads"]
-        hf_leaf = "mlp.gate_up_proj" if fused_gate_up and m[2] == "ffn_up" else layer_names[m[2]]
-        if m[2] == "attn_sinks":   # HF's sinks are a bare parameter, llama.cpp's a `.weight`
-            entries[f"model.layers.{m[1]}.{hf_leaf}"] = (tensor, None)
-            continue
-        if m[2] == "attn_qkv" and arch == "gpt-oss":
+        if m and m[2] == "attn_qkv" and names.split_qkv:
             q, kv = (cfg[k] * cfg["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
             if int(tensor.shape[-1]) != q + 2 * kv:
                 raise ModelLoadError(f"{path}: {name} has {int(tensor.shape[-1])} rows where q|k|v has {q + 2 * kv}")
@@ -497,9 +331,19 @@ def _hf_tensors(arch: str, raw: dict[str, Any], cfg: dict[str, Any], path: Path)
                 hf_name = f"model.layers.{m[1]}.self_attn.{proj}_proj.{m[3]}"
                 entries[hf_name], rows[hf_name] = (tensor, None), span
             continue
+        if not m or m[2] not in leaves:
+            unknown.append(name)
+            continue
+        if m[2] in names.bare:   # HF's is a bare parameter, llama.cpp's a `.weight`
+            entries[f"model.layers.{m[1]}.{leaves[m[2]]}"] = (tensor, None)
+            continue
+        heads = None
+        if names.permuted_qk and m[2] in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads"] if m[2] == "attn_q" else cfg["num_key_value_heads"]
+        hf_leaf = "mlp.gate_up_proj" if fused_gate_up and m[2] == "ffn_up" else leaves[m[2]]
         entries[f"model.layers.{m[1]}.{hf_leaf}.{m[3]}"] = (tensor, heads)
     if unknown:
-        raise ModelLoadError(f"{path}: tensors this loader cannot map for '{arch}' "
+        raise ModelLoadError(f"{path}: tensors this loader cannot map for '{names.arch}' "
                              f"(mixture-of-experts or another variant?): {', '.join(unknown[:8])}")
-    minus_one = frozenset(n for n in entries if arch in GEMMA and n.endswith("norm.weight"))
+    minus_one = frozenset(n for n in entries if names.norm_plus_one and n.endswith("norm.weight"))
     return GGUFTensors(entries, minus_one, rows)

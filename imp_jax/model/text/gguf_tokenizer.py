@@ -11,7 +11,7 @@ from imp_jax.model.text.tokenizer import Tokenizer, detect_fim_tokens
 
 
 class Metadata(Protocol):
-    """What the conversion reads of a GGUF file's key/value metadata (gguf_loader._Metadata)."""
+    """What the conversion reads of a GGUF file's key/value metadata (model/formats/gguf_metadata.py: Metadata)."""
 
     path: Path
     values: dict[str, Any]
