@@ -31,7 +31,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.architectures.bert import EncoderConfig
-from imp_jax.model.formats.gguf_loader import _open, metadata_errors
+from imp_jax.model.formats.gguf_loader import metadata_errors, open_gguf
+from imp_jax.model.formats.gguf_metadata import Metadata, f32
 from imp_jax.model.formats.gguf_file import GGUFFile
 
 ARCH = "bert"
@@ -48,7 +49,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 def read_gguf_encoder(path: Path) -> tuple[GGUFFile, EncoderConfig, str, int]:
     """The opened file, its EncoderConfig, pooling and input cap; a ModelLoadError naming what is wrong."""
-    reader = _open(path)
+    reader = open_gguf(path)
     with metadata_errors(path):
         return _encoder_config(path, reader)
 
@@ -60,7 +61,7 @@ def _encoder_config(path: Path, reader: GGUFFile) -> tuple[GGUFFile, EncoderConf
         raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not an encoder this server runs (a GGUF "
                              f"embedding model must be llama.cpp's '{ARCH}': BertModel / MiniLM)",
                              code="unknown_architecture")
-    need = lambda key: _need(meta, path, f"{ARCH}.{key}")  # noqa: E731
+    need = lambda key: Metadata(reader, path).need(f"{ARCH}.{key}")  # noqa: E731
     if meta.get(f"{ARCH}.attention.causal", False):
         raise ModelLoadError(f"{path}: {ARCH}.attention.causal is true; an encoder attends both ways")
     pooling_type = meta.get(f"{ARCH}.pooling_type", 1)
@@ -82,7 +83,7 @@ def _encoder_config(path: Path, reader: GGUFFile) -> tuple[GGUFFile, EncoderConf
             "BertModel", rows("token_embd.weight"), int(need("embedding_length")), int(need("feed_forward_length")),
             int(need("block_count")), int(need("attention.head_count")), rows("position_embd.weight"),
             types or int(meta.get("tokenizer.ggml.token_type_count", 2)),
-            _f32(meta.get(f"{ARCH}.attention.layer_norm_epsilon", 1e-12)),
+            f32(meta.get(f"{ARCH}.attention.layer_norm_epsilon", 1e-12)),
             int(meta.get("tokenizer.ggml.padding_token_id") or 0))
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: bad metadata value ({e})") from None
@@ -202,13 +203,3 @@ def _wordpiece(token: str, kind: int) -> str:
 def _special(*candidates: Any) -> int | None:
     *ids, n = candidates
     return next((int(i) for i in ids if isinstance(i, int) and 0 <= i < n), None)
-
-
-def _need(meta: dict[str, Any], path: Path, key: str) -> Any:
-    if key not in meta:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks '{key}'")
-    return meta[key]
-
-
-def _f32(x: float) -> float:
-    return float(str(np.float32(x)))

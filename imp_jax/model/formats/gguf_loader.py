@@ -42,7 +42,6 @@ LAYER_NAMES = {
 # phi3: longrope's per-frequency divisors, folded into rope_scaling (not model weights)
 _ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_Metadata, _f32 = Metadata, f32   # the names model/vision/mmproj.py imports them by
 
 
 def gguf_names(arch: str, experts: bool = False) -> GGUFNames:
@@ -158,7 +157,7 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: str | Path) -> GGUFCheckpoint:
     """Open a GGUF file: config, lazy tensors, tokenizer and generation defaults."""
     path = Path(path)
-    reader = _open(path)
+    reader = open_gguf(path)
     with metadata_errors(path):
         meta = Metadata(reader, path)
         arch = meta.get("general.architecture")
@@ -185,7 +184,7 @@ def metadata_errors(path: Path) -> Iterator[None]:
         raise ModelLoadError(f"{path}: unusable GGUF metadata ({type(e).__name__}: {e})") from None
 
 
-def _open(path: Path) -> GGUFFile:
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     with open(path, "rb") as f:

@@ -41,7 +41,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.formats.gguf_loader import ARCHITECTURES, _f32, _Metadata, _open, metadata_errors
+from imp_jax.model.formats.gguf_loader import ARCHITECTURES, metadata_errors, open_gguf
+from imp_jax.model.formats.gguf_metadata import Metadata, f32
 from imp_jax.model.vision.gemma3 import Gemma3VisionConfig
 from imp_jax.model.vision.gemma3_processor import (BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN as GEMMA_IMAGE_TOKEN,
                                                    Gemma3ProcessorConfig)
@@ -68,9 +69,9 @@ def open_mmproj(path: str | Path, architecture: str, text_hidden: int, tokenizer
     tokenizer holds the image tokens; a ModelLoadError (one line) for any file or pairing we do not serve."""
     path = Path(path)
     text_arch = {hf: name for name, hf in ARCHITECTURES.items()}.get(architecture, architecture)
-    reader = _open(path)
+    reader = open_gguf(path)
     with metadata_errors(path):
-        meta = _Metadata(reader, path)
+        meta = Metadata(reader, path)
         if meta.get("general.architecture") != "clip":
             raise ModelLoadError(f"--mmproj {path}: not a vision projector (general.architecture "
                                  f"{meta.get('general.architecture')!r}, expected 'clip')")
@@ -101,17 +102,17 @@ def _token_ids(path: Path, tokenizer: Any, *texts: str) -> list[int]:
     return ids
 
 
-def _floats(meta: _Metadata, key: str) -> tuple[float, ...]:
-    return tuple(_f32(x) for x in meta.need(key))
+def _floats(meta: Metadata, key: str) -> tuple[float, ...]:
+    return tuple(f32(x) for x in meta.need(key))
 
 
-def _siglip(meta: _Metadata, default_scale: int) -> tuple[VisionConfig, int]:
+def _siglip(meta: Metadata, default_scale: int) -> tuple[VisionConfig, int]:
     """The SigLIP tower of an Idefics3 or Gemma 3 projector and its `clip.vision.projector.scale_factor` (else
     `default_scale`), which must divide the tower's patch side, as its heads must divide its width."""
     v = lambda key: meta.need(f"clip.vision.{key}")  # noqa: E731
     tower = VisionConfig(int(v("embedding_length")), int(v("feed_forward_length")), int(v("block_count")),
                          int(v("attention.head_count")), int(v("image_size")), int(v("patch_size")),
-                         layer_norm_eps=_f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+                         layer_norm_eps=f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
                          hidden_act="gelu_pytorch_tanh")
     scale = int(meta.get("clip.vision.projector.scale_factor", default_scale))
     if scale < 1 or tower.patches_per_side % scale or tower.hidden_size % tower.num_heads:
@@ -120,7 +121,7 @@ def _siglip(meta: _Metadata, default_scale: int) -> tuple[VisionConfig, int]:
     return tower, scale
 
 
-def _idefics3(meta: _Metadata, raw: dict[str, Any], text_hidden: int, ids: list[int]
+def _idefics3(meta: Metadata, raw: dict[str, Any], text_hidden: int, ids: list[int]
               ) -> tuple[Idefics3Config, ImageProcessorConfig]:
     """Idefics3 / SmolVLM: the SigLIP tower's shape, the shuffle factor and the tiling (module docstring)."""
     tower, scale = _siglip(meta, 2)
@@ -131,7 +132,7 @@ def _idefics3(meta: _Metadata, raw: dict[str, Any], text_hidden: int, ids: list[
     return Idefics3Config(tower, scale, text_hidden, ids[0]), processor
 
 
-def _gemma3(meta: _Metadata, raw: dict[str, Any], text_hidden: int, ids: list[int]
+def _gemma3(meta: Metadata, raw: dict[str, Any], text_hidden: int, ids: list[int]
             ) -> tuple[Gemma3VisionConfig, Gemma3ProcessorConfig]:
     """Gemma 3: the SigLIP tower on whole frames, the rows per image from the pooling, one square frame per
     image (module docstring); `ids` are the image soft token's, `<start_of_image>`'s and `<end_of_image>`'s."""
@@ -143,7 +144,7 @@ def _gemma3(meta: _Metadata, raw: dict[str, Any], text_hidden: int, ids: list[in
     return config, processor
 
 
-def _qwen(meta: _Metadata, raw: dict[str, Any], text_hidden: int, ids: list[int]
+def _qwen(meta: Metadata, raw: dict[str, Any], text_hidden: int, ids: list[int]
           ) -> tuple[Qwen25VLConfig, Qwen2VLProcessorConfig]:
     """Qwen2.5-VL: the windowed ViT's shape, its full-attention blocks and the pixel bounds (module docstring)."""
     v = lambda key: meta.need(f"clip.vision.{key}")  # noqa: E731
