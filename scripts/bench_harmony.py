@@ -19,7 +19,7 @@ from pathlib import Path
 from imp_jax.model.text.tokenizer import Tokenizer
 from imp_jax.runtime.replies.harmony import HarmonyMarkers
 from imp_jax.runtime.replies.reasoning import ThinkMarkers, ThinkTracker
-from imp_jax.server.tool_parsers import HarmonyParser, HermesParser
+from imp_jax.runtime.replies.tool_calls import HarmonyParser, HermesParser
 
 PROMPT = "<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant"
 SENTENCE = " Hmm so the user wants the weather in Paris, let me check it."

@@ -233,13 +233,8 @@ CALL_TEXT = ('I will check.<|start|>assistant<|channel|>commentary to=functions.
 
 
 def test_the_parser_reads_a_call_split_anywhere():
-    from imp_jax.server.tool_parsers import (
-        ArgsDelta,
-        CallStart,
-        HarmonyParser,
-        collect_reply,
-        parse_reply,
-    )
+    from imp_jax.runtime.replies.calls import ArgsDelta, CallStart, collect_reply
+    from imp_jax.runtime.replies.tool_calls import HarmonyParser, parse_reply
 
     whole = parse_reply(CALL_TEXT, "harmony")
     assert whole.content == "I will check.Done."
@@ -262,13 +257,13 @@ def test_the_parser_reads_a_call_split_anywhere():
     "ab<|start|>assistant to=functions.f<|chan",                                       # cut off header
 ])
 def test_the_parser_keeps_what_is_no_call_as_text(text):
-    from imp_jax.server.tool_parsers import parse_reply
+    from imp_jax.runtime.replies.tool_calls import parse_reply
 
     assert parse_reply(text, "harmony").content == text and not parse_reply(text, "harmony").calls
 
 
 def test_a_tracked_call_reply_parses_into_reasoning_preamble_and_call(tok, markers):
-    from imp_jax.server.tool_parsers import parse_reply
+    from imp_jax.runtime.replies.tool_calls import parse_reply
 
     reply = ("<|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|channel|>commentary<|message|>I will "
              "check.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"

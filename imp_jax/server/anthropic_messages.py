@@ -30,8 +30,8 @@ from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
 from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall, answer_events,
-                                        parse_reply)
+from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall
+from imp_jax.runtime.replies.tool_calls import PARSERS, answer_events, parse_reply
 from imp_jax.server.tools import ToolPlan, anthropic_plan, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 

@@ -21,8 +21,9 @@ from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.reasoning import template_kwargs
 from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallStart, TextDelta, ToolCallParser, answer_events,
-                                        parse_reply)
+from imp_jax.runtime.replies.call_parser import ToolCallParser
+from imp_jax.runtime.replies.calls import ArgsDelta, CallStart, TextDelta
+from imp_jax.runtime.replies.tool_calls import PARSERS, answer_events, parse_reply
 from imp_jax.server.tools import ToolPlan, chat_plan, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 

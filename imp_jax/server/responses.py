@@ -32,8 +32,8 @@ from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall,
-                                        answer_events, parse_reply)
+from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall
+from imp_jax.runtime.replies.tool_calls import PARSERS, answer_events, parse_reply
 from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, prepare_decoding, render_prompt, responses_plan
 from imp_jax.server.validation import WireModel
 

@@ -4,7 +4,7 @@ and the grammar that enforces a `required` or named choice.
 - Tools reach the model through the chat template's own tool support when it reads `tools`;
   otherwise (SmolLM2, most small models) through a system preamble in the Hermes convention, and
   replayed calls and tool results are rendered as Hermes text (`<tool_call>`, `<tool_response>`).
-- The template also picks the call format the reply is parsed in (tool_parsers.py): Hermes/Qwen
+- The template also picks the call format the reply is parsed in (runtime/replies/tool_calls.py): Hermes/Qwen
   `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, or harmony (gpt-oss: a template with `<|channel|>`);
   Hermes when the template names none. Under harmony a `required` or named choice cannot be enforced by a
   grammar: a 400 `tool_choice_unenforceable` (prepare_decoding).
@@ -41,7 +41,8 @@ from imp_jax.runtime.request import SamplingParams
 from imp_jax.server import structured
 from imp_jax.server.limits import field_limits
 from imp_jax.server.structured import JSON_OPTIONS, OutputFormat, short_error
-from imp_jax.server.tool_parsers import PARSERS, ToolCallParser
+from imp_jax.runtime.replies.call_parser import ToolCallParser
+from imp_jax.runtime.replies.tool_calls import PARSERS
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 NAMESPACE_SEP = "__"  # a Responses namespace's tool `t` in namespace `ns` is offered as `ns__t`

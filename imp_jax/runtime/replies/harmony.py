@@ -9,7 +9,7 @@ tokens and reads it, decoded, at `<|message|>`.
 Kinds (runtime/replies/reasoning.py): header tokens and `<|end|>` are MARKER (no text); the analysis channel's
 content is THINK; the final channel's, and commentary without a recipient (a preamble), ANSWER. A
 message to a recipient (`to=functions.NAME`) is ANSWER text in call markup, `<|start|>HEADER<|message|>`
-and the arguments (then `<|end|>` if another message follows): server/tool_parsers.py's harmony parser
+and the arguments (then `<|end|>` if another message follows): tool_calls.py's harmony parser
 turns it into a call. A header that never reaches `<|message|>` (interrupted by another special token,
 longer than MAX_HEADER_TOKENS, or cut off by the end) is malformed: its text becomes answer text.
 """
