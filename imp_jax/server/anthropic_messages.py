@@ -28,7 +28,7 @@ from imp_jax.server.image_parts import ImageRef, anthropic_image, request_images
 from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
-from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
+from imp_jax.server.reasoning import Thinking, anthropic_thinking, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
 from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall
 from imp_jax.runtime.replies.tool_calls import PARSERS, answer_events, parse_reply
@@ -418,7 +418,7 @@ async def messages() -> Any:
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:
-        shown = thinking if thinking.enabled and model_thinks(engine.tokenizer) else None
+        shown = thinking if thinking.enabled and engine.thinks else None
         fmt = MessageStream(mid, answering_model(engine), len(ids), clamped, tool_format, shown)
         return sse_response(drive(engine, mid, events, fmt, keepalive_s=PING_INTERVAL_S))
     result = await collect(engine, greq, events)

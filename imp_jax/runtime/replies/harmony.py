@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Union
 
-from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ForcedEnd
+from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ForcedEnd, ThinkMarkers
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
@@ -83,6 +83,15 @@ class HarmonyMarkers:
 
     def tracker(self, prompt_ids: Sequence[int], budget: int | None = None) -> HarmonyTracker:
         return HarmonyTracker(self, prompt_ids, budget)
+
+
+ReplyMarkers = Union[HarmonyMarkers, ThinkMarkers]
+
+
+def reply_markers(tokenizer: Any) -> ReplyMarkers | None:
+    """How a model's replies split into reasoning and answer: harmony messages (gpt-oss), else a <think> block;
+    None when they do not (the model does not think). A model fact: the engine finds it once, at load."""
+    return HarmonyMarkers.from_tokenizer(tokenizer) or ThinkMarkers.from_tokenizer(tokenizer)
 
 
 class HarmonyTracker(ForcedEnd):
