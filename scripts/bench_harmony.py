@@ -1,6 +1,7 @@
 """Host cost of reading harmony replies (gpt-oss): the engine's HarmonyTracker per sampled token (beside the
-<think> tracker on the same ids), and the server's harmony tool-call parser per character of answer text
-(beside the Hermes parser on the same call). Medians of interleaved repeats; prints and writes JSON.
+<think> tracker on the same ids), and the harmony tool-call parser per character of answer text (beside
+the Hermes parser on the same call): with tools offered the engine runs it on its own answer text, so a
+harmony reply's calls leave as values (runtime/core/output.py); the server runs the others. Medians of interleaved repeats; prints and writes JSON.
 
     PYTHONPATH=. python scripts/bench_harmony.py [--tokenizer DIR] [--tokens 4000] [--out bench_harmony.json]
 

@@ -27,7 +27,7 @@ class ThinkFeature(Feature):
             budget = state.request.reasoning_budget
             if budget is None:   # the answer keeps its reserve of max_tokens (reasoning.py answer_reserve)
                 budget = default_think_budget(seq.max_tokens)
-            seq.reasoning = self.markers.tracker(state.request.prompt_ids, budget)
+            seq.reasoning = self.markers.tracker(state.request.prompt_ids, budget, state.request.tool_calls)
 
     def needs_newest(self, seq) -> bool:
         return seq.reasoning is not None and seq.reasoning.may_force   # a forced end's mask follows it

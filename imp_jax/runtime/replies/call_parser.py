@@ -6,7 +6,7 @@ import dataclasses
 import json
 import re
 
-from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, ParseEvent, TextDelta, new_call_id
+from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, ParseEvent, TextDelta, merge_parts, new_call_id
 
 # {"name": "...", "arguments": — once this much of a call is out, its name is known and its arguments follow
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:')
@@ -139,7 +139,7 @@ class ToolCallParser:
         out: list[ParseEvent] = []
         self._buf += text
         self._run(out, final=False)
-        return self._spaced(_merge(out), final=False)
+        return self._spaced(merge_parts(out), final=False)
 
     def _spaced(self, events: list[ParseEvent], final: bool) -> list[ParseEvent]:
         """Whitespace right before a call, or at the end after calls, is not content (Hermes puts newlines
@@ -160,7 +160,7 @@ class ToolCallParser:
             if self._ws and not self._called:
                 out.append(TextDelta(self._ws))
             self._ws = ""
-        return _merge(out)
+        return merge_parts(out)
 
     def finish(self) -> list[ParseEvent]:
         out: list[ParseEvent] = []
@@ -172,7 +172,7 @@ class ToolCallParser:
             self._buf = ""
         out.append(TextDelta(self._buf))
         self._buf = ""
-        return self._spaced(_merge(out), final=True)
+        return self._spaced(merge_parts(out), final=True)
 
     def _run(self, out: list[ParseEvent], final: bool) -> None:
         raise NotImplementedError
@@ -205,22 +205,6 @@ class ToolCallParser:
         else:
             out.append(dataclasses.replace(call.end, markup=markup))
         self._call, self._markup = None, ""
-
-
-def _merge(events: list[ParseEvent]) -> list[ParseEvent]:
-    """Join neighbouring text and argument deltas; drop empty text."""
-    merged: list[ParseEvent] = []
-    for ev in events:
-        last = merged[-1] if merged else None
-        if isinstance(ev, TextDelta) and not ev.text:
-            continue
-        if isinstance(ev, TextDelta) and isinstance(last, TextDelta):
-            last.text += ev.text
-        elif isinstance(ev, ArgsDelta) and isinstance(last, ArgsDelta) and last.index == ev.index:
-            last.text += ev.text
-        else:
-            merged.append(dataclasses.replace(ev))
-    return merged
 
 
 def emit_text_until(out: list[ParseEvent], buf: str, tag: str, final: bool) -> tuple[str, bool]:

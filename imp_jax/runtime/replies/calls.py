@@ -57,6 +57,23 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def merge_parts(events: list[ParseEvent]) -> list[ParseEvent]:
+    """Join neighbouring text and argument deltas (new objects: the given ones are left as they are); drop empty
+    text."""
+    merged: list[ParseEvent] = []
+    for ev in events:
+        last = merged[-1] if merged else None
+        if isinstance(ev, TextDelta) and not ev.text:
+            continue
+        if isinstance(ev, TextDelta) and isinstance(last, TextDelta):
+            last.text += ev.text
+        elif isinstance(ev, ArgsDelta) and isinstance(last, ArgsDelta) and last.index == ev.index:
+            last.text += ev.text
+        else:
+            merged.append(dataclasses.replace(ev))
+    return merged
+
+
 def collect_reply(events: list[ParseEvent]) -> ParsedReply:
     """Fold parse events into content and the valid calls."""
     content, calls = "", []
