@@ -6,7 +6,8 @@
   `<|python_tag|>`, several joined by `;`;
 - mistral: text, then `[TOOL_CALLS]` and a JSON array of calls, or `[TOOL_CALLS]name[ARGS]{...}`;
 - harmony (gpt-oss): a message to `functions.NAME`, as the engine's harmony tracker writes it into the
-  answer: `<|start|>HEADER<|message|>{...}`, then `<|end|>` or the end of the reply.
+  answer: `<|start|>HEADER<|message|>{...}`, then `<|end|>` or the end of the reply. The engine runs this
+  parser itself when tools are offered (harmony.py), so its events carry the calls as values.
 
 One incremental parser per format; the whole-text parse is the same parser fed everything at once,
 so streamed and whole replies agree. A call is announced (CallStart) as soon as its name is known
