@@ -1,6 +1,7 @@
 """Host cost of reading harmony replies (gpt-oss): the engine's HarmonyTracker per sampled token (beside the
-<think> tracker on the same ids), and the server's harmony tool-call parser per character of answer text
-(beside the Hermes parser on the same call). Medians of interleaved repeats; prints and writes JSON.
+<think> tracker on the same ids), and the harmony tool-call parser per character of answer text (beside
+the Hermes parser on the same call): with tools offered the engine runs it on its own answer text, so a
+harmony reply's calls leave as values (runtime/core/output.py); the server runs the others. Medians of interleaved repeats; prints and writes JSON.
 
     PYTHONPATH=. python scripts/bench_harmony.py [--tokenizer DIR] [--tokens 4000] [--out bench_harmony.json]
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from imp_jax.model.text.tokenizer import Tokenizer
 from imp_jax.runtime.replies.harmony import HarmonyMarkers
 from imp_jax.runtime.replies.reasoning import ThinkMarkers, ThinkTracker
-from imp_jax.server.tool_parsers import HarmonyParser, HermesParser
+from imp_jax.runtime.replies.tool_calls import HarmonyParser, HermesParser
 
 PROMPT = "<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant"
 SENTENCE = " Hmm so the user wants the weather in Paris, let me check it."

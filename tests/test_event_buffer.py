@@ -125,3 +125,27 @@ def test_events_after_close_are_dropped_and_never_stall() -> None:
 
     buf = asyncio.run(run())
     assert stalls == [] and len(buf) == 0 and not buf.stalled
+
+
+def test_folded_events_keep_a_harmony_replys_calls_in_order() -> None:
+    """The answer's values (EngineEvent.answer: text and calls, as the engine read a harmony reply's calls) fold
+    as its text does: all of them, in order, neighbouring deltas joined as the parser joins them."""
+    from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, TextDelta, merge_parts
+
+    parts = [[TextDelta("I will")], [], [CallStart(0, "c1", "f")], [ArgsDelta(0, '{"a": ')], [ArgsDelta(0, "1}")],
+             [CallEnd(0, '{"a": 1}', True, "")], [TextDelta(" ok")]]
+
+    async def run() -> list[EngineEvent]:
+        buf = EventBuffer(StreamLimits(max_events=2, stall_timeout_s=60), on_stall=lambda: None)
+        for i, answer in enumerate(parts):
+            buf.put(EngineEvent("r", 0, [i], "".join(p.text for p in answer if isinstance(p, TextDelta)),
+                                answer=answer))
+        out = [await buf.get() for _ in range(len(buf))]
+        buf.close()
+        return out
+
+    out = asyncio.run(run())
+    assert len(out) < len(parts)
+    assert merge_parts([p for e in out for p in e.answer]) == merge_parts([p for answer in parts for p in answer])
+    assert ArgsDelta(0, '{"a": 1}') in [p for e in out for p in e.answer]   # one delta where two folded
+    assert "".join(e.text for e in out) == "I will ok"

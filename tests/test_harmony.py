@@ -19,6 +19,7 @@ from imp_jax.runtime.replies.harmony import (
     HarmonyMarkers,
     HarmonyTracker,
     Header,
+    reply_markers,
 )
 from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ThinkMarkers
 
@@ -69,6 +70,16 @@ def test_markers_are_found_by_special_token_and_eos_is_return_and_call(tok, mark
     assert {tok.token_to_id(t) for t in ("<|return|>", "<|call|>")} <= tok.eos_ids
     assert tok.token_to_id("<|end|>") not in tok.eos_ids
     assert ThinkMarkers.from_tokenizer(tok) is None   # no <think> in this vocabulary
+
+
+def test_the_engine_states_whether_the_model_thinks(tok):
+    """reply_markers, the engines' model fact: harmony's markers where the vocabulary speaks it, else a <think>
+    block's, else none (Engine.thinks False); an engine without its own (the tests' fake) reads its tokenizer."""
+    from support.servers import FakeEngine, fake_tokenizer
+
+    assert isinstance(reply_markers(tok), HarmonyMarkers) and FakeEngine(tok).thinks
+    chatml = fake_tokenizer()
+    assert reply_markers(chatml) is None and not FakeEngine(chatml).thinks
 
 
 def test_a_harmony_vocabulary_ends_at_return_and_call_whatever_its_configs_say(tmp_path):
@@ -233,13 +244,8 @@ CALL_TEXT = ('I will check.<|start|>assistant<|channel|>commentary to=functions.
 
 
 def test_the_parser_reads_a_call_split_anywhere():
-    from imp_jax.server.tool_parsers import (
-        ArgsDelta,
-        CallStart,
-        HarmonyParser,
-        collect_reply,
-        parse_reply,
-    )
+    from imp_jax.runtime.replies.calls import ArgsDelta, CallStart, collect_reply
+    from imp_jax.runtime.replies.tool_calls import HarmonyParser, parse_reply
 
     whole = parse_reply(CALL_TEXT, "harmony")
     assert whole.content == "I will check.Done."
@@ -262,13 +268,13 @@ def test_the_parser_reads_a_call_split_anywhere():
     "ab<|start|>assistant to=functions.f<|chan",                                       # cut off header
 ])
 def test_the_parser_keeps_what_is_no_call_as_text(text):
-    from imp_jax.server.tool_parsers import parse_reply
+    from imp_jax.runtime.replies.tool_calls import parse_reply
 
     assert parse_reply(text, "harmony").content == text and not parse_reply(text, "harmony").calls
 
 
 def test_a_tracked_call_reply_parses_into_reasoning_preamble_and_call(tok, markers):
-    from imp_jax.server.tool_parsers import parse_reply
+    from imp_jax.runtime.replies.tool_calls import parse_reply
 
     reply = ("<|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|channel|>commentary<|message|>I will "
              "check.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"

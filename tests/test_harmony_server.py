@@ -275,8 +275,8 @@ def core(harmony_model: Path):
     return engine
 
 
-def _generate(core, tok: Tokenizer, words: str, **request) -> tuple[str, str, list[int], object]:
-    """(reasoning, answer, token ids, last event) of a greedy chat reply to `words` on the engine core."""
+def _events(core, tok: Tokenizer, words: str, **request) -> list:
+    """The events of a greedy chat reply to `words` on the engine core."""
     import uuid
 
     from imp_jax.runtime.request import GenerationRequest, SamplingParams
@@ -288,6 +288,12 @@ def _generate(core, tok: Tokenizer, words: str, **request) -> tuple[str, str, li
     while core.has_work():
         core.step()
     assert core.pool.num_free_blocks == core.baseline_free_blocks
+    return events
+
+
+def _generate(core, tok: Tokenizer, words: str, **request) -> tuple[str, str, list[int], object]:
+    """(reasoning, answer, token ids, last event) of a greedy chat reply to `words` on the engine core."""
+    events = _events(core, tok, words, **request)
     return ("".join(e.reasoning_text for e in events), "".join(e.text for e in events),
             [t for e in events for t in e.token_ids], events[-1])
 
@@ -317,3 +323,22 @@ def test_a_reasoning_budget_forces_the_final_header(core, tok):
     assert ids[:len(header) + 2 + len(forced)] == header + content[:2] + forced
     assert answer.endswith(ANSWER) and "<|" not in answer and last.finish_reason == "stop"
     assert last.usage.reasoning_tokens == len(header) + 2 + 1   # the forced <|end|> closes the analysis
+
+
+def test_with_tools_offered_a_call_leaves_the_engine_as_values(core, tok):
+    """GenerationRequest.tool_calls: the call comes in the events' `answer` as values (its name when its header is
+    read, its arguments as they are sampled, its end), beside the preamble's text, and no event's text holds
+    markup; without tools offered the call stays answer text, as generated."""
+    from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, TextDelta, collect_reply
+
+    events = _events(core, tok, "weather TRAIL", tool_calls=True)
+    assert all(e.answer is not None for e in events) and _no_markup(*(e.text for e in events))
+    parts = [p for e in events for p in e.answer]
+    reply = collect_reply(parts)
+    assert (reply.content, [(c.name, c.arguments) for c in reply.calls]) == ("I will check.", [("get_weather", ARGS)])
+    assert "".join(e.text for e in events) == "".join(p.text for p in parts if isinstance(p, TextDelta))
+    kinds = [type(p) for p in parts]
+    assert kinds.index(CallStart) < kinds.index(ArgsDelta) and kinds[-1] is CallEnd and parts[-1].valid
+    assert sum(any(isinstance(p, ArgsDelta) for p in e.answer) for e in events) > 1   # streamed, not whole
+    plain = _events(core, tok, "weather TRAIL")
+    assert all(e.answer is None for e in plain) and "to=functions.get_weather" in "".join(e.text for e in plain)

@@ -12,10 +12,14 @@ BASE = ("imp_jax.errors", "imp_jax.paths", "imp_jax.cli_flags")   # small, depen
 ALLOWED: dict[str, tuple[str, ...]] = {
     "imp_jax.kernels_pallas": ("imp_jax.kernels_pallas", *BASE),
     "imp_jax.model": ("imp_jax.model", "imp_jax.kernels_pallas", *BASE),
+    # reply parsing (stop strings, think blocks, harmony, tool calls): pure Python the server imports too, so it
+    # imports nothing else of the runtime (listed before the runtime: a module's first matching layer rules)
+    "imp_jax.runtime.replies": ("imp_jax.runtime.replies", *BASE),
     "imp_jax.runtime": ("imp_jax.runtime", "imp_jax.model", "imp_jax.kernels_pallas", *BASE),
-    # the server speaks to the engine through the request/event contract and the engine's config only
+    # the server speaks to the engine through the request/event contract and the engine's config only, and reads
+    # replies with the engine's own reply parsers (runtime/replies: pure Python, no jax)
     "imp_jax.server": ("imp_jax.server", "imp_jax.runtime.request", "imp_jax.runtime.api", "imp_jax.runtime.config",
-                       *BASE),
+                       "imp_jax.runtime.replies", *BASE),
     "imp_jax.errors": (),
     "imp_jax.paths": (),
     "imp_jax.cli_flags": (),
@@ -30,9 +34,6 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
                                 "imp_jax.runtime.core.early_start"),
     # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract
     "imp_jax.server.embeddings": ("imp_jax.runtime.vectors",),
-    # whether the served model thinks (<think> or harmony): the engine's own tests of the tokenizer (pure Python,
-    # no jax)
-    "imp_jax.server.reasoning": ("imp_jax.runtime.replies.reasoning", "imp_jax.runtime.replies.harmony"),
     # output constraints compile at parse time into the engine's own cache of grammars (llguidance, no jax)
     "imp_jax.server.structured": ("imp_jax.runtime.decoding.constraints",),
 }

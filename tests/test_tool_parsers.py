@@ -1,4 +1,4 @@
-"""The tool-call parsers (server/tool_parsers.py): each format whole and fed one character at a time,
+"""The tool-call parsers (runtime/replies/tool_calls.py): each format whole and fed one character at a time,
 text around calls, malformed and unfinished calls, and the streamed events' shape."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, ParseEvent, TextDelta,
-                                         collect_reply, parse_reply)
+from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, ParseEvent, TextDelta, collect_reply
+from imp_jax.runtime.replies.tool_calls import PARSERS, parse_reply
 
 
 def streamed(text: str, fmt: str) -> list[ParseEvent]:

@@ -26,7 +26,7 @@ from imp_jax.server.reasoning import Thinking
 from imp_jax.server.responses import ResponseDraft, ResponsesRequest, ResponseStream
 from imp_jax.server.responses_store import ResponsesStore
 from imp_jax.model.text.chat_template import render_chat_template
-from imp_jax.server.tool_parsers import parse_reply
+from imp_jax.runtime.replies.tool_calls import parse_reply
 from imp_jax.server.tools import (anthropic_plan, chat_plan, hermes_messages, native_messages, responses_plan,
                                   template_tools)
 

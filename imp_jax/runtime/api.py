@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from imp_jax.errors import EngineError, InvalidRequestError
+from imp_jax.runtime.replies.harmony import ReplyMarkers, reply_markers
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
 
 # loading -> warming_up -> ready <-> suspended; any -> faulted | stopped. no_model: a --models-dir slot.
@@ -89,6 +90,18 @@ class Engine(Protocol):
     def vision(self) -> bool:
         """A model fact: whether the loaded model has a vision encoder (takes image parts)."""
         return False
+
+    @property
+    def reply_markers(self) -> ReplyMarkers | None:
+        """A model fact: how the model's replies split into reasoning and answer (harmony's markers or a <think>
+        block's, runtime/replies), None when they do not. The engines find it once, at load; this default reads
+        the tokenizer each time it is asked."""
+        return reply_markers(self.tokenizer)
+
+    @property
+    def thinks(self) -> bool:
+        """A model fact: whether the model thinks (the engine splits its reasoning from the answer)."""
+        return self.reply_markers is not None
 
     def image_prompt(self, image: ImageInput) -> str:
         """The prompt text that stands for one image (with vision): the model's image special tokens, laid out

@@ -18,6 +18,7 @@ from imp_jax.runtime.decoding.dry import (
     MAX_DRY_MULTIPLIER,
     DryParams,
 )
+from imp_jax.runtime.replies.calls import ParseEvent
 
 # Request limits: the engine checks them (SamplingParams.validate, check_context) and the server's
 # dialects check the same values, from here, before a request reaches it.
@@ -210,6 +211,7 @@ class GenerationRequest:
     compiled_constraint: Any = None  # its CompiledGrammar (constraints.py), set before admission off the engine thread
     reasoning: bool = False        # split a thinking model's think block from the answer (reasoning.py)
     reasoning_budget: int | None = None  # reasoning tokens before the engine forces the block's end
+    tool_calls: bool = False       # tools are offered: a harmony reply's calls come as values (EngineEvent.answer)
     cfg_scale: float = 1.0         # classifier-free guidance (runtime/decoding/cfg.py); 1 = off
     cfg_prompt_ids: list[int] | None = None  # the shadow prompt CFG guides away from (with cfg_scale != 1)
     speculative: bool | None = None  # draft and verify (runtime/decoding/speculative.py); None = the server's --speculative
@@ -299,6 +301,9 @@ class EngineEvent:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     reasoning_text: str = ""   # the think block's text (GenerationRequest.reasoning); `text` is the answer's
+    # with GenerationRequest.tool_calls, a harmony reply's answer as values (runtime/replies/calls.py): its text
+    # (`text` joins it) and its calls, in order; None when the engine does not read the calls (the server does)
+    answer: list[ParseEvent] | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on index 0's first event; entry 0 is None
     raw_logprobs: dict[int, float] | None = None  # SamplingParams.raw_logprob_ids at this event's token

@@ -28,11 +28,11 @@ from imp_jax.server.image_parts import ImageRef, anthropic_image, request_images
 from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
 from imp_jax.server.limits import check_chars, json_reply, off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
-from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, signature, thinking_block
+from imp_jax.server.reasoning import Thinking, anthropic_thinking, signature, thinking_block
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall, answer_events,
-                                        parse_reply)
-from imp_jax.server.tools import ToolPlan, anthropic_plan, prepare_decoding, render_prompt
+from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall
+from imp_jax.runtime.replies.tool_calls import PARSERS
+from imp_jax.server.tools import ToolPlan, anthropic_plan, choice_reply, event_answer, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("anthropic_messages", __name__)
@@ -414,18 +414,19 @@ async def messages() -> Any:
     greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
                              cache_prompt=bool(req.cache_prompt) or marked, cache_prompt_tokens=pin_tokens,
                              constraint=constraint,
-                             reasoning=True, reasoning_budget=thinking.budget_tokens, images=in_order)
+                             reasoning=True, reasoning_budget=thinking.budget_tokens, images=in_order,
+                             tool_calls=tool_format is not None)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     clamped = max_tokens < req.max_tokens
     if req.stream:
-        shown = thinking if thinking.enabled and model_thinks(engine.tokenizer) else None
+        shown = thinking if thinking.enabled and engine.thinks else None
         fmt = MessageStream(mid, answering_model(engine), len(ids), clamped, tool_format, shown)
         return sse_response(drive(engine, mid, events, fmt, keepalive_s=PING_INTERVAL_S))
     result = await collect(engine, greq, events)
     c = result.choices[0]
     text, calls = c.text, []
     if tool_format is not None:  # calls are parsed out of the answer, never the reasoning
-        reply = parse_reply(c.text, tool_format)
+        reply = choice_reply(c, tool_format)
         text, calls = reply.content, reply.calls
     reason = stop_reason(c.finish_reason, c.stop_reason, clamped, bool(calls))
     block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
@@ -505,7 +506,7 @@ class MessageStream:
         if ev.finish_reason is not None:
             self._finish, self._matched = ev.finish_reason, ev.stop_reason
         frames = self._think(ev.reasoning_text) if ev.reasoning_text else []
-        for e in answer_events(self._parser, ev.text, ev.finish_reason is not None):  # the answer only
+        for e in event_answer(self._parser, ev):  # the answer only
             if isinstance(e, TextDelta):
                 if self._open != "text":
                     frames += self._start(TEXT_BLOCK)

@@ -21,9 +21,10 @@ from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
 from imp_jax.server.reasoning import template_kwargs
 from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallStart, TextDelta, ToolCallParser, answer_events,
-                                        parse_reply)
-from imp_jax.server.tools import ToolPlan, chat_plan, prepare_decoding, render_prompt
+from imp_jax.runtime.replies.call_parser import ToolCallParser
+from imp_jax.runtime.replies.calls import ArgsDelta, CallStart, TextDelta
+from imp_jax.runtime.replies.tool_calls import PARSERS
+from imp_jax.server.tools import ToolPlan, chat_plan, choice_reply, event_answer, prepare_decoding, render_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("chat_completions", __name__)
@@ -271,7 +272,7 @@ async def chat_completions() -> Any:
     set_response_id(rid)
     greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
                              reasoning=True, constraint=constraint, cfg_scale=req.cfg_scale or 1.0,
-                             cfg_prompt_ids=shadow_ids, images=in_order)
+                             cfg_prompt_ids=shadow_ids, images=in_order, tool_calls=tool_format is not None)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     token_text = TokenText(engine.tokenizer)
     if req.stream:
@@ -301,7 +302,7 @@ def _message(c: Choice, tool_format: str | None) -> dict[str, Any]:
     """A choice's `message` (reasoning_content, content, tool_calls) and `finish_reason` (`tool_calls` when it
     made calls and stopped by itself). Calls are parsed out of the answer only, never the reasoning."""
     message: dict[str, Any] = {"role": "assistant", **({"reasoning_content": c.reasoning} if c.reasoning else {})}
-    reply = parse_reply(c.text, tool_format) if tool_format is not None else None
+    reply = choice_reply(c, tool_format) if tool_format is not None else None
     if reply is None or not reply.calls:
         message["content"] = c.text if reply is None else reply.content
         return {"message": message, "finish_reason": c.finish_reason}
@@ -332,7 +333,7 @@ class ChatStream(OpenAIStream):
                                         "logprobs": None, "finish_reason": None}]))
         finish, answer = ev.finish_reason, self._answers[ev.index]
         deltas = [{"reasoning_content": ev.reasoning_text}] if ev.reasoning_text else []
-        deltas += answer.feed(ev.text, finish is not None)  # calls are parsed out of the answer only
+        deltas += answer.feed(ev)  # calls are parsed out of the answer only
         if answer.calls and finish == "stop":
             finish = "tool_calls"
         for delta in deltas[:-1]:
@@ -360,9 +361,9 @@ class _AnswerDeltas:
     def calls(self) -> int:
         return len(self._index)
 
-    def feed(self, text: str, last: bool) -> list[dict[str, Any]]:
+    def feed(self, ev: EngineEvent) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        for e in answer_events(self._parser, text, last):
+        for e in event_answer(self._parser, ev):
             if isinstance(e, TextDelta):
                 deltas.append({"content": e.text})
             elif isinstance(e, CallStart):

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from imp_jax.errors import EngineError, ImpError, InvalidRequestError
 from imp_jax.runtime.api import Engine
+from imp_jax.runtime.replies.calls import ParseEvent
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, StreamLimits, TokenLogprob, Usage
 
 log = logging.getLogger("imp_jax.server")
@@ -85,6 +86,7 @@ class Choice:
     index: int
     text: str = ""
     reasoning: str = ""   # the think block's text (GenerationRequest.reasoning)
+    answer: list[ParseEvent] | None = None   # the answer's text and calls as the engine read them (EngineEvent.answer)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     raw_logprobs: dict[int, float] = dataclasses.field(default_factory=dict)   # at the first token (scoring.py)
@@ -115,6 +117,9 @@ async def collect(engine: Engine, req: GenerationRequest, events: AsyncIterator[
             c = choices.setdefault(ev.index, Choice(ev.index))
             c.text += ev.text
             c.reasoning += ev.reasoning_text
+            if ev.answer is not None:
+                c.answer = c.answer if c.answer is not None else []
+                c.answer.extend(ev.answer)
             c.token_ids.extend(ev.token_ids)
             if ev.logprobs:
                 c.logprobs.extend(ev.logprobs)

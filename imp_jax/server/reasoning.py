@@ -3,7 +3,7 @@ reasoning parts of the dialects' replies, and `POST /v1/requests/{id}/end_thinki
 
 The engine splits a thinking model's think block (runtime/replies/reasoning.py), or a harmony reply's analysis
 channel (runtime/replies/harmony.py, gpt-oss), from its answer into each event's `reasoning_text` and `text`; the
-dialects only place the two.
+dialects only place the two. Whether the model thinks at all is the engine's model fact (`Engine.thinks`).
 """
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ import dataclasses
 import hashlib
 from typing import Any
 
-from quart import Blueprint, current_app, jsonify
+from quart import Blueprint, jsonify
 
 from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
-from imp_jax.runtime.replies.harmony import HarmonyMarkers
-from imp_jax.runtime.replies.reasoning import ThinkMarkers
 from imp_jax.server.context import caller_owner, ready_engine, server
 from imp_jax.server.errors import not_supported
 
 bp = Blueprint("reasoning", __name__)
-_THINKS_KEY = "imp_jax.model_thinks"      # app.extensions: id(tokenizer) -> whether the model thinks
 END_THINKING_TIMEOUT_S = 10.0
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -42,16 +39,6 @@ def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None 
     if enable_thinking is not None:
         out["enable_thinking"] = enable_thinking
     return out
-
-
-def model_thinks(tokenizer: Any) -> bool:
-    """Whether the served model thinks, in <think> blocks (ThinkMarkers) or harmony's analysis channel
-    (HarmonyMarkers): the engine splits its reasoning from the answer."""
-    cache: dict[int, bool] = current_app.extensions.setdefault(_THINKS_KEY, {})
-    key = id(tokenizer)
-    if key not in cache:
-        cache[key] = (HarmonyMarkers.from_tokenizer(tokenizer) or ThinkMarkers.from_tokenizer(tokenizer)) is not None
-    return cache[key]
 
 
 # ------------------------------------------------------------------------------------------ Anthropic

@@ -32,9 +32,10 @@ from imp_jax.server.openai_common import OpenAISampling, now
 from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
 from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.server.tool_parsers import (PARSERS, ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall,
-                                        answer_events, parse_reply)
-from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, prepare_decoding, render_prompt, responses_plan
+from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall
+from imp_jax.runtime.replies.tool_calls import PARSERS
+from imp_jax.server.tools import (NAMESPACE_SEP, ToolPlan, choice_reply, event_answer, prepare_decoding, render_prompt,
+                                  responses_plan)
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
@@ -478,13 +479,13 @@ async def create_response() -> Any:
                           images.by_digest)
     set_response_id(draft.id)
     greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True, constraint=constraint, images=in_order)
+                             reasoning=True, constraint=constraint, images=in_order, tool_calls=tool_format is not None)
     events = await lifecycle.begin(engine, greq, bool(req.stream))
     if req.stream:
         return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format, token_text)))
     result = await collect(engine, greq, events)
     c = result.choices[0]  # calls are parsed out of the answer, never the reasoning
-    reply = parse_reply(c.text, tool_format) if tool_format is not None else ParsedReply(c.text, [])
+    reply = choice_reply(c, tool_format) if tool_format is not None else ParsedReply(c.text, [])
     logprobs = (lambda: chat_logprobs(c.logprobs or [], token_text)) if token_text is not None else (lambda: None)
     return await json_reply(lambda: draft.finish(reply.content, c.finish_reason, result.usage, reply.calls,
                                                  c.reasoning, logprobs=logprobs()))
@@ -611,7 +612,7 @@ class ResponseStream:
         frames = self._reasoning_delta(ev.reasoning_text) if ev.reasoning_text else []
         if self._token_text is not None and ev.logprobs and not ev.reasoning_text:
             self._pending = chat_logprobs(ev.logprobs, self._token_text)
-        for e in answer_events(self._parser, ev.text, ev.finish_reason is not None):  # the answer only
+        for e in event_answer(self._parser, ev):  # the answer only
             if isinstance(e, TextDelta):
                 frames += self._text_delta(e.text)
             elif isinstance(e, CallStart):

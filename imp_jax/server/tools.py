@@ -4,9 +4,10 @@ and the grammar that enforces a `required` or named choice.
 - Tools reach the model through the chat template's own tool support when it reads `tools`;
   otherwise (SmolLM2, most small models) through a system preamble in the Hermes convention, and
   replayed calls and tool results are rendered as Hermes text (`<tool_call>`, `<tool_response>`).
-- The template also picks the call format the reply is parsed in (tool_parsers.py): Hermes/Qwen
+- The template also picks the call format the reply is parsed in (runtime/replies/tool_calls.py): Hermes/Qwen
   `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, or harmony (gpt-oss: a template with `<|channel|>`);
-  Hermes when the template names none. Under harmony a `required` or named choice cannot be enforced by a
+  Hermes when the template names none. A harmony reply's calls the engine reads itself (they are headers,
+  not text): its events carry them as values (EngineEvent.answer, `event_answer`, `choice_reply`). Under harmony a `required` or named choice cannot be enforced by a
   grammar: a 400 `tool_choice_unenforceable` (prepare_decoding).
 - `auto`: free text, parsed afterwards (and while streaming). `required` / a named tool: the reply
   is constrained by an llguidance grammar to one or more calls (one when parallel calls are off)
@@ -37,11 +38,14 @@ import llguidance
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.api import Engine
-from imp_jax.runtime.request import SamplingParams
+from imp_jax.runtime.replies.call_parser import ToolCallParser
+from imp_jax.runtime.replies.calls import ParsedReply, ParseEvent, collect_reply
+from imp_jax.runtime.replies.tool_calls import PARSERS, answer_events, parse_reply
+from imp_jax.runtime.request import EngineEvent, SamplingParams
 from imp_jax.server import structured
+from imp_jax.server.generation import Choice
 from imp_jax.server.limits import field_limits
 from imp_jax.server.structured import JSON_OPTIONS, OutputFormat, short_error
-from imp_jax.server.tool_parsers import PARSERS, ToolCallParser
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 NAMESPACE_SEP = "__"  # a Responses namespace's tool `t` in namespace `ns` is offered as `ns__t`
@@ -157,6 +161,20 @@ class ToolPlan:
     def parser(self, fmt: str) -> ToolCallParser | None:
         """A fresh reply parser when tools are offered (None: the reply is plain text)."""
         return PARSERS[fmt]() if self.offered else None
+
+
+def event_answer(parser: ToolCallParser | None, ev: EngineEvent) -> list[ParseEvent]:
+    """An event's answer as parse events: the engine's own when it read the calls (EngineEvent.answer: a harmony
+    reply with tools offered), else its text through `parser` (what it holds back flushed at the choice's end)."""
+    if ev.answer is not None:
+        return ev.answer
+    return answer_events(parser, ev.text, ev.finish_reason is not None)
+
+
+def choice_reply(c: Choice, fmt: str) -> ParsedReply:
+    """A whole choice's content and valid calls: the engine's when it read them (Choice.answer), else its text
+    parsed in `fmt`."""
+    return collect_reply(c.answer) if c.answer is not None else parse_reply(c.text, fmt)
 
 
 # --------------------------------------------------------------------------- the three dialects' fields

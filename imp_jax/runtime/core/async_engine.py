@@ -28,6 +28,7 @@ from imp_jax.runtime.features.images import image_keys
 from imp_jax.runtime.decoding.image_family import image_family
 from imp_jax.runtime.core.event_buffer import EventBuffer
 from imp_jax.runtime.parallel.multihost import PEER_LOST
+from imp_jax.runtime.replies.harmony import ReplyMarkers
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, ImageInput, StreamLimits
 
 log = logging.getLogger("imp_jax.engine")
@@ -125,6 +126,11 @@ class AsyncEngine(EngineThread, Engine):
         if vision is None:
             raise not_supported("image input")
         return image_family(vision).prompt(image.size)
+
+    @property
+    def reply_markers(self) -> ReplyMarkers | None:
+        """Found once at load by the think feature, which splits the replies with them (runtime/features/think.py)."""
+        return self.core.by_name["reasoning"].markers
 
     @property
     def default_params(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import collections
 from typing import Callable
 
 from imp_jax.errors import EngineError
+from imp_jax.runtime.replies.calls import merge_parts
 from imp_jax.runtime.request import EngineEvent, StreamLimits
 
 Item = EngineEvent | BaseException
@@ -28,11 +29,13 @@ def _mergeable(tail: Item, ev: Item) -> bool:
 
 
 def merge(tail: EngineEvent, ev: EngineEvent) -> None:
-    """Fold `ev` into `tail` in place: tokens, text, reasoning text and logprobs appended; the end, if
+    """Fold `ev` into `tail` in place: tokens, text, reasoning text, answer parts and logprobs appended; the end, if
     any, taken over."""
     tail.token_ids = tail.token_ids + ev.token_ids
     tail.text += ev.text
     tail.reasoning_text += ev.reasoning_text
+    if ev.answer is not None:   # (joined as the parser joins its own: one text or arguments delta, not two)
+        tail.answer = merge_parts((tail.answer or []) + ev.answer)
     if ev.logprobs is not None:
         tail.logprobs = (tail.logprobs or []) + ev.logprobs
     tail.finish_reason, tail.stop_reason = ev.finish_reason, ev.stop_reason

@@ -2,7 +2,8 @@
 
 Per sampled token: the sequence's output and prefix-cache blocks move on, the features see it
 (`Feature.accepted`), then its text is made (incremental detokenizing, think/answer split, banned
-phrases held back and rewound, stop strings) and sent, or deferred to overlap the next step's launch.
+phrases held back and rewound, stop strings, a harmony reply's calls read as values) and sent, or
+deferred to overlap the next step's launch.
 The end of a sequence frees it; the end of a request carries usage and releases what it held.
 """
 from __future__ import annotations
@@ -14,7 +15,9 @@ from imp_jax.runtime.decoding import cfg as guidance
 from imp_jax.runtime.decoding.banned import REGEX_SPENT, REGEX_SPENT_EXTRA
 from imp_jax.runtime.features import Accepted, EndSequence, Feature, Services
 from imp_jax.runtime.kv.kv_blocks import OutOfBlocks
+from imp_jax.runtime.replies.calls import TextDelta
 from imp_jax.runtime.replies.reasoning import ANSWER, THINK
+from imp_jax.runtime.replies.tool_calls import answer_events
 from imp_jax.runtime.request import EngineEvent, TokenLogprob, Usage
 from imp_jax.runtime.core.request_state import RequestState
 from imp_jax.runtime.scheduling.sequence import Sequence, SeqStatus
@@ -163,7 +166,7 @@ class OutputStage:
                             logprobs=logprobs, raw_logprobs=raw)
         self._attach_prompt_logprobs(seq, state, event)
         if finish is None:
-            self.send(state, event)
+            self.send(seq, state, event)
             return
         seq.finish_reason = finish
         event.finish_reason, event.stop_reason = finish, stop_reason
@@ -216,7 +219,7 @@ class OutputStage:
                             logprobs=logprobs if seq.params.logprobs is not None else None)
         self._attach_prompt_logprobs(seq, state, event)
         if matched is None:
-            self.send(state, event)
+            self.send(seq, state, event)
             return False
         seq.finish_reason = event.finish_reason = "stop"
         event.stop_reason = matched
@@ -255,7 +258,7 @@ class OutputStage:
                                 completion_tokens=sum(len(s.output_ids) for s in state.seqs),
                                 cached_tokens=first.cached_prompt_tokens or 0, **extra)
             event.done = True
-        self.send(state, event)
+        self.send(seq, state, event)
 
     def end_request(self, state: RequestState) -> None:
         """Forget the request and release what its features hold (idempotent)."""
@@ -264,6 +267,17 @@ class OutputStage:
             f.release(state)
 
     @staticmethod
-    def send(state: RequestState, event: EngineEvent) -> None:
+    def send(seq: Sequence, state: RequestState, event: EngineEvent) -> None:
+        _read_calls(seq, event)
         event.admitted_at = state.seqs[0].first_scheduled_at
         state.emit(event)
+
+
+def _read_calls(seq: Sequence, event: EngineEvent) -> None:
+    """With tools offered, a harmony reply's calls leave the engine as values (EngineEvent.answer): its answer
+    text, stop strings applied, goes through the tracker's call parser, which holds back what may still be
+    markup until the next text or the sequence's end (runtime/replies/harmony.py)."""
+    calls = seq.reasoning.calls if seq.reasoning is not None else None
+    if calls is not None:
+        event.answer = answer_events(calls, event.text, event.finish_reason is not None)
+        event.text = "".join(part.text for part in event.answer if isinstance(part, TextDelta))

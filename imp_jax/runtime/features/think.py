@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from imp_jax.runtime.features.base import Accepted, Feature, Services
-from imp_jax.runtime.replies.harmony import HarmonyMarkers
-from imp_jax.runtime.replies.reasoning import ThinkMarkers, default_think_budget
+from imp_jax.runtime.replies.harmony import reply_markers
+from imp_jax.runtime.replies.reasoning import default_think_budget
 from imp_jax.runtime.execution.sampling import pack_allowed_tokens
 
 
@@ -19,16 +19,15 @@ class ThinkFeature(Feature):
 
     def __init__(self, services: Services):
         super().__init__(services)
-        tok = services.tokenizer
-        # how the model's replies split into reasoning and answer (None: they do not)
-        self.markers = HarmonyMarkers.from_tokenizer(tok) or ThinkMarkers.from_tokenizer(tok)
+        # how the model's replies split into reasoning and answer (None: they do not); the engine's model fact
+        self.markers = reply_markers(services.tokenizer)
 
     def start(self, seq, state) -> None:
         if self.markers is not None and state.request.reasoning:
             budget = state.request.reasoning_budget
             if budget is None:   # the answer keeps its reserve of max_tokens (reasoning.py answer_reserve)
                 budget = default_think_budget(seq.max_tokens)
-            seq.reasoning = self.markers.tracker(state.request.prompt_ids, budget)
+            seq.reasoning = self.markers.tracker(state.request.prompt_ids, budget, state.request.tool_calls)
 
     def needs_newest(self, seq) -> bool:
         return seq.reasoning is not None and seq.reasoning.may_force   # a forced end's mask follows it

@@ -133,6 +133,7 @@ class EngineReplicas(Engine):
     device = _same_on_every_replica("device")
     default_params = _same_on_every_replica("default_params")
     vision = _same_on_every_replica("vision")
+    reply_markers = _same_on_every_replica("reply_markers")
 
     def image_prompt(self, image: ImageInput) -> str:
         return self.replicas[0].image_prompt(image)

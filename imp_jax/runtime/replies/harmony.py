@@ -9,18 +9,22 @@ tokens and reads it, decoded, at `<|message|>`.
 Kinds (runtime/replies/reasoning.py): header tokens and `<|end|>` are MARKER (no text); the analysis channel's
 content is THINK; the final channel's, and commentary without a recipient (a preamble), ANSWER. A
 message to a recipient (`to=functions.NAME`) is ANSWER text in call markup, `<|start|>HEADER<|message|>`
-and the arguments (then `<|end|>` if another message follows): server/tool_parsers.py's harmony parser
-turns it into a call. A header that never reaches `<|message|>` (interrupted by another special token,
-longer than MAX_HEADER_TOKENS, or cut off by the end) is malformed: its text becomes answer text.
+and the arguments (then `<|end|>` if another message follows): tool_calls.py's harmony parser
+turns it into a call. With tools offered the tracker holds that parser (`calls`): the engine passes the
+answer text through it after stop strings, and its events carry the calls as values (EngineEvent.answer),
+so the markup never leaves the engine; without tools it stays answer text. A header that never reaches
+`<|message|>` (interrupted by another special token, longer than MAX_HEADER_TOKENS, or cut off by the
+end) is malformed: its text becomes answer text.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Union
 
-from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ForcedEnd
+from imp_jax.runtime.replies.reasoning import ANSWER, MARKER, THINK, ForcedEnd, ThinkMarkers
+from imp_jax.runtime.replies.tool_calls import HarmonyParser
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
@@ -81,15 +85,26 @@ class HarmonyMarkers:
         return frozenset({self.start_id, self.channel_id, self.message_id, self.end_id, self.constrain_id,
                           *self.stop_ids}) - {None}
 
-    def tracker(self, prompt_ids: Sequence[int], budget: int | None = None) -> HarmonyTracker:
-        return HarmonyTracker(self, prompt_ids, budget)
+    def tracker(self, prompt_ids: Sequence[int], budget: int | None = None, tool_calls: bool = False) -> HarmonyTracker:
+        return HarmonyTracker(self, prompt_ids, budget, tool_calls)
+
+
+ReplyMarkers = Union[HarmonyMarkers, ThinkMarkers]
+
+
+def reply_markers(tokenizer: Any) -> ReplyMarkers | None:
+    """How a model's replies split into reasoning and answer: harmony messages (gpt-oss), else a <think> block;
+    None when they do not (the model does not think). A model fact: the engine finds it once, at load."""
+    return HarmonyMarkers.from_tokenizer(tokenizer) or ThinkMarkers.from_tokenizer(tokenizer)
 
 
 class HarmonyTracker(ForcedEnd):
     """One sequence's place in its harmony reply (ThinkTracker's interface: observe, force_end, ...)."""
 
-    def __init__(self, markers: HarmonyMarkers, prompt_ids: Sequence[int], budget: int | None = None):
+    def __init__(self, markers: HarmonyMarkers, prompt_ids: Sequence[int], budget: int | None = None,
+                 tool_calls: bool = False):
         self.markers = markers
+        self.calls = HarmonyParser() if tool_calls else None   # reads the calls out of the answer (tools offered)
         self.num_reasoning_tokens = 0
         self.budget = budget                 # reasoning tokens before the final message is forced (None: no cap)
         self._state = "between"              # header | content | between (after <|end|>: stray text is answer)

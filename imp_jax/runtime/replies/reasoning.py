@@ -37,7 +37,9 @@ class ThinkMarkers:
             return None
         return cls(start, end, (end, *tokenizer.encode(_after_end(tokenizer), add_special_tokens=False)))
 
-    def tracker(self, prompt_ids: Sequence[int], budget: int | None = None) -> ThinkTracker:
+    def tracker(self, prompt_ids: Sequence[int], budget: int | None = None, tool_calls: bool = False) -> ThinkTracker:
+        """A sequence's tracker. `tool_calls` (HarmonyMarkers.tracker's) changes nothing here: a think-block model
+        writes its calls as answer text, which the server parses."""
         return ThinkTracker(self, prompt_ids, budget)
 
     def opens_think(self, prompt_ids: Sequence[int]) -> bool:
@@ -102,6 +104,8 @@ def default_think_budget(max_tokens: int) -> int:
 
 class ThinkTracker(ForcedEnd):
     """One sequence's place relative to its think block, and the forced end still to emit."""
+
+    calls = None   # no call parser in the engine (HarmonyTracker.calls): the server reads this reply's calls
 
     def __init__(self, markers: ThinkMarkers, prompt_ids: Sequence[int], budget: int | None = None):
         self.markers = markers
