@@ -251,7 +251,7 @@ def main() -> int:
     platform = core.step_fn.kv[0].devices().pop().platform
     peak = measure_fma_peak() if platform == "cpu" else None   # a CPU figure
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
-    from imp_jax.model.formats.weights import describe as describe_weights
+    from imp_jax.model.weights import describe as describe_weights
     kernels = core.loaded.model.options.kernels
     kernel = kernels.cpu_gemm
     results = dict(model=args.model, startup_s=startup, load_s=phases["warming_up"],

@@ -71,7 +71,7 @@ def test_bfloat16_load_is_identical_to_bfloat16_source(stored, tiny_hf_dir, tmp_
 
 def test_a_bf16_source_converts_with_its_bf16_matrices_kept(tiny_hf_dir, tmp_path):
     """A bf16 checkpoint loaded in float32 keeps its matrices bf16 on a CPU with the GEMM kernel
-    (model/formats/weights.py); its conversion restores to the same mixed-dtype parameters and logits."""
+    (model/weights.py); its conversion restores to the same mixed-dtype parameters and logits."""
     from ml_dtypes import bfloat16
     from safetensors.numpy import load_file, save_file
 

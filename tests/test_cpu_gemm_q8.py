@@ -15,7 +15,7 @@ from support.cpu_gemm import (CPU_Q8, PATHS, activations, assert_rows_independen
 from imp_jax.kernels_pallas import AttentionShape, Kernels, matmul_wt, select_kernels
 from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
-from imp_jax.model.formats.weights import WeightFormats
+from imp_jax.model.weights import WeightFormats
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 

@@ -23,7 +23,7 @@ from support.servers import (MODEL, READY_TIMEOUT_S, REAL_ENGINE_ARGS, FakeEngin
 from imp_jax.errors import ImpError
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.kv.kv_blocks import BlockTable, KVBlockPool
-from imp_jax.runtime.parallel.replicas import EngineReplicas, check_devices
+from imp_jax.runtime.core.replicas import EngineReplicas, check_devices
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
 
 BLOCK = 4

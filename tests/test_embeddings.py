@@ -296,7 +296,7 @@ def test_roberta_position_offset_matches_transformers(tmp_path: Path) -> None:
 
     from imp_jax.model.architectures.bert import Encoder, EncoderConfig
     from imp_jax.model.formats.loader import SafetensorsDir
-    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.model.weights import WeightSource
 
     cfg = transformers.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=40, pad_token_id=1,

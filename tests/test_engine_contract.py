@@ -31,7 +31,7 @@ from imp_jax.runtime.core.async_engine import AsyncEngine
 from imp_jax.runtime.core.builder import enable_compilation_cache
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.core.engine import EngineCore
-from imp_jax.runtime.parallel.replicas import EngineReplicas
+from imp_jax.runtime.core.replicas import EngineReplicas
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams
 from imp_jax.runtime.parallel.sharding import default_mesh
 from imp_jax.server.app import create_app

@@ -73,7 +73,7 @@ def test_quantised_matrices_stay_ggml_blocks_with_the_dequantised_logits(tiny):
     from imp_jax.kernels_pallas import ggml_blocks
     from imp_jax.model.architectures.llama import DecoderLM
     from imp_jax.model.formats.loader import load_model
-    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.model.weights import WeightSource
     from imp_jax.runtime.execution.batch import SeqChunk
     from paged import PagedRunner
 

@@ -274,7 +274,7 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     from imp_jax.model.formats.gguf_loader import load_gguf
     from imp_jax.model.architectures.llama import DecoderLM
     from imp_jax.model.formats.loader import load_model
-    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.model.weights import WeightSource
     from imp_jax.runtime.execution.batch import SeqChunk
 
     kept = load_model(mixed, dtype="float32", gemm="exact").model

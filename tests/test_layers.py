@@ -29,7 +29,7 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     # the process entry point builds the engine, behind a late import (jax loads only there)
     # (multihost: jax.distributed must start before any other JAX use; processes != 0 serve no HTTP)
     # (early_start: the first start's kernel builds begin before that import, jax-free)
-    "imp_jax.server.__main__": ("imp_jax.runtime.core.async_engine", "imp_jax.runtime.parallel.replicas",
+    "imp_jax.server.__main__": ("imp_jax.runtime.core.async_engine", "imp_jax.runtime.core.replicas",
                                 "imp_jax.runtime.core.encoder_engine", "imp_jax.runtime.parallel.multihost",
                                 "imp_jax.runtime.core.early_start"),
     # embedding vectors' truncation and normalisation (numpy, no jax): the encoder engine's output contract

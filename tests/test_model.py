@@ -8,7 +8,7 @@ import torch
 
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.formats.loader import SafetensorsDir
-from imp_jax.model.formats.weights import WeightFormats, narrow_exact_bf16
+from imp_jax.model.weights import WeightFormats, narrow_exact_bf16
 from imp_jax.runtime.execution.batch import SeqChunk
 from paged import PagedRunner, assert_close, host_kernels, random_prompts
 from support.models import build

@@ -19,7 +19,7 @@ from imp_jax.model.formats.gguf_loader import load_gguf
 from imp_jax.model.formats.loader import load_model
 from imp_jax.model.architectures.moe import EXPERT_IMPLS, MoELM, expert_ffn
 from imp_jax.model.tensor_parallel import take
-from imp_jax.model.formats.weights import WeightFormats, WeightSource, describe
+from imp_jax.model.weights import WeightFormats, WeightSource, describe
 from imp_jax.runtime.execution.batch import SeqChunk
 from paged import PagedRunner
 from quant_blocks import BLOCK_BYTES, random_blocks

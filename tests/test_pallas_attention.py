@@ -248,7 +248,7 @@ def test_tiny_model_greedy_tokens_match(tmp_path: Path) -> None:
     from imp_jax.model.config import ModelConfig
     from imp_jax.model.formats.loader import SafetensorsDir, build_from_tensors
     from imp_jax.model.registry import get_model_class
-    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.model.weights import WeightSource
 
     write_tiny_hf("LlamaForCausalLM", tmp_path)
     cfg = ModelConfig.from_file(tmp_path / "config.json")

@@ -332,7 +332,7 @@ def test_quantised_fused_phi3_matrices_stay_ggml_blocks(phi_dir, tmp_path):
     """A Q8_0 attn_qkv / ffn_up is read whole (no split), so where the CPU GEMM kernel runs it stays
     the file's blocks, and the model computes what its dequantised twin does."""
     from imp_jax.kernels_pallas import ggml_blocks
-    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.model.weights import WeightSource
 
     path, _, _ = phi_dir
     gguf_path = write_phi3_gguf(tmp_path / "phi-q8.gguf", path, json.loads((path / "config.json").read_text()),

@@ -3,7 +3,7 @@ histories, breakers, allowed_length, penalty_last_n), the breaker table, the com
 slots; on the tiny random Llama, greedy DRY tokens vs the plain transformers logits minus the reference
 penalties step by step, DRY rows never overlapped, the pool back at its baseline, no compilation after
 warm-up; the 400s naming the field on the four routes over the FakeEngine; the real server through the
-openai client. Mirostat (runtime/decoding/mirostat.py): the kept set and the mu update vs llama.cpp's algorithm in
+openai client. Mirostat (runtime/execution/mirostat.py): the kept set and the mu update vs llama.cpp's algorithm in
 NumPy, greedy rows, mu carried from step to step through the engine, the 400s, the openai and anthropic
 clients."""
 from __future__ import annotations

@@ -194,7 +194,7 @@ def test_expert_stacks_are_stored_shard_major_with_zero_pads(tmp_path):
     from imp_jax.model.config import ModelConfig
     from imp_jax.model.architectures.gpt_oss import GptOssLM
     from imp_jax.model.formats.loader import SafetensorsDir, build_from_tensors
-    from imp_jax.model.formats.weights import WeightSource
+    from imp_jax.model.weights import WeightSource
     from paged import host_kernels
     from support.gpt_oss_models import write_tiny_gpt_oss
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.formats.loader import SafetensorsDir, load_model
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.request import GenerationRequest, SamplingParams

@@ -10,7 +10,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.layers import apply_rope, embed, linear, rms_norm, rope_tables
-from imp_jax.model.formats.weights import Matrix, WeightSource, stored
+from imp_jax.model.weights import Matrix, WeightSource, stored
 
 
 class OneLayerLM(nnx.Module):

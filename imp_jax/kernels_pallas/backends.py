@@ -114,7 +114,7 @@ def select_kernels(device: Any, shape: AttentionShape, *, attention: str = "auto
         raise ValueError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_BACKENDS)} (cpu: exact)")
     on_cpu = device.platform == "cpu"
     # on a CPU whose C++ GEMM runs, a float32 model keeps the blocks unless told to dequantise them
-    # (model/formats/weights.py WeightFormats): then, and only then, int8 activations have blocks to meet
+    # (model/weights.py WeightFormats): then, and only then, int8 activations have blocks to meet
     blocks_kept = ggml_blocks and quantized != "dequantize" and jnp.dtype(shape.q_dtype) == jnp.float32
     return Kernels(attention=_attention(attention, device, shape, on_cpu), gemm=_gemm(gemm, device, blocks_kept),
                    dynamic_skips=on_cpu, quantized="keep" if quantized == "auto" and not on_cpu else quantized)

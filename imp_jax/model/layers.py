@@ -13,7 +13,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, kernels: K
            out_dtype: jnp.dtype | None = None, lora: LoraDelta | None = None) -> jax.Array:
     """x @ w.T (+ b) for w in [out, in] layout (HF's, torch's), accumulated in float32 and returned
     as `out_dtype` (default: x's). Every projection and the LM head go through here, so the
-    weights' storage formats (model/formats/weights.py) and LoRA deltas have one home. `kernels` picks
+    weights' storage formats (model/weights.py) and LoRA deltas have one home. `kernels` picks
     the GEMM (kernels_pallas/gemm.py); `lora` adds each row's low-rank delta in float32, whatever
     format w is stored in (model/lora.py)."""
     y = matmul_wt(x, w, kernels)

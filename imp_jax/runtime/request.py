@@ -30,7 +30,7 @@ TOP_K_RANGE = (-(2**31), 2**31 - 1)     # <= 0 (or >= the vocabulary) is off
 SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_DRY_ALLOWED_LENGTH = 1024
 MAX_CFG_SCALE = 10.0                    # cfg_scale in [1, MAX_CFG_SCALE], 1 = off (runtime/decoding/cfg.py)
-MIROSTAT_TAU, MIROSTAT_ETA = 5.0, 0.1   # llama.cpp's defaults (runtime/decoding/mirostat.py)
+MIROSTAT_TAU, MIROSTAT_ETA = 5.0, 0.1   # llama.cpp's defaults (runtime/execution/mirostat.py)
 MAX_MIROSTAT_TAU = 100.0                # bits: far past any vocabulary's entropy
 
 
@@ -101,7 +101,7 @@ class SamplingParams:
     # phrases the output must not contain: a completed one is rewound and resampled (runtime/decoding/banned.py)
     banned_strings: list[str] = dataclasses.field(default_factory=list)
     banned_regex: list[str] = dataclasses.field(default_factory=list)
-    # mirostat v1 / v2 (runtime/decoding/mirostat.py): 0 = off; tau and eta act only through it
+    # mirostat v1 / v2 (runtime/execution/mirostat.py): 0 = off; tau and eta act only through it
     mirostat: int = 0
     mirostat_tau: float = MIROSTAT_TAU
     mirostat_eta: float = MIROSTAT_ETA

@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if code is not None:
             return code
     start_kernel_builds(config.engine)   # a first start's C++ kernel builds run beside the jax import below
-    from imp_jax.runtime.parallel.replicas import check_devices  # the engine (and jax) live behind this import
-    from imp_jax.runtime.parallel.replicas import make_engine as engine_for
+    from imp_jax.runtime.core.replicas import check_devices  # the engine (and jax) live behind this import
+    from imp_jax.runtime.core.replicas import make_engine as engine_for
 
     models_dir = Path(config.models_dir) if config.models_dir else None
     if models_dir is not None and not models_dir.is_dir():

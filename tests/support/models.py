@@ -12,7 +12,7 @@ from imp_jax.model.base import ModelOptions
 from imp_jax.model.config import ModelConfig
 from imp_jax.model.formats.loader import build_from_tensors
 from imp_jax.model.registry import get_model_class
-from imp_jax.model.formats.weights import WeightFormats, WeightSource
+from imp_jax.model.weights import WeightFormats, WeightSource
 
 
 def build(cfg: ModelConfig, tensors, dtype=jnp.float32, layer_loop: str = "scan",

@@ -20,7 +20,7 @@ from flax import nnx
 from imp_jax.kernels_pallas import AttentionMetadata, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 MAX_SCRIPTS, SCRIPT_LEN = 4, 96
 HEAD_DIM = 8            # [trigger position, script one-hot (MAX_SCRIPTS), unused]

@@ -3,7 +3,7 @@
 `matmul_wt_cpu(x, w)` is x @ w.T for w in [out, in] layout and float32 x. It reads
 - float32 weights, on 2 to 64 rows (decode steps; see MIN_ROWS, MAX_ROWS);
 - narrow weights, on any number of rows, since XLA would first widen them to float32 on every
-  call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/formats/weights.py) and GGML
+  call: bfloat16 ones (a bf16 checkpoint's matrices kept narrow, model/weights.py) and GGML
   blocks (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quant Q2_K..Q6_K, IQ4_XS, IQ4_NL and MXFP4
   matrices, ggml_blocks.py).
 `takes(x, w)` says whether it reads a given product; kernels_pallas/gemm.py dispatches. Built on

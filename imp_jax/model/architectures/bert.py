@@ -18,7 +18,7 @@ from flax import nnx
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.layers import layer_norm, linear
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
 CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",

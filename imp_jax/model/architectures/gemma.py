@@ -37,7 +37,7 @@ from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, ro
 from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM, layer_linear
 from imp_jax.model.lora import LoraLayers
 from imp_jax.model.tensor_parallel import TensorParallel
-from imp_jax.model.formats.weights import WeightSource, stored
+from imp_jax.model.weights import WeightSource, stored
 
 # where a Gemma3ForConditionalGeneration checkpoint keeps its language model's `model.*` and `lm_head.*`
 MULTIMODAL_PREFIXES = (("language_model.model.", "language_model.lm_head."),

@@ -40,7 +40,7 @@ from imp_jax.model.layers import apply_rope, rms_norm
 from imp_jax.model.architectures.llama import layer_linear
 from imp_jax.model.architectures.moe import MoEConfig, MoELayers, MoELM, moe_fields, shard_putter
 from imp_jax.model.tensor_parallel import TensorParallel
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 # FP4 e2m1 values by their 4-bit code (sign in the high bit)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

@@ -24,7 +24,7 @@ from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import apply_rope, embed, linear, mrope_tables, override_rows, rms_norm, rope_tables
 from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
-from imp_jax.model.formats.weights import Matrix, WeightSource, stored
+from imp_jax.model.weights import Matrix, WeightSource, stored
 
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -252,7 +252,7 @@ class DecoderLM(nnx.Module):
     def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,
                         options: ModelOptions = ModelOptions()) -> "DecoderLM":
         """Build from HF-named tensors (linears in [out, in]) without a random init; each Matrix is
-        stored as `weights.matrix` hands it (the loader's choice, model/formats/weights.py)."""
+        stored as `weights.matrix` hands it (the loader's choice, model/weights.py)."""
         model = nnx.eval_shape(lambda: cls(config, options, rngs=nnx.Rngs(0)))
         tp = model.tp
         # on N shards the weights stay host arrays, in shard-major order, and the engine puts each

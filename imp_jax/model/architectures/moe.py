@@ -53,7 +53,7 @@ from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import linear
 from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel, take
-from imp_jax.model.formats.weights import Matrix, WeightSource, stored
+from imp_jax.model.weights import Matrix, WeightSource, stored
 
 log = logging.getLogger("imp_jax.loader")
 EXPERT_IMPLS = ("tiles", "pairs", "dense", "ragged", "gather")

@@ -23,7 +23,7 @@ from imp_jax.model.family import Family, GGUFNames
 from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.architectures.llama import DecoderLM
 from imp_jax.model.lora import LoraTarget
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 # DecoderLM asks for the split names; Phi stores each group fused under one name
 _FUSED = {

@@ -1,2 +1,2 @@
 """Checkpoint formats and loading: HF directories, GGUF files, converted (orbax) directories, PEFT adapters,
-the hub's aliases, and how weight matrices are stored once loaded."""
+and the hub's aliases."""

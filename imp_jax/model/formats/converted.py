@@ -77,7 +77,7 @@ def matrix_path(key: Any) -> str:
 def matrix_paths(model: Any) -> list[str]:
     """The `pure_state` paths of the model's `Matrix` parameters (the projections `convert --quantize`
     stores as blocks)."""
-    from imp_jax.model.formats.weights import Matrix
+    from imp_jax.model.weights import Matrix
 
     def strings(t: Any) -> Any:
         return {str(k): strings(v) for k, v in t.items()} if isinstance(t, dict) else t

@@ -22,7 +22,7 @@ from imp_jax.model.architectures.bert import Encoder, EncoderConfig
 from imp_jax.model.config import read_json
 from imp_jax.model.formats.hub import resolve_model
 from imp_jax.model.formats.loader import SafetensorsDir
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 log = logging.getLogger("imp_jax.loader")
 _POOLING_KEYS = (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),

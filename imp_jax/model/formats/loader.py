@@ -26,7 +26,7 @@ from imp_jax.model.formats.hub import resolve_model
 from imp_jax.model.registry import get_model_class, import_model_class
 from imp_jax.model.vision.side import (LoadedVision, VisionCheckpoint, build_vision, describe_vision,
                                        is_vision_language, open_vision, text_tensors)
-from imp_jax.model.formats.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
+from imp_jax.model.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
 
 if TYPE_CHECKING:
     from imp_jax.model.text.tokenizer import Tokenizer

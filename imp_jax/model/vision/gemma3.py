@@ -22,7 +22,7 @@ from imp_jax.errors import ModelLoadError
 from imp_jax.model.language_model_config import GEMMA3_TEXT_DEFAULTS
 from imp_jax.model.layers import linear, rms_norm
 from imp_jax.model.vision.siglip import VisionConfig, VisionTransformer
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # SiglipVisionConfig's defaults, which a saved `vision_config` may leave out

@@ -18,7 +18,7 @@ from flax import nnx
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.layers import linear
 from imp_jax.model.vision.siglip import VisionConfig, VisionTransformer
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 

@@ -19,7 +19,7 @@ from imp_jax.model.architectures.llama import DecoderLM
 from imp_jax.model.formats.loader import SafetensorsDir
 from imp_jax.model.vision.idefics3 import ARCHITECTURES, Idefics3Config, Idefics3Vision
 from imp_jax.model.vision.side import TextModelTensors, build_vision, open_vision
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 
 def text_config(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:

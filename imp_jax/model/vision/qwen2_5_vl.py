@@ -39,7 +39,7 @@ from flax import nnx
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.layers import apply_rope, linear, rms_norm
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),

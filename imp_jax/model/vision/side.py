@@ -28,7 +28,7 @@ from imp_jax.model.vision.idefics3 import Idefics3Config, Idefics3Vision
 from imp_jax.model.vision.idefics3_processor import ImageProcessorConfig
 from imp_jax.model.vision.qwen2_5_vl import Qwen25Vision, Qwen25VLConfig
 from imp_jax.model.vision.qwen2_5_vl_processor import Qwen2VLProcessorConfig
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 VisionConfig = Idefics3Config | Qwen25VLConfig | Gemma3VisionConfig
 ProcessorConfig = ImageProcessorConfig | Qwen2VLProcessorConfig | Gemma3ProcessorConfig

@@ -20,7 +20,7 @@ from flax import nnx
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model.layers import layer_norm, linear
-from imp_jax.model.formats.weights import WeightSource
+from imp_jax.model.weights import WeightSource
 
 ACTIVATIONS = {"gelu_pytorch_tanh": True, "gelu_fast": True, "gelu_new": True, "gelu": False}   # -> tanh approximation
 

@@ -12,7 +12,7 @@ from imp_jax.runtime.features import Feature, Services
 from imp_jax.runtime.request import GenerationRequest, check_context, check_reply_size
 from imp_jax.runtime.core.request_state import Emit, RequestState
 from imp_jax.runtime.scheduling.sequence import Sequence
-from imp_jax.runtime.execution.step_inputs import base_bias
+from imp_jax.runtime.core.step_inputs import base_bias
 from imp_jax.runtime.replies.stop import StopStringMatcher
 
 

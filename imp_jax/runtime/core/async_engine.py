@@ -45,7 +45,7 @@ class AsyncEngine(EngineThread, Engine):
     def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None, replica: int = 0):
         super().__init__("imp-engine" + (f"-{replica}" if replica else ""), "engine", log)
         self.config = config
-        self.replica = replica          # its device group of config.data_parallel_size (runtime/parallel/replicas.py)
+        self.replica = replica          # its device group of config.data_parallel_size (runtime/core/replicas.py)
         self.capabilities = capabilities_of(config)
         self.idle_suspended = False     # parked for idleness: still "ready", the next request resumes
         self.progress = 0.0

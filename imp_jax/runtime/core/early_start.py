@@ -1,4 +1,4 @@
-"""What a server starts before it imports jax (runtime/parallel/replicas.py and the engine behind it): the first
+"""What a server starts before it imports jax (runtime/core/replicas.py and the engine behind it): the first
 start's C++ kernel builds, which then run beside that import, the model fetch and its opening.
 This module and what it imports stay free of jax."""
 from __future__ import annotations

@@ -33,7 +33,7 @@ from imp_jax.runtime.scheduling.sequence import Sequence, SeqStatus
 from imp_jax.runtime.scheduling.sessions import SessionPins
 from imp_jax.runtime.execution.step import CompiledStep, StepShapes, fetch, step_buckets
 from imp_jax.runtime.core.step_failures import FaultHook, StepFailures
-from imp_jax.runtime.execution.step_inputs import StepBuilder, slice_ids
+from imp_jax.runtime.core.step_inputs import StepBuilder, slice_ids
 
 
 @dataclasses.dataclass

@@ -1,2 +1,2 @@
 """What runs on the device: the compiled step (forward + gather + sampler) as pure programs, its packed
-host inputs, the sampler and its truncation, the vision encoders' programs, and how weights are fitted."""
+host inputs, the sampler (truncation, mirostat), the vision encoders' programs, and how weights are fitted."""

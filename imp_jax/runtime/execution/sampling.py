@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from imp_jax.runtime.decoding import mirostat as miro
+from imp_jax.runtime.execution import mirostat as miro
 from imp_jax.runtime.decoding.dry import DRY_SLOTS
 from imp_jax.runtime.request import MIROSTAT_ETA, MIROSTAT_TAU
 from imp_jax.runtime.execution.truncation import cond, switch, truncate

@@ -1,11 +1,11 @@
-"""Mirostat (runtime/decoding/mirostat.py) as a feature: the sequence's running surprise bound mu, handed to its row
+"""Mirostat (runtime/execution/mirostat.py) as a feature: the sequence's running surprise bound mu, handed to its row
 and read back from the step that sampled with it. The smallest whole feature: docs/ARCHITECTURE.md shows it."""
 from __future__ import annotations
 
 from typing import Any
 
 from imp_jax.runtime.features.base import Accepted, Feature
-from imp_jax.runtime.decoding.mirostat import initial_mu
+from imp_jax.runtime.execution.mirostat import initial_mu
 
 
 class MirostatFeature(Feature):

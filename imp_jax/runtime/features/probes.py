@@ -1,5 +1,5 @@
 """Raw logprob probes (/v1/score, /v1/decide): the raw logprob of each `raw_logprob_ids` entry where a token
-was sampled. The step input side is the base logit_bias (runtime/execution/step_inputs.py), whose first slots they fill."""
+was sampled. The step input side is the base logit_bias (runtime/core/step_inputs.py), whose first slots they fill."""
 from __future__ import annotations
 
 from imp_jax.runtime.features.base import Accepted, Feature
