@@ -7,9 +7,8 @@ from typing import Any
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import NotFoundError
-from imp_jax.server.context import ready_engine
+from imp_jax.server.context import engine_session_id, ready_engine
 from imp_jax.server.errors import not_supported
-from imp_jax.server.lifecycle import engine_session_id
 
 bp = Blueprint("sessions", __name__)
 
