@@ -29,7 +29,7 @@ from imp_jax.server.image_prompts import NO_IMAGES, PromptImages
 from imp_jax.server.limits import off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
 from imp_jax.server.prompts import breakpoint_tokens, messages_prompt, prompt_images
-from imp_jax.server.reasoning import anthropic_thinking, model_thinks, thinking_block
+from imp_jax.server.reasoning import Thinking, anthropic_thinking, model_thinks, thinking_block
 from imp_jax.server.tool_parsers import parse_reply
 from imp_jax.server.tools import ToolPlan, anthropic_plan, prepare_decoding
 from imp_jax.server.validation import WireModel
@@ -334,6 +334,7 @@ class MessagesDialect(Dialect):
     req: MessagesRequest
     tool_format: str | None = None
     clamped = False   # max_tokens was cut to the context left
+    thinking: Thinking   # the `thinking` opt-in (anthropic_thinking)
 
     @staticmethod
     def mint_id() -> str:

@@ -214,14 +214,14 @@ async def json_body() -> dict[str, Any]:
 class RequestContext:
     """What the request builder resolved for one request beside its body, handed on explicitly: the engine
     it runs on and the engine request's per-request fields, so that request is built once, whole
-    (generation_request), by whichever dialect serves it."""
+    (generation_request), by whichever dialect serves it. A --models-dir lease on the engine is not here: it is
+    app.py's teardown hook's to release (g.model_lease), also for a request that fails before it has a context."""
 
     engine: Engine
     response_id: str | None = None   # the id its reply carries (new_id); public once the engine request is built
     session_id: str | None = None    # the body's session_id (session_id_of), as the client named it
     lora: str | None = None          # the adapter asked for by `lora`, or by `model` (vLLM's spelling)
     speculative: tuple[bool | None, int | None, int | None] = (None, None, None)   # validation.speculative_of
-    lease: ModelDirectory | None = None   # --models-dir: the engine is held until the request's teardown (app.py)
     cache_salt: str | None = None    # the prefix-cache partition (cache_salt)
     tenant: str | None = None        # who asked (access.tenant_of): the scheduler's fair share and per-key counts
 
@@ -237,8 +237,9 @@ class RequestContext:
         one X-Request-Id and the request log carry (set_response_id)."""
         set_response_id(self.response_id)
         switch, ngram_k, mtp_k = self.speculative
-        return GenerationRequest(self.response_id, prompt_ids, params, session_id=engine_session_id(self.session_id),
-                                 lora=self.lora, cache_salt=self.cache_salt, tenant=self.tenant, speculative=switch,
+        return GenerationRequest(self.response_id, prompt_ids, params,
+                                 session_id=engine_session_id(self.session_id, self.cache_salt), lora=self.lora,
+                                 cache_salt=self.cache_salt, tenant=self.tenant, speculative=switch,
                                  spec_ngram_k=ngram_k, spec_mtp_k=mtp_k, **fields)
 
 
@@ -255,10 +256,9 @@ async def engine_request(cls: type[M], new_id: Callable[[], str] | None = None) 
     session_id, lora, speculative = session_id_of(req), lora_of(req), speculative_of(req)
     model = getattr(req, "model", None)
     refuse_encoder_model(model, request.path)   # an embedding / rerank model's name: a 400 naming it
-    lease = None
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
         await state.models.ensure(state, model, may_swap(state))   # swaps first if another model is loaded
-        lease = g.model_lease = state.models   # released at the request's teardown (app.py)
+        g.model_lease = state.models   # released at the request's teardown (app.py)
         engine = ready_engine()   # the readiness codes (suspended, engine_faulted, ...) apply here too
     else:
         engine = ready_engine()
@@ -271,7 +271,7 @@ async def engine_request(cls: type[M], new_id: Callable[[], str] | None = None) 
         limits.check_count(getattr(req, field, None), int(engine.max_model_len), field)
     tenant = tenant_of(request.headers, request.remote_addr, bool(state.access.keys))
     return req, RequestContext(engine, new_id() if new_id is not None else None, session_id, lora, speculative,
-                               lease, cache_salt(), tenant)
+                               cache_salt(), tenant)
 
 
 def cache_salt() -> str | None:
@@ -284,10 +284,9 @@ def cache_salt() -> str | None:
     return "key:" + key_digest(key)
 
 
-def engine_session_id(session_id: str | None) -> str | None:
+def engine_session_id(session_id: str | None, salt: str | None) -> str | None:
     """The engine's name for a client's `session_id`: within its key's namespace when the cache is
-    partitioned per key (cache_salt), so another key cannot replace or close its pins."""
-    salt = cache_salt()
+    partitioned per key (`salt`: cache_salt), so another key cannot replace or close its pins."""
     return f"{salt}/{session_id}" if session_id is not None and salt is not None else session_id
 
 

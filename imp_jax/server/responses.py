@@ -313,6 +313,7 @@ class ResponsesDialect(Dialect):
     body = ResponsesRequest
     req: ResponsesRequest
     tool_format: str | None = None
+    draft: ResponseDraft   # the response in the making (made in plan)
 
     @staticmethod
     def mint_id() -> str:
