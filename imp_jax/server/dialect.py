@@ -53,7 +53,7 @@ class Dialect:
         return None
 
     def validate(self) -> None:
-        """The body's cross-field rules (a 400 naming the field); most bodies say them in `check()`."""
+        """The body's cross-field rules, its `check()` (a 400 naming the field)."""
         self.req.check()
 
     async def plan(self) -> Plan:
