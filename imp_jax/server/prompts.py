@@ -6,7 +6,7 @@ functions here turn those into the token ids an engine request holds. Each runs 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from imp_jax.errors import InvalidRequestError
@@ -37,11 +37,10 @@ SYSTEM_ROLES = ("system", "developer")
 FILE_SEPARATORS = ("<file_sep>", "<|file_sep|>")
 
 
-async def prompt_images(body: Any, engine: Engine, earlier: Mapping[str, ImageInput] | None = None) -> PromptImages:
-    """The body's image parts (`body.image_refs()`) decoded (a 400 naming the first bad one, then the vision
-    gate), with `earlier` (a stored conversation's) beside them."""
+async def prompt_images(body: Any, engine: Engine) -> PromptImages:
+    """The body's image parts (`body.image_refs()`) decoded (a 400 naming the first bad one), then the vision gate."""
     refs = body.image_refs()
-    return PromptImages(refs, await request_images(refs, engine, server().config.image_limits), earlier)
+    return PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
 
 
 def templated(engine: Engine, messages: list[dict[str, Any]], plan: ToolPlan | None, images: PromptImages,
