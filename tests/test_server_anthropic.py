@@ -426,7 +426,8 @@ def test_output_format_constrains_the_reply(live_server: LiveServer) -> None:
 
 
 def test_cache_control_pins_up_to_the_last_breakpoint() -> None:
-    from imp_jax.server.anthropic_messages import MessagesRequest, breakpoint_tokens, prompt_ids
+    from imp_jax.server.anthropic_messages import MessagesRequest
+    from imp_jax.server.prompts import breakpoint_tokens, messages_prompt
     from support.servers import fake_tokenizer
 
     tok = fake_tokenizer()
@@ -437,7 +438,7 @@ def test_cache_control_pins_up_to_the_last_breakpoint() -> None:
             "messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi"},
                          {"role": "user", "content": "the quick brown fox"}]}
     req = MessagesRequest.model_validate(body)
-    ids = prompt_ids(req, engine)[0]
+    ids = messages_prompt(req, engine)[0]
     n = breakpoint_tokens(req, engine, ids)
     assert tok.decode(ids[:n], skip_special_tokens=False) == "<|im_start|>system\nYou are terse.<|im_end|>\n"
     body["messages"][0]["content"] = [{"type": "text", "text": "hello world", "cache_control": mark}]

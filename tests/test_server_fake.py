@@ -18,7 +18,8 @@ from support.servers import FAULT_MARKER, FakeEngine, fake_server, fake_tokenize
 from imp_jax.errors import ImpError
 from imp_jax.runtime.request import EngineEvent, GenerationRequest, Usage
 from imp_jax.server.app import create_app
-from imp_jax.server.completions import CompletionRequest, prompt_ids
+from imp_jax.server.completions import CompletionRequest
+from imp_jax.server.prompts import completion_prompt
 from imp_jax.server.streaming import drive, sse
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
@@ -52,7 +53,7 @@ def test_fault_without_streaming_is_a_500_envelope(fake_server: tuple[str, FakeE
 def test_fim_prompt_is_prefix_suffix_middle() -> None:
     tok = fake_tokenizer(fim=True)
     req = CompletionRequest.model_validate({"model": "m", "prompt": "def f(x):", "suffix": "return x"})
-    ids = prompt_ids(req, tok, tok.vocab_size)
+    ids = completion_prompt(req, tok, tok.vocab_size)
     fim = {k: tok.token_to_id(v) for k, v in tok.fim_tokens.items()}
     assert ids[0] == fim["prefix"] and ids[-1] == fim["middle"] and fim["suffix"] in ids
     assert tok.decode(ids, skip_special_tokens=False) == "<fim_prefix>def f(x):<fim_suffix>return x<fim_middle>"

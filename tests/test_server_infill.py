@@ -8,7 +8,8 @@ import json
 
 import httpx
 
-from imp_jax.server.infill import InfillRequest, infill_ids
+from imp_jax.server.infill import InfillRequest
+from imp_jax.server.prompts import infill_prompt
 from support.servers import (FAKE_SCRIPT, MODEL, LiveServer, fake_server, fake_tokenizer, live_server,  # noqa: F401
                              parse_sse)
 
@@ -17,7 +18,7 @@ def test_prompt_layout_is_extra_then_prefix_suffix_middle_prompt() -> None:
     tok = fake_tokenizer(fim=True)
     req = InfillRequest.model_validate({"input_prefix": "def f(x):", "input_suffix": "return x",
                                         "input_extra": [{"filename": "a.py", "text": "hello"}], "prompt": " y"})
-    ids = infill_ids(req, tok)
+    ids = infill_prompt(req, tok)
     text = tok.decode(ids, skip_special_tokens=False)
     # no file separator in this vocabulary: the extra chunk is its text and a newline
     assert text == "hello\n<fim_prefix>def f(x):<fim_suffix>return x<fim_middle> y"
@@ -32,7 +33,7 @@ def test_infill_whole_and_streamed(fake_server) -> None:
     script = fake_tokenizer().encode(FAKE_SCRIPT, add_special_tokens=False)[:5]
     assert out["content"] == fake_tokenizer().decode(script) and out["tokens"] == script
     assert out["stop"] is True and out["stop_type"] == "limit" and out["tokens_predicted"] == 5
-    assert out["tokens_evaluated"] == len(infill_ids(InfillRequest.model_validate(body), fake_tokenizer()))
+    assert out["tokens_evaluated"] == len(infill_prompt(InfillRequest.model_validate(body), fake_tokenizer()))
 
     with httpx.stream("POST", url + "/infill", json={**body, "stream": True}, timeout=30) as s:
         frames = parse_sse(s.read().decode())

@@ -441,7 +441,7 @@ def test_truncation_auto_drops_the_oldest_turns(live_server: LiveServer) -> None
 
 
 def test_fit_context_keeps_system_messages_and_the_last_user_turn() -> None:
-    from imp_jax.server.responses import fit_context
+    from imp_jax.server.prompts import fit_context
 
     turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
              {"role": "assistant", "content": "b", "tool_calls": [{"id": "c"}]}, {"role": "tool", "content": "r"},

@@ -19,11 +19,12 @@ from support.servers import (MODEL, LiveServer, fake_tokenizer, live_server, ope
 
 from imp_jax.errors import InvalidRequestError
 from imp_jax.runtime.request import EngineEvent, Usage
-from imp_jax.server.anthropic_messages import MessageStream
+from imp_jax.server.anthropic_reply import MessageStream
 from imp_jax.server.chat_completions import ChatRequest, ChatStream
 from imp_jax.server.logprobs import TokenText
 from imp_jax.server.reasoning import Thinking
-from imp_jax.server.responses import ResponseDraft, ResponsesRequest, ResponseStream
+from imp_jax.server.responses import ResponsesRequest
+from imp_jax.server.responses_reply import ResponseDraft, ResponseStream
 from imp_jax.server.responses_store import ResponsesStore
 from imp_jax.model.text.chat_template import render_chat_template
 from imp_jax.runtime.replies.tool_calls import parse_reply

@@ -3,7 +3,7 @@
 Native wire format, no shim through Chat: text, image and tool blocks in (replayed thinking dropped; images
 parsed and decoded, then refused while no served model has vision: image_parts.py); thinking
 (opted in), text and tool_use blocks out, in that order; Anthropic's stop reasons and usage, its SSE
-event sequence with pings, and its error envelope (errors.py).
+event sequence with pings (anthropic_reply.py), and its error envelope (errors.py).
 """
 from __future__ import annotations
 
@@ -16,23 +16,21 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator, model_validator
 from quart import Blueprint, Response, current_app, jsonify, request
 
-from imp_jax.errors import ImpError, InvalidRequestError
-from imp_jax.runtime.api import Engine
-from imp_jax.runtime.request import (EngineEvent, GenerationRequest, ImageInput, SamplingParams, Usage,
-                                     check_context)
-from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.context import answering_model, engine_request, granted, server, set_response_id
-from imp_jax.server.errors import anthropic_error_body, is_anthropic_path
-from imp_jax.server.generation import collect
-from imp_jax.server.image_parts import ImageRef, anthropic_image, request_images
-from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
-from imp_jax.server.limits import check_chars, json_reply, off_loop
+from imp_jax.errors import InvalidRequestError
+from imp_jax.runtime.request import SamplingParams, check_context
+from imp_jax.server import fields, structured
+from imp_jax.server.anthropic_reply import MessageStream, message_json, stop_reason, usage_json
+from imp_jax.server.context import engine_request, granted
+from imp_jax.server.dialect import Dialect, Plan, serve
+from imp_jax.server.errors import is_anthropic_path
+from imp_jax.server.generation import Completion
+from imp_jax.server.image_parts import ImageRef, anthropic_image
+from imp_jax.server.image_prompts import NO_IMAGES, PromptImages
+from imp_jax.server.limits import off_loop
 from imp_jax.server.openai_common import MAX_USER_CHARS, OpenAISampling, check_stop_strings
-from imp_jax.server.reasoning import Thinking, anthropic_thinking, signature, thinking_block
-from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, TextDelta, ToolCall
-from imp_jax.runtime.replies.tool_calls import PARSERS
-from imp_jax.server.tools import ToolPlan, anthropic_plan, choice_reply, event_answer, prepare_decoding, render_prompt
+from imp_jax.server.prompts import breakpoint_tokens, messages_prompt, prompt_images
+from imp_jax.server.reasoning import Thinking, anthropic_thinking, thinking_block
+from imp_jax.server.tools import ToolPlan, anthropic_plan, choice_reply, prepare_decoding
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("anthropic_messages", __name__)
@@ -44,8 +42,6 @@ ECHOED_HEADERS = ("anthropic-version", "anthropic-beta")
 _BETAS_SEEN = "imp_jax.anthropic_betas"  # app.extensions key: the beta values already logged
 MAX_BETAS_SEEN = 64       # beta values remembered (and so logged once each); later new ones are not logged
 MAX_BETA_CHARS = 128      # a beta value longer than this is not a real one: not remembered, not logged
-TEXT_BLOCK = {"type": "text", "text": ""}                               # streamed blocks as they start
-THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 
 
 def new_message_id() -> str:
@@ -328,211 +324,70 @@ class CountTokensRequest(Conversation):
     """`POST /v1/messages/count_tokens`."""
 
 
-def prompt_ids(conv: Conversation, engine: Engine,
-               images: PromptImages = NO_IMAGES) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """Render the turns with the chat template; a final assistant turn with text is continued, not closed.
-    Also the images in the order the prompt holds them."""
-    messages, prefill = conv.template_messages(images)
-    text = render_prompt(engine.tokenizer, messages, conv.tool_plan, add_generation_prompt=not prefill,
-                         continue_final_message=prefill, enable_thinking=anthropic_thinking(conv.thinking).enabled)
-    check_chars(text, "messages")
-    text, in_order = expand(text, images, engine, "messages", count_marks(m["content"] for m in messages))
-    return engine.tokenizer.encode_chat(text), in_order
+class MessagesDialect(Dialect):
+    """Anthropic Messages: the turns through the chat template (a final assistant turn is a prefill), the
+    prompt pinned to its last cache_control breakpoint where granted, thinking opted in; the reply
+    (anthropic_reply.py) in content blocks, streamed with pings."""
 
+    body = MessagesRequest
+    req: MessagesRequest
+    tool_format: str | None = None
+    clamped = False   # max_tokens was cut to the context left
+    thinking: Thinking   # the `thinking` opt-in (anthropic_thinking)
 
-def breakpoint_tokens(conv: Conversation, engine: Engine, ids: list[int],
-                      images: PromptImages = NO_IMAGES) -> int | None:
-    """How many leading tokens of the prompt `ids` the last cache_control breakpoint covers: the prompt's common
-    token prefix with the conversation rendered through that block (None: the whole prompt)."""
-    cut = conv.through_breakpoint()
-    if cut is None:
-        return None
-    messages, _ = cut.template_messages(images)
-    if not messages:
-        return None
-    text = render_prompt(engine.tokenizer, messages, conv.tool_plan, add_generation_prompt=False,
-                         enable_thinking=anthropic_thinking(conv.thinking).enabled)
-    part = engine.tokenizer.encode_chat(expand(text, images, engine, "messages")[0])
-    n = 0
-    while n < min(len(part), len(ids)) and part[n] == ids[n]:
-        n += 1
-    return n
+    @staticmethod
+    def mint_id() -> str:
+        return new_message_id()
 
+    def keepalive_s(self) -> float | None:
+        return PING_INTERVAL_S
 
-def usage_json(usage: Usage) -> dict[str, Any]:
-    """Anthropic usage: input_tokens excludes the prefix-cache hit, which is cache_read_input_tokens; the
-    imp_spec_* counters (speculative decoding) are lifted to the top level."""
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens, **(usage.spec or {})}
+    async def plan(self) -> Plan:
+        req, engine = self.req, self.engine
+        images = await prompt_images(req, engine)
+        ids, in_order = await off_loop(messages_prompt, req, engine, images)
+        check_context(len(ids), None, engine.max_model_len, "messages")
+        max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
+        self.clamped = max_tokens < req.max_tokens
+        params = req.sampling_params(max_tokens, None, engine.vocab_size)
+        constraint, self.tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
+        self.thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
+        marked = not req.cache_prompt and req.has_cache_control and granted("pins")   # pinned to the last breakpoint
+        pin_tokens = await off_loop(breakpoint_tokens, req, engine, ids, images) if marked else None
+        return Plan(ids, params, bool(req.stream), {
+            "priority": req.priority or 0, "cache_prompt": bool(req.cache_prompt) or marked,
+            "cache_prompt_tokens": pin_tokens, "constraint": constraint, "reasoning": True,
+            "reasoning_budget": self.thinking.budget_tokens, "images": in_order,
+            "tool_calls": self.tool_format is not None})
 
+    def stream(self, plan: Plan) -> MessageStream:
+        thinking = self.thinking
+        shown = thinking if thinking.enabled and self.engine.thinks else None
+        return MessageStream(self.ctx.response_id, self.ctx.model, len(plan.ids), self.clamped, self.tool_format,
+                             shown)
 
-def stop_reason(finish: str | None, matched: str | int | None, clamped: bool,
-                called: bool = False) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) for an engine finish; `clamped`: max_tokens was cut to the context left;
-    `called`: the reply made tool calls."""
-    if finish == "length":
-        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
-    if isinstance(matched, str):
-        return "stop_sequence", matched
-    return ("tool_use" if called else "end_turn"), None
-
-
-def tool_use_id(call_id: str) -> str:
-    """A parsed call's id in Anthropic's spelling."""
-    return "toolu_" + call_id.removeprefix("call_")
-
-
-def message_json(mid: str, model: str, text: str | None, reason: tuple[str | None, str | None],
-                 usage: dict[str, int], calls: list[ToolCall] = (),
-                 thinking: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `message` object; `text` None (a stream's message_start) has no content yet. A thinking block first;
-    with tool calls, a text block only if there is text, then one tool_use block per call."""
-    content = [thinking] if thinking else []
-    content += [{"type": "text", "text": text}] if text is not None and (text.strip() or not calls) else []
-    content += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": json.loads(c.arguments)}
-                for c in calls]
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
+    def reply(self, plan: Plan, result: Completion) -> dict[str, Any]:
+        c, thinking = result.choices[0], self.thinking
+        text, calls = c.text, []
+        if self.tool_format is not None:  # calls are parsed out of the answer, never the reasoning
+            parsed = choice_reply(c, self.tool_format)
+            text, calls = parsed.content, parsed.calls
+        reason = stop_reason(c.finish_reason, c.stop_reason, self.clamped, bool(calls))
+        block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
+        return message_json(self.ctx.response_id, self.ctx.model, text, reason, usage_json(result.usage), calls, block)
 
 
 @bp.post("/v1/messages")
 async def messages() -> Any:
-    req, engine = await engine_request(MessagesRequest)
-    req.check()
-    refs = req.image_refs()
-    images = PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
-    ids, in_order = await off_loop(prompt_ids, req, engine, images)
-    check_context(len(ids), None, engine.max_model_len, "messages")
-    max_tokens = min(req.max_tokens, engine.max_model_len - len(ids))  # agents send 32k; a small model has less
-    params = req.sampling_params(max_tokens, None, engine.vocab_size)
-    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
-    mid = new_message_id()
-    set_response_id(mid)
-    thinking = anthropic_thinking(req.thinking)  # without the opt-in a think block is left out of the reply
-    marked = not req.cache_prompt and req.has_cache_control and granted("pins")   # pinned to the last breakpoint
-    pin_tokens = await off_loop(breakpoint_tokens, req, engine, ids, images) if marked else None
-    greq = GenerationRequest(mid, ids, params, priority=req.priority or 0,
-                             cache_prompt=bool(req.cache_prompt) or marked, cache_prompt_tokens=pin_tokens,
-                             constraint=constraint,
-                             reasoning=True, reasoning_budget=thinking.budget_tokens, images=in_order,
-                             tool_calls=tool_format is not None)
-    events = await lifecycle.begin(engine, greq, bool(req.stream))
-    clamped = max_tokens < req.max_tokens
-    if req.stream:
-        shown = thinking if thinking.enabled and engine.thinks else None
-        fmt = MessageStream(mid, answering_model(engine), len(ids), clamped, tool_format, shown)
-        return sse_response(drive(engine, mid, events, fmt, keepalive_s=PING_INTERVAL_S))
-    result = await collect(engine, greq, events)
-    c = result.choices[0]
-    text, calls = c.text, []
-    if tool_format is not None:  # calls are parsed out of the answer, never the reasoning
-        reply = choice_reply(c, tool_format)
-        text, calls = reply.content, reply.calls
-    reason = stop_reason(c.finish_reason, c.stop_reason, clamped, bool(calls))
-    block = thinking_block(c.reasoning, thinking) if thinking.enabled and c.reasoning else None
-    return await json_reply(message_json, mid, answering_model(engine), text, reason, usage_json(result.usage), calls,
-                            block)
+    return await serve(MessagesDialect)
 
 
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens() -> Any:
-    req, engine = await engine_request(CountTokensRequest)
+    req, ctx = await engine_request(CountTokensRequest)
     req.check_conversation()
-    refs = req.image_refs()
-    images = PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
-    return jsonify({"input_tokens": len((await off_loop(prompt_ids, req, engine, images))[0])})
-
-
-class MessageStream:
-    """message_start, ping, content blocks (start, deltas, stop), message_delta, message_stop.
-
-    Plain text: one text block, opened at once. Otherwise blocks open as the reply needs them, in the
-    order generated: a thinking block first (opted in, when the model thinks: thinking_delta...,
-    signature_delta), then text blocks (text_delta) and, with tools, tool_use blocks (input_json_delta).
-    """
-
-    def __init__(self, mid: str, model: str, prompt_tokens: int, clamped: bool, tool_format: str | None = None,
-                 thinking: Thinking | None = None):
-        self._mid, self._model, self._prompt_tokens, self._clamped = mid, model, prompt_tokens, clamped
-        self._finish: str | None = None
-        self._matched: str | int | None = None
-        self._parser = PARSERS[tool_format]() if tool_format else None
-        self._thinking = thinking
-        self._reasoning = ""                # the thinking block's text, for its signature
-        self._started: list[str] = []       # the types of the blocks started; the last one's index is len - 1
-        self._open: str | None = None       # the type of the block open now
-
-    def open(self) -> list[str]:
-        start_usage = {"input_tokens": self._prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
-                       "cache_read_input_tokens": 0}  # the cache split is known at the end: message_delta
-        message = message_json(self._mid, self._model, None, (None, None), start_usage)
-        frames = [sse({"type": "message_start", "message": message}, "message_start"), *self.ping()]
-        lazy = self._parser is not None or self._thinking is not None
-        return frames if lazy else frames + self._start(TEXT_BLOCK)
-
-    def _start(self, block: dict[str, Any]) -> list[str]:
-        frames = self._stop()
-        self._open = block["type"]
-        self._started.append(block["type"])
-        return frames + [sse({"type": "content_block_start", "index": self._index, "content_block": block},
-                             "content_block_start")]
-
-    def _stop(self) -> list[str]:
-        if self._open is None:
-            return []
-        frames = [self._delta({"type": "signature_delta", "signature": signature(self._reasoning)})
-                  ] if self._open == "thinking" else []
-        self._open = None
-        return frames + [sse({"type": "content_block_stop", "index": self._index}, "content_block_stop")]
-
-    @property
-    def _index(self) -> int:
-        return len(self._started) - 1
-
-    def _delta(self, delta: dict[str, Any]) -> str:
-        return sse({"type": "content_block_delta", "index": self._index, "delta": delta}, "content_block_delta")
-
-    def _think(self, text: str) -> list[str]:
-        """Reasoning goes to the leading thinking block (opted in only; none once the answer has begun)."""
-        if self._thinking is None or (self._open != "thinking" and self._started):
-            return []
-        frames = [] if self._open == "thinking" else self._start(THINKING_BLOCK)
-        self._reasoning += text
-        if self._thinking.display != "omitted":
-            frames.append(self._delta({"type": "thinking_delta", "thinking": text}))
-        return frames
-
-    def event(self, ev: EngineEvent) -> list[str]:
-        if ev.finish_reason is not None:
-            self._finish, self._matched = ev.finish_reason, ev.stop_reason
-        frames = self._think(ev.reasoning_text) if ev.reasoning_text else []
-        for e in event_answer(self._parser, ev):  # the answer only
-            if isinstance(e, TextDelta):
-                if self._open != "text":
-                    frames += self._start(TEXT_BLOCK)
-                frames.append(self._delta({"type": "text_delta", "text": e.text}))
-            elif isinstance(e, CallStart):
-                frames += self._start({"type": "tool_use", "id": tool_use_id(e.id), "name": e.name, "input": {}})
-            elif isinstance(e, ArgsDelta):
-                frames.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
-            elif isinstance(e, CallEnd):
-                frames += self._stop()
-        return frames
-
-    def close(self, usage: Usage | None) -> list[str]:
-        reason, matched = stop_reason(self._finish, self._matched, self._clamped, "tool_use" in self._started)
-        delta_usage = usage_json(usage) if usage is not None else {"output_tokens": 0}
-        answered = any(kind != "thinking" for kind in self._started)
-        return [*(self._stop() if answered else self._start(TEXT_BLOCK) + self._stop()),
-                sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
-                     "usage": delta_usage}, "message_delta"),
-                sse({"type": "message_stop"}, "message_stop")]
-
-    def error(self, err: ImpError) -> list[str]:
-        return [sse(anthropic_error_body(err, self._mid), "error")]
-
-    def ping(self) -> list[str]:
-        return [sse({"type": "ping"}, "ping")]
+    images = await prompt_images(req, ctx.engine)
+    return jsonify({"input_tokens": len((await off_loop(messages_prompt, req, ctx.engine, images))[0])})
 
 
 @bp.after_app_request

@@ -8,23 +8,20 @@ from pydantic import field_validator
 from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.api import Engine
-from imp_jax.runtime.request import (MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, ImageInput,
-                                     check_context)
-from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.context import answering_model, default_max_tokens, engine_request, server, set_response_id
-from imp_jax.server.generation import Choice, Completion, collect
-from imp_jax.server.image_parts import VIDEO_URL_REFUSED, ImageRef, openai_image, request_images, video_frames
-from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
-from imp_jax.server.limits import check_chars, json_reply, off_loop
+from imp_jax.runtime.request import MAX_CFG_SCALE, MAX_TOP_LOGPROBS, EngineEvent
+from imp_jax.server import fields, structured
+from imp_jax.server.dialect import Dialect, Plan, serve
+from imp_jax.server.generation import Choice, Completion
+from imp_jax.server.image_parts import VIDEO_URL_REFUSED, ImageRef, openai_image, video_frames
+from imp_jax.server.image_prompts import NO_IMAGES, PromptImages
+from imp_jax.server.limits import off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
-from imp_jax.server.reasoning import template_kwargs
-from imp_jax.server.streaming import drive, sse_response
+from imp_jax.server.prompts import RESERVED_TEMPLATE_KWARGS, SYSTEM_ROLES, cfg_shadow_prompt, chat_prompt, prompt_images
 from imp_jax.runtime.replies.call_parser import ToolCallParser
 from imp_jax.runtime.replies.calls import ArgsDelta, CallStart, TextDelta
 from imp_jax.runtime.replies.tool_calls import PARSERS
-from imp_jax.server.tools import ToolPlan, chat_plan, choice_reply, event_answer, prepare_decoding, render_prompt
+from imp_jax.server.tools import ToolPlan, chat_plan, choice_reply, event_answer, prepare_decoding
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("chat_completions", __name__)
@@ -86,21 +83,6 @@ class ChatMessage(WireModel):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
         return msg
-
-
-def refuse_images(messages: list[ChatMessage]) -> None:
-    """400 naming the first image or video part: routes that render chats as text only (scoring, tokenize)."""
-    for i, m in enumerate(messages):
-        for j, p in enumerate(m.content or []):
-            if p.type != "text":
-                raise InvalidRequestError(f"'messages[{i}].content[{j}]': {p.type} parts are taken on "
-                                          "/v1/chat/completions only", param=f"messages[{i}].content[{j}]",
-                                          code="not_supported")
-
-
-# apply_chat_template's own parameters: a template variable of these names would clash with them
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
-                                      "documents", "template_name"})
 
 
 class ChatRequest(OpenAISampling, structured.OutputFormatFields):
@@ -224,63 +206,43 @@ class ChatRequest(OpenAISampling, structured.OutputFormatFields):
         return (self.top_logprobs or 0) if self.logprobs or self.lens_top else None
 
 
-SYSTEM_ROLES = ("system", "developer")
+class ChatDialect(Dialect):
+    """OpenAI Chat: the conversation through the chat template (images, tools, cfg_scale's shadow prompt),
+    answered as `chat.completion` or its chunks; tool calls parsed out of each choice's answer."""
 
+    body = ChatRequest
+    req: ChatRequest
+    tool_format: str | None = None
 
-def prompt_ids(req: ChatRequest, engine: Engine, images: PromptImages = NO_IMAGES,
-               messages: list[dict[str, Any]] | None = None) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """Render the conversation (or `messages`) with the model's chat template and tokenize it; the images
-    in the order the prompt holds them."""
-    cont = req.continue_final_message
-    if messages is None:
-        messages = [m.for_template(images, f"messages[{i}]") for i, m in enumerate(req.messages)]
-    text = render_prompt(engine.tokenizer, messages, req.tool_plan,
-                         add_generation_prompt=req.add_generation_prompt and not cont, continue_final_message=cont,
-                         **template_kwargs(req.chat_template_kwargs, req.enable_thinking, req.reasoning_effort))
-    check_chars(text, "messages")
-    text, in_order = expand(text, images, engine, "messages", count_marks(m["content"] for m in messages))
-    return engine.tokenizer.encode_chat(text), in_order
+    @staticmethod
+    def mint_id() -> str:
+        return new_id("chatcmpl")
 
+    async def plan(self) -> Plan:
+        req, engine = self.req, self.engine
+        images = await prompt_images(req, engine)
+        ids, in_order = await off_loop(chat_prompt, req, engine, images)
+        params = req.sampling_params(self.max_tokens(ids, req.max_new_tokens, "messages"), req.engine_logprobs,
+                                     engine.vocab_size)
+        params.logit_lens = req.lens_top
+        shadow_ids = await off_loop(cfg_shadow_prompt, req, engine)
+        constraint, self.tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
+        return Plan(ids, params, bool(req.stream), {**self.scheduling(), "reasoning": True, "constraint": constraint,
+                                                    "cfg_scale": req.cfg_scale or 1.0, "cfg_prompt_ids": shadow_ids,
+                                                    "images": in_order, "tool_calls": self.tool_format is not None})
 
-def shadow_prompt_ids(req: ChatRequest, engine: Engine) -> list[int] | None:
-    """cfg_scale's shadow prompt: the conversation without its system messages, with cfg_negative_prompt
-    as the system message when given (None: guidance off)."""
-    if not req.guided:
-        return None
-    messages = [m.for_template() for m in req.messages if m.role not in SYSTEM_ROLES]
-    if not messages:
-        raise InvalidRequestError("'cfg_scale' needs a message besides the system message", param="cfg_scale")
-    if req.cfg_negative_prompt is not None:
-        messages.insert(0, {"role": "system", "content": req.cfg_negative_prompt})
-    return prompt_ids(req, engine, messages=messages)[0]
+    def stream(self, plan: Plan) -> ChatStream:
+        return ChatStream(self.ctx.response_id, self.ctx.model, plan.params.n, self.req.include_usage,
+                          TokenText(self.engine.tokenizer), self.tool_format)
+
+    def reply(self, plan: Plan, result: Completion) -> dict[str, Any]:
+        return chat_response(self.ctx.response_id, self.ctx.model, result, TokenText(self.engine.tokenizer),
+                             bool(self.req.logprobs or self.req.lens_top), self.tool_format)
 
 
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Any:
-    req, engine = await engine_request(ChatRequest)
-    req.check()
-    refs = req.image_refs()
-    images = PromptImages(refs, await request_images(refs, engine, server().config.image_limits))
-    ids, in_order = await off_loop(prompt_ids, req, engine, images)
-    check_context(len(ids), req.max_new_tokens, engine.max_model_len, "messages")
-    max_tokens = default_max_tokens(req.max_new_tokens, len(ids), engine.max_model_len)
-    params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
-    params.logit_lens = req.lens_top
-    shadow_ids = await off_loop(shadow_prompt_ids, req, engine)
-    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
-    rid = new_id("chatcmpl")
-    set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True, constraint=constraint, cfg_scale=req.cfg_scale or 1.0,
-                             cfg_prompt_ids=shadow_ids, images=in_order, tool_calls=tool_format is not None)
-    events = await lifecycle.begin(engine, greq, bool(req.stream))
-    token_text = TokenText(engine.tokenizer)
-    if req.stream:
-        fmt = ChatStream(rid, answering_model(engine), params.n, req.include_usage, token_text, tool_format)
-        return sse_response(drive(engine, rid, events, fmt))
-    result = await collect(engine, greq, events)
-    return await json_reply(chat_response, rid, answering_model(engine), result, token_text,
-                            bool(req.logprobs or req.lens_top), tool_format)
+    return await serve(ChatDialect)
 
 
 def chat_response(rid: str, model: str, result: Completion, token_text: TokenText, logprobs: bool,

@@ -7,15 +7,14 @@ from pydantic import field_validator
 from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, check_context
-from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
-from imp_jax.server.generation import Completion, collect
-from imp_jax.server.limits import check_chars, json_reply, off_loop
+from imp_jax.runtime.request import EngineEvent
+from imp_jax.server import fields, structured
+from imp_jax.server.dialect import Dialect, Plan, serve
+from imp_jax.server.generation import Completion
+from imp_jax.server.limits import off_loop
 from imp_jax.server.logprobs import LegacyLogprobs, TokenText, merge_legacy, prompt_logprobs_json
 from imp_jax.server.openai_common import OpenAISampling, OpenAIStream, new_id, now, usage_json
-from imp_jax.server.streaming import drive, sse_response
-from imp_jax.server.validation import check_token_ids
+from imp_jax.server.prompts import completion_prompt
 
 bp = Blueprint("completions", __name__)
 
@@ -63,54 +62,40 @@ class CompletionRequest(OpenAISampling, structured.OutputFormatFields):
         return max(wanted) if wanted else None
 
 
-def prompt_ids(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[int]:
-    """The prompt as token ids; with `suffix`, a prefix-suffix-middle fill-in-the-middle prompt."""
-    if isinstance(req.prompt, list):
-        check_token_ids(req.prompt, vocab_size, "prompt")
-        prefix = list(req.prompt)
-    else:
-        check_chars(req.prompt, "prompt")
-        prefix = tokenizer.encode(req.prompt, add_special_tokens=req.suffix is None)
-        if not prefix and req.suffix is None and tokenizer.bos_id is not None:
-            prefix = [tokenizer.bos_id]
-    if req.suffix is None:
-        return prefix
-    if not tokenizer.has_fim:
-        raise InvalidRequestError("'suffix' needs fill-in-the-middle tokens and this model has none",
-                                  code="fim_not_supported", param="suffix")
-    fim = {k: tokenizer.token_to_id(v) for k, v in tokenizer.fim_tokens.items()}
-    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
-    check_chars(req.suffix, "suffix")
-    suffix = tokenizer.encode(req.suffix, add_special_tokens=False)
-    return bos + [fim["prefix"]] + prefix + [fim["suffix"]] + suffix + [fim["middle"]]
+class CompletionDialect(Dialect):
+    """OpenAI legacy Completions: one prompt (text, token ids, or FIM with `suffix`), echo and legacy logprobs."""
+
+    body = CompletionRequest
+    req: CompletionRequest
+    echo = ""   # the prompt text the reply starts with (`echo`)
+
+    @staticmethod
+    def mint_id() -> str:
+        return new_id("cmpl")
+
+    async def plan(self) -> Plan:
+        req, engine = self.req, self.engine
+        ids = await off_loop(completion_prompt, req, engine.tokenizer, engine.vocab_size)
+        params = req.sampling_params(self.max_tokens(ids, req.max_tokens, "prompt"), req.logprobs, engine.vocab_size)
+        params.prompt_logprobs = req.prompt_logprobs_needed()
+        constraint = await structured.constraint(req.output_format(), engine, params)
+        if req.echo:
+            self.echo = (req.prompt if isinstance(req.prompt, str)
+                         else engine.tokenizer.decode(req.prompt, skip_special_tokens=False))
+        return Plan(ids, params, bool(req.stream), {**self.scheduling(), "constraint": constraint})
+
+    def stream(self, plan: Plan) -> CompletionStream:
+        return CompletionStream(self.ctx.response_id, self.ctx.model, self.req.include_usage,
+                                TokenText(self.engine.tokenizer), self.echo, self.req.logprobs is not None)
+
+    def reply(self, plan: Plan, result: Completion) -> dict[str, Any]:
+        return completion_response(self.ctx.response_id, self.ctx.model, result, TokenText(self.engine.tokenizer),
+                                   self.echo, self.req, plan.ids)
 
 
 @bp.post("/v1/completions")
 async def completions() -> Any:
-    req, engine = await engine_request(CompletionRequest)
-    req.check()
-    tokenizer = engine.tokenizer
-    ids = await off_loop(prompt_ids, req, tokenizer, engine.vocab_size)
-    check_context(len(ids), req.max_tokens, engine.max_model_len, "prompt")
-    max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
-    params = req.sampling_params(max_tokens, req.logprobs, engine.vocab_size)
-    params.prompt_logprobs = req.prompt_logprobs_needed()
-    constraint = await structured.constraint(req.output_format(), engine, params)
-    rid = new_id("cmpl")
-    set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             constraint=constraint)
-    echo = ""
-    if req.echo:
-        echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt, skip_special_tokens=False)
-    events = await lifecycle.begin(engine, greq, bool(req.stream))
-    token_text = TokenText(tokenizer)
-    if req.stream:
-        fmt = CompletionStream(rid, answering_model(engine), req.include_usage, token_text, echo,
-                               req.logprobs is not None)
-        return sse_response(drive(engine, rid, events, fmt))
-    result = await collect(engine, greq, events)
-    return await json_reply(completion_response, rid, answering_model(engine), result, token_text, echo, req, ids)
+    return await serve(CompletionDialect)
 
 
 def completion_response(rid: str, model: str, result: Completion, token_text: TokenText, echo: str,

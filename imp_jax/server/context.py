@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,9 @@ from quart import current_app, g, request
 
 from imp_jax.errors import ImpError, InvalidRequestError
 from imp_jax.runtime.api import Engine
+from imp_jax.runtime.request import GenerationRequest, SamplingParams
 from imp_jax.server import limits
-from imp_jax.server.access import Access, key_digest, presented_key
+from imp_jax.server.access import Access, key_digest, presented_key, tenant_of
 from imp_jax.server.admission import ENCODER_NAMES, AdmissionGate
 from imp_jax.server.browsers import HostCheck, default_allowed_hosts, is_loopback
 from imp_jax.server.config import ServerConfig
@@ -144,12 +146,6 @@ def model_name(state: ServerContext) -> str:
     return Path(asked).name
 
 
-def answering_model(engine: Any) -> str:
-    """The `model` a generation's response names: the LoRA adapter the request asked for (by `model` or
-    `lora`, as vLLM echoes an adapter's name), else the served model."""
-    return g.get("lora") or engine.served_name
-
-
 def model_status(state: ServerContext) -> tuple[str, bool]:
     """(model name, loaded and serving)."""
     return model_name(state), state.engine.state == "ready"
@@ -214,18 +210,50 @@ async def json_body() -> dict[str, Any]:
     return await limits.off_loop(parse_json, body)
 
 
-async def engine_request(cls: type[M]) -> tuple[M, Engine]:
-    """The request body as `cls` (400 if it is not), the ready engine (503 if not), and a 404
-    unless the body's `model`, when it names one, is the model served here."""
+@dataclasses.dataclass(frozen=True)
+class RequestContext:
+    """What the request builder resolved for one request beside its body, handed on explicitly: the engine
+    it runs on and the engine request's per-request fields, so that request is built once, whole
+    (generation_request), by whichever dialect serves it. A --models-dir lease on the engine is not here: it is
+    app.py's teardown hook's to release (g.model_lease), also for a request that fails before it has a context."""
+
+    engine: Engine
+    response_id: str | None = None   # the id its reply carries (new_id); public once the engine request is built
+    session_id: str | None = None    # the body's session_id (session_id_of), as the client named it
+    lora: str | None = None          # the adapter asked for by `lora`, or by `model` (vLLM's spelling)
+    speculative: tuple[bool | None, int | None, int | None] = (None, None, None)   # validation.speculative_of
+    cache_salt: str | None = None    # the prefix-cache partition (cache_salt)
+    tenant: str | None = None        # who asked (access.tenant_of): the scheduler's fair share and per-key counts
+
+    @property
+    def model(self) -> str:
+        """The `model` a generation's response names: the LoRA adapter the request asked for (as vLLM echoes an
+        adapter's name), else the served model."""
+        return self.lora or self.engine.served_name
+
+    def generation_request(self, prompt_ids: list[int], params: SamplingParams, **fields: Any) -> GenerationRequest:
+        """The engine request under response_id, with this request's session, adapter, speculation, cache
+        partition and tenant; `fields` are the dialect's (priority, constraint, images, ...). Its id becomes the
+        one X-Request-Id and the request log carry (set_response_id)."""
+        set_response_id(self.response_id)
+        switch, ngram_k, mtp_k = self.speculative
+        return GenerationRequest(self.response_id, prompt_ids, params,
+                                 session_id=engine_session_id(self.session_id, self.cache_salt), lora=self.lora,
+                                 cache_salt=self.cache_salt, tenant=self.tenant, speculative=switch,
+                                 spec_ngram_k=ngram_k, spec_mtp_k=mtp_k, **fields)
+
+
+async def engine_request(cls: type[M], new_id: Callable[[], str] | None = None) -> tuple[M, RequestContext]:
+    """The request body as `cls` (400 if it is not) and its RequestContext: the ready engine (503 if not), a
+    404 unless the body's `model`, when it names one, is the model served here (or a loaded adapter), the
+    body's per-request fields checked, and with `new_id` the id of the response to come."""
     req = await parse_body(cls)
     state = server()
     refuse_not_yet(req)
     check_fields(req, request.path)
     check_priority(req, granted("priority"))
     check_pins(req)
-    g.session_id = session_id_of(req)
-    g.lora = lora_of(req)
-    g.speculative = speculative_of(req)
+    session_id, lora, speculative = session_id_of(req), lora_of(req), speculative_of(req)
     model = getattr(req, "model", None)
     refuse_encoder_model(model, request.path)   # an embedding / rerank model's name: a 400 naming it
     if state.models is not None and model is not None and not state.draining and state.models.offers(state, model):
@@ -235,13 +263,31 @@ async def engine_request(cls: type[M]) -> tuple[M, Engine]:
     else:
         engine = ready_engine()
         if model is not None and model != engine.served_name and is_adapter(engine, model):
-            g.lora = g.lora or model   # vLLM's spelling: the adapter's name as the model
+            lora = lora or model   # vLLM's spelling: the adapter's name as the model
         elif model is not None:
             check_model_name(model, engine.served_name)
     limits.PROMPT_CHARS.set(state.prompt_chars(engine))
     for field in ("messages", "input"):   # more messages than the context has tokens cannot fit
         limits.check_count(getattr(req, field, None), int(engine.max_model_len), field)
-    return req, engine
+    tenant = tenant_of(request.headers, request.remote_addr, bool(state.access.keys))
+    return req, RequestContext(engine, new_id() if new_id is not None else None, session_id, lora, speculative,
+                               cache_salt(), tenant)
+
+
+def cache_salt() -> str | None:
+    """The prefix-cache partition of this request: with API keys, its key's digest (so cached_tokens and
+    timing cannot tell one key whether another sent a prompt), unless --shared-prefix-cache; else None."""
+    state = server()
+    key = presented_key(request.headers)
+    if not state.access.keys or not key or state.config.shared_prefix_cache:
+        return None
+    return "key:" + key_digest(key)
+
+
+def engine_session_id(session_id: str | None, salt: str | None) -> str | None:
+    """The engine's name for a client's `session_id`: within its key's namespace when the cache is
+    partitioned per key (`salt`: cache_salt), so another key cannot replace or close its pins."""
+    return f"{salt}/{session_id}" if session_id is not None and salt is not None else session_id
 
 
 MAX_SESSION_ID = 256
@@ -300,7 +346,7 @@ def session_id_of(req: Any) -> str | None:
 
 def set_response_id(response_id: str) -> None:
     """The id a generation response carries in X-Request-Id when the client sent none (and the request log's id)."""
-    g.response_id = response_id
+    g.response_id = response_id   # app.py's hooks: X-Request-Id and the error envelope
     state, owner = server(), caller_owner()
     _remember(state.id_owners, response_id, owner)
     client_id = g.get("client_request_id")

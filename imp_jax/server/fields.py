@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from imp_jax.errors import InvalidRequestError
 
-# Body keys every generation route reads outside its model (context.engine_request, lifecycle.begin).
+# Body keys every generation route reads outside its model (context.engine_request: its RequestContext).
 # (NOT_YET and CHAT_ONLY fields are refused by validation.refuse_not_yet.)
 ENGINE_EXTRAS = frozenset({"session_id", "lora", "speculative"})
 SAMPLING_EXTRAS = ENGINE_EXTRAS | {"banned_strings", "banned_regex"}   # OpenAISampling.banned

@@ -9,20 +9,18 @@ from pydantic import Field
 from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.runtime.request import EngineEvent, GenerationRequest, SamplingParams, Usage, check_context
-from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.context import answering_model, default_max_tokens, engine_request, set_response_id
+from imp_jax.runtime.request import EngineEvent, Usage
+from imp_jax.server import fields, structured
+from imp_jax.server.dialect import Dialect, Plan, serve
 from imp_jax.server.errors import openai_error_body
-from imp_jax.server.generation import collect
-from imp_jax.server.limits import check_chars, json_reply, off_loop
+from imp_jax.server.generation import Completion
+from imp_jax.server.limits import off_loop
 from imp_jax.server.openai_common import OpenAISampling, new_id
-from imp_jax.server.streaming import drive, sse, sse_response
+from imp_jax.server.prompts import infill_prompt
+from imp_jax.server.streaming import sse
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("infill", __name__)
-
-# Spellings of the token that starts a file in repository-level FIM training (StarCoder2, Qwen2.5-Coder).
-FILE_SEPARATORS = ("<file_sep>", "<|file_sep|>")
 
 
 class ExtraChunk(WireModel):
@@ -69,30 +67,6 @@ class InfillRequest(OpenAISampling, structured.OutputFormatFields):
             self.repetition_penalty = self.repeat_penalty
 
 
-def infill_ids(req: InfillRequest, tokenizer: Any) -> list[int]:
-    """[BOS] + extra files + <fim_prefix> prefix <fim_suffix> suffix <fim_middle> prompt (llama.cpp's layout).
-    Each extra chunk is `<file_sep>filename\\ntext` where the vocabulary has a file separator, else its
-    text and a newline."""
-    if not tokenizer.has_fim:
-        raise InvalidRequestError("/infill needs fill-in-the-middle tokens and this model has none",
-                                  code="fim_not_supported", param="input_prefix")
-    fim = {k: tokenizer.token_to_id(v) for k, v in tokenizer.fim_tokens.items()}
-    sep = next((i for i in map(tokenizer.token_to_id, FILE_SEPARATORS) if i is not None), None)
-
-    def enc(text: str) -> list[int]:
-        check_chars(text, "input_prefix")
-        return tokenizer.encode(text, add_special_tokens=False) if text else []
-
-    ids = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
-    for chunk in req.input_extra:
-        if sep is not None:
-            ids += [sep] + enc(f"{chunk.filename}\n{chunk.text}")
-        else:
-            ids += enc(chunk.text + "\n")
-    return (ids + [fim["prefix"]] + enc(req.input_prefix) + [fim["suffix"]] + enc(req.input_suffix)
-            + [fim["middle"]] + enc(req.prompt))
-
-
 def stop_type(finish_reason: str | None, stop_reason: Any) -> tuple[str, str]:
     """llama.cpp's (stop_type, stopping_word): `eos`, `word` with the stop string, `limit`."""
     if finish_reason == "length":
@@ -109,27 +83,36 @@ def final_fields(rid: str, model: str, usage: Usage, finish_reason: str | None, 
             "tokens_cached": usage.cached_tokens, "truncated": False}
 
 
+class InfillDialect(Dialect):
+    """llama.cpp's /infill: the FIM prompt (prompts.infill_prompt), one completion in the `/completion` shape."""
+
+    body = InfillRequest
+    req: InfillRequest
+
+    @staticmethod
+    def mint_id() -> str:
+        return new_id("cmpl")
+
+    async def plan(self) -> Plan:
+        req, engine = self.req, self.engine
+        ids = await off_loop(infill_prompt, req, engine.tokenizer)
+        params = req.sampling_params(self.max_tokens(ids, req.max_tokens, "input_prefix"), None, engine.vocab_size)
+        constraint = await structured.constraint(req.output_format(), engine, params)
+        return Plan(ids, params, bool(req.stream), {**self.scheduling(), "constraint": constraint})
+
+    def stream(self, plan: Plan) -> InfillStream:
+        return InfillStream(self.ctx.response_id, self.ctx.model)
+
+    def reply(self, plan: Plan, result: Completion) -> dict[str, Any]:
+        (choice,) = result.choices
+        return {"index": 0, "content": choice.text, "tokens": choice.token_ids,
+                **final_fields(self.ctx.response_id, self.ctx.model, result.usage, choice.finish_reason,
+                               choice.stop_reason)}
+
+
 @bp.post("/infill")
 async def infill() -> Any:
-    req, engine = await engine_request(InfillRequest)
-    req.check()
-    ids = await off_loop(infill_ids, req, engine.tokenizer)
-    check_context(len(ids), req.max_tokens, engine.max_model_len, "input_prefix")
-    max_tokens = default_max_tokens(req.max_tokens, len(ids), engine.max_model_len)
-    params: SamplingParams = req.sampling_params(max_tokens, None, engine.vocab_size)
-    constraint = await structured.constraint(req.output_format(), engine, params)
-    rid = new_id("cmpl")
-    set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             constraint=constraint)
-    events = await lifecycle.begin(engine, greq, bool(req.stream))
-    if req.stream:
-        return sse_response(drive(engine, rid, events, InfillStream(rid, answering_model(engine))))
-    result = await collect(engine, greq, events)
-    (choice,) = result.choices
-    return await json_reply(lambda: {"index": 0, "content": choice.text, "tokens": choice.token_ids,
-                                     **final_fields(rid, answering_model(engine), result.usage, choice.finish_reason,
-                                                    choice.stop_reason)})
+    return await serve(InfillDialect)
 
 
 class InfillStream:

@@ -19,7 +19,6 @@ from quart import g, request
 from imp_jax.errors import ImpError
 from imp_jax.runtime.api import Engine
 from imp_jax.runtime.request import EngineEvent, GenerationRequest
-from imp_jax.server.access import key_digest, presented_key, tenant_of
 from imp_jax.server.context import server
 from imp_jax.server.generation import close_events, event_error, start
 from imp_jax.server.metrics import ENDPOINTS
@@ -30,38 +29,17 @@ from imp_jax.server.tenants import TenantHold, admit_both
 log = logging.getLogger("imp_jax.server")
 
 
-def cache_salt() -> str | None:
-    """The prefix-cache partition of this request: with API keys, its key's digest (so cached_tokens and
-    timing cannot tell one key whether another sent a prompt), unless --shared-prefix-cache; else None."""
-    state = server()
-    key = presented_key(request.headers)
-    if not state.access.keys or not key or state.config.shared_prefix_cache:
-        return None
-    return "key:" + key_digest(key)
-
-
-def engine_session_id(session_id: str | None) -> str | None:
-    """The engine's name for a client's `session_id`: within its key's namespace when the cache is
-    partitioned per key (cache_salt), so another key cannot replace or close its pins."""
-    salt = cache_salt()
-    return f"{salt}/{session_id}" if session_id is not None and salt is not None else session_id
-
-
 async def begin(engine: Engine, req: GenerationRequest, stream: bool) -> AsyncIterator[EngineEvent]:
     """Admit `req` (429 past the queue caps or its tenant's limits), submit it and wait for its first event; its events, observed.
 
+    `req` comes whole from RequestContext.generation_request (its session, adapter, tenant already set); the
+    record it feeds is the one app.py's hooks opened and report (g.record).
     An ImpError the engine raises for the request (a 4xx) means it never ran: nothing is traced or counted.
     """
     state = server()
     rec: RequestRecord = g.record
     rec.endpoint, rec.model, rec.stream = ENDPOINTS.get(request.path), engine.served_name, stream
     rec.prompt_tokens = len(req.prompt_ids)
-    req.cache_salt = req.cache_salt or cache_salt()
-    req.session_id = engine_session_id(req.session_id or g.get("session_id"))   # any dialect's body
-    req.lora = req.lora or g.get("lora")   # any dialect's body (server/lora.py)
-    if g.get("speculative") is not None:   # any dialect's body (validation.speculative_of)
-        req.speculative, req.spec_ngram_k, req.spec_mtp_k = g.speculative
-    req.tenant = req.tenant or tenant_of(request.headers, request.remote_addr, bool(state.access.keys))
     ticket, hold = admit_both(state.gate, state.tenants, req.tenant, len(req.prompt_ids))
     tracked = TrackedEvents(engine, req.request_id, rec, state.telemetry, state.config.request_timeout, hold)
     rec.submitted_at = time.monotonic()

@@ -1,6 +1,6 @@
 """LoRA adapters on the wire: `POST /admin/lora/load` and `/admin/lora/unload`, and the adapters' cards in
 `/v1/models` (with their `parent`, as vLLM lists them). The request field `lora` is read for every dialect
-in `context.engine_request` (validation.lora_of) and reaches the engine through `lifecycle.begin`.
+in `context.engine_request` (validation.lora_of) into the RequestContext, which builds the engine request with it.
 
 A run-time load reads only what the operator allowed: a `path` inside `--lora-dir` (resolved: no `..`
 or link leading out) or one of the start-up `--lora` paths; an answer never shows a host path

@@ -5,7 +5,6 @@ ResponsesStore, so a later request can continue it with `previous_response_id`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import uuid
@@ -15,27 +14,24 @@ from pydantic import field_validator
 from quart import Blueprint, current_app, jsonify
 from quart.blueprints import BlueprintSetupState
 
-from imp_jax.errors import ImpError, InvalidRequestError, NotFoundError
-from imp_jax.runtime.request import MAX_TOP_LOGPROBS, EngineEvent, GenerationRequest, ImageInput, Usage, check_context
-from imp_jax.server import fields, lifecycle, structured
-from imp_jax.server.chat_completions import RESERVED_TEMPLATE_KWARGS
-from imp_jax.server.context import (answering_model, caller_owner, default_max_tokens, engine_request, server,
-                                   set_response_id, state_of)
+from imp_jax.errors import InvalidRequestError, NotFoundError
+from imp_jax.runtime.request import MAX_TOP_LOGPROBS, ImageInput, check_context
+from imp_jax.server import fields, structured
+from imp_jax.server.context import caller_owner, default_max_tokens, server, state_of
+from imp_jax.server.dialect import Dialect, Plan, serve
 from imp_jax.server.errors import not_supported
-from imp_jax.server.generation import collect
+from imp_jax.server.generation import Completion
 from imp_jax.server.image_parts import ImageRef, request_images, responses_image
 from imp_jax.server.images import decode
-from imp_jax.server.image_prompts import NO_IMAGES, PromptImages, count_marks, expand
-from imp_jax.server.limits import check_chars, json_reply, off_loop
+from imp_jax.server.image_prompts import NO_IMAGES, PromptImages
+from imp_jax.server.limits import off_loop
 from imp_jax.server.logprobs import TokenText, chat_logprobs
-from imp_jax.server.openai_common import OpenAISampling, now
-from imp_jax.server.reasoning import reasoning_item, reasoning_part, template_kwargs
+from imp_jax.server.openai_common import OpenAISampling
+from imp_jax.server.prompts import RESERVED_TEMPLATE_KWARGS, responses_prompt
+from imp_jax.server.responses_reply import ResponseDraft, ResponseStream
 from imp_jax.server.responses_store import STORE_KEY, ResponsesStore, StoreLimits
-from imp_jax.server.streaming import drive, sse, sse_response
-from imp_jax.runtime.replies.calls import ArgsDelta, CallEnd, CallStart, ParsedReply, TextDelta, ToolCall
-from imp_jax.runtime.replies.tool_calls import PARSERS
-from imp_jax.server.tools import (NAMESPACE_SEP, ToolPlan, choice_reply, event_answer, prepare_decoding, render_prompt,
-                                  responses_plan)
+from imp_jax.runtime.replies.calls import ParsedReply
+from imp_jax.server.tools import NAMESPACE_SEP, ToolPlan, choice_reply, prepare_decoding, responses_plan
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("responses", __name__)
@@ -309,186 +305,69 @@ def _install_store(state: BlueprintSetupState) -> None:
     state.app.extensions[STORE_KEY] = ResponsesStore(limits)
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens, **(usage.spec or {})},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+class ResponsesDialect(Dialect):
+    """OpenAI Responses: the stored conversation (`previous_response_id`) and this input through the chat
+    template, cut to the context with `truncation: "auto"`; the reply as output items (responses_reply.py),
+    stored when finished."""
 
-
-def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-@dataclasses.dataclass
-class ResponseDraft:
-    """A response in the making: what its object echoes from the request, and where it is kept when done."""
-
-    id: str
-    model: str
+    body = ResponsesRequest
     req: ResponsesRequest
-    conversation: list[dict[str, Any]]  # the previous conversation plus this input
-    store: ResponsesStore
-    owner: str | None = None   # the API key's digest (responses_store.StoredResponse.owner)
-    images: dict[str, ImageInput] = dataclasses.field(default_factory=dict)   # the conversation's, by digest
-    created_at: int = dataclasses.field(default_factory=now)
-    item_id: str = dataclasses.field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
-    reasoning_id: str = dataclasses.field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    tool_format: str | None = None
+    draft: ResponseDraft   # the response in the making (made in plan)
 
-    def item(self, text: str | None, status: str, item_id: str | None = None,
-             logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The assistant message output item; `text` None: no content part yet."""
-        return {"type": "message", "id": item_id or self.item_id, "status": status, "role": "assistant",
-                "content": [] if text is None else [output_text(text, logprobs)]}
+    @staticmethod
+    def mint_id() -> str:
+        return f"resp_{uuid.uuid4().hex}"
 
-    def call_item(self, call: ToolCall, status: str, item_id: str | None = None) -> dict[str, Any]:
-        """A call's output item: `custom_tool_call` (its `input` text) for a custom tool, else `function_call`;
-        a namespaced tool's call carries its namespace."""
-        tool = self.req.tool_plan.find(call.name)
-        name = tool.local_name or tool.name if tool is not None else call.name
-        extra = {"namespace": tool.namespace} if tool is not None and tool.namespace else {}
-        if tool is not None and tool.custom:
-            return {"type": "custom_tool_call", "id": item_id or f"ctc_{uuid.uuid4().hex}", "status": status,
-                    "call_id": call.id, "name": name, "input": custom_input(call.arguments), **extra}
-        return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}", "status": status,
-                "call_id": call.id, "name": name, "arguments": call.arguments, **extra}
+    async def plan(self) -> Plan:
+        req, engine = self.req, self.engine
+        refs = req.image_refs()
+        decoded = await request_images(refs, engine, server().config.image_limits)
+        previous, earlier = await self._previous()
+        images = PromptImages(refs, decoded, earlier)
+        conversation = previous + conversation_of(req.input, images)
+        ids, in_order = await off_loop(responses_prompt, req, engine, conversation, images)
+        check_context(len(ids), None, engine.max_model_len, "input")
+        room = engine.max_model_len - len(ids)
+        asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
+        params = req.sampling_params(room if asked is None else min(asked, room), req.engine_logprobs,
+                                     engine.vocab_size)
+        constraint, self.tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
+        self.draft = ResponseDraft(self.ctx.response_id, self.ctx.model, req, conversation, responses_store(),
+                                   caller_owner(), images.by_digest)
+        return Plan(ids, params, bool(req.stream), {**self.scheduling(), "reasoning": True, "constraint": constraint,
+                                                    "images": in_order, "tool_calls": self.tool_format is not None})
 
-    def response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
-                 finish: str | None = None) -> dict[str, Any]:
-        req = self.req
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-            "store": req.store, "temperature": req.temperature, "text": {"format": req.text_format},
-            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
-            "truncation": req.truncation or "disabled",
-            "usage": usage_json(usage) if usage is not None else None, "user": req.user,
-            "metadata": req.metadata or {},
-        }
+    async def _previous(self) -> tuple[list[dict[str, Any]], dict[str, ImageInput]]:
+        """The stored conversation `previous_response_id` continues (a 404 when there is none of the caller's),
+        and its images, decoded again from their stored encoding (the same pixels)."""
+        response_id = self.req.previous_response_id
+        if response_id is None:
+            return [], {}
+        entry = responses_store().get(response_id, caller_owner())
+        if entry is None:
+            raise _not_found(response_id, "previous_response_id")
+        limits = server().config.image_limits
+        return entry.conversation, {digest: await off_loop(decode, raw, "previous_response_id", limits, detail)
+                                    for digest, (raw, detail) in entry.images.items()}
 
-    def finish(self, text: str, finish: str | None, usage: Usage, calls: list[ToolCall] = (), reasoning: str = "",
-               output: list[dict[str, Any]] | None = None,
-               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The final response object (completed, or incomplete at max_output_tokens), stored if asked.
+    def _token_text(self) -> TokenText | None:
+        return TokenText(self.engine.tokenizer) if self.req.logprobs else None
 
-        `output`: the items a stream already sent (else a reasoning item if the model thought, a message with
-        `text` if any or no calls, then the calls).
-        """
-        status = "incomplete" if finish == "length" else "completed"
-        if output is None:
-            output = ([reasoning_item(self.reasoning_id, reasoning, "completed", self.req.encrypted_reasoning)]
-                      if reasoning else [])
-            output += [self.item(text, status, logprobs=logprobs)] if text.strip() or not calls else []
-            output += [self.call_item(c, "completed") for c in calls]
-        final = self.response(status, output, usage, finish)
-        if self.req.store:
-            conversation = list(self.conversation)
-            tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                          for c in calls]
-            if self.req.continue_final_message:  # the output continues the last assistant turn: one turn
-                last = conversation.pop()
-                conversation.append({"role": "assistant", "content": last["content"] + text})
-            else:
-                conversation.append({"role": "assistant", "content": text,
-                                     **({"tool_calls": tool_calls} if tool_calls else {})})
-            self.store.put(self.id, final, conversation, self.owner, self.images)
-        return final
+    def stream(self, plan: Plan) -> ResponseStream:
+        return ResponseStream(self.draft, self.tool_format, self._token_text())
 
-
-def custom_input(arguments: str) -> str:
-    """A custom tool's free-text input out of the call's `{"input": ...}` arguments."""
-    value = json.loads(arguments).get("input", "")
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def template_messages(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """instructions as the system message, then the conversation; developer is spelled system."""
-    head = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return head + [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in conversation]
-
-
-def fit_context(conversation: list[dict[str, Any]], tokenize: Any, max_model_len: int) -> list[int]:
-    """`truncation: "auto"`: the prompt ids of the conversation less its oldest turns, as few as leave the
-    context room to generate. System and developer messages and the last user turn are kept; a dropped
-    turn takes the tool results after it along. Nothing left to drop: the whole prompt (check_context's 400)."""
-    turns = list(conversation)
-    ids = tokenize(turns)
-    while len(ids) >= max_model_len:
-        last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=len(turns))
-        first = next((i for i, m in enumerate(turns[:last_user]) if m["role"] not in ("system", "developer")), None)
-        if first is None:
-            return ids
-        end = first + 1
-        while end < last_user and turns[end]["role"] == "tool":
-            end += 1
-        del turns[first:end]
-        ids = tokenize(turns)
-    return ids
+    def reply(self, plan: Plan, result: Completion) -> dict[str, Any]:
+        c, token_text = result.choices[0], self._token_text()  # calls are parsed out of the answer, never the reasoning
+        parsed = choice_reply(c, self.tool_format) if self.tool_format is not None else ParsedReply(c.text, [])
+        logprobs = chat_logprobs(c.logprobs or [], token_text) if token_text is not None else None
+        return self.draft.finish(parsed.content, c.finish_reason, result.usage, parsed.calls, c.reasoning,
+                                 logprobs=logprobs)
 
 
 @bp.post("/v1/responses")
 async def create_response() -> Any:
-    req, engine = await engine_request(ResponsesRequest)
-    req.check()
-    refs = req.image_refs()
-    decoded = await request_images(refs, engine, server().config.image_limits)
-    store = responses_store()
-    previous: list[dict[str, Any]] = []
-    earlier: dict[str, ImageInput] = {}
-    if req.previous_response_id is not None:
-        entry = store.get(req.previous_response_id, caller_owner())
-        if entry is None:
-            raise _not_found(req.previous_response_id, "previous_response_id")
-        previous = entry.conversation
-        for digest, (raw, detail) in entry.images.items():   # stored encoded: decoded again, the same pixels
-            earlier[digest] = await off_loop(decode, raw, "previous_response_id", server().config.image_limits, detail)
-    images = PromptImages(refs, decoded, earlier)
-    conversation = previous + conversation_of(req.input, images)
-    cont = req.continue_final_message
-    kwargs = template_kwargs(req.chat_template_kwargs, req.enable_thinking, (req.reasoning or {}).get("effort"),
-                             "reasoning.effort")
-
-    in_order: tuple[ImageInput, ...] = ()
-
-    def tokenize(turns: list[dict[str, Any]]) -> list[int]:
-        nonlocal in_order
-        messages = template_messages(req, turns)
-        text = render_prompt(engine.tokenizer, messages, req.tool_plan,
-                             add_generation_prompt=not cont, continue_final_message=cont, **kwargs)
-        check_chars(text, "input")
-        text, in_order = expand(text, images, engine, "input", count_marks(m["content"] for m in messages))
-        return engine.tokenizer.encode_chat(text)
-
-    if req.truncation == "auto":
-        ids = await off_loop(fit_context, conversation, tokenize, engine.max_model_len)
-    else:
-        ids = await off_loop(tokenize, conversation)
-    check_context(len(ids), None, engine.max_model_len, "input")
-    room = engine.max_model_len - len(ids)
-    asked = default_max_tokens(req.max_output_tokens, len(ids), engine.max_model_len)
-    max_tokens = room if asked is None else min(asked, room)
-    params = req.sampling_params(max_tokens, req.engine_logprobs, engine.vocab_size)
-    constraint, tool_format = await prepare_decoding(req.tool_plan, req.output_form, engine, params)
-    token_text = TokenText(engine.tokenizer) if req.logprobs else None
-    draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", answering_model(engine), req, conversation, store, caller_owner(),
-                          images.by_digest)
-    set_response_id(draft.id)
-    greq = GenerationRequest(draft.id, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt),
-                             reasoning=True, constraint=constraint, images=in_order, tool_calls=tool_format is not None)
-    events = await lifecycle.begin(engine, greq, bool(req.stream))
-    if req.stream:
-        return sse_response(drive(engine, draft.id, events, ResponseStream(draft, tool_format, token_text)))
-    result = await collect(engine, greq, events)
-    c = result.choices[0]  # calls are parsed out of the answer, never the reasoning
-    reply = choice_reply(c, tool_format) if tool_format is not None else ParsedReply(c.text, [])
-    logprobs = (lambda: chat_logprobs(c.logprobs or [], token_text)) if token_text is not None else (lambda: None)
-    return await json_reply(lambda: draft.finish(reply.content, c.finish_reason, result.usage, reply.calls,
-                                                 c.reasoning, logprobs=logprobs()))
+    return await serve(ResponsesDialect)
 
 
 def _not_found(response_id: str, param: str) -> NotFoundError:
@@ -511,159 +390,3 @@ async def delete_response(response_id: str) -> Any:
     return jsonify({"id": response_id, "object": "response", "deleted": True})
 
 
-class ResponseStream:
-    """response.created, in_progress, then the output items as they come, each opened when its first text
-    comes and closed by its done events: a reasoning item (its part and reasoning_text deltas) first when
-    the model thinks, then a message (its part and text deltas) and calls (their arguments deltas) in the
-    order generated; then completed/incomplete."""
-
-    def __init__(self, draft: ResponseDraft, tool_format: str | None = None, token_text: TokenText | None = None):
-        self._draft, self._token_text = draft, token_text
-        self._logprobs: list[dict[str, Any]] = []   # the open message's (include: message.output_text.logprobs)
-        self._pending: list[dict[str, Any]] = []    # the current event's, for its first text delta
-        self._parser = PARSERS[tool_format]() if tool_format else None
-        self._seq = 0
-        self._text = ""                      # all the reply's text
-        self._finish: str | None = None
-        self._items: list[dict[str, Any]] = []   # output items done; the open one's output_index is len
-        self._reasoning: str | None = None   # the open reasoning item's text
-        self._message: str | None = None     # the open message item's text
-        self._call: dict[str, Any] | None = None  # the open call item
-        self._calls: list[ToolCall] = []
-
-    def _frame(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self._seq, **fields}
-        self._seq += 1
-        return sse(body, kind)
-
-    def _where(self, item_id: str | None = None) -> dict[str, Any]:
-        """Where the open item's content is: its id (the message's unless given) and output_index."""
-        return {"item_id": item_id or self._item_id(), "output_index": len(self._items), "content_index": 0}
-
-    def _item_id(self) -> str:
-        """The message item's id: the draft's for the first (as in a whole response), indexed for a later one."""
-        first = all(item["type"] != "message" for item in self._items)
-        return self._draft.item_id if first else f"{self._draft.item_id}_{len(self._items)}"
-
-    def open(self) -> list[str]:
-        pending = self._draft.response("in_progress", [])
-        return [self._frame("response.created", response=pending),
-                self._frame("response.in_progress", response=pending)]
-
-    def _reasoning_delta(self, text: str) -> list[str]:
-        """Reasoning goes to the leading reasoning item (none once the answer has begun)."""
-        frames: list[str] = []
-        if self._reasoning is None:
-            if self._items or self._message is not None or self._call is not None:
-                return []
-            self._reasoning = ""
-            frames += [self._frame("response.output_item.added", output_index=len(self._items),
-                                   item=reasoning_item(self._draft.reasoning_id, None, "in_progress")),
-                       self._frame("response.content_part.added", **self._where(self._draft.reasoning_id),
-                                   part=reasoning_part(""))]
-        self._reasoning += text
-        return frames + [self._frame("response.reasoning_text.delta", **self._where(self._draft.reasoning_id),
-                                     delta=text)]
-
-    def _close_reasoning(self) -> list[str]:
-        if self._reasoning is None:
-            return []
-        text, where = self._reasoning, self._where(self._draft.reasoning_id)
-        item = reasoning_item(self._draft.reasoning_id, text, "completed", self._draft.req.encrypted_reasoning)
-        frames = [self._frame("response.reasoning_text.done", **where, text=text),
-                  self._frame("response.content_part.done", **where, part=reasoning_part(text)),
-                  self._frame("response.output_item.done", output_index=len(self._items), item=item)]
-        self._items.append(item)
-        self._reasoning = None
-        return frames
-
-    def _open_message(self) -> list[str]:
-        if self._message is not None:
-            return []
-        frames = self._close_reasoning()
-        self._message = ""
-        return frames + [self._frame("response.output_item.added", output_index=len(self._items),
-                                     item=self._draft.item(None, "in_progress", self._item_id())),
-                         self._frame("response.content_part.added", **self._where(), part=output_text(""))]
-
-    def _text_delta(self, text: str) -> list[str]:
-        frames = self._open_message()
-        self._message += text
-        self._text += text
-        logprobs, self._pending = self._pending, []
-        self._logprobs += logprobs
-        return frames + [self._frame("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)]
-
-    def _close_message(self, status: str) -> list[str]:
-        if self._message is None:
-            return []
-        item = self._draft.item(self._message, status, self._item_id(), self._logprobs)
-        frames = [self._frame("response.output_text.done", **self._where(), text=self._message,
-                              logprobs=self._logprobs),
-                  self._frame("response.content_part.done", **self._where(), part=item["content"][0]),
-                  self._frame("response.output_item.done", output_index=len(self._items), item=item)]
-        self._items.append(item)
-        self._message, self._logprobs = None, []
-        return frames
-
-    def event(self, ev: EngineEvent) -> list[str]:
-        if ev.finish_reason is not None:
-            self._finish = ev.finish_reason
-        frames = self._reasoning_delta(ev.reasoning_text) if ev.reasoning_text else []
-        if self._token_text is not None and ev.logprobs and not ev.reasoning_text:
-            self._pending = chat_logprobs(ev.logprobs, self._token_text)
-        for e in event_answer(self._parser, ev):  # the answer only
-            if isinstance(e, TextDelta):
-                frames += self._text_delta(e.text)
-            elif isinstance(e, CallStart):
-                frames += self._close_reasoning() + self._close_message("completed")
-                self._call = self._draft.call_item(ToolCall(e.id, e.name, "{}"), "in_progress")
-                self._call["arguments" if self._call["type"] == "function_call" else "input"] = ""
-                frames.append(self._frame("response.output_item.added", output_index=len(self._items),
-                                          item=dict(self._call)))
-            elif isinstance(e, ArgsDelta) and self._call is not None:
-                if self._call["type"] == "function_call":
-                    self._call["arguments"] += e.text
-                    frames.append(self._frame("response.function_call_arguments.delta", item_id=self._call["id"],
-                                              output_index=len(self._items), delta=e.text))
-            elif isinstance(e, CallEnd) and self._call is not None:
-                frames += self._end_call(e)
-        return frames
-
-    def _end_call(self, end: CallEnd) -> list[str]:
-        """The call's done events: arguments (function) or its input, delta and done (custom), then the item."""
-        call, where = self._call, {"item_id": self._call["id"], "output_index": len(self._items)}
-        item = self._draft.call_item(ToolCall(call["call_id"], self._parser_name(call), end.arguments), "completed",
-                                     call["id"]) if end.valid else {**call, "status": "incomplete"}
-        if call["type"] == "function_call":
-            frames = [self._frame("response.function_call_arguments.done", **where, arguments=item["arguments"])]
-        else:
-            frames = [self._frame("response.custom_tool_call_input.delta", **where, delta=item["input"]),
-                      self._frame("response.custom_tool_call_input.done", **where, input=item["input"])]
-        frames.append(self._frame("response.output_item.done", output_index=len(self._items), item=item))
-        self._items.append(item)
-        if end.valid:
-            self._calls.append(ToolCall(call["call_id"], self._parser_name(call), end.arguments))
-        self._call = None
-        return frames
-
-    @staticmethod
-    def _parser_name(item: dict[str, Any]) -> str:
-        """The name the model called (a namespaced tool's flattened name)."""
-        ns = item.get("namespace")
-        return f"{ns}{NAMESPACE_SEP}{item['name']}" if ns else item["name"]
-
-    def close(self, usage: Usage | None) -> list[str]:
-        status = "incomplete" if self._finish == "length" else "completed"
-        answered = self._message is not None or any(item["type"] != "reasoning" for item in self._items)
-        frames = [] if answered else self._open_message()  # a reply with no answer has an empty message
-        frames += self._close_message(status)
-        final = self._draft.finish(self._text, self._finish, usage or Usage(0, 0, 0), self._calls,
-                                   output=self._items)
-        return frames + [self._frame(f"response.{final['status']}", response=final)]
-
-    def error(self, err: ImpError) -> list[str]:
-        return [self._frame("error", code=err.code, message=err.message, param=err.param)]
-
-    def ping(self) -> list[str]:
-        return []

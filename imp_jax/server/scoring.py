@@ -21,13 +21,15 @@ from quart import Blueprint, g, jsonify
 
 from imp_jax.errors import EngineError, InvalidRequestError
 from imp_jax.runtime.api import Engine
-from imp_jax.runtime.request import MAX_LOGIT_BIAS, GenerationRequest, SamplingParams, check_context
-from imp_jax.server import fields, lifecycle
-from imp_jax.server.chat_completions import ChatMessage, ContentPart, refuse_images
-from imp_jax.server.context import answering_model, engine_request, set_response_id
+from imp_jax.runtime.request import MAX_LOGIT_BIAS, SamplingParams, check_context
+from imp_jax.server import fields
+from imp_jax.server.chat_completions import ChatMessage, ContentPart
+from imp_jax.server.context import RequestContext, engine_request
+from imp_jax.server.dialect import Plan, run
 from imp_jax.server.generation import collect
 from imp_jax.server.limits import check_chars, off_loop
 from imp_jax.server.openai_common import new_id, now
+from imp_jax.server.prompts import text_chat_prompt
 from imp_jax.server.validation import WireModel
 
 bp = Blueprint("scoring", __name__)
@@ -85,10 +87,7 @@ def chat_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
     for i, m in enumerate(messages):
         if m.content is None:
             raise InvalidRequestError(f"'messages[{i}].content' is required", param=f"messages[{i}].content")
-    refuse_images(messages)
-    text = tokenizer.render_chat([m.for_template() for m in messages], add_generation_prompt=True)
-    check_chars(text, "messages")
-    return tokenizer.encode_chat(text)
+    return text_chat_prompt(messages, tokenizer)
 
 
 def fit_context(ids: list[int], max_model_len: int, truncate: bool, param: str) -> tuple[list[int], bool]:
@@ -160,17 +159,16 @@ def decide_messages(req: DecideRequest) -> list[ChatMessage]:
 
 
 # ------------------------------------------------------------------------------ engine
-async def raw_logprobs(engine: Engine, rid: str, ids: list[int], token_ids: list[int],
+async def raw_logprobs(ctx: RequestContext, ids: list[int], token_ids: list[int],
                        req: Scheduling) -> tuple[dict[int, float], Any]:
     """One engine pass over `ids`: the raw logprob of each of `token_ids` at the next position, and usage;
     queued at the request's priority, its prompt pinned with cache_prompt."""
     params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0, repetition_penalty=1.0,
                             max_tokens=1, raw_logprob_ids=list(dict.fromkeys(token_ids)))
-    params.validate(engine.vocab_size)
-    set_response_id(rid)
-    greq = GenerationRequest(rid, ids, params, priority=req.priority or 0, cache_prompt=bool(req.cache_prompt))
-    events = await lifecycle.begin(engine, greq, False)
-    result = await collect(engine, greq, events)
+    params.validate(ctx.engine.vocab_size)
+    greq, events = await run(ctx, Plan(ids, params, fields={"priority": req.priority or 0,
+                                                            "cache_prompt": bool(req.cache_prompt)}))
+    result = await collect(ctx.engine, greq, events)
     g.record.completion_tokens = 0   # the one sampled token is discarded: nothing was generated
     raw = result.choices[0].raw_logprobs
     if set(raw) != set(params.raw_logprob_ids):
@@ -206,7 +204,8 @@ def token_piece(tokenizer: Any, token_id: int) -> str:
 # ------------------------------------------------------------------------------ routes
 @bp.post("/v1/score")
 async def score() -> Any:
-    req, engine = await engine_request(ScoreRequest)
+    req, ctx = await engine_request(ScoreRequest, lambda: new_id("score"))
+    engine = ctx.engine
     source = exactly_one(req, "prompt", "messages")
     if req.candidates is None or not req.candidates:
         raise InvalidRequestError("'candidates' must hold at least one candidate", param="candidates")
@@ -215,11 +214,11 @@ async def score() -> Any:
                                   param="candidates")
     tokenizer = engine.tokenizer
     ids, truncated, token_ids = await off_loop(_score_inputs, req, source, tokenizer, engine)
-    raw, usage = await raw_logprobs(engine, new_id("score"), ids, token_ids, req)
+    raw, usage = await raw_logprobs(ctx, ids, token_ids, req)
     probs = distribution(raw, token_ids)
     results = [{"index": i, "candidate": c, "token_id": t, "token": token_piece(tokenizer, t),
                 "logprob": raw[t], "probability": probs[t]} for i, (c, t) in enumerate(zip(req.candidates, token_ids))]
-    return jsonify({"id": g.response_id, "object": "score", "created": now(), "model": answering_model(engine),
+    return jsonify({"id": ctx.response_id, "object": "score", "created": now(), "model": ctx.model,
                     "results": results, "truncated": truncated, "usage": usage_json(usage)})
 
 
@@ -245,7 +244,8 @@ def _score_inputs(req: ScoreRequest, source: str, tokenizer: Any, engine: Engine
 
 @bp.post("/v1/decide")
 async def decide() -> Any:
-    req, engine = await engine_request(DecideRequest)
+    req, ctx = await engine_request(DecideRequest, lambda: new_id("decide"))
+    engine = ctx.engine
     messages = decide_messages(req)
     tokenizer = engine.tokenizer
     letters = LETTERS[:len(req.options)]
@@ -256,11 +256,11 @@ async def decide() -> Any:
                                   code="not_supported", param="options")
     ids = await off_loop(chat_ids, messages, tokenizer)
     ids, truncated = fit_context(ids, engine.max_model_len, req.truncate, "messages" if req.messages else "question")
-    raw, usage = await raw_logprobs(engine, new_id("decide"), ids, letter_ids, req)
+    raw, usage = await raw_logprobs(ctx, ids, letter_ids, req)
     probs = distribution(raw, letter_ids)
     dist = [{"letter": L, "index": i, "option": o, "token_id": t, "probability": probs[t], "logprob": raw[t]}
             for i, (L, o, t) in enumerate(zip(letters, req.options, letter_ids))]
     best = max(dist, key=lambda d: d["probability"])   # the first of equals
     pick = {k: best[k] for k in ("letter", "index", "option", "probability")}
-    return jsonify({"id": g.response_id, "object": "decision", "created": now(), "model": answering_model(engine),
+    return jsonify({"id": ctx.response_id, "object": "decision", "created": now(), "model": ctx.model,
                     "pick": pick, "distribution": dist, "truncated": truncated, "usage": usage_json(usage)})

@@ -7,9 +7,8 @@ from typing import Any
 from quart import Blueprint, jsonify
 
 from imp_jax.errors import NotFoundError
-from imp_jax.server.context import ready_engine
+from imp_jax.server.context import cache_salt, engine_session_id, ready_engine
 from imp_jax.server.errors import not_supported
-from imp_jax.server.lifecycle import engine_session_id
 
 bp = Blueprint("sessions", __name__)
 
@@ -19,7 +18,7 @@ async def close_session(session_id: str) -> Any:
     engine = ready_engine()
     if not engine.capabilities.sessions:
         raise not_supported("this engine keeps no sessions (no KV blocks to pin)", param="session_id")
-    if not await engine.close_session(engine_session_id(session_id)):
+    if not await engine.close_session(engine_session_id(session_id, cache_salt())):
         raise NotFoundError(f"no open session '{session_id}' (never opened, closed, or expired)",
                             code="session_not_found", param="session_id")
     return jsonify({"id": session_id, "object": "session", "closed": True})

@@ -6,9 +6,10 @@ from typing import Any
 from quart import Blueprint
 
 from imp_jax.errors import InvalidRequestError
-from imp_jax.server.chat_completions import ChatMessage, refuse_images
+from imp_jax.server.chat_completions import ChatMessage
 from imp_jax.server.context import engine_request
 from imp_jax.server.limits import check_chars, json_reply, off_loop
+from imp_jax.server.prompts import text_chat_prompt
 from imp_jax.server.validation import WireModel, check_token_ids
 
 bp = Blueprint("tokens", __name__)
@@ -34,7 +35,8 @@ class DetokenizeRequest(WireModel):
 
 @bp.post("/tokenize")
 async def tokenize() -> Any:
-    req, engine = await engine_request(TokenizeRequest)
+    req, ctx = await engine_request(TokenizeRequest)
+    engine = ctx.engine
     tokenizer = engine.tokenizer
     given = [name for name in ("content", "prompt", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
@@ -55,11 +57,7 @@ async def tokenize() -> Any:
 
 def _tokenize(req: TokenizeRequest, tokenizer: Any) -> list[int]:
     if req.messages is not None:
-        refuse_images(req.messages)
-        text = tokenizer.render_chat([m.for_template() for m in req.messages],
-                                     add_generation_prompt=req.add_generation_prompt)
-        check_chars(text, "messages")
-        return tokenizer.encode_chat(text)
+        return text_chat_prompt(req.messages, tokenizer, req.add_generation_prompt)
     text = req.content if req.content is not None else req.prompt
     check_chars(text, "content" if req.content is not None else "prompt")
     add = req.add_special if req.add_special is not None else req.add_special_tokens
@@ -70,7 +68,7 @@ def _tokenize(req: TokenizeRequest, tokenizer: Any) -> list[int]:
 
 @bp.post("/detokenize")
 async def detokenize() -> Any:
-    req, engine = await engine_request(DetokenizeRequest)
-    check_token_ids(req.tokens, engine.vocab_size, "tokens")
-    text = await off_loop(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+    req, ctx = await engine_request(DetokenizeRequest)
+    check_token_ids(req.tokens, ctx.engine.vocab_size, "tokens")
+    text = await off_loop(ctx.engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
     return await json_reply(lambda: {"content": text, "prompt": text})
