@@ -12,7 +12,7 @@ Rows without a shadow get their logits unchanged, bit for bit (`guide`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence as Seq
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -90,17 +90,6 @@ def check_request(req: "GenerationRequest", max_tokens: int, max_model_len: int,
         raise InvalidRequestError(
             f"the prompt and its CFG shadow need more than the pool's {pool_blocks} KV blocks; raise "
             "--num-kv-blocks or --kv-cache-memory", code="context_length_exceeded", param="cfg_scale")
-
-
-def attach_shadow(main: "Sequence", prompt_ids: Seq[int]) -> "Sequence":
-    """Give `main` its shadow: the same request, choice and adapter over `prompt_ids`. Its detokenizer and
-    stop matcher are the main's, never used (a shadow emits nothing)."""
-    from imp_jax.runtime.scheduling.sequence import Sequence
-    shadow = Sequence(request=main.request, index=main.index, params=main.params, max_tokens=main.max_tokens,
-                      detok=main.detok, stops=main.stops, prompt_ids=list(prompt_ids),
-                      lora_slot=main.lora_slot, lora_key=main.lora_key, main=main)
-    main.shadow = shadow
-    return shadow
 
 
 def feed(shadow: "Sequence", token: int) -> None:

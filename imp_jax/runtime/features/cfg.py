@@ -2,10 +2,11 @@
 main samples, and the step's (shadow row, scale) inputs."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence as Seq
 
 from imp_jax.runtime.decoding import cfg as guidance
 from imp_jax.runtime.features.base import Accepted, Feature
+from imp_jax.runtime.scheduling.sequence import Sequence
 
 
 class CfgFeature(Feature):
@@ -24,7 +25,7 @@ class CfgFeature(Feature):
 
     def start(self, seq, state) -> None:
         if state.request.cfg_scale != 1:   # after the adapter's start: the shadow shares its slot
-            guidance.attach_shadow(seq, state.request.cfg_prompt_ids)
+            attach_shadow(seq, state.request.cfg_prompt_ids)
 
     def needs_newest(self, seq) -> bool:
         return seq.shadow is not None or seq.main is not None   # a shadow is fed its main's token on the host
@@ -35,3 +36,13 @@ class CfgFeature(Feature):
     def accepted(self, seq, tok: Accepted) -> None:
         if seq.shadow is not None:
             guidance.feed(seq.shadow, tok.token)
+
+
+def attach_shadow(main: Sequence, prompt_ids: Seq[int]) -> Sequence:
+    """Give `main` its shadow: the same request, choice and adapter over `prompt_ids`. Its detokenizer and
+    stop matcher are the main's, never used (a shadow emits nothing)."""
+    shadow = Sequence(request=main.request, index=main.index, params=main.params, max_tokens=main.max_tokens,
+                      detok=main.detok, stops=main.stops, prompt_ids=list(prompt_ids),
+                      lora_slot=main.lora_slot, lora_key=main.lora_key, main=main)
+    main.shadow = shadow
+    return shadow
