@@ -353,8 +353,6 @@ inline void prefetch_rows(const uint8_t* pf, int64_t rows, int64_t ldw, int64_t 
 }  // namespace imp_q8
 
 #include "gemm_q8_gemv.h"   // the one-row path (gemv), on what is above
-#include "gemm_q8_k.h"      // the K-quants (their own one-row path and tiles), on what is above
-#include "gemm_q8_iq.h"     // the table formats (IQ4_NL, MXFP4; IQ4_XS as a K-quant)
 
 namespace imp_q8 {
 
@@ -496,6 +494,26 @@ struct Scratch {
         dw(floats.get()), dd(dw + kW * ns), mt(dd + kDD * ns) {}
 };
 
+// AVX-512: s.dd[b, r, :] = s.dw[b, :] * d_x[m + r, b] for a row tile's mr rows (each rounded once, as
+// `Gemm::products`).
+IMP_Q8_ZMM inline void products_zmm(const Activations& a, int64_t m, int64_t mr, Scratch& s) {
+  const int64_t nb = a.nb, ns = a.ns;
+  const float *d = a.d_at(m, 0), *dw = s.dw;
+  float* dd = s.dd;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 w = _mm256_loadu_ps(dw + kZNR * b);
+    for (int64_t r = 0; r < mr; ++r)
+      _mm256_storeu_ps(dd + kZMR * kZNR * b + kZNR * r, _mm256_mul_ps(w, _mm256_broadcast_ss(d + r * ns + b)));
+  }
+}
+
+}  // namespace imp_q8
+
+#include "gemm_q8_k.h"      // the K-quants (their own one-row path and tiles), on what is above
+#include "gemm_q8_iq.h"     // the table formats (IQ4_NL, MXFP4; IQ4_XS as a K-quant)
+
+namespace imp_q8 {
+
 template <class W, Isa I>
 struct Gemm {
   static constexpr bool Vnni = I != kAvx2;
@@ -555,42 +573,40 @@ struct Gemm {
       prepare_zmm(w + n * ldw, nr, s, pf, s.mt + (n - n0));
       for (int64_t m = m0; m < m1; m += kZMR) {
         const int64_t mr = std::min(kZMR, m1 - m);
-        products_zmm(m, mr, s);
+        products_zmm(a, m, mr, s);
         ZTiles<W>::fn[mr - 1][np - 1](a, m, s.bytes.get(), s.dd, y + m * N + n, N, nr);
       }
     }
     if constexpr (W::kOffset) offsets_zmm(m0, m1, n0, n1, s.mt);
   }
 
-  // nr weight rows from w into the scratch in pairs (a missing last row as zeros): their blocks as
-  // bytes w + bias with the pair's 4-byte groups interleaved, their scales d side by side, and (Q4_1)
-  // their offsets m into mt's columns [0, nr) (rows kColBlock apart); prefetching pf on the way.
+  // nr weight rows from w into the scratch in pairs (a missing last row as the one before it: its
+  // outputs are not stored): their blocks as bytes w + bias with the pair's 4-byte groups interleaved,
+  // their scales d side by side, and (Q4_1) their offsets m into mt's columns [0, nr) (rows kColBlock
+  // apart); prefetching pf (the next tile, whole) on the way, one line per row and block.
   IMP_Q8_ZMM void prepare_zmm(const uint8_t* w, int64_t nr, Scratch& s, const uint8_t* pf, float* mt) const {
-    const int64_t nb = a.nb;
+    const int64_t nb = a.nb, ldw = this->ldw;   // locals: the stores below may alias any member
     const __m512i mix = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i nibble_order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 0, 4, 1, 5, 2, 6, 3, 7);
-    const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    float* dw = s.dw;
+    const __m512i nibble_order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 0, 16, 1, 17, 2, 18, 3, 19);
+    const __m512i split = _mm512_setr_epi64(kLow, kLow, kLow, kLow, kHigh, kHigh, kHigh, kHigh);   // x & 15, x >> 4
     uint8_t* bytes = s.bytes.get();
+    scales_zmm(w, nr, s.dw, mt);
     for (int64_t p = 0; 2 * p < nr; ++p) {
       const uint8_t* w0 = w + 2 * p * ldw;
-      const bool two = 2 * p + 1 < nr;
-      const uint8_t* w1 = two ? w0 + ldw : w0;   // a missing row: the first again (its outputs are not stored)
-      int64_t next_line = 0;
+      const uint8_t* w1 = 2 * p + 1 < nr ? w0 + ldw : w0;
+      const uint8_t* pf0 = pf ? pf + 2 * p * ldw : nullptr;
       for (int64_t b = 0; b < nb; ++b) {
-        if (pf && (b + 1) * W::kBytes > next_line) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf + 2 * p * ldw + next_line), _MM_HINT_T0);
-          if (two) _mm_prefetch(reinterpret_cast<const char*>(pf + (2 * p + 1) * ldw + next_line), _MM_HINT_T0);
-          next_line += 64;
+        if (pf0) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf0 + b * W::kBytes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pf0 + ldw + b * W::kBytes), _MM_HINT_T0);
         }
         const uint8_t *b0 = w0 + b * W::kBytes, *b1 = w1 + b * W::kBytes;
         __m512i pairs;
         if constexpr (W::kNibbles || W::kFifth) {   // [row 0's nibbles, row 1's] to dwords in pair order, high nibbles in the upper half
-          const __m256i raw = _mm256_inserti128_si256(
-              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + W::kBytes - 16))),
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + W::kBytes - 16)), 1);
-          const __m512i spread = _mm512_permutexvar_epi32(nibble_order, _mm512_castsi256_si512(raw));
-          pairs = _mm512_and_si512(_mm512_srlv_epi16(spread, nibble_shift), _mm512_set1_epi8(15));
+          const __m512i spread = _mm512_permutex2var_epi32(
+              _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + W::kBytes - 16))), nibble_order,
+              _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + W::kBytes - 16))));
+          pairs = _mm512_gf2p8affine_epi64_epi8(spread, split, 0);
           if constexpr (HasTable<W>::value) pairs = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(W::table(true)), pairs);
           if constexpr (W::kFifth != 0) {   // + 16 where the fifth bit is set: byte 4i + j of the pair order is
             uint32_t h0, h1;                // bit 4 (i / 2) + j of row i % 2, so the rows' bits go to alternate nibbles
@@ -603,31 +619,26 @@ struct Gemm {
                                             _mm512_castsi256_si512(W::template weights<true>(b1)));
         }
         _mm512_storeu_si512(bytes + 64 * (kZNP * b + p), pairs);
-        uint32_t h0 = 0, h1 = 0;   // [d, m] (m: Q4_1) of each row, as f16
-        std::memcpy(&h0, b0, W::kOffset ? 4 : 2);
-        std::memcpy(&h1, b1, W::kOffset ? 4 : 2);
-        if constexpr (HasE8M0<W>::value) {
-          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_setr_ps(e8m0_half(b0[0]), e8m0_half(b1[0]), 0, 0));
-        } else if constexpr (W::kOffset) {
-          const __m128 v = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(h0), _mm_cvtsi32_si128(h1)));   // [d0, m0, d1, m1]
-          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 2, 0)));
-          _mm_storel_pi(reinterpret_cast<__m64*>(mt + b * kColBlock + 2 * p), _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 0, 3, 1)));
-        } else {
-          _mm_storel_pi(reinterpret_cast<__m64*>(dw + kZNR * b + 2 * p), _mm_cvtph_ps(_mm_cvtsi32_si128(h0 | h1 << 16)));
-        }
       }
     }
   }
 
-  // s.dd[b, r, :] = s.dw[b, :] * d_x[m + r, b] (each rounded once, as `products`).
-  IMP_Q8_ZMM void products_zmm(int64_t m, int64_t mr, Scratch& s) const {
-    const int64_t nb = a.nb, ns = a.ns;
-    const float *d = a.d_at(m, 0), *dw = s.dw;
-    float* dd = s.dd;
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256 w = _mm256_loadu_ps(dw + kZNR * b);
-      for (int64_t r = 0; r < mr; ++r)
-        _mm256_storeu_ps(dd + kZMR * kZNR * b + kZNR * r, _mm256_mul_ps(w, _mm256_broadcast_ss(d + r * ns + b)));
+  // The scales d of a tile's nr weight rows from w into dw [nb, kZNR] (row c at column c; a row c >= nr
+  // reads row nr - 1 again) and (Q4_1 / Q5_1) their offsets m into mt's columns (rows kColBlock apart):
+  // per block one gather of the 8 rows' first 4 bytes, f16 d (and m) converted 8 at a time.
+  IMP_Q8_ZMM void scales_zmm(const uint8_t* w, int64_t nr, float* dw, float* mt) const {
+    const int64_t nb = a.nb, ldw = this->ldw;
+    if constexpr (HasE8M0<W>::value) {
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t c = 0; c < kZNR; ++c) dw[kZNR * b + c] = e8m0_half(w[std::min(c, nr - 1) * ldw + b * W::kBytes]);
+    } else {
+      const __m256i rows = _mm256_mullo_epi32(_mm256_min_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(nr - 1)),
+                                              _mm256_set1_epi32(static_cast<int32_t>(ldw)));
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i h = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * W::kBytes), rows, 1);   // [d, m] as f16
+        _mm256_storeu_ps(dw + kZNR * b, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(h)));
+        if constexpr (W::kOffset) _mm256_storeu_ps(mt + b * kColBlock, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(h, 16))));
+      }
     }
   }
 

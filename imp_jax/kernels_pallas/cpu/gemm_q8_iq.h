@@ -57,6 +57,7 @@ struct MXFP4 {   // E8M0 e, 16 bytes of indices: w = 2^(e - 128) * kvalues_mxfp4
 struct IQ4_XS {   // f16 d, uint16 of the scales' high 2 bits, 4 bytes of their low nibbles, 128 of indices:
                   // w = d * (sc - 32) * kvalues_iq4nl[q]
   static constexpr const char* kName = "imp_gemm_q8_iq4_xsw";
+  static constexpr bool kBlockScale = true;
   static constexpr int64_t kBytes = 136;
   static constexpr bool kMins = false;
   static constexpr int32_t bias(bool vnni) { return vnni ? 128 : 0; }

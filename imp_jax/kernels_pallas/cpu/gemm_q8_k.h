@@ -29,7 +29,9 @@
 //
 // Work: one row of x goes through `kgemv` (4 far-apart weight rows, unpacked and scales decoded in
 // registers, as `gemv`); several through `KGemm`'s tiles, each weight tile's bytes and lane scales D
-// prepared once for the 64 rows of a work item (AVX-512: `ktile_zmm`, two weight rows a register).
+// prepared once for the 64 rows of a work item (AVX-512: `ktile_zmm`, two weight rows a register; for
+// the formats with one scale a 32-weight block, Q4_K, Q5_K and IQ4_XS, the 32-weight formats' `tile_zmm`,
+// the products dd formed once per row tile and 8 weight rows instead of in the tile's inner loop).
 #pragma once
 
 #include <immintrin.h>
@@ -46,7 +48,8 @@ constexpr int64_t kSuper = 256;   // weights per K-quant super-block
 constexpr int64_t kSubs = kSuper / kBlock;   // activation blocks per super-block
 
 // A K-quant format: `decode(sb, D, M)` gives a super-block's lane scales D (per 32-weight block
-// j, D[j] the 8 lanes' d * sc) and (kMins) its mins dmin * mn, kMinVecs<W> vectors of 8; `unpack(sb, w)`
+// j, D[j] the 8 lanes' d * sc; kBlockScale: one scale a block, its 8 lanes equal) and (kMins) its
+// mins dmin * mn, kMinVecs<W> vectors of 8; `unpack(sb, w)`
 // its 8 blocks of 32 unsigned weights in weight order (table formats: the indices, `unpack_k` looks
 // them up). bias / sign_trick as gemm_q8.h's formats (for `idot`).
 inline __m256 f16_splat(const uint8_t* p) { return _mm256_set1_ps(f16_at(p)); }
@@ -86,6 +89,7 @@ inline void decode_k4(const uint8_t* sb, __m256 D[kSubs], __m256* M) {
 
 struct Q4_K {   // f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles: w = d * sc * q - dmin * mn
   static constexpr const char* kName = "imp_gemm_q8_q4_kw";
+  static constexpr bool kBlockScale = true;
   static constexpr int64_t kBytes = 144;
   static constexpr bool kMins = true;
   static constexpr int32_t bias(bool) { return 0; }
@@ -103,6 +107,7 @@ struct Q4_K {   // f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles: w = d 
 
 struct Q5_K {   // Q4_K's fields, 32 bytes of fifth bits (bit j of byte l: weight l of sub-block j), 128 of nibbles
   static constexpr const char* kName = "imp_gemm_q8_q5_kw";
+  static constexpr bool kBlockScale = true;
   static constexpr int64_t kBytes = 176;
   static constexpr bool kMins = true;
   static constexpr int32_t bias(bool) { return 0; }
@@ -133,6 +138,7 @@ inline void pair_lanes(__m256 lo, __m256 hi, __m256 D[kSubs]) {
 
 struct Q3_K {   // 32 bytes of high bits, 64 of 2-bit pairs, 12 scale bytes, f16 d: w = d * (sc - 32) * (q - 4)
   static constexpr const char* kName = "imp_gemm_q8_q3_kw";
+  static constexpr bool kBlockScale = false;
   static constexpr int64_t kBytes = 110;
   static constexpr bool kMins = false;
   static constexpr int32_t bias(bool) { return 4; }
@@ -173,6 +179,7 @@ struct Q3_K {   // 32 bytes of high bits, 64 of 2-bit pairs, 12 scale bytes, f16
 struct Q2_K {   // 16 scale bytes (scale, min nibbles per 16 weights), 64 bytes of 2-bit q, f16 d, f16 dmin:
                 // w = d * sc * q - dmin * mn
   static constexpr const char* kName = "imp_gemm_q8_q2_kw";
+  static constexpr bool kBlockScale = false;
   static constexpr int64_t kBytes = 84;
   static constexpr bool kMins = true;
   static constexpr int32_t bias(bool) { return 0; }
@@ -203,6 +210,7 @@ inline constexpr int kMinVecs<Q2_K> = 2;
 
 struct Q6_K {   // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d: w = d * sc * (q - 32)
   static constexpr const char* kName = "imp_gemm_q8_q6_kw";
+  static constexpr bool kBlockScale = false;
   static constexpr int64_t kBytes = 210;
   static constexpr bool kMins = false;
   static constexpr int32_t bias(bool) { return 32; }
@@ -419,6 +427,11 @@ template <class W, Isa I>
 struct KGemm {
   static constexpr bool Vnni = I != kAvx2;
   static constexpr int64_t kTileRows = I == kAvx512 ? kZKR : kNR;   // weight rows prepared at a time
+  // AVX-512 and one scale a 32-weight block: the 32-weight formats' tiles (`tile_zmm`) on the weights
+  // prepared as theirs (`prepare_blocks`), each lane scale D as their d_w, so the products D * d_x are
+  // formed once per row tile and 8 weight rows (`products_zmm`) instead of once per tile row pair
+  // and block; then the mins subtracted (`subtract_mins`). The same operations per output as `kgemv`.
+  static constexpr bool kBlocks = I == kAvx512 && W::kBlockScale;
   Activations a;
   const uint8_t* w;
   float* y;
@@ -434,6 +447,7 @@ struct KGemm {
         col_blocks((N + kColBlock - 1) / kColBlock),
         items(M == 1 ? starts.size() - 1 : col_blocks * ((M + kRowBlock - 1) / kRowBlock)) {
     quantise(x, W::bias(Vnni), a);
+    if (kBlocks && M > 1) pair(a);
   }
 
   // nr weight rows from w into t: bytes, lane scales, mins.
@@ -453,13 +467,55 @@ struct KGemm {
       }
   }
 
-  void item(int64_t i, std::unique_ptr<KTile>& tile) const {
+  // `prepare` for kBlocks: the rows' bytes in interleaved pairs and their block scales into s as
+  // `Gemm::prepare_zmm` stores them ([nb, kZNP, 64] and [nb, kZNR]), the mins into t.
+  IMP_Q8_ZMM void prepare_blocks(const uint8_t* w, int64_t nr, Scratch& s, KTile& t) const {
+    const int64_t ldw = this->ldw;
+    const __m512i mix = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    uint8_t* bytes = s.bytes.get();
+    for (int64_t p = 0; 2 * p < nr; ++p)
+      for (int64_t sup = 0; sup < a.nb / kSubs; ++sup) {
+        __m256i wv[2][kSubs];
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t c = std::min(2 * p + h, nr - 1);   // a missing row: the one before it (not stored)
+          const uint8_t* sb = w + c * ldw + sup * W::kBytes;
+          __m256 D[kSubs], M[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+          W::decode(sb, D, M);
+          unpack_k<W, true>(sb, wv[h]);
+          for (int j = 0; j < kSubs; ++j) s.dw[kZNR * (kSubs * sup + j) + 2 * p + h] = _mm256_cvtss_f32(D[j]);
+          for (int v = 0; v < 2; ++v) _mm256_storeu_ps(t.M_at(2 * p + h) + 16 * sup + 8 * v, M[v]);
+        }
+        for (int j = 0; j < kSubs; ++j)
+          _mm512_storeu_si512(bytes + 64 * (kZNP * (kSubs * sup + j) + p),
+                              _mm512_permutex2var_epi32(_mm512_castsi256_si512(wv[0][j]), mix, _mm512_castsi256_si512(wv[1][j])));
+      }
+  }
+
+  // y[m + r, n + c] -= the mins of activation row m + r and tile row c (kMins), as `ktile` subtracts them.
+  void subtract_mins(int64_t m, int64_t mr, int64_t n, int64_t nr, const KTile& t) const {
+    if constexpr (W::kMins)
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t c = 0; c < nr; ++c) y[(m + r) * N + n + c] -= kmins<W>(a, m + r, t, c);
+  }
+
+  void item(int64_t i, std::unique_ptr<KTile>& tile, std::unique_ptr<Scratch>& scratch) const {
     if (a.M == 1) return kgemv_item<W, Vnni>(a, 0, w, ldw, starts[i], starts[i + 1], y);
     const int64_t m0 = (i / col_blocks) * kRowBlock, m1 = std::min(a.M, m0 + kRowBlock);
     const int64_t n0 = (i % col_blocks) * kColBlock, n1 = std::min(N, n0 + kColBlock);
     if (!tile) tile = std::make_unique<KTile>(kTileRows, a.nb);
+    if (kBlocks && !scratch) scratch = std::make_unique<Scratch>(a.nb, a.ns);
     for (int64_t n = n0; n < n1; n += kTileRows) {
       const int64_t nr = std::min(kTileRows, n1 - n);
+      if constexpr (kBlocks) {
+        prepare_blocks(w + n * ldw, nr, *scratch, *tile);
+        for (int64_t m = m0; m < m1; m += kZMR) {
+          const int64_t mr = std::min(kZMR, m1 - m);
+          products_zmm(a, m, mr, *scratch);
+          ZTiles<W>::fn[mr - 1][(nr + 1) / 2 - 1](a, m, scratch->bytes.get(), scratch->dd, y + m * N + n, N, nr);
+          subtract_mins(m, mr, n, nr, *tile);
+        }
+        continue;
+      }
       prepare(w + n * ldw, nr, *tile);
       for (int64_t m = m0; m < m1; m += kMR) {
         const int64_t mr = std::min(kMR, m1 - m);
@@ -473,8 +529,9 @@ struct KGemm {
 
   void work() {
     std::unique_ptr<KTile> tile;
+    std::unique_ptr<Scratch> scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      item(i, tile);
+      item(i, tile, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
