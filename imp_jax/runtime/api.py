@@ -51,15 +51,42 @@ class Engine(Protocol):
     idle_suspended: bool        # parked for idleness: still "ready", the next request resumes it
     capabilities: Capabilities
 
-    # model facts (properties on the real engines, which raise a 503 EngineError while the model loads)
-    served_name: str
-    tokenizer: Any
-    max_model_len: int
-    vocab_size: int
-    default_params: Any          # the model's generation defaults (runtime/defaults.py)
-    max_num_seqs: int            # sequences run at once (/props total_slots)
-    dtype: str                   # the weights' dtype as loaded
-    device: str                  # cpu, gpu or tpu
+    # model facts, read-only (the real engines raise a 503 EngineError for them while the model loads)
+    @property
+    @abc.abstractmethod
+    def served_name(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def default_params(self) -> Any:
+        """The model's generation defaults (runtime/defaults.py)."""
+
+    @property
+    @abc.abstractmethod
+    def max_num_seqs(self) -> int:
+        """Sequences run at once (/props total_slots)."""
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> str:
+        """The weights' dtype as loaded."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> str:
+        """cpu, gpu or tpu."""
 
     @abc.abstractmethod
     def start(self) -> None:

@@ -65,6 +65,12 @@ class FakeEngine(Engine):
     POOL_BLOCKS = 64  # what stats() reports: the fake holds no KV, so its pool is always at baseline
     # no LoRA, no KV to pin for sessions; suspend is the state alone; no request of its thinks
     capabilities = Capabilities(suspend=True, end_thinking=True)
+    # the protocol's model facts, plain attributes here (set in __init__)
+    served_name: str = ""
+    tokenizer: Any = None
+    max_model_len = vocab_size = max_num_seqs = 0
+    default_params: Any = None
+    dtype = device = ""
 
     def __init__(self, tokenizer: Tokenizer, *, served_name: str = "fake-model", max_model_len: int = 256,
                  token_delay: float = 0.0, load_delay: float = 0.0):

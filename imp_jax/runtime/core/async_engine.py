@@ -25,6 +25,7 @@ from imp_jax.runtime.defaults import model_defaults
 from imp_jax.runtime.core.engine import EngineCore
 from imp_jax.runtime.core.engine_thread import EngineThread, to_loop
 from imp_jax.runtime.features.images import image_keys
+from imp_jax.runtime.features.think import ThinkFeature
 from imp_jax.runtime.decoding.image_family import image_family
 from imp_jax.runtime.core.event_buffer import EventBuffer
 from imp_jax.runtime.parallel.multihost import PEER_LOST
@@ -62,7 +63,7 @@ class AsyncEngine(EngineThread, Engine):
             self._stopping = True
         super().shutdown(timeout)
         if self._compiler is not None:   # a compile cut off by the interpreter's exit aborts the process
-            self._core.step_fn.stop_compiling()
+            self.core.step_fn.stop_compiling()
             self._compiler.join(max(timeout, 60.0))
         if self._core is not None and self._core.tiers is not None:
             try:   # the disk tier keeps the cached prefixes (bounded wait)
@@ -130,7 +131,9 @@ class AsyncEngine(EngineThread, Engine):
     @property
     def reply_markers(self) -> ReplyMarkers | None:
         """Found once at load by the think feature, which splits the replies with them (runtime/features/think.py)."""
-        return self.core.by_name["reasoning"].markers
+        think = self.core.by_name["reasoning"]
+        assert isinstance(think, ThinkFeature)
+        return think.markers
 
     @property
     def default_params(self) -> dict[str, Any]:
@@ -256,16 +259,16 @@ class AsyncEngine(EngineThread, Engine):
             self.progress = frac
 
         build = self._build or functools.partial(build_engine, background_compile=True, replica=self.replica)
-        self._core = build(self.config, progress)
-        if self._core.tiers is not None:
-            self._core.tiers.wake = self.wake   # a disk read that lands ends the loop's wait (_loop)
+        self._core = core = build(self.config, progress)
+        if core.tiers is not None:
+            core.tiers.wake = self.wake   # a disk read that lands ends the loop's wait (_loop)
         with self._compiler_lock:
-            if not self._core.step_fn.warm and not self._stopping:
-                self._compiler = compile_in_background(self._core)
+            if not core.step_fn.warm and not self._stopping:
+                self._compiler = compile_in_background(core)
 
     def _serve(self) -> None:
         import jax
-        core = self._core
+        core = self.core
         leader = core.step_fn.leader   # multi-host process 0 (runtime/parallel/multihost.py)
         try:
             with jax.default_device(core.step_fn.mesh.devices.flat[0]):   # what this thread makes: its device
@@ -310,7 +313,7 @@ class AsyncEngine(EngineThread, Engine):
     def _park(self, why: str) -> None:
         """Suspend now (the engine has no work): weights and KV cache to host memory."""
         t0 = time.perf_counter()
-        freed = 0 if self._core.step_fn.suspended else self._core.step_fn.suspend()
+        freed = 0 if self.core.step_fn.suspended else self.core.step_fn.suspend()
         if why == "idle":
             self.idle_suspended = True
         log.info("suspended (%s): %.0f MiB of weights and KV cache moved to host memory in %.2f s",
@@ -321,14 +324,14 @@ class AsyncEngine(EngineThread, Engine):
 
     def _unpark(self, why: str) -> None:
         t0 = time.perf_counter()
-        if self._core.step_fn.suspended:
-            self._core.step_fn.resume()
+        if self.core.step_fn.suspended:
+            self.core.step_fn.resume()
             log.info("resumed (%s) in %.2f s", why, time.perf_counter() - t0)
         self.idle_suspended = False
 
     def _apply(self, command: Command) -> None:
         """Engine thread: one command from the inbox, dispatched by its type."""
-        core = self._core
+        core = self.core
         match command:
             case AddRequest(req=req, emit=emit):
                 self._add(req, emit)
@@ -355,14 +358,15 @@ class AsyncEngine(EngineThread, Engine):
 
     def _add(self, req: GenerationRequest, emit: Reply) -> None:
         if self.state == "faulted":
-            raise EngineError(self.error if self.error.startswith(PEER_LOST) else f"engine is faulted: {self.error}",
+            error = self.error or ""
+            raise EngineError(error if error.startswith(PEER_LOST) else f"engine is faulted: {error}",
                               code="engine_faulted")
         if self.state == "suspended":
             raise EngineError("the engine is suspended; POST /admin/resume", code="suspended", status=503)
         self._last_request = time.monotonic()
         if self.idle_suspended:
             self._unpark("a request arrived")
-        self._core.add_request(req, emit)
+        self.core.add_request(req, emit)
 
     def _refuse_unless_serving(self, why: str) -> None:
         """A LoRA change needs the weights on the device: 409 while suspended by the operator, resumed if idle."""
