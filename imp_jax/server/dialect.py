@@ -11,6 +11,7 @@ any error before a route runs (access, body limits, unknown routes).
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
@@ -34,7 +35,7 @@ class Plan:
     fields: dict[str, Any] = dataclasses.field(default_factory=dict)   # GenerationRequest's (priority, images, ...)
 
 
-class Dialect:
+class Dialect(abc.ABC):
     """A dialect's adapter for one request: its parsed body (`req`, a `body`; subclasses annotate its type) and
     RequestContext (`ctx`)."""
 
@@ -44,9 +45,9 @@ class Dialect:
         self.req, self.ctx, self.engine = req, ctx, ctx.engine
 
     @staticmethod
+    @abc.abstractmethod
     def mint_id() -> str:
         """A fresh id for the response (and the engine request), in the dialect's spelling."""
-        raise NotImplementedError
 
     def keepalive_s(self) -> float | None:
         """The silence after which a stream sends the formatter's ping frame (None: no pings)."""
@@ -56,17 +57,17 @@ class Dialect:
         """The body's cross-field rules, its `check()` (a 400 naming the field)."""
         self.req.check()
 
+    @abc.abstractmethod
     async def plan(self) -> Plan:
         """The prompt (prompts.py), the sampling parameters and the engine request's fields."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stream(self, plan: Plan) -> StreamFormatter:
         """The formatter of a streamed reply."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def reply(self, plan: Plan, result: Completion) -> dict[str, Any]:
         """The whole reply's JSON object (built off the event loop: limits.json_reply)."""
-        raise NotImplementedError
 
     def max_tokens(self, ids: list[int], asked: int | None, param: str) -> int | None:
         """`asked` (or --max-tokens) for a prompt of `ids`: a 400 naming `param` when they do not fit the context."""

@@ -2,6 +2,7 @@
 is decided, one call's JSON object read a character at a time, and the events folded as they go out."""
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import re
@@ -124,7 +125,7 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """Base of the incremental parsers: feed() text as it comes, finish() at its end; both return events."""
 
     def __init__(self) -> None:
@@ -174,8 +175,9 @@ class ToolCallParser:
         self._buf = ""
         return self._spaced(merge_parts(out), final=True)
 
+    @abc.abstractmethod
     def _run(self, out: list[ParseEvent], final: bool) -> None:
-        raise NotImplementedError
+        """Consume the buffered text into `out`, keeping back what may still be markup (all of it when `final`)."""
 
     def _open_call(self, out: list[ParseEvent], markup: str, name: str | None = None, bare: bool = False) -> None:
         self._call = _Call(self._count, name, bare)
