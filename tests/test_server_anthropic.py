@@ -47,6 +47,30 @@ def _count(client: anthropic.Anthropic, **kw: Any) -> int:
 
 # --------------------------------------------------------------------------- the real engine, through the SDK
 @real
+@pytest.mark.parametrize("extra", [
+    {"max_tokens": 20},                                                       # end_turn
+    {"max_tokens": 3},                                                        # max_tokens
+    {"max_tokens": 40, "tool_choice": {"type": "any"}, "tools": [{"name": "get_weather", "description": "weather",
+     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]},
+], ids=["end_turn", "max_tokens", "tool_use"])
+def test_every_event_and_the_whole_message_pass_the_sdks_strict_validation(live_server: LiveServer,
+                                                                             extra: dict[str, Any]) -> None:
+    """As for Responses: the anthropic client validates each event strictly before it falls back to building
+    it unchecked by `type`, a path that races between threads; `ping` is not in its union (the SDK skips it)."""
+    from anthropic._models import validate_type
+    from anthropic.types import Message, RawMessageStreamEvent
+    body = {"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "Weather in Paris?"}], **extra}
+    whole = httpx.post(live_server.url + PATH, json=body, timeout=120)
+    assert validate_type(type_=Message, value=whole.json()).id == whole.json()["id"]
+    with httpx.stream("POST", live_server.url + PATH, json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "message_stop"
+    for ev in events:
+        if ev["type"] != "ping":
+            assert not isinstance(validate_type(type_=RawMessageStreamEvent, value=ev), dict), ev["type"]
+
+
+@real
 def test_message(anthropic_client: anthropic.Anthropic) -> None:
     raw = anthropic_client.messages.with_raw_response.create(**GREEDY, messages=QUESTION)
     m = raw.parse()

@@ -84,6 +84,35 @@ def test_stream_equals_the_whole_response(openai_client: openai.OpenAI) -> None:
     assert final.usage.output_tokens == whole.usage.output_tokens and final.id != whole.id
 
 
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@real
+@pytest.mark.parametrize("extra", [
+    {},                                                                      # completed
+    {"max_output_tokens": 3},                                                # incomplete
+    {"tools": [WEATHER_TOOL], "tool_choice": "required", "max_output_tokens": 40},   # a function call
+    {"include": ["message.output_text.logprobs"], "top_logprobs": 2, "metadata": {"k": "v"}},
+], ids=["completed", "incomplete", "call", "logprobs"])
+def test_every_event_and_the_whole_response_pass_the_sdks_strict_validation(live_server: LiveServer,
+                                                                              extra: dict[str, Any]) -> None:
+    """The openai client first validates an event strictly against its union of event models; only when that
+    fails does it pick the model by `type` and build it unchecked, and that path races when threads parse
+    their first events at once (pydantic builds the models' schemas lazily): a `response.completed` then came
+    back with `response` a plain dict. So every field the SDK requires must be there."""
+    from openai._models import validate_type
+    from openai.types.responses import Response, ResponseStreamEvent
+    body = {**GREEDY, "input": QUESTION, **extra}
+    whole = httpx.post(live_server.url + PATH, json=body, timeout=120)
+    assert validate_type(type_=Response, value=whole.json()).id == whole.json()["id"]
+    with httpx.stream("POST", live_server.url + PATH, json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events and events[-1]["type"] in ("response.completed", "response.incomplete")
+    for ev in events:
+        assert type(validate_type(type_=ResponseStreamEvent, value=ev)).__name__ != "dict", ev["type"]
+
+
 @real
 def test_stream_helper_and_the_streamed_response_is_stored(openai_client: openai.OpenAI) -> None:
     full = openai_client.responses.create(**{**GREEDY, "max_output_tokens": 16}, input=QUESTION).output_text

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+    """The Responses usage object. `cache_write_tokens` is 0: prompts enter the prefix cache without a write
+    charge. Every field the SDK's `ResponseUsage` requires is here: a missing one fails its strict validation,
+    and the openai client then builds stream events by a path that races between threads."""
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens, **(usage.spec or {})},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
