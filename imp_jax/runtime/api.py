@@ -46,10 +46,23 @@ def not_serving(state: str, error: str | None, what: str = "engine") -> EngineEr
 class Engine(Protocol):
     """A generation engine as the server sees it. Model facts raise a 503 EngineError while it loads."""
 
-    state: str                  # one of ENGINE_STATES
-    error: str | None           # why it faulted (internal text: the server shows a public message)
-    idle_suspended: bool        # parked for idleness: still "ready", the next request resumes it
     capabilities: Capabilities
+
+    # its state, read-only to the server (an engine keeps them as attributes; replicas derive them)
+    @property
+    @abc.abstractmethod
+    def state(self) -> str:
+        """One of ENGINE_STATES."""
+
+    @property
+    @abc.abstractmethod
+    def error(self) -> str | None:
+        """Why it faulted (internal text: the server shows a public message)."""
+
+    @property
+    @abc.abstractmethod
+    def idle_suspended(self) -> bool:
+        """Parked for idleness: still "ready", the next request resumes it."""
 
     # model facts, read-only (the real engines raise a 503 EngineError for them while the model loads)
     @property

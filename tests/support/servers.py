@@ -65,7 +65,10 @@ class FakeEngine(Engine):
     POOL_BLOCKS = 64  # what stats() reports: the fake holds no KV, so its pool is always at baseline
     # no LoRA, no KV to pin for sessions; suspend is the state alone; no request of its thinks
     capabilities = Capabilities(suspend=True, end_thinking=True)
-    # the protocol's model facts, plain attributes here (set in __init__)
+    # the protocol's state and model facts, plain attributes here (set in __init__)
+    state = "loading"
+    error: str | None = None
+    idle_suspended = False
     served_name: str = ""
     tokenizer: Any = None
     max_model_len = vocab_size = max_num_seqs = 0
@@ -81,7 +84,7 @@ class FakeEngine(Engine):
         self.default_params = SamplingParams(temperature=0.6, top_p=0.95)
         self.max_num_seqs, self.dtype, self.device = 8, "float32", "cpu"
         self.state = "loading"
-        self.error: str | None = None
+        self.error = None
         self.idle_suspended = False
         self.steps_failed_total = 0   # what stats() reports (EngineCore.stats: steps that raised)
         self.token_delay = token_delay

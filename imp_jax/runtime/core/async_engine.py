@@ -43,6 +43,8 @@ def capabilities_of(config: EngineConfig) -> Capabilities:
 class AsyncEngine(EngineThread, Engine):
     """Start with `start()`; `generate()` streams EngineEvents; `cancel()` frees a request's blocks."""
 
+    idle_suspended: bool = False   # class-level too: it implements the Engine protocol's read-only fact
+
     def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None, replica: int = 0):
         super().__init__("imp-engine" + (f"-{replica}" if replica else ""), "engine", log)
         self.config = config

@@ -38,6 +38,9 @@ def to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None],
 class EngineThread(abc.ABC):
     """Subclasses load in `_load()` and run their loop in `_serve()`, applying commands in `_apply()`."""
 
+    state: str = "loading"     # class-level too: they implement the Engine protocol's read-only facts
+    error: str | None = None
+
     def __init__(self, name: str, what: str, log: logging.Logger):
         self.state = "loading"          # loading | warming_up | ready | suspended | faulted | stopped
         self.error: str | None = None

@@ -276,7 +276,7 @@ class EngineReplicas(Engine):
         results = await asyncio.gather(*(r.load_lora(name, path) for r in self.replicas), return_exceptions=True)
         failed = next((e for e in results if isinstance(e, BaseException)), None)
         if failed is None:
-            return results[0]
+            return next(res for res in results if not isinstance(res, BaseException))
         loaded = [r for r, res in zip(self.replicas, results) if not isinstance(res, BaseException)]
         await asyncio.gather(*(r.unload_lora(name) for r in loaded), return_exceptions=True)
         raise failed
@@ -288,7 +288,7 @@ class EngineReplicas(Engine):
                                        return_exceptions=True)
         failed = next((e for e in results if isinstance(e, BaseException)), None)
         if failed is None:
-            return next((res for res in results if res is not None), None)
+            return next((res for res in results if isinstance(res, dict)), None)
         unloaded = [(r, res) for r, res in zip(self.replicas, results) if isinstance(res, dict)]
         await asyncio.gather(*(r.load_lora(name, res["path"]) for r, res in unloaded), return_exceptions=True)
         raise failed
