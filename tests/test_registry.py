@@ -76,6 +76,18 @@ def test_image_text_raw_is_the_decoders_text_config():
     assert cfg.raw["my_new_knob"] == 3 and cfg.raw["rms_norm_eps"] == 1e-5
 
 
+def test_every_declared_image_text_architecture_is_registered_to_its_family_and_refuses_a_foreign_decoder():
+    declared = {arch: fam for fam in registry.families() for arch in fam.text_configs}
+    assert set(declared) == {"Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                             "SmolVLMForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+    assert all(registry.family(arch) is fam for arch, fam in declared.items())
+    gemma = ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}})
+    assert (gemma.hidden_size, gemma.num_layers) == (2304, 26)   # Gemma3TextConfig's defaults, from its family
+    with pytest.raises(ModelLoadError, match="text model_type 'mistral' is not supported"):
+        ModelConfig.from_hf({"architectures": ["SmolVLMForConditionalGeneration"],
+                             "text_config": hf_config("MistralForCausalLM", model_type="mistral")})
+
+
 def write_marker(path, fields):
     path.mkdir()
     (path / CONVERTED_MARKER).write_text(json.dumps(

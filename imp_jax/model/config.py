@@ -12,7 +12,7 @@ import numpy as np
 
 from imp_jax.errors import ModelLoadError
 from imp_jax.model import registry
-from imp_jax.model.language_model_config import TEXT_CONFIG_DEFAULTS, language_model_config
+from imp_jax.model.language_model_config import language_model_config, text_config
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 ROPE_ALIASES = {"su": "longrope",   # Phi-3's early configs name longrope "su"
@@ -171,7 +171,7 @@ class ModelConfig:
         archs = hf.get("architectures")
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ModelLoadError(f"{source}: 'architectures' must be a non-empty list of names")
-        if archs[0] in TEXT_CONFIG_DEFAULTS:
+        if text_config(archs[0]) is not None:
             hf = language_model_config(hf, archs, source)
 
         def need(key: str, typ: type = int) -> Any:

@@ -34,11 +34,22 @@ class GGUFNames:
 
 
 @dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """An image-text architecture whose decoder config is a `text_config` (or, for Qwen2.5-VL, flat beside
+    `vision_config`): the defaults that sub-config's own class fills in (saved configs omit them) and the
+    text `model_type`s its decoder may have (empty: any)."""
+
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_types: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A family's declaration: `config`, the ModelConfig (sub)class holding its own fields; `parse`, which reads
     them (and any common field it words otherwise, e.g. Qwen3's q/k norm) from a HF config dict; `gguf`, its
-    llama.cpp architectures."""
+    llama.cpp architectures; `text_configs`, its image-text architectures' decoder configs (model/language_model_config.py)."""
 
     config: type
     parse: ConfigParser | None = None
     gguf: tuple[GGUFNames, ...] = ()
+    text_configs: Mapping[str, TextConfig] = dataclasses.field(default_factory=dict)

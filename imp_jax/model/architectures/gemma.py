@@ -31,7 +31,7 @@ from imp_jax.kernels_pallas import AttentionMetadata, paged_attention
 from imp_jax.kernels_pallas.kv_cache import write_kv
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig, RopeScaling, opt_float, parse_rope_scaling
-from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.family import Family, GGUFNames, TextConfig
 from imp_jax.model.formats.gguf_metadata import Metadata, f32, layer_types, opt_f32
 from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, rope_tables
 from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM, layer_linear
@@ -333,6 +333,13 @@ def _gguf_config(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[st
 # Gemma's four norms per layer (llama's `ffn_norm` is Gemma's pre-feed-forward norm), stored as weight + 1
 _GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
+# Gemma3TextConfig's defaults, which a multimodal Gemma 3's `text_config` relies on (it omits them)
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1e6, rope_local_base_freq=1e4,
+    bos_token_id=2, eos_token_id=1)
 FAMILY = Family(config=GemmaConfig, parse=_parse, gguf=tuple(
     GGUFNames(arch, hf_arch, config=_gguf_config, layer_names=_GGUF_LAYER_NAMES, norm_plus_one=True)
-    for arch, hf_arch in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))))
+    for arch, hf_arch in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))),
+    text_configs={"Gemma3ForConditionalGeneration": TextConfig(GEMMA3_TEXT_DEFAULTS)})

@@ -19,7 +19,7 @@ from flax import nnx
 from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig, attention_bias
-from imp_jax.model.family import Family, GGUFNames
+from imp_jax.model.family import Family, GGUFNames, TextConfig
 from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import apply_rope, embed, linear, mrope_tables, override_rows, rms_norm, rope_tables
 from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
@@ -324,8 +324,15 @@ def _qwen2vl_gguf(arch: str, meta: Metadata, cfg: dict[str, Any], raw: Mapping[s
             "rope_scaling": {"type": "mrope", "mrope_section": sections[:3]}}
 
 
+# the image-text checkpoints served by this decoder (images: model/vision/): their text config's class defaults
+# (Idefics3Config builds its Llama text config with rms_norm_eps 1e-5; Qwen2_5_VLTextConfig's too)
+_IDEFICS3_TEXT = TextConfig({"rms_norm_eps": 1e-5}, ("llama",))
 FAMILY = Family(config=ModelConfig, parse=_parse, gguf=(
     GGUFNames("llama", "LlamaForCausalLM", permuted_qk=True),
     GGUFNames("qwen2", "Qwen2ForCausalLM", config=_qwen2_gguf),
     GGUFNames("qwen3", "Qwen3ForCausalLM"),
-    GGUFNames("qwen2vl", "Qwen2_5_VLForConditionalGeneration", config=_qwen2vl_gguf)))
+    GGUFNames("qwen2vl", "Qwen2_5_VLForConditionalGeneration", config=_qwen2vl_gguf)),
+    text_configs={"Idefics3ForConditionalGeneration": _IDEFICS3_TEXT,
+                  "SmolVLMForConditionalGeneration": _IDEFICS3_TEXT,
+                  "Qwen2_5_VLForConditionalGeneration": TextConfig({"rms_norm_eps": 1e-5},
+                                                                   ("qwen2_5_vl_text", "qwen2_5_vl"))})

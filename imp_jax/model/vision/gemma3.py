@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.language_model_config import GEMMA3_TEXT_DEFAULTS
+from imp_jax.model.architectures.gemma import GEMMA3_TEXT_DEFAULTS
 from imp_jax.model.layers import linear, rms_norm
 from imp_jax.model.vision.siglip import VisionConfig, VisionTransformer
 from imp_jax.model.weights import WeightSource
