@@ -26,14 +26,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from imp_jax.runtime.execution.batch import StepBatch, build_step_batch, pow2_buckets
+from imp_jax.runtime.execution.batch import StepBatch, pow2_buckets
 from imp_jax.runtime.scheduling.block_tables import DeviceTables, edit_capacity
 from imp_jax.runtime.kv.kv_blocks import BlockTable
 from imp_jax.runtime.decoding.logit_lens import supports_lens
 from imp_jax.runtime.parallel.multihost import SCORE, STEP, TABLES, Leader
-from imp_jax.runtime.execution.packing import Layout, pack
 from imp_jax.runtime.request import MAX_LOGIT_BIAS
-from imp_jax.runtime.execution.sampling import SamplerOutput, SamplingTensors, build_sampling_tensors
+from imp_jax.runtime.execution.program_inputs import ProgramInputs
+from imp_jax.runtime.execution.sampling import SamplerOutput, SamplingTensors
 from imp_jax.runtime.parallel.sharding import kv_sharding, replicated, state_shardings
 from imp_jax.runtime.execution.step_programs import step_programs
 
@@ -102,6 +102,10 @@ class CompiledStep:
         self.image_pool = (jax.device_put(np.zeros(image_pool, jnp.dtype(model.options.dtype)), rep)
                            if image_pool else None)   # encoder rows, replaced whole by each encoder launch
         self._block_size = self.kv[0].shape[2]
+        self.with_lora = getattr(model, "lora", None) is not None
+        self.inputs = ProgramInputs(shapes.max_blocks, shapes.vocab_size, shapes.history_len, shapes.max_bias,
+                                    self._block_size, images=image_pool is not None, mrope=mrope,
+                                    bidirectional_images=bidirectional_images, with_lora=self.with_lora)
         # the programs take the parameters as a flat list (flattening nnx Variables on every call
         # cost more host time than the rest of the dispatch) and every host input as two packed
         # buffers (packing.py); they are lowered from specs, never from the live (donated) buffers,
@@ -112,7 +116,6 @@ class CompiledStep:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._leaf_specs, self._kv_spec = [spec(a) for a in self._leaves], jax.tree.map(spec, self.kv)
         self._tables_spec = spec(self.tables)
-        self._layouts: dict[tuple[str, int, int], Layout] = {}
         self._exec: dict[tuple[int, int, int], Any] = {}
         self._compiled: list[tuple[int, int, int]] = []   # sorted; replaced whole, so readers need no lock
         self._unrun: list[tuple[int, int, int]] = []      # compiled, not yet run once (under _unrun_lock)
@@ -129,7 +132,6 @@ class CompiledStep:
         self.base_seed = 0   # unseeded rows' keys are fold_in(key(base_seed), step number): EngineConfig.seed
         programs = step_programs(model, self.graphdef, treedef, self._leaves, mesh, self.max_rows,
                                  bidirectional_images)
-        self.with_lora = getattr(model, "lora", None) is not None
         # params, kv, block tables, ints, floats, the previous step's tokens (`last_tokens`)
         ins = ([a.sharding for a in self._leaves], (kv_sh, kv_sh), rep, rep, rep, rep)
         self.no_prev = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
@@ -195,17 +197,12 @@ class CompiledStep:
         if bucket is None and not score:
             return False
         T, S, C = bucket or (self.score_tokens, 1, self.shapes.max_blocks)
-        batch = self.empty_batch(T, S)
+        batch = self.inputs.empty_batch(T, S)
         if score:   # its first run keeps ~55 MiB of buffers: at start-up, not mid-traffic
             self.score(batch, np.zeros(T, np.int32), [])
         else:
-            fetch(self.launch(batch, self._dummy_sampling(S), 0, [], context=C))
+            fetch(self.launch(batch, self.inputs.dummy_sampling(S), 0, [], context=C))
         return True
-
-    def empty_batch(self, T: int, S: int) -> StepBatch:
-        """An all-padding batch of a (T, S) program (it writes no KV and edits no table)."""
-        return build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
-                                block_size=self._block_size, with_tables=False)
 
     def has_unrun(self) -> bool:
         return not self.suspended and (bool(self._unrun) or self._score_unrun)
@@ -235,7 +232,7 @@ class CompiledStep:
     def lowered(self, program: str, T: int, S: int, context: int | None = None) -> Any:
         """The `program` ("step", "score" or "lens") for T tokens over S sequence slots reading `context`
         block-table columns (default: all), lowered, not compiled."""
-        layout = self._layout(program, T, S)
+        layout = self.inputs.layout(program, T, S, lambda batch: self._attach_tables(batch, []))
         jitted = self._jits[program]
         pool = self.image_pool
         images = (jax.ShapeDtypeStruct(pool.shape, pool.dtype, sharding=pool.sharding),) if (
@@ -254,18 +251,6 @@ class CompiledStep:
             self.compilations_after_warmup += 1
             log.warning("compiled a %s program for T=%d S=%d context=%s after warm-up", program, T, S, context)
         return exe
-
-    def _layout(self, program: str, T: int, S: int) -> Layout:
-        """Where the packed inputs of a `program` ("step" or "score") for (T, S) lie (the same every call)."""
-        key = (program, T, S)
-        if key not in self._layouts:
-            batch = self.empty_batch(T, S)
-            self._attach_tables(batch, [])
-            tree = (self._step_inputs(batch, self._dummy_sampling(S), 0) if program == "step"
-                    else self._lens_inputs(batch, 0) if program == "lens"
-                    else self._score_inputs(batch, np.zeros(T, np.int32)))
-            self._layouts[key] = pack(tree)[0]
-        return self._layouts[key]
 
     def _compile(self, bucket: tuple[int, int, int], counted: bool = True) -> Any:
         with self._compile_lock:
@@ -301,7 +286,7 @@ class CompiledStep:
         exe = self._lens_program()
         self.before_programs()
         self._attach_tables(batch, tables)
-        ints, floats = self._pack("lens", self._lens_inputs(batch, token))
+        ints, floats = self.inputs.pack("lens", self.inputs.lens(batch, token))
         out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
         return tuple(np.asarray(x) for x in out)
 
@@ -315,7 +300,7 @@ class CompiledStep:
         exe = self._score_program()
         self.before_programs()
         self._attach_tables(batch, tables)
-        ints, floats = self._pack("score", self._score_inputs(batch, targets))
+        ints, floats = self.inputs.pack("score", self.inputs.score(batch, targets))
         if self.leader is not None:
             self.leader.send(SCORE, (len(batch.input_ids), 1, self.shapes.max_blocks), ints, floats)
         out, self.kv, self.tables = exe(self._leaves, self.kv, self.tables, ints, floats, self.no_prev)
@@ -377,47 +362,9 @@ class CompiledStep:
         self.state = jax.tree.unflatten(self._treedef, self._leaves)
         self._parked = None
 
-    def _pack(self, program: str, tree: Any) -> tuple[np.ndarray, np.ndarray]:
-        """The packed buffers of `tree`, checked against the layout the program was compiled for."""
-        layout, ints, floats = pack(tree)
-        T, S = len(tree[0]), len(tree[2][1])
-        if layout != self._layouts.get((program, T, S)):
-            raise ValueError(f"the {program} inputs for T={T} S={S} do not match the compiled layout")
-        return ints, floats
-
     def _images(self) -> tuple[jax.Array, ...]:
         """The step program's image input: the row pool, when it has one."""
         return () if self.image_pool is None else (self.image_pool,)
-
-    def _step_inputs(self, batch: StepBatch, sampling: SamplingTensors, step_no: int,
-                     follow: tuple[np.ndarray, np.ndarray] | None = None,
-                     cfg: tuple[np.ndarray, np.ndarray] | None = None,
-                     embed_src: np.ndarray | None = None,
-                     mrope_positions: np.ndarray | None = None,
-                     key_limit: np.ndarray | None = None) -> tuple[Any, ...]:
-        T, S = len(batch.input_ids), len(batch.seq_lens)
-        positions = batch.positions
-        if self.mrope:
-            positions = (np.asarray(mrope_positions, np.int32) if mrope_positions is not None
-                         else np.broadcast_to(batch.positions, (3, T)).astype(np.int32))
-        src, hist_pos = follow if follow is not None else (np.full(T, -1, np.int32), np.full(S, -1, np.int32))
-        cfg = cfg if cfg is not None else (np.full(S, -1, np.int32), np.ones(S, np.float32))
-        per_token = lambda a: np.full(T, -1, np.int32) if a is None else np.asarray(a, np.int32)   # noqa: E731
-        images = () if self.image_pool is None else (per_token(embed_src),)
-        if self.bidirectional_images:
-            images += (per_token(key_limit),)
-        return (batch.input_ids, positions, _meta(batch), batch.table_rows, batch.table_edits,
-                batch.last_token_rows, sampling,
-                np.array([self.base_seed % 2**32, step_no % 2**32], np.uint32),
-                batch.lora_ids if self.with_lora else None, src, hist_pos, cfg, *images)
-
-    def _lens_inputs(self, batch: StepBatch, token: int) -> tuple[Any, ...]:
-        return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
-                np.asarray(token, np.int32), batch.lora_ids if self.with_lora else None)
-
-    def _score_inputs(self, batch: StepBatch, targets: np.ndarray) -> tuple[Any, ...]:
-        return (batch.input_ids, batch.positions, _meta(batch), batch.table_rows, batch.table_edits,
-                np.asarray(targets, np.int32), batch.lora_ids if self.with_lora else None)
 
     def write_params(self, edit: Callable[[Any], None]) -> None:
         """Engine thread, between steps: `edit(model)` sets some parameters to host arrays of their
@@ -437,11 +384,6 @@ class CompiledStep:
             new.append(leaf)
         self._leaves = new
         self.state = jax.tree.unflatten(self._treedef, new)
-
-    def _dummy_sampling(self, rows: int) -> SamplingTensors:
-        s = self.shapes
-        return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=s.vocab_size,
-                                      history_len=s.history_len, max_bias=s.max_bias, with_mask=True)
 
     def bucket_for(self, num_tokens: int, num_seqs: int, longest: int = 0) -> tuple[int, int]:
         """The (T, S) of the smallest compiled bucket holding this many tokens and sequences, with a program
@@ -484,8 +426,8 @@ class CompiledStep:
                 self._unrun.remove(bucket)
         self.before_programs()
         self._attach_tables(batch, tables)
-        ints, floats = self._pack("step", self._step_inputs(batch, sampling, step_no, follow, cfg, embed_src,
-                                                              mrope_positions, key_limit))
+        ints, floats = self.inputs.pack("step", self.inputs.step(batch, sampling, (self.base_seed, step_no), follow,
+                                                                 cfg, embed_src, mrope_positions, key_limit))
         if self.leader is not None:
             if follow is not None:
                 raise ValueError("a multi-host leader runs its steps synchronously (followers get no prev)")
@@ -498,11 +440,6 @@ class CompiledStep:
 def fetch(out: SamplerOutput) -> SamplerOutput:
     """A launched step's output on the host (waits for the step)."""
     return SamplerOutput(*(np.asarray(x) for x in out))
-
-
-def _meta(batch: StepBatch) -> tuple[np.ndarray, ...]:
-    """AttentionMetadata's host fields (its block tables come from the device rows)."""
-    return batch.query_start_loc, batch.seq_lens, batch.slot_mapping, batch.num_seqs
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16) -> list[tuple[int, int]]:
