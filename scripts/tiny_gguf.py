@@ -81,7 +81,7 @@ def write_named_gguf(path: Path, arch: str, metadata: Mapping[str, Any], tensors
     tokenizer included, in the order given; a key with a dot is a raw GGUF key whose value is
     (value, GGUFValueType[, array item type]), written with add_key_value.
     `tensors`: in the order given, each an array written in its own dtype, or (array, type): a uint8 array is
-    GGML blocks of that type, a float32 one is stored as it (F32 as is, F16 cast, others quantised by gguf-py)."""
+    GGML blocks of that type, a float32 one is stored in it (F32 as is, F16 cast, others quantised by gguf-py)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
         if "." in key:
