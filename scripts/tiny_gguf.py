@@ -1,7 +1,8 @@
-"""Tiny GGUF files for the tests and scripts: one writer (`write_gguf_file`) that names each HF tensor as
-imp_jax/model/formats/gguf_loader.py's own tables read it back (their inverse, not a copy), stores it in the type asked
-for, and writes the metadata given; a random mixture of experts written with it; and two small vocabularies
-(byte-level BPE, SentencePiece) to write in.
+"""Tiny GGUF files for the tests and scripts: the one GGUF writer (`write_named_gguf`, every GGUF a test or script
+writes goes through it); on it, `write_gguf_file`, which names each HF tensor as
+imp_jax/model/formats/gguf_loader.py's own tables read it back (their inverse, not a copy) and stores it in the type
+asked for; a random mixture of experts written with that; and two small vocabularies (byte-level BPE,
+SentencePiece) to write in.
 """
 from __future__ import annotations
 
@@ -48,44 +49,75 @@ def _names(arch: str, hf_arch: str | None) -> GGUFNames:
                 loader.gguf_names(arch))
 
 
+Stored = np.ndarray | tuple[np.ndarray, Q]
+
+
 def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *,
                     qtype: Callable[[str], Q] = lambda name: Q.F32, hf_arch: str | None = None,
-                    extra: Mapping[str, np.ndarray] | None = None) -> None:
+                    extra: Mapping[str, Stored] | None = None) -> None:
     """Write HF-named float32 `tensors` as a GGUF of `arch` that the loader reads back as them.
 
-    `metadata`: GGUFWriter `add_<key>` calls as {key: value} (e.g. {"block_count": 2}), tokenizer included; a
-    key with a dot is a raw GGUF key whose value is (value, GGUFValueType), written with add_key_value.
-    `qtype(hf_name)`: each tensor's storage type; a uint8 array is GGML blocks already, written as they are.
-    What the loader undoes is done here: llama's Q/K row permutation, Gemma's norms stored as weight + 1.
-    `extra`: GGUF-named tensors written as they are (rope_freqs.weight)."""
+    `metadata`: as write_named_gguf takes it. `qtype(hf_name)`: each tensor's storage type; a uint8 array is GGML
+    blocks already, written as they are. What the loader undoes is done here: llama's Q/K row permutation,
+    Gemma's norms stored as weight + 1. `extra`: GGUF-named tensors written after them (rope_freqs.weight)."""
+    named: dict[str, Stored] = {}
+    for hf_name, x in tensors.items():
+        names, name, x = _names(arch, hf_arch), gguf_name(hf_name, arch, hf_arch), np.ascontiguousarray(x)
+        leaf = name.split(".")[2] if name.startswith("blk.") else None
+        if names.permuted_qk and leaf in ("attn_q", "attn_k"):
+            x = loader.permute_rotary(x, metadata["head_count" if leaf == "attn_q" else "head_count_kv"])
+        if names.norm_plus_one and hf_name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        named[name] = (x, qtype(hf_name))
+    write_named_gguf(path, arch, metadata, {**named, **(extra or {})})
+
+
+def write_named_gguf(path: Path, arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, Stored]) -> None:
+    """Write a GGUF of `arch` whose tensors the caller has named (the one place that drives gguf-py's writer:
+    write_gguf_file names HF tensors through the loader's tables, tests that write as llama.cpp's converter
+    does name them through gguf-py's own maps).
+
+    `metadata`: GGUFWriter `add_<key>` calls as {key: value} (e.g. {"block_count": 2}, {"type": "mmproj"}),
+    tokenizer included, in the order given; a key with a dot is a raw GGUF key whose value is
+    (value, GGUFValueType[, array item type]), written with add_key_value.
+    `tensors`: in the order given, each an array written in its own dtype, or (array, type): a uint8 array is
+    GGML blocks of that type, a float32 one is stored in it (F32 as is, F16 cast, others quantised by gguf-py)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
         if "." in key:
             w.add_key_value(key, *value)
         else:
             getattr(w, f"add_{key}")(value)
-    names = _names(arch, hf_arch)
-    for hf_name, x in tensors.items():
-        name, q, x = gguf_name(hf_name, arch, hf_arch), qtype(hf_name), np.ascontiguousarray(x)
-        leaf = name.split(".")[2] if name.startswith("blk.") else None
-        if names.permuted_qk and leaf in ("attn_q", "attn_k"):
-            x = loader.permute_rotary(x, metadata["head_count" if leaf == "attn_q" else "head_count_kv"])
-        if names.norm_plus_one and hf_name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
-        if x.dtype == np.uint8:
-            w.add_tensor(name, x, raw_dtype=q)
-        elif q == Q.F32:
+    for name, stored in tensors.items():
+        x, q = stored if isinstance(stored, tuple) else (stored, None)
+        if q is None or q == Q.F32:
             w.add_tensor(name, x)
+        elif x.dtype == np.uint8:
+            w.add_tensor(name, x, raw_dtype=q)
         elif q == Q.F16:
             w.add_tensor(name, x.astype(np.float16))
         else:
             w.add_tensor(name, quantize(x, q), raw_dtype=q)
-    for name, x in (extra or {}).items():
-        w.add_tensor(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def recorded_metadata(add_to: Callable[[Any], Any]) -> dict[str, Any]:
+    """The GGUFWriter `add_<key>` calls a gguf-py helper makes on the writer it is given (for example
+    `SpecialVocab(...).add_to_gguf`), as write_named_gguf's {key: value}, in their order. A method the writer
+    lacks is missing here too (the helper skips what it cannot write: SpecialVocab's cls token id)."""
+    calls: dict[str, Any] = {}
+
+    class Recorder:
+        def __getattr__(self, attr: str) -> Callable[[Any], None]:
+            if not hasattr(gguf.GGUFWriter, attr):
+                raise AttributeError(attr)
+            return lambda value: calls.__setitem__(attr.removeprefix("add_"), value)
+
+    add_to(Recorder())
+    return calls
 
 
 def write_random_moe_gguf(path: Path, arch: str, *, hidden: int, ffn: int, heads: int, kv_heads: int, layers: int,

@@ -40,15 +40,10 @@ def write_tiny_hf(name: str, path: Path, seed: int = 0, **overrides):
 
 def write_arch_only_gguf(path: Path, arch: str) -> Path:
     """A GGUF file with `arch` in its header and one embedding tensor: enough to be refused by architecture."""
-    import gguf
     import numpy as np
+    from tiny_gguf import write_named_gguf
 
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_named_gguf(path, arch, {}, {"token_embd.weight": np.zeros((4, 8), np.float32)})
     return path
 
 

@@ -29,32 +29,25 @@ def write_bert_gguf(hf_dir: Path, out: Path, matrices: str = "F32", pooling: int
     """A GGUF of an HF BertModel directory as convert_hf_to_gguf.py writes one (BertModel.set_gguf_parameters,
     set_vocab, modify_tensors), 2-D matrices as `matrices` (F32, F16 or Q8_0), 1-D tensors F32."""
     import gguf
-    from gguf.quants import quantize
     from safetensors.numpy import load_file
+    from tiny_gguf import recorded_metadata, write_named_gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     L = cfg["num_hidden_layers"]
-    w = gguf.GGUFWriter(out, arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(L)
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_eps(cfg["layer_norm_eps"])
-    w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType(pooling))
     tj = json.loads((hf_dir / "tokenizer.json").read_text())
     by_id = {i: t for t, i in tj["model"]["vocab"].items()}
     control = {a["content"] for a in tj["added_tokens"] if a["special"]}
     tokens = [by_id[i] for i in range(len(by_id))]
     types = [gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in tokens]
-    w.add_token_type_count(cfg.get("type_vocab_size", 1))
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t if ty == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
-                      for t, ty in zip(tokens, types)])   # llama.cpp's "phantom space" spelling
-    w.add_token_types(types)
-    gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+    meta: dict[str, Any] = dict(
+        context_length=cfg["max_position_embeddings"], embedding_length=cfg["hidden_size"],
+        feed_forward_length=cfg["intermediate_size"], block_count=L, head_count=cfg["num_attention_heads"],
+        layer_norm_eps=cfg["layer_norm_eps"], causal_attention=False, pooling_type=gguf.PoolingType(pooling),
+        token_type_count=cfg.get("type_vocab_size", 1), tokenizer_model=tokenizer_model, tokenizer_pre="default",
+        token_list=[t if ty == gguf.TokenType.CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
+                    for t, ty in zip(tokens, types)],   # llama.cpp's "phantom space" spelling
+        token_types=types)
+    meta.update(recorded_metadata(lambda w: gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, L)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     tensors = {k.removeprefix("bert."): v for k, v in tensors.items()
@@ -64,6 +57,7 @@ def write_bert_gguf(hf_dir: Path, out: Path, matrices: str = "F32", pooling: int
             for s in ("weight", "bias"):
                 p = f"encoder.layer.{i}.attention.self."
                 tensors[f"{p}qkv.{s}"] = np.concatenate([tensors.pop(f"{p}{n}.{s}") for n in ("query", "key", "value")])
+    stored = {}
     for name, value in tensors.items():
         if ".qkv." in name:
             new = f"blk.{name.split('.')[2]}.attn_qkv.{name.rsplit('.', 1)[1]}"
@@ -71,17 +65,8 @@ def write_bert_gguf(hf_dir: Path, out: Path, matrices: str = "F32", pooling: int
             new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
         value = np.ascontiguousarray(value, np.float32)
-        if value.ndim == 2 and matrices == "F16":
-            w.add_tensor(new, value.astype(np.float16))
-        elif value.ndim == 2 and matrices == "Q8_0":
-            w.add_tensor(new, quantize(value, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(new, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        stored[new] = (value, gguf.GGMLQuantizationType[matrices if value.ndim == 2 else "F32"])
+    write_named_gguf(out, arch, meta, stored)
     return out
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 from gguf.quants import dequantize, quantize
 
 from imp_jax.errors import ModelLoadError
@@ -15,7 +15,7 @@ from imp_jax.model.config import ModelConfig
 from imp_jax.model.formats.gguf_loader import _llama3_factors, load_gguf, permute_rotary, unpermute_rotary
 from support.gguf_models import (CHATML, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, storage_type,
                                  write_gguf)
-from tiny_gguf import byte_level_vocab
+from tiny_gguf import byte_level_vocab, write_named_gguf
 from tiny_models import write_arch_only_gguf
 
 TEXTS = ["Hello world", "the lazy dog jumps", " 2024 café\n\n\tx", "<|im_start|>user\nhi<|im_end|>",
@@ -199,17 +199,12 @@ def test_garbage_file_is_a_model_load_error(tmp_path, content):
 
 def _llama_header(path: Path, **metadata: object) -> Path:
     """A llama GGUF of metadata only (plus one tensor), `metadata` written over the defaults as given."""
-    w = gguf.GGUFWriter(str(path), "llama")
     values = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_length": 8,
               "llama.feed_forward_length": 16, "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1,
               **metadata}
-    for key, value in values.items():
-        (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_named_gguf(path, "llama", {key: (value, V.STRING if isinstance(value, str) else V.UINT32)
+                                     for key, value in values.items()},
+                     {"blk.0.attn_q.weight": np.zeros((8, 8), np.float32)})
     return path
 
 

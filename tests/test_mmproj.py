@@ -34,6 +34,7 @@ from paged import run_to_end  # noqa: E402
 from support.gemma_models import write_gemma_gguf, write_tiny_gemma  # noqa: E402
 from support.gguf_models import write_gguf  # noqa: E402
 from support.vision import synthetic_image  # noqa: E402
+from tiny_gguf import write_named_gguf  # noqa: E402
 from imp_jax.errors import ModelLoadError  # noqa: E402
 from imp_jax.model.config import ModelConfig, read_json  # noqa: E402
 from imp_jax.model.formats.gguf_file import GGUFFile  # noqa: E402
@@ -61,13 +62,6 @@ HUB_TOWER = ("vision_tower.", "vision_tower.vision_model.")
 
 
 # ------------------------------------------------------------------------------------------------ the writer
-def _finish(w: gguf.GGUFWriter) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def _vocab(hf_dir: Path, vocab_size: int) -> dict[str, Any]:
     """The HF tokenizer as the converter's `_set_vocab_gpt2` writes it (GGUFWriter `add_<key>` values by key):
     byte-level BPE, special added tokens as control tokens, ids past the tokenizer up to the embedding rows as
@@ -98,29 +92,23 @@ def write_text_gguf(hf_dir: Path, out: Path, family: str) -> Path:
         write_gemma_gguf(cfg, {n: tensors[n] for n in tensors if n.startswith(("model.", "lm_head."))}, out,
                          scale_key=True, vocab=_vocab(hf_dir, cfg.vocab_size))
         return out
-    w = gguf.GGUFWriter(str(out), arch_name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
+    meta: dict[str, Any] = dict(
+        context_length=cfg.max_position_embeddings, embedding_length=cfg.hidden_size, block_count=cfg.num_layers,
+        feed_forward_length=cfg.intermediate_size, head_count=cfg.num_heads, head_count_kv=cfg.num_kv_heads,
+        layer_norm_rms_eps=cfg.rms_norm_eps, rope_freq_base=cfg.rope_theta)
     if cfg.mrope_section:
-        w.add_rope_dimension_sections([*cfg.mrope_section, 0])
+        meta["rope_dimension_sections"] = [*cfg.mrope_section, 0]
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
     tensors = text_tensors(SafetensorsDir(hf_dir))
+    stored = {}
     for name in (n for n in tensors if n.startswith(("model.", "lm_head."))):   # not Qwen's `visual.*`
         x = tensors[name]
         if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):   # LlamaModel.permute
             x = permute_rotary(x, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
-    for key, value in _vocab(hf_dir, cfg.vocab_size).items():
-        getattr(w, f"add_{key}")(value)
-    _finish(w)
+        stored[names.get_name(name, try_suffixes=(".weight", ".bias"))] = x
+    write_named_gguf(out, arch_name, {**meta, **_vocab(hf_dir, cfg.vocab_size)}, stored)
     return out
 
 
@@ -135,51 +123,41 @@ def write_mmproj(hf_dir: Path, out: Path, family: str, f16: bool = False) -> Pat
     hf, pre = read_json(hf_dir / "config.json"), read_json(hf_dir / "preprocessor_config.json")
     v, qwen, gemma = hf["vision_config"], family == "qwen2_5_vl", family == "gemma3"
     blocks = v["depth"] if qwen else v["num_hidden_layers"]
-    w = gguf.GGUFWriter(str(out), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(hf["text_config"]["hidden_size"])
-    w.add_vision_image_size(v.get("image_size", 560))
-    w.add_vision_patch_size(v["patch_size"])
-    w.add_vision_embedding_length(v["hidden_size"])
-    w.add_vision_feed_forward_length(v["intermediate_size"])
-    w.add_vision_block_count(blocks)
-    w.add_vision_head_count(v["num_heads"] if qwen else v["num_attention_heads"])
     default_mean = (0.48145466, 0.4578275, 0.40821073) if qwen else (0.5, 0.5, 0.5)
     default_std = (0.26862954, 0.26130258, 0.27577711) if qwen else (0.5, 0.5, 0.5)
-    w.add_vision_image_mean(list(pre.get("image_mean", default_mean)))
-    w.add_vision_image_std(list(pre.get("image_std", default_std)))
-    w.add_clip_projector_type(FAMILIES[family][2])
+    meta: dict[str, Any] = dict(
+        type=gguf.GGUFType.MMPROJ, clip_has_vision_encoder=True, vision_projection_dim=hf["text_config"]["hidden_size"],
+        vision_image_size=v.get("image_size", 560), vision_patch_size=v["patch_size"],
+        vision_embedding_length=v["hidden_size"], vision_feed_forward_length=v["intermediate_size"],
+        vision_block_count=blocks, vision_head_count=v["num_heads"] if qwen else v["num_attention_heads"],
+        vision_image_mean=list(pre.get("image_mean", default_mean)),
+        vision_image_std=list(pre.get("image_std", default_std)), clip_projector_type=FAMILIES[family][2])
     if qwen:
-        w.add_vision_use_silu(True)
-        w.add_vision_n_wa_pattern(v["fullatt_block_indexes"][0] + 1)
-        w.add_vision_attention_layernorm_eps(hf.get("rms_norm_eps", 1e-6))
-        w.add_vision_window_size(v["window_size"])
-        w.add_vision_min_pixels(pre["min_pixels"])
-        w.add_vision_max_pixels(pre["max_pixels"])
+        meta.update(vision_use_silu=True, vision_n_wa_pattern=v["fullatt_block_indexes"][0] + 1,
+                    vision_attention_layernorm_eps=hf.get("rms_norm_eps", 1e-6), vision_window_size=v["window_size"],
+                    vision_min_pixels=pre["min_pixels"], vision_max_pixels=pre["max_pixels"])
     elif gemma:   # Gemma3VisionModel: the pooling side only when not llama.cpp's default 4
-        w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-6))
-        w.add_vision_use_gelu(True)
+        meta.update(vision_attention_layernorm_eps=v.get("layer_norm_eps", 1e-6), vision_use_gelu=True)
         rows = read_json(hf_dir / "processor_config.json").get("image_seq_length", 256)
         pool = v["image_size"] // v["patch_size"] // math.isqrt(rows)
         if pool != 4:
-            w.add_vision_projector_scale_factor(pool)
+            meta["vision_projector_scale_factor"] = pool
     else:
-        w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-5))
-        w.add_vision_projector_scale_factor(hf.get("scale_factor", 2))
-        w.add_vision_use_gelu(True)
-        w.add_vision_preproc_image_size(pre["size"]["longest_edge"])
+        meta.update(vision_attention_layernorm_eps=v.get("layer_norm_eps", 1e-5),
+                    vision_projector_scale_factor=hf.get("scale_factor", 2), vision_use_gelu=True,
+                    vision_preproc_image_size=pre["size"]["longest_edge"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, blocks)
     tensors = SafetensorsDir(hf_dir)
     prefixes = {"qwen2_5_vl": ("visual.",), "gemma3": ("vision_tower.", "multi_modal_projector."),
                 "idefics3": ("model.vision_model.", "model.connector.")}[family]
+    stored = {}
     for name in (n for n in tensors if n.startswith(prefixes)):
         for hf_name, x in _converter_tensors(name, tensors[name]):
             suffix = ".weight.1" if hf_name.endswith(".weight.1") else None
             gname = names.get_name(hf_name.removesuffix(".1") if suffix else hf_name, try_suffixes=(".weight", ".bias"))
             half = f16 and x.ndim > 1 and ".embeddings." not in name
-            w.add_tensor(gname + ".1" if suffix else gname, x.astype(np.float16) if half else x)
-    _finish(w)
+            stored[gname + ".1" if suffix else gname] = x.astype(np.float16) if half else x
+    write_named_gguf(out, "clip", meta, stored)
     return out
 
 
@@ -321,11 +299,8 @@ def test_the_gguf_pair_serves_an_image_like_the_hf_directory(pair):
 
 def _clip_file(path: Path, projector: str, width: int = 48) -> Path:
     """A minimal clip GGUF of projector type `projector` (what the refusals read before any tensor)."""
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_clip_projector_type(projector)
-    w.add_vision_projection_dim(width)
-    w.add_tensor("v.post_ln.weight", np.zeros(4, np.float32))
-    _finish(w)
+    write_named_gguf(path, "clip", dict(clip_projector_type=projector, vision_projection_dim=width),
+                     {"v.post_ln.weight": np.zeros(4, np.float32)})
     return path
 
 

@@ -25,7 +25,8 @@ test directory, and tests/conftest.py registers the fixtures several files use):
 
 In scripts/ (conftest.py puts it on the path), shared by tests and scripts, which never import tests:
 tiny_models.py (tiny HF checkpoints, tokenizers), tiny_vlm.py (tiny VLM checkpoints), tiny_gguf.py (the one
-GGUF writer: the loader's name tables inverted; small vocabularies), quant_blocks.py (random GGML blocks),
+GGUF writer, write_named_gguf, that every GGUF a test writes goes through; on it write_gguf_file: the loader's
+name tables inverted; small vocabularies), quant_blocks.py (random GGML blocks),
 attention_cases.py (attention kernel cases and a NumPy oracle), paged.py (PagedRunner: a model on ragged
 chunks through the paged cache), loopback.py (a free port, waiting for a URL).
 

@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from tiny_gguf import Stored, write_named_gguf
 
 QK_K = 256
 
@@ -103,26 +104,17 @@ def write_q4_k_m(src: Path, dst: Path) -> dict[str, Q]:
     reader = gguf.GGUFReader(str(src))
     arch = str(reader.fields["general.architecture"].contents())
     layers = int(reader.fields[f"{arch}.block_count"].contents())
-    writer = gguf.GGUFWriter(str(dst), arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    metadata = {field.name: (field.contents(), field.types[0],
+                             field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+                for field in reader.fields.values()
+                if not field.name.startswith("GGUF.") and field.name != "general.architecture"}
     types: dict[str, Q] = {}
+    tensors: dict[str, Stored] = {}
     for t in reader.tensors:
         shape = tuple(int(s) for s in reversed(t.shape))   # [rows, row length]
         values = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
         layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else 0
-        qtype = q4_k_m_type(t.name, layer, layers)
-        if qtype is None:
-            writer.add_tensor(t.name, values)
-            types[t.name] = Q.F32
-        else:
-            writer.add_tensor(t.name, blocks_of(values, qtype), raw_dtype=qtype)
-            types[t.name] = qtype
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        types[t.name] = qtype = q4_k_m_type(t.name, layer, layers) or Q.F32
+        tensors[t.name] = values if qtype == Q.F32 else (blocks_of(values, qtype), qtype)
+    write_named_gguf(dst, arch, metadata, tensors)
     return types
