@@ -61,8 +61,9 @@ def write_gguf_file(path: Path, arch: str, metadata: Mapping[str, Any], tensors:
     blocks already, written as they are. What the loader undoes is done here: llama's Q/K row permutation,
     Gemma's norms stored as weight + 1. `extra`: GGUF-named tensors written after them (rope_freqs.weight)."""
     named: dict[str, Stored] = {}
+    names = _names(arch, hf_arch)
     for hf_name, x in tensors.items():
-        names, name, x = _names(arch, hf_arch), gguf_name(hf_name, arch, hf_arch), np.ascontiguousarray(x)
+        name, x = gguf_name(hf_name, arch, hf_arch), np.ascontiguousarray(x)
         leaf = name.split(".")[2] if name.startswith("blk.") else None
         if names.permuted_qk and leaf in ("attn_q", "attn_k"):
             x = loader.permute_rotary(x, metadata["head_count" if leaf == "attn_q" else "head_count_kv"])
