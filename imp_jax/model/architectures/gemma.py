@@ -34,7 +34,8 @@ from imp_jax.model.config import ModelConfig, RopeScaling, opt_float, parse_rope
 from imp_jax.model.family import Family, GGUFNames
 from imp_jax.model.formats.gguf_metadata import Metadata, f32, layer_types, opt_f32
 from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, rope_tables
-from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM, layer_linear
+from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM
+from imp_jax.model.projections import layer_linear
 from imp_jax.model.lora import LoraLayers
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import WeightSource, stored
