@@ -44,13 +44,13 @@ class Projections:
     def column(self, name: str, x: jax.Array, i: jax.Array | int, bias: jax.Array | None = None) -> jax.Array:
         """Layer i's projection `name` of x, column-parallel: this shard's output columns (its slice
         of `bias` with them), plus the adapters' delta."""
-        return layer_linear(x, self.matrices[name], i, bias, self.kernels, self.loras.get(name))
+        return _layer_linear(x, self.matrices[name], i, bias, self.kernels, self.loras.get(name))
 
     def row(self, name: str, x: jax.Array, i: jax.Array | int, bias: jax.Array | None = None) -> jax.Array:
         """Layer i's projection `name` of x, row-parallel: x is this shard's slice of the input, the
         shards' partial outputs are summed and `bias` (whole on every shard) is added once."""
         bias = None if bias is None else self.once(bias)
-        return self.reduce(layer_linear(x, self.matrices[name], i, bias, self.kernels, self.loras.get(name)))
+        return self.reduce(_layer_linear(x, self.matrices[name], i, bias, self.kernels, self.loras.get(name)))
 
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum over shards of a row-parallel block's partial outputs (itself on one device): a
@@ -93,7 +93,7 @@ class Projections:
         return None if self.lora is None else self.lora.global_delta(name, self.lora_ids)
 
 
-def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,
+def _layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,
                   kernels: Kernels, lora: LoraLayers | None = None) -> jax.Array:
     """`linear(x, ws[i], b)` (plus layer i's LoRA delta) for a static or traced layer index, never
     copying ws[i] or its slabs."""

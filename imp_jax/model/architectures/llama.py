@@ -24,7 +24,7 @@ from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import apply_rope, mrope_tables, override_rows, rms_norm, rope_tables
 from imp_jax.model.lora import LoraOptions, LoraSlabs, LoraTarget, slab_dtype
 from imp_jax.model.projections import Projections
-from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
+from imp_jax.model.tensor_parallel import TensorParallel, take_columns, take_rows
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -172,15 +172,6 @@ class DecoderLM(nnx.Module):
                      matrices: dict[str, tuple[jax.Array, ...]] | None = None) -> Projections:
         """This step's projections: tensor-parallel, with the adapters of rows `lora_ids` (model/projections.py)."""
         return Projections(self.tp, self.options.kernels, matrices, self.lora, lora_ids)
-
-    def _reduce(self, partial: jax.Array) -> jax.Array:
-        """The sum over shards of a row-parallel projection's partial outputs (itself on one device)."""
-        return partial if self.tp.n == 1 else jax.lax.psum(partial, AXIS)
-
-    def _once(self, bias: jax.Array) -> jax.Array:
-        """A row-parallel projection's bias as one shard adds it: whole on shard 0, zeros elsewhere,
-        so `_reduce` adds it exactly once (itself on one device)."""
-        return bias if self.tp.n == 1 else jnp.where(jax.lax.axis_index(AXIS) == 0, bias, jnp.zeros_like(bias))
 
     def _layer(self, x, w, proj, i, cos, sin, k_cache, v_cache, meta):
         """One decoder layer; `w` holds layer i's vectors, `proj` every layer's projections."""
