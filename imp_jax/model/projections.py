@@ -37,9 +37,12 @@ class Projections:
                  matrices: Mapping[str, tuple[jax.Array, ...]] | None = None,
                  lora: LoraSlabs | None = None, lora_ids: jax.Array | None = None):
         self.tp, self.kernels, self.matrices = tp, kernels, matrices or {}
-        self.lora, self.lora_ids = (lora, lora_ids) if lora is not None and lora_ids is not None else (None, None)
-        self.loras: dict[str, LoraLayers] = ({} if self.lora is None else
-                                             {name: self.lora.all_layers(name, lora_ids) for name in self.lora.layered})
+        self.lora: LoraSlabs | None = None
+        self.lora_ids: jax.Array | None = None
+        self.loras: dict[str, LoraLayers] = {}
+        if lora is not None and lora_ids is not None:   # adapters enabled, and the step's rows name theirs
+            self.lora, self.lora_ids = lora, lora_ids
+            self.loras = {name: lora.all_layers(name, lora_ids) for name in lora.layered}
 
     def column(self, name: str, x: jax.Array, i: jax.Array | int, bias: jax.Array | None = None) -> jax.Array:
         """Layer i's projection `name` of x, column-parallel: this shard's output columns (its slice
@@ -90,7 +93,9 @@ class Projections:
 
     def _global(self, name: str) -> LoraDelta | None:
         """A model-wide module's adapters' delta (`lm_head`, `embed_tokens`); None without one."""
-        return None if self.lora is None else self.lora.global_delta(name, self.lora_ids)
+        if self.lora is None or self.lora_ids is None:
+            return None
+        return self.lora.global_delta(name, self.lora_ids)
 
 
 def _layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,

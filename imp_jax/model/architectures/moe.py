@@ -25,8 +25,9 @@ zero-padded, as a dense MLP's), routes every token itself (the router is replica
 too, so each shard picks the same experts), runs the grouped matmul on its slice and sums the
 shards' partial outputs in the one psum after down. The shared expert and dense layers split as
 dense MLPs; the shared expert's sigmoid gate is replicated; gpt-oss's gate|up bias splits with its
-rows and its down bias is added on shard 0 only (model/projections.py: `once`). Expert parallelism proper (experts split
-across devices, tokens moved by all-to-all) is not done: the "experts" axis maps to no mesh axis.
+rows and its down bias is added on shard 0 only (`Projections.once`, model/projections.py, which also
+owns the psum: `reduce`). Expert parallelism proper (experts split across devices, tokens moved by
+all-to-all) is not done: the "experts" axis maps to no mesh axis.
 
 Not supported (a clear ModelLoadError): LoRA adapters. Router ties go to
 the lowest expert index (jax.lax.top_k); torch.topk on CPU picks among tied values in no
@@ -350,7 +351,7 @@ class MoELM(DecoderLM):
         if isinstance(i, int):
             return proj.reduce(fns[i](h, blocks[i]))
         return proj.reduce(jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))],
-                                           h, blocks))
+                                          h, blocks))
 
     def _dense(self, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
         """A dense MLP on this shard's rows: its partial output (`_mlp` sums the shards')."""
