@@ -113,8 +113,8 @@ RUNTIME_PARTS: tuple[tuple[str, ...], ...] = (
 )
 MODEL_PARTS: tuple[tuple[str, ...], ...] = (
     ("imp_jax.model.base", "imp_jax.model.config", "imp_jax.model.family", "imp_jax.model.language_model_config",
-     "imp_jax.model.layers", "imp_jax.model.lora", "imp_jax.model.registry", "imp_jax.model.tensor_parallel",
-     "imp_jax.model.weights"),                                       # the contract a family is written against
+     "imp_jax.model.layers", "imp_jax.model.lora", "imp_jax.model.projections", "imp_jax.model.registry",
+     "imp_jax.model.tensor_parallel", "imp_jax.model.weights"),      # the contract a family is written against
     ("imp_jax.model.text",),                                         # tokenizer, templates, detokenizer
     ("imp_jax.model.architectures",),                                # the families: plain modules
     ("imp_jax.model.formats", "imp_jax.model.vision"),               # loading builds families (and images' side)

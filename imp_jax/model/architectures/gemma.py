@@ -33,9 +33,8 @@ from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig, RopeScaling, opt_float, parse_rope_scaling
 from imp_jax.model.family import Family, GGUFNames, TextConfig
 from imp_jax.model.formats.gguf_metadata import Metadata, f32, layer_types, opt_f32
-from imp_jax.model.layers import apply_rope, linear, override_rows, rms_norm, rope_tables
-from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM, layer_linear
-from imp_jax.model.lora import LoraLayers
+from imp_jax.model.layers import apply_rope, override_rows, rms_norm, rope_tables
+from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import WeightSource, stored
 
@@ -111,15 +110,10 @@ class GemmaLM(DecoderLM):
         replace the embeddings of token rows `embed_slots` [M] after the sqrt(hidden) scaling, unscaled, as
         transformers scatters Gemma 3's image features (model/base.py; a slot >= T writes nowhere)."""
         cfg = self.config
-        x = self._embed(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
+        vectors = self.layers.vectors()
+        proj = self._projections(lora_ids, self.layers.matrices())
+        x = proj.embed(self.embed[...], input_ids, self.dtype, scale=cfg.hidden_size ** 0.5)   # PEFT: delta after scale
         ropes = self._rope(positions)
-        vectors, matrices = self.layers.vectors(), self.layers.matrices()
-        loras: dict[str, LoraLayers] = {}
-        if self.lora is not None and lora_ids is not None:
-            loras = {name: self.lora.all_layers(name, lora_ids) for name in self.lora.layered}
-            embed_lora = self.lora.global_delta("embed_tokens", lora_ids)
-            if embed_lora is not None:   # PEFT adds the delta to the scaled embedding
-                x = (x + embed_lora.embed(input_ids, self.options.kernels.dynamic_skips)).astype(x.dtype)
         if embed_rows is not None:
             x = override_rows(x, embed_rows, embed_slots)
         sliding = self.sliding_layers()
@@ -127,7 +121,7 @@ class GemmaLM(DecoderLM):
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             w, i, is_sliding = xs
-            x, k_cache, v_cache = self._layer(x, w, matrices, loras, i, is_sliding, ropes, k_cache, v_cache, meta)
+            x, k_cache, v_cache = self._layer(x, w, proj, i, is_sliding, ropes, k_cache, v_cache, meta)
             return (x, k_cache, v_cache), None
 
         carry = (x, *kv)
@@ -140,14 +134,14 @@ class GemmaLM(DecoderLM):
         x, k_cache, v_cache = carry
         return x, (k_cache, v_cache)
 
-    def _layer(self, x, w, mats, loras, i, is_sliding, ropes, k_cache, v_cache, meta):
+    def _layer(self, x, w, proj, i, is_sliding, ropes, k_cache, v_cache, meta):
         """One Gemma layer; `is_sliding` a Python bool (unrolled) or a traced one (scan)."""
         cfg, kernels = self.config, self.options.kernels
         eps = cfg.rms_norm_eps
         T, D = x.shape[0], cfg.head_dim
         heads, kv_heads = self.tp.local_heads, self.tp.local_kv_heads
         h = gemma_norm(x, w["input_norm"], eps)
-        qkv = layer_linear(h, mats["qkv_proj"], i, None, kernels, loras.get("qkv_proj"))
+        qkv = proj.column("qkv_proj", h, i)
         q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=-1)
         q, k, v = q.reshape(T, heads, D), k.reshape(T, kv_heads, D), v.reshape(T, kv_heads, D)
         if cfg.qk_norm:
@@ -174,14 +168,11 @@ class GemmaLM(DecoderLM):
         else:
             attn = jax.lax.cond(is_sliding, attend(cfg.sliding_window), attend(None), q, k_cache, v_cache)
         attn = attn.astype(x.dtype)
-        o = self._reduce(layer_linear(attn.reshape(T, heads * D), mats["o_proj"], i, None, kernels,
-                                      loras.get("o_proj")))
+        o = proj.row("o_proj", attn.reshape(T, heads * D), i)
         x = x + gemma_norm(o, w["post_norm"], eps)
         h = gemma_norm(x, w["pre_ffn_norm"], eps)
-        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
-                                          loras.get("gate_up_proj")), 2, axis=-1)
-        m = self._reduce(layer_linear(jax.nn.gelu(gate, approximate=True) * up, mats["down_proj"], i, None,
-                                      kernels, loras.get("down_proj")))
+        gate, up = jnp.split(proj.column("gate_up_proj", h, i), 2, axis=-1)
+        m = proj.row("down_proj", jax.nn.gelu(gate, approximate=True) * up, i)
         x = x + gemma_norm(m, w["post_ffn_norm"], eps)
         return x, k_cache, v_cache
 
@@ -189,10 +180,7 @@ class GemmaLM(DecoderLM):
         """Final norm, LM head and (Gemma 2) soft-capping on the rows to sample: float32 [R, vocab]."""
         h = gemma_norm(hidden, self.norm[...], self.config.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        lora = (self.lora.global_delta("lm_head", lora_ids)
-                if self.lora is not None and lora_ids is not None else None)
-        out = linear(h, head[...], kernels=self.options.kernels, out_dtype=jnp.float32, lora=lora)
-        return soft_cap(out, self.config.final_logit_softcapping)
+        return soft_cap(self._projections(lora_ids).head(head[...], h), self.config.final_logit_softcapping)
 
     @classmethod
     def from_hf_tensors(cls, config: GemmaConfig, weights: WeightSource,

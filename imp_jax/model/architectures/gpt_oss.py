@@ -37,7 +37,6 @@ from imp_jax.model.base import ModelOptions
 from imp_jax.model.family import Family, GGUFNames
 from imp_jax.model.formats.gguf_metadata import Metadata, f32, layer_types
 from imp_jax.model.layers import apply_rope, rms_norm
-from imp_jax.model.architectures.llama import layer_linear
 from imp_jax.model.architectures.moe import MoEConfig, MoELayers, MoELM, moe_fields, shard_putter
 from imp_jax.model.tensor_parallel import TensorParallel
 from imp_jax.model.weights import WeightSource
@@ -90,13 +89,13 @@ class GptOssLM(MoELM):
         c = self.config
         return np.array([c.layer_window(i) is not None for i in range(c.num_layers)])
 
-    def _layer(self, x, w, mats, loras, i, cos, sin, k_cache, v_cache, meta):
+    def _layer(self, x, w, proj, i, cos, sin, k_cache, v_cache, meta):
         """One gpt-oss layer; `i` a Python int (unrolled: the window is static) or traced (scan)."""
         cfg, kernels = self.config, self.options.kernels
         T, D = x.shape[0], cfg.head_dim
         heads, kv_heads = self.tp.local_heads, self.tp.local_kv_heads
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"), kernels)
+        qkv = proj.column("qkv_proj", h, i, bias=w.get("qkv_bias"))
         q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=-1)
         q, k, v = q.reshape(T, heads, D), k.reshape(T, kv_heads, D), v.reshape(T, kv_heads, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -112,11 +111,9 @@ class GptOssLM(MoELM):
         else:
             attn = jax.lax.cond(jnp.asarray(sliding)[i], attend(cfg.sliding_window), attend(None),
                                 q, k_cache, v_cache)
-        o = layer_linear(attn.astype(x.dtype).reshape(T, heads * D), mats["o_proj"], i, self._once(w["o_bias"]),
-                         kernels)
-        x = x + self._reduce(o)
+        x = x + proj.row("o_proj", attn.astype(x.dtype).reshape(T, heads * D), i, bias=w["o_bias"])
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-        x = x + self._mlp(h, mats, loras, i, meta)
+        x = x + self._mlp(h, proj, i, meta)
         return x, k_cache, v_cache
 
     @classmethod

@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from imp_jax.kernels_pallas import AttentionMetadata, Kernels, ggml_blocks, ragged_paged_attention
+from imp_jax.kernels_pallas import AttentionMetadata, ggml_blocks, ragged_paged_attention
 from imp_jax.model.base import KVCache, ModelOptions
 from imp_jax.model.config import ModelConfig, attention_bias
 from imp_jax.model.family import Family, GGUFNames, TextConfig
 from imp_jax.model.formats.gguf_metadata import Metadata
-from imp_jax.model.layers import apply_rope, embed, linear, mrope_tables, override_rows, rms_norm, rope_tables
-from imp_jax.model.lora import LoraLayers, LoraOptions, LoraSlabs, LoraTarget, slab_dtype
-from imp_jax.model.tensor_parallel import AXIS, TensorParallel, take_columns, take_rows
+from imp_jax.model.layers import apply_rope, mrope_tables, override_rows, rms_norm, rope_tables
+from imp_jax.model.lora import LoraOptions, LoraSlabs, LoraTarget, slab_dtype
+from imp_jax.model.projections import Projections
+from imp_jax.model.tensor_parallel import TensorParallel, take_columns, take_rows
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
 MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -70,19 +71,6 @@ class DecoderLayers(nnx.Module):
     def matrices(self) -> dict[str, tuple[jax.Array, ...]]:
         """Each projection's per-layer [out, in] matrices."""
         return {name: tuple(p[...] for p in getattr(self, name)) for name in self.MATRICES}
-
-
-def layer_linear(x: jax.Array, ws: tuple[jax.Array, ...], i: jax.Array | int, b: jax.Array | None,
-                 kernels: Kernels, lora: LoraLayers | None = None) -> jax.Array:
-    """`linear(x, ws[i], b)` (plus layer i's LoRA delta) for a static or traced layer index, never
-    copying ws[i] or its slabs."""
-    def one(x, ws, b, lora, j):
-        delta = None if lora is None else lora.layer(j)
-        return linear(x, ws[j], b, kernels=kernels, lora=delta)
-    if isinstance(i, int):
-        return one(x, ws, b, lora, i)
-    branches = [lambda x, ws, b, lora, j=j: one(x, ws, b, lora, j) for j in range(len(ws))]
-    return jax.lax.switch(i, branches, x, ws, b, lora)
 
 
 class DecoderLM(nnx.Module):
@@ -149,25 +137,20 @@ class DecoderLM(nnx.Module):
         slot >= T is padding and writes nowhere). `positions` may be [3, T] when the config has
         `mrope_section` (Qwen2.5-VL: temporal, height, width per token); [T] means all three equal."""
         cfg = self.config
-        x = self._embed(input_ids)
+        vectors = self.layers.vectors()
+        proj = self._projections(lora_ids, self.layers.matrices())
+        x = proj.embed(self.embed[...], input_ids, self.dtype)
+        if embed_rows is not None:   # after the embedding's LoRA delta: an image row replaces it all
+            x = override_rows(x, embed_rows, embed_slots)
         if positions.ndim == 2:
             cos, sin = mrope_tables(positions, cfg.rope_inv_freq(), cfg.mrope_section, cfg.rope_attention_scale)
         else:
             cos, sin = rope_tables(positions, cfg.rope_inv_freq(), cfg.rope_attention_scale)
-        vectors, matrices = self.layers.vectors(), self.layers.matrices()
-        loras: dict[str, LoraLayers] = {}
-        if self.lora is not None and lora_ids is not None:
-            loras = {name: self.lora.all_layers(name, lora_ids) for name in self.lora.layered}
-            embed_lora = self.lora.global_delta("embed_tokens", lora_ids)
-            if embed_lora is not None:
-                x = (x + embed_lora.embed(input_ids, self.options.kernels.dynamic_skips)).astype(x.dtype)
-        if embed_rows is not None:   # after the embedding's LoRA delta: an image row replaces it all
-            x = override_rows(x, embed_rows, embed_slots)
 
         def layer(carry, xs):
             x, k_cache, v_cache = carry
             w, i = xs
-            x, k_cache, v_cache = self._layer(x, w, matrices, loras, i, cos, sin, k_cache, v_cache, meta)
+            x, k_cache, v_cache = self._layer(x, w, proj, i, cos, sin, k_cache, v_cache, meta)
             return (x, k_cache, v_cache), (x if residuals else None)
 
         carry = (x, *kv)
@@ -185,34 +168,18 @@ class DecoderLM(nnx.Module):
             return x, (k_cache, v_cache), stack
         return x, (k_cache, v_cache)
 
-    def _embed(self, input_ids: jax.Array) -> jax.Array:
-        """The tokens' embeddings; a vocab-parallel shard looks up the ids in its slice of the table
-        and the shards sum (exactly: one of them holds each row, the others add zeros)."""
-        table = self.embed[...]   # may be stored narrow
-        if not self.tp.vocab_parallel:
-            return embed(table, input_ids, self.dtype)
-        local = input_ids - jax.lax.axis_index(AXIS) * table.shape[0]
-        mine = (local >= 0) & (local < table.shape[0])
-        rows = embed(table, jnp.where(mine, local, 0), self.dtype)
-        return jax.lax.psum(jnp.where(mine[:, None], rows, 0), AXIS)
+    def _projections(self, lora_ids: jax.Array | None,
+                     matrices: dict[str, tuple[jax.Array, ...]] | None = None) -> Projections:
+        """This step's projections: tensor-parallel, with the adapters of rows `lora_ids` (model/projections.py)."""
+        return Projections(self.tp, self.options.kernels, matrices, self.lora, lora_ids)
 
-    def _reduce(self, partial: jax.Array) -> jax.Array:
-        """The sum over shards of a row-parallel projection's partial outputs (itself on one device)."""
-        return partial if self.tp.n == 1 else jax.lax.psum(partial, AXIS)
-
-    def _once(self, bias: jax.Array) -> jax.Array:
-        """A row-parallel projection's bias as one shard adds it: whole on shard 0, zeros elsewhere,
-        so `_reduce` adds it exactly once (itself on one device)."""
-        return bias if self.tp.n == 1 else jnp.where(jax.lax.axis_index(AXIS) == 0, bias, jnp.zeros_like(bias))
-
-    def _layer(self, x, w, mats, loras, i, cos, sin, k_cache, v_cache, meta):
-        """One decoder layer; `w` holds layer i's vectors, `mats` every layer's matrices, `loras`
-        every layer's adapter slabs (empty without LoRA)."""
+    def _layer(self, x, w, proj, i, cos, sin, k_cache, v_cache, meta):
+        """One decoder layer; `w` holds layer i's vectors, `proj` every layer's projections."""
         cfg, kernels = self.config, self.options.kernels
         T, D = x.shape[0], cfg.head_dim
         heads, kv_heads = self.tp.local_heads, self.tp.local_kv_heads   # this shard's (all on one device)
         h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-        qkv = layer_linear(h, mats["qkv_proj"], i, w.get("qkv_bias"), kernels, loras.get("qkv_proj"))
+        qkv = proj.column("qkv_proj", h, i, bias=w.get("qkv_bias"))
         q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=-1)
         q = q.reshape(T, heads, D)
         k = k.reshape(T, kv_heads, D)
@@ -224,19 +191,15 @@ class DecoderLM(nnx.Module):
         attn, k_cache, v_cache = ragged_paged_attention(
             q, k, v, k_cache, v_cache, meta, i, sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window, kernels=kernels)
-        x = x + self._reduce(layer_linear(attn.reshape(T, heads * D), mats["o_proj"], i, None, kernels,
-                                          loras.get("o_proj")))
+        x = x + proj.row("o_proj", attn.reshape(T, heads * D), i)
         h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-        x = x + self._mlp(h, mats, loras, i, meta)
+        x = x + self._mlp(h, proj, i, meta)
         return x, k_cache, v_cache
 
-    def _mlp(self, h, mats, loras, i, meta):
+    def _mlp(self, h, proj, i, meta):
         """Layer i's feed-forward block on the normed hidden states `h` (its residual added by the caller)."""
-        kernels = self.options.kernels
-        gate, up = jnp.split(layer_linear(h, mats["gate_up_proj"], i, None, kernels,
-                                          loras.get("gate_up_proj")), 2, axis=-1)
-        return self._reduce(layer_linear(jax.nn.silu(gate) * up, mats["down_proj"], i, None, kernels,
-                                         loras.get("down_proj")))
+        gate, up = jnp.split(proj.column("gate_up_proj", h, i), 2, axis=-1)
+        return proj.row("down_proj", jax.nn.silu(gate) * up, i)
 
     def logits(self, hidden: jax.Array, lora_ids: jax.Array | None = None) -> jax.Array:
         """Final norm + LM head on the rows to sample: float32 [R, vocab] (a vocab-parallel shard's
@@ -244,9 +207,7 @@ class DecoderLM(nnx.Module):
         `enable_lora`): each row's adapter slot, for adapters on the LM head."""
         h = rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head   # both [vocab, hidden]
-        lora = (self.lora.global_delta("lm_head", lora_ids)
-                if self.lora is not None and lora_ids is not None else None)
-        return linear(h, head[...], kernels=self.options.kernels, out_dtype=jnp.float32, lora=lora)
+        return self._projections(lora_ids).head(head[...], h)
 
     @classmethod
     def from_hf_tensors(cls, config: ModelConfig, weights: WeightSource,

@@ -25,8 +25,9 @@ zero-padded, as a dense MLP's), routes every token itself (the router is replica
 too, so each shard picks the same experts), runs the grouped matmul on its slice and sums the
 shards' partial outputs in the one psum after down. The shared expert and dense layers split as
 dense MLPs; the shared expert's sigmoid gate is replicated; gpt-oss's gate|up bias splits with its
-rows and its down bias is added on shard 0 only (`_once`). Expert parallelism proper (experts split
-across devices, tokens moved by all-to-all) is not done: the "experts" axis maps to no mesh axis.
+rows and its down bias is added on shard 0 only (`Projections.once`, model/projections.py, which also
+owns the psum: `reduce`). Expert parallelism proper (experts split across devices, tokens moved by
+all-to-all) is not done: the "experts" axis maps to no mesh axis.
 
 Not supported (a clear ModelLoadError): LoRA adapters. Router ties go to
 the lowest expert index (jax.lax.top_k); torch.topk on CPU picks among tied values in no
@@ -52,6 +53,7 @@ from imp_jax.model.family import Family, GGUFNames
 from imp_jax.model.formats.gguf_metadata import Metadata
 from imp_jax.model.layers import linear
 from imp_jax.model.architectures.llama import DecoderLayers, DecoderLM
+from imp_jax.model.projections import Projections
 from imp_jax.model.tensor_parallel import TensorParallel, take
 from imp_jax.model.weights import Matrix, WeightSource, stored
 
@@ -339,15 +341,17 @@ class MoELM(DecoderLM):
     def enable_lora(self, options) -> None:
         self.lora_targets()
 
-    def _mlp(self, h, mats, loras, i, meta):
+    def _mlp(self, h, proj, i, meta):
+        """Layer i's feed-forward block, sparse or dense: row-parallel as a whole, its shards' partial
+        outputs (experts and shared expert added first) reduced once."""
         blocks = [m.arrays() for m in self.layers.mlp]
         n = meta.query_start_loc[meta.num_seqs]   # the real tokens (the bucket's padding follows them)
-        sparse = lambda h, w: self._sparse(h, w, n)  # noqa: E731
+        sparse = lambda h, w: self._sparse(h, w, n, proj)  # noqa: E731
         fns = [sparse if self.config.is_sparse_layer(j) else self._dense for j in range(len(blocks))]
         if isinstance(i, int):
-            return self._reduce(fns[i](h, blocks[i]))
-        return self._reduce(jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))],
-                                           h, blocks))
+            return proj.reduce(fns[i](h, blocks[i]))
+        return proj.reduce(jax.lax.switch(i, [lambda h, b, j=j: fns[j](h, b[j]) for j in range(len(blocks))],
+                                          h, blocks))
 
     def _dense(self, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
         """A dense MLP on this shard's rows: its partial output (`_mlp` sums the shards')."""
@@ -355,9 +359,9 @@ class MoELM(DecoderLM):
         gate, up = jnp.split(linear(h, w["gate_up"], kernels=kernels), 2, axis=-1)
         return linear(jax.nn.silu(gate) * up, w["down"], kernels=kernels)
 
-    def _sparse(self, h: jax.Array, w: dict[str, jax.Array], num_tokens: jax.Array) -> jax.Array:
+    def _sparse(self, h: jax.Array, w: dict[str, jax.Array], num_tokens: jax.Array, proj: Projections) -> jax.Array:
         """Routing (the same on every shard) and the experts on this shard's rows, plus the gated
-        shared expert's: a partial output (`_mlp` sums the shards')."""
+        shared expert's: a partial output (`_mlp` sums the shards', the down bias counted once)."""
         cfg = self.config
         logits = jnp.einsum("th,eh->te", h, w["router"], preferred_element_type=jnp.float32)
         if "router_bias" in w:
@@ -366,7 +370,7 @@ class MoELM(DecoderLM):
         act = ExpertAct(cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit)
         out = expert_ffn(h, weights, idx, w["gate_up"], w["down"], self.expert_impl, num_tokens,
                          self.options.kernels, act, w.get("gate_up_bias"),
-                         self._once(w["down_bias"]) if "down_bias" in w else None)
+                         proj.once(w["down_bias"]) if "down_bias" in w else None)
         if "shared_gate_up" in w:
             shared = self._dense(h, {"gate_up": w["shared_gate_up"], "down": w["shared_down"]})
             gate = jax.nn.sigmoid(jnp.einsum("th,oh->to", h, w["shared_gate"], preferred_element_type=jnp.float32))
