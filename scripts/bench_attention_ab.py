@@ -57,13 +57,14 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def step(target: str, layers: int, scale: float):
-    """A jitted decode step's attention: `layers` calls of kernel `target`, each output the next query."""
+def step(target: str, layers: int, cache_layers: int, scale: float):
+    """A jitted decode step's attention: `layers` calls of kernel `target`, each output the next query,
+    call i reading cache layer i % cache_layers."""
     def run(q, k_cache, v_cache, qsl, seq_lens, tables, num_seqs):
         empty_f, empty_i = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
         for layer in range(layers):
-            q = call(q, k_cache, v_cache, jnp.int32(layer), qsl, seq_lens, tables, num_seqs, empty_f, empty_i,
+            q = call(q, k_cache, v_cache, jnp.int32(layer % cache_layers), qsl, seq_lens, tables, num_seqs, empty_f, empty_i,
                      sm_scale=np.float32(scale), sliding_window=np.int64(0), soft_cap=np.float32(0.0))
         return q
     return jax.jit(run)
@@ -74,7 +75,7 @@ def make_case(batch: int, context: int, dtype: str, a: argparse.Namespace) -> tu
     rng = np.random.default_rng(batch * 100003 + context)
     pages = -(-context // a.block_size)
     blocks = 1 + batch * pages
-    shape = (a.layers, blocks, a.block_size, a.kv_heads, a.head_dim)
+    shape = (a.cache_layers or a.layers, blocks, a.block_size, a.kv_heads, a.head_dim)
     k_cache = rng.standard_normal(shape, np.float32)
     v_cache = rng.standard_normal(shape, np.float32)
     if dtype == "bfloat16":   # the bits, as a CPU engine stores a bfloat16 cache
@@ -96,6 +97,9 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--cache-layers", type=int, default=0,
+                    help="layers the caches hold, read in turn (default --layers; 1: the K/V stay in the CPU's "
+                         "caches, the kernel's arithmetic alone)")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -109,7 +113,8 @@ def main() -> int:
         for i, lib in enumerate(libs):
             jax.ffi.register_ffi_target(f"imp_attention_ab_{i}", jax.ffi.pycapsule(lib.ImpRaggedPagedAttentionF32),
                                         platform="cpu")
-            steps.append(step(f"imp_attention_ab_{i}", args.layers, args.head_dim ** -0.5))
+            steps.append(step(f"imp_attention_ab_{i}", args.layers, args.cache_layers or args.layers,
+                              args.head_dim ** -0.5))
         print(f"XLA CPU threads: {jax.devices()[0].client.platform} x "
               f"{len(__import__('os').sched_getaffinity(0))} schedulable cores; "
               f"{args.layers} layers, {args.heads}/{args.kv_heads} heads, D {args.head_dim}, page {args.block_size}")
