@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,24 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = "imp_jax/kernels_pallas/cpu"
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def build(rev: str, out: Path) -> ctypes.CDLL:
     """attention.cc of revision `rev` ('.': the working tree) with its headers, compiled into `out`, loaded."""
+    from bench_gemm_q8_ab import kernel_sources
+
     from imp_jax.kernels_pallas.cpu import build as kbuild
 
     src = out / "src"
-    src.mkdir(parents=True)
-    names = subprocess.run(["git", "ls-tree", "--name-only", rev if rev != "." else "HEAD", f"{KERNELS}/"],
-                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    names = [n for n in names if n.endswith((".h", ".cc"))]
-    if rev == ".":
-        names = sorted({*names, *(str(p.relative_to(ROOT)) for p in (ROOT / KERNELS).glob("*.h"))})
-    for name in names:
-        data = ((ROOT / name).read_bytes() if rev == "." else
-                subprocess.run(["git", "show", f"{rev}:{name}"], cwd=ROOT, capture_output=True, check=True).stdout)
-        (src / Path(name).name).write_bytes(data)
+    kernel_sources(rev, src)
     lib = out / "attention.so"
     subprocess.run(["g++", *kbuild.FLAGS, *kbuild.KERNEL_FLAGS.get("attention", ()), "-fno-gnu-unique", "-w",
                     "-fPIC", "-shared", "-I", kbuild.include_dir(), str(src / "attention.cc"), "-o", str(lib)],
@@ -115,8 +109,7 @@ def main() -> int:
                                         platform="cpu")
             steps.append(step(f"imp_attention_ab_{i}", args.layers, args.cache_layers or args.layers,
                               args.head_dim ** -0.5))
-        print(f"XLA CPU threads: {jax.devices()[0].client.platform} x "
-              f"{len(__import__('os').sched_getaffinity(0))} schedulable cores; "
+        print(f"{len(os.sched_getaffinity(0))} schedulable cores (XLA's intra-op pool follows them); "
               f"{args.layers} layers, {args.heads}/{args.kv_heads} heads, D {args.head_dim}, page {args.block_size}")
         print(f"{'dtype':<9} {'batch':>5} {'ctx':>5} " + " ".join(f"{rev + ' ms (wall) GB/s':>26}" for rev in args.revs)
               + "".join(f" {rev + ' / ' + args.revs[0]:>22}" for rev in args.revs[1:]) + "  max |diff|")
