@@ -34,11 +34,8 @@ CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:
          "Q8_0:49152x576"]
 
 
-def build(rev: str, out: Path) -> ctypes.CDLL:
-    """gemm_q8 of revision `rev` ('.': the working tree) compiled into `out`, loaded."""
-    from imp_jax.kernels_pallas.cpu import build as kbuild
-
-    src = out / "src"
+def kernel_sources(rev: str, src: Path) -> None:
+    """The CPU kernels' sources (`*.cc`, `*.h`) of revision `rev` ('.': the working tree) written into `src`."""
     src.mkdir(parents=True)
     names = subprocess.run(["git", "ls-tree", "--name-only", rev if rev != "." else "HEAD", f"{KERNELS}/"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
@@ -50,6 +47,14 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
     if rev == ".":   # headers new in the working tree
         for h in (ROOT / KERNELS).glob("*.h"):
             (src / h.name).write_bytes(h.read_bytes())
+
+
+def build(rev: str, out: Path) -> ctypes.CDLL:
+    """gemm_q8 of revision `rev` ('.': the working tree) compiled into `out`, loaded."""
+    from imp_jax.kernels_pallas.cpu import build as kbuild
+
+    src = out / "src"
+    kernel_sources(rev, src)
     lib = out / "gemm_q8.so"
     subprocess.run(["g++", *kbuild.FLAGS, *kbuild.KERNEL_FLAGS["gemm_q8"], "-fno-gnu-unique", "-w", "-fPIC", "-shared",
                     "-I", kbuild.include_dir(), str(src / "gemm_q8.cc"), "-o", str(lib)], check=True)

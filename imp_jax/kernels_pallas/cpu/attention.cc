@@ -30,6 +30,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kChunk = 16;   // keys per online-softmax step (never past the end of a page): 2 vectors
+// Chunks whose keys and values are prefetched ahead of the one computed: one left the memory's latency
+// exposed at decode (a chunk's arithmetic is shorter than its fetch); two cut the kernel's time by a
+// quarter there, more gained nothing (scripts/bench_attention_ab.py, docs/PERF.md).
+constexpr int64_t kPrefetchChunks = 2;
 
 using imp_simd::hsum;
 using imp_simd::hmax;
@@ -117,12 +121,14 @@ struct Attention {
       return ((layer * NB + block) * BS + off) * stride;
     };
     // At decode the caches come from memory (the step's weights went through the caches since
-    // this layer last ran), and a page is scattered: the next chunk's keys and values are
-    // fetched while this one computes. Prefetching changes no result.
-    const auto prefetch = [&](int64_t kp) {
-      if (kp > last) return;
+    // this layer last ran), and a page is scattered: the keys and values of the next kPrefetchChunks
+    // chunks are fetched while this one computes (`fetched`: the first key not yet asked for).
+    // Prefetching changes no result.
+    int64_t fetched = lo;
+    const auto prefetch = [&] {
+      if (fetched > last) return;
       int64_t n;
-      const int64_t base = chunk(kp, n);
+      const int64_t base = chunk(fetched, n);
       const char* kb = reinterpret_cast<const char*>(k_cache + base);
       const char* vb = reinterpret_cast<const char*>(v_cache + base);
       const int64_t bytes = n * stride * static_cast<int64_t>(sizeof(C));
@@ -130,12 +136,13 @@ struct Attention {
         _mm_prefetch(kb + b, _MM_HINT_T0);
         _mm_prefetch(vb + b, _MM_HINT_T0);
       }
+      fetched += n;
     };
-    prefetch(lo);
+    for (int64_t i = 0; i < kPrefetchChunks; ++i) prefetch();
     for (int64_t kp = lo; kp <= last;) {
       int64_t n;
       const int64_t base = chunk(kp, n);
-      prefetch(kp + n);
+      prefetch();
       for (int64_t h = 0; h < KVH; ++h)
         scores(qs + h * G * D, k_cache + base + h * D, stride, n, p + h * G * kChunk);
       for (int64_t g = 0; g < H; ++g) {
