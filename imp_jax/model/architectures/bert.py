@@ -25,6 +25,13 @@ CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequence
                             "XLMRobertaForSequenceClassification")
 ENCODER_ARCHITECTURES = EMBEDDING_ARCHITECTURES + CLASSIFIER_ARCHITECTURES
 POOLINGS = ("mean", "cls", "last", "max")
+# llama.cpp's `bert` GGUF names (gguf-py's) -> HF's: the model-wide tensors, and blk.N.<leaf> -> encoder.layer.N.<name>
+# (model/formats/gguf_encoder.py reads them)
+GGUF_TOP_NAMES = {"token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+                  "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+GGUF_LAYER_NAMES = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                    "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.model.architectures.bert import EncoderConfig
+from imp_jax.model.architectures.bert import GGUF_LAYER_NAMES, GGUF_TOP_NAMES, EncoderConfig
 from imp_jax.model.formats.gguf_loader import metadata_errors, open_gguf
 from imp_jax.model.formats.gguf_metadata import Metadata, f32
 from imp_jax.model.formats.gguf_file import GGUFFile
@@ -39,11 +39,6 @@ ARCH = "bert"
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}   # llama.cpp's enum llama_pooling_type (gguf.PoolingType)
 _PHANTOM = "\u2581"
 _CONTROL, _UNKNOWN = 3, 2   # gguf.TokenType
-_TOP = {"token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
-        "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
-_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
-          "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
-          "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -102,15 +97,15 @@ def gguf_encoder_tensors(reader: GGUFFile, config: EncoderConfig, path: Path) ->
     E = config.hidden_size
     for t in reader.tensors:
         stem, _, suffix = t.name.rpartition(".")
-        if stem in _TOP:
-            entries[f"{_TOP[stem]}.{suffix}"] = _reader(t)
+        if stem in GGUF_TOP_NAMES:
+            entries[f"{GGUF_TOP_NAMES[stem]}.{suffix}"] = _reader(t)
             continue
         m = _LAYER_RE.fullmatch(t.name)
         if m and m[2] == "attn_qkv":   # fused q|k|v rows: split back into the three HF projections
             for k, part in enumerate(("query", "key", "value")):
                 entries[f"encoder.layer.{m[1]}.attention.self.{part}.{m[3]}"] = _reader(t, slice(k * E, (k + 1) * E))
-        elif m and m[2] in _LAYER:
-            entries[f"encoder.layer.{m[1]}.{_LAYER[m[2]]}.{m[3]}"] = _reader(t)
+        elif m and m[2] in GGUF_LAYER_NAMES:
+            entries[f"encoder.layer.{m[1]}.{GGUF_LAYER_NAMES[m[2]]}.{m[3]}"] = _reader(t)
         else:
             unknown.append(t.name)
     if unknown:
