@@ -65,7 +65,7 @@ class FakeEngine(Engine):
     POOL_BLOCKS = 64  # what stats() reports: the fake holds no KV, so its pool is always at baseline
     # no LoRA, no KV to pin for sessions; suspend is the state alone; no request of its thinks
     capabilities = Capabilities(suspend=True, end_thinking=True)
-    # the protocol's state and model facts, plain attributes here (set in __init__)
+    # the protocol's state and model facts, plain attributes here (the facts set in __init__)
     state = "loading"
     error: str | None = None
     idle_suspended = False
@@ -83,9 +83,6 @@ class FakeEngine(Engine):
         self.vocab_size = tokenizer.vocab_size
         self.default_params = SamplingParams(temperature=0.6, top_p=0.95)
         self.max_num_seqs, self.dtype, self.device = 8, "float32", "cpu"
-        self.state = "loading"
-        self.error = None
-        self.idle_suspended = False
         self.steps_failed_total = 0   # what stats() reports (EngineCore.stats: steps that raised)
         self.token_delay = token_delay
         self._load_delay = load_delay

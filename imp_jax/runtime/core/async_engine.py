@@ -43,14 +43,14 @@ def capabilities_of(config: EngineConfig) -> Capabilities:
 class AsyncEngine(EngineThread, Engine):
     """Start with `start()`; `generate()` streams EngineEvents; `cancel()` frees a request's blocks."""
 
-    idle_suspended: bool = False   # class-level too: it implements the Engine protocol's read-only fact
+    # parked for idleness: still "ready", the next request resumes (class-level: the Engine protocol's fact)
+    idle_suspended: bool = False
 
     def __init__(self, config: EngineConfig, build: Callable[..., EngineCore] | None = None, replica: int = 0):
         super().__init__("imp-engine" + (f"-{replica}" if replica else ""), "engine", log)
         self.config = config
         self.replica = replica          # its device group of config.data_parallel_size (runtime/core/replicas.py)
         self.capabilities = capabilities_of(config)
-        self.idle_suspended = False     # parked for idleness: still "ready", the next request resumes
         self.progress = 0.0
         self._build = build
         self._core: EngineCore | None = None

@@ -38,12 +38,11 @@ def to_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None],
 class EngineThread(abc.ABC):
     """Subclasses load in `_load()` and run their loop in `_serve()`, applying commands in `_apply()`."""
 
-    state: str = "loading"     # class-level too: they implement the Engine protocol's read-only facts
-    error: str | None = None
+    # declared at class level: they implement the Engine protocol's read-only facts
+    state: str = "loading"     # loading | warming_up | ready | suspended | faulted | stopped
+    error: str | None = None   # why it faulted
 
     def __init__(self, name: str, what: str, log: logging.Logger):
-        self.state = "loading"          # loading | warming_up | ready | suspended | faulted | stopped
-        self.error: str | None = None
         self._what = what               # how messages name this engine ("engine", "encoder minilm")
         self._log = log
         self._inbox: queue.Queue[Command] = queue.Queue()

@@ -8,6 +8,7 @@ the layout its program is compiled for; every later call is checked against it.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -15,28 +16,39 @@ import numpy as np
 from imp_jax.runtime.execution.batch import StepBatch, build_step_batch
 from imp_jax.runtime.execution.packing import Layout, pack
 from imp_jax.runtime.execution.sampling import SamplingTensors, build_sampling_tensors
+from imp_jax.runtime.request import MAX_LOGIT_BIAS
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """Static sizes shared by every bucket."""
+
+    max_blocks: int
+    vocab_size: int
+    history_len: int = 256
+    max_bias: int = MAX_LOGIT_BIAS
 
 
 class ProgramInputs:
     """The input trees of the step, score and lens programs, and their packed layouts."""
 
-    def __init__(self, max_blocks: int, vocab_size: int, history_len: int, max_bias: int, block_size: int, *,
-                 images: bool, mrope: bool, bidirectional_images: bool, with_lora: bool):
-        self.max_blocks, self.vocab_size = max_blocks, vocab_size
-        self.history_len, self.max_bias, self.block_size = history_len, max_bias, block_size
+    def __init__(self, shapes: StepShapes, block_size: int, *, images: bool, mrope: bool,
+                 bidirectional_images: bool, with_lora: bool):
+        self.shapes, self.block_size = shapes, block_size
         self.images, self.mrope, self.bidirectional_images = images, mrope, bidirectional_images
         self.with_lora = with_lora
         self._layouts: dict[tuple[str, int, int], Layout] = {}
 
     def empty_batch(self, T: int, S: int) -> StepBatch:
         """An all-padding batch of a (T, S) program (it writes no KV and edits no table)."""
-        return build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.max_blocks,
+        return build_step_batch([], num_tokens=T, num_seqs=S, max_blocks=self.shapes.max_blocks,
                                 block_size=self.block_size, with_tables=False)
 
     def dummy_sampling(self, rows: int) -> SamplingTensors:
         """Sampling tensors for `rows` padding rows (warm-up runs, layouts)."""
-        return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=self.vocab_size,
-                                      history_len=self.history_len, max_bias=self.max_bias, with_mask=True)
+        s = self.shapes
+        return build_sampling_tensors([], num_rows_bucket=rows, vocab_size=s.vocab_size,
+                                      history_len=s.history_len, max_bias=s.max_bias, with_mask=True)
 
     def layout(self, program: str, T: int, S: int, attach_tables: Callable[[StepBatch], None]) -> Layout:
         """Where the packed inputs of `program` ("step", "score" or "lens") for (T, S) lie (the same every call);

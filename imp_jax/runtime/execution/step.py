@@ -14,7 +14,6 @@ Elsewhere the one context bucket is the whole table (the attention stops at `seq
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -31,8 +30,7 @@ from imp_jax.runtime.scheduling.block_tables import DeviceTables, edit_capacity
 from imp_jax.runtime.kv.kv_blocks import BlockTable
 from imp_jax.runtime.decoding.logit_lens import supports_lens
 from imp_jax.runtime.parallel.multihost import SCORE, STEP, TABLES, Leader
-from imp_jax.runtime.request import MAX_LOGIT_BIAS
-from imp_jax.runtime.execution.program_inputs import ProgramInputs
+from imp_jax.runtime.execution.program_inputs import ProgramInputs, StepShapes
 from imp_jax.runtime.execution.sampling import SamplerOutput, SamplingTensors
 from imp_jax.runtime.parallel.sharding import kv_sharding, replicated, state_shardings
 from imp_jax.runtime.execution.step_programs import step_programs
@@ -40,16 +38,6 @@ from imp_jax.runtime.execution.step_programs import step_programs
 log = logging.getLogger("imp_jax.step")
 Progress = Callable[[int, int, tuple[int, int, int], float], None]   # (i, n, (T, S, context), seconds)
 MIN_CONTEXT_BLOCKS = 16   # the smallest context bucket: below it, fewer blocks save less than a program costs
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShapes:
-    """Static sizes shared by every bucket."""
-
-    max_blocks: int
-    vocab_size: int
-    history_len: int = 256
-    max_bias: int = MAX_LOGIT_BIAS
 
 
 class CompiledStep:
@@ -102,10 +90,9 @@ class CompiledStep:
         self.image_pool = (jax.device_put(np.zeros(image_pool, jnp.dtype(model.options.dtype)), rep)
                            if image_pool else None)   # encoder rows, replaced whole by each encoder launch
         self._block_size = self.kv[0].shape[2]
-        self.with_lora = getattr(model, "lora", None) is not None
-        self.inputs = ProgramInputs(shapes.max_blocks, shapes.vocab_size, shapes.history_len, shapes.max_bias,
-                                    self._block_size, images=image_pool is not None, mrope=mrope,
-                                    bidirectional_images=bidirectional_images, with_lora=self.with_lora)
+        self.inputs = ProgramInputs(shapes, self._block_size, images=image_pool is not None, mrope=mrope,
+                                    bidirectional_images=bidirectional_images,
+                                    with_lora=getattr(model, "lora", None) is not None)
         # the programs take the parameters as a flat list (flattening nnx Variables on every call
         # cost more host time than the rest of the dispatch) and every host input as two packed
         # buffers (packing.py); they are lowered from specs, never from the live (donated) buffers,
