@@ -17,6 +17,7 @@ from support.cpu_gemm import needs_kernel
 
 from imp_jax.kernels_pallas import Kernels, matmul_wt
 from imp_jax.kernels_pallas import ggml_blocks as quant
+from imp_jax.kernels_pallas import ggml_x16
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.model.formats.gguf_loader import unpermute_rotary
 
@@ -305,14 +306,18 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     q8 = load_model(mixed, dtype="float32", kernels=dataclasses.replace(kept.options.kernels, gemm="cpu_q8")).model
     # cpu_q8 runs every matrix on int8 activations (the K-quants, IQ4_XS / IQ4_NL, Q5_x, and Q8_0: layer
     # 2's widened fusions): close to the dequantised model, not its bits
-    int8 = set()
+    # (on a CPU with the AVX-512 path, the Q5_0 and Q8_0 ones interleaved 16 rows at a time: ggml_x16.py)
+    int8, interleaved = set(), set()
     for w in [q8.lm_head[...], *(w for ws in q8.layers.matrices().values() for w in ws)]:
         x = jnp.ones((3, quant.matrix_shape(w)[1]), jnp.float32)
         text = jax.jit(lambda x, w: matmul_wt(x, w, CPU_Q8)).lower(x, w).as_text()
         fmt = quant.format_of(w)
-        assert cpu_gemm.Q8_TARGETS[fmt] in text and cpu_gemm.BLOCK_TARGETS[fmt] not in text, fmt
-        int8 |= {fmt}
+        base = ggml_x16.FORMATS[fmt][0] if fmt in ggml_x16.FORMATS else fmt
+        assert cpu_gemm.Q8_TARGETS[fmt] in text and cpu_gemm.BLOCK_TARGETS[base] not in text, fmt
+        int8 |= {base}
+        interleaved |= {base} if fmt != base else set()
     assert int8 == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0"}
+    assert interleaved == ({"Q5_0", "Q8_0"} if cpu_gemm.interleaves() else set())
     got = PagedRunner(q8).run(chunks, 16, 1)[0]
     assert not np.array_equal(got, want)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.ptp(want))

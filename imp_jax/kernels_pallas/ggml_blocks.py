@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from imp_jax.kernels_pallas import ggml_x16
+
 BLOCK = 32    # weights per block of the 32-weight formats (and per sub-block the kernel widens at a time)
 QK_K = 256    # weights per K-quant super-block
 FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,          # name -> bytes per block
@@ -69,22 +71,29 @@ IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
+_X16_BY_BYTES = {b: name for name, b in ggml_x16.GROUP_BYTES.items()}
+
+
 def format_of(w: jax.Array | np.ndarray) -> str | None:
     """The block format of a quantised matrix [N, K / W, bytes] (or of rows gathered from one, or of a
-    stack of them [E, N, K / W, bytes]: a mixture of experts'), or None for a plain float one."""
+    stack of them [E, N, K / W, bytes]: a mixture of experts'), or of one interleaved for the q8 GEMM
+    ([N / 16, K / 32, 16 * bytes]: `Q8_0x16`, `Q5_0x16`, ggml_x16.py); None for a plain float one."""
     if w.dtype != np.uint8 or w.ndim < 3:
         return None
-    return _BY_BYTES.get(int(w.shape[-1]))
+    return _BY_BYTES.get(int(w.shape[-1])) or _X16_BY_BYTES.get(int(w.shape[-1]))
 
 
 def weights_per_block(w: jax.Array | np.ndarray) -> int:
     """Weights per block of a quantised matrix (32 or 256)."""
-    return WEIGHTS[format_of(w)]
+    fmt = format_of(w)
+    return BLOCK if fmt in ggml_x16.FORMATS else WEIGHTS[fmt]
 
 
 def matrix_shape(w: jax.Array | np.ndarray) -> tuple[int, ...]:
     """[N, K] of a plain or quantised matrix ([E, N, K] of a stack of them)."""
     fmt = format_of(w)
+    if fmt in ggml_x16.FORMATS:
+        return (*(int(d) for d in w.shape[:-3]), int(w.shape[-3]) * ggml_x16.ROWS, int(w.shape[-2]) * BLOCK)
     if fmt is not None:
         return (*(int(d) for d in w.shape[:-2]), int(w.shape[-2]) * WEIGHTS[fmt])
     return tuple(int(d) for d in w.shape)
@@ -207,8 +216,11 @@ _K_QUANTS = {"Q2_K": _dequantize_q2_k, "Q3_K": _dequantize_q3_k, "Q4_K": _dequan
 
 
 def dequantize(w: jax.Array) -> jax.Array:
-    """A quantised matrix [..., K / W, bytes] as float32 [..., K] (also for gathered rows)."""
+    """A quantised matrix [..., K / W, bytes] as float32 [..., K] (also for gathered rows; an interleaved
+    one [N / 16, K / 32, group bytes] as [N, K])."""
     fmt = format_of(w)
+    if fmt in ggml_x16.FORMATS:
+        return dequantize(ggml_x16.deinterleave(w, fmt))
     if fmt == "Q8_0":
         q = jax.lax.bitcast_convert_type(w[..., 2:], jnp.int8).astype(jnp.float32)
         out = _f16(w[..., 0:2])[..., None] * q

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from imp_jax.kernels_pallas import XLA, Kernels, ggml_blocks, matmul_wt
+from imp_jax.kernels_pallas import XLA, Kernels, ggml_blocks, ggml_x16, matmul_wt
 from imp_jax.model.lora import LoraDelta
 
 
@@ -27,8 +27,9 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, kernels: K
 def embed(table: jax.Array, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Rows `ids` of an embedding table (plain, or GGML blocks: only the gathered rows are
     dequantised) as `dtype`."""
-    rows = table[ids]
-    if ggml_blocks.format_of(table) is not None:
+    fmt = ggml_blocks.format_of(table)
+    rows = ggml_x16.rows_of(table, fmt, ids) if fmt in ggml_x16.FORMATS else table[ids]
+    if fmt is not None:
         rows = ggml_blocks.dequantize(rows)
     return rows.astype(dtype)
 

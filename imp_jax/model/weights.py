@@ -5,8 +5,10 @@ A `Matrix` is a parameter the model reads only through `layers.linear` (projecti
 - GGML blocks (kernels_pallas/ggml_blocks.py): a GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, K-quant
   (Q2_K..Q6_K), IQ4 and MXFP4 matrices as stored, and (`WeightSource.stack`, model/architectures/moe.py) its
   mixture-of-experts stacks [E, out, in / W, bytes], as gpt-oss's HF MXFP4 experts are too;
-- bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32).
-Both are exact: the products are those of the float32 matrices, at a quarter to half the bytes.
+- bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32);
+- for the q8 GEMM on an AVX-512 CPU, Q8_0 and Q5_0 blocks interleaved 16 rows at a time (ggml_x16.py:
+  the file's bytes in another order).
+All are exact: the products are those of the float32 matrices, at a quarter to half the bytes.
 They pay only where the GEMM reads them as they are (the x86-64 CPU kernel); XLA's dot would
 widen them on every call, so elsewhere matrices stay in the model's dtype.
 """
@@ -22,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.kernels_pallas import Kernels, ggml_blocks
+from imp_jax.kernels_pallas import Kernels, ggml_blocks, ggml_x16
+from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
 
 class Matrix(nnx.Param):
@@ -127,6 +130,28 @@ def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
         param.set_value(np.asarray(w, jnp.bfloat16) if isinstance(w, np.ndarray) else jnp.asarray(w, jnp.bfloat16))
         saved += w.nbytes // 2
     return saved
+
+
+def interleave_for_q8(model: nnx.Module, kernels: Kernels, tensor_parallel: int = 1) -> int:
+    """Store every Q8_0 and Q5_0 `Matrix` of `model` (N a multiple of 16) interleaved 16 rows at a time
+    (ggml_x16.py) when its products are the q8 GEMM's (`--gemm cpu_q8`) on a CPU with the AVX-512 path,
+    which reads them with one int32 sum per block and output (cpu/gemm_q8_x16.h); not under tensor
+    parallelism (whose shards slice the file's layout). Returns how many were interleaved. The bytes are
+    the file's in another order, so the memory is the same; `layers.embed` reads a table's rows back out."""
+    if kernels.gemm != "cpu_q8" or tensor_parallel != 1 or not cpu_gemm.interleaves():
+        return 0
+    count = 0
+    for _, param in nnx.iter_graph(model):
+        if not isinstance(param, Matrix):
+            continue
+        w = param.get_value()
+        fmt = ggml_blocks.format_of(w)
+        if fmt not in ggml_x16.OF or w.ndim != 3 or w.shape[0] % ggml_x16.ROWS:
+            continue
+        groups = ggml_x16.interleave(np.asarray(w), fmt)
+        param.set_value(groups if isinstance(w, np.ndarray) else jnp.asarray(groups))
+        count += 1
+    return count
 
 
 def describe(model: nnx.Module) -> str:

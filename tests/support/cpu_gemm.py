@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from imp_jax.kernels_pallas import Kernels, matmul_wt
+from imp_jax.kernels_pallas import ggml_blocks as quant
 from imp_jax.kernels_pallas.cpu import build
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
@@ -31,6 +32,34 @@ def quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = np.rint(xb * scale[..., None]).astype(np.int64)   # float32 product, round half to even
     d = (amax / np.float32(127)).astype(np.float32)
     return q, d, (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+
+
+def block_weights(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGML blocks [N, K / 32, bytes] as integer weights [N, K / 32, 32], d and m (Q4_1, Q5_1) as float32."""
+    def f16(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+    fmt = quant.format_of(blocks)
+    if fmt == "Q8_0":
+        return blocks[..., 2:].view(np.int8).astype(np.int64), f16(blocks[..., 0:2]), None
+    nibbles = np.concatenate([blocks[..., -16:] & 15, blocks[..., -16:] >> 4], axis=-1).astype(np.int64)
+    if fmt in ("Q5_0", "Q5_1"):   # bit j of the little-endian uint32 before the nibbles: weight j's 16s
+        at = 2 if fmt == "Q5_0" else 4
+        high = np.ascontiguousarray(blocks[..., at:at + 4]).view("<u4").astype(np.int64)
+        nibbles = nibbles | (((high >> np.arange(32)) & 1) << 4)
+    if fmt in ("Q4_0", "Q5_0"):
+        return nibbles - (8 if fmt == "Q4_0" else 16), f16(blocks[..., 0:2]), None
+    return nibbles, f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
+
+
+def ggml(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random [n, k] matrix quantised by gguf-py: (blocks, gguf-py's dequantisation)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, Q[qtype])
+    return raw.reshape(n, k // quant.BLOCK, quant.FORMATS[qtype]), dequantize(raw, Q[qtype]).reshape(n, k)
 
 
 def activations(m: int, k: int, seed: int) -> np.ndarray:

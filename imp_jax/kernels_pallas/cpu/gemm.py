@@ -16,7 +16,9 @@ sums. Faster (the weights are not widened), but the outputs are no longer the fl
 differ by the rounding of x. Every kept format has an integer path (Q8_FORMATS): Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, Q2_K..Q6_K, and the table formats IQ4_XS, IQ4_NL and MXFP4 (their indices looked up as int8s;
 MXFP4's E8M0 scale as llama.cpp reads it), so every matrix of a K-quant, i-quant or gpt-oss file, its
-MoE experts included. Plain (float32, bfloat16) weights are read as before: the exact kernel.
+MoE experts included. Plain (float32, bfloat16) weights are read as before: the exact kernel. On a CPU with
+the AVX-512 path the loader interleaves Q8_0 and Q5_0 matrices 16 rows at a time (ggml_x16.py), which
+gemm_q8_x16.h reads with one int32 sum per block and output (its header gives the order of the sums).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from imp_jax.kernels_pallas import ggml_blocks
+from imp_jax.kernels_pallas import ggml_blocks, ggml_x16
 from imp_jax.kernels_pallas.cpu import build
 
 TARGET = "imp_gemm_f32"
@@ -33,7 +35,7 @@ TARGET_BF16W = "imp_gemm_f32_bf16w"   # float32 x, bfloat16 w
 BLOCK_TARGETS = {name: f"imp_gemm_f32_{name.lower()}w" for name in ggml_blocks.FORMATS}   # every GGML format
 Q8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL",
               "MXFP4")   # gemm_q8.h's integer paths: every format ggml_blocks keeps
-Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in Q8_FORMATS}
+Q8_TARGETS = {name: f"imp_gemm_q8_{name.lower()}w" for name in (*Q8_FORMATS, *ggml_x16.FORMATS)}
 _HANDLERS = {TARGET: "ImpGemmF32", TARGET_BF16W: "ImpGemmBf16W",
              **{t: f"ImpGemm{name}W" for name, t in BLOCK_TARGETS.items()}}
 _Q8_HANDLERS = {t: f"ImpGemmQ8{name}W" for name, t in Q8_TARGETS.items()}   # the library gemm_q8
@@ -49,6 +51,13 @@ def available(int8_activations: bool = False) -> bool:
                  or all(build.register("gemm_q8", target, handler) for target, handler in _Q8_HANDLERS.items())))
 
 
+def interleaves() -> bool:
+    """Whether the q8 GEMM here reads matrices interleaved 16 rows at a time (ggml_x16.py,
+    gemm_q8_x16.h): its library built and running its AVX-512 path (not forced lower by IMP_JAX_Q8_ISA)."""
+    lib = build.load("gemm_q8") if available(int8_activations=True) else None
+    return lib is not None and lib.imp_gemm_q8_isa() == 2
+
+
 def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
     """The kernel's custom call for this weight matrix (GGML blocks with int8 activations when
     asked), or None for a format it does not read."""
@@ -57,6 +66,8 @@ def _target(w: jax.Array, int8_activations: bool = False) -> str | None:
     fmt = ggml_blocks.format_of(w)
     if fmt is None:
         return None
+    if fmt in ggml_x16.FORMATS:   # interleaved for the q8 tiles at load: read only by them
+        return Q8_TARGETS[fmt]
     # int8 activations for the formats the q8 library has (all of ggml_blocks.FORMATS; a new one without
     # an integer path would be widened exactly)
     return Q8_TARGETS[fmt] if int8_activations and fmt in Q8_TARGETS else BLOCK_TARGETS[fmt]
@@ -74,7 +85,7 @@ def takes(x: jax.Array, w: jax.Array) -> bool:
 def matmul_wt_cpu(x: jax.Array, w: jax.Array, int8_activations: bool = False) -> jax.Array:
     """x [..., K] @ w.T for w [N, K] (float32, bfloat16 or GGML blocks), float32 out; for GGML
     blocks with x rounded to int8 when `int8_activations` (the module docstring says how)."""
-    out = jax.ShapeDtypeStruct(x.shape[:-1] + w.shape[:1], jnp.float32)
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + ggml_blocks.matrix_shape(w)[:1], jnp.float32)
     target = _target(w, int8_activations)
     if target in _Q8_HANDLERS and not available(int8_activations=True):
         raise RuntimeError("the q8 GEMM kernel did not build (see the log)")

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "gemm_q8.h"
+#include "gemm_q8_x16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -52,6 +53,24 @@ constexpr auto GemmQ8IQ4_XS = BlocksQ8<imp_q8::IQ4_XS, imp_q8::kSuper>;
 constexpr auto GemmQ8IQ4_NL = BlocksQ8<imp_q8::IQ4_NL, 2 * kQBlock, imp_q8::IQ4_NL::kKeptBytes>;
 constexpr auto GemmQ8MXFP4 = BlocksQ8<imp_q8::MXFP4>;
 
+// The interleaved formats (gemm_q8_x16.h): x [..., K], w [N / 16, K / 32, group bytes]; y [..., N]. The loader
+// writes them only where this CPU has the AVX-512 path.
+template <class W>
+ffi::Error GroupsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kGroupBytes || xd.back() != wd[1] * kQBlock)
+    return ffi::Error::InvalidArgument("imp_gemm_q8 x16: x [..., K] and w [N / 16, K / 32, " + std::to_string(W::kGroupBytes) +
+                                       "] uint8 expected");
+  if (kIsa != imp_q8::kAvx512) return ffi::Error::InvalidArgument("imp_gemm_q8 x16: this CPU lacks the AVX-512 path");
+  const int64_t K = xd.back();
+  imp_q8::run_x16<W>(&pool, x.typed_data(), K ? x.element_count() / K : 0, K, static_cast<const uint8_t*>(w.untyped_data()),
+                     wd[0] * imp_q8::kX16Rows, y->typed_data());
+  return ffi::Error::Success();
+}
+
+constexpr auto GemmQ8Q8_0x16 = GroupsQ8<imp_q8::Q8_0x16>;
+constexpr auto GemmQ8Q5_0x16 = GroupsQ8<imp_q8::Q5_0x16>;
+
 }  // namespace
 
 // One binding per weight type: float32 x, the weights, float32 y, and XLA's thread pool.
@@ -76,6 +95,8 @@ IMP_GEMM_HANDLER(ImpGemmQ8Q2_KW, GemmQ8Q2_K, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8IQ4_XSW, GemmQ8IQ4_XS, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8IQ4_NLW, GemmQ8IQ4_NL, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8MXFP4W, GemmQ8MXFP4, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q8_0x16W, GemmQ8Q8_0x16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q5_0x16W, GemmQ8Q5_0x16, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -114,6 +135,19 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
     case imp_q8::IQ4_XS::kBytes: imp_q8::dispatch<imp_q8::IQ4_XS>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::IQ4_NL::kKeptBytes: imp_q8::dispatch<imp_q8::IQ4_NL>(nullptr, path, x, M, K, w, N, y); return 0;
     case imp_q8::MXFP4::kBytes: imp_q8::dispatch<imp_q8::MXFP4>(nullptr, path, x, M, K, w, N, y); return 0;
+    default: return -1;
+  }
+}
+
+// y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
+// Q8_0x16, 352 Q5_0x16) [N / 16, K / 32, group_bytes], on the calling thread alone; -1 for an unknown format or
+// a CPU without the AVX-512 path.
+extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                                   float* y) {
+  if (kIsa != imp_q8::kAvx512 || N % imp_q8::kX16Rows) return -1;
+  switch (group_bytes) {
+    case imp_q8::Q8_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q8_0x16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::Q5_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q5_0x16>(nullptr, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

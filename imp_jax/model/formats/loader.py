@@ -26,7 +26,7 @@ from imp_jax.model.formats.hub import resolve_model
 from imp_jax.model.registry import get_model_class, import_model_class
 from imp_jax.model.vision.side import (LoadedVision, VisionCheckpoint, build_vision, describe_vision,
                                        is_vision_language, open_vision, text_tensors)
-from imp_jax.model.weights import WeightFormats, WeightSource, describe, narrow_exact_bf16
+from imp_jax.model.weights import WeightFormats, WeightSource, describe, interleave_for_q8, narrow_exact_bf16
 
 if TYPE_CHECKING:
     from imp_jax.model.text.tokenizer import Tokenizer
@@ -132,6 +132,9 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
     else:
         model = build_from_tensors(cls, ckpt.config, WeightSource(ckpt.tensors, formats, str(ckpt.path)), options)
     narrow_exact_bf16(model, formats)
+    interleaved = interleave_for_q8(model, options.kernels, options.tensor_parallel)
+    if interleaved:
+        log.info("q8 GEMM: %d Q8_0 / Q5_0 matrices interleaved 16 rows at a time for the AVX-512 tiles", interleaved)
     log.info("weights: %s", describe(model))
     vision = None
     if ckpt.vision is not None and takes_embed_rows(cls):   # a class without the overrides serves text only

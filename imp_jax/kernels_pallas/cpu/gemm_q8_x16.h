@@ -1,0 +1,171 @@
+// The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q5_0x16, Q8_0x16; ggml_blocks.py
+// `interleave_x16` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512). Included by gemm_q8.cc.
+//
+// The activations are gemm_q8.h's (x rounded to int8 per row and 32-wide block, d_x = amax / 127); the
+// weights are the file's numbers; what differs is the order of the float32 sums. Per output (row m of x,
+// row n of w):
+//   isum_b = sum_j q_w,j * q_x,j over block b's 32 weights, exact in int32;
+//   dd_b = d_w,b * d_x,b, rounded once to float32;
+//   y = fma(dd_{nb-1}, isum_{nb-1}, ... fma(dd_1, isum_1, fma(dd_0, isum_0, 0))): one chain in block order.
+// (gemm_q8.h's layout sums 8 lanes of 4 products per output and adds the lanes at the end; that costs a
+// conversion and an fma per 4 products, this one per 32.) A row's result does not depend on the rows
+// around it or on the work split: every path below computes each output by the same chain.
+//
+// Layout: a matrix [N, K] (N a multiple of 16) is G = N / 16 groups [G, nb, kGroupBytes]; a group's block b
+// holds its 16 rows' block b, so that one 64-byte load gives a vpdpbusd the same 4 weights of 16 rows (lane
+// i: row i), which meets 4 bytes of x broadcast to every lane:
+//   Q8_0x16 (544 bytes): the int8 weights plus 128 (as vpdpbusd's unsigned operand) [8 k][16 rows][4]
+//     (weights 4k..4k+3), then the rows' f16 d [16];
+//   Q5_0x16 (352 bytes, as the file's 22 a row): the nibble bytes [4 k][16 rows][4] (bytes 4k..4k+3 of the
+//     row's 16: low nibbles are weights 4k..4k+3, high ones 16 + 4k..), the fifth bits as 8 masks of 64
+//     bits (mask k, bit 4i + j: row i's weight 4k + j), then the f16 d [16]; the weights are read as
+//     nibble + 16 * fifth bit = w + 16.
+// The bias (128, 16) comes back out through each row's block sums: the int32 chain of block b starts at
+// -bias * sum_j q_x,j.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+namespace imp_q8 {
+
+constexpr int64_t kX16Rows = 16;   // weight rows per group: one zmm of int32 lanes
+constexpr int64_t kX16MR = 8;      // rows of x per tile (8 int32 and 8 float32 accumulators)
+
+struct Q8_0x16 {
+  static constexpr int64_t kGroupBytes = 544;
+  static constexpr int32_t kBias = 128;
+  // Block b's 8 vectors of 16 rows x 4 weights (k = 0..7: weights 4k..4k+3) and its 16 scales.
+  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
+    for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(g + 64 * k);
+  }
+  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 512)));
+  }
+};
+
+struct Q5_0x16 {
+  static constexpr int64_t kGroupBytes = 352;
+  static constexpr int32_t kBias = 16;
+  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i p = _mm512_loadu_si512(g + 64 * k);
+      uint64_t lo_bits, hi_bits;
+      std::memcpy(&lo_bits, g + 256 + 8 * k, 8), std::memcpy(&hi_bits, g + 256 + 8 * (k + 4), 8);
+      const __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+      w[k] = _mm512_mask_add_epi8(lo, _cvtu64_mask64(lo_bits), lo, sixteen);
+      w[k + 4] = _mm512_mask_add_epi8(hi, _cvtu64_mask64(hi_bits), hi, sixteen);
+    }
+  }
+  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 320)));
+  }
+};
+
+// x [M, K] for the x16 tiles: q, d_x [M, nb], and each block's -bias * sum q [M, nb].
+struct X16Activations {
+  int64_t M, K, nb;
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d;
+  std::unique_ptr<int32_t[]> start;
+
+  X16Activations(const float* x, int64_t M, int64_t K, int32_t bias)
+      : M(M), K(K), nb(K / kBlock), q(new int8_t[M * K]), d(new float[M * nb]), start(new int32_t[M * nb]) {
+    std::unique_ptr<float[]> sd(new float[nb]);
+    for (int64_t m = 0; m < M; ++m) {
+      quantise_row(x + m * K, nb, 0, q.get() + m * K, d.get() + m * nb, sd.get(), nullptr);
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.get() + m * K + b * kBlock));
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+        start[m * nb + b] = -bias * hsum_i32(sums);
+      }
+    }
+  }
+};
+
+// Rows [r0, r0 + MR) of x against one group (16 weight rows) into y (row r0's 16 outputs; rows ldy apart).
+template <class W, int MR>
+IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
+  const int64_t nb = a.nb, K = a.K;
+  __m512 acc[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += W::kGroupBytes) {
+    __m512i w[8];
+    W::weights(g, w);
+    __m512i isum[MR];
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) isum[r] = _mm512_set1_epi32(a.start[(r0 + r) * nb + b]);
+    IMP_Q8_UNROLL for (int k = 0; k < 8; ++k)
+      IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+        int32_t four;   // x's bytes 4k..4k+3 of this block, in every lane
+        std::memcpy(&four, a.q.get() + (r0 + r) * K + b * kBlock + 4 * k, 4);
+        isum[r] = _mm512_dpbusd_epi32(isum[r], w[k], _mm512_set1_epi32(four));
+      }
+    const __m512 dw = W::scales(g);
+    IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+  }
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <class W>
+struct X16Tiles {
+  using Fn = void (*)(const X16Activations&, int64_t, const uint8_t*, float*, int64_t);
+  static constexpr Fn fn[kX16MR] = {tile_x16<W, 1>, tile_x16<W, 2>, tile_x16<W, 3>, tile_x16<W, 4>,
+                                    tile_x16<W, 5>, tile_x16<W, 6>, tile_x16<W, 7>, tile_x16<W, 8>};
+};
+
+// The work: items of kX16Groups groups by up to kX16RowBlock rows of x, taken from an atomic counter.
+constexpr int64_t kX16Groups = 4;        // 64 weight rows an item
+constexpr int64_t kX16RowBlock = 256;    // rows of x an item
+
+template <class W>
+struct GemmX16 {
+  X16Activations a;
+  const uint8_t* w;
+  float* y;
+  int64_t N, groups, group_items, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  GemmX16(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y)
+      : a(x, M, K, W::kBias), w(w), y(y), N(N), groups(N / kX16Rows),
+        group_items((groups + kX16Groups - 1) / kX16Groups),
+        items(group_items * ((M + kX16RowBlock - 1) / kX16RowBlock)) {}
+
+  void item(int64_t i) const {
+    const int64_t m0 = (i / group_items) * kX16RowBlock, m1 = std::min(a.M, m0 + kX16RowBlock);
+    const int64_t g0 = (i % group_items) * kX16Groups, g1 = std::min(groups, g0 + kX16Groups);
+    const int64_t gbytes = a.nb * W::kGroupBytes;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = m0; m < m1; m += kX16MR)
+        X16Tiles<W>::fn[std::min(kX16MR, m1 - m) - 1](a, m, w + g * gbytes, y + m * N + g * kX16Rows, N);
+  }
+
+  void work() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      item(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / 32, W::kGroupBytes], with
+// XLA's pool (or on this thread alone when `pool` is null). Only where best_isa() is kAvx512.
+template <class W>
+void run_x16(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  if (M == 0 || N == 0) return;
+  const int64_t threads = !pool || 2 * M * N * K < (1 << 18) ? 1 : std::max<int64_t>(1, pool->num_threads());
+  auto g = std::make_shared<GemmX16<W>>(x, M, K, w, N, y);
+  const int64_t helpers = std::min(threads, g->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool->Schedule([g] { g->work(); });
+  g->work();
+  while (g->done.load(std::memory_order_acquire) < g->items) _mm_pause();
+}
+
+}  // namespace imp_q8

@@ -1,0 +1,67 @@
+"""GGML blocks interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (cpu/gemm_q8_x16.h).
+
+A Q8_0 or Q5_0 matrix [N, K / 32, bytes] (N a multiple of 16) becomes groups [N / 16, K / 32, 16 * bytes]:
+group g's block b holds block b of rows 16g..16g+15, arranged so that one 64-byte load gives the same 4
+weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers are the file's, byte for
+byte up to that order (Q8_0's int8s are stored plus 128, as the kernel's unsigned operand): `interleave`
+at load (NumPy), `deinterleave` back to the file's blocks (JAX, inside programs: `dequantize` and the
+embedding rows of a tied table go through it), so every other reader of the matrix sees the file's blocks.
+The loader writes these only for `--gemm cpu_q8` on a CPU with the AVX-512 path (model/weights.py
+`interleave_for_q8`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROWS = 16                                           # weight rows per group
+FORMATS = {"Q8_0x16": ("Q8_0", 34), "Q5_0x16": ("Q5_0", 22)}   # name -> (the file's format, its block bytes)
+OF = {base: name for name, (base, _) in FORMATS.items()}        # the file's format -> its interleaved name
+GROUP_BYTES = {name: ROWS * nbytes for name, (_, nbytes) in FORMATS.items()}   # 544, 352
+
+
+def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """Blocks [N, nb, bytes] of format `fmt` (Q8_0 or Q5_0), N a multiple of 16, as groups [N / 16, nb, 16 * bytes]."""
+    n, nb, nbytes = blocks.shape
+    r = np.ascontiguousarray(blocks).reshape(n // ROWS, ROWS, nb, nbytes)
+    g = n // ROWS
+    d = r[..., 0:2].transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)
+    if fmt == "Q8_0":   # [8 k][16 rows][4 bytes] of w + 128, then d
+        qs = (r[..., 2:] ^ 0x80).reshape(g, ROWS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 512)
+        return np.concatenate([qs, d], axis=-1)
+    if fmt == "Q5_0":   # [4 k][16 rows][4 nibble bytes], 8 masks of the fifth bits, then d
+        nibbles = r[..., 6:].reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)
+        qh = r[..., 2:6]                                                # [g, 16, nb, 4]: weight j's bit at byte j // 8
+        bits = np.stack([(qh[..., k // 2] >> (4 * (k % 2))) & 15 for k in range(8)], axis=-1)   # [g, 16, nb, 8 k]
+        pairs = bits.reshape(g, ROWS // 2, 2, nb, 8)                     # rows 2t, 2t + 1 share mask byte t
+        masks = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).transpose(0, 2, 3, 1).reshape(g, nb, 64)
+        return np.concatenate([nibbles, masks, d], axis=-1)
+    raise ValueError(f"no interleaved layout for {fmt}")
+
+
+def deinterleave(groups: jax.Array, name: str) -> jax.Array:
+    """Groups [..., G, nb, group bytes] of interleaved format `name` as the file's blocks [..., G * 16, nb, bytes]."""
+    *lead, g, nb, _ = groups.shape
+
+    def rows(a: jax.Array, k: int, width: int) -> jax.Array:   # [..., G, nb, k * 16 * width] -> [..., G * 16, nb, k * width]
+        at = len(lead)
+        a = a.reshape(*lead, g, nb, k, ROWS, width)
+        a = a.transpose(*range(at), at, at + 3, at + 1, at + 2, at + 4)   # [..., G, 16, nb, k, width]
+        return a.reshape(*lead, g * ROWS, nb, k * width)
+
+    base = FORMATS[name][0]
+    d = rows(groups[..., -2 * ROWS:], 1, 2)
+    if base == "Q8_0":
+        return jnp.concatenate([d, rows(groups[..., :512], 8, 4) ^ jnp.uint8(0x80)], axis=-1)
+    nibbles = rows(groups[..., :256], 4, 4)
+    m = groups[..., 256:320].reshape(*lead, g, nb, 8, ROWS // 2)       # mask k's byte t: rows 2t (low), 2t + 1 (high)
+    bits = jnp.stack([m & 15, m >> 4], axis=-1).reshape(*lead, g, nb, 8, ROWS)   # [..., k, row]
+    qh = bits[..., 0::2, :] | (bits[..., 1::2, :] << 4)              # [..., G, nb, 4 bytes, 16 rows]
+    return jnp.concatenate([d, rows(qh.swapaxes(-1, -2), 1, 4), nibbles], axis=-1)
+
+
+def rows_of(table: jax.Array, name: str, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of an interleaved table as the file's blocks [..., nb, bytes] (each id's group deinterleaved)."""
+    groups = deinterleave(table[ids // ROWS][..., None, :, :], name)   # [..., 16, nb, bytes]
+    return jnp.take_along_axis(groups, (ids % ROWS)[..., None, None, None], axis=-3)[..., 0, :, :]
