@@ -1,4 +1,4 @@
-"""The q8 GEMM on Q8_0 / Q5_0 matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
+"""The q8 GEMM on Q8_0 / Q5_0 / Q4_K matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
 matrices interleaved 16 rows at a time (ggml_x16.py, gemm_q8_x16.h): one thread, outside XLA, interleaved rounds.
 
     python scripts/bench_gemm_x16.py [--cases Q5_0:3072x576 Q8_0:49152x576 ...] [--rows 1 8 32 256]
@@ -7,7 +7,8 @@ matrices interleaved 16 rows at a time (ggml_x16.py, gemm_q8_x16.h): one thread,
 Each round times both layouts once per case (`--copies` distinct matrices, so the weights come from memory
 as in a decode step's layers; 1 keeps one matrix in the caches), in this thread's CPU time. Printed per case:
 each layout's median (and best) ms per call and the median (min-max) of the per-round ratios x16 / file.
-The default cases are SmolLM2-135M Q4_K_M's Q5_0 and Q8_0 matrices (fused qkv, o, gate_up, the LM head).
+The default cases are SmolLM2-135M Q4_K_M's Q5_0, Q8_0 and Q4_K matrices (fused qkv, o, gate_up, down, the
+LM head).
 Needs a CPU with the q8 library's AVX-512 path.
 """
 from __future__ import annotations
@@ -21,15 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q8_0:49152x576"]
-FILE_BYTES = {"Q8_0": 34, "Q5_0": 22}
+CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:576x1536", "Q8_0:49152x576"]
+FILE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144}
 
 
-def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes as [n, k / 32] blocks of `fmt` with small finite f16 scales."""
-    blocks = rng.integers(0, 256, (n, k // 32, FILE_BYTES[fmt]), dtype=np.uint8)
-    blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)   # d: a plain scale (random bytes: inf or NaN)
-    return blocks
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random valid blocks of `fmt` for an [n, k] matrix (scripts/quant_blocks.py)."""
+    from quant_blocks import BLOCK_WEIGHTS, random_blocks as blocks
+
+    return blocks(fmt, n, k // BLOCK_WEIGHTS[fmt], seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         fmt, shape = case.split(":")
         n, k = (int(v) for v in shape.split("x"))
-        raw = [random_blocks(fmt, n, k, rng) for _ in range(args.copies)]
+        raw = [random_blocks(fmt, n, k, i) for i in range(args.copies)]
         groups = [ggml_x16.interleave(b, fmt) for b in raw]
         for m in args.rows:
             x = rng.standard_normal((m, k)).astype(np.float32)

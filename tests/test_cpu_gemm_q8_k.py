@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cpu_gemm import (
+    BIAS,
     PATHS,
     activations,
     assert_rows_independent,
     assert_within_activation_rounding,
+    k_weights,
     library,
     needs_kernel,
     q8_kernel,
@@ -24,71 +26,6 @@ from quant_blocks import gguf_py, random_blocks
 from imp_jax.kernels_pallas import ggml_blocks as quant
 
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
-BIAS = {"Q3_K": 4, "Q6_K": 32}   # w = q - bias
-
-
-def f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
-
-
-def scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 scale bytes [..., 12] as 8 6-bit scales and 8 mins (ggml's get_scale_min_k4)."""
-    s = s.astype(np.int64)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    return sc, mn
-
-
-def k_weights(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Super-blocks [N, S, bytes] as the kernel reads them: integers q [N, 8S, 32] (w = q - BIAS; IQ4_XS:
-    the table's values), lane scales D = d * sc [N, 8S, 8] (float32, exact) and mins dmin * mn [N, 8S]
-    (Q2_K: [N, 16S], one per 16 weights) or None, with w = D * q - mins (the lane's scale for its 4 weights)."""
-    n, s = blocks.shape[:2]
-    if fmt == "Q2_K":   # 16 bytes of scale | min << 4 (per 16 weights), 64 of 2-bit q, f16 d, f16 dmin
-        sc, qs = blocks[..., 0:16].astype(np.int64), blocks[..., 16:80].astype(np.int64)
-        q = np.stack([(qs[..., 32 * (j // 4):32 * (j // 4) + 32] >> (2 * (j % 4))) & 3 for j in range(8)], 2)
-        D = f16(blocks[..., 80:82])[..., None] * (sc & 15).astype(np.float32)
-        mins = f16(blocks[..., 82:84])[..., None] * (sc >> 4).astype(np.float32)
-        return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 2), 4, axis=-1), mins.reshape(n, 16 * s)
-    if fmt == "IQ4_XS":   # f16 d, uint16 of the scales' high 2 bits, 4 bytes of low nibbles, 128 of indices
-        high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")[..., 0].astype(np.int64)
-        sc = np.stack([((blocks[..., 4 + j // 2].astype(np.int64) >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
-                       for j in range(8)], -1) - 32
-        D = f16(blocks[..., 0:2])[..., None] * sc.astype(np.float32)
-        idx = blocks[..., 8:].reshape(n, s, 8, 16)
-        q = quant.IQ4_NL_VALUES.astype(np.int64)[np.concatenate([idx & 15, idx >> 4], -1)]
-        return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 1), 8, axis=-1), None
-    if fmt == "Q3_K":   # 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, f16 d
-        hm, qs, sb = (blocks[..., a:b].astype(np.int64) for a, b in ((0, 32), (32, 96), (96, 108)))
-        q = np.zeros((n, s, 8, 32), np.int64)
-        for j in range(8):   # block j: bits 2 (j % 4) of qs[32 (j // 4) ..], bit j of hmask as 4
-            q[:, :, j] = ((qs[..., 32 * (j // 4):32 * (j // 4) + 32] >> (2 * (j % 4))) & 3) | (((hm >> j) & 1) << 2)
-        sc = np.stack([((sb[..., t] if t < 8 else sb[..., t - 8] >> 4) & 15) | (((sb[..., 8 + t % 4] >> (2 * (t // 4))) & 3) << 4)
-                       for t in range(16)], -1) - 32
-        D = f16(blocks[..., 108:110])[..., None] * sc.astype(np.float32)
-        return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 2), 4, axis=-1), None
-    if fmt == "Q6_K":
-        ql, qh = blocks[..., :128].astype(np.int64), blocks[..., 128:192].astype(np.int64)
-        q = np.zeros((n, s, 256), np.int64)
-        for h in range(2):   # per 128 weights: 64 bytes of low nibbles, 32 of 2-bit pairs
-            l0, l1, hb = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
-            for k, low in enumerate([l0 & 15, l1 & 15, l0 >> 4, l1 >> 4]):
-                q[..., 128 * h + 32 * k:128 * h + 32 * k + 32] = low | (((hb >> (2 * k)) & 3) << 4)
-        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)            # per 16 weights
-        D = f16(blocks[..., 208:210])[..., None] * sc                          # [n, s, 16]
-        return (q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 2), 4, axis=-1), None)
-    sc, mn = scale_min_k4(blocks[..., 4:16])
-    at = 16 if fmt == "Q4_K" else 48
-    qs = blocks[..., at:at + 128].astype(np.int64).reshape(n, s, 4, 32)
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, s, 8, 32)              # sub-blocks 2i, 2i + 1
-    if fmt == "Q5_K":
-        qh = blocks[..., 16:48].astype(np.int64)
-        q |= ((qh[:, :, None, :] >> np.arange(8)[:, None]) & 1) << 4
-    D = (f16(blocks[..., 0:2])[..., None] * sc.astype(np.float32)).astype(np.float32)
-    mins = (f16(blocks[..., 2:4])[..., None] * mn.astype(np.float32)).astype(np.float32)
-    return q.reshape(n, 8 * s, 32), np.repeat(D.reshape(n, 8 * s, 1), 8, axis=-1), mins.reshape(n, 8 * s)
-
-
 def k_terms(x: np.ndarray, blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """The terms the kernel sums in float32, in float64 [M, N, terms]: per block and lane
     fl(D * d_x) * L (L the exact integer dot of the lane's 4 weights, less BIAS), then minus

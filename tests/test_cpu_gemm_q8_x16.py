@@ -1,4 +1,4 @@
-"""Q8_0 / Q5_0 matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
+"""Q8_0 / Q5_0 / Q4_K matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
 kernels_pallas/cpu/gemm_q8_x16.h): the layout holds the file's bytes (back out exactly, rows of a tied table
 included), the kernel computes its specified sums bit for bit (a float64 NumPy model of the one fma chain per
 output), a row's result does not depend on its neighbours or the thread split, the products stay within the
@@ -10,35 +10,50 @@ import ctypes
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.cpu_gemm import (activations, assert_within_activation_rounding, block_weights, ggml, library, q8_kernel,
-                              quantise)
+from quant_blocks import gguf_py, random_blocks
+from support.cpu_gemm import (activations, assert_within_activation_rounding, block_weights, ggml, k_weights, library,
+                              q8_kernel, quantise)
 
 from imp_jax.kernels_pallas import Kernels, ggml_blocks, ggml_x16
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.model.layers import embed
 from imp_jax.model.weights import Matrix, interleave_for_q8
 
-FORMATS = ["Q8_0", "Q5_0"]
+FORMATS = ["Q8_0", "Q5_0", "Q4_K"]
 needs_x16 = pytest.mark.skipif(not (cpu_gemm.available() and cpu_gemm.interleaves()),
                                reason="the q8 GEMM's AVX-512 path is not on this CPU")
 
 
 def interleaved(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(the file's blocks [n, k / 32, bytes], the same interleaved, gguf-py's dequantisation)."""
-    blocks, dense = ggml(qtype, n, k, seed)
+    """(the file's blocks [n, k / W, bytes], the same interleaved, gguf-py's dequantisation)."""
+    if qtype == "Q4_K":   # gguf-py cannot quantise K-quants: random valid super-blocks
+        blocks = random_blocks(qtype, n, k // 256, seed=seed)
+        dense = gguf_py(blocks, qtype).reshape(n, k)
+    else:
+        blocks, dense = ggml(qtype, n, k, seed)
     return blocks, ggml_x16.interleave(blocks, qtype), dense
 
 
-def chain_model(x: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """gemm_q8_x16.h's sums: per output, acc = fma(dd_b, isum_b, acc) in block order from 0, float32. dd_b *
-    isum_b is exact in float64 (24 + 20 bits), so each step is one rounding of an exact sum, as an fma's."""
-    q, d, _ = quantise(x)
-    qw, dw, _ = block_weights(blocks)
+def chain_model(x: np.ndarray, blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """gemm_q8_x16.h's sums: per output, acc = fma(dd_b, isum_b, acc) in block order from 0, float32 (dd_b *
+    isum_b is exact in float64, 24 + 20 bits, so each step is one rounding of an exact sum, as an fma's);
+    Q4_K: its 32-weight sub-blocks as the blocks (d_w = d * sc), less off = fl(off + fl(dmin * mn * sd_b))."""
+    q, d, sd = quantise(x)
+    if qtype == "Q4_K":
+        qw, lanes, mins = k_weights(blocks, qtype)
+        dw = lanes[..., 0]   # one scale a sub-block: its 8 lanes' are equal
+    else:
+        (qw, dw, _), mins = block_weights(blocks), None
     isum = np.einsum("mbj,nbj->mnb", q, qw)
     dd = (dw[None] * d[:, None]).astype(np.float32).astype(np.float64)
     acc = np.zeros(isum.shape[:2], np.float32)
     for b in range(isum.shape[-1]):
         acc = (acc.astype(np.float64) + dd[..., b] * isum[..., b]).astype(np.float32)
+    if mins is not None:
+        off = np.zeros_like(acc)
+        for b in range(isum.shape[-1]):
+            off = off + mins[None, :, b] * sd[:, None, b]   # float32: each product and sum rounded once
+        acc = acc - off
     return acc
 
 
@@ -57,11 +72,12 @@ def run_x16(x: np.ndarray, groups: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_the_layout_holds_the_files_bytes(qtype):
     """Interleaved and back: the same bytes; dequantised and gathered as embedding rows: the same floats.
-    Same memory: 16 rows' bytes a group."""
-    blocks, groups, dense = interleaved(qtype, 48, 96, 1)
-    assert groups.shape == (3, 3, 16 * ggml_blocks.FORMATS[qtype]) and groups.nbytes == blocks.nbytes
+    Same memory: 16 rows' bytes a group (Q4_K: plus its 16 scales and mins as bytes, 4 bytes a row more)."""
+    blocks, groups, dense = interleaved(qtype, 48, 768, 1)
+    per_row = ggml_blocks.FORMATS[qtype] + (4 if qtype == "Q4_K" else 0)
+    assert groups.shape == (3, blocks.shape[1], 16 * per_row) and groups.nbytes == blocks.nbytes // ggml_blocks.FORMATS[qtype] * per_row
     name = ggml_x16.OF[qtype]
-    assert ggml_blocks.format_of(groups) == name and ggml_blocks.matrix_shape(groups) == (48, 96)
+    assert ggml_blocks.format_of(groups) == name and ggml_blocks.matrix_shape(groups) == (48, 768)
     np.testing.assert_array_equal(np.asarray(ggml_x16.deinterleave(jnp.asarray(groups), name)), blocks)
     np.testing.assert_array_equal(np.asarray(ggml_blocks.dequantize(jnp.asarray(groups))), dense)
     ids = jnp.asarray([[0, 17], [47, 5], [31, 16]])
@@ -71,13 +87,13 @@ def test_the_layout_holds_the_files_bytes(qtype):
 @needs_x16
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("M", [1, 2, 5, 9, 65, 260])
-@pytest.mark.parametrize("N,K", [(16, 32), (48, 96), (160, 1600)])
+@pytest.mark.parametrize("N,K", [(16, 256), (48, 768), (160, 1536)])
 def test_matches_a_numpy_model_of_its_sums_bit_for_bit(qtype, M, N, K):
     """Rounding, exact block sums and the one fma chain per output, as specified; in XLA (the pool's threads)
-    and on one thread. Rows 1 / 2-8 / 9 (a tile of 8 plus one) / past the 256-row items; K = 1600: 50 blocks."""
+    and on one thread. Rows 1 / 2-8 / 9 (a tile of 8 plus one; Q4_K's tiles are 4) / past the 256-row items."""
     blocks, groups, _ = interleaved(qtype, N, K, M * 100 + N)
     x = activations(M, K, M)
-    want = chain_model(x, blocks)
+    want = chain_model(x, blocks, qtype)
     np.testing.assert_array_equal(np.asarray(q8_kernel(x, jnp.asarray(groups))), want)
     np.testing.assert_array_equal(run_x16(x, groups), want)
 
@@ -85,8 +101,8 @@ def test_matches_a_numpy_model_of_its_sums_bit_for_bit(qtype, M, N, K):
 @needs_x16
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
-    blocks, groups, _ = interleaved(qtype, 96, 320, 5)
-    x, w = activations(270, 320, 6), jnp.asarray(groups)
+    blocks, groups, _ = interleaved(qtype, 96, 512, 5)
+    x, w = activations(270, 512, 6), jnp.asarray(groups)
     whole = np.asarray(q8_kernel(x, w))
     for lo, hi in ((0, 1), (5, 6), (3, 10), (7, 16), (250, 262)):
         np.testing.assert_array_equal(np.asarray(q8_kernel(x[lo:hi], w)), whole[lo:hi])
@@ -95,12 +111,12 @@ def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
 @needs_x16
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype):
-    _, groups, dense = interleaved(qtype, 64, 576, 3)
-    assert_within_activation_rounding(groups, dense, activations(8, 576, 4))
+    _, groups, dense = interleaved(qtype, 64, 768, 3)
+    assert_within_activation_rounding(groups, dense, activations(8, 768, 4))
 
 
 def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
-    """Q8_0 and Q5_0 matrices of 16-row multiples, with the q8 GEMM on the AVX-512 path and no tensor
+    """Q8_0, Q5_0 and Q4_K matrices of 16-row multiples, with the q8 GEMM on the AVX-512 path and no tensor
     parallelism; the other formats, odd row counts and mixture-of-experts stacks stay as the file has them."""
     from flax import nnx
 
@@ -110,15 +126,16 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
             self.b = Matrix(ggml("Q8_0", 48, 64, 2)[0])
             self.odd = Matrix(ggml("Q8_0", 40, 64, 3)[0])
             self.k = Matrix(ggml("Q4_0", 32, 64, 4)[0])
+            self.kq = Matrix(random_blocks("Q4_K", 32, 1, seed=6))
             self.stack = Matrix(np.stack([ggml("Q8_0", 16, 64, 5)[0]] * 2))
 
     def formats(kernels: Kernels, tp: int) -> dict[str, str | None]:
         model = Model()
         interleave_for_q8(model, kernels, tp)
-        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "stack")}
+        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "kq", "stack")}
 
-    as_file = {"a": "Q5_0", "b": "Q8_0", "odd": "Q8_0", "k": "Q4_0", "stack": "Q8_0"}
+    as_file = {"a": "Q5_0", "b": "Q8_0", "odd": "Q8_0", "k": "Q4_0", "kq": "Q4_K", "stack": "Q8_0"}
     assert formats(Kernels(gemm="exact"), 1) == as_file
     assert formats(Kernels(gemm="cpu_q8"), 2) == as_file
-    want = {**as_file, "a": "Q5_0x16", "b": "Q8_0x16"} if cpu_gemm.interleaves() else as_file
+    want = {**as_file, "a": "Q5_0x16", "b": "Q8_0x16", "kq": "Q4_Kx16"} if cpu_gemm.interleaves() else as_file
     assert formats(Kernels(gemm="cpu_q8"), 1) == want

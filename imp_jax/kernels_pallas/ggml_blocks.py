@@ -77,7 +77,7 @@ _X16_BY_BYTES = {b: name for name, b in ggml_x16.GROUP_BYTES.items()}
 def format_of(w: jax.Array | np.ndarray) -> str | None:
     """The block format of a quantised matrix [N, K / W, bytes] (or of rows gathered from one, or of a
     stack of them [E, N, K / W, bytes]: a mixture of experts'), or of one interleaved for the q8 GEMM
-    ([N / 16, K / 32, 16 * bytes]: `Q8_0x16`, `Q5_0x16`, ggml_x16.py); None for a plain float one."""
+    ([N / 16, K / W, group bytes]: `Q8_0x16`, `Q5_0x16`, `Q4_Kx16`, ggml_x16.py); None for a plain float one."""
     if w.dtype != np.uint8 or w.ndim < 3:
         return None
     return _BY_BYTES.get(int(w.shape[-1])) or _X16_BY_BYTES.get(int(w.shape[-1]))
@@ -86,14 +86,14 @@ def format_of(w: jax.Array | np.ndarray) -> str | None:
 def weights_per_block(w: jax.Array | np.ndarray) -> int:
     """Weights per block of a quantised matrix (32 or 256)."""
     fmt = format_of(w)
-    return BLOCK if fmt in ggml_x16.FORMATS else WEIGHTS[fmt]
+    return ggml_x16.WEIGHTS[fmt] if fmt in ggml_x16.FORMATS else WEIGHTS[fmt]
 
 
 def matrix_shape(w: jax.Array | np.ndarray) -> tuple[int, ...]:
     """[N, K] of a plain or quantised matrix ([E, N, K] of a stack of them)."""
     fmt = format_of(w)
     if fmt in ggml_x16.FORMATS:
-        return (*(int(d) for d in w.shape[:-3]), int(w.shape[-3]) * ggml_x16.ROWS, int(w.shape[-2]) * BLOCK)
+        return (*(int(d) for d in w.shape[:-3]), int(w.shape[-3]) * ggml_x16.ROWS, int(w.shape[-2]) * ggml_x16.WEIGHTS[fmt])
     if fmt is not None:
         return (*(int(d) for d in w.shape[:-2]), int(w.shape[-2]) * WEIGHTS[fmt])
     return tuple(int(d) for d in w.shape)
@@ -217,7 +217,7 @@ _K_QUANTS = {"Q2_K": _dequantize_q2_k, "Q3_K": _dequantize_q3_k, "Q4_K": _dequan
 
 def dequantize(w: jax.Array) -> jax.Array:
     """A quantised matrix [..., K / W, bytes] as float32 [..., K] (also for gathered rows; an interleaved
-    one [N / 16, K / 32, group bytes] as [N, K])."""
+    one [N / 16, K / W, group bytes] as [N, K])."""
     fmt = format_of(w)
     if fmt in ggml_x16.FORMATS:
         return dequantize(ggml_x16.deinterleave(w, fmt))

@@ -1,9 +1,10 @@
 """GGML blocks interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (cpu/gemm_q8_x16.h).
 
-A Q8_0 or Q5_0 matrix [N, K / 32, bytes] (N a multiple of 16) becomes groups [N / 16, K / 32, 16 * bytes]:
+A Q8_0, Q5_0 or Q4_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups [N / 16, K / W, group bytes]:
 group g's block b holds block b of rows 16g..16g+15, arranged so that one 64-byte load gives the same 4
 weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers are the file's, byte for
-byte up to that order (Q8_0's int8s are stored plus 128, as the kernel's unsigned operand): `interleave`
+byte up to that order (Q8_0's int8s are stored plus 128, as the kernel's unsigned operand; Q4_K's 6-bit
+scales and mins as a byte each, 4 bytes a super-block more than the file's 144): `interleave`
 at load (NumPy), `deinterleave` back to the file's blocks (JAX, inside programs: `dequantize` and the
 embedding rows of a tied table go through it), so every other reader of the matrix sees the file's blocks.
 The loader writes these only for `--gemm cpu_q8` on a CPU with the AVX-512 path (model/weights.py
@@ -16,16 +17,35 @@ import jax.numpy as jnp
 import numpy as np
 
 ROWS = 16                                           # weight rows per group
-FORMATS = {"Q8_0x16": ("Q8_0", 34), "Q5_0x16": ("Q5_0", 22)}   # name -> (the file's format, its block bytes)
+# name -> (the file's format, bytes a group of 16 rows takes per block: the file's 16 blocks, Q4_K's plus its
+# 6-bit scales and mins as bytes)
+FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_Kx16": ("Q4_K", 2368)}
 OF = {base: name for name, (base, _) in FORMATS.items()}        # the file's format -> its interleaved name
-GROUP_BYTES = {name: ROWS * nbytes for name, (_, nbytes) in FORMATS.items()}   # 544, 352
+GROUP_BYTES = {name: nbytes for name, (_, nbytes) in FORMATS.items()}
+WEIGHTS = {"Q8_0x16": 32, "Q5_0x16": 32, "Q4_Kx16": 256}        # weights a row per block
+
+
+def _scales_mins_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes [..., 12] as its 8 6-bit scales and 8 mins [..., 8] (uint8; ggml's get_scale_min_k4)."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
 
 
 def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """Blocks [N, nb, bytes] of format `fmt` (Q8_0 or Q5_0), N a multiple of 16, as groups [N / 16, nb, 16 * bytes]."""
+    """Blocks [N, nb, bytes] of format `fmt` (Q8_0, Q5_0 or Q4_K), N a multiple of 16, as groups [N / 16, nb, group bytes]."""
     n, nb, nbytes = blocks.shape
     r = np.ascontiguousarray(blocks).reshape(n // ROWS, ROWS, nb, nbytes)
     g = n // ROWS
+
+    def per_row(a: np.ndarray) -> np.ndarray:   # [g, 16, nb, k, width] -> [g, nb, k, 16, width] -> [g, nb, bytes]
+        return a.transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
+
+    if fmt == "Q4_K":   # nibble bytes [4 p][8 k][16 rows][4], d, dmin [16] f16, scales and mins [8][16] bytes
+        sc, mn = _scales_mins_k4(r[..., 4:16])
+        return np.concatenate([per_row(r[..., 16:].reshape(g, ROWS, nb, 32, 4)), per_row(r[..., 0:2, None].swapaxes(-1, -2)),
+                               per_row(r[..., 2:4, None].swapaxes(-1, -2)), per_row(sc[..., None]),
+                               per_row(mn[..., None])], axis=-1)
     d = r[..., 0:2].transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)
     if fmt == "Q8_0":   # [8 k][16 rows][4 bytes] of w + 128, then d
         qs = (r[..., 2:] ^ 0x80).reshape(g, ROWS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 512)
@@ -51,6 +71,12 @@ def deinterleave(groups: jax.Array, name: str) -> jax.Array:
         return a.reshape(*lead, g * ROWS, nb, k * width)
 
     base = FORMATS[name][0]
+    if base == "Q4_K":
+        sc, mn = rows(groups[..., 2112:2240], 8, 1), rows(groups[..., 2240:2368], 8, 1)
+        scales = [sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6), mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6),
+                  (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)]
+        return jnp.concatenate([rows(groups[..., 2048:2080], 1, 2), rows(groups[..., 2080:2112], 1, 2), *scales,
+                                rows(groups[..., :2048], 32, 4)], axis=-1)
     d = rows(groups[..., -2 * ROWS:], 1, 2)
     if base == "Q8_0":
         return jnp.concatenate([d, rows(groups[..., :512], 8, 4) ^ jnp.uint8(0x80)], axis=-1)

@@ -58,9 +58,10 @@ constexpr auto GemmQ8MXFP4 = BlocksQ8<imp_q8::MXFP4>;
 template <class W>
 ffi::Error GroupsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kGroupBytes || xd.back() != wd[1] * kQBlock)
-    return ffi::Error::InvalidArgument("imp_gemm_q8 x16: x [..., K] and w [N / 16, K / 32, " + std::to_string(W::kGroupBytes) +
-                                       "] uint8 expected");
+  const int64_t weights = W::kSuper ? imp_q8::kSuper : kQBlock;   // per block of a group
+  if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kGroupBytes || xd.back() != wd[1] * weights)
+    return ffi::Error::InvalidArgument("imp_gemm_q8 x16: x [..., K] and w [N / 16, K / " + std::to_string(weights) + ", " +
+                                       std::to_string(W::kGroupBytes) + "] uint8 expected");
   if (kIsa != imp_q8::kAvx512) return ffi::Error::InvalidArgument("imp_gemm_q8 x16: this CPU lacks the AVX-512 path");
   const int64_t K = xd.back();
   imp_q8::run_x16<W>(&pool, x.typed_data(), K ? x.element_count() / K : 0, K, static_cast<const uint8_t*>(w.untyped_data()),
@@ -70,6 +71,7 @@ ffi::Error GroupsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 constexpr auto GemmQ8Q8_0x16 = GroupsQ8<imp_q8::Q8_0x16>;
 constexpr auto GemmQ8Q5_0x16 = GroupsQ8<imp_q8::Q5_0x16>;
+constexpr auto GemmQ8Q4_Kx16 = GroupsQ8<imp_q8::Q4_Kx16>;
 
 }  // namespace
 
@@ -97,6 +99,7 @@ IMP_GEMM_HANDLER(ImpGemmQ8IQ4_NLW, GemmQ8IQ4_NL, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8MXFP4W, GemmQ8MXFP4, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0x16W, GemmQ8Q8_0x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_0x16W, GemmQ8Q5_0x16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q4_Kx16W, GemmQ8Q4_Kx16, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -140,14 +143,15 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
 }
 
 // y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
-// Q8_0x16, 352 Q5_0x16) [N / 16, K / 32, group_bytes], on the calling thread alone; -1 for an unknown format or
-// a CPU without the AVX-512 path.
+// Q8_0x16, 352 Q5_0x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16: [N / 16, K / 256, group_bytes]), on the
+// calling thread alone; -1 for an unknown format or a CPU without the AVX-512 path.
 extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                    float* y) {
   if (kIsa != imp_q8::kAvx512 || N % imp_q8::kX16Rows) return -1;
   switch (group_bytes) {
     case imp_q8::Q8_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q8_0x16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q5_0x16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

@@ -22,6 +22,12 @@
 //     nibble + 16 * fifth bit = w + 16.
 // The bias (128, 16) comes back out through each row's block sums: the int32 chain of block b starts at
 // -bias * sum_j q_x,j.
+// Q4_Kx16 (2368 bytes a super-block: the file's 144 a row plus 4, its 6-bit scales and mins kept as bytes):
+//   the nibble bytes [4 p][8 k][16 rows][4] (dword k of the row's 32 bytes p: low nibbles are sub-block 2p's
+//   weights 4k..4k+3, high ones sub-block 2p + 1's), then d [16] f16, dmin [16] f16, sc [8][16], mn [8][16];
+//   its 32-weight sub-blocks are the blocks b above with D_b = d * sc (exact in float32) for d_w, weights
+//   q_w = the nibbles (0..15, no bias), and a second chain per output for the mins, M_b = dmin * mn:
+//   off = fl(off + fl(M_b * sd_b)) in block order (sd_b = d_x,b * sum_j q_x,j, gemm_q8.h's), y = fl(acc - off).
 #pragma once
 
 #include <immintrin.h>
@@ -39,6 +45,8 @@ constexpr int64_t kX16MR = 8;      // rows of x per tile (8 int32 and 8 float32 
 
 struct Q8_0x16 {
   static constexpr int64_t kGroupBytes = 544;
+  static constexpr bool kSuper = false;
+  static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 128;
   // Block b's 8 vectors of 16 rows x 4 weights (k = 0..7: weights 4k..4k+3) and its 16 scales.
   IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
@@ -51,6 +59,8 @@ struct Q8_0x16 {
 
 struct Q5_0x16 {
   static constexpr int64_t kGroupBytes = 352;
+  static constexpr bool kSuper = false;
+  static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 16;
   IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
@@ -68,18 +78,43 @@ struct Q5_0x16 {
   }
 };
 
-// x [M, K] for the x16 tiles: q, d_x [M, nb], and each block's -bias * sum q [M, nb].
+// A super-block of 8 sub-blocks, each read as a block of 32 (kSuper), with mins; 4 rows of x a tile
+// (4 int32, 4 float32 and 4 mins accumulators).
+struct Q4_Kx16 {
+  static constexpr int64_t kGroupBytes = 2368;
+  static constexpr bool kSuper = true;
+  static constexpr int kMR = 4;
+  static constexpr int32_t kBias = 0;
+  // Sub-block j's 8 vectors of 16 rows x 4 weights.
+  IMP_Q8_ZMM static __m512i weights(const uint8_t* g, int j, int k) {
+    const __m512i p = _mm512_loadu_si512(g + 512 * (j / 2) + 64 * k), low = _mm512_set1_epi8(15);
+    return j % 2 ? _mm512_and_si512(_mm512_srli_epi16(p, 4), low) : _mm512_and_si512(p, low);
+  }
+  // Sub-block j's D = d * sc and M = dmin * mn of the 16 rows.
+  IMP_Q8_ZMM static void scales(const uint8_t* g, int j, __m512& D, __m512& M) {
+    D = _mm512_mul_ps(f16s(g + 2048), bytes(g + 2112 + 16 * j));
+    M = _mm512_mul_ps(f16s(g + 2080), bytes(g + 2240 + 16 * j));
+  }
+  IMP_Q8_ZMM static __m512 f16s(const uint8_t* p) {   // 16 f16 as float32
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  IMP_Q8_ZMM static __m512 bytes(const uint8_t* p) {   // 16 unsigned bytes as float32
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// x [M, K] for the x16 tiles: q, d_x and sd = d_x * sum q [M, nb], and each block's -bias * sum q [M, nb].
 struct X16Activations {
   int64_t M, K, nb;
   std::unique_ptr<int8_t[]> q;
-  std::unique_ptr<float[]> d;
+  std::unique_ptr<float[]> d, sd;
   std::unique_ptr<int32_t[]> start;
 
   X16Activations(const float* x, int64_t M, int64_t K, int32_t bias)
-      : M(M), K(K), nb(K / kBlock), q(new int8_t[M * K]), d(new float[M * nb]), start(new int32_t[M * nb]) {
-    std::unique_ptr<float[]> sd(new float[nb]);
+      : M(M), K(K), nb(K / kBlock), q(new int8_t[M * K]), d(new float[M * nb]), sd(new float[M * nb]),
+        start(new int32_t[M * nb]) {
     for (int64_t m = 0; m < M; ++m) {
-      quantise_row(x + m * K, nb, 0, q.get() + m * K, d.get() + m * nb, sd.get(), nullptr);
+      quantise_row(x + m * K, nb, 0, q.get() + m * K, d.get() + m * nb, sd.get() + m * nb, nullptr);
       for (int64_t b = 0; b < nb; ++b) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.get() + m * K + b * kBlock));
         const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
@@ -91,7 +126,39 @@ struct X16Activations {
 
 // Rows [r0, r0 + MR) of x against one group (16 weight rows) into y (row r0's 16 outputs; rows ldy apart).
 template <class W, int MR>
+IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
+  const int64_t nb = a.nb, K = a.K;
+  __m512 acc[MR], off[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 8, g += W::kGroupBytes)
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = b0 + j;
+      __m512i isum[MR];
+      IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+      IMP_Q8_UNROLL for (int k = 0; k < 8; ++k) {
+        const __m512i w = W::weights(g, j, k);
+        IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          std::memcpy(&four, a.q.get() + (r0 + r) * K + b * kBlock + 4 * k, 4);
+          isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(four));
+        }
+      }
+      __m512 D, M;
+      W::scales(g, j, D, M);
+      IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(D, _mm512_set1_ps(a.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+        off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(M, _mm512_set1_ps(a.sd[(r0 + r) * nb + b])));
+      }
+    }
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_sub_ps(acc[r], off[r]));
+}
+
+template <class W, int MR>
 IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
+  if constexpr (W::kSuper) {
+    if constexpr (MR <= W::kMR) ktile_x16<W, MR>(a, r0, g, y, ldy);
+    return;
+  } else {
   const int64_t nb = a.nb, K = a.K;
   __m512 acc[MR];
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -111,6 +178,7 @@ IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, 
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
   }
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  }
 }
 
 template <class W>
@@ -141,10 +209,10 @@ struct GemmX16 {
   void item(int64_t i) const {
     const int64_t m0 = (i / group_items) * kX16RowBlock, m1 = std::min(a.M, m0 + kX16RowBlock);
     const int64_t g0 = (i % group_items) * kX16Groups, g1 = std::min(groups, g0 + kX16Groups);
-    const int64_t gbytes = a.nb * W::kGroupBytes;
+    const int64_t gbytes = (W::kSuper ? a.nb / 8 : a.nb) * W::kGroupBytes;
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m = m0; m < m1; m += kX16MR)
-        X16Tiles<W>::fn[std::min(kX16MR, m1 - m) - 1](a, m, w + g * gbytes, y + m * N + g * kX16Rows, N);
+      for (int64_t m = m0; m < m1; m += W::kMR)
+        X16Tiles<W>::fn[std::min<int64_t>(W::kMR, m1 - m) - 1](a, m, w + g * gbytes, y + m * N + g * kX16Rows, N);
   }
 
   void work() {
@@ -155,7 +223,7 @@ struct GemmX16 {
   }
 };
 
-// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / 32, W::kGroupBytes], with
+// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / 32 (K / 256: kSuper), W::kGroupBytes], with
 // XLA's pool (or on this thread alone when `pool` is null). Only where best_isa() is kAvx512.
 template <class W>
 void run_x16(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
