@@ -1,4 +1,4 @@
-"""The q8 GEMM on Q8_0 / Q5_0 / Q4_K matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
+"""The q8 GEMM on Q8_0 / Q5_0 / Q4_K / Q6_K matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
 matrices interleaved 16 rows at a time (ggml_x16.py, gemm_q8_x16.h): one thread, outside XLA, interleaved rounds.
 
     python scripts/bench_gemm_x16.py [--cases Q5_0:3072x576 Q8_0:49152x576 ...] [--rows 1 8 32 256]
@@ -7,7 +7,7 @@ matrices interleaved 16 rows at a time (ggml_x16.py, gemm_q8_x16.h): one thread,
 Each round times both layouts once per case (`--copies` distinct matrices, so the weights come from memory
 as in a decode step's layers; 1 keeps one matrix in the caches), in this thread's CPU time. Printed per case:
 each layout's median (and best) ms per call and the median (min-max) of the per-round ratios x16 / file.
-The default cases are SmolLM2-135M Q4_K_M's Q5_0, Q8_0 and Q4_K matrices (fused qkv, o, gate_up, down, the
+The default cases are SmolLM2-135M Q4_K_M's Q5_0, Q8_0, Q4_K and Q6_K matrices (fused qkv, o, gate_up, down, the
 LM head).
 Needs a CPU with the q8 library's AVX-512 path.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:576x1536", "Q8_0:49152x576"]
-FILE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144}
+CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:576x1536", "Q6_K:576x1536", "Q8_0:49152x576"]
+FILE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:

@@ -1,10 +1,11 @@
 """GGML blocks interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (cpu/gemm_q8_x16.h).
 
-A Q8_0, Q5_0 or Q4_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups [N / 16, K / W, group bytes]:
+A Q8_0, Q5_0, Q4_K or Q6_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups [N / 16, K / W, group bytes]:
 group g's block b holds block b of rows 16g..16g+15, arranged so that one 64-byte load gives the same 4
 weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers are the file's, byte for
 byte up to that order (Q8_0's int8s are stored plus 128, as the kernel's unsigned operand; Q4_K's 6-bit
-scales and mins as a byte each, 4 bytes a super-block more than the file's 144): `interleave`
+scales and mins as a byte each, 4 bytes a super-block more than the file's 144; Q6_K's 6-bit weights
+regrouped into nibbles and 2-bit planes): `interleave`
 at load (NumPy), `deinterleave` back to the file's blocks (JAX, inside programs: `dequantize` and the
 embedding rows of a tied table go through it), so every other reader of the matrix sees the file's blocks.
 The loader writes these only for `--gemm cpu_q8` on a CPU with the AVX-512 path (model/weights.py
@@ -19,10 +20,10 @@ import numpy as np
 ROWS = 16                                           # weight rows per group
 # name -> (the file's format, bytes a group of 16 rows takes per block: the file's 16 blocks, Q4_K's plus its
 # 6-bit scales and mins as bytes)
-FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_Kx16": ("Q4_K", 2368)}
+FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_Kx16": ("Q4_K", 2368), "Q6_Kx16": ("Q6_K", 3360)}
 OF = {base: name for name, (base, _) in FORMATS.items()}        # the file's format -> its interleaved name
 GROUP_BYTES = {name: nbytes for name, (_, nbytes) in FORMATS.items()}
-WEIGHTS = {"Q8_0x16": 32, "Q5_0x16": 32, "Q4_Kx16": 256}        # weights a row per block
+WEIGHTS = {"Q8_0x16": 32, "Q5_0x16": 32, "Q4_Kx16": 256, "Q6_Kx16": 256}   # weights a row per block
 
 
 def _scales_mins_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -32,8 +33,20 @@ def _scales_mins_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _q6_k_weights(b: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [..., 210] as their 256 6-bit integers q [..., 256] (uint8; w = d * sc * (q - 32)): per
+    128 weights h, 64 bytes of low nibbles (weights 32k + l: byte l of the first 32 for k = 0 low, 2 high; of
+    the next 32 for k = 1, 3) and 32 of high 2-bit pairs (bits 2k of byte l)."""
+    q = np.empty((*b.shape[:-1], 2, 4, 32), np.uint8)
+    for h in range(2):
+        l0, l1, hb = b[..., 64 * h:64 * h + 32], b[..., 64 * h + 32:64 * h + 64], b[..., 128 + 32 * h:160 + 32 * h]
+        for k, low in enumerate([l0 & 15, l1 & 15, l0 >> 4, l1 >> 4]):
+            q[..., h, k, :] = low | (((hb >> (2 * k)) & 3) << 4)
+    return q.reshape(*b.shape[:-1], 256)
+
+
 def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """Blocks [N, nb, bytes] of format `fmt` (Q8_0, Q5_0 or Q4_K), N a multiple of 16, as groups [N / 16, nb, group bytes]."""
+    """Blocks [N, nb, bytes] of format `fmt` (Q8_0, Q5_0, Q4_K, Q6_K), N a multiple of 16, as groups [N / 16, nb, group bytes]."""
     n, nb, nbytes = blocks.shape
     r = np.ascontiguousarray(blocks).reshape(n // ROWS, ROWS, nb, nbytes)
     g = n // ROWS
@@ -41,6 +54,13 @@ def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
     def per_row(a: np.ndarray) -> np.ndarray:   # [g, 16, nb, k, width] -> [g, nb, k, 16, width] -> [g, nb, bytes]
         return a.transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
 
+    if fmt == "Q6_K":   # low nibbles as Q4_K's, high 2 bits [2 t][8 k][16 rows][4], int8 scales [16][16], d [16] f16
+        q = _q6_k_weights(r).reshape(g, ROWS, nb, 8, 8, 4)                 # [g, 16, nb, sub-block j, k, 4]
+        low, high = q & 15, q >> 4
+        pairs = low[:, :, :, 0::2] | (low[:, :, :, 1::2] << 4)              # sub-blocks 2p, 2p + 1
+        planes = sum(high[:, :, :, u::4] << (2 * u) for u in range(4))     # sub-blocks 4t + u
+        return np.concatenate([per_row(pairs.reshape(g, ROWS, nb, 32, 4)), per_row(planes.astype(np.uint8).reshape(g, ROWS, nb, 16, 4)),
+                               per_row(r[..., 192:208, None]), per_row(r[..., 208:210, None].swapaxes(-1, -2))], axis=-1)
     if fmt == "Q4_K":   # nibble bytes [4 p][8 k][16 rows][4], d, dmin [16] f16, scales and mins [8][16] bytes
         sc, mn = _scales_mins_k4(r[..., 4:16])
         return np.concatenate([per_row(r[..., 16:].reshape(g, ROWS, nb, 32, 4)), per_row(r[..., 0:2, None].swapaxes(-1, -2)),
@@ -71,6 +91,17 @@ def deinterleave(groups: jax.Array, name: str) -> jax.Array:
         return a.reshape(*lead, g * ROWS, nb, k * width)
 
     base = FORMATS[name][0]
+    if base == "Q6_K":   # q back from its nibbles and 2-bit planes, then the file's order (`_q6_k_weights`)
+        pairs, planes = rows(groups[..., :2048], 32, 4), rows(groups[..., 2048:3072], 16, 4)   # [..., N, S, 128 / 64]
+        outer = pairs.shape[:-1]
+        pairs, planes = pairs.reshape(*outer, 4, 32), planes.reshape(*outer, 2, 32)
+        low = jnp.stack([pairs & 15, pairs >> 4], axis=-2).reshape(*outer, 8, 32)                   # sub-block 2p + parity
+        high = jnp.stack([(planes >> (2 * u)) & 3 for u in range(4)], axis=-2).reshape(*outer, 8, 32)   # 4t + u
+        q = (low | (high << 4)).reshape(*outer, 2, 4, 32)                    # [h, k, l]: weight 128h + 32k + l
+        ql = jnp.concatenate([q[..., 0, :] & 15 | ((q[..., 2, :] & 15) << 4), q[..., 1, :] & 15 | ((q[..., 3, :] & 15) << 4)], axis=-1)
+        qh = sum((q[..., k, :] >> 4) << (2 * k) for k in range(4)).astype(jnp.uint8)
+        return jnp.concatenate([ql.reshape(*ql.shape[:-2], 128), qh.reshape(*qh.shape[:-2], 64),
+                                rows(groups[..., 3072:3328], 16, 1), rows(groups[..., 3328:3360], 1, 2)], axis=-1)
     if base == "Q4_K":
         sc, mn = rows(groups[..., 2112:2240], 8, 1), rows(groups[..., 2240:2368], 8, 1)
         scales = [sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6), mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6),

@@ -72,6 +72,7 @@ ffi::Error GroupsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 constexpr auto GemmQ8Q8_0x16 = GroupsQ8<imp_q8::Q8_0x16>;
 constexpr auto GemmQ8Q5_0x16 = GroupsQ8<imp_q8::Q5_0x16>;
 constexpr auto GemmQ8Q4_Kx16 = GroupsQ8<imp_q8::Q4_Kx16>;
+constexpr auto GemmQ8Q6_Kx16 = GroupsQ8<imp_q8::Q6_Kx16>;
 
 }  // namespace
 
@@ -100,6 +101,7 @@ IMP_GEMM_HANDLER(ImpGemmQ8MXFP4W, GemmQ8MXFP4, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0x16W, GemmQ8Q8_0x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_0x16W, GemmQ8Q5_0x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_Kx16W, GemmQ8Q4_Kx16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q6_Kx16W, GemmQ8Q6_Kx16, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -143,7 +145,7 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
 }
 
 // y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
-// Q8_0x16, 352 Q5_0x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16: [N / 16, K / 256, group_bytes]), on the
+// Q8_0x16, 352 Q5_0x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16, 3360 Q6_Kx16: [N / 16, K / 256, ...]), on the
 // calling thread alone; -1 for an unknown format or a CPU without the AVX-512 path.
 extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                    float* y) {
@@ -152,6 +154,7 @@ extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, i
     case imp_q8::Q8_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q8_0x16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q5_0x16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_Kx16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::Q6_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q6_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

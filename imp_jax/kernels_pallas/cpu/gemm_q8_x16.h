@@ -28,6 +28,11 @@
 //   its 32-weight sub-blocks are the blocks b above with D_b = d * sc (exact in float32) for d_w, weights
 //   q_w = the nibbles (0..15, no bias), and a second chain per output for the mins, M_b = dmin * mn:
 //   off = fl(off + fl(M_b * sd_b)) in block order (sd_b = d_x,b * sum_j q_x,j, gemm_q8.h's), y = fl(acc - off).
+// Q6_K x16 (3360 bytes a super-block, as the file's 210 a row): its 6-bit q as low nibbles in Q4_Kx16's order
+//   [4 p][8 k][16 rows][4] (sub-block 2p low, 2p + 1 high), then the high 2 bits [2 t][8 k][16 rows][4]
+//   (sub-block 4t + u at bits 2u), the int8 scales [16][16] (one per 16 weights), d [16] f16; w = q - 32.
+//   Its blocks are 16 weights (the scales'): the chain runs over them, isum over 16 products from
+//   -32 * the 16 q_x's sum, d_w = d * sc (exact), d_x the 32-wide activation block's.
 #pragma once
 
 #include <immintrin.h>
@@ -37,6 +42,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
+#include <type_traits>
 
 namespace imp_q8 {
 
@@ -103,22 +110,45 @@ struct Q4_Kx16 {
   }
 };
 
-// x [M, K] for the x16 tiles: q, d_x and sd = d_x * sum q [M, nb], and each block's -bias * sum q [M, nb].
+struct Q6_Kx16 {
+  static constexpr int64_t kGroupBytes = 3360;
+  static constexpr bool kSuper = true;
+  static constexpr int kMR = kX16MR;
+  static constexpr int32_t kBias = 32;
+  // Sub-block j's weights 4k..4k+3 (q, 0..63) of the 16 rows.
+  IMP_Q8_ZMM static __m512i weights(const uint8_t* g, int j, int k) {
+    const __m512i p = _mm512_loadu_si512(g + 512 * (j / 2) + 64 * k), h = _mm512_loadu_si512(g + 2048 + 512 * (j / 4) + 64 * k);
+    const __m512i low = j % 2 ? _mm512_srli_epi16(p, 4) : p;
+    const __m512i high = _mm512_srli_epi16(h, 2 * (j % 4));
+    return _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi8(15)), _mm512_slli_epi16(_mm512_and_si512(high, _mm512_set1_epi8(3)), 4));
+  }
+  // The d * sc of 16-weight block t (0..15) of the 16 rows.
+  IMP_Q8_ZMM static __m512 scale(const uint8_t* g, int t) {
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 3328))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 3072 + 16 * t)))));
+  }
+};
+
+// x [M, K] for the x16 tiles: q, d_x and sd = d_x * sum q [M, nb], each block's -bias * sum q [M, nb], and
+// (Q6_Kx16) -bias * the sums of its two 16-value halves [M, nb, 2].
 struct X16Activations {
   int64_t M, K, nb;
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> d, sd;
-  std::unique_ptr<int32_t[]> start;
+  std::unique_ptr<int32_t[]> start, halves;
 
   X16Activations(const float* x, int64_t M, int64_t K, int32_t bias)
       : M(M), K(K), nb(K / kBlock), q(new int8_t[M * K]), d(new float[M * nb]), sd(new float[M * nb]),
-        start(new int32_t[M * nb]) {
+        start(new int32_t[M * nb]), halves(new int32_t[2 * M * nb]) {
     for (int64_t m = 0; m < M; ++m) {
       quantise_row(x + m * K, nb, 0, q.get() + m * K, d.get() + m * nb, sd.get() + m * nb, nullptr);
       for (int64_t b = 0; b < nb; ++b) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.get() + m * K + b * kBlock));
         const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-        start[m * nb + b] = -bias * hsum_i32(sums);
+        const int8_t* first = q.get() + m * K + b * kBlock;
+        const int32_t all = hsum_i32(sums), low = std::accumulate(first, first + kBlock / 2, 0);
+        start[m * nb + b] = -bias * all;
+        halves[2 * (m * nb + b)] = -bias * low, halves[2 * (m * nb + b) + 1] = -bias * (all - low);
       }
     }
   }
@@ -153,9 +183,40 @@ IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g,
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_sub_ps(acc[r], off[r]));
 }
 
+// Q6_Kx16: blocks of 16 weights (2 a sub-block), no mins.
+template <class W, int MR>
+IMP_Q8_ZMM void ktile16_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
+  const int64_t nb = a.nb, K = a.K;
+  __m512 acc[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 8, g += W::kGroupBytes)
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = b0 + j;
+      IMP_Q8_UNROLL for (int h = 0; h < 2; ++h) {
+        __m512i isum[MR];
+        IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) isum[r] = _mm512_set1_epi32(a.halves[2 * ((r0 + r) * nb + b) + h]);
+        IMP_Q8_UNROLL for (int k = 4 * h; k < 4 * h + 4; ++k) {
+          const __m512i w = W::weights(g, j, k);
+          IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
+            int32_t four;
+            std::memcpy(&four, a.q.get() + (r0 + r) * K + b * kBlock + 4 * k, 4);
+            isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(four));
+          }
+        }
+        const __m512 D = W::scale(g, 2 * j + h);
+        IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(D, _mm512_set1_ps(a.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+      }
+    }
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 template <class W, int MR>
 IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
-  if constexpr (W::kSuper) {
+  if constexpr (std::is_same_v<W, Q6_Kx16>) {
+    ktile16_x16<W, MR>(a, r0, g, y, ldy);
+    return;
+  } else if constexpr (W::kSuper) {
     if constexpr (MR <= W::kMR) ktile_x16<W, MR>(a, r0, g, y, ldy);
     return;
   } else {
