@@ -1,5 +1,6 @@
-// The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q5_0x16, Q8_0x16; ggml_blocks.py
-// `interleave_x16` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512). Included by gemm_q8.cc.
+// The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q8_0x16, Q5_0x16, Q4_Kx16, Q6_Kx16;
+// ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512). Included by
+// gemm_q8.cc.
 //
 // The activations are gemm_q8.h's (x rounded to int8 per row and 32-wide block, d_x = amax / 127); the
 // weights are the file's numbers; what differs is the order of the float32 sums. Per output (row m of x,
@@ -28,7 +29,7 @@
 //   its 32-weight sub-blocks are the blocks b above with D_b = d * sc (exact in float32) for d_w, weights
 //   q_w = the nibbles (0..15, no bias), and a second chain per output for the mins, M_b = dmin * mn:
 //   off = fl(off + fl(M_b * sd_b)) in block order (sd_b = d_x,b * sum_j q_x,j, gemm_q8.h's), y = fl(acc - off).
-// Q6_K x16 (3360 bytes a super-block, as the file's 210 a row): its 6-bit q as low nibbles in Q4_Kx16's order
+// Q6_Kx16 (3360 bytes a super-block, as the file's 210 a row): its 6-bit q as low nibbles in Q4_Kx16's order
 //   [4 p][8 k][16 rows][4] (sub-block 2p low, 2p + 1 high), then the high 2 bits [2 t][8 k][16 rows][4]
 //   (sub-block 4t + u at bits 2u), the int8 scales [16][16] (one per 16 weights), d [16] f16; w = q - 32.
 //   Its blocks are 16 weights (the scales'): the chain runs over them, isum over 16 products from
