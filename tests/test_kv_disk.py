@@ -299,7 +299,9 @@ def test_write_error_is_counted_and_the_writer_goes_on(tmp_path: Path) -> None:
 
 
 def test_concurrent_gets_and_puts_never_serve_a_wrong_block(tmp_path: Path) -> None:
-    s = DiskKVStore(tmp_path, FP, 8 * file_size() + 100, max_pending_bytes=4 * block(0).nbytes)
+    # room for all 24 blocks in the queue: none is dropped however far the writer falls behind (a loaded
+    # machine), so all are written and 24 blocks on an 8-file disk must evict
+    s = DiskKVStore(tmp_path, FP, 8 * file_size() + 100, max_pending_bytes=32 * block(0).nbytes)
     wrong: list[int] = []
 
     def worker(seed: int) -> None:
