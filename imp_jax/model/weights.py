@@ -8,7 +8,7 @@ A `Matrix` is a parameter the model reads only through `layers.linear` (projecti
 - bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32);
 - for the q8 GEMM on an AVX-512 CPU, Q8_0, Q5_0, Q4_K and Q6_K blocks interleaved 16 rows at a time
   (ggml_x16.py: the file's bytes in another order).
-All are exact: the products are those of the float32 matrices, at a quarter to half the bytes.
+All hold the float32 matrices' values exactly (the first two at a quarter to half the bytes).
 They pay only where the GEMM reads them as they are (the x86-64 CPU kernel); XLA's dot would
 widen them on every call, so elsewhere matrices stay in the model's dtype.
 """
