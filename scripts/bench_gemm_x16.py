@@ -1,4 +1,4 @@
-"""The q8 GEMM on Q8_0 / Q5_0 / Q4_K / Q6_K matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
+"""The q8 GEMM on Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
 matrices interleaved 16 rows at a time (ggml_x16.py, gemm_q8_x16.h): one thread, outside XLA, interleaved rounds.
 
     python scripts/bench_gemm_x16.py [--cases Q5_0:3072x576 Q8_0:49152x576 ...] [--rows 1 8 32 256]
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:576x1536", "Q6_K:576x1536", "Q8_0:49152x576"]
-FILE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+FILE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:

@@ -23,10 +23,10 @@ BLOCK_WEIGHTS = {**quant.WEIGHTS, "IQ4_NL": quant.BLOCK}
 
 def random_blocks(fmt: str, n: int, blocks: int, seed: int, scale: float = 0.05) -> np.ndarray:
     """uint8 [n, blocks, bytes]: gguf-py's quantisation of a random matrix where gguf-py has one
-    (Q4_0, Q8_0, Q5_0, Q5_1), else random bytes with random finite f16 scales (every bit pattern of the rest is a
+    (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1), else random bytes with random finite f16 scales (every bit pattern of the rest is a
     valid block)."""
     rng = np.random.default_rng(seed)
-    if fmt in ("Q5_0", "Q5_1", "Q4_0", "Q8_0"):
+    if fmt in ("Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q8_0"):
         x = rng.standard_normal((n, blocks * quant.WEIGHTS[fmt])).astype(np.float32)
         return quantize(x, Q[fmt]).reshape(n, blocks, quant.FORMATS[fmt])
     b = rng.integers(0, 256, (n, blocks, BLOCK_BYTES[fmt]), dtype=np.uint8)

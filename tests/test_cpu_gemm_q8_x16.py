@@ -1,4 +1,4 @@
-"""Q8_0 / Q5_0 / Q4_K / Q6_K matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
+"""Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
 kernels_pallas/cpu/gemm_q8_x16.h): the layout holds the file's bytes (back out exactly, rows of a tied table
 included), the kernel computes its specified sums bit for bit (a float64 NumPy model of the one fma chain per
 output), a row's result does not depend on its neighbours or the thread split, the products stay within the
@@ -19,7 +19,7 @@ from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.model.layers import embed
 from imp_jax.model.weights import Matrix, interleave_for_q8
 
-FORMATS = ["Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 needs_x16 = pytest.mark.skipif(not (cpu_gemm.available() and cpu_gemm.interleaves()),
                                reason="the q8 GEMM's AVX-512 path is not on this CPU")
 
@@ -37,28 +37,29 @@ def interleaved(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.n
 def chain_model(x: np.ndarray, blocks: np.ndarray, qtype: str) -> np.ndarray:
     """gemm_q8_x16.h's sums: per output, acc = fma(dd_b, isum_b, acc) in block order from 0, float32 (dd_b *
     isum_b is exact in float64, 24 + 20 bits, so each step is one rounding of an exact sum, as an fma's);
-    Q4_K: its 32-weight sub-blocks as the blocks (d_w = d * sc), less off = fl(off + fl(dmin * mn * sd_b)); Q6_K:
-    its 16-weight ones (w = q - 32), each against its 32-wide activation block's d_x."""
+    Q4_K: its 32-weight sub-blocks as the blocks (d_w = d * sc), less off = fl(off + fl(dmin * mn * sd_b)); Q4_1:
+    plus off = fl(off + fl(m * sd_b)); Q6_K: its 16-weight blocks (w = q - 32), each against its 32-wide
+    activation block's d_x."""
     q, d, sd = quantise(x)
     if qtype == "Q6_K":   # blocks of 16: [.., 2 nb, 16]; the lane scales of each half (lanes 0-3, 4-7) as d_w
         qw, lanes, _ = k_weights(blocks, qtype)
         q, d = q.reshape(q.shape[0], -1, 16), np.repeat(d, 2, axis=-1)
-        qw, dw, mins = (qw - 32).reshape(qw.shape[0], -1, 16), lanes[..., ::4].reshape(lanes.shape[0], -1), None
+        qw, dw, offsets = (qw - 32).reshape(qw.shape[0], -1, 16), lanes[..., ::4].reshape(lanes.shape[0], -1), None
     elif qtype == "Q4_K":
         qw, lanes, mins = k_weights(blocks, qtype)
-        dw = lanes[..., 0]   # one scale a sub-block: its 8 lanes' are equal
+        dw, offsets = lanes[..., 0], -mins   # one scale a sub-block: its 8 lanes' are equal; dmin * mn, subtracted
     else:
-        (qw, dw, _), mins = block_weights(blocks), None
+        qw, dw, offsets = block_weights(blocks)   # Q4_1's m, added
     isum = np.einsum("mbj,nbj->mnb", q, qw)
     dd = (dw[None] * d[:, None]).astype(np.float32).astype(np.float64)
     acc = np.zeros(isum.shape[:2], np.float32)
     for b in range(isum.shape[-1]):
         acc = (acc.astype(np.float64) + dd[..., b] * isum[..., b]).astype(np.float32)
-    if mins is not None:
+    if offsets is not None:   # float32: each product and sum rounded once (a negated min: the same magnitudes)
         off = np.zeros_like(acc)
         for b in range(isum.shape[-1]):
-            off = off + mins[None, :, b] * sd[:, None, b]   # float32: each product and sum rounded once
-        acc = acc - off
+            off = off + offsets[None, :, b].astype(np.float32) * sd[:, None, b]
+        acc = acc + off
     return acc
 
 
@@ -121,8 +122,9 @@ def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype
 
 
 def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
-    """Q8_0, Q5_0, Q4_K and Q6_K matrices of 16-row multiples, with the q8 GEMM on the AVX-512 path and no tensor
-    parallelism; the other formats, odd row counts and mixture-of-experts stacks stay as the file has them."""
+    """Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K matrices of 16-row multiples, with the q8 GEMM on the AVX-512 path
+    and no tensor parallelism; the other formats (IQ4_XS here), odd row counts and mixture-of-experts stacks
+    stay as the file has them."""
     from flax import nnx
 
     class Model(nnx.Module):
@@ -131,6 +133,8 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
             self.b = Matrix(ggml("Q8_0", 48, 64, 2)[0])
             self.odd = Matrix(ggml("Q8_0", 40, 64, 3)[0])
             self.k = Matrix(ggml("Q4_0", 32, 64, 4)[0])
+            self.k1 = Matrix(ggml("Q4_1", 32, 64, 8)[0])
+            self.iq = Matrix(random_blocks("IQ4_XS", 16, 1, seed=9))
             self.kq = Matrix(random_blocks("Q4_K", 32, 1, seed=6))
             self.k6 = Matrix(random_blocks("Q6_K", 16, 1, seed=7))
             self.stack = Matrix(np.stack([ggml("Q8_0", 16, 64, 5)[0]] * 2))
@@ -138,10 +142,12 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
     def formats(kernels: Kernels, tp: int) -> dict[str, str | None]:
         model = Model()
         interleave_for_q8(model, kernels, tp)
-        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "kq", "k6", "stack")}
+        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "k1", "kq", "k6", "iq", "stack")}
 
-    as_file = {"a": "Q5_0", "b": "Q8_0", "odd": "Q8_0", "k": "Q4_0", "kq": "Q4_K", "k6": "Q6_K", "stack": "Q8_0"}
+    as_file = {"a": "Q5_0", "b": "Q8_0", "odd": "Q8_0", "k": "Q4_0", "k1": "Q4_1", "kq": "Q4_K", "k6": "Q6_K", "iq": "IQ4_XS",
+               "stack": "Q8_0"}
     assert formats(Kernels(gemm="exact"), 1) == as_file
     assert formats(Kernels(gemm="cpu_q8"), 2) == as_file
-    want = {**as_file, "a": "Q5_0x16", "b": "Q8_0x16", "kq": "Q4_Kx16", "k6": "Q6_Kx16"} if cpu_gemm.interleaves() else as_file
+    interleaved = {"a": "Q5_0x16", "b": "Q8_0x16", "k": "Q4_0x16", "k1": "Q4_1x16", "kq": "Q4_Kx16", "k6": "Q6_Kx16"}
+    want = {**as_file, **interleaved} if cpu_gemm.interleaves() else as_file
     assert formats(Kernels(gemm="cpu_q8"), 1) == want

@@ -77,8 +77,8 @@ _X16_BY_BYTES = {b: name for name, b in ggml_x16.GROUP_BYTES.items()}
 def format_of(w: jax.Array | np.ndarray) -> str | None:
     """The block format of a quantised matrix [N, K / W, bytes] (or of rows gathered from one, or of a
     stack of them [E, N, K / W, bytes]: a mixture of experts'), or of one interleaved for the q8 GEMM
-    ([N / 16, K / W, group bytes]: `Q8_0x16`, `Q5_0x16`, `Q4_Kx16`, `Q6_Kx16`, ggml_x16.py); None for a plain
-    float one."""
+    ([N / 16, K / W, group bytes]: `Q8_0x16`, `Q5_0x16`, `Q4_Kx16`, ... ggml_x16.py); None for a plain float
+    one."""
     if w.dtype != np.uint8 or w.ndim < 3:
         return None
     return _BY_BYTES.get(int(w.shape[-1])) or _X16_BY_BYTES.get(int(w.shape[-1]))

@@ -1,6 +1,6 @@
 """GGML blocks interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (cpu/gemm_q8_x16.h).
 
-A Q8_0, Q5_0, Q4_K or Q6_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups [N / 16, K / W, group bytes]:
+A Q8_0, Q5_0, Q4_0, Q4_1, Q4_K or Q6_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups [N / 16, K / W, group bytes]:
 group g's block b holds block b of rows 16g..16g+15, arranged so that one 64-byte load gives the same 4
 weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers are the file's, byte for
 byte up to that order (Q8_0's int8s are stored plus 128, as the kernel's unsigned operand; Q4_K's 6-bit
@@ -20,10 +20,11 @@ import numpy as np
 ROWS = 16                                           # weight rows per group
 # name -> (the file's format, bytes a group of 16 rows takes per block: the file's 16 blocks, Q4_K's plus its
 # 6-bit scales and mins as bytes)
-FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_Kx16": ("Q4_K", 2368), "Q6_Kx16": ("Q6_K", 3360)}
+FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_0x16": ("Q4_0", 288), "Q4_1x16": ("Q4_1", 320),
+           "Q4_Kx16": ("Q4_K", 2368), "Q6_Kx16": ("Q6_K", 3360)}
 OF = {base: name for name, (base, _) in FORMATS.items()}        # the file's format -> its interleaved name
 GROUP_BYTES = {name: nbytes for name, (_, nbytes) in FORMATS.items()}
-WEIGHTS = {"Q8_0x16": 32, "Q5_0x16": 32, "Q4_Kx16": 256, "Q6_Kx16": 256}   # weights a row per block
+WEIGHTS = {name: 256 if base in ("Q4_K", "Q6_K") else 32 for name, (base, _) in FORMATS.items()}   # a row's per block
 
 
 def _scales_mins_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -46,7 +47,7 @@ def _q6_k_weights(b: np.ndarray) -> np.ndarray:
 
 
 def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """Blocks [N, nb, bytes] of format `fmt` (Q8_0, Q5_0, Q4_K, Q6_K), N a multiple of 16, as groups [N / 16, nb, group bytes]."""
+    """Blocks [N, nb, bytes] of format `fmt` (one of OF's), N a multiple of 16, as groups [N / 16, nb, group bytes]."""
     n, nb, nbytes = blocks.shape
     r = np.ascontiguousarray(blocks).reshape(n // ROWS, ROWS, nb, nbytes)
     g = n // ROWS
@@ -70,6 +71,10 @@ def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "Q8_0":   # [8 k][16 rows][4 bytes] of w + 128, then d
         qs = (r[..., 2:] ^ 0x80).reshape(g, ROWS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 512)
         return np.concatenate([qs, d], axis=-1)
+    if fmt in ("Q4_0", "Q4_1"):   # [4 k][16 rows][4 nibble bytes], then d (and Q4_1's m)
+        nibbles = r[..., -16:].reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)
+        scales = [d] if fmt == "Q4_0" else [d, r[..., 2:4].transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)]
+        return np.concatenate([nibbles, *scales], axis=-1)
     if fmt == "Q5_0":   # [4 k][16 rows][4 nibble bytes], 8 masks of the fifth bits, then d
         nibbles = r[..., 6:].reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)
         qh = r[..., 2:6]                                                # [g, 16, nb, 4]: weight j's bit at byte j // 8
@@ -108,6 +113,9 @@ def deinterleave(groups: jax.Array, name: str) -> jax.Array:
                   (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)]
         return jnp.concatenate([rows(groups[..., 2048:2080], 1, 2), rows(groups[..., 2080:2112], 1, 2), *scales,
                                 rows(groups[..., :2048], 32, 4)], axis=-1)
+    if base in ("Q4_0", "Q4_1"):
+        scales = [rows(groups[..., 256 + 32 * i:288 + 32 * i], 1, 2) for i in range(1 if base == "Q4_0" else 2)]
+        return jnp.concatenate([*scales, rows(groups[..., :256], 4, 4)], axis=-1)
     d = rows(groups[..., -2 * ROWS:], 1, 2)
     if base == "Q8_0":
         return jnp.concatenate([d, rows(groups[..., :512], 8, 4) ^ jnp.uint8(0x80)], axis=-1)

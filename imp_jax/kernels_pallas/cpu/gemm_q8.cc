@@ -71,6 +71,8 @@ ffi::Error GroupsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 constexpr auto GemmQ8Q8_0x16 = GroupsQ8<imp_q8::Q8_0x16>;
 constexpr auto GemmQ8Q5_0x16 = GroupsQ8<imp_q8::Q5_0x16>;
+constexpr auto GemmQ8Q4_0x16 = GroupsQ8<imp_q8::Q4_0x16>;
+constexpr auto GemmQ8Q4_1x16 = GroupsQ8<imp_q8::Q4_1x16>;
 constexpr auto GemmQ8Q4_Kx16 = GroupsQ8<imp_q8::Q4_Kx16>;
 constexpr auto GemmQ8Q6_Kx16 = GroupsQ8<imp_q8::Q6_Kx16>;
 
@@ -100,6 +102,8 @@ IMP_GEMM_HANDLER(ImpGemmQ8IQ4_NLW, GemmQ8IQ4_NL, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8MXFP4W, GemmQ8MXFP4, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q8_0x16W, GemmQ8Q8_0x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q5_0x16W, GemmQ8Q5_0x16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q4_0x16W, GemmQ8Q4_0x16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8Q4_1x16W, GemmQ8Q4_1x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_Kx16W, GemmQ8Q4_Kx16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q6_Kx16W, GemmQ8Q6_Kx16, ffi::U8);
 
@@ -145,14 +149,17 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
 }
 
 // y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
-// Q8_0x16, 352 Q5_0x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16, 3360 Q6_Kx16: [N / 16, K / 256, ...]), on the
-// calling thread alone; -1 for an unknown format or a CPU without the AVX-512 path.
+// Q8_0x16, 352 Q5_0x16, 288 Q4_0x16, 320 Q4_1x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16, 3360 Q6_Kx16:
+// [N / 16, K / 256, group_bytes]), on the calling thread alone; -1 for an unknown format or a CPU without the
+// AVX-512 path.
 extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                    float* y) {
   if (kIsa != imp_q8::kAvx512 || N % imp_q8::kX16Rows) return -1;
   switch (group_bytes) {
     case imp_q8::Q8_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q8_0x16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q5_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q5_0x16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_0x16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::Q4_1x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_1x16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q6_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q6_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     default: return -1;

@@ -1,6 +1,6 @@
-// The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q8_0x16, Q5_0x16, Q4_Kx16, Q6_Kx16;
-// ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512). Included by
-// gemm_q8.cc.
+// The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q8_0x16, Q5_0x16, Q4_0x16, Q4_1x16,
+// Q4_Kx16, Q6_Kx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512).
+// Included by gemm_q8.cc.
 //
 // The activations are gemm_q8.h's (x rounded to int8 per row and 32-wide block, d_x = amax / 127); the
 // weights are the file's numbers; what differs is the order of the float32 sums. Per output (row m of x,
@@ -21,7 +21,11 @@
 //     row's 16: low nibbles are weights 4k..4k+3, high ones 16 + 4k..), the fifth bits as 8 masks of 64
 //     bits (mask k, bit 4i + j: row i's weight 4k + j), then the f16 d [16]; the weights are read as
 //     nibble + 16 * fifth bit = w + 16.
-// The bias (128, 16) comes back out through each row's block sums: the int32 chain of block b starts at
+//   Q4_0x16 (288 bytes) and Q4_1x16 (320): the nibble bytes as Q5_0x16's, then d [16] f16 (Q4_1: and m [16]
+//     f16); Q4_0's weights are read as nibble = w + 8, Q4_1's are the nibbles, and Q4_1 adds a second chain
+//     per output for its offsets: off = fl(off + fl(m_b * sd_b)) in block order (sd_b = d_x,b * sum_j q_x,j,
+//     gemm_q8.h's), y = fl(acc + off).
+// The bias (128, 16, 8) comes back out through each row's block sums: the int32 chain of block b starts at
 // -bias * sum_j q_x,j.
 // Q4_Kx16 (2368 bytes a super-block: the file's 144 a row plus 4, its 6-bit scales and mins kept as bytes):
 //   the nibble bytes [4 p][8 k][16 rows][4] (dword k of the row's 32 bytes p: low nibbles are sub-block 2p's
@@ -53,7 +57,7 @@ constexpr int64_t kX16MR = 8;      // rows of x per tile (8 int32 and 8 float32 
 
 struct Q8_0x16 {
   static constexpr int64_t kGroupBytes = 544;
-  static constexpr bool kSuper = false;
+  static constexpr bool kSuper = false, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 128;
   // Block b's 8 vectors of 16 rows x 4 weights (k = 0..7: weights 4k..4k+3) and its 16 scales.
@@ -67,7 +71,7 @@ struct Q8_0x16 {
 
 struct Q5_0x16 {
   static constexpr int64_t kGroupBytes = 352;
-  static constexpr bool kSuper = false;
+  static constexpr bool kSuper = false, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 16;
   IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
@@ -86,11 +90,36 @@ struct Q5_0x16 {
   }
 };
 
+// Q4_0x16 / Q4_1x16: the nibbles as they are; Q4_1 with offsets, 4 rows of x a tile (4 int32, 4 float32 and 4
+// offset accumulators beside the 8 weight vectors).
+template <int64_t kBytes, int32_t kBiasOf, bool kOffsetOf>
+struct Q4x16 {
+  static constexpr int64_t kGroupBytes = kBytes;
+  static constexpr bool kSuper = false, kOffset = kOffsetOf;
+  static constexpr int kMR = kOffsetOf ? 4 : kX16MR;
+  static constexpr int32_t kBias = kBiasOf;
+  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i p = _mm512_loadu_si512(g + 64 * k);
+      w[k] = _mm512_and_si512(p, low), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+  }
+  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 256)));
+  }
+  IMP_Q8_ZMM static __m512 offsets(const uint8_t* g) {   // Q4_1's m
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 288)));
+  }
+};
+using Q4_0x16 = Q4x16<288, 8, false>;
+using Q4_1x16 = Q4x16<320, 0, true>;
+
 // A super-block of 8 sub-blocks, each read as a block of 32 (kSuper), with mins; 4 rows of x a tile
 // (4 int32, 4 float32 and 4 mins accumulators).
 struct Q4_Kx16 {
   static constexpr int64_t kGroupBytes = 2368;
-  static constexpr bool kSuper = true;
+  static constexpr bool kSuper = true, kOffset = false;
   static constexpr int kMR = 4;
   static constexpr int32_t kBias = 0;
   // Sub-block j's 8 vectors of 16 rows x 4 weights.
@@ -113,7 +142,7 @@ struct Q4_Kx16 {
 
 struct Q6_Kx16 {
   static constexpr int64_t kGroupBytes = 3360;
-  static constexpr bool kSuper = true;
+  static constexpr bool kSuper = true, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 32;
   // Sub-block j's weights 4k..4k+3 (q, 0..63) of the 16 rows.
@@ -155,7 +184,8 @@ struct X16Activations {
   }
 };
 
-// Rows [r0, r0 + MR) of x against one group (16 weight rows) into y (row r0's 16 outputs; rows ldy apart).
+// The tiles: rows [r0, r0 + MR) of x against one group (16 weight rows) into y (row r0's 16 outputs; rows ldy
+// apart). Q4_Kx16: a super-block's 8 sub-blocks as blocks of 32, with the mins' chain.
 template <class W, int MR>
 IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
   const int64_t nb = a.nb, K = a.K;
@@ -212,18 +242,12 @@ IMP_Q8_ZMM void ktile16_x16(const X16Activations& a, int64_t r0, const uint8_t* 
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+// The 32-weight formats: one block a step (Q4_1: and its offsets' chain).
 template <class W, int MR>
-IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
-  if constexpr (std::is_same_v<W, Q6_Kx16>) {
-    ktile16_x16<W, MR>(a, r0, g, y, ldy);
-    return;
-  } else if constexpr (W::kSuper) {
-    if constexpr (MR <= W::kMR) ktile_x16<W, MR>(a, r0, g, y, ldy);
-    return;
-  } else {
+IMP_Q8_ZMM void btile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
   const int64_t nb = a.nb, K = a.K;
-  __m512 acc[MR];
-  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[MR], off[MR];
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, g += W::kGroupBytes) {
     __m512i w[8];
     W::weights(g, w);
@@ -238,8 +262,25 @@ IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, 
     const __m512 dw = W::scales(g);
     IMP_Q8_UNROLL for (int r = 0; r < MR; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+    if constexpr (W::kOffset) {
+      const __m512 m = W::offsets(g);
+      IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(m, _mm512_set1_ps(a.sd[(r0 + r) * nb + b])));
+    }
   }
-  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, W::kOffset ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
+}
+
+// Rows [r0, r0 + MR) of x (MR up to W::kMR) against one group of format W.
+template <class W, int MR>
+IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
+  if constexpr (MR > W::kMR) {
+    return;   // not called: GemmX16 steps by W::kMR
+  } else if constexpr (std::is_same_v<W, Q6_Kx16>) {
+    ktile16_x16<W, MR>(a, r0, g, y, ldy);
+  } else if constexpr (W::kSuper) {
+    ktile_x16<W, MR>(a, r0, g, y, ldy);
+  } else {
+    btile_x16<W, MR>(a, r0, g, y, ldy);
   }
 }
 

@@ -134,8 +134,8 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
     narrow_exact_bf16(model, formats)
     interleaved = interleave_for_q8(model, options.kernels, options.tensor_parallel)
     if interleaved:
-        log.info("q8 GEMM: %d Q8_0 / Q5_0 / Q4_K / Q6_K matrices interleaved 16 rows at a time for the AVX-512 tiles",
-                 interleaved)
+        log.info("q8 GEMM: %d Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices interleaved 16 rows at a time for "
+                 "the AVX-512 tiles", interleaved)
     log.info("weights: %s", describe(model))
     vision = None
     if ckpt.vision is not None and takes_embed_rows(cls):   # a class without the overrides serves text only
