@@ -1,14 +1,14 @@
 """GGML blocks interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (cpu/gemm_q8_x16.h).
 
-A Q8_0, Q5_0, Q4_0, Q4_1, Q4_K or Q6_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups [N / 16, K / W, group bytes]:
-group g's block b holds block b of rows 16g..16g+15, arranged so that one 64-byte load gives the same 4
-weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers are the file's, byte for
-byte up to that order (Q8_0's int8s are stored plus 128, as the kernel's unsigned operand; Q4_K's 6-bit
-scales and mins as a byte each, 4 bytes a super-block more than the file's 144; Q6_K's 6-bit weights
-regrouped into nibbles and 2-bit planes): `interleave`
-at load (NumPy), `deinterleave` back to the file's blocks (JAX, inside programs: `dequantize` and the
-embedding rows of a tied table go through it), so every other reader of the matrix sees the file's blocks.
-The loader writes these only for `--gemm cpu_q8` on a CPU with the AVX-512 path (model/weights.py
+A Q8_0, Q5_0, Q4_0, Q4_1, Q4_K or Q6_K matrix [N, K / W, bytes] (N a multiple of 16) becomes groups
+[N / 16, K / W, group bytes]: group g's block b holds block b of rows 16g..16g+15, arranged so that one
+64-byte load gives the same 4 weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers
+are the file's, byte for byte up to that order, except that Q8_0's int8s are stored plus 128 (the kernel's
+unsigned operand), Q4_K's 6-bit scales and mins take a byte each (4 bytes a super-block more than the file's
+144), and Q6_K's 6-bit weights are regrouped into nibbles and 2-bit planes. `interleave` runs at load
+(NumPy); `deinterleave` gives the file's blocks back (JAX, inside programs: `ggml_blocks.dequantize` and
+the embedding rows of a tied table go through it), so every other reader of the matrix sees the file's
+blocks. The loader writes these only for `--gemm cpu_q8` on a CPU with the AVX-512 path (model/weights.py
 `interleave_for_q8`).
 """
 from __future__ import annotations
@@ -55,33 +55,31 @@ def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
     def per_row(a: np.ndarray) -> np.ndarray:   # [g, 16, nb, k, width] -> [g, nb, k, 16, width] -> [g, nb, bytes]
         return a.transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
 
-    if fmt == "Q6_K":   # low nibbles as Q4_K's, high 2 bits [2 t][8 k][16 rows][4], int8 scales [16][16], d [16] f16
+    def f16s(at: int) -> np.ndarray:            # the rows' f16 at byte `at` of each block: [16 rows][2]
+        return per_row(r[..., None, at:at + 2])
+
+    if fmt == "Q6_K":   # low nibbles as Q4_K's, high 2 bits [2 t][8 k][16 rows][4], int8 scales [16][16], d
         q = _q6_k_weights(r).reshape(g, ROWS, nb, 8, 8, 4)                 # [g, 16, nb, sub-block j, k, 4]
         low, high = q & 15, q >> 4
         pairs = low[:, :, :, 0::2] | (low[:, :, :, 1::2] << 4)              # sub-blocks 2p, 2p + 1
-        planes = sum(high[:, :, :, u::4] << (2 * u) for u in range(4))     # sub-blocks 4t + u
-        return np.concatenate([per_row(pairs.reshape(g, ROWS, nb, 32, 4)), per_row(planes.astype(np.uint8).reshape(g, ROWS, nb, 16, 4)),
-                               per_row(r[..., 192:208, None]), per_row(r[..., 208:210, None].swapaxes(-1, -2))], axis=-1)
-    if fmt == "Q4_K":   # nibble bytes [4 p][8 k][16 rows][4], d, dmin [16] f16, scales and mins [8][16] bytes
+        planes = sum(high[:, :, :, u::4] << (2 * u) for u in range(4)).astype(np.uint8)   # sub-blocks 4t + u
+        return np.concatenate([per_row(pairs.reshape(g, ROWS, nb, 32, 4)), per_row(planes.reshape(g, ROWS, nb, 16, 4)),
+                               per_row(r[..., 192:208, None]), f16s(208)], axis=-1)
+    if fmt == "Q4_K":   # nibble bytes [4 p][8 k][16 rows][4], d, dmin, scales and mins [8][16] bytes
         sc, mn = _scales_mins_k4(r[..., 4:16])
-        return np.concatenate([per_row(r[..., 16:].reshape(g, ROWS, nb, 32, 4)), per_row(r[..., 0:2, None].swapaxes(-1, -2)),
-                               per_row(r[..., 2:4, None].swapaxes(-1, -2)), per_row(sc[..., None]),
-                               per_row(mn[..., None])], axis=-1)
-    d = r[..., 0:2].transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)
+        return np.concatenate([per_row(r[..., 16:].reshape(g, ROWS, nb, 32, 4)), f16s(0), f16s(2),
+                               per_row(sc[..., None]), per_row(mn[..., None])], axis=-1)
     if fmt == "Q8_0":   # [8 k][16 rows][4 bytes] of w + 128, then d
-        qs = (r[..., 2:] ^ 0x80).reshape(g, ROWS, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 512)
-        return np.concatenate([qs, d], axis=-1)
-    if fmt in ("Q4_0", "Q4_1"):   # [4 k][16 rows][4 nibble bytes], then d (and Q4_1's m)
-        nibbles = r[..., -16:].reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)
-        scales = [d] if fmt == "Q4_0" else [d, r[..., 2:4].transpose(0, 2, 1, 3).reshape(g, nb, 2 * ROWS)]
-        return np.concatenate([nibbles, *scales], axis=-1)
-    if fmt == "Q5_0":   # [4 k][16 rows][4 nibble bytes], 8 masks of the fifth bits, then d
-        nibbles = r[..., 6:].reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)
+        return np.concatenate([per_row((r[..., 2:] ^ 0x80).reshape(g, ROWS, nb, 8, 4)), f16s(0)], axis=-1)
+    nibbles = per_row(r[..., -16:].reshape(g, ROWS, nb, 4, 4))          # [4 k][16 rows][4 nibble bytes]
+    if fmt in ("Q4_0", "Q4_1"):   # the nibbles, d (and Q4_1's m)
+        return np.concatenate([nibbles, f16s(0), *([f16s(2)] if fmt == "Q4_1" else [])], axis=-1)
+    if fmt == "Q5_0":   # the nibbles, 8 masks of the fifth bits, then d
         qh = r[..., 2:6]                                                # [g, 16, nb, 4]: weight j's bit at byte j // 8
         bits = np.stack([(qh[..., k // 2] >> (4 * (k % 2))) & 15 for k in range(8)], axis=-1)   # [g, 16, nb, 8 k]
         pairs = bits.reshape(g, ROWS // 2, 2, nb, 8)                     # rows 2t, 2t + 1 share mask byte t
         masks = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).transpose(0, 2, 3, 1).reshape(g, nb, 64)
-        return np.concatenate([nibbles, masks, d], axis=-1)
+        return np.concatenate([nibbles, masks, f16s(0)], axis=-1)
     raise ValueError(f"no interleaved layout for {fmt}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -115,16 +115,20 @@ def _join_blocks(parts: list[np.ndarray | None], axis: int = 0) -> np.ndarray | 
     return np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
 
 
+def _matrices(model: nnx.Module) -> Iterator[tuple[Matrix, Any]]:
+    """Each `Matrix` parameter of `model` with its value."""
+    for _, param in nnx.iter_graph(model):
+        if isinstance(param, Matrix):
+            yield param, param.get_value()
+
+
 def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
     """Store every float32 `Matrix` of `model` whose values are all bfloat16 as bfloat16, when
     `formats` allow; returns the bytes saved."""
     if not formats.exact_bf16:
         return 0
     saved = 0
-    for _, param in nnx.iter_graph(model):
-        if not isinstance(param, Matrix):
-            continue
-        w = param.get_value()
+    for param, w in _matrices(model):
         if w.dtype != jnp.float32 or w.ndim != 2 or np.any(np.asarray(w).view(np.uint32) & 0xFFFF):
             continue
         param.set_value(np.asarray(w, jnp.bfloat16) if isinstance(w, np.ndarray) else jnp.asarray(w, jnp.bfloat16))
@@ -142,10 +146,7 @@ def interleave_for_q8(model: nnx.Module, kernels: Kernels, tensor_parallel: int 
     if kernels.gemm != "cpu_q8" or tensor_parallel != 1 or not cpu_gemm.interleaves():
         return 0
     count = 0
-    for _, param in nnx.iter_graph(model):
-        if not isinstance(param, Matrix):
-            continue
-        w = param.get_value()
+    for param, w in _matrices(model):
         fmt = ggml_blocks.format_of(w)
         if fmt not in ggml_x16.OF or w.ndim != 3 or w.shape[0] % ggml_x16.ROWS:
             continue
