@@ -326,8 +326,8 @@ struct GemmX16 {
   }
 };
 
-// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / 32 (K / 256: kSuper), W::kGroupBytes], with
-// XLA's pool (or on this thread alone when `pool` is null). Only where best_isa() is kAvx512.
+// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / 32 (K / 256: kSuper),
+// W::kGroupBytes], with XLA's pool (or on this thread alone when `pool` is null). Only where best_isa() is kAvx512.
 template <class W>
 void run_x16(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
   if (M == 0 || N == 0) return;
