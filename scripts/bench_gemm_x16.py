@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:576x1536", "Q6_K:576x1536", "Q8_0:49152x576"]
-FILE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_results/gemm_x16.json")
     args = p.parse_args(argv)
 
-    from imp_jax.kernels_pallas import ggml_x16
+    from imp_jax.kernels_pallas import ggml_blocks, ggml_x16
     from imp_jax.kernels_pallas.cpu import build
     from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             y = np.zeros((m, n), np.float32)
 
             def file_call(i: int) -> None:
-                assert lib.imp_gemm_q8_run(FILE_BYTES[fmt], 2, x.ctypes.data, m, k, raw[i].ctypes.data, n, y.ctypes.data) == 0
+                assert lib.imp_gemm_q8_run(ggml_blocks.FORMATS[fmt], 2, x.ctypes.data, m, k, raw[i].ctypes.data, n, y.ctypes.data) == 0
 
             def x16_call(i: int) -> None:
                 assert lib.imp_gemm_q8_x16_run(groups[i].shape[-1], x.ctypes.data, m, k, groups[i].ctypes.data, n,

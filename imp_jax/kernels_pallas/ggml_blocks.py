@@ -65,13 +65,11 @@ IQ4_NL_PAIR = 2 * BLOCK   # weights per kept IQ4_NL "block": two of the file's
 WEIGHTS = {name: QK_K if name in SUPER_BLOCKED else IQ4_NL_PAIR if name == "IQ4_NL" else BLOCK
            for name in FORMATS}   # name -> weights per block
 _BY_BYTES = {b: name for name, b in FORMATS.items()}
+_X16_BY_BYTES = {b: name for name, b in ggml_x16.GROUP_BYTES.items()}   # the interleaved ones (ggml_x16.py)
 # IQ4_NL's and IQ4_XS's non-linear 4-bit grid (llama.cpp's kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 # MXFP4's E2M1 values doubled (llama.cpp's kvalues_mxfp4): code 8 is -0.0 in E2M1, 0 here
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
-
-
-_X16_BY_BYTES = {b: name for name, b in ggml_x16.GROUP_BYTES.items()}
 
 
 def format_of(w: jax.Array | np.ndarray) -> str | None:

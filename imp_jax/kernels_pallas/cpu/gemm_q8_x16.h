@@ -47,47 +47,55 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <numeric>
-#include <type_traits>
 
 namespace imp_q8 {
 
 constexpr int64_t kX16Rows = 16;   // weight rows per group: one zmm of int32 lanes
 constexpr int64_t kX16MR = 8;      // rows of x per tile (8 int32 and 8 float32 accumulators)
 
+// 16 f16 at p as float32 (the rows' scales).
+IMP_Q8_ZMM inline __m512 f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The nibble bytes [4 k][16 rows][4] of a group's block as 8 vectors of 16 rows x 4 weights: w[k] the low
+// nibbles (weights 4k..4k+3), w[k + 4] the high ones (weights 16 + 4k..).
+IMP_Q8_ZMM inline void split_nibbles(const uint8_t* g, __m512i w[8]) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i p = _mm512_loadu_si512(g + 64 * k);
+    w[k] = _mm512_and_si512(p, low), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+  }
+}
+
+// A format's traits: kSuper (256-weight super-blocks), kHalves (16-weight blocks: Q6_K), kOffset (Q4_1's m),
+// kMR (rows of x a tile), kBias (the weights read as w + bias).
 struct Q8_0x16 {
   static constexpr int64_t kGroupBytes = 544;
-  static constexpr bool kSuper = false, kOffset = false;
+  static constexpr bool kSuper = false, kHalves = false, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 128;
   // Block b's 8 vectors of 16 rows x 4 weights (k = 0..7: weights 4k..4k+3) and its 16 scales.
   IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
     for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(g + 64 * k);
   }
-  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 512)));
-  }
+  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) { return f16x16(g + 512); }
 };
 
 struct Q5_0x16 {
   static constexpr int64_t kGroupBytes = 352;
-  static constexpr bool kSuper = false, kOffset = false;
+  static constexpr bool kSuper = false, kHalves = false, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 16;
-  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
-    const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
-    for (int k = 0; k < 4; ++k) {
-      const __m512i p = _mm512_loadu_si512(g + 64 * k);
-      uint64_t lo_bits, hi_bits;
-      std::memcpy(&lo_bits, g + 256 + 8 * k, 8), std::memcpy(&hi_bits, g + 256 + 8 * (k + 4), 8);
-      const __m512i lo = _mm512_and_si512(p, low), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-      w[k] = _mm512_mask_add_epi8(lo, _cvtu64_mask64(lo_bits), lo, sixteen);
-      w[k + 4] = _mm512_mask_add_epi8(hi, _cvtu64_mask64(hi_bits), hi, sixteen);
+  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {   // the nibbles, + 16 under mask k's bits
+    split_nibbles(g, w);
+    for (int k = 0; k < 8; ++k) {
+      uint64_t bits;
+      std::memcpy(&bits, g + 256 + 8 * k, 8);
+      w[k] = _mm512_mask_add_epi8(w[k], _cvtu64_mask64(bits), w[k], _mm512_set1_epi8(16));
     }
   }
-  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 320)));
-  }
+  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) { return f16x16(g + 320); }
 };
 
 // Q4_0x16 / Q4_1x16: the nibbles as they are; Q4_1 with offsets, 4 rows of x a tile (4 int32, 4 float32 and 4
@@ -95,22 +103,12 @@ struct Q5_0x16 {
 template <int64_t kBytes, int32_t kBiasOf, bool kOffsetOf>
 struct Q4x16 {
   static constexpr int64_t kGroupBytes = kBytes;
-  static constexpr bool kSuper = false, kOffset = kOffsetOf;
+  static constexpr bool kSuper = false, kHalves = false, kOffset = kOffsetOf;
   static constexpr int kMR = kOffsetOf ? 4 : kX16MR;
   static constexpr int32_t kBias = kBiasOf;
-  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {
-    const __m512i low = _mm512_set1_epi8(15);
-    for (int k = 0; k < 4; ++k) {
-      const __m512i p = _mm512_loadu_si512(g + 64 * k);
-      w[k] = _mm512_and_si512(p, low), w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-    }
-  }
-  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 256)));
-  }
-  IMP_Q8_ZMM static __m512 offsets(const uint8_t* g) {   // Q4_1's m
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 288)));
-  }
+  IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) { split_nibbles(g, w); }
+  IMP_Q8_ZMM static __m512 scales(const uint8_t* g) { return f16x16(g + 256); }
+  IMP_Q8_ZMM static __m512 offsets(const uint8_t* g) { return f16x16(g + 288); }   // Q4_1's m
 };
 using Q4_0x16 = Q4x16<288, 8, false>;
 using Q4_1x16 = Q4x16<320, 0, true>;
@@ -119,7 +117,7 @@ using Q4_1x16 = Q4x16<320, 0, true>;
 // (4 int32, 4 float32 and 4 mins accumulators).
 struct Q4_Kx16 {
   static constexpr int64_t kGroupBytes = 2368;
-  static constexpr bool kSuper = true, kOffset = false;
+  static constexpr bool kSuper = true, kHalves = false, kOffset = false;
   static constexpr int kMR = 4;
   static constexpr int32_t kBias = 0;
   // Sub-block j's 8 vectors of 16 rows x 4 weights.
@@ -129,11 +127,8 @@ struct Q4_Kx16 {
   }
   // Sub-block j's D = d * sc and M = dmin * mn of the 16 rows.
   IMP_Q8_ZMM static void scales(const uint8_t* g, int j, __m512& D, __m512& M) {
-    D = _mm512_mul_ps(f16s(g + 2048), bytes(g + 2112 + 16 * j));
-    M = _mm512_mul_ps(f16s(g + 2080), bytes(g + 2240 + 16 * j));
-  }
-  IMP_Q8_ZMM static __m512 f16s(const uint8_t* p) {   // 16 f16 as float32
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    D = _mm512_mul_ps(f16x16(g + 2048), bytes(g + 2112 + 16 * j));
+    M = _mm512_mul_ps(f16x16(g + 2080), bytes(g + 2240 + 16 * j));
   }
   IMP_Q8_ZMM static __m512 bytes(const uint8_t* p) {   // 16 unsigned bytes as float32
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -142,7 +137,7 @@ struct Q4_Kx16 {
 
 struct Q6_Kx16 {
   static constexpr int64_t kGroupBytes = 3360;
-  static constexpr bool kSuper = true, kOffset = false;
+  static constexpr bool kSuper = true, kHalves = true, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 32;
   // Sub-block j's weights 4k..4k+3 (q, 0..63) of the 16 rows.
@@ -154,7 +149,7 @@ struct Q6_Kx16 {
   }
   // The d * sc of 16-weight block t (0..15) of the 16 rows.
   IMP_Q8_ZMM static __m512 scale(const uint8_t* g, int t) {
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 3328))),
+    return _mm512_mul_ps(f16x16(g + 3328),
                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 3072 + 16 * t)))));
   }
 };
@@ -175,8 +170,7 @@ struct X16Activations {
       for (int64_t b = 0; b < nb; ++b) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.get() + m * K + b * kBlock));
         const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-        const int8_t* first = q.get() + m * K + b * kBlock;
-        const int32_t all = hsum_i32(sums), low = std::accumulate(first, first + kBlock / 2, 0);
+        const int32_t all = hsum_i32(sums), low = hsum_i32(_mm256_blend_epi32(sums, _mm256_setzero_si256(), 0xf0));
         start[m * nb + b] = -bias * all;
         halves[2 * (m * nb + b)] = -bias * low, halves[2 * (m * nb + b) + 1] = -bias * (all - low);
       }
@@ -275,7 +269,7 @@ template <class W, int MR>
 IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
   if constexpr (MR > W::kMR) {
     return;   // not called: GemmX16 steps by W::kMR
-  } else if constexpr (std::is_same_v<W, Q6_Kx16>) {
+  } else if constexpr (W::kHalves) {
     ktile16_x16<W, MR>(a, r0, g, y, ldy);
   } else if constexpr (W::kSuper) {
     ktile_x16<W, MR>(a, r0, g, y, ldy);

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from imp_jax.errors import ModelLoadError
-from imp_jax.kernels_pallas import AttentionShape, Kernels, ggml_blocks, kv_storage_dtype, select_tested_kernels
+from imp_jax.kernels_pallas import (AttentionShape, Kernels, ggml_blocks, ggml_x16, kv_storage_dtype,
+                                    select_tested_kernels)
 from imp_jax.model.base import ModelOptions, default_layer_loop, takes_embed_rows
 from imp_jax.model.config import ModelConfig, read_json
 from imp_jax.model.formats.converted import read_converted, restore_model
@@ -134,8 +135,8 @@ def build_model(ckpt: Checkpoint, options: ModelOptions, model_class: str | None
     narrow_exact_bf16(model, formats)
     interleaved = interleave_for_q8(model, options.kernels, options.tensor_parallel)
     if interleaved:
-        log.info("q8 GEMM: %d Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices interleaved 16 rows at a time for "
-                 "the AVX-512 tiles", interleaved)
+        log.info("q8 GEMM: %d %s matrices interleaved 16 rows at a time for the AVX-512 tiles", interleaved,
+                 " / ".join(ggml_x16.OF))
     log.info("weights: %s", describe(model))
     vision = None
     if ckpt.vision is not None and takes_embed_rows(cls):   # a class without the overrides serves text only
