@@ -4,6 +4,7 @@ repeated; a default CPU engine builds only the libraries it loads."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,38 @@ def test_a_library_of_two_units_compiles_them_at_once_and_records_its_hash(fake_
     lib.write_text("tampered")
     assert build._build("gemm", str(fake_cxx)) == lib and build.verified(lib)   # the hash check rebuilt it
     assert len(calls(fake_cxx)) == 2 * len(log)
+
+
+def test_processes_that_build_at_once_compile_once(fake_cxx: Path, tmp_path: Path) -> None:
+    """Two processes (two servers, two test workers) that ask for a library nobody built yet: one compiles
+    it, the other waits for its build lock and loads the same file."""
+    import subprocess
+    import sys
+
+    go = tmp_path / "go"
+    code = ("import logging, sys, time, pathlib; from imp_jax.kernels_pallas.cpu import build\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "while not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.01)\n"
+            "print(build._build('attention', sys.argv[2]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(go), str(fake_cxx)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    time.sleep(3)   # both imported and polling
+    go.touch()
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0]   # the same library
+    assert [c[1] for c in calls(fake_cxx) if c[0] == "start"] == ["attention.cc"]
+    assert sum("another process is building the attention kernel" in err for _, err in outs) == 1
+
+
+def test_a_librarys_hash_covers_the_headers_it_includes_and_no_others() -> None:
+    here = Path(build.__file__).parent
+    names = {name: {p.name for p in build._with_headers([here / s for s in sources])}
+             for name, sources in build.SOURCES.items()}
+    assert names["attention"] == {"attention.cc", "simd.h"}
+    assert names["gemm"] == {"gemm.cc", "gemm_k.cc", "gemm_exact.h", "simd.h"}
+    assert {"gemm_q8.h", "gemm_q8_x16.h", "gemm_q8_k.h", "gemm_q8_gemv.h", "gemm_q8_iq.h"} < names["gemm_q8"]
+    assert "gemm_exact.h" not in names["gemm_q8"]
 
 
 def test_a_load_during_a_background_build_waits_for_it(fake_cxx: Path, monkeypatch: pytest.MonkeyPatch) -> None:

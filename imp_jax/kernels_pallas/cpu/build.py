@@ -2,8 +2,9 @@
 
 Each kernel library is compiled once with the system C++ compiler ($CXX, else g++, c++ or clang++) into
 `$IMP_JAX_HOME/kernels/cpu_<name>-<hash>.so`, the hash covering its sources, the headers next to
-them (`*.h`, which they may include), the flags, the compiler and JAX's FFI headers, and loaded from
-there afterwards (its SHA-256, recorded next to it at build time, checked before every load). A
+them that they include, the flags, the compiler and JAX's FFI headers, and loaded from there
+afterwards (its SHA-256, recorded next to it at build time, checked before every load). Processes
+that want the same library at once take turns on a file lock next to it: one compiles, the rest load. A
 library of several translation units (`SOURCES`) compiles them in parallel, one compiler process
 per CPU core across all builds (`_slots`), then links them. `prebuild` starts the libraries a server
 will ask for on background threads, so they build while the model is fetched and opened.
@@ -18,12 +19,15 @@ This module does not import jax until it registers a handler: the server starts 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import importlib.util
 import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -33,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 import jaxlib
 
@@ -91,17 +96,55 @@ def _build(name: str, cxx: str) -> Path:
     """Compile library `name` (once per source and compiler) and return the shared library's path."""
     here = Path(__file__).parent
     sources = [here / s for s in SOURCES[name]]
-    source = b"".join(s.read_bytes() for s in sources) + b"".join(h.read_bytes() for h in sorted(here.glob("*.h")))
+    source = b"".join(f.read_bytes() for f in _with_headers(sources))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = (*FLAGS, *KERNEL_FLAGS.get(name, ()))
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()
                          + include_dir().encode()).hexdigest()[:16]
     lib = kernels_dir() / f"cpu_{name}-{key}.so"
     private_dir(lib.parent)
-    if lib.exists():
-        if verified(lib):
-            return lib
-        log.warning("%s has no build hash recorded next to it, or does not match it: rebuilding it", lib)
+    with _build_lock(lib, name):
+        if lib.exists():
+            if verified(lib):
+                return lib
+            log.warning("%s has no build hash recorded next to it, or does not match it: rebuilding it", lib)
+        return _compile(name, cxx, flags, sources, lib)
+
+
+def _with_headers(sources: list[Path]) -> list[Path]:
+    """`sources` and the headers next to them that they include, directly or through each other (`#include
+    "x.h"`), each once, in a fixed order: what a library's build hash covers, so a header one library
+    includes does not rebuild the others."""
+    seen: list[Path] = []
+    todo = list(sources)
+    while todo:
+        f = todo.pop(0)
+        if f in seen:
+            continue
+        seen.append(f)
+        for included in re.findall(r'^\s*#include\s+"([^"]+)"', f.read_text(), re.MULTILINE):
+            if (f.parent / included).is_file():   # not jaxlib's (xla/ffi/...): include_dir() is in the hash
+                todo.append(f.parent / included)
+    return seen
+
+
+@contextlib.contextmanager
+def _build_lock(lib: Path, name: str) -> Iterator[None]:
+    """Hold `lib`'s build lock (a file lock next to it), so that of the processes that start at once (two
+    servers, test workers) one compiles and the others wait for its library instead of compiling it again."""
+    with open(lib.with_suffix(".lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the %s kernel: waiting for it", name)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(name: str, cxx: str, flags: tuple[str, ...], sources: list[Path], lib: Path) -> Path:
     log.info("compiling the %s kernel with %s -> %s", name, cxx, lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
