@@ -1,4 +1,4 @@
-"""Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
+"""Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K / IQ4_XS matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
 kernels_pallas/cpu/gemm_q8_x16.h): the layout holds the file's bytes (back out exactly, rows of a tied table
 included), the kernel computes its specified sums bit for bit (a float64 NumPy model of the one fma chain per
 output), a row's result does not depend on its neighbours or the thread split, the products stay within the
@@ -19,14 +19,14 @@ from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.model.layers import embed
 from imp_jax.model.weights import Matrix, interleave_for_q8
 
-FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "IQ4_XS"]
 needs_x16 = pytest.mark.skipif(not (cpu_gemm.available() and cpu_gemm.interleaves()),
                                reason="the q8 GEMM's AVX-512 path is not on this CPU")
 
 
 def interleaved(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the file's blocks [n, k / W, bytes], the same interleaved, gguf-py's dequantisation)."""
-    if qtype in ("Q4_K", "Q6_K"):   # gguf-py cannot quantise K-quants: random valid super-blocks
+    if qtype in ("Q4_K", "Q6_K", "IQ4_XS"):   # gguf-py cannot quantise these: random valid super-blocks
         blocks = random_blocks(qtype, n, k // 256, seed=seed)
         dense = gguf_py(blocks, qtype).reshape(n, k)
     else:
@@ -39,15 +39,15 @@ def chain_model(x: np.ndarray, blocks: np.ndarray, qtype: str) -> np.ndarray:
     isum_b is exact in float64, 24 + 20 bits, so each step is one rounding of an exact sum, as an fma's);
     Q4_K: its 32-weight sub-blocks as the blocks (d_w = d * sc), less off = fl(off + fl(dmin * mn * sd_b)); Q4_1:
     plus off = fl(off + fl(m * sd_b)); Q6_K: its 16-weight blocks (w = q - 32), each against its 32-wide
-    activation block's d_x."""
+    activation block's d_x; IQ4_XS: its 32-weight sub-blocks (d_w = d * (ls - 32), w the table's values)."""
     q, d, sd = quantise(x)
     if qtype == "Q6_K":   # blocks of 16: [.., 2 nb, 16]; the lane scales of each half (lanes 0-3, 4-7) as d_w
         qw, lanes, _ = k_weights(blocks, qtype)
         q, d = q.reshape(q.shape[0], -1, 16), np.repeat(d, 2, axis=-1)
         qw, dw, offsets = (qw - 32).reshape(qw.shape[0], -1, 16), lanes[..., ::4].reshape(lanes.shape[0], -1), None
-    elif qtype == "Q4_K":
+    elif qtype in ("Q4_K", "IQ4_XS"):
         qw, lanes, mins = k_weights(blocks, qtype)
-        dw, offsets = lanes[..., 0], -mins   # one scale a sub-block: its 8 lanes' are equal; dmin * mn, subtracted
+        dw, offsets = lanes[..., 0], None if mins is None else -mins   # one scale a sub-block: its 8 lanes' are equal; dmin * mn, subtracted
     else:
         qw, dw, offsets = block_weights(blocks)   # Q4_1's m, added
     isum = np.einsum("mbj,nbj->mnb", q, qw)
@@ -78,9 +78,10 @@ def run_x16(x: np.ndarray, groups: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_the_layout_holds_the_files_bytes(qtype):
     """Interleaved and back: the same bytes; dequantised and gathered as embedding rows: the same floats.
-    Same memory: 16 rows' bytes a group (Q4_K: plus its 16 scales and mins as bytes, 4 bytes a row more)."""
+    Same memory: 16 rows' bytes a group (Q4_K: plus its 16 scales and mins as bytes, 4 bytes a row more;
+    IQ4_XS: its scales as bytes, 2 more)."""
     blocks, groups, dense = interleaved(qtype, 48, 768, 1)
-    per_row = ggml_blocks.FORMATS[qtype] + (4 if qtype == "Q4_K" else 0)
+    per_row = ggml_blocks.FORMATS[qtype] + {"Q4_K": 4, "IQ4_XS": 2}.get(qtype, 0)
     assert groups.shape == (3, blocks.shape[1], 16 * per_row) and groups.nbytes == blocks.nbytes // ggml_blocks.FORMATS[qtype] * per_row
     name = ggml_x16.OF[qtype]
     assert ggml_blocks.format_of(groups) == name and ggml_blocks.matrix_shape(groups) == (48, 768)
@@ -122,8 +123,8 @@ def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype
 
 
 def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
-    """Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K matrices of 16-row multiples, with the q8 GEMM on the AVX-512 path
-    and no tensor parallelism; the other formats (IQ4_XS here), odd row counts and mixture-of-experts stacks
+    """Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K and IQ4_XS matrices of 16-row multiples, with the q8 GEMM on the AVX-512
+    path and no tensor parallelism; the other formats (Q5_K here), odd row counts and mixture-of-experts stacks
     stay as the file has them."""
     from flax import nnx
 
@@ -135,6 +136,7 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
             self.k = Matrix(ggml("Q4_0", 32, 64, 4)[0])
             self.k1 = Matrix(ggml("Q4_1", 32, 64, 8)[0])
             self.iq = Matrix(random_blocks("IQ4_XS", 16, 1, seed=9))
+            self.k5 = Matrix(random_blocks("Q5_K", 16, 1, seed=10))
             self.kq = Matrix(random_blocks("Q4_K", 32, 1, seed=6))
             self.k6 = Matrix(random_blocks("Q6_K", 16, 1, seed=7))
             self.stack = Matrix(np.stack([ggml("Q8_0", 16, 64, 5)[0]] * 2))
@@ -142,12 +144,13 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
     def formats(kernels: Kernels, tp: int) -> dict[str, str | None]:
         model = Model()
         interleave_for_q8(model, kernels, tp)
-        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "k1", "kq", "k6", "iq", "stack")}
+        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "k1", "kq", "k6", "iq", "k5", "stack")}
 
     as_file = {"a": "Q5_0", "b": "Q8_0", "odd": "Q8_0", "k": "Q4_0", "k1": "Q4_1", "kq": "Q4_K", "k6": "Q6_K", "iq": "IQ4_XS",
-               "stack": "Q8_0"}
+               "k5": "Q5_K", "stack": "Q8_0"}
     assert formats(Kernels(gemm="exact"), 1) == as_file
     assert formats(Kernels(gemm="cpu_q8"), 2) == as_file
-    interleaved = {"a": "Q5_0x16", "b": "Q8_0x16", "k": "Q4_0x16", "k1": "Q4_1x16", "kq": "Q4_Kx16", "k6": "Q6_Kx16"}
+    interleaved = {"a": "Q5_0x16", "b": "Q8_0x16", "k": "Q4_0x16", "k1": "Q4_1x16", "kq": "Q4_Kx16", "k6": "Q6_Kx16",
+                   "iq": "IQ4_XSx16"}
     want = {**as_file, **interleaved} if cpu_gemm.interleaves() else as_file
     assert formats(Kernels(gemm="cpu_q8"), 1) == want

@@ -75,6 +75,7 @@ constexpr auto GemmQ8Q4_0x16 = GroupsQ8<imp_q8::Q4_0x16>;
 constexpr auto GemmQ8Q4_1x16 = GroupsQ8<imp_q8::Q4_1x16>;
 constexpr auto GemmQ8Q4_Kx16 = GroupsQ8<imp_q8::Q4_Kx16>;
 constexpr auto GemmQ8Q6_Kx16 = GroupsQ8<imp_q8::Q6_Kx16>;
+constexpr auto GemmQ8IQ4_XSx16 = GroupsQ8<imp_q8::IQ4_XSx16>;
 
 }  // namespace
 
@@ -106,6 +107,7 @@ IMP_GEMM_HANDLER(ImpGemmQ8Q4_0x16W, GemmQ8Q4_0x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_1x16W, GemmQ8Q4_1x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_Kx16W, GemmQ8Q4_Kx16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q6_Kx16W, GemmQ8Q6_Kx16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8IQ4_XSx16W, GemmQ8IQ4_XSx16, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -149,7 +151,7 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
 }
 
 // y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
-// Q8_0x16, 352 Q5_0x16, 288 Q4_0x16, 320 Q4_1x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16, 3360 Q6_Kx16:
+// Q8_0x16, 352 Q5_0x16, 288 Q4_0x16, 320 Q4_1x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16, 3360 Q6_Kx16, 2208 IQ4_XSx16:
 // [N / 16, K / 256, group_bytes]), on the calling thread alone; -1 for an unknown format or a CPU without the
 // AVX-512 path.
 extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
@@ -162,6 +164,7 @@ extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, i
     case imp_q8::Q4_1x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_1x16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q4_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q6_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q6_Kx16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::IQ4_XSx16::kGroupBytes: imp_q8::run_x16<imp_q8::IQ4_XSx16>(nullptr, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

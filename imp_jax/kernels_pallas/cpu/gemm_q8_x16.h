@@ -1,5 +1,5 @@
 // The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q8_0x16, Q5_0x16, Q4_0x16, Q4_1x16,
-// Q4_Kx16, Q6_Kx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512).
+// Q4_Kx16, Q6_Kx16, IQ4_XSx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512).
 // Included by gemm_q8.cc.
 //
 // The activations are gemm_q8.h's (x rounded to int8 per row and 32-wide block, d_x = amax / 127); the
@@ -38,6 +38,10 @@
 //   (sub-block 4t + u at bits 2u), the int8 scales [16][16] (one per 16 weights), d [16] f16; w = q - 32.
 //   Its blocks are 16 weights (the scales'): the chain runs over them, isum over 16 products from
 //   -32 * the 16 q_x's sum, d_w = d * sc (exact), d_x the 32-wide activation block's.
+// IQ4_XSx16 (2208 bytes a super-block, the file's 136 a row plus 2): sub-block j's 4-bit indices as Q4_0x16's
+//   nibble bytes, [8 j][4 k][16 rows][4], then d [16] f16, then the 6-bit scales less 32 as int8 [8][16]. Its
+//   sub-blocks are the blocks b above with D_b = d * (ls - 32) (exact) for d_w and the table's values plus 128
+//   (vpshufb on the indices) for the weights: isum from -128 * sum_j q_x,j, no mins.
 #pragma once
 
 #include <immintrin.h>
@@ -69,7 +73,7 @@ IMP_Q8_ZMM inline void split_nibbles(const uint8_t* g, __m512i w[8]) {
 }
 
 // A format's traits: kSuper (256-weight super-blocks), kHalves (16-weight blocks: Q6_K), kOffset (Q4_1's m),
-// kMR (rows of x a tile), kBias (the weights read as w + bias).
+// kMins (Q4_K's), kMR (rows of x a tile), kBias (the weights read as w + bias).
 struct Q8_0x16 {
   static constexpr int64_t kGroupBytes = 544;
   static constexpr bool kSuper = false, kHalves = false, kOffset = false;
@@ -117,7 +121,7 @@ using Q4_1x16 = Q4x16<320, 0, true>;
 // (4 int32, 4 float32 and 4 mins accumulators).
 struct Q4_Kx16 {
   static constexpr int64_t kGroupBytes = 2368;
-  static constexpr bool kSuper = true, kHalves = false, kOffset = false;
+  static constexpr bool kSuper = true, kHalves = false, kOffset = false, kMins = true;
   static constexpr int kMR = 4;
   static constexpr int32_t kBias = 0;
   // Sub-block j's 8 vectors of 16 rows x 4 weights.
@@ -132,6 +136,24 @@ struct Q4_Kx16 {
   }
   IMP_Q8_ZMM static __m512 bytes(const uint8_t* p) {   // 16 unsigned bytes as float32
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// Super-blocks of 8 sub-blocks of 32 (kSuper) without mins; the weights from the table.
+struct IQ4_XSx16 {
+  static constexpr int64_t kGroupBytes = 2208;
+  static constexpr bool kSuper = true, kHalves = false, kOffset = false, kMins = false;
+  static constexpr int kMR = kX16MR;
+  static constexpr int32_t kBias = 128;
+  // Sub-block j's weights 4k..4k+3 of the 16 rows: the table's values at the indices, plus 128.
+  IMP_Q8_ZMM static __m512i weights(const uint8_t* g, int j, int k) {
+    const __m512i table = _mm512_broadcast_i32x4(iq4_table(true));
+    const __m512i p = _mm512_loadu_si512(g + 256 * j + 64 * (k % 4));
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(k < 4 ? p : _mm512_srli_epi16(p, 4), _mm512_set1_epi8(15)));
+  }
+  IMP_Q8_ZMM static void scales(const uint8_t* g, int j, __m512& D, __m512& M) {
+    D = _mm512_mul_ps(f16x16(g + 2048), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 2080 + 16 * j)))));
+    M = _mm512_setzero_ps();
   }
 };
 
@@ -179,7 +201,7 @@ struct X16Activations {
 };
 
 // The tiles: rows [r0, r0 + MR) of x against one group (16 weight rows) into y (row r0's 16 outputs; rows ldy
-// apart). Q4_Kx16: a super-block's 8 sub-blocks as blocks of 32, with the mins' chain.
+// apart). Q4_Kx16, IQ4_XSx16: a super-block's 8 sub-blocks as blocks of 32 (Q4_K: with the mins' chain).
 template <class W, int MR>
 IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
   const int64_t nb = a.nb, K = a.K;
@@ -189,7 +211,7 @@ IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g,
     for (int j = 0; j < 8; ++j) {
       const int64_t b = b0 + j;
       __m512i isum[MR];
-      IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+      IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) isum[r] = _mm512_set1_epi32(a.start[(r0 + r) * nb + b]);
       IMP_Q8_UNROLL for (int k = 0; k < 8; ++k) {
         const __m512i w = W::weights(g, j, k);
         IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
@@ -202,10 +224,10 @@ IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g,
       W::scales(g, j, D, M);
       IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) {
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(D, _mm512_set1_ps(a.d[(r0 + r) * nb + b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-        off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(M, _mm512_set1_ps(a.sd[(r0 + r) * nb + b])));
+        if constexpr (W::kMins) off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(M, _mm512_set1_ps(a.sd[(r0 + r) * nb + b])));
       }
     }
-  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_sub_ps(acc[r], off[r]));
+  IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, W::kMins ? _mm512_sub_ps(acc[r], off[r]) : acc[r]);
 }
 
 // Q6_Kx16: blocks of 16 weights (2 a sub-block), no mins.
