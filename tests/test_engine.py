@@ -71,7 +71,7 @@ def spanning_stop(tok, ids: list[int]) -> tuple[str, int, str] | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def core(smollm2_loaded, smollm2_gguf_path: Path) -> EngineCore:
     # asynchronous scheduling asked for: a CPU's default (auto) is off, and these tests pin the overlapped path
     config = EngineConfig(model=str(smollm2_gguf_path), max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
@@ -80,36 +80,36 @@ def core(smollm2_loaded, smollm2_gguf_path: Path) -> EngineCore:
     return make_engine(smollm2_loaded, config, BIG_POOL_BLOCKS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_core(core: EngineCore) -> EngineCore:
     config = dataclasses.replace(core.config, num_kv_blocks=TINY_POOL_BLOCKS)
     return make_engine(core.loaded, config, TINY_POOL_BLOCKS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tok(core: EngineCore):
     return core.tokenizer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prompts(tok) -> list[list[int]]:
     ids = tok.encode(PASSAGE)
     assert len(ids) >= 9 * 7 + PROMPT_LENGTHS[-1]
     return [ids[9 * i:9 * i + n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def greedy_alone(core: EngineCore, prompts) -> list[Result]:
     """Each prompt on its own, greedy: the reference for batching, preemption and caching."""
     return [run(core, req(p, max_tokens=MAX_TOKENS))[0] for p in prompts]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def seeded_alone(core: EngineCore, prompts) -> Result:
     return run(core, req(prompts[1], **SEEDED))[0]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def mixed(core: EngineCore, tok, prompts, greedy_alone) -> dict[str, Result]:
     """One batch mixing lengths, n, sampling knobs, logprobs, penalties, bias and stops."""
     stop, _, _ = spanning_stop(tok, greedy_alone[6].ids) or pytest.fail("no spanning stop string")

@@ -70,19 +70,19 @@ def write_bert_gguf(hf_dir: Path, out: Path, matrices: str = "F32", pooling: int
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def minilm_dir() -> Path:
     from imp_jax.model.formats.hub import resolve_model
 
     return resolve_model(MINILM).path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def minilm_gguf(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_bert_gguf(minilm_dir, tmp_path_factory.mktemp("gguf_enc") / "minilm-f32.gguf")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_bert_dir(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random BertModel with MiniLM's tokenizer files."""
     path = tmp_path_factory.mktemp("tiny_bert")

@@ -28,14 +28,14 @@ REPLY = ("<|channel|>analysis<|message|>Hmm so the user wants weather.<|end|>"
          "<|start|>assistant<|channel|>final<|message|>Yes done, it is sunny.<|return|>")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path: Path = tmp_path_factory.mktemp("harmony-tokenizer")
     write_harmony_tokenizer(path)
     return Tokenizer.from_hf_dir(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def markers(tok: Tokenizer) -> HarmonyMarkers:
     m = HarmonyMarkers.from_tokenizer(tok)
     assert m is not None

@@ -45,7 +45,7 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 ARGS = '{"city": "Paris"}'
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / MODEL
     path.mkdir()
@@ -57,7 +57,7 @@ def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def harmony_server(harmony_model: Path, tmp_path_factory: pytest.TempPathFactory):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     live = LiveServer(["--model", str(harmony_model), "--model-class", "support.scripted_model:ScriptedLM",
@@ -71,17 +71,17 @@ def harmony_server(harmony_model: Path, tmp_path_factory: pytest.TempPathFactory
         assert live.stop() == 0, live.log_text()[-3000:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def oai(harmony_server) -> openai.OpenAI:
     return openai_for(harmony_server.url)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def claude(harmony_server) -> anthropic.Anthropic:
     return anthropic_for(harmony_server.url)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tok(harmony_model: Path) -> Tokenizer:
     return Tokenizer.from_hf_dir(harmony_model)
 

@@ -43,7 +43,7 @@ LONG = [(7 * i + 3) % 150 + 4 for i in range(40)]   # spans two full KV blocks o
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def adapters(_tiny_hf_template: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     return {"a": make_adapter(_tiny_hf_template, root / "a", 1, r=4, lora_alpha=8, target_modules=TARGETS),
@@ -51,7 +51,7 @@ def adapters(_tiny_hf_template: Path, tmp_path_factory) -> dict[str, Path]:
                               target_modules=["q_proj", "v_proj", "down_proj"])}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_peft(_tiny_hf_template: Path, adapters):
     """transformers + peft with adapters "a" and "b" loaded (switch with set_adapter)."""
     import transformers
@@ -78,7 +78,7 @@ def hf_run(peft_model, adapter: str | None, prompt: list[int], new: int = 6) -> 
         return go()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def core(_tiny_hf_template: Path, adapters) -> EngineCore:
     config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
                           num_kv_blocks=64, lora=[f"a={adapters['a']}"], max_loras=2, max_lora_rank=MAX_RANK)

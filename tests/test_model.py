@@ -15,7 +15,7 @@ from support.models import build
 from tiny_models import ARCHS, write_tiny_hf
 
 
-@pytest.fixture(scope="session", params=sorted(ARCHS))
+@pytest.fixture(scope="module", params=sorted(ARCHS))
 def tiny(request, tmp_path_factory):
     """(config, HF tensors, transformers model, PagedRunner) for one tiny architecture."""
     path = tmp_path_factory.mktemp(request.param)

@@ -26,14 +26,14 @@ GREEDY = {"temperature": 0}
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
     path = tmp_path_factory.mktemp("models") / MODEL
     path.mkdir()
     return path, write_thinking_model(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def thinking_server(thinking_model, tmp_path_factory: pytest.TempPathFactory):
     path, _ = thinking_model
     live = LiveServer(["--model", str(path), *THINKER_ARGS],
@@ -45,12 +45,12 @@ def thinking_server(thinking_model, tmp_path_factory: pytest.TempPathFactory):
         live.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def oai(thinking_server) -> openai.OpenAI:
     return openai_for(thinking_server.url)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def claude(thinking_server) -> anthropic.Anthropic:
     return anthropic_for(thinking_server.url)
 

@@ -30,7 +30,7 @@ def greedy(max_tokens: int = 10, system: Any = SYSTEM, **extra_body: Any) -> dic
 GREEDY = greedy()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def anthropic_client(live_server: LiveServer) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=live_server.url, api_key="unused", max_retries=0, timeout=300)
 

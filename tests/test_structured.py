@@ -25,7 +25,7 @@ MAX_TOKENS = 160  # far above what any schema's bounded output takes: a reply cu
 MASKED_LOGPROB = -9999.0  # JSON has no -Infinity: a token the grammar masks (probability 0) reads as this
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def anthropic_client(live_server: LiveServer) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=live_server.url, api_key="unused", max_retries=0, timeout=300)
 
