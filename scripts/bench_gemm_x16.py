@@ -1,4 +1,4 @@
-"""The q8 GEMM on Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K / IQ4_XS matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
+"""The q8 GEMM on Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K / IQ4_XS / IQ4_NL matrices as the file stores them (gemm_q8.h's AVX-512 path) against the same
 matrices interleaved 16 rows at a time (ggml_x16.py, gemm_q8_x16.h): one thread, outside XLA, interleaved rounds.
 
     python scripts/bench_gemm_x16.py [--cases Q5_0:3072x576 Q8_0:49152x576 ...] [--rows 1 8 32 256]

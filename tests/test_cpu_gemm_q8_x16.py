@@ -1,4 +1,4 @@
-"""Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K / IQ4_XS matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
+"""Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K / IQ4_XS / IQ4_NL matrices interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (ggml_x16.py,
 kernels_pallas/cpu/gemm_q8_x16.h): the layout holds the file's bytes (back out exactly, rows of a tied table
 included), the kernel computes its specified sums bit for bit (a float64 NumPy model of the one fma chain per
 output), a row's result does not depend on its neighbours or the thread split, the products stay within the
@@ -11,22 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from quant_blocks import gguf_py, random_blocks
-from support.cpu_gemm import (activations, assert_within_activation_rounding, block_weights, ggml, k_weights, library,
-                              q8_kernel, quantise)
+from support.cpu_gemm import (activations, assert_within_activation_rounding, block_weights, f16, ggml, k_weights,
+                              library, q8_kernel, quantise)
 
 from imp_jax.kernels_pallas import Kernels, ggml_blocks, ggml_x16
 from imp_jax.kernels_pallas.cpu import gemm as cpu_gemm
 from imp_jax.model.layers import embed
 from imp_jax.model.weights import Matrix, interleave_for_q8
 
-FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "IQ4_XS"]
+FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL"]
 needs_x16 = pytest.mark.skipif(not (cpu_gemm.available() and cpu_gemm.interleaves()),
                                reason="the q8 GEMM's AVX-512 path is not on this CPU")
 
 
 def interleaved(qtype: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the file's blocks [n, k / W, bytes], the same interleaved, gguf-py's dequantisation)."""
-    if qtype in ("Q4_K", "Q6_K", "IQ4_XS"):   # gguf-py cannot quantise these: random valid super-blocks
+    if qtype == "IQ4_NL":   # the file's blocks, kept in pairs (ggml_blocks.iq4_nl_pairs)
+        file_blocks = random_blocks(qtype, n, k // 32, seed=seed)
+        blocks, dense = ggml_blocks.iq4_nl_pairs(file_blocks), gguf_py(file_blocks, qtype).reshape(n, k)
+    elif qtype in ("Q4_K", "Q6_K", "IQ4_XS"):   # gguf-py cannot quantise these: random valid super-blocks
         blocks = random_blocks(qtype, n, k // 256, seed=seed)
         dense = gguf_py(blocks, qtype).reshape(n, k)
     else:
@@ -39,7 +42,8 @@ def chain_model(x: np.ndarray, blocks: np.ndarray, qtype: str) -> np.ndarray:
     isum_b is exact in float64, 24 + 20 bits, so each step is one rounding of an exact sum, as an fma's);
     Q4_K: its 32-weight sub-blocks as the blocks (d_w = d * sc), less off = fl(off + fl(dmin * mn * sd_b)); Q4_1:
     plus off = fl(off + fl(m * sd_b)); Q6_K: its 16-weight blocks (w = q - 32), each against its 32-wide
-    activation block's d_x; IQ4_XS: its 32-weight sub-blocks (d_w = d * (ls - 32), w the table's values)."""
+    activation block's d_x; IQ4_XS: its 32-weight sub-blocks (d_w = d * (ls - 32), w the table's values); IQ4_NL:
+    the file's blocks (a kept pair's two), w the table's values."""
     q, d, sd = quantise(x)
     if qtype == "Q6_K":   # blocks of 16: [.., 2 nb, 16]; the lane scales of each half (lanes 0-3, 4-7) as d_w
         qw, lanes, _ = k_weights(blocks, qtype)
@@ -48,6 +52,10 @@ def chain_model(x: np.ndarray, blocks: np.ndarray, qtype: str) -> np.ndarray:
     elif qtype in ("Q4_K", "IQ4_XS"):
         qw, lanes, mins = k_weights(blocks, qtype)
         dw, offsets = lanes[..., 0], None if mins is None else -mins   # one scale a sub-block: its 8 lanes' are equal; dmin * mn, subtracted
+    elif qtype == "IQ4_NL":
+        b = blocks.reshape(blocks.shape[0], -1, 18)
+        qw = ggml_blocks.IQ4_NL_VALUES.astype(np.int64)[np.concatenate([b[..., 2:] & 15, b[..., 2:] >> 4], -1)]
+        dw, offsets = f16(b[..., 0:2]), None
     else:
         qw, dw, offsets = block_weights(blocks)   # Q4_1's m, added
     isum = np.einsum("mbj,nbj->mnb", q, qw)
@@ -123,7 +131,7 @@ def test_differs_from_the_exact_product_by_at_most_the_activation_rounding(qtype
 
 
 def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
-    """Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K and IQ4_XS matrices of 16-row multiples, with the q8 GEMM on the AVX-512
+    """Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS and IQ4_NL matrices of 16-row multiples, with the q8 GEMM on the AVX-512
     path and no tensor parallelism; the other formats (Q5_K here), odd row counts and mixture-of-experts stacks
     stay as the file has them."""
     from flax import nnx
@@ -137,6 +145,7 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
             self.k1 = Matrix(ggml("Q4_1", 32, 64, 8)[0])
             self.iq = Matrix(random_blocks("IQ4_XS", 16, 1, seed=9))
             self.k5 = Matrix(random_blocks("Q5_K", 16, 1, seed=10))
+            self.nl = Matrix(ggml_blocks.iq4_nl_pairs(random_blocks("IQ4_NL", 16, 2, seed=11)))
             self.kq = Matrix(random_blocks("Q4_K", 32, 1, seed=6))
             self.k6 = Matrix(random_blocks("Q6_K", 16, 1, seed=7))
             self.stack = Matrix(np.stack([ggml("Q8_0", 16, 64, 5)[0]] * 2))
@@ -144,13 +153,14 @@ def test_the_loader_interleaves_for_cpu_q8_on_one_device_only():
     def formats(kernels: Kernels, tp: int) -> dict[str, str | None]:
         model = Model()
         interleave_for_q8(model, kernels, tp)
-        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in ("a", "b", "odd", "k", "k1", "kq", "k6", "iq", "k5", "stack")}
+        names = ("a", "b", "odd", "k", "k1", "kq", "k6", "iq", "k5", "nl", "stack")
+        return {name: ggml_blocks.format_of(getattr(model, name)[...]) for name in names}
 
     as_file = {"a": "Q5_0", "b": "Q8_0", "odd": "Q8_0", "k": "Q4_0", "k1": "Q4_1", "kq": "Q4_K", "k6": "Q6_K", "iq": "IQ4_XS",
-               "k5": "Q5_K", "stack": "Q8_0"}
+               "k5": "Q5_K", "nl": "IQ4_NL", "stack": "Q8_0"}
     assert formats(Kernels(gemm="exact"), 1) == as_file
     assert formats(Kernels(gemm="cpu_q8"), 2) == as_file
     interleaved = {"a": "Q5_0x16", "b": "Q8_0x16", "k": "Q4_0x16", "k1": "Q4_1x16", "kq": "Q4_Kx16", "k6": "Q6_Kx16",
-                   "iq": "IQ4_XSx16"}
+                   "iq": "IQ4_XSx16", "nl": "IQ4_NLx16"}
     want = {**as_file, **interleaved} if cpu_gemm.interleaves() else as_file
     assert formats(Kernels(gemm="cpu_q8"), 1) == want

@@ -306,7 +306,7 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
     q8 = load_model(mixed, dtype="float32", kernels=dataclasses.replace(kept.options.kernels, gemm="cpu_q8")).model
     # cpu_q8 runs every matrix on int8 activations (the K-quants, IQ4_XS / IQ4_NL, Q5_x, and Q8_0: layer
     # 2's widened fusions): close to the dequantised model, not its bits
-    # (on a CPU with the AVX-512 path, the Q5_0, Q8_0, Q4_K, Q6_K and IQ4_XS ones interleaved 16 rows at a time: ggml_x16.py)
+    # (on a CPU with the AVX-512 path, the Q5_0, Q8_0, Q4_K, Q6_K, IQ4_XS and IQ4_NL ones interleaved 16 rows at a time)
     int8, interleaved = set(), set()
     for w in [q8.lm_head[...], *(w for ws in q8.layers.matrices().values() for w in ws)]:
         x = jnp.ones((3, quant.matrix_shape(w)[1]), jnp.float32)
@@ -317,7 +317,7 @@ def test_a_mixed_k_quant_gguf_keeps_its_blocks_and_the_dequantised_logits(mixed)
         int8 |= {base}
         interleaved |= {base} if fmt != base else set()
     assert int8 == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "Q5_0", "Q5_1", "Q8_0"}
-    assert interleaved == ({"Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"} if cpu_gemm.interleaves() else set())   # no Q4_0 / Q4_1 here
+    assert interleaved == ({"Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL"} if cpu_gemm.interleaves() else set())   # no Q4_0 / Q4_1 here
     got = PagedRunner(q8).run(chunks, 16, 1)[0]
     assert not np.array_equal(got, want)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.ptp(want))

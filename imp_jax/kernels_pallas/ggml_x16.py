@@ -1,15 +1,15 @@
 """GGML blocks interleaved 16 rows at a time for the q8 GEMM's AVX-512 tiles (cpu/gemm_q8_x16.h).
 
-A Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K or IQ4_XS matrix [N, K / W, bytes] (N a multiple of 16) becomes groups
-[N / 16, K / W, group bytes]: group g's block b holds block b of rows 16g..16g+15, arranged so that one
-64-byte load gives the same 4 weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers
-are the file's, byte for byte up to that order, except that Q8_0's int8s are stored plus 128 (the kernel's
-unsigned operand), Q4_K's 6-bit scales and mins take a byte each (4 bytes a super-block more than the file's
-144), IQ4_XS's 6-bit scales a byte each less 32 (2 more than the file's 136), and Q6_K's 6-bit weights are regrouped into nibbles and 2-bit planes. `interleave` runs at load
-(NumPy); `deinterleave` gives the file's blocks back (JAX, inside programs: `ggml_blocks.dequantize` and
-the embedding rows of a tied table go through it), so every other reader of the matrix sees the file's
-blocks. The loader writes these only for `--gemm cpu_q8` on a CPU with the AVX-512 path (model/weights.py
-`interleave_for_q8`).
+A Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS or IQ4_NL matrix [N, K / W, bytes] (N a multiple of 16) becomes groups
+[N / 16, K / W, group bytes]: group g's block b holds block b of rows 16g..16g+15, arranged so that one 64-byte load
+gives the same 4 weights of all 16 rows (gemm_q8_x16.h spells the byte order out). The numbers are the file's, byte
+for byte up to that order, except that Q8_0's int8s are stored plus 128 (the kernel's unsigned operand), Q4_K's
+6-bit scales and mins take a byte each (4 bytes a super-block more than the file's 144), IQ4_XS's 6-bit scales a
+byte each less 32 (2 more than the file's 136), IQ4_NL's kept pairs of blocks (ggml_blocks.py) stay pairs, and
+Q6_K's 6-bit weights are regrouped into nibbles and 2-bit planes. `interleave` runs at load (NumPy); `deinterleave`
+gives the file's blocks back (JAX, inside programs: `ggml_blocks.dequantize` and the embedding rows of a tied table
+go through it), so every other reader of the matrix sees the file's blocks. The loader writes these only for `--gemm
+cpu_q8` on a CPU with the AVX-512 path (model/weights.py `interleave_for_q8`).
 """
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ ROWS = 16                                           # weight rows per group
 # name -> (the file's format, bytes a group of 16 rows takes per block: the file's 16 blocks, Q4_K's plus its
 # and IQ4_XS's 6-bit scales and mins as bytes)
 FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_0x16": ("Q4_0", 288), "Q4_1x16": ("Q4_1", 320),
-           "Q4_Kx16": ("Q4_K", 2368), "Q6_Kx16": ("Q6_K", 3360), "IQ4_XSx16": ("IQ4_XS", 2208)}
+           "Q4_Kx16": ("Q4_K", 2368), "Q6_Kx16": ("Q6_K", 3360), "IQ4_XSx16": ("IQ4_XS", 2208),
+           "IQ4_NLx16": ("IQ4_NL", 576)}
 OF = {base: name for name, (base, _) in FORMATS.items()}        # the file's format -> its interleaved name
 GROUP_BYTES = {name: nbytes for name, (_, nbytes) in FORMATS.items()}
-WEIGHTS = {name: 256 if base in ("Q4_K", "Q6_K", "IQ4_XS") else 32 for name, (base, _) in FORMATS.items()}   # a row's per block
+WEIGHTS = {name: 256 if base in ("Q4_K", "Q6_K", "IQ4_XS") else 64 if base == "IQ4_NL" else 32
+           for name, (base, _) in FORMATS.items()}   # a row's per block (IQ4_NL: kept as pairs of the file's)   # a row's per block
 
 
 def _scales_mins_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -74,6 +76,9 @@ def interleave(blocks: np.ndarray, fmt: str) -> np.ndarray:
         ls = np.stack([((r[..., 4 + j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4) for j in range(8)], -1)
         return np.concatenate([per_row(r[..., 8:].reshape(g, ROWS, nb, 32, 4)), f16s(0),
                                per_row((ls.astype(np.uint8) - 32)[..., None])], axis=-1)
+    if fmt == "IQ4_NL":   # a kept pair of blocks: index bytes [2 j][4 k][16 rows][4] (Q4_0's per block), d [2 j][16]
+        pair = r.reshape(g, ROWS, nb, 2, 18)
+        return np.concatenate([per_row(pair[..., 2:].reshape(g, ROWS, nb, 8, 4)), f16s(0), f16s(18)], axis=-1)
     if fmt == "Q8_0":   # [8 k][16 rows][4 bytes] of w + 128, then d
         return np.concatenate([per_row((r[..., 2:] ^ 0x80).reshape(g, ROWS, nb, 8, 4)), f16s(0)], axis=-1)
     nibbles = per_row(r[..., -16:].reshape(g, ROWS, nb, 4, 4))          # [4 k][16 rows][4 nibble bytes]
@@ -122,6 +127,10 @@ def deinterleave(groups: jax.Array, name: str) -> jax.Array:
         return jnp.concatenate([rows(groups[..., 2048:2080], 1, 2), (high & 255).astype(jnp.uint8)[..., None],
                                 (high >> 8).astype(jnp.uint8)[..., None], (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4),
                                 rows(groups[..., :2048], 32, 4)], axis=-1)
+    if base == "IQ4_NL":
+        q = rows(groups[..., :512], 8, 4).reshape(*lead, g * ROWS, nb, 2, 16)
+        d = jnp.stack([rows(groups[..., 512 + 32 * j:544 + 32 * j], 1, 2) for j in range(2)], axis=-2)
+        return jnp.concatenate([d, q], axis=-1).reshape(*lead, g * ROWS, nb, 36)
     if base in ("Q4_0", "Q4_1"):
         scales = [rows(groups[..., 256 + 32 * i:288 + 32 * i], 1, 2) for i in range(1 if base == "Q4_0" else 2)]
         return jnp.concatenate([*scales, rows(groups[..., :256], 4, 4)], axis=-1)

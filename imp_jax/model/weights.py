@@ -6,8 +6,8 @@ A `Matrix` is a parameter the model reads only through `layers.linear` (projecti
   (Q2_K..Q6_K), IQ4 and MXFP4 matrices as stored, and (`WeightSource.stack`, model/architectures/moe.py) its
   mixture-of-experts stacks [E, out, in / W, bytes], as gpt-oss's HF MXFP4 experts are too;
 - bfloat16: a float32 matrix whose every value is a bfloat16 (a bf16 checkpoint run in float32);
-- for the q8 GEMM on an AVX-512 CPU, Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K and IQ4_XS blocks interleaved 16 rows at a time
-  (ggml_x16.py: the file's bytes in another order).
+- for the q8 GEMM on an AVX-512 CPU, Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS and IQ4_NL blocks interleaved 16
+  rows at a time (ggml_x16.py: the file's bytes in another order).
 All hold the float32 matrices' values exactly (the first two at a quarter to half the bytes).
 They pay only where the GEMM reads them as they are (the x86-64 CPU kernel); XLA's dot would
 widen them on every call, so elsewhere matrices stay in the model's dtype.
@@ -137,8 +137,8 @@ def narrow_exact_bf16(model: nnx.Module, formats: WeightFormats) -> int:
 
 
 def interleave_for_q8(model: nnx.Module, kernels: Kernels, tensor_parallel: int = 1) -> int:
-    """Store every Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K and IQ4_XS `Matrix` of `model` (N a multiple of 16) interleaved 16
-    rows at a time (ggml_x16.py) when its products are the q8 GEMM's (`--gemm cpu_q8`) on a CPU with the AVX-512 path,
+    """Store every Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS and IQ4_NL `Matrix` of `model` (N a multiple of 16)
+    interleaved 16 rows at a time (ggml_x16.py) when its products are the q8 GEMM's (`--gemm cpu_q8`) on a CPU with the AVX-512 path,
     which reads them with one int32 sum per block and output (cpu/gemm_q8_x16.h); not under tensor
     parallelism (whose shards slice the file's layout). Returns how many were interleaved. The bytes are
     the file's in another order (Q4_K's scales as bytes: 4 more a super-block); `layers.embed` reads a

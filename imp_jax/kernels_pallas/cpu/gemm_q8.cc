@@ -58,7 +58,7 @@ constexpr auto GemmQ8MXFP4 = BlocksQ8<imp_q8::MXFP4>;
 template <class W>
 ffi::Error GroupsQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  const int64_t weights = W::kSuper ? imp_q8::kSuper : kQBlock;   // per block of a group
+  const int64_t weights = W::kBlocks * kQBlock;   // per block of a group
   if (xd.size() < 1 || wd.size() != 3 || wd[2] != W::kGroupBytes || xd.back() != wd[1] * weights)
     return ffi::Error::InvalidArgument("imp_gemm_q8 x16: x [..., K] and w [N / 16, K / " + std::to_string(weights) + ", " +
                                        std::to_string(W::kGroupBytes) + "] uint8 expected");
@@ -76,6 +76,7 @@ constexpr auto GemmQ8Q4_1x16 = GroupsQ8<imp_q8::Q4_1x16>;
 constexpr auto GemmQ8Q4_Kx16 = GroupsQ8<imp_q8::Q4_Kx16>;
 constexpr auto GemmQ8Q6_Kx16 = GroupsQ8<imp_q8::Q6_Kx16>;
 constexpr auto GemmQ8IQ4_XSx16 = GroupsQ8<imp_q8::IQ4_XSx16>;
+constexpr auto GemmQ8IQ4_NLx16 = GroupsQ8<imp_q8::IQ4_NLx16>;
 
 }  // namespace
 
@@ -108,6 +109,7 @@ IMP_GEMM_HANDLER(ImpGemmQ8Q4_1x16W, GemmQ8Q4_1x16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q4_Kx16W, GemmQ8Q4_Kx16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8Q6_Kx16W, GemmQ8Q6_Kx16, ffi::U8);
 IMP_GEMM_HANDLER(ImpGemmQ8IQ4_XSx16W, GemmQ8IQ4_XSx16, ffi::U8);
+IMP_GEMM_HANDLER(ImpGemmQ8IQ4_NLx16W, GemmQ8IQ4_NLx16, ffi::U8);
 
 extern "C" int imp_kernel_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -151,8 +153,8 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
 }
 
 // y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
-// Q8_0x16, 352 Q5_0x16, 288 Q4_0x16, 320 Q4_1x16: [N / 16, K / 32, group_bytes]; 2368 Q4_Kx16, 3360 Q6_Kx16, 2208 IQ4_XSx16:
-// [N / 16, K / 256, group_bytes]), on the calling thread alone; -1 for an unknown format or a CPU without the
+// Q8_0x16, 352 Q5_0x16, 288 Q4_0x16, 320 Q4_1x16: [N / 16, K / 32, group_bytes]; 576 IQ4_NLx16: K / 64; 2368
+// Q4_Kx16, 3360 Q6_Kx16, 2208 IQ4_XSx16: [N / 16, K / 256, group_bytes]), on the calling thread alone; -1 for an unknown format or a CPU without the
 // AVX-512 path.
 extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                    float* y) {
@@ -165,6 +167,7 @@ extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, i
     case imp_q8::Q4_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::Q6_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q6_Kx16>(nullptr, x, M, K, w, N, y); return 0;
     case imp_q8::IQ4_XSx16::kGroupBytes: imp_q8::run_x16<imp_q8::IQ4_XSx16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::IQ4_NLx16::kGroupBytes: imp_q8::run_x16<imp_q8::IQ4_NLx16>(nullptr, x, M, K, w, N, y); return 0;
     default: return -1;
   }
 }

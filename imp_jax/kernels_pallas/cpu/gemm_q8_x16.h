@@ -1,5 +1,5 @@
 // The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q8_0x16, Q5_0x16, Q4_0x16, Q4_1x16,
-// Q4_Kx16, Q6_Kx16, IQ4_XSx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512).
+// Q4_Kx16, Q6_Kx16, IQ4_XSx16, IQ4_NLx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512).
 // Included by gemm_q8.cc.
 //
 // The activations are gemm_q8.h's (x rounded to int8 per row and 32-wide block, d_x = amax / 127); the
@@ -42,6 +42,8 @@
 //   nibble bytes, [8 j][4 k][16 rows][4], then d [16] f16, then the 6-bit scales less 32 as int8 [8][16]. Its
 //   sub-blocks are the blocks b above with D_b = d * (ls - 32) (exact) for d_w and the table's values plus 128
 //   (vpshufb on the indices) for the weights: isum from -128 * sum_j q_x,j, no mins.
+// IQ4_NLx16 (576 bytes a kept pair of the file's blocks, as its 36 a row): IQ4_XSx16's index bytes for its 2
+//   blocks, [2 j][4 k][16 rows][4], then their d [2 j][16] f16; read as IQ4_XSx16's with D_b = d.
 #pragma once
 
 #include <immintrin.h>
@@ -72,11 +74,12 @@ IMP_Q8_ZMM inline void split_nibbles(const uint8_t* g, __m512i w[8]) {
   }
 }
 
-// A format's traits: kSuper (256-weight super-blocks), kHalves (16-weight blocks: Q6_K), kOffset (Q4_1's m),
-// kMins (Q4_K's), kMR (rows of x a tile), kBias (the weights read as w + bias).
+// A format's traits: kBlocks (32-weight blocks a group's block holds; more than one: read sub-block by
+// sub-block), kHalves (16-weight blocks: Q6_K), kOffset (Q4_1's m), kMins (Q4_K's), kMR (rows of x a tile),
+// kBias (the weights read as w + bias).
 struct Q8_0x16 {
-  static constexpr int64_t kGroupBytes = 544;
-  static constexpr bool kSuper = false, kHalves = false, kOffset = false;
+  static constexpr int64_t kGroupBytes = 544, kBlocks = 1;
+  static constexpr bool kHalves = false, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 128;
   // Block b's 8 vectors of 16 rows x 4 weights (k = 0..7: weights 4k..4k+3) and its 16 scales.
@@ -87,8 +90,8 @@ struct Q8_0x16 {
 };
 
 struct Q5_0x16 {
-  static constexpr int64_t kGroupBytes = 352;
-  static constexpr bool kSuper = false, kHalves = false, kOffset = false;
+  static constexpr int64_t kGroupBytes = 352, kBlocks = 1;
+  static constexpr bool kHalves = false, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 16;
   IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) {   // the nibbles, + 16 under mask k's bits
@@ -106,8 +109,8 @@ struct Q5_0x16 {
 // offset accumulators beside the 8 weight vectors).
 template <int64_t kBytes, int32_t kBiasOf, bool kOffsetOf>
 struct Q4x16 {
-  static constexpr int64_t kGroupBytes = kBytes;
-  static constexpr bool kSuper = false, kHalves = false, kOffset = kOffsetOf;
+  static constexpr int64_t kGroupBytes = kBytes, kBlocks = 1;
+  static constexpr bool kHalves = false, kOffset = kOffsetOf;
   static constexpr int kMR = kOffsetOf ? 4 : kX16MR;
   static constexpr int32_t kBias = kBiasOf;
   IMP_Q8_ZMM static void weights(const uint8_t* g, __m512i w[8]) { split_nibbles(g, w); }
@@ -117,11 +120,11 @@ struct Q4x16 {
 using Q4_0x16 = Q4x16<288, 8, false>;
 using Q4_1x16 = Q4x16<320, 0, true>;
 
-// A super-block of 8 sub-blocks, each read as a block of 32 (kSuper), with mins; 4 rows of x a tile
+// A super-block of 8 sub-blocks, each read as a block of 32, with mins; 4 rows of x a tile
 // (4 int32, 4 float32 and 4 mins accumulators).
 struct Q4_Kx16 {
-  static constexpr int64_t kGroupBytes = 2368;
-  static constexpr bool kSuper = true, kHalves = false, kOffset = false, kMins = true;
+  static constexpr int64_t kGroupBytes = 2368, kBlocks = 8;
+  static constexpr bool kHalves = false, kOffset = false, kMins = true;
   static constexpr int kMR = 4;
   static constexpr int32_t kBias = 0;
   // Sub-block j's 8 vectors of 16 rows x 4 weights.
@@ -139,10 +142,10 @@ struct Q4_Kx16 {
   }
 };
 
-// Super-blocks of 8 sub-blocks of 32 (kSuper) without mins; the weights from the table.
+// Super-blocks of 8 sub-blocks of 32 without mins; the weights from the table.
 struct IQ4_XSx16 {
-  static constexpr int64_t kGroupBytes = 2208;
-  static constexpr bool kSuper = true, kHalves = false, kOffset = false, kMins = false;
+  static constexpr int64_t kGroupBytes = 2208, kBlocks = 8;
+  static constexpr bool kHalves = false, kOffset = false, kMins = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 128;
   // Sub-block j's weights 4k..4k+3 of the 16 rows: the table's values at the indices, plus 128.
@@ -157,9 +160,18 @@ struct IQ4_XSx16 {
   }
 };
 
+// IQ4_XSx16's weights, 2 blocks a group's block, each with its own d.
+struct IQ4_NLx16 : IQ4_XSx16 {
+  static constexpr int64_t kGroupBytes = 576, kBlocks = 2;
+  IMP_Q8_ZMM static void scales(const uint8_t* g, int j, __m512& D, __m512& M) {
+    D = f16x16(g + 512 + 32 * j);
+    M = _mm512_setzero_ps();
+  }
+};
+
 struct Q6_Kx16 {
-  static constexpr int64_t kGroupBytes = 3360;
-  static constexpr bool kSuper = true, kHalves = true, kOffset = false;
+  static constexpr int64_t kGroupBytes = 3360, kBlocks = 8;
+  static constexpr bool kHalves = true, kOffset = false;
   static constexpr int kMR = kX16MR;
   static constexpr int32_t kBias = 32;
   // Sub-block j's weights 4k..4k+3 (q, 0..63) of the 16 rows.
@@ -201,14 +213,14 @@ struct X16Activations {
 };
 
 // The tiles: rows [r0, r0 + MR) of x against one group (16 weight rows) into y (row r0's 16 outputs; rows ldy
-// apart). Q4_Kx16, IQ4_XSx16: a super-block's 8 sub-blocks as blocks of 32 (Q4_K: with the mins' chain).
+// apart). Q4_Kx16, IQ4_XSx16, IQ4_NLx16: a group's block's sub-blocks as blocks of 32 (Q4_K: with the mins' chain).
 template <class W, int MR>
 IMP_Q8_ZMM void ktile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, float* y, int64_t ldy) {
   const int64_t nb = a.nb, K = a.K;
   __m512 acc[MR], off[MR];
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += 8, g += W::kGroupBytes)
-    for (int j = 0; j < 8; ++j) {
+  for (int64_t b0 = 0; b0 < nb; b0 += W::kBlocks, g += W::kGroupBytes)
+    for (int j = 0; j < W::kBlocks; ++j) {
       const int64_t b = b0 + j;
       __m512i isum[MR];
       IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) isum[r] = _mm512_set1_epi32(a.start[(r0 + r) * nb + b]);
@@ -236,8 +248,8 @@ IMP_Q8_ZMM void ktile16_x16(const X16Activations& a, int64_t r0, const uint8_t* 
   const int64_t nb = a.nb, K = a.K;
   __m512 acc[MR];
   IMP_Q8_UNROLL for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += 8, g += W::kGroupBytes)
-    for (int j = 0; j < 8; ++j) {
+  for (int64_t b0 = 0; b0 < nb; b0 += W::kBlocks, g += W::kGroupBytes)
+    for (int j = 0; j < W::kBlocks; ++j) {
       const int64_t b = b0 + j;
       IMP_Q8_UNROLL for (int h = 0; h < 2; ++h) {
         __m512i isum[MR];
@@ -293,7 +305,7 @@ IMP_Q8_ZMM void tile_x16(const X16Activations& a, int64_t r0, const uint8_t* g, 
     return;   // not called: GemmX16 steps by W::kMR
   } else if constexpr (W::kHalves) {
     ktile16_x16<W, MR>(a, r0, g, y, ldy);
-  } else if constexpr (W::kSuper) {
+  } else if constexpr (W::kBlocks > 1) {
     ktile_x16<W, MR>(a, r0, g, y, ldy);
   } else {
     btile_x16<W, MR>(a, r0, g, y, ldy);
@@ -328,7 +340,7 @@ struct GemmX16 {
   void item(int64_t i) const {
     const int64_t m0 = (i / group_items) * kX16RowBlock, m1 = std::min(a.M, m0 + kX16RowBlock);
     const int64_t g0 = (i % group_items) * kX16Groups, g1 = std::min(groups, g0 + kX16Groups);
-    const int64_t gbytes = (W::kSuper ? a.nb / 8 : a.nb) * W::kGroupBytes;
+    const int64_t gbytes = a.nb / W::kBlocks * W::kGroupBytes;
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t m = m0; m < m1; m += W::kMR)
         X16Tiles<W>::fn[std::min<int64_t>(W::kMR, m1 - m) - 1](a, m, w + g * gbytes, y + m * N + g * kX16Rows, N);
@@ -342,7 +354,7 @@ struct GemmX16 {
   }
 };
 
-// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / 32 (K / 256: kSuper),
+// y [M, N] = the x16 q8 product of x [M, K] and interleaved groups w [N / 16, K / (32 W::kBlocks),
 // W::kGroupBytes], with XLA's pool (or on this thread alone when `pool` is null). Only where best_isa() is kAvx512.
 template <class W>
 void run_x16(ffi::ThreadPool* pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
