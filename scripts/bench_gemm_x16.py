@@ -26,10 +26,13 @@ CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random valid blocks of `fmt` for an [n, k] matrix (scripts/quant_blocks.py)."""
+    """Random valid blocks of `fmt` for an [n, k] matrix (scripts/quant_blocks.py), as the loader keeps them."""
     from quant_blocks import BLOCK_WEIGHTS, random_blocks as blocks
 
-    return blocks(fmt, n, k // BLOCK_WEIGHTS[fmt], seed=seed)
+    from imp_jax.kernels_pallas import ggml_blocks
+
+    b = blocks(fmt, n, k // BLOCK_WEIGHTS[fmt], seed=seed)
+    return ggml_blocks.iq4_nl_pairs(b) if fmt == "IQ4_NL" else b
 
 
 def main(argv: list[str] | None = None) -> int:
