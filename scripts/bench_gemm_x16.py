@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 CASES = ["Q5_0:960x576", "Q8_0:960x576", "Q5_0:576x576", "Q5_0:3072x576", "Q4_K:576x1536", "Q6_K:576x1536", "Q8_0:49152x576"]
+# (a case's K must be whole blocks of its format: 256 weights for the K-quants and IQ4_XS, 64 for IQ4_NL)
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:

@@ -114,6 +114,18 @@ def test_matches_a_numpy_model_of_its_sums_bit_for_bit(qtype, M, N, K):
 
 
 @needs_x16
+def test_the_one_thread_entry_refuses_a_k_that_is_not_whole_blocks():
+    """IQ4_XS's groups hold 256 weights a row: K = 288 is one group and a part, which would read past the rows."""
+    lib = library()
+    lib.imp_gemm_q8_x16_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    _, groups, _ = interleaved("IQ4_XS", 16, 256, 1)
+    x, y = np.zeros((1, 288), np.float32), np.zeros((1, 16), np.float32)
+    assert lib.imp_gemm_q8_x16_run(groups.shape[-1], x.ctypes.data, 1, 288, groups.ctypes.data, 16, y.ctypes.data) == -1
+    assert lib.imp_gemm_q8_x16_run(groups.shape[-1], x.ctypes.data, 1, 256, groups.ctypes.data, 16, y.ctypes.data) == 0
+
+
+@needs_x16
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_a_rows_result_does_not_depend_on_its_neighbours(qtype):
     blocks, groups, _ = interleaved(qtype, 96, 512, 5)

@@ -152,22 +152,30 @@ extern "C" int imp_gemm_q8_run(int block_bytes, int isa, const float* x, int64_t
   }
 }
 
+// The x16 product on the calling thread alone, where K is whole blocks of the format's groups; else -1.
+template <class W>
+int run_x16_alone(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y) {
+  if (K % (W::kBlocks * kQBlock)) return -1;
+  imp_q8::run_x16<W>(nullptr, x, M, K, w, N, y);
+  return 0;
+}
+
 // y [M, N] = the interleaved formats' q8 product (gemm_q8_x16.h) of x [M, K] and groups of `group_bytes` (544
 // Q8_0x16, 352 Q5_0x16, 288 Q4_0x16, 320 Q4_1x16: [N / 16, K / 32, group_bytes]; 576 IQ4_NLx16: K / 64; 2368
-// Q4_Kx16, 3360 Q6_Kx16, 2208 IQ4_XSx16: [N / 16, K / 256, group_bytes]), on the calling thread alone; -1 for an unknown format or a CPU without the
-// AVX-512 path.
+// Q4_Kx16, 3360 Q6_Kx16, 2208 IQ4_XSx16: K / 256), on the calling thread alone; -1 for an unknown format, a K
+// that is not whole blocks, or a CPU without the AVX-512 path.
 extern "C" int imp_gemm_q8_x16_run(int group_bytes, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                    float* y) {
   if (kIsa != imp_q8::kAvx512 || N % imp_q8::kX16Rows) return -1;
   switch (group_bytes) {
-    case imp_q8::Q8_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q8_0x16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::Q5_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q5_0x16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::Q4_0x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_0x16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::Q4_1x16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_1x16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::Q4_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q4_Kx16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::Q6_Kx16::kGroupBytes: imp_q8::run_x16<imp_q8::Q6_Kx16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::IQ4_XSx16::kGroupBytes: imp_q8::run_x16<imp_q8::IQ4_XSx16>(nullptr, x, M, K, w, N, y); return 0;
-    case imp_q8::IQ4_NLx16::kGroupBytes: imp_q8::run_x16<imp_q8::IQ4_NLx16>(nullptr, x, M, K, w, N, y); return 0;
+    case imp_q8::Q8_0x16::kGroupBytes: return run_x16_alone<imp_q8::Q8_0x16>(x, M, K, w, N, y);
+    case imp_q8::Q5_0x16::kGroupBytes: return run_x16_alone<imp_q8::Q5_0x16>(x, M, K, w, N, y);
+    case imp_q8::Q4_0x16::kGroupBytes: return run_x16_alone<imp_q8::Q4_0x16>(x, M, K, w, N, y);
+    case imp_q8::Q4_1x16::kGroupBytes: return run_x16_alone<imp_q8::Q4_1x16>(x, M, K, w, N, y);
+    case imp_q8::Q4_Kx16::kGroupBytes: return run_x16_alone<imp_q8::Q4_Kx16>(x, M, K, w, N, y);
+    case imp_q8::Q6_Kx16::kGroupBytes: return run_x16_alone<imp_q8::Q6_Kx16>(x, M, K, w, N, y);
+    case imp_q8::IQ4_XSx16::kGroupBytes: return run_x16_alone<imp_q8::IQ4_XSx16>(x, M, K, w, N, y);
+    case imp_q8::IQ4_NLx16::kGroupBytes: return run_x16_alone<imp_q8::IQ4_NLx16>(x, M, K, w, N, y);
     default: return -1;
   }
 }
