@@ -64,8 +64,8 @@ class EngineConfig:
     kv_cache_memory: float | None = _field(
         None, "GPU: fraction of free device memory after weights (0.9); CPU: bytes (1 GiB)")
     kv_cache_dtype: str = _field(
-        "auto", "auto | float32 | bfloat16; auto = the model's dtype. bfloat16 under a float32 model "
-        "halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
+        "auto", "auto | float32 | bfloat16; auto = the model's dtype (bfloat16 under --gemm cpu_q8). bfloat16 under "
+        "a float32 model halves the KV bytes (twice the blocks, faster long-context decode) at bf16 precision for K/V")
     kv_host_gib: float | None = _field(
         None, "host KV tier in GiB per engine replica: preempted sequences swap their KV there and blocks evicted "
         "from the prefix cache spill there, a later hit copying them back (docs/ARCHITECTURE.md, KV tiers); "

@@ -109,6 +109,13 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
             log.info("quantised GGUF matrices: %s (--quantized-weights auto): %s", fit.choice, fit.why)
     kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
                                     quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
+    if config.kv_cache_dtype == "auto" and kernels.gemm == "cpu_q8" and kv_dtype == jnp.float32:
+        kv_dtype = jnp.dtype(jnp.bfloat16)   # llama.cpp's arithmetic, its 16-bit cache too (the reads halve)
+        shape = dataclasses.replace(shape, cache_dtype=kv_storage_dtype(kv_dtype, platform))
+        kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
+                                        quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
+        log.info("KV cache: bfloat16 (--kv-cache-dtype auto under --gemm cpu_q8, as llama.cpp keeps a 16-bit "
+                 "cache; --kv-cache-dtype float32 keeps the model's)")
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = served_vision(build_model(ckpt, options, config.model_class))
@@ -170,7 +177,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
 
 
 def resolve_kv_dtype(config: EngineConfig, dtype) -> jnp.dtype:
-    """The KV cache's dtype: the model's (bfloat16 on a GPU, `resolve_dtype`) unless --kv-cache-dtype names one."""
+    """The KV cache's dtype: the model's (bfloat16 on a GPU, `resolve_dtype`) unless --kv-cache-dtype names one
+    (`_build_on` then makes `auto` bfloat16 where the GEMM is cpu_q8)."""
     return jnp.dtype(dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
 
 
