@@ -83,16 +83,16 @@ def format_of(w: jax.Array | np.ndarray) -> str | None:
 
 
 def weights_per_block(w: jax.Array | np.ndarray) -> int:
-    """Weights per block of a quantised matrix (32 or 256)."""
+    """Weights per block of a quantised matrix (32, 64 or 256; an interleaved one's: its file format's)."""
     fmt = format_of(w)
-    return ggml_x16.WEIGHTS[fmt] if fmt in ggml_x16.FORMATS else WEIGHTS[fmt]
+    return WEIGHTS[ggml_x16.FORMATS[fmt][0] if fmt in ggml_x16.FORMATS else fmt]
 
 
 def matrix_shape(w: jax.Array | np.ndarray) -> tuple[int, ...]:
     """[N, K] of a plain or quantised matrix ([E, N, K] of a stack of them)."""
     fmt = format_of(w)
     if fmt in ggml_x16.FORMATS:
-        return (*(int(d) for d in w.shape[:-3]), int(w.shape[-3]) * ggml_x16.ROWS, int(w.shape[-2]) * ggml_x16.WEIGHTS[fmt])
+        return (*(int(d) for d in w.shape[:-3]), int(w.shape[-3]) * ggml_x16.ROWS, int(w.shape[-2]) * weights_per_block(w))
     if fmt is not None:
         return (*(int(d) for d in w.shape[:-2]), int(w.shape[-2]) * WEIGHTS[fmt])
     return tuple(int(d) for d in w.shape)

@@ -18,15 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 ROWS = 16                                           # weight rows per group
-# name -> (the file's format, bytes a group of 16 rows takes per block: the file's 16 blocks, Q4_K's plus its
-# and IQ4_XS's 6-bit scales and mins as bytes)
+# name -> (the file's format, bytes a group of 16 rows takes per block: the file's 16 blocks, plus Q4_K's 6-bit
+# scales and mins and IQ4_XS's 6-bit scales as a byte each); a block's weights are its file format's
+# (ggml_blocks.WEIGHTS: IQ4_NL's kept pairs 64)
 FORMATS = {"Q8_0x16": ("Q8_0", 544), "Q5_0x16": ("Q5_0", 352), "Q4_0x16": ("Q4_0", 288), "Q4_1x16": ("Q4_1", 320),
            "Q4_Kx16": ("Q4_K", 2368), "Q6_Kx16": ("Q6_K", 3360), "IQ4_XSx16": ("IQ4_XS", 2208),
            "IQ4_NLx16": ("IQ4_NL", 576)}
 OF = {base: name for name, (base, _) in FORMATS.items()}        # the file's format -> its interleaved name
 GROUP_BYTES = {name: nbytes for name, (_, nbytes) in FORMATS.items()}
-WEIGHTS = {name: 256 if base in ("Q4_K", "Q6_K", "IQ4_XS") else 64 if base == "IQ4_NL" else 32
-           for name, (base, _) in FORMATS.items()}   # a row's per block (IQ4_NL: kept as pairs of the file's)   # a row's per block
 
 
 def _scales_mins_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

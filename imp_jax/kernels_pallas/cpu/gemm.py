@@ -18,7 +18,8 @@ Q5_1, Q2_K..Q6_K, and the table formats IQ4_XS, IQ4_NL and MXFP4 (their indices 
 MXFP4's E8M0 scale as llama.cpp reads it), so every matrix of a K-quant, i-quant or gpt-oss file, its
 MoE experts included. Plain (float32, bfloat16) weights are read as before: the exact kernel. On a CPU with
 the AVX-512 path the loader interleaves Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K, IQ4_XS and IQ4_NL matrices 16 rows
-at a time (ggml_x16.py), which gemm_q8_x16.h reads with one int32 sum per block and output (its header gives the order of the sums).
+at a time (ggml_x16.py), which gemm_q8_x16.h reads with one int32 sum per block and output (its header gives
+the order of the sums).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 // The q8 GEMM on weights interleaved at load, 16 rows at a time ("x16": Q8_0x16, Q5_0x16, Q4_0x16, Q4_1x16,
-// Q4_Kx16, Q6_Kx16, IQ4_XSx16, IQ4_NLx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path (gemm_q8.h's kAvx512).
+// Q4_Kx16, Q6_Kx16, IQ4_XSx16, IQ4_NLx16; ggml_x16.py `interleave` writes them), for CPUs with the AVX-512 path
+// (gemm_q8.h's kAvx512).
 // Included by gemm_q8.cc.
 //
 // The activations are gemm_q8.h's (x rounded to int8 per row and 32-wide block, d_x = amax / 127); the
@@ -62,6 +63,11 @@ constexpr int64_t kX16MR = 8;      // rows of x per tile (8 int32 and 8 float32 
 // 16 f16 at p as float32 (the rows' scales).
 IMP_Q8_ZMM inline __m512 f16x16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 int8 at p as float32 (the rows' int8 scales).
+IMP_Q8_ZMM inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // The nibble bytes [4 k][16 rows][4] of a group's block as 8 vectors of 16 rows x 4 weights: w[k] the low
@@ -155,7 +161,7 @@ struct IQ4_XSx16 {
     return _mm512_shuffle_epi8(table, _mm512_and_si512(k < 4 ? p : _mm512_srli_epi16(p, 4), _mm512_set1_epi8(15)));
   }
   IMP_Q8_ZMM static void scales(const uint8_t* g, int j, __m512& D, __m512& M) {
-    D = _mm512_mul_ps(f16x16(g + 2048), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 2080 + 16 * j)))));
+    D = _mm512_mul_ps(f16x16(g + 2048), i8x16(g + 2080 + 16 * j));
     M = _mm512_setzero_ps();
   }
 };
@@ -183,8 +189,7 @@ struct Q6_Kx16 {
   }
   // The d * sc of 16-weight block t (0..15) of the 16 rows.
   IMP_Q8_ZMM static __m512 scale(const uint8_t* g, int t) {
-    return _mm512_mul_ps(f16x16(g + 3328),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 3072 + 16 * t)))));
+    return _mm512_mul_ps(f16x16(g + 3328), i8x16(g + 3072 + 16 * t));
   }
 };
 
