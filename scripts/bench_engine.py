@@ -3,6 +3,7 @@
     python scripts/bench_engine.py [--batches 1 8 32] [--prompt-len 128] [--output-len 128]
                                    [--dtype auto|float32|bfloat16] [--kv-cache-dtype auto|bfloat16] [--out FILE]
                                    [--async-scheduling auto|on|off ...] [--prompts text|random] [--repeats N]
+                                   [--speculative on|off]
 
 Each workload runs N concurrent sequences (prompt ~prompt-len tokens, exactly output-len
 tokens with ignore_eos); 'steps' counts the engine steps it took (fewer than prefill + output-len
@@ -225,6 +226,8 @@ def main() -> int:
     ap.add_argument("--prompts", choices=("text", "random"), default="text",
                     help="text: one English sentence repeated (n-gram speculation accepts several tokens a step); "
                     "random: token ids as scripts/bench_serving.py sends them")
+    ap.add_argument("--speculative", choices=("on", "off"), default="on",
+                    help="the engine's n-gram speculation (off: one token a decode step, as llama-bench's tg128)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each batch (and mode), interleaved; "
                     "the summary gives medians")
     ap.add_argument("--out", default="bench_results/engine.json")
@@ -240,7 +243,8 @@ def main() -> int:
                                      max_model_len=max(args.prompt_len, args.long_context) + args.output_len + 16,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                      dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention=args.attention,
-                                     gemm=args.gemm, async_scheduling=args.async_scheduling[0]),
+                                     gemm=args.gemm, async_scheduling=args.async_scheduling[0],
+                                     speculative=args.speculative),
                         progress=lambda phase, frac: phases.setdefault(phase, time.perf_counter() - t0))
     startup = time.perf_counter() - t0
     bw = measure_bandwidth()
@@ -307,7 +311,7 @@ def main() -> int:
                       f"decode step {1e3 * med('decode_step_s'):.2f} ms, "
                       f"host work {1e3 * med('host_work_per_step_s'):.2f} ms/step ({len(es)} runs)")
     if args.long_context:
-        results["long_context"] = dict(bench_engine(core, 1, args.long_context, args.output_len),
+        results["long_context"] = dict(bench_engine(core, 1, args.long_context, args.output_len, args.prompts),
                                        context=args.long_context)
         print(f"one stream after a {args.long_context}-token prompt: "
               f"{results['long_context']['output_tok_s']:.1f} tok/s, decode step "

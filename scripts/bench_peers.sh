@@ -14,10 +14,10 @@
 # quantize: the formats people download, made by llama-quantize from the default SmolLM2 GGUF (its Q4_1
 #        weights, dequantised: --allow-requantize) into $PEERS_DIR/models: SmolLM2-135M-Instruct.Q4_K_M.gguf
 #        .Q6_K.gguf and .IQ4_XS.gguf; prints their paths. Serve or benchmark one with MODEL=<path> ... run.
-# run:   time to /ready (cold: empty caches; warm) for both servers, llama-bench tg128/pp512 beside
-#        imp_jax's batch-1 numbers (scripts/bench_engine.py), then ROUNDS rounds of scripts/bench_serving.py,
+# run:   time to /ready (cold: empty caches; warm) for both servers, ROUNDS rounds of scripts/bench_serving.py,
 #        each against llama-server and then imp_jax (every IMP_GEMMS mode) at the same concurrency levels
-#        with unique prompts, so a shared machine's load drifts over both alike; writes
+#        with unique prompts, so a shared machine's load drifts over both alike, then ROUNDS rounds of
+#        batch 1: llama-bench's tg128/pp512, then imp_jax's (scripts/bench_engine.py, wall clock); writes
 #        bench_results/peers/*.json (serving_*.cC.rN.json per round) and prints the table for docs/PERF.md
 #        (scripts/peers_table.py: medians over the rounds, with their spread).
 #
@@ -180,11 +180,7 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
     log "model $gguf; EOS ids banned: $BAN; load average $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "{\"date\": \"$(date -u '+%Y-%m-%d %H:%M UTC')\", \"commit\": \"$(git rev-parse --short HEAD)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"nproc\": $(nproc), \"loadavg_start\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"model\": \"$gguf\", \"llama_cpp_python\": \"$LLAMA_VERSION\", \"llama_isa\": \"$ISA_TAG\", \"threads\": $THREADS, \"input_len\": $INPUT_LEN, \"output_len\": $OUTPUT_LEN, \"rounds\": $ROUNDS, \"imp_gemms\": \"$IMP_GEMMS\"}" >"$OUT_DIR/run.json"
 
-    # llama.cpp: llama-bench, then the server's cold start (its first: it keeps no caches)
-    log "llama-bench pp512 / tg128, $THREADS threads"
-    # tg128 from an empty context (depth 0) and after 512 tokens (depth 512): imp_jax's batch-1 decode
-    # step is measured at the matching contexts (64, the middle of 0..128, and 512)
-    "$BIN_DIR/llama-bench" -m "$gguf" -t "$THREADS" -p 512 -n 128 -d 0,512 -r 3 -o json >"$OUT_DIR/llama_bench.json"
+    # llama.cpp: the server's cold start (its first: it keeps no caches)
     local lurl="http://127.0.0.1:$PORT_LLAMA"
     local lcmd=("$BIN_DIR/llama-server" -m "$gguf" -t "$THREADS" -c "$CTX" -np "$NP" --host 127.0.0.1 --port "$PORT_LLAMA")
     time_to_ready llama_cold "$lurl/health" "$OUT_DIR/llama_server_cold.log" "${lcmd[@]}"
@@ -218,15 +214,20 @@ print(' '.join(map(str, sorted(ids))))" "$gguf")
             stop_server
         done
     done
-    for gemm in $IMP_GEMMS; do
-        suffix=$([[ "$gemm" == auto ]] && echo "" || echo "_$gemm")
-        log "imp_jax batch-1, --gemm $gemm (bench_engine: prompt 512, 128 tokens)"
-        IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 512 \
-            --output-len 128 --max-num-batched-tokens 512 --no-transformers --gemm "$gemm" \
-            --out "$OUT_DIR/imp_engine$suffix.json" >&2
-        IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 64 \
-            --output-len 32 --max-num-batched-tokens 512 --no-transformers --gemm "$gemm" \
-            --out "$OUT_DIR/imp_engine${suffix}_short.json" >&2
+    # batch 1, llama-bench then imp_jax in each round (the VM's speed drifts: both sides meet it alike):
+    # pp512 and tg128 from an empty context and after 512 tokens; imp_jax's tg128 is the wall clock of its
+    # decode steps, one token each (speculation off, as llama-bench), after a 16-token and a 512-token prompt
+    for ((round = 1; round <= ROUNDS; round++)); do
+        log "batch 1, round $round of $ROUNDS: llama-bench pp512 / tg128, $THREADS threads"
+        "$BIN_DIR/llama-bench" -m "$gguf" -t "$THREADS" -p 512 -n 128 -d 0,512 -r 1 -o json \
+            >"$OUT_DIR/llama_bench.r$round.json"
+        for gemm in $IMP_GEMMS; do
+            suffix=$([[ "$gemm" == auto ]] && echo "" || echo "_$gemm")
+            log "batch 1, round $round: imp_jax --gemm $gemm (bench_engine)"
+            IMP_JAX_HOME="$run_home" python scripts/bench_engine.py --model "$gguf" --batches 1 --prompt-len 16 \
+                --long-context 512 --output-len 128 --max-num-batched-tokens 512 --prompts random \
+                --speculative off --no-transformers --gemm "$gemm" --out "$OUT_DIR/imp_engine$suffix.r$round.json" >&2
+        done
     done
     [[ "${SKIP_COLD:-0}" == 1 ]] || rm -rf "$run_home"
     python -c "import json, sys; d = json.load(open(sys.argv[1])); d['loadavg_end'] = open('/proc/loadavg').read().split()[:3]; json.dump(d, open(sys.argv[1], 'w'))" "$OUT_DIR/run.json"

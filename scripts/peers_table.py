@@ -69,6 +69,43 @@ def level_row(out: Path, mode: str, c: int) -> str | None:
             f"{sum(x['failed'] for x in a)} / {sum(x['failed'] for x in b)} | {fmt(loads[0])} / {fmt(loads[1])} |")
 
 
+def llama_bench_ts(runs: list[Any], depth: int, prompt: bool) -> list[float]:
+    """llama-bench's t/s per round: its pp512 (`prompt`) or its tg128 after `depth` tokens."""
+    return [b["avg_ts"] for run in runs for b in run or []
+            if b.get("n_depth", 0) == depth and bool(b.get("n_prompt")) == prompt and bool(b.get("n_gen")) != prompt]
+
+
+def batch_one(out: Path, modes: list[str]) -> list[str]:
+    """The batch-1 rows: llama-bench and imp_jax's bench_engine.py, run in turn in each round
+    (`llama_bench.rN.json`, `imp_engine{mode}.rN.json`; a run from before rounds, `llama_bench.json`, reads as one
+    round). imp_jax's tg128 is the wall clock of its decode steps, one token each (speculation off), from a
+    16-token prompt and after a 512-token one; its pp512 is 512 / the 512-token prompt's time to first token."""
+    by_round = lambda prefix: [load(out / f"{prefix}.json")] + [   # noqa: E731
+        load(p) for p in sorted(out.glob(f"{prefix}.r*.json"), key=lambda p: int(p.name.rsplit(".r", 1)[1].split(".")[0]))]
+    llama_runs = [r for r in by_round("llama_bench") if r]
+    llama = {"pp512": llama_bench_ts(llama_runs, 0, True), "tg0": llama_bench_ts(llama_runs, 0, False),
+             "tg512": llama_bench_ts(llama_runs, 512, False)}
+    lines = ["", "| batch 1 | rounds (llama / imp) | llama-bench t/s | imp_jax t/s | ratio of medians |", "|---|---|---|---|---|"]
+    names = {"pp512": "pp512 (prompt)", "tg0": "tg128 from an empty context", "tg512": "tg128 after 512 tokens"}
+    for mode in modes:
+        runs = [r for r in by_round(f"imp_engine{mode}")[1:] if r and r.get("engine")]   # rounds only: an older
+        # run's imp_engine.json timed the device alone
+        imp = {"pp512": [512 / r["long_context"]["ttft_median_s"] for r in runs if r.get("long_context")],
+               "tg0": [1 / r["engine"][0]["decode_step_s"] for r in runs],
+               "tg512": [1 / r["long_context"]["decode_step_s"] for r in runs if r.get("long_context")]}
+        tag = f" `--gemm {mode[1:]}`" if mode else ""
+        for key, name in names.items():
+            a, b = llama[key], imp[key]
+            ratio = fmt(median(b) / median(a), ".2f") if a and b else "-"
+            lines.append(f"| {name}{tag} | {len(a)} / {len(b)} | {spread(a) if a else '-'} | {spread(b) if b else '-'} | "
+                         f"**{ratio}x** |")
+    return lines + ["", "Batch 1, in turn in each round: llama-bench `-p 512 -n 128 -d 0,512 -r 1`, then imp_jax's "
+                    "`scripts/bench_engine.py --batches 1 --prompt-len 16 --long-context 512 --output-len 128 "
+                    "--prompts random --speculative off`: its tg128 is 1 / the wall clock of a decode step (one token "
+                    "each) from a 16-token prompt and after a 512-token one, its pp512 512 / the 512-token prompt's "
+                    "time to first token."]
+
+
 def main(out_dir: str) -> int:
     out = Path(out_dir)
     run = load(out / "run.json") or {}
@@ -96,26 +133,7 @@ def main(out_dir: str) -> int:
               f"| llama-server | {fmt(ready_s(out, 'llama_cold'))} s | {fmt(ready_s(out, 'llama_warm'))} s |",
               f"| imp_jax | {fmt(ready_s(out, 'imp_cold'))} s | {fmt(ready_s(out, 'imp_warm'))} s |"]
     lines += [f"| imp_jax `--gemm {m[1:]}` | - s | {fmt(ready_s(out, f'imp_warm{m}'))} s |" for m in modes if m]
-    bench = load(out / "llama_bench.json") or []
-    at = lambda depth, **kw: next((b for b in bench if b.get("n_depth", 0) == depth   # noqa: E731
-                                   and all(bool(b.get(k)) == v for k, v in kw.items())), None)
-    pp, tg0, tg512 = at(0, n_prompt=True, n_gen=False), at(0, n_gen=True, n_prompt=False), at(512, n_gen=True, n_prompt=False)
-    lines += ["", "| batch 1 | llama-bench t/s | imp_jax t/s | ratio |", "|---|---|---|---|"]
-    ratio = lambda a, b: fmt(a and b and b / a, ".2f")   # noqa: E731
-    for mode in modes:
-        eng, short = load(out / f"imp_engine{mode}.json"), load(out / f"imp_engine{mode}_short.json")
-        e1 = eng["engine"][0] if eng else None
-        imp_pp = 512 / e1["ttft_median_s"] if e1 else None
-        imp_tg512 = 1000 / eng["decode_step_ms"] if eng else None
-        imp_tg0 = 1000 / short["decode_step_ms"] if short else None
-        tag = f" `--gemm {mode[1:]}`" if mode else ""
-        llama = lambda b: b and b["avg_ts"]   # noqa: E731
-        lines += [f"| pp512 (prompt){tag} | {fmt(llama(pp))} | {fmt(imp_pp)} | {ratio(llama(pp), imp_pp)}x |",
-                  f"| tg128 from an empty context{tag} | {fmt(llama(tg0))} | {fmt(imp_tg0)} | {ratio(llama(tg0), imp_tg0)}x |",
-                  f"| tg128 after 512 tokens{tag} | {fmt(llama(tg512))} | {fmt(imp_tg512)} | {ratio(llama(tg512), imp_tg512)}x |"]
-    lines += ["", "imp_jax's pp512 is 512 / its median TTFT of a 512-token prompt, and its tg128 1000 / its batch-1 "
-              "decode step (ms) in `scripts/bench_engine.py --batches 1` at a 64-token context (the middle of "
-              "llama-bench's 0..128) and at a 512-token one; llama-bench's are its own (`-p 512 -n 128 -d 0,512 -r 3`)."]
+    lines += batch_one(out, modes)
     print("\n".join(lines))
     (out / "table.md").write_text("\n".join(lines) + "\n")
     return 0

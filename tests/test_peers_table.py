@@ -65,3 +65,32 @@ def test_a_run_without_rounds_reads_as_one_round(tmp_path: Path) -> None:
 
 def test_bench_peers_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "bench_peers.sh")]).returncode == 0
+
+
+def test_batch_one_rows_are_medians_of_rounds_on_the_wall_clock(tmp_path: Path) -> None:
+    """llama-bench and bench_engine.py run in turn per round: each batch-1 cell is a median over the rounds, and
+    imp_jax's tg128 is 1 / its decode steps' wall clock (an older run's imp_engine.json, which timed the device
+    alone, is not read)."""
+    def llama_bench(pp: float, tg0: float, tg512: float) -> list[dict]:
+        return [{"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": pp},
+                {"n_prompt": 0, "n_gen": 128, "n_depth": 0, "avg_ts": tg0},
+                {"n_prompt": 0, "n_gen": 128, "n_depth": 512, "avg_ts": tg512}]
+
+    def engine(step_ms: float, step512_ms: float, ttft512_s: float) -> dict:
+        return {"decode_step_ms": 1.0, "engine": [{"decode_step_s": step_ms / 1e3}],
+                "long_context": {"decode_step_s": step512_ms / 1e3, "ttft_median_s": ttft512_s}}
+
+    write(tmp_path, "serving_llama.c1.r1.json", serving(100.0))
+    write(tmp_path, "serving_imp.c1.r1.json", serving(40.0))
+    for r, (tg0, ms) in enumerate([(100.0, 10.0), (200.0, 8.0), (150.0, 5.0)], 1):
+        write(tmp_path, f"llama_bench.r{r}.json", llama_bench(500.0 * r, tg0, tg0 / 2))
+        write(tmp_path, f"imp_engine.r{r}.json", engine(ms, 2 * ms, 0.5))
+    write(tmp_path, "imp_engine.json", engine(1.0, 1.0, 0.1))   # ignored
+    lines = table(tmp_path)
+    [tg0] = [line for line in lines if line.startswith("| tg128 from an empty context |")]
+    assert [c.strip() for c in tg0.split("|")[1:-1]] == ["tg128 from an empty context", "3 / 3",
+                                                        "150.0 (100.0-200.0)", "125.0 (100.0-200.0)", "**0.83x**"]
+    [tg512] = [line for line in lines if line.startswith("| tg128 after 512 tokens |")]
+    assert "| 75.0 (50.0-100.0) | 62.5 (50.0-100.0) | **0.83x** |" in tg512
+    [pp] = [line for line in lines if line.startswith("| pp512 (prompt) |")]
+    assert "| 1000.0 (500.0-1500.0) | 1024.0 (1024.0-1024.0) | **1.02x** |" in pp
