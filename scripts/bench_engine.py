@@ -221,7 +221,7 @@ def main() -> int:
     ap.add_argument("--long-context", type=int, default=0,
                     help="also one stream decoding --output-len tokens after a prompt of this many (0: none)")
     ap.add_argument("--async-scheduling", nargs="+", choices=("auto", "on", "off"), default=["auto"],
-                    help="the engine's flag (auto: off on a CPU); several (on off) run each batch under each, "
+                    help="the engine's flag (auto: on); several (on off) run each batch under each, "
                     "interleaved")
     ap.add_argument("--prompts", choices=("text", "random"), default="text",
                     help="text: one English sentence repeated (n-gram speculation accepts several tokens a step); "
@@ -284,7 +284,7 @@ def main() -> int:
           f"{'step ms':>8} {'steps':>6} {'ceiling':>8} {'peak':>7} {'hf tok/s':>9} {'ratio':>6}")
     runs = [(b, mode) for b in args.batches for _ in range(args.repeats) for mode in args.async_scheduling]
     for b, mode in runs:
-        core.async_scheduling = overlaps_steps(mode, platform)
+        core.async_scheduling = overlaps_steps(mode)
         e = bench_engine(core, b, args.prompt_len, args.output_len, args.prompts)
         e["async_scheduling"] = mode
         e["ceiling_tok_s"] = ceiling_tok_s(core.loaded.model, b, args.prompt_len, args.output_len, gemm,

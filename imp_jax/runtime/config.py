@@ -19,10 +19,11 @@ def _field(default, help: str, choices: tuple[str, ...] | None = None):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-def overlaps_steps(async_scheduling: str, platform: str) -> bool:
-    """`--async-scheduling` on `platform`: `auto` is off on a CPU, where the host thread and the step share the
-    cores (PERF.md, "Issue 41 item 3 on Q4_K_M"), and on for an accelerator."""
-    return async_scheduling == "on" or (async_scheduling == "auto" and platform != "cpu")
+def overlaps_steps(async_scheduling: str) -> bool:
+    """Whether `--async-scheduling` overlaps steps: `auto` does on every backend. On a CPU the host thread
+    shares the cores with the step, and still the overlap wins at 1-32 rows there (PERF.md, "Asynchronous
+    scheduling on a CPU too")."""
+    return async_scheduling != "off"
 
 
 @dataclasses.dataclass
@@ -108,8 +109,8 @@ class EngineConfig:
     async_scheduling: str = dataclasses.field(default="auto", metadata={"choices": ("auto", "on", "off"), "help": (
         "on: launch step N+1 before reading step N's tokens, so the device never waits for the host in "
         "steady decode (grammar rows, think budgets, prompt_logprobs and multi-host fall back per step); "
-        "off: schedule, launch, read, one step at a time; auto: on for an accelerator, off on a CPU backend, "
-        "where the host's work would take cores from the step itself (docs/PERF.md)")})
+        "off: schedule, launch, read, one step at a time; auto (the default): on, on every backend, a CPU "
+        "included (docs/PERF.md)")})
     speculative: str = dataclasses.field(default="on", metadata={"choices": ("on", "off"), "help": (
         "on: decoding sequences draft tokens by n-gram lookup in their prompt and output and verify them "
         "in the same step (output unchanged; faster on text that repeats its input); off: plain decoding "
@@ -174,9 +175,9 @@ class EngineConfig:
         """The start-up adapters as (name, path)."""
         return [(name, path) for name, path in (spec.split("=", 1) for spec in self.lora)]
 
-    def async_scheduling_on(self, platform: str) -> bool:
-        """Whether steps overlap on `platform` (`overlaps_steps`)."""
-        return overlaps_steps(self.async_scheduling, platform)
+    def async_scheduling_on(self) -> bool:
+        """Whether steps overlap (`overlaps_steps`)."""
+        return overlaps_steps(self.async_scheduling)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)

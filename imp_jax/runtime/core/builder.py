@@ -143,9 +143,8 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
     log.info("KV cache: %d blocks of %d tokens, %s (%.0f MiB per device, %d device%s)", blocks, config.block_size,
              jnp.dtype(kv_dtype).name, 2 * kv[0].size * itemsize / 2**20 / n, n, "s" if n > 1 else "")
     core = EngineCore(loaded, config, kv, blocks, mesh)
-    auto = ": off on a CPU backend, on for an accelerator" if config.async_scheduling == "auto" else ""
-    log.info("asynchronous scheduling %s (--async-scheduling %s%s)", "on" if core.async_scheduling else "off",
-             config.async_scheduling, auto)
+    log.info("asynchronous scheduling %s (--async-scheduling %s)", "on" if core.async_scheduling else "off",
+             config.async_scheduling)
     attach_disk(core, replica)
     core.kv_pool_floored = floored
     core.step_fn.base_seed = config.seed

@@ -79,7 +79,7 @@ class EngineCore:
         self.scheduler.drafter = self._draft
         self.output = OutputStage(self.services, self.features, self.requests, self.sessions)
         self.num_steps, self._num_launched = 0, 0   # steps read back; launched (each one's sampler key)
-        self.async_scheduling = config.async_scheduling_on(mesh.devices.flat[0].platform)
+        self.async_scheduling = config.async_scheduling_on()
         self._inflight: _Launched | None = None   # asynchronous scheduling: the step launched, not yet read
         self._scheduled_nothing = False           # the last step had no chunks and nothing in flight to read
         self._fetched_at = 0.0    # when the host last read a step (perf_counter)
