@@ -80,7 +80,7 @@ def hf_logits(hf_model, ids: Sequence[int]) -> np.ndarray:
 
 def tiny_engine(path, num_blocks: int):
     """An EngineCore on the tiny float32 model at `path` (max_model_len 128, 8 sequences, 32 tokens a step,
-    blocks of 16, asynchronous scheduling on: the accelerators' default, off on a CPU unless asked), warmed up,
+    blocks of 16, asynchronous scheduling on: the default), warmed up,
     and the same model in transformers."""
     import transformers
 
