@@ -25,11 +25,12 @@ from imp_jax.runtime.request import SamplingParams  # noqa: E402
 @pytest.fixture(scope="module")
 def engines(vlm):  # noqa: F811
     """(causal engine, bidirectional engine with a budget of 256, the same with 128: images then run whole in
-    chunks of their own)."""
+    chunks of their own; its steps run one at a time, so that the test can count them: overlapped, a sequence's
+    last step is followed by one more, launched before its end was read)."""
     causal = build_engine(config(vlm[0], 256))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Idefics3Family, "bidirectional", True)
-        yield causal, build_engine(config(vlm[0], 256)), build_engine(config(vlm[0], 128))
+        yield causal, build_engine(config(vlm[0], 256)), build_engine(config(vlm[0], 128, async_scheduling="off"))
 
 
 def test_images_in_chunks_of_their_own_equal_one_chunk(engines):
