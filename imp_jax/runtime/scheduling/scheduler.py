@@ -76,6 +76,8 @@ class Scheduler:
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
         self.swapper: Swapper | None = None   # the host KV tier, when there is one
         self.held: list[Sequence] = []         # cut to nothing by an atomic span, not run since: they go first
+        # the token counts a step program is compiled for (the engine's buckets); a step is padded to the next
+        self.step_sizes: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -167,7 +169,7 @@ class Scheduler:
                 chunks += pair
                 budget -= sum(c.num_tokens for c in pair)
                 continue
-            n = self._fit(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget))
+            n = self._chunk(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget), budget)
             if n and self._grow(seq, n, scheduled):
                 chunks.append(ScheduledChunk(seq, n))
                 scheduled.add(seq.seq_id)
@@ -229,7 +231,7 @@ class Scheduler:
         if needed > self.pool.num_free_blocks - self.reserved_blocks():
             return 0
         cached = self.pool.cached_tokens(ids, salt)
-        n = self._fit(seq, cached, min(len(ids) - cached, budget))
+        n = self._chunk(seq, cached, min(len(ids) - cached, budget), budget)
         if not n or not self.pool.allocate(seq.table, ids, cached + n, salt):  # one lookup: takes the hits
             return 0
         seq.num_computed = seq.table.num_cached_tokens
@@ -246,7 +248,7 @@ class Scheduler:
         pool = self.pool
         if pool.num_blocks_for(seq.num_tokens) > pool.num_free_blocks - self.reserved_blocks():
             return 0
-        n = self._fit(seq, saved, min(seq.num_tokens - saved, budget))
+        n = self._chunk(seq, saved, min(seq.num_tokens - saved, budget), budget)
         if not n or not pool.allocate(seq.table, (), saved + n):
             return 0
         self.swapper.swap_in(seq)
@@ -254,6 +256,19 @@ class Scheduler:
         pool.commit(seq.table, seq.all_ids[:saved], seq.cache_key)   # its full blocks join the prefix cache
         self._start(seq, now)
         return n
+
+    def _chunk(self, seq: Sequence, start: int, n: int, budget: int) -> int:
+        """A prefill chunk of `n` tokens from `start` (`_fit`), first cut back to end the step at a compiled
+        step size when the step would otherwise pass that size by fewer tokens than its padding to the
+        next: 8 decodes and a 128-token prompt run as 128 tokens now and 16 next step, not as 256 rows
+        of which 120 are padding. Not into an atomic span (that would hold the sequence)."""
+        used = self.max_num_batched_tokens - budget
+        total = used + n
+        below = max((t for t in self.step_sizes if used < t < total), default=0)
+        above = min((t for t in self.step_sizes if t >= total), default=total)
+        if below and total - below < above - total and seq.chunk_fit(start, below - used) == below - used:
+            n = below - used
+        return self._fit(seq, start, n)
 
     def _fit(self, seq: Sequence, start: int, n: int) -> int:
         """`Sequence.chunk_fit`: n tokens from `start`, cut back before an atomic span; a sequence cut to
