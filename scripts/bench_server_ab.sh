@@ -4,7 +4,8 @@
 #   bash scripts/bench_server_ab.sh MODEL ROUNDS "FLAGS_A" "FLAGS_B" [DIR_A] [DIR_B]
 #
 # Each round starts server A, waits until every step program is compiled, runs scripts/bench_serving.py at
-# 1 / 8 / 32 streams (4 / 16 / 32 requests, 128-token prompts, 64 tokens out, EOS ids 0 and 2 banned), stops
+# each of LEVELS ("C:REQUESTS ...", default "1:4 8:16 32:32": 1 / 8 / 32 streams, 4 / 16 / 32 requests;
+# 128-token prompts, 64 tokens out, EOS ids 0 and 2 banned), stops
 # it, then does the same for B; the prompts' seed depends on the round and the level only, so A and B get the
 # same prompts within a round and fresh ones (no prefix-cache hits) in the next. DIR_A / DIR_B: checkouts
 # to run each server from (default: this one), e.g. a `git worktree` of the commit before a change.
@@ -15,6 +16,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL=$1 ROUNDS=$2 FLAGS_A=$3 FLAGS_B=$4 DIR_A=${5:-$ROOT} DIR_B=${6:-$ROOT}
 PORT=${PORT:-18191}
+LEVELS=${LEVELS:-1:4 8:16 32:32}
 OUT=${OUT_DIR:-$ROOT/bench_results/ab}
 mkdir -p "$OUT"
 pid=
@@ -40,8 +42,8 @@ for ((r = 1; r <= ROUNDS; r++)); do
             --port "$PORT" --max-num-seqs 32 $flags) >"$OUT/$v.server.log" 2>&1 &
         pid=$!
         ready $v
-        for level in "1 4" "8 16" "32 32"; do
-            read -r c n <<<"$level"
+        for level in $LEVELS; do
+            c=${level%%:*} n=${level##*:}
             line=$(python "$ROOT/scripts/bench_serving.py" --url "http://127.0.0.1:$PORT" --concurrency "$c" \
                 --requests "$n" --input-len 128 --output-len 64 --ban-tokens 0 2 --seed $((100 * r + c)) \
                 --out "$OUT/$v.c$c.r$r.json" | tail -1)

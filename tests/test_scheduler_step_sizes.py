@@ -1,7 +1,8 @@
 """Prefill chunks cut to the compiled step sizes (runtime/scheduling/scheduler.py `Scheduler._chunk`): a step is
 padded to the next size a step program was compiled for, so when a prompt would carry the step just past a size,
 the scheduler ends this step's chunk at that size and runs the rest next step, as long as that defers fewer
-tokens than the padding would have cost; never into an atomic span. Sequences are bare (no detokenizer)."""
+tokens than the padding would have cost; never into an atomic span. And drafts only in steps of at most
+--speculative-max-batch decoding sequences. Sequences are bare (no detokenizer)."""
 from __future__ import annotations
 
 import random
@@ -77,3 +78,26 @@ def test_a_cut_never_ends_inside_an_atomic_span() -> None:
     _decoding(s, 8)
     s.add(prompt := _seq(128, spans=((100, 125),)))   # cutting at 120 would split the span: whole
     assert [c.num_tokens for c in s.schedule() if c.seq is prompt] == [128]
+
+
+def test_drafts_only_in_steps_of_at_most_max_draft_batch_decoding_sequences() -> None:
+    """--speculative-max-batch: a step of more decoding sequences than the limit drafts nothing (its verify rows
+    would cost more than they save); at the limit, or with no limit (0), every decode gets its drafts."""
+    for limit, rows, drafted in ((2, 3, False), (2, 2, True), (0, 3, True)):
+        s = _scheduler([])
+        s.drafter = lambda seq, room: [5, 6]
+        s.max_draft_batch = limit
+        _decoding(s, rows)
+        chunks = s.schedule()
+        assert len(chunks) == rows
+        assert all(c.drafts == ((5, 6) if drafted else ()) for c in chunks), (limit, rows)
+
+
+def test_the_engine_flag_sets_the_limit_and_refuses_a_negative_one() -> None:
+    import pytest
+
+    from imp_jax.runtime.config import EngineConfig
+
+    assert EngineConfig().speculative_max_batch == 2
+    with pytest.raises(ValueError, match="--speculative-max-batch must be 0 or more, got -1"):
+        EngineConfig(speculative_max_batch=-1)

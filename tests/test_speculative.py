@@ -99,7 +99,8 @@ def tiny(_tiny_hf_template: Path):
 
     loaded = load_model(_tiny_hf_template, dtype="float32")
     config = EngineConfig(model=str(_tiny_hf_template), max_model_len=128, max_num_seqs=16,
-                          max_num_batched_tokens=32, block_size=16, num_kv_blocks=POOL, async_scheduling="on")
+                          max_num_batched_tokens=32, block_size=16, num_kv_blocks=POOL, async_scheduling="on",
+                          speculative_max_batch=0)   # batches of 4 draft too: what these tests check
     shape = loaded.model.kv_cache_shape(POOL, 16)
     core = EngineCore(loaded, config, (jnp.zeros(shape), jnp.zeros(shape)), POOL, default_mesh())
     core.step_fn.warm_up()
@@ -250,7 +251,7 @@ def smol(smollm2_loaded, smollm2_gguf_path: Path):
     from imp_jax.runtime.parallel.sharding import default_mesh
 
     config = EngineConfig(model=str(smollm2_gguf_path), max_model_len=256, max_num_seqs=8,
-                          max_num_batched_tokens=16, num_kv_blocks=96)
+                          max_num_batched_tokens=16, num_kv_blocks=96, speculative_max_batch=0)
     enable_compilation_cache(config)
     loaded = smollm2_loaded
     shape = loaded.model.kv_cache_shape(96, config.block_size)

@@ -26,6 +26,9 @@ def overlaps_steps(async_scheduling: str) -> bool:
     return async_scheduling != "off"
 
 
+SPEC_MAX_BATCH = 2   # --speculative-max-batch's default: docs/PERF.md, "Asynchronous scheduling on a CPU too"
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Engine settings; the server's flags mirror these fields one to one (`--max-num-seqs` ...)."""
@@ -116,6 +119,9 @@ class EngineConfig:
         "in the same step (output unchanged; faster on text that repeats its input); off: plain decoding "
         "unless a request sends speculative: true (docs/PERF.md)")})
     speculative_max_draft: int = _field(7, "the most tokens one sequence drafts per step (0..16)")
+    speculative_max_batch: int = _field(SPEC_MAX_BATCH, (
+        "draft only in steps of at most this many decoding sequences (0: no limit): in larger batches the "
+        "draft rows cost more than they save, and a drafting row stops the step overlap (docs/PERF.md)"))
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
     image_cache_rows: int = _field(
@@ -150,6 +156,8 @@ class EngineConfig:
                 raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
         if not 0 <= self.speculative_max_draft <= 16:
             raise ValueError(f"--speculative-max-draft must be in 0..16, got {self.speculative_max_draft}")
+        if self.speculative_max_batch < 0:
+            raise ValueError(f"--speculative-max-batch must be 0 or more, got {self.speculative_max_batch}")
         if self.image_cache_rows < 1:
             raise ValueError(f"--image-cache-rows must be >= 1, got {self.image_cache_rows}")
         if self.kv_disk_gib <= 0:

@@ -77,6 +77,7 @@ class EngineCore:
         self.features: list[Feature] = [f(self.services) for f in FEATURES]
         self.by_name = {f.name: f for f in self.features}
         self.scheduler.drafter = self._draft
+        self.scheduler.max_draft_batch = config.speculative_max_batch
         self.scheduler.step_sizes = sorted({T for T, _, _ in self.step_fn.buckets})
         self.output = OutputStage(self.services, self.features, self.requests, self.sessions)
         self.num_steps, self._num_launched = 0, 0   # steps read back; launched (each one's sampler key)

@@ -74,6 +74,7 @@ class Scheduler:
         # speculative decoding (runtime/decoding/speculative.py): a decoding sequence's drafts, at most the
         # given count; None: no drafting
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
+        self.max_draft_batch = 0   # draft only in steps of at most this many decoding sequences (0: any)
         self.swapper: Swapper | None = None   # the host KV tier, when there is one
         self.held: list[Sequence] = []         # cut to nothing by an atomic span, not run since: they go first
         # the token counts a step program is compiled for (the engine's buckets); a step is padded to the next
@@ -196,7 +197,11 @@ class Scheduler:
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
         """Give decode chunks drafts from what the step has left: tokens of the budget, and sampled
         rows (each draft takes one; the largest step samples `max_num_seqs` rows). Drafts never
-        take blocks from anyone: a sequence the pool cannot extend decodes plainly."""
+        take blocks from anyone: a sequence the pool cannot extend decodes plainly. None in a step
+        of more than `max_draft_batch` decoding sequences."""
+        decoding = sum(c.num_tokens == 1 for c in chunks)
+        if self.max_draft_batch and decoding > self.max_draft_batch:
+            return chunks
         rows = self.max_num_seqs - len(chunks)
         free = self.pool.num_free_blocks
         for i, c in enumerate(chunks):
