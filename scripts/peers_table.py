@@ -23,11 +23,15 @@ def load(path: Path) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def by_round(out: Path, name: str) -> list[Any]:
+    """`NAME.json` (a run from before rounds; None when absent), then every `NAME.rN.json` in round order."""
+    paths = sorted(out.glob(f"{name}.r*.json"), key=lambda p: int(p.name.rsplit(".r", 1)[1].split(".")[0]))
+    return [load(out / f"{name}.json")] + [load(p) for p in paths]
+
+
 def rounds(out: Path, prefix: str, c: int) -> list[dict[str, Any]]:
     """Every round's file of `prefix` at concurrency `c` (`PREFIX.cC.json`, `PREFIX.cC.rN.json`), in round order."""
-    paths = [out / f"{prefix}.c{c}.json"] + sorted(out.glob(f"{prefix}.c{c}.r*.json"),
-                                                  key=lambda p: int(p.name.rsplit(".r", 1)[1].split(".")[0]))
-    return [data for data in map(load, paths) if data]
+    return [data for data in by_round(out, f"{prefix}.c{c}") if data]
 
 
 def median(values: list[float | None]) -> float | None:
@@ -48,8 +52,7 @@ def spread(values: list[float]) -> str:
 
 def ready_s(out: Path, name: str) -> float | None:
     """The median time to ready of `name` over the rounds (`ready_NAME.json`, `ready_NAME.rN.json`)."""
-    files = [out / f"ready_{name}.json", *out.glob(f"ready_{name}.r*.json")]
-    return median([(load(p) or {}).get("ready_s") for p in files])
+    return median([(data or {}).get("ready_s") for data in by_round(out, f"ready_{name}")])
 
 
 def level_row(out: Path, mode: str, c: int) -> str | None:
@@ -80,15 +83,13 @@ def batch_one(out: Path, modes: list[str]) -> list[str]:
     (`llama_bench.rN.json`, `imp_engine{mode}.rN.json`; a run from before rounds, `llama_bench.json`, reads as one
     round). imp_jax's tg128 is the wall clock of its decode steps, one token each (speculation off), from a
     16-token prompt and after a 512-token one; its pp512 is 512 / the 512-token prompt's time to first token."""
-    by_round = lambda prefix: [load(out / f"{prefix}.json")] + [   # noqa: E731
-        load(p) for p in sorted(out.glob(f"{prefix}.r*.json"), key=lambda p: int(p.name.rsplit(".r", 1)[1].split(".")[0]))]
-    llama_runs = [r for r in by_round("llama_bench") if r]
+    llama_runs = [r for r in by_round(out, "llama_bench") if r]
     llama = {"pp512": llama_bench_ts(llama_runs, 0, True), "tg0": llama_bench_ts(llama_runs, 0, False),
              "tg512": llama_bench_ts(llama_runs, 512, False)}
     lines = ["", "| batch 1 | rounds (llama / imp) | llama-bench t/s | imp_jax t/s | ratio of medians |", "|---|---|---|---|---|"]
     names = {"pp512": "pp512 (prompt)", "tg0": "tg128 from an empty context", "tg512": "tg128 after 512 tokens"}
     for mode in modes:
-        runs = [r for r in by_round(f"imp_engine{mode}")[1:] if r and r.get("engine")]   # rounds only: an older
+        runs = [r for r in by_round(out, f"imp_engine{mode}")[1:] if r and r.get("engine")]   # rounds only: an older
         # run's imp_engine.json timed the device alone
         imp = {"pp512": [512 / r["long_context"]["ttft_median_s"] for r in runs if r.get("long_context")],
                "tg0": [1 / r["engine"][0]["decode_step_s"] for r in runs],

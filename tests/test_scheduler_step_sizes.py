@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from imp_jax.runtime.config import EngineConfig
 from imp_jax.runtime.execution.step import step_buckets
 from imp_jax.runtime.kv.kv_blocks import KVBlockPool
 from imp_jax.runtime.request import GenerationRequest, SamplingParams
@@ -94,10 +97,6 @@ def test_drafts_only_in_steps_of_at_most_max_draft_batch_decoding_sequences() ->
 
 
 def test_the_engine_flag_sets_the_limit_and_refuses_a_negative_one() -> None:
-    import pytest
-
-    from imp_jax.runtime.config import EngineConfig
-
     assert EngineConfig().speculative_max_batch == 2
     with pytest.raises(ValueError, match="--speculative-max-batch must be 0 or more, got -1"):
         EngineConfig(speculative_max_batch=-1)

@@ -26,9 +26,6 @@ def overlaps_steps(async_scheduling: str) -> bool:
     return async_scheduling != "off"
 
 
-SPEC_MAX_BATCH = 2   # --speculative-max-batch's default: docs/PERF.md, "Asynchronous scheduling on a CPU too"
-
-
 @dataclasses.dataclass
 class EngineConfig:
     """Engine settings; the server's flags mirror these fields one to one (`--max-num-seqs` ...)."""
@@ -119,9 +116,10 @@ class EngineConfig:
         "in the same step (output unchanged; faster on text that repeats its input); off: plain decoding "
         "unless a request sends speculative: true (docs/PERF.md)")})
     speculative_max_draft: int = _field(7, "the most tokens one sequence drafts per step (0..16)")
-    speculative_max_batch: int = _field(SPEC_MAX_BATCH, (
+    speculative_max_batch: int = _field(2, (
         "draft only in steps of at most this many decoding sequences (0: no limit): in larger batches the "
-        "draft rows cost more than they save, and a drafting row stops the step overlap (docs/PERF.md)"))
+        "draft rows cost more than they save, and a drafting row stops the step overlap (docs/PERF.md, "
+        "\"Asynchronous scheduling on a CPU too\")"))
     process_id: int = _field(0, "this process's rank with --coordinator: 0 serves HTTP and schedules, "
                              "the others run its steps")
     image_cache_rows: int = _field(

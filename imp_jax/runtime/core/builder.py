@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from imp_jax.errors import ImpError, ModelLoadError
-from imp_jax.kernels_pallas import kv_storage_dtype, select_tested_kernels
+from imp_jax.kernels_pallas import kv_storage_dtype, select_kernels, select_tested_kernels
 from imp_jax.kernels_pallas.cpu import build as cpu_kernels
 from imp_jax.model.lora import LoraOptions
 from imp_jax.model.base import ModelOptions, default_layer_loop
@@ -107,15 +107,14 @@ def _build_on(config: EngineConfig, progress: Progress, background_compile: bool
         if fit is not None:
             quantized = fit.choice
             log.info("quantised GGUF matrices: %s (--quantized-weights auto): %s", fit.choice, fit.why)
-    kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
-                                    quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
-    if config.kv_cache_dtype == "auto" and kernels.gemm == "cpu_q8" and kv_dtype == jnp.float32:
+    choice = dict(attention=config.attention, gemm=config.gemm, quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
+    if (config.kv_cache_dtype == "auto" and kv_dtype == jnp.float32
+            and select_kernels(device, shape, **choice).gemm == "cpu_q8"):
         kv_dtype = jnp.dtype(jnp.bfloat16)   # llama.cpp's arithmetic, its 16-bit cache too (the reads halve)
         shape = dataclasses.replace(shape, cache_dtype=kv_storage_dtype(kv_dtype, platform))
-        kernels = select_tested_kernels(device, shape, attention=config.attention, gemm=config.gemm,
-                                        quantized=quantized, ggml_blocks=ckpt.ggml_blocks)
         log.info("KV cache: bfloat16 (--kv-cache-dtype auto under --gemm cpu_q8, as llama.cpp keeps a 16-bit "
                  "cache; --kv-cache-dtype float32 keeps the model's)")
+    kernels = select_tested_kernels(device, shape, **choice)   # self-tested once, on the cache it will read
     log.info("kernels on %s: %s", getattr(device, "device_kind", platform), kernels.describe())
     options = ModelOptions(dtype, config.layer_loop or default_layer_loop(platform), kernels, n)
     loaded = served_vision(build_model(ckpt, options, config.model_class))
